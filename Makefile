@@ -1,0 +1,43 @@
+# pipeflow developer entry points. Everything runs from a project-local venv that is
+# (re)built on demand whenever pyproject.toml changes, so `make run` and `make test`
+# work on a fresh clone. torch is pinned only in pyproject.toml; pip's configured
+# find-links supplies the offline CPU wheel.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+ARGS   ?=
+PYTEST_ARGS ?=
+
+.PHONY: all install run test bench clean distclean
+
+all: test
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -e '.[dev]'
+	touch $@
+
+# The main job: simulate the default schedule; ARGS are Hydra overrides,
+# e.g. make run ARGS="schedule=gpipe pipeline.microbatches=16".
+run: $(STAMP)
+	$(BIN)/pipeflow-simulate $(ARGS)
+
+# pytest exits 5 when it collects no tests; that is not a failure here.
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS) || { rc=$$?; [ $$rc -eq 5 ] || exit $$rc; }
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.bench_simulator
+
+# Caches and build leftovers; run outputs under outputs/ are results and stay.
+clean:
+	rm -rf build dist *.egg-info .pytest_cache
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+
+# Also drop the venv (the next make rebuilds it).
+distclean: clean
+	rm -rf $(VENV)

@@ -1,0 +1,28 @@
+"""Planning: cost models, and (elsewhere in this package) partitioners, mapping and planners (torch-free)."""
+
+from .cost import AnalyticCost, CostModel, UnitCost, build_cost_model
+from .transformer import (
+    TransformerSpec,
+    embedding_params,
+    head_forward_flops,
+    head_params,
+    layer_forward_flops,
+    layer_linear_flops,
+    layer_params,
+    total_params,
+)
+
+__all__ = [
+    "AnalyticCost",
+    "CostModel",
+    "TransformerSpec",
+    "UnitCost",
+    "build_cost_model",
+    "embedding_params",
+    "head_forward_flops",
+    "head_params",
+    "layer_forward_flops",
+    "layer_linear_flops",
+    "layer_params",
+    "total_params",
+]

@@ -1,0 +1,433 @@
+"""Cost models: how long each action takes and how many bytes it moves and keeps.
+
+The simulator asks a :class:`CostModel` for compute times (per action kind, stage,
+sequence segment and device), message sizes between stages, activation memory and
+gradient sizes; the topology turns bytes into transfer and all-reduce times.
+
+- :class:`UnitCost`: fixed times, the textbook setting (F = 1, B = 2) in which bubble
+  formulas are stated; what schedule tests and pictures use.
+- :class:`AnalyticCost`: times from a FLOP count of a GPT/BERT transformer
+  (:mod:`pipeflow.planning.transformer`) at a fraction of the device's peak, and memory
+  from Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+  Transformer Models").
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from abc import ABC, abstractmethod
+from typing import Mapping, Sequence
+
+from ..topology.topology import Device
+from .transformer import (
+    TransformerSpec,
+    embedding_params,
+    head_forward_flops,
+    head_params,
+    layer_forward_flops,
+    layer_linear_flops,
+    layer_params,
+)
+
+KINDS = ("F", "B", "I", "W", "S")
+
+
+class CostModel(ABC):
+    name: str
+    num_stages: int
+    # When set, every message takes exactly this long and occupies no link: the cost
+    # model's own time unit (unit costs are abstract, so a topology's seconds would not
+    # mix with them). None means messages are priced by the topology's links.
+    message_time: float | None = None
+
+    @abstractmethod
+    def compute_time(self, kind: str, stage: int, segment: int, device: Device) -> float:
+        """Seconds (or units) of action ``kind`` in F, B, I, W, S (S = the stage's optimizer step)."""
+
+    @abstractmethod
+    def message_bytes(self, src_stage: int, dst_stage: int, segment: int) -> float:
+        """Activation sent by F(src) to F(dst); the gradient sent back has the same size."""
+
+    @abstractmethod
+    def activation_bytes(self, stage: int, segment: int) -> float:
+        """What one forward keeps alive for its backward."""
+
+    @abstractmethod
+    def weight_residual_bytes(self, stage: int, segment: int) -> float:
+        """Of that, what stays alive after I until W (zero-bubble split)."""
+
+    @abstractmethod
+    def param_bytes(self, stage: int) -> float:
+        """Gradient bytes a REDUCE all-reduces."""
+
+    def model_state_bytes(self, stage: int) -> float:
+        """Weights, gradients and optimizer state a stage holds for the whole run (0 if not modelled)."""
+        return 0.0
+
+    @abstractmethod
+    def describe(self) -> dict: ...
+
+    def _bad_kind(self, kind: str) -> ValueError:
+        return ValueError(
+            f"cost model '{self.name}' has no compute time for action kind {kind!r}; kinds: {', '.join(KINDS)} "
+            f"(REDUCE time comes from the topology's all-reduce of param_bytes)"
+        )
+
+
+def _check_number(key: str, value, minimum: float = 0.0, strict: bool = False) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value > minimum if strict else value >= minimum)
+    if not ok:
+        raise ValueError(f"{key}={value!r}: must be a number {'>' if strict else '>='} {minimum}")
+    return float(value)
+
+
+def _check_int(key: str, value, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{key}={value!r}: must be a whole number >= {minimum}")
+    return value
+
+
+class UnitCost(CostModel):
+    """The same fixed cost for every stage, segment and device.
+
+    F -> forward, B -> backward, W -> weight, I -> backward - weight, S -> step;
+    activation_bytes = activation, weight_residual_bytes = residual * activation,
+    message_bytes = message, param_bytes = params. ``comm`` (if not None) is the time
+    of every message; otherwise ``message`` bytes travel over the topology.
+    """
+
+    name = "unit"
+
+    def __init__(
+        self,
+        num_stages: int,
+        forward: float = 1.0,
+        backward: float = 2.0,
+        weight: float = 1.0,
+        step: float = 0.0,
+        activation: float = 1.0,
+        message: float = 0.0,
+        residual: float = 0.0,
+        params: float = 0.0,
+        comm: float | None = None,
+    ) -> None:
+        self.num_stages = _check_int("pipeline.stages", num_stages)
+        # comm: time of one message in the same units as forward/backward; None sends
+        # ``message`` bytes over the topology's links instead
+        self.message_time = None if comm is None else _check_number("cost.comm", comm)
+        self.forward = _check_number("cost.forward", forward)
+        self.backward = _check_number("cost.backward", backward)
+        self.weight = _check_number("cost.weight", weight)
+        self.step = _check_number("cost.step", step)
+        self.activation = _check_number("cost.activation", activation)
+        self.message = _check_number("cost.message", message)
+        self.residual = _check_number("cost.residual", residual)
+        self.params = _check_number("cost.params", params)
+        if self.weight > self.backward:
+            raise ValueError(
+                f"cost.weight={weight}: the weight-gradient part of the backward cannot exceed the whole "
+                f"backward (cost.backward={backward}); use cost.weight <= cost.backward"
+            )
+        if self.residual > 1:
+            raise ValueError(
+                f"cost.residual={residual}: it is the fraction of a forward's activations kept from I until W; "
+                f"use a number in [0, 1]"
+            )
+        self._time = {
+            "F": self.forward,
+            "B": self.backward,
+            "W": self.weight,
+            "I": self.backward - self.weight,
+            "S": self.step,
+        }
+
+    def compute_time(self, kind: str, stage: int, segment: int, device: Device) -> float:
+        try:
+            return self._time[kind]
+        except KeyError:
+            raise self._bad_kind(kind) from None
+
+    def message_bytes(self, src_stage: int, dst_stage: int, segment: int) -> float:
+        return self.message
+
+    def activation_bytes(self, stage: int, segment: int) -> float:
+        return self.activation
+
+    def weight_residual_bytes(self, stage: int, segment: int) -> float:
+        return self.residual * self.activation
+
+    def param_bytes(self, stage: int) -> float:
+        return self.params
+
+    def describe(self) -> dict:
+        return {
+            "name": self.name,
+            "num_stages": self.num_stages,
+            "forward": self.forward,
+            "backward": self.backward,
+            "weight": self.weight,
+            "step": self.step,
+            "activation": self.activation,
+            "message": self.message,
+            "residual": self.residual,
+            "params": self.params,
+            "comm": self.message_time,
+        }
+
+
+def uniform_layers(n_layer: int, num_stages: int) -> list[int]:
+    """Layers per stage as even as possible; the first stages take the remainder
+    (the last stage already carries the LM head)."""
+    base, extra = divmod(n_layer, num_stages)
+    return [base + (1 if s < extra else 0) for s in range(num_stages)]
+
+
+class AnalyticCost(CostModel):
+    """Times from transformer FLOPs, memory from Korthikanti et al. 2022.
+
+    Stage s holds ``layers_per_stage[s]`` blocks; the embedding sits on stage 0, the
+    final LayerNorm and the LM head on the last stage. A microbatch of
+    ``microbatch_size`` sequences may be cut into sequence segments (Seq1F1B):
+    segment i has ``segment_lengths[i]`` tokens and a prefix ending with it.
+
+    compute time = FLOPs * microbatch_size / (device.peak_flops * efficiency).
+    The optimizer step is memory-bound: mixed-precision Adam reads and writes the fp32
+    master weight and both moments (24 B/param), reads the fp32 gradient (4 B) and
+    writes the 16-bit weight copy, at device.memory_bandwidth (0 when that is unknown).
+    """
+
+    name = "analytic"
+
+    def __init__(
+        self,
+        spec: TransformerSpec,
+        num_stages: int,
+        microbatch_size: int = 1,
+        efficiency: float = 0.5,
+        dtype_bytes: int = 2,
+        layers_per_stage: Sequence[int] | None = None,
+        segment_lengths: Sequence[int] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.num_stages = _check_int("pipeline.stages", num_stages)
+        self.microbatch_size = _check_int("microbatch_size", microbatch_size)
+        self.efficiency = _check_number("cost.efficiency", efficiency, 0.0, strict=True)
+        if self.efficiency > 1:
+            raise ValueError(
+                f"cost.efficiency={efficiency}: the fraction of peak FLOP/s reached; use a number in (0, 1]"
+            )
+        if dtype_bytes not in (1, 2, 4) or isinstance(dtype_bytes, bool):
+            raise ValueError(
+                f"cost.dtype_bytes={dtype_bytes!r}: bytes per activation/weight element; allowed values: 1, 2, 4"
+            )
+        self.dtype_bytes = dtype_bytes
+
+        L = spec.n_layer
+        if num_stages > L:
+            raise ValueError(
+                f"pipeline.stages={num_stages}: model '{spec.name}' has {L} layers, so at most {L} stages"
+            )
+        if layers_per_stage is None:
+            layers = uniform_layers(L, num_stages)
+        else:
+            layers = list(layers_per_stage)
+            if (
+                len(layers) != num_stages
+                or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in layers)
+                or sum(layers) != L
+            ):
+                raise ValueError(
+                    f"cost.layers_per_stage={layers}: needs {num_stages} whole numbers >= 1 "
+                    f"(one per stage, pipeline.stages={num_stages}) adding up to model.n_layer={L}"
+                )
+        self.layers_per_stage = tuple(layers)
+
+        if segment_lengths is None:
+            segs = [spec.seq_len]
+        else:
+            segs = list(segment_lengths)
+            if (
+                not segs
+                or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in segs)
+                or sum(segs) != spec.seq_len
+            ):
+                raise ValueError(
+                    f"cost.segment_lengths={segs}: needs whole numbers >= 1 adding up to model.seq_len={spec.seq_len}"
+                )
+        if len(segs) > 1 and not spec.causal:
+            raise ValueError(
+                f"cost.segment_lengths={segs}: sequence segments need causal attention, and model '{spec.name}' "
+                f"is not causal (BERT attends both ways); use one segment"
+            )
+        self.segment_lengths = tuple(segs)
+        self.prefixes = tuple(sum(segs[: i + 1]) for i in range(len(segs)))
+
+        self._build_tables()
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.segment_lengths)
+
+    def _build_tables(self) -> None:
+        """FLOPs and bytes per (stage, segment), computed once: the simulator asks per action."""
+        spec, b, dt = self.spec, self.microbatch_size, self.dtype_bytes
+        H, Fw, V, h = spec.n_embd, spec.ffn_width, spec.vocab_size, spec.n_head
+        last = self.num_stages - 1
+        split = self.num_segments > 1
+        fwd, wgt, act, res = [], [], [], []
+        for s, n in enumerate(self.layers_per_stage):
+            f_row, w_row, a_row, r_row = [], [], [], []
+            for x, P in zip(self.segment_lengths, self.prefixes):
+                f = n * layer_forward_flops(spec, x, P)
+                w = n * layer_linear_flops(spec, x)
+                # Korthikanti et al., per layer, no recomputation: 16-bit tensors
+                # (LayerNorm, QKV, Q/K/V, projection and FFN inputs) 8H + 2Fw per token, 1-byte
+                # dropout masks 2H per token, and per head and query-key pair the softmax output,
+                # its dropout mask and output. At 2 bytes and Fw = 4H: 34*x*b*H + 5*b*h*x*P.
+                a = n * (x * b * ((8 * H + 2 * Fw) * dt + 2 * H) + h * x * P * b * (2 * dt + 1))
+                # what W still needs after I: each weight matmul's input and output gradient,
+                # (3H + Fw) + (5H + Fw) per token — the zero-bubble paper's 32*b*s*H at 2 bytes
+                r = n * (8 * H + 2 * Fw) * x * b * dt
+                if split:
+                    # the gradient of this segment's K and V that later segments' backwards
+                    # accumulate until this segment's own backward runs (Seq1F1B)
+                    a += n * 2 * x * b * H * dt
+                if s == 0:
+                    a += x * b * H  # embedding dropout mask
+                    r += x * b * H * dt  # the embedding's gradient needs its output gradient
+                if s == last:
+                    hf = head_forward_flops(spec, x)
+                    f += hf
+                    w += hf
+                    # final LayerNorm and head inputs, and the logits, kept in fp32 for the loss
+                    a += 2 * x * b * H * dt + 4 * x * b * V
+                    r += (H + V) * x * b * dt
+                f_row.append(f * b)
+                w_row.append(w * b)
+                a_row.append(float(a))
+                r_row.append(float(r))
+            fwd.append(f_row)
+            wgt.append(w_row)
+            act.append(a_row)
+            res.append(r_row)
+        self._flops = {
+            "F": fwd,
+            "B": [[2 * f for f in row] for row in fwd],
+            "W": wgt,
+            "I": [[2 * f - w for f, w in zip(fr, wr)] for fr, wr in zip(fwd, wgt)],
+        }
+        self._activation = act
+        self._residual = res
+        self._params = [self.stage_params(s) for s in range(self.num_stages)]
+
+    # ---------------------------------------------------------------- queries
+
+    def stage_params(self, stage: int) -> int:
+        spec = self.spec
+        n = self.layers_per_stage[stage] * layer_params(spec)
+        if stage == 0:
+            n += embedding_params(spec)
+        if stage == self.num_stages - 1:
+            n += head_params(spec)
+            if stage == 0:  # one stage: the tied head is the embedding itself
+                n -= spec.vocab_size * spec.n_embd
+        return n
+
+    def flops(self, kind: str, stage: int, segment: int) -> float:
+        """FLOPs of one action for the whole microbatch (F, B, I or W)."""
+        if kind not in self._flops:
+            raise self._bad_kind(kind)
+        return self._flops[kind][stage][self._seg(segment)]
+
+    def compute_time(self, kind: str, stage: int, segment: int, device: Device) -> float:
+        if kind == "S":
+            if device.memory_bandwidth <= 0:
+                return 0.0
+            per_param = 28 + (self.dtype_bytes if self.dtype_bytes < 4 else 0)
+            return self._params[stage] * per_param / device.memory_bandwidth
+        return self.flops(kind, stage, segment) / (device.peak_flops * self.efficiency)
+
+    def message_bytes(self, src_stage: int, dst_stage: int, segment: int) -> float:
+        x = self.segment_lengths[self._seg(segment)]
+        return float(self.microbatch_size * x * self.spec.n_embd * self.dtype_bytes)
+
+    def activation_bytes(self, stage: int, segment: int) -> float:
+        return self._activation[stage][self._seg(segment)]
+
+    def weight_residual_bytes(self, stage: int, segment: int) -> float:
+        return self._residual[stage][self._seg(segment)]
+
+    def param_bytes(self, stage: int) -> float:
+        return float(self._params[stage] * self.dtype_bytes)
+
+    def model_state_bytes(self, stage: int) -> float:
+        """Mixed-precision Adam: 16-bit weights, fp32 gradients, fp32 master weights and two
+        moments (18 B/param at 2 bytes); plain fp32 keeps no master copy (16 B/param)."""
+        per_param = self.dtype_bytes + 4 + (12 if self.dtype_bytes < 4 else 8)
+        return float(self._params[stage] * per_param)
+
+    def _seg(self, segment: int) -> int:
+        if not 0 <= segment < self.num_segments:
+            raise ValueError(
+                f"segment {segment} out of range: the cost model has {self.num_segments} sequence segment(s) "
+                f"(cost.segment_lengths={list(self.segment_lengths)})"
+            )
+        return segment
+
+    def describe(self) -> dict:
+        return {
+            "name": self.name,
+            "model": self.spec.name,
+            "num_stages": self.num_stages,
+            "layers_per_stage": list(self.layers_per_stage),
+            "segment_lengths": list(self.segment_lengths),
+            "microbatch_size": self.microbatch_size,
+            "efficiency": self.efficiency,
+            "dtype_bytes": self.dtype_bytes,
+            "stage_params": list(self._params),
+            "stage_forward_flops": [sum(row) for row in self._flops["F"]],
+        }
+
+
+# ------------------------------------------------------------------ config
+
+COST_MODELS = {"unit": UnitCost, "analytic": AnalyticCost}
+# filled from the run, not from the cost config
+_FROM_RUN = {"num_stages", "spec", "microbatch_size"}
+
+
+def cost_params(name: str) -> list[str]:
+    """Keys the ``cost`` config group may set for this model."""
+    sig = inspect.signature(COST_MODELS[name].__init__)
+    return [p for p in sig.parameters if p != "self" and p not in _FROM_RUN]
+
+
+def build_cost_model(
+    cfg: Mapping, num_stages: int, spec: TransformerSpec | None, microbatch_size: int
+) -> CostModel:
+    """The cost model the ``cost`` config group names; its other keys are that model's parameters
+    (keys set to null keep the default)."""
+    params = {k: v for k, v in dict(cfg).items() if v is not None}
+    name = params.pop("name", None)
+    if name not in COST_MODELS:
+        raise ValueError(f"cost.name={name}: unknown cost model; allowed values: {', '.join(COST_MODELS)}")
+    allowed = cost_params(name)
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        raise ValueError(
+            f"cost.{unknown[0]}: unknown key for cost model '{name}' "
+            f"(unknown: {', '.join(unknown)}); allowed keys: {', '.join(allowed)}"
+        )
+    if name == "unit":
+        return UnitCost(num_stages, **params)
+    if spec is None:
+        raise ValueError(
+            "cost.name=analytic needs the model's shape (model.n_layer, n_head, n_embd, vocab_size, seq_len); "
+            "pick a model config, or use cost.name=unit"
+        )
+    for key in ("layers_per_stage", "segment_lengths"):
+        if key in params and hasattr(params[key], "__iter__") and not isinstance(params[key], str):
+            params[key] = list(params[key])  # an OmegaConf ListConfig becomes a plain list of ints
+    return AnalyticCost(spec, num_stages, microbatch_size=microbatch_size, **params)

@@ -1,0 +1,76 @@
+"""Pieces every generator shares: size checks with errors that name the config key,
+and the synchronous tail (REDUCE for replicated stages, then STEP) that closes an
+iteration with a flush."""
+
+from __future__ import annotations
+
+from .ir import Action, Kind, Placement, Schedule, StageGraph, WeightPolicy
+
+
+class ScheduleConfigError(ValueError):
+    """Sizes a schedule cannot be built for. The message names the key and the allowed values."""
+
+
+def require(condition: bool, key: str, value, schedule: str, rule: str) -> None:
+    """Raise ScheduleConfigError("pipeline.stages=3: chimera needs ...") unless condition."""
+    if not condition:
+        raise ScheduleConfigError(f"{key}={value}: schedule '{schedule}' needs {rule}")
+
+
+def check_basic(name: str, stages: int, microbatches: int) -> None:
+    require(isinstance(stages, int) and stages >= 1, "pipeline.stages", stages, name, "a whole number of stages >= 1")
+    require(
+        isinstance(microbatches, int) and microbatches >= 1,
+        "pipeline.microbatches",
+        microbatches,
+        name,
+        "a whole number of microbatches >= 1",
+    )
+
+
+def finish_sync(
+    name: str,
+    graph: StageGraph,
+    placement: Placement,
+    orders: list[list[Action]],
+    microbatches: int,
+    pipe_of_microbatch: tuple[int, ...] = (),
+    num_segments: int = 1,
+    meta: dict | None = None,
+) -> Schedule:
+    """Close a synchronous iteration: after the last weight-gradient action of each
+    replicated stage on a device, issue its REDUCE (so the all-reduce overlaps the
+    remaining work, as Chimera does); then STEP every stage the device holds."""
+    replicated = placement.num_pipes > 1
+    out: list[list[Action]] = []
+    for dev, order in enumerate(orders):
+        last_wgrad: dict[tuple[int, int], int] = {}
+        for pos, a in enumerate(order):
+            if a.kind in Kind.WEIGHT_GRAD:
+                last_wgrad[(a.pipe, a.stage)] = pos
+        after: dict[int, list[Action]] = {}
+        if replicated:
+            for (pipe, stage), pos in last_wgrad.items():
+                after.setdefault(pos, []).append(Action(Kind.REDUCE, stage, -1, pipe, 0, 0))
+        new: list[Action] = []
+        for pos, a in enumerate(order):
+            new.append(a)
+            new.extend(after.get(pos, ()))
+        for pipe, stage in placement.stages_on(dev):
+            if replicated and (pipe, stage) not in last_wgrad:
+                # a replica that ran no microbatch still joins the collective
+                new.append(Action(Kind.REDUCE, stage, -1, pipe, 0, 0))
+        for pipe, stage in placement.stages_on(dev):
+            new.append(Action(Kind.STEP, stage, -1, pipe, 0, 0))
+        out.append(new)
+    return Schedule(
+        name=name,
+        graph=graph,
+        placement=placement,
+        orders=out,
+        num_microbatches=microbatches,
+        num_segments=num_segments,
+        policy=WeightPolicy.SYNC,
+        pipe_of_microbatch=pipe_of_microbatch,
+        meta=dict(meta or {}),
+    )

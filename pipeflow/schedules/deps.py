@@ -1,0 +1,95 @@
+"""Dependencies between actions, derived from the stage graph and placement, never listed.
+
+F(s, mb, seg)      needs F(p, mb, seg) for every predecessor p of s   (activation)
+                   and F(s, mb, seg-1)                                (earlier segment)
+B|I(s, mb, seg)    needs B|I(t, mb, seg) for every successor t of s   (gradient)
+                   and F(s, mb, seg), and B|I(s, mb, seg+1)           (segments in reverse)
+W(s, mb, seg)      needs I(s, mb, seg)
+REDUCE(s, j, k)    needs every weight-gradient action (B or W) of stage s on pipe j
+                   for the microbatches of update k
+STEP(s, j, k)      needs REDUCE(s, j, k) when the stage is replicated, else the same
+                   weight-gradient actions REDUCE would have needed.
+
+A dependency *carries a tensor* when it is an activation or a gradient between
+stages; on different devices that is a message, which the lowering pass turns into
+send/recv and the simulator into a transfer.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from .ir import Action, Kind, Schedule
+
+
+class Dep(NamedTuple):
+    action: Action
+    carries_tensor: bool  # activation (F->F) or gradient (B|I -> B|I) between stages
+
+
+class DepResolver:
+    """Answers "what does this action wait for" for one schedule.
+
+    Built once per schedule: an index of which actions exist, so a backward can be
+    matched to the B or the I that produced its successor's input gradient.
+    """
+
+    def __init__(self, schedule: Schedule):
+        self.schedule = schedule
+        self.graph = schedule.graph
+        self.nseg = schedule.num_segments
+        self.split = schedule.uses_split_backward()
+        self.replicated = schedule.placement.num_pipes > 1
+        self.has_reduce = any(a.kind == Kind.REDUCE for o in schedule.orders for a in o)
+        # weight-gradient producers per (stage, pipe, update) for REDUCE/STEP
+        self._wgrad: dict[tuple[int, int, int], list[Action]] = {}
+        self._backward_kind: dict[tuple[int, int, int], str] = {}
+        upd = schedule.update_of_microbatch
+        for order in schedule.orders:
+            for a in order:
+                k = a.kind
+                if k == Kind.B or k == Kind.W:
+                    key = (a.stage, a.pipe, upd[a.microbatch] if 0 <= a.microbatch < len(upd) else -1)
+                    self._wgrad.setdefault(key, []).append(a)
+                if k == Kind.B or k == Kind.I:
+                    self._backward_kind[(a.stage, a.microbatch, a.segment)] = k
+
+    def backward_of(self, stage: int, mb: int, pipe: int, seg: int) -> Action:
+        """The action producing the input gradient of (stage, mb, seg): its B or its I."""
+        kind = self._backward_kind.get((stage, mb, seg), Kind.I if self.split else Kind.B)
+        return Action(kind, stage, mb, pipe, seg)
+
+    def deps(self, a: Action) -> list[Dep]:
+        k = a.kind
+        s, mb, pipe, seg = a.stage, a.microbatch, a.pipe, a.segment
+        out: list[Dep] = []
+        if k == Kind.F:
+            for p in self.graph.preds[s]:
+                out.append(Dep(Action(Kind.F, p, mb, pipe, seg), True))
+            if seg > 0:
+                out.append(Dep(Action(Kind.F, s, mb, pipe, seg - 1), False))
+        elif k == Kind.B or k == Kind.I:
+            for t in self.graph.succs[s]:
+                out.append(Dep(self.backward_of(t, mb, pipe, seg), True))
+            out.append(Dep(Action(Kind.F, s, mb, pipe, seg), False))
+            if seg + 1 < self.nseg:
+                out.append(Dep(self.backward_of(s, mb, pipe, seg + 1), False))
+        elif k == Kind.W:
+            out.append(Dep(Action(Kind.I, s, mb, pipe, seg), False))
+        elif k == Kind.REDUCE:
+            for w in self._wgrad.get((s, pipe, a.version), ()):
+                out.append(Dep(w, False))
+        elif k == Kind.STEP:
+            if self.has_reduce and self.replicated:
+                out.append(Dep(Action(Kind.REDUCE, s, -1, pipe, 0, a.version), False))
+            else:
+                for w in self._wgrad.get((s, pipe, a.version), ()):
+                    out.append(Dep(w, False))
+        return out
+
+    def reduce_group(self, a: Action) -> list[Action]:
+        """All REDUCE actions that form one collective with ``a`` (same stage and update)."""
+        return [
+            Action(Kind.REDUCE, a.stage, -1, pipe, 0, a.version)
+            for pipe in range(self.schedule.placement.num_pipes)
+        ]

@@ -1,0 +1,69 @@
+"""Interleaved 1F1B (Narayanan et al., SC'21; Megatron's virtual pipeline).
+
+Each device r holds v model chunks; chunk c of device r is stage c*p + r of a chain of
+p*v stages, so a microbatch passes through every device v times. Microbatches move in
+groups of p: device r's k-th forward is chunk (k // p) % v of microbatch
+(k // (p*v))*p + k % p, and its k-th backward walks the chunks in reverse. Warm-up is
+2*(p-r-1) + (v-1)*p forwards, then one forward / one backward, then the drain.
+Bubble ratio with equal stages: (p-1)/(v*m+p-1), v times smaller than 1F1B's,
+paid for with v times more point-to-point messages. m must be a multiple of p.
+"""
+
+from __future__ import annotations
+
+from .common import check_basic, finish_sync, require
+from .ir import Action, Kind, Placement, Schedule, StageGraph
+
+
+def interleaved_1f1b(stages: int, microbatches: int, virtual_stages: int = 2) -> Schedule:
+    name = "interleaved_1f1b"
+    check_basic(name, stages, microbatches)
+    p, m, v = stages, microbatches, virtual_stages
+    require(isinstance(v, int) and v >= 1, "pipeline.virtual_stages", v, name, "a whole number of chunks per device >= 1")
+    require(
+        m % p == 0,
+        "pipeline.microbatches",
+        m,
+        name,
+        f"a multiple of pipeline.stages={p} (microbatches move through the chunks in groups of p): "
+        f"e.g. {p}, {2 * p}, {3 * p}",
+    )
+    total = m * v  # chunk-microbatch pairs per device
+
+    def chunk_mb(k: int, backward: bool) -> tuple[int, int]:
+        chunk = (k // p) % v
+        if backward:
+            chunk = v - 1 - chunk
+        return chunk, (k // (p * v)) * p + k % p
+
+    orders: list[list[Action]] = []
+    for r in range(p):
+        warmup = min(2 * (p - r - 1) + (v - 1) * p, total)
+        order: list[Action] = []
+
+        def fwd(k: int) -> None:
+            c, mb = chunk_mb(k, False)
+            order.append(Action(Kind.F, c * p + r, mb))
+
+        def bwd(k: int) -> None:
+            c, mb = chunk_mb(k, True)
+            order.append(Action(Kind.B, c * p + r, mb))
+
+        for k in range(warmup):
+            fwd(k)
+        for k in range(total - warmup):
+            fwd(warmup + k)
+            bwd(k)
+        for k in range(total - warmup, total):
+            bwd(k)
+        orders.append(order)
+
+    device_of_stage = [s % p for s in range(p * v)]
+    return finish_sync(
+        name,
+        StageGraph.chain(p * v),
+        Placement.single(device_of_stage, p),
+        orders,
+        m,
+        meta={"virtual_stages": v},
+    )

@@ -1,0 +1,326 @@
+"""The schedule IR: one data structure for every pipeline schedule.
+
+A :class:`Schedule` is, for each device, an ordered list of :class:`Action`. The same
+object is checked by the validator, timed by the simulator and executed by the runtime.
+Communication is never written here: :mod:`pipeflow.schedules.lowering` derives it from
+the :class:`StageGraph` and the :class:`Placement`.
+
+Notation (compact, printable, parsable; a superset of torch.distributed.pipelining's
+``0F3`` / ``1B2`` / ``2W1``)::
+
+    [pipe:]<stage><KIND><microbatch>[s<segment>]     compute: F, B, I, W
+    [pipe:]<stage><KIND>@<version>                   REDUCE (R) and STEP (S)
+
+``1:2F3s1`` is the forward of stage 2, microbatch 3, sequence segment 1, on pipeline
+replica 1. ``0:4R@0`` reduces stage 4's gradients for update 0; ``0:4S@0`` applies it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Iterable, Iterator, NamedTuple, Sequence
+
+
+class Kind:
+    """Action kinds. Plain one-letter strings: cheap to compare, print as themselves."""
+
+    F = "F"  # forward
+    B = "B"  # full backward (input and weight gradients together)
+    I = "I"  # backward for the input gradient only (zero-bubble split)  # noqa: E741
+    W = "W"  # backward for the weight gradient only (zero-bubble split)
+    REDUCE = "R"  # gradient reduction across the replicas of a stage
+    STEP = "S"  # optimizer update of a stage
+
+    COMPUTE = frozenset("FBIW")
+    BACKWARD = frozenset("BI")  # the actions that produce the input gradient
+    WEIGHT_GRAD = frozenset("BW")  # the actions that produce the weight gradient
+    ALL = frozenset("FBIWRS")
+
+
+class WeightPolicy(str, Enum):
+    """Which weight version each forward and backward sees.
+
+    sync: one update per iteration after a flush (GPipe, 1F1B, Chimera, ...).
+    stash: PipeDream; a backward uses the version its forward used.
+    none: PipeDream without stashing; a backward uses the current weights.
+    double_buffer: PipeDream-2BW; every microbatch is exactly one version stale.
+    bounded: AMDP; mismatch at most one update, only at window boundaries.
+    """
+
+    SYNC = "sync"
+    STASH = "stash"
+    NONE = "none"
+    DOUBLE_BUFFER = "double_buffer"
+    BOUNDED = "bounded"
+
+
+class Action(NamedTuple):
+    """One unit of work on one device.
+
+    For compute actions ``microbatch`` is the global microbatch id (unique across the
+    pipeline replicas) and ``version`` is -1. For REDUCE and STEP ``microbatch`` is -1
+    and ``version`` is the index of the weight update they belong to.
+    """
+
+    kind: str
+    stage: int
+    microbatch: int = -1
+    pipe: int = 0
+    segment: int = 0
+    version: int = -1
+
+    def __str__(self) -> str:
+        head = f"{self.pipe}:" if self.pipe else ""
+        if self.kind in Kind.COMPUTE:
+            tail = f"s{self.segment}" if self.segment else ""
+            return f"{head}{self.stage}{self.kind}{self.microbatch}{tail}"
+        return f"{head}{self.stage}{self.kind}@{self.version}"
+
+    __repr__ = __str__
+
+    @property
+    def is_compute(self) -> bool:
+        return self.kind in Kind.COMPUTE
+
+    @staticmethod
+    def parse(text: str) -> "Action":
+        """Inverse of ``str(action)``; raises ValueError naming the bad string."""
+        m = _ACTION_RE.fullmatch(text.strip())
+        if m is None:
+            raise ValueError(
+                f"cannot parse action {text!r}: expected [pipe:]<stage><F|B|I|W><mb>[s<seg>] "
+                f"or [pipe:]<stage><R|S>@<version>, e.g. '0F3', '1:2B0s1', '4S@0'"
+            )
+        pipe, stage, kind, mb, seg, version = m.groups()
+        pipe_i = int(pipe) if pipe else 0
+        if kind in Kind.COMPUTE:
+            if mb is None or version is not None:
+                raise ValueError(f"cannot parse action {text!r}: compute actions need a microbatch")
+            return Action(kind, int(stage), int(mb), pipe_i, int(seg) if seg else 0)
+        if version is None or mb is not None or seg is not None:
+            raise ValueError(f"cannot parse action {text!r}: R and S take '@<version>', e.g. '4R@0'")
+        return Action(kind, int(stage), -1, pipe_i, 0, int(version))
+
+
+_ACTION_RE = re.compile(r"(?:(\d+):)?(\d+)([FBIWRS])(?:(\d+)(?:s(\d+))?|@(\d+))")
+
+
+def F(stage: int, mb: int, pipe: int = 0, seg: int = 0) -> Action:
+    return Action(Kind.F, stage, mb, pipe, seg)
+
+
+def B(stage: int, mb: int, pipe: int = 0, seg: int = 0) -> Action:
+    return Action(Kind.B, stage, mb, pipe, seg)
+
+
+def I(stage: int, mb: int, pipe: int = 0, seg: int = 0) -> Action:  # noqa: E743
+    return Action(Kind.I, stage, mb, pipe, seg)
+
+
+def W(stage: int, mb: int, pipe: int = 0, seg: int = 0) -> Action:
+    return Action(Kind.W, stage, mb, pipe, seg)
+
+
+def REDUCE(stage: int, pipe: int = 0, version: int = 0) -> Action:
+    return Action(Kind.REDUCE, stage, -1, pipe, 0, version)
+
+
+def STEP(stage: int, pipe: int = 0, version: int = 0) -> Action:
+    return Action(Kind.STEP, stage, -1, pipe, 0, version)
+
+
+@dataclass(frozen=True)
+class StageGraph:
+    """The model as a DAG of stages; edges carry activations forward (src -> dst).
+
+    A GPT or BERT is a chain. A concurrent-branch model is two chains with interaction
+    edges between them and a join at the head; ``branch`` labels each stage.
+    Tensor sizes live in the cost model, which knows the model; the graph is structure.
+    """
+
+    num_stages: int
+    edges: tuple[tuple[int, int], ...]
+    branch: tuple[str, ...] = ()
+    preds: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
+    succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        n = self.num_stages
+        if n < 1:
+            raise ValueError(f"a stage graph needs at least one stage, got {n}")
+        preds: list[list[int]] = [[] for _ in range(n)]
+        succs: list[list[int]] = [[] for _ in range(n)]
+        for src, dst in self.edges:
+            if not (0 <= src < n and 0 <= dst < n) or src == dst:
+                raise ValueError(f"edge {src}->{dst} is not between two distinct stages of 0..{n - 1}")
+            succs[src].append(dst)
+            preds[dst].append(src)
+        object.__setattr__(self, "preds", tuple(tuple(p) for p in preds))
+        object.__setattr__(self, "succs", tuple(tuple(s) for s in succs))
+        if self.branch and len(self.branch) != n:
+            raise ValueError(f"branch labels: expected {n}, got {len(self.branch)}")
+        self.topological_order()  # raises on a cycle
+
+    @staticmethod
+    def chain(num_stages: int) -> "StageGraph":
+        return StageGraph(num_stages, tuple((i, i + 1) for i in range(num_stages - 1)))
+
+    @property
+    def is_chain(self) -> bool:
+        return self.edges == tuple((i, i + 1) for i in range(self.num_stages - 1))
+
+    @property
+    def sources(self) -> tuple[int, ...]:
+        return tuple(s for s in range(self.num_stages) if not self.preds[s])
+
+    @property
+    def sinks(self) -> tuple[int, ...]:
+        """Stages that compute the loss: their backward needs no incoming gradient."""
+        return tuple(s for s in range(self.num_stages) if not self.succs[s])
+
+    def topological_order(self) -> list[int]:
+        indeg = [len(p) for p in self.preds]
+        ready = [s for s in range(self.num_stages) if indeg[s] == 0]
+        order: list[int] = []
+        while ready:
+            s = ready.pop(0)
+            order.append(s)
+            for t in self.succs[s]:
+                indeg[t] -= 1
+                if indeg[t] == 0:
+                    ready.append(t)
+        if len(order) != self.num_stages:
+            raise ValueError("stage graph has a cycle")
+        return order
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which device holds each stage, per pipeline replica: ``table[pipe][stage]``.
+
+    One replica for GPipe/1F1B (interleaving puts several stages on a device); two in
+    opposite directions for Chimera; d/2 for AMDP.
+    """
+
+    num_devices: int
+    table: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        if not self.table:
+            raise ValueError("a placement needs at least one pipeline replica")
+        widths = {len(row) for row in self.table}
+        if len(widths) != 1:
+            raise ValueError("every pipeline replica must place the same number of stages")
+        for pipe, row in enumerate(self.table):
+            for stage, dev in enumerate(row):
+                if not 0 <= dev < self.num_devices:
+                    raise ValueError(
+                        f"pipe {pipe} places stage {stage} on device {dev}, "
+                        f"outside 0..{self.num_devices - 1}"
+                    )
+
+    @staticmethod
+    def single(device_of_stage: Sequence[int], num_devices: int | None = None) -> "Placement":
+        n = num_devices if num_devices is not None else max(device_of_stage) + 1
+        return Placement(n, (tuple(device_of_stage),))
+
+    @property
+    def num_pipes(self) -> int:
+        return len(self.table)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.table[0])
+
+    def device(self, pipe: int, stage: int) -> int:
+        return self.table[pipe][stage]
+
+    def stages_on(self, device: int) -> list[tuple[int, int]]:
+        """(pipe, stage) pairs held by a device, in pipe then stage order."""
+        return [(p, s) for p, row in enumerate(self.table) for s, d in enumerate(row) if d == device]
+
+    def replicas(self, stage: int) -> list[tuple[int, int]]:
+        """(pipe, device) for every replica of a stage."""
+        return [(p, row[stage]) for p, row in enumerate(self.table)]
+
+    def as_lists(self) -> list[list[int]]:
+        return [list(row) for row in self.table]
+
+
+@dataclass
+class Schedule:
+    """Per-device ordered action lists plus everything needed to interpret them.
+
+    ``pipe_of_microbatch[mb]`` says which replica runs microbatch ``mb``;
+    ``update_of_microbatch[mb]`` says which weight update its gradient feeds (all 0
+    for a synchronous iteration).
+    """
+
+    name: str
+    graph: StageGraph
+    placement: Placement
+    orders: list[list[Action]]
+    num_microbatches: int
+    num_segments: int = 1
+    policy: WeightPolicy = WeightPolicy.SYNC
+    pipe_of_microbatch: tuple[int, ...] = ()
+    update_of_microbatch: tuple[int, ...] = ()
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        m = self.num_microbatches
+        if not self.pipe_of_microbatch:
+            self.pipe_of_microbatch = (0,) * m
+        if not self.update_of_microbatch:
+            self.update_of_microbatch = (0,) * m
+        if len(self.orders) != self.placement.num_devices:
+            raise ValueError(
+                f"schedule {self.name!r} has orders for {len(self.orders)} devices, "
+                f"placement has {self.placement.num_devices}"
+            )
+        if self.placement.num_stages != self.graph.num_stages:
+            raise ValueError(
+                f"placement covers {self.placement.num_stages} stages, graph has {self.graph.num_stages}"
+            )
+
+    @property
+    def num_devices(self) -> int:
+        return self.placement.num_devices
+
+    @property
+    def num_stages(self) -> int:
+        return self.graph.num_stages
+
+    def actions(self) -> Iterator[tuple[int, int, Action]]:
+        """(device, position, action) for every action."""
+        for dev, order in enumerate(self.orders):
+            for pos, act in enumerate(order):
+                yield dev, pos, act
+
+    def compute_orders(self) -> list[list[Action]]:
+        return [[a for a in order if a.kind in Kind.COMPUTE] for order in self.orders]
+
+    def uses_split_backward(self) -> bool:
+        return any(a.kind == Kind.I for order in self.orders for a in order)
+
+    def format(self, width: int = 6) -> str:
+        """Human-readable grid, one row per device."""
+        lines = []
+        for dev, order in enumerate(self.orders):
+            cells = " ".join(f"{str(a):<{width}}" for a in order)
+            lines.append(f"d{dev:<3}| {cells}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return (
+            f"Schedule({self.name}: {self.num_stages} stages on {self.num_devices} devices, "
+            f"{self.placement.num_pipes} pipe(s), {self.num_microbatches} microbatches, "
+            f"{self.num_segments} segment(s), policy={self.policy.value})"
+        )
+
+
+def parse_orders(rows: Iterable[Iterable[str]]) -> list[list[Action]]:
+    """Parse per-device rows of action strings (e.g. from a CSV)."""
+    return [[Action.parse(cell) for cell in row if cell.strip()] for row in rows]

@@ -1,0 +1,87 @@
+"""Lowering: derive communication from the stage graph and the placement.
+
+Schedule authors write compute only. For every dependency that carries a tensor
+(activation F -> F, gradient B|I -> B|I) between two devices, this pass inserts a
+SEND right after the producing action on the producer's device and a RECV right
+before the consuming action on the consumer's device. Each message gets a tag that is
+unique within the schedule, so a runtime can match sends and receives by tag even when
+two devices exchange messages in different orders (Chimera's two directions do).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Union
+
+from .deps import DepResolver
+from .ir import Action, Kind, Schedule
+
+
+class Comm(NamedTuple):
+    """One point-to-point message endpoint.
+
+    ``grad`` is False for an activation (sent by F(src_stage) to F(dst_stage)) and True
+    for the gradient flowing back (sent by the backward of dst_stage to the backward of
+    src_stage): src/dst always name the forward edge, so both directions of one edge
+    share them.
+    """
+
+    op: str  # "send" | "recv"
+    grad: bool
+    src_stage: int
+    dst_stage: int
+    microbatch: int
+    pipe: int
+    segment: int
+    peer: int  # the device on the other end
+    tag: int
+
+    def __str__(self) -> str:
+        what = "G" if self.grad else "A"
+        seg = f"s{self.segment}" if self.segment else ""
+        head = f"{self.pipe}:" if self.pipe else ""
+        arrow = "->" if self.op == "send" else "<-"
+        return f"{self.op.upper()}[{head}{what}{self.src_stage}.{self.dst_stage}:{self.microbatch}{seg} {arrow}d{self.peer}]"
+
+    __repr__ = __str__
+
+
+Item = Union[Action, Comm]
+
+
+def lower(schedule: Schedule, resolver: DepResolver | None = None) -> list[list[Item]]:
+    """Per-device lists of compute actions with their sends and receives inserted."""
+    res = resolver or DepResolver(schedule)
+    placement = schedule.placement
+    sends_after: dict[Action, list[Comm]] = {}
+    recvs_before: dict[Action, list[Comm]] = {}
+    tag = 0
+    for dev, _pos, a in schedule.actions():
+        if a.kind not in Kind.COMPUTE:
+            continue
+        for dep in res.deps(a):
+            if not dep.carries_tensor:
+                continue
+            p = dep.action
+            src_dev = placement.device(p.pipe, p.stage)
+            if src_dev == dev:
+                continue
+            grad = a.kind != Kind.F
+            # name the message by its forward edge (src_stage -> dst_stage)
+            edge = (p.stage, a.stage) if not grad else (a.stage, p.stage)
+            common = (grad, edge[0], edge[1], a.microbatch, a.pipe, a.segment)
+            sends_after.setdefault(p, []).append(Comm("send", *common, dev, tag))
+            recvs_before.setdefault(a, []).append(Comm("recv", *common, src_dev, tag))
+            tag += 1
+    out: list[list[Item]] = []
+    for order in schedule.orders:
+        items: list[Item] = []
+        for a in order:
+            items.extend(recvs_before.get(a, ()))
+            items.append(a)
+            items.extend(sends_after.get(a, ()))
+        out.append(items)
+    return out
+
+
+def message_count(lowered: list[list[Item]]) -> int:
+    return sum(1 for items in lowered for x in items if isinstance(x, Comm) and x.op == "send")

@@ -1,0 +1,34 @@
+"""1F1B (PipeDream-Flush / DAPPLE / Megatron): warm up, alternate, drain.
+
+Stage r runs min(p-r-1, m) warm-up forwards, then alternates one forward with one
+backward, then drains the remaining backwards. At most p microbatches are in flight on
+stage 0, against m for GPipe, at the same bubble ratio (p-1)/(m+p-1).
+"""
+
+from __future__ import annotations
+
+from .common import check_basic, finish_sync
+from .ir import Action, Kind, Placement, Schedule, StageGraph
+
+
+def one_f_one_b_order(rank: int, stages: int, microbatches: int, stage: int | None = None) -> list[Action]:
+    """The 1F1B order of one device holding one stage (``stage`` defaults to ``rank``)."""
+    s = rank if stage is None else stage
+    p, m = stages, microbatches
+    warmup = min(p - rank - 1, m)
+    order = [Action(Kind.F, s, mb) for mb in range(warmup)]
+    fwd, bwd = warmup, 0
+    while fwd < m:
+        order.append(Action(Kind.F, s, fwd))
+        fwd += 1
+        order.append(Action(Kind.B, s, bwd))
+        bwd += 1
+    order.extend(Action(Kind.B, s, mb) for mb in range(bwd, m))
+    return order
+
+
+def one_f_one_b(stages: int, microbatches: int) -> Schedule:
+    check_basic("1f1b", stages, microbatches)
+    p, m = stages, microbatches
+    orders = [one_f_one_b_order(r, p, m) for r in range(p)]
+    return finish_sync("1f1b", StageGraph.chain(p), Placement.single(range(p)), orders, m)

@@ -1,0 +1,91 @@
+"""Name -> generator. The one place the config's ``schedule.name`` is resolved.
+
+``build_schedule`` checks sizes (errors name the config key and the allowed values),
+generates, and validates, so nothing downstream ever sees a malformed schedule.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .common import ScheduleConfigError
+from .ir import Schedule
+from .validate import validate
+
+
+def _gpipe(stages, microbatches, virtual_stages, segments, **kw):
+    from .gpipe import gpipe
+
+    return gpipe(stages, microbatches, **kw)
+
+
+def _1f1b(stages, microbatches, virtual_stages, segments, **kw):
+    from .one_f_one_b import one_f_one_b
+
+    return one_f_one_b(stages, microbatches, **kw)
+
+
+def _interleaved(stages, microbatches, virtual_stages, segments, **kw):
+    from .interleaved import interleaved_1f1b
+
+    return interleaved_1f1b(stages, microbatches, virtual_stages, **kw)
+
+
+def _zb_h1(stages, microbatches, virtual_stages, segments, **kw):
+    from .zero_bubble import zb_h1
+
+    return zb_h1(stages, microbatches, **kw)
+
+
+def _chimera(stages, microbatches, virtual_stages, segments, **kw):
+    from .chimera import chimera
+
+    return chimera(stages, microbatches, **kw)
+
+
+GENERATORS: dict[str, Callable[..., Schedule]] = {
+    "gpipe": _gpipe,
+    "1f1b": _1f1b,
+    "interleaved_1f1b": _interleaved,
+    "zb_h1": _zb_h1,
+    "chimera": _chimera,
+}
+
+# which pipeline.* keys a schedule actually uses; others must stay at their neutral value
+USES_VIRTUAL_STAGES = {"interleaved_1f1b"}
+USES_SEGMENTS: set[str] = set()
+
+
+def schedule_names() -> list[str]:
+    return list(GENERATORS)
+
+
+def build_schedule(
+    name: str,
+    stages: int,
+    microbatches: int,
+    virtual_stages: int = 1,
+    segments: int = 1,
+    check: bool = True,
+    **params,
+) -> Schedule:
+    """Generate (and by default validate) the named schedule."""
+    if name not in GENERATORS:
+        raise ScheduleConfigError(
+            f"schedule.name={name}: unknown schedule; allowed values: {', '.join(GENERATORS)}"
+        )
+    if virtual_stages != 1 and name not in USES_VIRTUAL_STAGES:
+        raise ScheduleConfigError(
+            f"pipeline.virtual_stages={virtual_stages}: only {', '.join(sorted(USES_VIRTUAL_STAGES))} "
+            f"interleaves model chunks; schedule '{name}' needs pipeline.virtual_stages=1"
+        )
+    if segments != 1 and name not in USES_SEGMENTS:
+        raise ScheduleConfigError(
+            f"pipeline.segments={segments}: schedule '{name}' does not split sequences into segments; "
+            f"use pipeline.segments=1"
+            + (f" (segmented schedules: {', '.join(sorted(USES_SEGMENTS))})" if USES_SEGMENTS else "")
+        )
+    sched = GENERATORS[name](stages, microbatches, virtual_stages, segments, **params)
+    if check:
+        validate(sched)
+    return sched

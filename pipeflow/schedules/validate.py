@@ -1,0 +1,205 @@
+"""The validator: complete, placed where the placement says, dependency-respecting,
+deadlock-free. Every error names the actions at fault.
+
+The deadlock check is a zero-cost dry run: every device walks its list and runs its
+head action as soon as what it waits for has run. REDUCE is a collective: a device
+issues it and moves on (the reduction overlaps later work), and it completes once every
+replica has issued it. If the walk stops before every list is empty, the heads that are
+stuck are reported with what each waits for.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from .deps import DepResolver
+from .ir import Action, Kind, Schedule
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot be run as written. ``actions`` are the ones at fault."""
+
+    def __init__(self, message: str, actions: list[Action] | None = None):
+        super().__init__(message)
+        self.actions = list(actions or [])
+
+
+def _fmt(actions, limit: int = 8) -> str:
+    items = [str(a) for a in actions]
+    more = f" and {len(items) - limit} more" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more
+
+
+def check_complete(schedule: Schedule) -> None:
+    """Each (stage, microbatch, segment) has exactly one F and one backward (a B, or an
+    I and a W); each action sits on the device that holds its stage for its pipe."""
+    S, M, G = schedule.num_stages, schedule.num_microbatches, schedule.num_segments
+    placement = schedule.placement
+    pipe_of = schedule.pipe_of_microbatch
+    seen: Counter = Counter()
+    misplaced: list[str] = []
+    bad: list[str] = []
+    for dev, _pos, a in schedule.actions():
+        if a.kind not in Kind.ALL or not 0 <= a.stage < S or not 0 <= a.pipe < placement.num_pipes:
+            bad.append(f"{a} on device {dev}")
+            continue
+        if a.kind in Kind.COMPUTE:
+            if not (0 <= a.microbatch < M and 0 <= a.segment < G):
+                bad.append(f"{a} on device {dev}")
+                continue
+            if pipe_of[a.microbatch] != a.pipe:
+                misplaced.append(f"{a} (microbatch {a.microbatch} belongs to pipe {pipe_of[a.microbatch]})")
+                continue
+        want = placement.device(a.pipe, a.stage)
+        if want != dev:
+            misplaced.append(f"{a} on device {dev} (pipe {a.pipe} places stage {a.stage} on device {want})")
+        seen[a] += 1
+    if bad:
+        raise ScheduleError(
+            f"schedule {schedule.name!r}: actions out of range "
+            f"(stages 0..{S - 1}, microbatches 0..{M - 1}, segments 0..{G - 1}): {_fmt(bad)}"
+        )
+    if misplaced:
+        raise ScheduleError(f"schedule {schedule.name!r}: actions on the wrong device: {_fmt(misplaced)}")
+    dups = [a for a, n in seen.items() if n > 1]
+    if dups:
+        raise ScheduleError(f"schedule {schedule.name!r}: actions scheduled more than once: {_fmt(dups)}", dups)
+
+    missing: list[Action] = []
+    conflicting: list[Action] = []
+    for mb in range(M):
+        pipe = pipe_of[mb]
+        for s in range(S):
+            for g in range(G):
+                f = Action(Kind.F, s, mb, pipe, g)
+                b = Action(Kind.B, s, mb, pipe, g)
+                i = Action(Kind.I, s, mb, pipe, g)
+                w = Action(Kind.W, s, mb, pipe, g)
+                if f not in seen:
+                    missing.append(f)
+                has_b, has_i, has_w = b in seen, i in seen, w in seen
+                if has_b and (has_i or has_w):
+                    conflicting.append(b)
+                elif not has_b:
+                    if not has_i:
+                        missing.append(b if not has_w else i)
+                    if has_i and not has_w:
+                        missing.append(w)
+    if conflicting:
+        raise ScheduleError(
+            f"schedule {schedule.name!r}: both a full backward and an I/W split for {_fmt(conflicting)}",
+            conflicting,
+        )
+    if missing:
+        raise ScheduleError(f"schedule {schedule.name!r}: missing actions: {_fmt(missing)}", missing)
+
+    steps = {a for a in seen if a.kind == Kind.STEP}
+    if steps:
+        updates = sorted(set(schedule.update_of_microbatch))
+        want = {
+            Action(Kind.STEP, s, -1, p, 0, u)
+            for u in updates
+            for s in range(S)
+            for p in range(placement.num_pipes)
+        }
+        lacking = sorted(want - steps)
+        if lacking:
+            raise ScheduleError(f"schedule {schedule.name!r}: missing optimizer steps: {_fmt(lacking)}", lacking)
+        if placement.num_pipes > 1:
+            need_reduce = sorted(Action(Kind.REDUCE, a.stage, -1, a.pipe, 0, a.version) for a in want)
+            lacking = [a for a in need_reduce if a not in seen]
+            if lacking:
+                raise ScheduleError(
+                    f"schedule {schedule.name!r}: replicated stages step without reducing "
+                    f"their gradients; missing: {_fmt(lacking)}",
+                    lacking,
+                )
+
+
+def dry_run(schedule: Schedule, resolver: DepResolver | None = None) -> list[Action]:
+    """Run the schedule at zero cost; return the global completion order.
+
+    Raises ScheduleError naming the stuck head actions (and what each waits for) when
+    the schedule cannot run to completion.
+    """
+    res = resolver or DepResolver(schedule)
+    orders = schedule.orders
+    ndev = len(orders)
+    where: dict[Action, tuple[int, int]] = {}
+    for dev, order in enumerate(orders):
+        for pos, a in enumerate(order):
+            where[a] = (dev, pos)
+    deps_cache: list[list[list[Action]]] = [[[d.action for d in res.deps(a)] for a in order] for order in orders]
+    for dev, order in enumerate(orders):
+        for pos, a in enumerate(order):
+            for d in deps_cache[dev][pos]:
+                if d not in where:
+                    raise ScheduleError(
+                        f"schedule {schedule.name!r}: {a} on device {dev} depends on {d}, "
+                        f"which is not in the schedule",
+                        [a, d],
+                    )
+    done: set[Action] = set()
+    issued: Counter = Counter()  # REDUCE collectives: (stage, version) -> replicas issued
+    npipes = schedule.placement.num_pipes
+    pending_reduce: dict[tuple[int, int], list[Action]] = {}
+    ptr = [0] * ndev
+    completion: list[Action] = []
+    total = sum(len(o) for o in orders)
+    progress = True
+    while progress:
+        progress = False
+        for dev in range(ndev):
+            order = orders[dev]
+            p = ptr[dev]
+            while p < len(order):
+                a = order[p]
+                if any(d not in done for d in deps_cache[dev][p]):
+                    break
+                p += 1
+                progress = True
+                if a.kind == Kind.REDUCE and npipes > 1:
+                    key = (a.stage, a.version)
+                    issued[key] += 1
+                    pending_reduce.setdefault(key, []).append(a)
+                    if issued[key] == npipes:
+                        for r in pending_reduce.pop(key):
+                            done.add(r)
+                            completion.append(r)
+                else:
+                    done.add(a)
+                    completion.append(a)
+            ptr[dev] = p
+    if len(done) == total:
+        return completion
+
+    stuck: list[Action] = []
+    reasons: list[str] = []
+    for dev in range(ndev):
+        if ptr[dev] >= len(orders[dev]):
+            continue
+        a = orders[dev][ptr[dev]]
+        stuck.append(a)
+        waits = []
+        for d in deps_cache[dev][ptr[dev]]:
+            if d in done:
+                continue
+            ddev, dpos = where[d]
+            if ddev == dev and dpos > ptr[dev]:
+                waits.append(f"{d}, which comes later on the same device (position {dpos})")
+            else:
+                waits.append(f"{d} on device {ddev}")
+        if not waits and a.kind == Kind.REDUCE:
+            waits.append("the other replicas to issue the same reduction")
+        reasons.append(f"device {dev} at {a} (position {ptr[dev]}) waits for " + "; ".join(waits))
+    raise ScheduleError(
+        f"schedule {schedule.name!r} deadlocks after {len(done)} of {total} actions: " + " | ".join(reasons),
+        stuck,
+    )
+
+
+def validate(schedule: Schedule) -> Schedule:
+    """Raise ScheduleError unless the schedule is complete and runs to completion."""
+    check_complete(schedule)
+    dry_run(schedule)
+    return schedule

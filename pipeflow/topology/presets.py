@@ -1,0 +1,417 @@
+"""Named hardware presets: ``topology=<name>`` in the configs resolves here.
+
+Figures are public datasheet numbers (dense tensor-core FLOP/s at bf16/fp16, HBM size
+and bandwidth, NVLink / PCIe / InfiniBand / Ethernet line rates per direction);
+latencies are typical NCCL/gloo point-to-point figures, not datasheet values. Every
+preset parameter can be overridden from the config (``topology.nic_bandwidth=12.5e9``).
+
+Latency parameters are end to end for one hop (sender port to receiver port); each of
+the two port resources carries half of it, so a route's latency, the sum over its
+resources, comes out as the parameter.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Callable, Mapping
+
+from .topology import Device, Topology, TopologyBuilder
+
+GiB = 2**30
+
+# Dense FLOP/s at the 16-bit training dtype, memory and memory bandwidth, from the vendors' datasheets.
+DEVICES: dict[str, Device] = {
+    # NVIDIA A100 80GB SXM: 312 TFLOPS bf16 dense, 80 GB HBM2e at 2,039 GB/s
+    "a100-80g": Device("a100-80g", 312e12, 80 * GiB, 2.039e12),
+    # NVIDIA A100 80GB PCIe: same tensor cores, 1,935 GB/s HBM2e
+    "a100-80g-pcie": Device("a100-80g-pcie", 312e12, 80 * GiB, 1.935e12),
+    # NVIDIA V100 32GB SXM2: 125 TFLOPS fp16 tensor, 900 GB/s HBM2
+    "v100-32g": Device("v100-32g", 125e12, 32 * GiB, 900e9),
+    # NVIDIA H100 80GB SXM: 989 TFLOPS bf16 dense, 3.35 TB/s HBM3
+    "h100-80g": Device("h100-80g", 989e12, 80 * GiB, 3.35e12),
+    # one CPU rank of a laptop/workstation: a few cores of AVX2 FMA; a share of DDR bandwidth
+    "cpu": Device("cpu", 1e11, 8 * GiB, 2e10),
+}
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _number(key: str, value, minimum: float = 0.0, strict: bool = True) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value > minimum if strict else value >= minimum)
+    if not ok:
+        rel = ">" if strict else ">="
+        raise ValueError(f"topology.{key}={value!r}: must be a number {rel} {minimum}")
+    return float(value)
+
+
+def _count(key: str, value, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"topology.{key}={value!r}: must be a whole number >= {minimum}")
+    return value
+
+
+def _device(key: str, name) -> Device:
+    if name not in DEVICES:
+        raise ValueError(f"topology.{key}={name!r}: unknown device; allowed values: {', '.join(DEVICES)}")
+    return DEVICES[name]
+
+
+# ------------------------------------------------------------- wiring recipes
+
+
+def _switched_nodes(
+    name: str,
+    nodes: list[tuple[Device, int, str, float, float, bool]],
+    nic_kind: str,
+    nic_bandwidth: float,
+    nic_latency: float,
+    nics_per_node: list[int],
+) -> Topology:
+    """Nodes of GPUs with a fast fabric inside and NICs between nodes.
+
+    Each entry of ``nodes`` is (device, count, link kind, per-GPU bandwidth per
+    direction, hop latency, mesh). ``mesh=False`` is a switch (NVSwitch): one egress
+    and one ingress port per GPU, so everything a GPU sends shares its egress.
+    ``mesh=True`` is a direct all-to-all NVLink mesh (4-GPU boards without NVSwitch):
+    the GPU's links are split evenly among its peers, one directed link per pair.
+    Between nodes a transfer leaves through the source GPU's NIC egress and enters
+    through the destination GPU's NIC ingress (a non-blocking fabric in between);
+    with fewer NICs than GPUs, the GPUs of a node share them (oversubscribed).
+    """
+    devices: list[Device] = []
+    node_gpus: list[list[int]] = []
+    for n, (dev, count, *_rest) in enumerate(nodes):
+        node_gpus.append(list(range(len(devices), len(devices) + count)))
+        on_node = Device(dev.name, dev.peak_flops, dev.memory_bytes, dev.memory_bandwidth, node=n)
+        devices.extend([on_node] * count)
+    b = TopologyBuilder(name, devices)
+    one_nic_per_gpu = all(k == len(g) for k, g in zip(nics_per_node, node_gpus))
+
+    nic_of: dict[int, tuple[int, int]] = {}  # gpu -> (egress, ingress) NIC resources
+    if len(nodes) > 1:
+        for n, gpus in enumerate(node_gpus):
+            k = nics_per_node[n]
+            ports = []
+            for i in range(k):
+                label = str(gpus[i]) if one_nic_per_gpu else (f"node{n}" if k == 1 else f"node{n}.{i}")
+                ports.append(
+                    (
+                        b.resource(f"{nic_kind}-out[{label}]", nic_bandwidth, nic_latency / 2),
+                        b.resource(f"{nic_kind}-in[{label}]", nic_bandwidth, nic_latency / 2),
+                    )
+                )
+            for j, g in enumerate(gpus):
+                nic_of[g] = ports[j * k // len(gpus)]
+
+    for n, (dev, count, kind, bw, lat, mesh) in enumerate(nodes):
+        gpus = node_gpus[n]
+        if mesh:
+            peers = max(1, count - 1)
+            for s in gpus:
+                for t in gpus:
+                    if s != t:
+                        b.path(s, t, [b.resource(f"{kind}[{s}->{t}]", bw / peers, lat)])
+        else:
+            out = {g: b.resource(f"{kind}-out[{g}]", bw, lat / 2) for g in gpus}
+            inn = {g: b.resource(f"{kind}-in[{g}]", bw, lat / 2) for g in gpus}
+            for s in gpus:
+                for t in gpus:
+                    if s != t:
+                        b.path(s, t, [out[s], inn[t]])
+    for s in range(len(devices)):
+        for t in range(len(devices)):
+            if devices[s].node != devices[t].node:
+                b.path(s, t, [nic_of[s][0], nic_of[t][1]])
+    return b.build()
+
+
+# ------------------------------------------------------------------- presets
+
+
+def local_cpu(
+    num_devices: int = 2,
+    bandwidth: float = 5e9,
+    latency: float = 30e-6,
+    peak_flops: float = 1e11,
+    memory_bytes: float = 8 * GiB,
+    memory_bandwidth: float = 2e10,
+) -> Topology:
+    """N CPU ranks on one host, gloo over shared memory / loopback.
+
+    gloo moves a few GB/s per rank over loopback with tens of microseconds per message;
+    each rank gets its own send and receive port (its copy bandwidth), so one rank
+    talking to two others at once shares its port.
+    """
+    n = _count("num_devices", num_devices)
+    bw = _number("bandwidth", bandwidth)
+    lat = _number("latency", latency, strict=False)
+    dev = Device(
+        "cpu",
+        _number("peak_flops", peak_flops),
+        _number("memory_bytes", memory_bytes),
+        _number("memory_bandwidth", memory_bandwidth, strict=False),
+    )
+    b = TopologyBuilder("local_cpu", [dev] * n)
+    out = [b.resource(f"loopback-out[{i}]", bw, lat / 2) for i in range(n)]
+    inn = [b.resource(f"loopback-in[{i}]", bw, lat / 2) for i in range(n)]
+    for s in range(n):
+        for t in range(n):
+            if s != t:
+                b.path(s, t, [out[s], inn[t]])
+    return b.build()
+
+
+def cluster(
+    nodes: int = 2,
+    gpus_per_node: int = 8,
+    device: str = "a100-80g",
+    nvlink_bandwidth: float = 300e9,
+    nvlink_latency: float = 5e-6,
+    nic_bandwidth: float = 25e9,
+    nic_latency: float = 10e-6,
+    nics_per_node: int | None = None,
+) -> Topology:
+    """``nodes`` DGX-A100-like nodes: NVSwitch inside, InfiniBand between.
+
+    A100 NVLink 3: 12 links x 25 GB/s = 300 GB/s per direction per GPU, all through
+    NVSwitch. HDR InfiniBand: 200 Gb/s = 25 GB/s per direction, one NIC per GPU as in
+    a DGX A100 (``nics_per_node`` < ``gpus_per_node`` makes GPUs share NICs).
+    """
+    return _cluster(
+        "cluster",
+        nodes,
+        gpus_per_node,
+        device,
+        nvlink_bandwidth,
+        nvlink_latency,
+        nic_bandwidth,
+        nic_latency,
+        nics_per_node,
+    )
+
+
+def _cluster(
+    name: str,
+    nodes: int,
+    gpus_per_node: int,
+    device: str,
+    nvlink_bandwidth: float,
+    nvlink_latency: float,
+    nic_bandwidth: float,
+    nic_latency: float,
+    nics_per_node: int | None = None,
+) -> Topology:
+    """The cluster recipe under a preset's own name (dgx_a100_8, two_node_ib reuse it)."""
+    nodes = _count("nodes", nodes)
+    gpn = _count("gpus_per_node", gpus_per_node)
+    nics = gpn if nics_per_node is None else _count("nics_per_node", nics_per_node)
+    if nics > gpn:
+        raise ValueError(
+            f"topology.nics_per_node={nics}: at most one NIC per GPU is modelled (topology.gpus_per_node={gpn})"
+        )
+    dev = _device("device", device)
+    bw = _number("nvlink_bandwidth", nvlink_bandwidth)
+    lat = _number("nvlink_latency", nvlink_latency, strict=False)
+    return _switched_nodes(
+        name,
+        [(dev, gpn, "nvlink", bw, lat, False)] * nodes,
+        "ib",
+        _number("nic_bandwidth", nic_bandwidth),
+        _number("nic_latency", nic_latency, strict=False),
+        [nics] * nodes,
+    )
+
+
+def dgx_a100_8(nvlink_bandwidth: float = 300e9, nvlink_latency: float = 5e-6) -> Topology:
+    """One DGX A100: 8 x A100-80GB SXM on NVSwitch (300 GB/s per direction per GPU)."""
+    return _cluster("dgx_a100_8", 1, 8, "a100-80g", nvlink_bandwidth, nvlink_latency, 25e9, 10e-6)
+
+
+def two_node_ib(
+    nvlink_bandwidth: float = 300e9,
+    nvlink_latency: float = 5e-6,
+    nic_bandwidth: float = 25e9,
+    nic_latency: float = 10e-6,
+) -> Topology:
+    """Two DGX A100 nodes, one 200 Gb/s HDR InfiniBand NIC per GPU between them."""
+    return _cluster("two_node_ib", 2, 8, "a100-80g", nvlink_bandwidth, nvlink_latency, nic_bandwidth, nic_latency)
+
+
+def pcie_8(
+    switches: int = 2,
+    gpus_per_switch: int = 4,
+    device: str = "a100-80g-pcie",
+    pcie_bandwidth: float = 25e9,
+    pcie_latency: float = 10e-6,
+    uplink_bandwidth: float = 12e9,
+    uplink_latency: float = 10e-6,
+) -> Topology:
+    """8 PCIe GPUs behind two PCIe Gen4 switches of 4, no NVLink.
+
+    Gen4 x16 is 32 GB/s per direction on paper, about 25 GB/s in practice, per GPU.
+    GPUs under the same switch talk peer to peer through it; across switches traffic
+    climbs through the host (root complex, possibly the socket interconnect), which
+    gives about half that, and all of a switch's outbound traffic shares one uplink per
+    direction.
+    """
+    sw = _count("switches", switches)
+    gps = _count("gpus_per_switch", gpus_per_switch)
+    dev = _device("device", device)
+    bw = _number("pcie_bandwidth", pcie_bandwidth)
+    lat = _number("pcie_latency", pcie_latency, strict=False)
+    ubw = _number("uplink_bandwidth", uplink_bandwidth)
+    ulat = _number("uplink_latency", uplink_latency, strict=False)
+    n = sw * gps
+    b = TopologyBuilder("pcie_8", [dev] * n)
+    out = [b.resource(f"pcie-out[{g}]", bw, lat / 2) for g in range(n)]
+    inn = [b.resource(f"pcie-in[{g}]", bw, lat / 2) for g in range(n)]
+    up_out = [b.resource(f"pcie-uplink-out[sw{k}]", ubw, ulat / 2) for k in range(sw)]
+    up_in = [b.resource(f"pcie-uplink-in[sw{k}]", ubw, ulat / 2) for k in range(sw)]
+    for s in range(n):
+        for t in range(n):
+            if s == t:
+                continue
+            if s // gps == t // gps:
+                b.path(s, t, [out[s], inn[t]])
+            else:
+                b.path(s, t, [out[s], up_out[s // gps], up_in[t // gps], inn[t]])
+    return b.build()
+
+
+def heterogeneous(
+    a100s: int = 4,
+    v100s: int = 4,
+    a100_nvlink_bandwidth: float = 300e9,
+    v100_nvlink_bandwidth: float = 150e9,
+    nvlink_latency: float = 5e-6,
+    eth_bandwidth: float = 12.5e9,
+    eth_latency: float = 30e-6,
+) -> Topology:
+    """Two unlike nodes: node 0 = A100-80GB, node 1 = V100-32GB, over 100 Gb/s Ethernet.
+
+    Inside each node the GPUs form a direct NVLink mesh (4-GPU HGX A100 and 4-GPU V100
+    SXM2 boards have no NVSwitch): A100 has 300 GB/s per direction, V100 150 GB/s
+    (6 links x 25 GB/s), split among the peers. Between the nodes each node has ONE
+    100 Gb/s (12.5 GB/s) NIC that all its GPUs share: the oversubscribed uplink a
+    planner should keep pipeline edges off.
+    """
+    na = _count("a100s", a100s)
+    nv = _count("v100s", v100s)
+    lat = _number("nvlink_latency", nvlink_latency, strict=False)
+    return _switched_nodes(
+        "heterogeneous",
+        [
+            (DEVICES["a100-80g"], na, "nvlink", _number("a100_nvlink_bandwidth", a100_nvlink_bandwidth), lat, True),
+            (DEVICES["v100-32g"], nv, "nvlink", _number("v100_nvlink_bandwidth", v100_nvlink_bandwidth), lat, True),
+        ],
+        "eth",
+        _number("eth_bandwidth", eth_bandwidth),
+        _number("eth_latency", eth_latency, strict=False),
+        [1, 1],
+    )
+
+
+PRESETS: dict[str, Callable[..., Topology]] = {
+    "local_cpu": local_cpu,
+    "dgx_a100_8": dgx_a100_8,
+    "pcie_8": pcie_8,
+    "two_node_ib": two_node_ib,
+    "cluster": cluster,
+    "heterogeneous": heterogeneous,
+}
+
+# presets whose size is a parameter rather than fixed by the hardware
+_SIZED_BY_NUM_DEVICES = {"local_cpu"}
+
+
+def preset_params(name: str) -> dict[str, object]:
+    """The keyword parameters of a preset and their defaults (the allowed overrides)."""
+    return {p.name: p.default for p in inspect.signature(PRESETS[name]).parameters.values()}
+
+
+def list_presets() -> dict[str, int]:
+    """Preset name -> natural number of devices, for help text."""
+    return {name: fn().num_devices for name, fn in PRESETS.items()}
+
+
+def describe_presets() -> str:
+    lines = []
+    for name, size in list_presets().items():
+        doc = (inspect.getdoc(PRESETS[name]) or "").splitlines()[0]
+        lines.append(f"{name:<14} {size:>3} devices  {doc}")
+    return "\n".join(lines)
+
+
+def _suggest(name: str, needed: int, overrides: Mapping) -> str:
+    if name == "pcie_8":
+        gps = overrides.get("gpus_per_switch", 4)
+        return f"topology=pcie_8 topology.switches={-(-needed // gps)}"
+    gpn = overrides.get("gpus_per_node", 8) if name == "cluster" else 8
+    extra = f" topology.gpus_per_node={gpn}" if gpn != 8 else ""
+    return f"topology=cluster topology.nodes={-(-needed // gpn)}{extra}"
+
+
+def get_topology(name: str, num_devices: int | None = None, needed_for: str = "", **overrides) -> Topology:
+    """The preset ``name`` with ``overrides`` applied, cut to ``num_devices`` devices.
+
+    ``num_devices`` None gives the preset's natural size; fewer gives the first
+    ``num_devices`` devices (local_cpu is simply built with that many ranks); more is
+    an error that suggests a bigger preset. ``needed_for`` (e.g. "pipeline.stages=16")
+    explains in that error why so many devices are needed.
+    """
+    if name not in PRESETS:
+        raise ValueError(f"topology.name={name}: unknown topology; allowed values: {', '.join(PRESETS)}")
+    allowed = preset_params(name)
+    if name in _SIZED_BY_NUM_DEVICES:
+        allowed.pop("num_devices")
+    unknown = sorted(set(overrides) - set(allowed))
+    if unknown:
+        raise ValueError(
+            f"topology.{unknown[0]}: unknown parameter for topology '{name}'; "
+            f"allowed keys: {', '.join(allowed) or '(none)'}"
+        )
+    if num_devices is not None:
+        _count("num_devices", num_devices)
+    if name in _SIZED_BY_NUM_DEVICES:
+        if num_devices is not None:
+            overrides = {**overrides, "num_devices": num_devices}
+        return PRESETS[name](**overrides)
+    topo = PRESETS[name](**overrides)
+    if num_devices is None or num_devices == topo.num_devices:
+        return topo
+    if num_devices > topo.num_devices:
+        why = f" ({needed_for})" if needed_for else ""
+        raise ValueError(
+            f"topology '{name}' has {topo.num_devices} devices but the schedule needs {num_devices}{why}; "
+            f"pick a larger topology, e.g. {_suggest(name, num_devices, overrides)}"
+        )
+    return topo.first(num_devices)
+
+
+def build_topology(cfg: Mapping, num_devices: int | None = None, needed_for: str = "") -> Topology:
+    """From the ``topology`` config group: ``name`` plus preset parameters.
+
+    A ``num_devices`` key in the config fixes the size (local_cpu's rank count, or a cut
+    of a bigger preset); the caller's ``num_devices`` (what the schedule needs) must fit
+    in it, and the result is cut to exactly that. Keys set to null keep the preset default.
+    """
+    params = {k: v for k, v in dict(cfg).items() if v is not None}
+    if "name" not in params:
+        raise ValueError(f"topology.name is missing; allowed values: {', '.join(PRESETS)}")
+    name = params.pop("name")
+    size = params.pop("num_devices", None)
+    if size is None:
+        return get_topology(name, num_devices, needed_for, **params)
+    topo = get_topology(name, size, **params)
+    if num_devices is None or num_devices == topo.num_devices:
+        return topo
+    if num_devices > topo.num_devices:
+        why = f" ({needed_for})" if needed_for else ""
+        raise ValueError(
+            f"topology.num_devices={size}: the schedule needs {num_devices} devices{why}; "
+            f"set topology.num_devices={num_devices} or leave it unset"
+        )
+    return topo.first(num_devices)

@@ -1,0 +1,220 @@
+"""Devices and the links between them, as the simulator and the planner see them.
+
+A :class:`Topology` is a set of devices plus a set of *resources*: directed links or
+ports, each with its own bandwidth and latency. A transfer from ``src`` to ``dst``
+occupies every resource on its :class:`Route` at once, so two transfers that share a
+resource (the same GPU's NVLink egress, the same oversubscribed uplink) serialize in
+the simulator, while transfers on disjoint resources run side by side.
+
+Ports rather than pairs is the point: on an NVSwitch node, GPU 0 sending to GPU 1 and
+GPU 0 sending to GPU 2 at the same time share GPU 0's egress bandwidth, which a
+per-pair link model would miss. Presets live in :mod:`pipeflow.topology.presets`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Mapping, Sequence
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str  # "a100-80g", "v100-32g", "cpu"
+    peak_flops: float  # dense FLOP/s at the training dtype
+    memory_bytes: float
+    memory_bandwidth: float = 0.0  # bytes/s (used for optimizer-step time)
+    node: int = 0
+
+
+@dataclass(frozen=True)
+class Route:
+    resources: tuple[int, ...]  # directed link resources a src->dst transfer occupies; () when src == dst
+    bandwidth: float  # bytes/s: the slowest resource on the path (inf when src == dst)
+    latency: float  # seconds: sum over the path (0 when src == dst)
+
+
+_LOCAL = Route((), math.inf, 0.0)
+
+
+class Topology:
+    """Devices, directed link resources, and the precomputed route of every device pair.
+
+    ``paths[(src, dst)]`` lists the resource ids a transfer crosses, in order; every
+    ordered pair of distinct devices needs one. A route's bandwidth is its slowest
+    resource and its latency the sum of its resources' latencies.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        devices: Sequence[Device],
+        resource_names: Sequence[str],
+        resource_bandwidth: Sequence[float],
+        resource_latency: Sequence[float],
+        paths: Mapping[tuple[int, int], Sequence[int]],
+    ) -> None:
+        self.name = name
+        self.devices = tuple(devices)
+        self.resource_names = tuple(resource_names)
+        self.resource_bandwidth = tuple(float(b) for b in resource_bandwidth)
+        self.resource_latency = tuple(float(t) for t in resource_latency)
+        n, r = len(self.devices), len(self.resource_names)
+        if n < 1:
+            raise ValueError(f"topology '{name}' needs at least one device")
+        if len(self.resource_bandwidth) != r or len(self.resource_latency) != r:
+            raise ValueError(
+                f"topology '{name}': {r} resource names but {len(self.resource_bandwidth)} bandwidths "
+                f"and {len(self.resource_latency)} latencies"
+            )
+        links = zip(self.resource_names, self.resource_bandwidth, self.resource_latency)
+        for rid, (rname, bw, lat) in enumerate(links):
+            if not bw > 0 or not lat >= 0:
+                raise ValueError(
+                    f"topology '{name}': resource {rid} ({rname}) needs bandwidth > 0 and latency >= 0, "
+                    f"got {bw} B/s and {lat} s"
+                )
+        # routes[src][dst]: a dense table so route() is one index, the simulator's hot path
+        routes: list[list[Route]] = [[_LOCAL] * n for _ in range(n)]
+        for src in range(n):
+            for dst in range(n):
+                if src == dst:
+                    continue
+                if (src, dst) not in paths:
+                    raise ValueError(f"topology '{name}': no path from device {src} to device {dst}")
+                res = tuple(paths[(src, dst)])
+                if not res or any(not 0 <= x < r for x in res):
+                    raise ValueError(
+                        f"topology '{name}': path {src}->{dst} must be a non-empty list of resource ids in 0..{r - 1}, "
+                        f"got {list(res)}"
+                    )
+                bw = min(self.resource_bandwidth[x] for x in res)
+                lat = sum(self.resource_latency[x] for x in res)
+                routes[src][dst] = Route(res, bw, lat)
+        self._routes = tuple(tuple(row) for row in routes)
+
+    # ----------------------------------------------------------------- queries
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.devices)
+
+    @property
+    def num_nodes(self) -> int:
+        return len({d.node for d in self.devices})
+
+    def route(self, src: int, dst: int) -> Route:
+        return self._routes[src][dst]
+
+    def bandwidth(self, src: int, dst: int) -> float:
+        return self._routes[src][dst].bandwidth
+
+    def transfer_time(self, src: int, dst: int, nbytes: float) -> float:
+        """Time of one transfer on an otherwise idle network; 0 for src == dst."""
+        if src == dst:
+            return 0.0
+        r = self._routes[src][dst]
+        return r.latency + nbytes / r.bandwidth
+
+    def allreduce_time(self, devices: Sequence[int], nbytes: float) -> float:
+        """Ring all-reduce of ``nbytes`` over ``devices`` in the given ring order.
+
+        2(n-1)/n * nbytes / B + 2(n-1) * L, with B the slowest ring-neighbour bandwidth
+        and L the largest ring-neighbour latency (reduce-scatter then all-gather, each
+        n-1 steps of nbytes/n). One refinement: if k hops of the ring cross the same
+        resource (e.g. a badly ordered ring crossing one shared uplink twice), they run
+        at the same time and each gets 1/k of it. With no shared resource this is
+        exactly the textbook formula.
+        """
+        ring = list(devices)
+        n = len(ring)
+        for d in ring:
+            if not 0 <= d < self.num_devices:
+                raise ValueError(
+                    f"all-reduce over device {d}: topology '{self.name}' has devices 0..{self.num_devices - 1}"
+                )
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        hops = [self._routes[ring[i]][ring[(i + 1) % n]] for i in range(n)]
+        uses: dict[int, int] = {}
+        for hop in hops:
+            for x in hop.resources:
+                uses[x] = uses.get(x, 0) + 1
+        bw = min((self.resource_bandwidth[x] / k for x, k in uses.items()), default=math.inf)
+        lat = max(hop.latency for hop in hops)
+        if math.isinf(bw):  # every ring member is the same device
+            return 0.0
+        return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * lat
+
+    # ------------------------------------------------------------ derivation
+
+    def first(self, n: int) -> "Topology":
+        """The sub-topology of devices 0..n-1, keeping only the resources their routes use."""
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.num_devices:
+            raise ValueError(
+                f"topology '{self.name}' has {self.num_devices} devices; cannot take the first {n} "
+                f"(allowed: 1..{self.num_devices})"
+            )
+        if n == self.num_devices:
+            return self
+        used = sorted({x for s in range(n) for t in range(n) for x in self._routes[s][t].resources})
+        new_id = {old: i for i, old in enumerate(used)}
+        paths = {
+            (s, t): [new_id[x] for x in self._routes[s][t].resources] for s in range(n) for t in range(n) if s != t
+        }
+        return Topology(
+            self.name,
+            self.devices[:n],
+            [self.resource_names[x] for x in used],
+            [self.resource_bandwidth[x] for x in used],
+            [self.resource_latency[x] for x in used],
+            paths,
+        )
+
+    def to_dict(self) -> dict:
+        """JSON-able summary for summary.json: devices, and links grouped by kind."""
+        links: dict[tuple[str, float, float], int] = {}
+        for rname, bw, lat in zip(self.resource_names, self.resource_bandwidth, self.resource_latency):
+            kind = rname.split("[", 1)[0]
+            links[(kind, bw, lat)] = links.get((kind, bw, lat), 0) + 1
+        return {
+            "name": self.name,
+            "num_devices": self.num_devices,
+            "num_nodes": self.num_nodes,
+            "devices": [asdict(d) for d in self.devices],
+            "links": [
+                {"kind": kind, "count": count, "bandwidth": bw, "latency": lat}
+                for (kind, bw, lat), count in links.items()
+            ],
+        }
+
+    def __repr__(self) -> str:
+        kinds = sorted({d.name for d in self.devices})
+        return (
+            f"Topology({self.name}: {self.num_devices} devices ({', '.join(kinds)}) on {self.num_nodes} node(s), "
+            f"{len(self.resource_names)} link resources)"
+        )
+
+
+class TopologyBuilder:
+    """Accumulates resources and paths; presets use it so that each reads as a wiring diagram."""
+
+    def __init__(self, name: str, devices: Sequence[Device]) -> None:
+        self.name = name
+        self.devices = list(devices)
+        self.names: list[str] = []
+        self.bandwidth: list[float] = []
+        self.latency: list[float] = []
+        self.paths: dict[tuple[int, int], list[int]] = {}
+
+    def resource(self, name: str, bandwidth: float, latency: float) -> int:
+        self.names.append(name)
+        self.bandwidth.append(bandwidth)
+        self.latency.append(latency)
+        return len(self.names) - 1
+
+    def path(self, src: int, dst: int, resources: Sequence[int]) -> None:
+        self.paths[(src, dst)] = list(resources)
+
+    def build(self) -> Topology:
+        return Topology(self.name, self.devices, self.names, self.bandwidth, self.latency, self.paths)

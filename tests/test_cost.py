@@ -1,0 +1,245 @@
+"""Cost models: UnitCost's mapping and checks; AnalyticCost's FLOPs against Megatron's
+count, segment additivity, per-stage sums, the head on the last stage, memory against
+Korthikanti et al. and the zero-bubble paper, and the config front door."""
+
+import pytest
+from omegaconf import OmegaConf
+
+from pipeflow.planning import (
+    AnalyticCost,
+    TransformerSpec,
+    UnitCost,
+    build_cost_model,
+    embedding_params,
+    head_forward_flops,
+    layer_forward_flops,
+    layer_linear_flops,
+    layer_params,
+    total_params,
+)
+from pipeflow.topology import Device
+
+DEV = Device("test", peak_flops=1e14, memory_bytes=8e10, memory_bandwidth=1e12)
+GPT = TransformerSpec("gpt_small", n_layer=8, n_head=4, n_embd=256, vocab_size=1000, seq_len=512)
+BERT = TransformerSpec("bert_small", n_layer=8, n_head=4, n_embd=256, vocab_size=1000, seq_len=512, causal=False)
+
+
+# ------------------------------------------------------------------ UnitCost
+
+
+def test_unit_cost_maps_kinds():
+    c = UnitCost(
+        4, forward=1.5, backward=3.0, weight=1.25, step=0.5, activation=10, message=7, residual=0.25, params=99
+    )
+    assert [c.compute_time(k, 2, 0, DEV) for k in "FBWIS"] == [1.5, 3.0, 1.25, 3.0 - 1.25, 0.5]
+    assert c.activation_bytes(0, 0) == 10 and c.weight_residual_bytes(3, 0) == 0.25 * 10
+    assert c.message_bytes(0, 1, 0) == 7 and c.param_bytes(1) == 99
+    assert c.describe()["backward"] == 3.0
+
+
+def test_unit_cost_validation_names_keys():
+    with pytest.raises(ValueError, match=r"cost.weight=3.*cost.backward=2"):
+        UnitCost(2, backward=2, weight=3)
+    with pytest.raises(ValueError, match=r"cost.forward=-1"):
+        UnitCost(2, forward=-1)
+    with pytest.raises(ValueError, match=r"cost.residual=2"):
+        UnitCost(2, residual=2)
+    with pytest.raises(ValueError, match=r"pipeline.stages=0"):
+        UnitCost(0)
+    with pytest.raises(ValueError, match=r"kind 'R'"):
+        UnitCost(2).compute_time("R", 0, 0, DEV)
+
+
+# --------------------------------------------------------------- FLOP model
+
+
+@pytest.mark.parametrize("L,h,H,S", [(1, 12, 768, 1024), (1, 25, 1600, 2048), (1, 32, 4096, 4096), (1, 4, 64, 7)])
+def test_non_causal_layer_is_megatron_count_plus_softmax(L, h, H, S):
+    spec = TransformerSpec("t", L, h, H, 1000, S, causal=False)
+    megatron = 24 * S * H**2 + 4 * S**2 * H
+    softmax = 3 * S * S * h  # the "+3" per head and query-key pair
+    assert layer_forward_flops(spec, S, S) - softmax == pytest.approx(megatron, rel=1e-12)
+    assert layer_linear_flops(spec, S) == pytest.approx(24 * S * H**2, rel=1e-12)
+
+
+@pytest.mark.parametrize("h,H,S", [(12, 768, 1024), (32, 4096, 2048)])
+def test_causal_layer_halves_the_attention_term(h, H, S):
+    causal = TransformerSpec("g", 1, h, H, 1000, S)
+    full = TransformerSpec("b", 1, h, H, 1000, S, causal=False)
+    attn_full = layer_forward_flops(full, S, S) - layer_linear_flops(full, S)
+    attn_causal = layer_forward_flops(causal, S, S) - layer_linear_flops(causal, S)
+    assert attn_causal == pytest.approx(attn_full / 2, rel=1e-12)
+
+
+@pytest.mark.parametrize("split", [[512], [256, 256], [300, 112, 100], [1] * 8 + [504]])
+def test_segment_flops_add_up_to_the_whole_sequence(split):
+    whole = layer_forward_flops(GPT, 512, 512)
+    P, total = 0, 0.0
+    for x in split:
+        P += x
+        total += layer_forward_flops(GPT, x, P)
+    assert total == pytest.approx(whole, rel=1e-12)
+
+
+def test_equal_segments_get_more_expensive_along_the_sequence():
+    c = AnalyticCost(GPT, 2, segment_lengths=[128] * 4)
+    times = [c.compute_time("F", 1, i, DEV) for i in range(4)]
+    assert all(a < b for a, b in zip(times, times[1:]))
+
+
+def test_split_cost_model_adds_up_to_unsplit():
+    whole = AnalyticCost(GPT, 4, microbatch_size=2)
+    split = AnalyticCost(GPT, 4, microbatch_size=2, segment_lengths=[200, 180, 132])
+    for s in range(4):
+        for kind in "FBIW":
+            parts = sum(split.compute_time(kind, s, i, DEV) for i in range(3))
+            assert parts == pytest.approx(whole.compute_time(kind, s, 0, DEV), rel=1e-12)
+        # messages are per segment, and add up too
+        assert sum(split.message_bytes(s, s + 1, i) for i in range(3)) == whole.message_bytes(s, s + 1, 0)
+
+
+# -------------------------------------------------------------- AnalyticCost
+
+
+@pytest.mark.parametrize("layers", [None, [1, 3, 2, 2], [5, 1, 1, 1]])
+def test_stage_flops_sum_to_the_model(layers):
+    b = 3
+    c = AnalyticCost(GPT, 4, microbatch_size=b, layers_per_stage=layers)
+    S = GPT.seq_len
+    model = b * (GPT.n_layer * layer_forward_flops(GPT, S, S) + head_forward_flops(GPT, S))
+    assert sum(c.flops("F", s, 0) for s in range(4)) == pytest.approx(model, rel=1e-12)
+    assert sum(c.layers_per_stage) == GPT.n_layer
+    # time is FLOPs over achieved FLOP/s
+    fast = Device("fast", 4e14, 1e10)
+    assert c.compute_time("F", 1, 0, DEV) == pytest.approx(c.flops("F", 1, 0) / (DEV.peak_flops * c.efficiency))
+    assert c.compute_time("F", 1, 0, fast) == pytest.approx(c.compute_time("F", 1, 0, DEV) / 4)
+
+
+def test_backward_split_into_input_and_weight_parts():
+    c = AnalyticCost(GPT, 4, microbatch_size=2, segment_lengths=[300, 212])
+    for s in range(4):
+        for seg in range(2):
+            f, b, i, w = (c.compute_time(k, s, seg, DEV) for k in "FBIW")
+            assert b == pytest.approx(2 * f)
+            assert i + w == pytest.approx(b)
+            assert 0 < w < b and i > 0
+    x, b = 300, 2
+    assert c.flops("W", 1, 0) == pytest.approx(b * c.layers_per_stage[1] * layer_linear_flops(GPT, x))
+
+
+def test_last_stage_is_heavier_by_the_head():
+    c = AnalyticCost(GPT, 4, microbatch_size=2)  # 2 layers per stage
+    extra = c.compute_time("F", 3, 0, DEV) - c.compute_time("F", 0, 0, DEV)
+    assert extra > 0
+    assert extra == pytest.approx(2 * head_forward_flops(GPT, GPT.seq_len) / (DEV.peak_flops * c.efficiency))
+    assert c.compute_time("F", 1, 0, DEV) == c.compute_time("F", 2, 0, DEV)
+
+
+def test_too_many_stages_is_a_clear_error():
+    tiny = TransformerSpec("gpt_tiny", 4, 2, 64, 100, 32)
+    with pytest.raises(ValueError, match=r"pipeline.stages=64: model 'gpt_tiny' has 4 layers, so at most 4 stages"):
+        AnalyticCost(tiny, 64)
+    AnalyticCost(tiny, 4)  # the limit itself is fine
+
+
+def test_bad_partition_and_segments_name_the_key():
+    with pytest.raises(ValueError, match=r"cost.layers_per_stage=\[4, 3\].*model.n_layer=8"):
+        AnalyticCost(GPT, 2, layers_per_stage=[4, 3])
+    with pytest.raises(ValueError, match=r"cost.layers_per_stage"):
+        AnalyticCost(GPT, 2, layers_per_stage=[8, 0])
+    with pytest.raises(ValueError, match=r"cost.segment_lengths=\[100, 100\].*model.seq_len=512"):
+        AnalyticCost(GPT, 2, segment_lengths=[100, 100])
+    with pytest.raises(ValueError, match=r"not causal"):
+        AnalyticCost(BERT, 2, segment_lengths=[256, 256])
+    with pytest.raises(ValueError, match=r"cost.efficiency=1.5"):
+        AnalyticCost(GPT, 2, efficiency=1.5)
+    with pytest.raises(ValueError, match=r"segment 1 out of range"):
+        AnalyticCost(GPT, 2).activation_bytes(0, 1)
+
+
+def test_activation_memory_matches_korthikanti_and_zero_bubble():
+    b, S, H, h = 2, GPT.seq_len, GPT.n_embd, GPT.n_head
+    c = AnalyticCost(GPT, 4, microbatch_size=b)  # middle stages: 2 plain layers
+    per_layer = 34 * S * b * H + 5 * h * S * S * b  # Korthikanti et al., 16-bit, no recomputation
+    assert c.activation_bytes(1, 0) == pytest.approx(2 * per_layer)
+    assert c.weight_residual_bytes(1, 0) == pytest.approx(2 * 32 * b * S * H)  # zero-bubble paper's W memory
+    assert c.activation_bytes(3, 0) > c.activation_bytes(1, 0)  # logits on the last stage
+    assert c.message_bytes(1, 2, 0) == b * S * H * 2
+    for s in range(4):
+        assert 0 < c.weight_residual_bytes(s, 0) < c.activation_bytes(s, 0)
+
+
+def test_segments_keep_their_kv_gradient_on_top_of_activations():
+    whole = AnalyticCost(GPT, 4)  # b = 1, 2 layers per middle stage
+    split = AnalyticCost(GPT, 4, segment_lengths=[256, 256])
+    H, h, L = GPT.n_embd, GPT.n_head, 2
+    # splitting changes exactly two things on a middle stage: attention scores cover only
+    # each segment's prefix (x*P pairs instead of S*S), and each segment's K/V gradient
+    # buffer (2*x*H 16-bit values per layer) is added
+    pairs_saved = 512 * 512 - (256 * 256 + 256 * 512)
+    kv = 2 * 512 * H * 2
+    diff = sum(split.activation_bytes(1, i) for i in range(2)) - whole.activation_bytes(1, 0)
+    assert diff == pytest.approx(L * (kv - 5 * h * pairs_saved))
+    assert diff < 0  # still a net saving here
+
+
+def test_params_per_stage_cover_the_model_once_plus_the_tied_head_copy():
+    c1 = AnalyticCost(GPT, 1)
+    c4 = AnalyticCost(GPT, 4)
+    assert c1.stage_params(0) == total_params(GPT)
+    assert sum(c4.stage_params(s) for s in range(4)) == total_params(GPT) + GPT.vocab_size * GPT.n_embd
+    assert c4.stage_params(0) - c4.stage_params(1) == embedding_params(GPT)
+    assert c4.param_bytes(2) == c4.stage_params(2) * 2
+    assert c4.stage_params(1) == 2 * layer_params(GPT)
+
+
+def test_gpt2_small_has_its_published_parameter_count():
+    gpt2 = TransformerSpec("gpt2", n_layer=12, n_head=12, n_embd=768, vocab_size=50257, seq_len=1024)
+    assert total_params(gpt2) == 124_439_808  # HuggingFace gpt2
+
+
+def test_step_time_is_memory_bound_and_scales_with_params():
+    c = AnalyticCost(GPT, 4)
+    t0, t1 = c.compute_time("S", 0, 0, DEV), c.compute_time("S", 1, 0, DEV)
+    assert t0 / t1 == pytest.approx(c.stage_params(0) / c.stage_params(1))
+    assert c.compute_time("S", 0, 0, Device("x", 1e14, 1e10)) == 0  # unknown bandwidth
+    assert c.model_state_bytes(1) == 18 * c.stage_params(1)
+
+
+# ------------------------------------------------------------------- config
+
+
+def test_spec_from_config():
+    base = {"n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 50, "seq_len": 32}
+    cfg = OmegaConf.create(
+        {**base, "name": "bert_tiny", "family": "bert", "n_positions": 64, "dropout": 0.1, "n_inner": None}
+    )
+    spec = TransformerSpec.from_config(cfg)
+    assert spec.causal is False and spec.ffn_width == 128 and spec.positions == 64 and spec.name == "bert_tiny"
+    assert TransformerSpec.from_config(base).causal is True
+    no_seq = {k: v for k, v in base.items() if k != "seq_len"}
+    assert TransformerSpec.from_config({**no_seq, "n_positions": 16}).seq_len == 16
+    with pytest.raises(ValueError, match=r"model.n_embd is missing"):
+        TransformerSpec.from_config({k: v for k, v in base.items() if k != "n_embd"})
+    with pytest.raises(ValueError, match=r"model.n_embd=30: must be a multiple of model.n_head=4"):
+        TransformerSpec.from_config({**base, "n_head": 4, "n_embd": 30})
+    with pytest.raises(ValueError, match=r"model.family=t5.*allowed values: gpt, bert"):
+        TransformerSpec.from_config({**base, "family": "t5"})
+    with pytest.raises(ValueError, match=r"model.seq_len=128: longer than model.n_positions=64"):
+        TransformerSpec.from_config({**base, "seq_len": 128, "n_positions": 64})
+    with pytest.raises(ValueError, match=r"model.n_layer=0"):
+        TransformerSpec.from_config({**base, "n_layer": 0})
+
+
+def test_build_cost_model():
+    unit = build_cost_model({"name": "unit", "backward": 3.0, "weight": None}, 4, None, 1)
+    assert isinstance(unit, UnitCost) and unit.compute_time("I", 0, 0, DEV) == 3.0 - 1.0
+    cfg = OmegaConf.create({"name": "analytic", "efficiency": 0.4, "layers_per_stage": [3, 1, 1, 3]})
+    an = build_cost_model(cfg, 4, GPT, 2)
+    assert isinstance(an, AnalyticCost) and an.layers_per_stage == (3, 1, 1, 3) and an.microbatch_size == 2
+    with pytest.raises(ValueError, match=r"cost.name=foo: unknown cost model; allowed values: unit, analytic"):
+        build_cost_model({"name": "foo"}, 4, GPT, 1)
+    with pytest.raises(ValueError, match=r"cost.efficiency: unknown key for cost model 'unit'.*allowed keys: forward"):
+        build_cost_model({"name": "unit", "efficiency": 0.5}, 4, GPT, 1)
+    with pytest.raises(ValueError, match=r"cost.name=analytic needs the model"):
+        build_cost_model({"name": "analytic"}, 4, None, 1)
