@@ -243,3 +243,14 @@ def test_build_cost_model():
         build_cost_model({"name": "unit", "efficiency": 0.5}, 4, GPT, 1)
     with pytest.raises(ValueError, match=r"cost.name=analytic needs the model"):
         build_cost_model({"name": "analytic"}, 4, None, 1)
+
+
+def test_unit_comm_null_means_links_but_null_elsewhere_keeps_default():
+    from pipeflow.planning.cost import build_cost_model
+
+    free = build_cost_model({"name": "unit"}, 2, None, 1)
+    assert free.message_time == 0.0
+    links = build_cost_model({"name": "unit", "comm": None, "forward": None, "message": 8.0}, 2, None, 1)
+    assert links.message_time is None and links.forward == 1.0 and links.message == 8.0
+    fixed = build_cost_model({"name": "unit", "comm": 0.5}, 2, None, 1)
+    assert fixed.message_time == 0.5

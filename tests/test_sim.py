@@ -69,7 +69,7 @@ def test_two_stage_message_cost(nbytes, bandwidth, latency):
     f, b = 1.0, 2.0
     sched = build_schedule("gpipe", 2, 1)
     topo = get_topology("local_cpu", num_devices=2, bandwidth=bandwidth, latency=latency)
-    r = run(sched, UnitCost(2, forward=f, backward=b, message=nbytes), topo, record=True)
+    r = run(sched, UnitCost(2, forward=f, backward=b, message=nbytes, comm=None), topo, record=True)
     hop = latency + nbytes / bandwidth
     assert r.makespan == pytest.approx(f + f + b + b + 2 * hop, rel=1e-12)
     assert r.p2p_bytes == pytest.approx(2 * nbytes)  # one activation, one gradient
@@ -82,7 +82,7 @@ def test_two_stage_message_cost(nbytes, bandwidth, latency):
 
 def test_p2p_volume_of_1f1b():
     p, m, msg = 4, 6, 10.0
-    r = run(build_schedule("1f1b", p, m), UnitCost(p, message=msg))
+    r = run(build_schedule("1f1b", p, m), UnitCost(p, message=msg, comm=None))
     assert r.p2p_bytes == pytest.approx(2 * (p - 1) * m * msg)
     # inner stages send an activation forward and a gradient back per microbatch
     assert [d.sent_bytes for d in r.per_device] == pytest.approx([m * msg] + [2 * m * msg] * (p - 2) + [m * msg])
@@ -114,7 +114,7 @@ def _star_topology(shared: bool, bandwidth: float = 2.0, latency: float = 0.5):
 def test_transfers_sharing_a_resource_serialize():
     f, bw_time, nbytes, bandwidth, latency = 1.0, 2.0, 6.0, 2.0, 0.5
     sched = _join_schedule()
-    cost = UnitCost(3, forward=f, backward=bw_time, message=nbytes)
+    cost = UnitCost(3, forward=f, backward=bw_time, message=nbytes, comm=None)
     xfer = nbytes / bandwidth
     apart = run(sched, cost, _star_topology(False, bandwidth, latency), record=True)
     shared = run(sched, cost, _star_topology(True, bandwidth, latency), record=True)
@@ -268,7 +268,7 @@ def test_invariants_other_schedules(name, p, m, v):
         sched = build_schedule(name, p, m, virtual_stages=v)
     except ModuleNotFoundError:
         pytest.skip(f"the {name} generator is not written yet")
-    cost = UnitCost(sched.num_stages, step=0.5, params=4.0, message=1.0, residual=0.5)
+    cost = UnitCost(sched.num_stages, step=0.5, params=4.0, message=1.0, residual=0.5, comm=None)
     topo = get_topology("local_cpu", num_devices=sched.num_devices, bandwidth=8.0, latency=0.01)
     _check_invariants(sched, simulate(sched, cost, topo, record=False), cost, topo)
 
@@ -276,7 +276,7 @@ def test_invariants_other_schedules(name, p, m, v):
 # ----------------------------------------------------- determinism and API
 def test_deterministic_and_record_does_not_change_metrics():
     sched = build_schedule("1f1b", 6, 12)
-    cost = UnitCost(6, message=3.0, step=0.1)
+    cost = UnitCost(6, message=3.0, step=0.1, comm=None)
     topo = get_topology("pcie_8")  # shared uplinks: contention with ties
     a = simulate(sched, cost, topo, record=True)
     b = simulate(sched, cost, topo, record=True)

@@ -40,6 +40,7 @@ class CostModel(ABC):
     # model's own time unit (unit costs are abstract, so a topology's seconds would not
     # mix with them). None means messages are priced by the topology's links.
     message_time: float | None = None
+    time_unit: str = "s"  # what compute_time returns
 
     @abstractmethod
     def compute_time(self, kind: str, stage: int, segment: int, device: Device) -> float:
@@ -99,6 +100,7 @@ class UnitCost(CostModel):
     """
 
     name = "unit"
+    time_unit = "units"
 
     def __init__(
         self,
@@ -111,10 +113,11 @@ class UnitCost(CostModel):
         message: float = 0.0,
         residual: float = 0.0,
         params: float = 0.0,
-        comm: float | None = None,
+        comm: float | None = 0.0,
     ) -> None:
         self.num_stages = _check_int("pipeline.stages", num_stages)
-        # comm: time of one message in the same units as forward/backward; None sends
+        # comm: time of one message in the same units as forward/backward (free by
+        # default: abstract units do not mix with a topology's seconds); None sends
         # ``message`` bytes over the topology's links instead
         self.message_time = None if comm is None else _check_number("cost.comm", comm)
         self.forward = _check_number("cost.forward", forward)
@@ -407,10 +410,18 @@ def cost_params(name: str) -> list[str]:
 def build_cost_model(
     cfg: Mapping, num_stages: int, spec: TransformerSpec | None, microbatch_size: int
 ) -> CostModel:
-    """The cost model the ``cost`` config group names; its other keys are that model's parameters
-    (keys set to null keep the default)."""
-    params = {k: v for k, v in dict(cfg).items() if v is not None}
-    name = params.pop("name", None)
+    """The cost model the ``cost`` config group names; its other keys are that model's parameters.
+
+    A key set to null keeps the parameter's default, except where the default itself is
+    None (e.g. ``cost.comm`` for unit costs), where null is a value of its own."""
+    raw = dict(cfg)
+    name = raw.get("name")
+    nullable = set()
+    if name in COST_MODELS:
+        sig = inspect.signature(COST_MODELS[name].__init__)
+        nullable = {k for k, prm in sig.parameters.items() if prm.default is not inspect.Parameter.empty and "None" in str(prm.annotation)}
+    params = {k: v for k, v in raw.items() if v is not None or k in nullable}
+    params.pop("name", None)
     if name not in COST_MODELS:
         raise ValueError(f"cost.name={name}: unknown cost model; allowed values: {', '.join(COST_MODELS)}")
     allowed = cost_params(name)

@@ -585,11 +585,13 @@ def _simulate(cs: CompiledSchedule, cost, topology, record: bool) -> SimResult:
         issued={actions[i]: t for i, t in issue_time.items()},
     )
     if record:
-        result.timeline = _timeline(cs, start, end, issue_time, gbytes, transfers or [], result)
+        result.timeline = _timeline(cs, start, end, issue_time, gbytes, transfers or [], result,
+                                    getattr(cost, "time_unit", "s"))
     return result
 
 
-def _timeline(cs: CompiledSchedule, start, end, issue_time, gbytes, transfers, result: SimResult) -> Timeline:
+def _timeline(cs: CompiledSchedule, start, end, issue_time, gbytes, transfers, result: SimResult,
+              time_unit: str) -> Timeline:
     """Events for every action (compute or collective stream) and every transfer (comm).
 
     Compute events are built column-wise with map(), which keeps the quarter of a
@@ -620,7 +622,7 @@ def _timeline(cs: CompiledSchedule, start, end, issue_time, gbytes, transfers, r
     return Timeline(
         events=events,
         num_devices=cs.num_devices,
-        time_unit="s",
+        time_unit=time_unit,
         source="simulated",
         meta={
             "schedule": result.schedule,

@@ -31,7 +31,8 @@ FORMAT = "pipeflow.timeline/1"
 STREAMS = ("compute", "collective", "comm")
 SOURCES = ("simulated", "measured")
 # Chrome traces count in microseconds; this converts one timeline unit into them.
-_US_PER_UNIT = {"s": 1e6, "ms": 1e3, "us": 1.0}
+# "units" are a unit-cost model's abstract time; traces show one unit as one second
+_US_PER_UNIT = {"s": 1e6, "ms": 1e3, "us": 1.0, "units": 1e6}
 
 
 @dataclass(slots=True)
@@ -88,8 +89,8 @@ _ARG_FIELDS = ("kind", "stage", "microbatch", "pipe", "segment", "stream", "src"
 class Timeline:
     """Events of one run (one iteration, or whatever the producer recorded).
 
-    ``time_unit`` is the unit of ``start``/``end`` ("s", "ms" or "us"; simulations with
-    unit costs use "s" and treat one cost unit as one second). ``source`` says whether
+    ``time_unit`` is the unit of ``start``/``end``: "s", "ms", "us", or "units" for
+    simulations with unit costs (one unit is drawn as one second in Chrome traces). ``source`` says whether
     the times were predicted ("simulated") or observed ("measured").
     """
 

@@ -1,0 +1,124 @@
+"""pipeflow-simulate: predict a schedule's iteration time, bubble and memory, no GPU needed.
+
+    pipeflow-simulate                                    # 1F1B, gpt_tiny, 4 local CPU ranks
+    pipeflow-simulate schedule=chimera topology=dgx_a100_8 model=gpt_1.5b
+    pipeflow-simulate -m schedule=gpipe,1f1b,zb_h1 pipeline.microbatches=8,16
+
+Composition only: config -> schedule (registry) -> cost model -> topology -> simulator
+-> files in the Hydra run directory (summary.json, timeline.json, timeline.png, and
+schedule.csv with ``export=torch_csv``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from pipeflow.config import CONF_DIR, ConfigError, prepare_simulation, register_configs
+from pipeflow.schedules.export import write_torch_csv
+from pipeflow.schedules.validate import validate
+from pipeflow.sim.engine import simulate
+from pipeflow.sim.gantt import draw_timeline
+
+# Hydra composes against these schemas, so they must be in the ConfigStore before main().
+register_configs()
+
+
+def run_simulation(cfg: DictConfig, out_dir: str | Path) -> dict:
+    """Simulate the configured run and write its files into ``out_dir``; return the summary.
+
+    Raises ConfigError (one sentence naming the key) before any work if the config
+    cannot be simulated.
+    """
+    inputs = prepare_simulation(cfg)
+    pipe = cfg.pipeline
+    schedule, spec, cost, topology = inputs.schedule, inputs.spec, inputs.cost, inputs.topology
+    validate(schedule)
+    result = simulate(schedule, cost, topology, record=True)
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = ["summary.json", "timeline.json"]
+    result.timeline.save(out / "timeline.json")
+    if cfg.draw:
+        title = f"{schedule.name}: p={pipe.stages}, m={pipe.microbatches}, {spec.name} on {topology.name}"
+        draw_timeline(result.timeline, out / "timeline.png", title=title)
+        files.append("timeline.png")
+    if cfg.export == "torch_csv":
+        write_torch_csv(schedule, out / "schedule.csv")
+        files.append("schedule.csv")
+
+    summary = {
+        "schedule": schedule.name,
+        "stages": pipe.stages,
+        "microbatches": pipe.microbatches,
+        "virtual_stages": pipe.virtual_stages,
+        "segments": pipe.segments,
+        "microbatch_size": pipe.microbatch_size,
+        "num_stages": schedule.num_stages,
+        "num_devices": schedule.num_devices,
+        "makespan": result.makespan,
+        "bubble_ratio": result.bubble_ratio,
+        "peak_activation_bytes": result.peak_activation_bytes,
+        "p2p_bytes": result.p2p_bytes,
+        "collective_bytes": result.collective_bytes,
+        "placement": schedule.placement.as_lists(),
+        "per_device": [dataclasses.asdict(d) for d in result.per_device],
+        "model": OmegaConf.to_container(cfg.model, resolve=True),
+        "cost": cost.describe(),
+        "topology": topology.to_dict(),
+        "files": files,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def format_report(summary: dict) -> str:
+    """The console table: the run, then one row per device."""
+    s = summary
+    head = [
+        f"schedule      {s['schedule']}",
+        f"stages        {s['stages']}" + (f" x {s['virtual_stages']} virtual" if s["virtual_stages"] > 1 else ""),
+        f"microbatches  {s['microbatches']}" + (f" x {s['segments']} segments" if s["segments"] > 1 else ""),
+        f"model         {s['model']['name']} on {s['topology']['name']} ({s['cost']['name']} cost)",
+        f"makespan      {s['makespan']:.6g}",
+        f"bubble ratio  {s['bubble_ratio']:.4f}",
+        "",
+    ]
+    cols = ("device", "busy", "idle", "peak act. bytes", "peak live mb")
+    rows = [
+        (
+            str(d["device"]),
+            f"{d['busy']:.6g}",
+            f"{d['idle']:.6g}",
+            f"{d['peak_activation_bytes']:.6g}",
+            f"{d['peak_live_microbatches']:g}",
+        )
+        for d in s["per_device"]
+    ]
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    table = ["  ".join(c.rjust(w) for c, w in zip(cols, widths))]
+    table += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
+    return "\n".join(head + table)
+
+
+# An absolute config path: a relative one ("../conf") is resolved as a Python package
+# when the app starts from its console script, and conf/ is a folder, not a package.
+@hydra.main(config_path=str(CONF_DIR), config_name="simulate", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    out_dir = HydraConfig.get().runtime.output_dir
+    try:
+        summary = run_simulation(cfg, out_dir)
+    except ConfigError as err:
+        raise SystemExit(str(err)) from None  # the sentence on stderr, exit status 1, no traceback
+    print(format_report(summary))
+    print(f"\nwrote {', '.join(summary['files'])} to {out_dir}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""Schedules exported to PyTorch pipelining's CSV are accepted by torch's own runtime.
+
+torch loads each file into a real ``_PipelineScheduleRuntime`` (which validates it and
+lowers it with send/recv actions) and its dry-run simulator must run the lowered lists
+to completion. No real multi-process group is needed for that: rank 0 joins a "fake"
+process group of the right size, which is all construction and loading look at. Two
+cases are then run for real, one process per rank over gloo, to check the gradients.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import os
+import re
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    _ComputationType,
+    _PipelineScheduleRuntime,
+    _simulate_comms_compute,
+)
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from pipeflow.schedules.export import to_torch_csv, write_torch_csv
+from pipeflow.schedules.ir import Kind, StageGraph, WeightPolicy, parse_orders
+from pipeflow.schedules.registry import build_schedule
+
+COMPUTE = {
+    _ComputationType.FORWARD,
+    _ComputationType.FULL_BACKWARD,
+    _ComputationType.BACKWARD_INPUT,
+    _ComputationType.BACKWARD_WEIGHT,
+}
+# torch's dry run models compute and point-to-point messages only; the FSDP
+# (UNSHARD/RESHARD) and data-parallel (REDUCE_GRAD) actions its lowering also adds
+# are outside it.
+SIMULATED = COMPUTE | {
+    _ComputationType.SEND_F,
+    _ComputationType.RECV_F,
+    _ComputationType.SEND_B,
+    _ComputationType.RECV_B,
+}
+
+
+def _cases():
+    for p in (2, 4):
+        for m in (1, p, 2 * p + 1):
+            yield "gpipe", p, m, 1
+            yield "1f1b", p, m, 1
+            yield "zb_h1", p, m, 1
+        # Megatron's interleaving wants whole rounds of p microbatches
+        for m in (p, 2 * p):
+            yield "interleaved_1f1b", p, m, 2
+
+
+CASES = list(_cases())
+
+
+def _cell(a) -> str:
+    return f"{a.stage}{a.kind}{a.microbatch}"
+
+
+@pytest.fixture
+def fake_group():
+    """Join a fake process group as rank 0 of ``world_size``; always torn down."""
+
+    def init(world_size: int) -> None:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+
+    yield init
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name,p,m,v", CASES, ids=[f"{n}-p{p}-m{m}-v{v}" for n, p, m, v in CASES])
+def test_torch_runtime_loads_validates_and_simulates(tmp_path, fake_group, name, p, m, v):
+    sched = build_schedule(name, p, m, virtual_stages=v)
+    path = tmp_path / "schedule.csv"
+    write_torch_csv(sched, path)
+
+    fake_group(sched.num_devices)
+    stages = [
+        PipelineStage(nn.Linear(4, 4), stage, sched.num_stages, torch.device("cpu"))
+        for _pipe, stage in sched.placement.stages_on(0)
+    ]
+    runtime = _PipelineScheduleRuntime(stages, m, loss_fn=lambda out, target: out.sum())
+    runtime._load_csv(str(path))  # torch's validation; raises on a malformed schedule
+
+    # torch infers the stage -> rank map from the file; it must be our placement
+    assert runtime.stage_index_to_group_rank == {s: sched.placement.device(0, s) for s in range(sched.num_stages)}
+
+    lowered = runtime.pipeline_order_with_comms
+    assert sorted(lowered) == list(range(sched.num_devices))
+    for rank, order in enumerate(sched.compute_orders()):
+        compute = [str(a) for a in lowered[rank] if a.computation_type in COMPUTE]
+        assert compute == [_cell(a) for a in order], f"rank {rank}: torch reordered or lost compute actions"
+    sends = sum(
+        a.computation_type in (_ComputationType.SEND_F, _ComputationType.SEND_B) for r in lowered.values() for a in r
+    )
+    # one activation and one gradient message per microbatch per pipeline edge
+    assert sends == 2 * m * (sched.num_stages - 1)
+
+    to_simulate = {r: [a for a in acts if a.computation_type in SIMULATED] for r, acts in lowered.items()}
+    expected = {r: sorted(map(str, acts)) for r, acts in to_simulate.items()}
+    stage_to_rank = runtime.stage_index_to_group_rank
+    timeline = _simulate_comms_compute(to_simulate, lambda s: stage_to_rank[s], sched.num_stages)
+    done = {r: sorted(str(a) for a in steps if a is not None) for r, steps in timeline.items()}
+    assert done == expected, "torch's dry run did not run every action"
+
+
+@pytest.mark.parametrize("name,p,m,v", CASES, ids=[f"{n}-p{p}-m{m}-v{v}" for n, p, m, v in CASES])
+def test_csv_round_trips_through_our_parser(name, p, m, v):
+    sched = build_schedule(name, p, m, virtual_stages=v)
+    text = to_torch_csv(sched)
+    rows = list(csv.reader(io.StringIO(text)))
+    assert len(rows) == sched.num_devices
+    assert parse_orders(rows) == sched.compute_orders()
+
+
+def test_reduce_and_step_are_dropped():
+    sched = build_schedule("1f1b", 2, 3)
+    assert any(a.kind == Kind.STEP for order in sched.orders for a in order)
+    cells = [c for row in csv.reader(io.StringIO(to_torch_csv(sched))) for c in row]
+    assert all(re.fullmatch(r"\d+[FBIW]\d+", c) for c in cells), cells
+    assert len(cells) == sum(len(order) for order in sched.compute_orders())
+
+
+def test_two_pipeline_schedule_is_refused(tmp_path):
+    sched = build_schedule("chimera", 4, 4)
+    assert sched.placement.num_pipes == 2
+    path = tmp_path / "chimera.csv"
+    with pytest.raises(ValueError, match="2 pipeline replicas"):
+        write_torch_csv(sched, path)
+    assert not path.exists()
+
+
+@pytest.mark.parametrize(
+    "change,reason",
+    [
+        (dict(num_segments=2), "segments"),
+        (dict(policy=WeightPolicy.STASH), "synchronous"),
+        (dict(graph=StageGraph(4, ((0, 1), (0, 2), (1, 3), (2, 3)))), "chain"),
+    ],
+    ids=["segments", "async", "branches"],
+)
+def test_schedules_torch_cannot_run_are_refused(change, reason):
+    sched = dataclasses.replace(build_schedule("1f1b", 4, 4), **change)
+    with pytest.raises(ValueError, match=reason):
+        to_torch_csv(sched)
+
+
+# ------------------------------------------------------------------ torch runs it for real
+
+WIDTH = 8
+
+
+def _chain(num_stages: int) -> list[nn.Module]:
+    """One linear layer per stage, the same weights in every process."""
+    torch.manual_seed(0)
+    return [nn.Linear(WIDTH, WIDTH) for _ in range(num_stages)]
+
+
+def _batch(m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(2 * m, WIDTH, generator=g), torch.randn(2 * m, WIDTH, generator=g)
+
+
+def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target) ** 2).mean()
+
+
+def _rank_main(rank, world, port, csv_path, held, num_stages, m, out):
+    """One rank: build this rank's stages, load the CSV into torch's runtime, step once."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        layers = _chain(num_stages)
+        stages = [PipelineStage(layers[s], s, num_stages, torch.device("cpu")) for s in held[rank]]
+        runtime = _PipelineScheduleRuntime(stages, m, loss_fn=_mse)
+        runtime._load_csv(csv_path)
+        x, y = _batch(m)
+        inputs = (x,) if 0 in held[rank] else ()
+        target = {"target": y} if num_stages - 1 in held[rank] else {}
+        runtime.step(*inputs, **target)
+        torch.save({s: layers[s].weight.grad for s in held[rank]}, os.path.join(out, f"grads{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name,p,m,v", [("zb_h1", 2, 4, 1), ("interleaved_1f1b", 2, 4, 2)])
+def test_torch_executes_the_csv_and_gets_the_unpipelined_gradients(tmp_path, name, p, m, v):
+    """One process per rank over gloo on the loopback interface: torch walks our CSV
+    with real tensors, and the weight gradients equal those of the same batch run
+    through the unsplit model (loss averaged over microbatches, as torch scales it)."""
+    sched = build_schedule(name, p, m, virtual_stages=v)
+    path = tmp_path / "schedule.csv"
+    write_torch_csv(sched, path)
+    held = [[s for _pipe, s in sched.placement.stages_on(r)] for r in range(p)]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank_main, args=(p, port, str(path), held, sched.num_stages, m, str(tmp_path)), nprocs=p, join=True)
+
+    got = {}
+    for r in range(p):
+        got.update(torch.load(tmp_path / f"grads{r}.pt"))
+    layers = _chain(sched.num_stages)
+    x, y = _batch(m)
+    loss = sum(_mse(torch.nn.Sequential(*layers)(xm), ym) for xm, ym in zip(x.chunk(m), y.chunk(m))) / m
+    loss.backward()
+    assert sorted(got) == list(range(sched.num_stages))
+    for s, layer in enumerate(layers):
+        torch.testing.assert_close(got[s], layer.weight.grad, msg=f"stage {s}")

@@ -1,0 +1,273 @@
+"""The pipeflow-simulate app: config groups compose, the run writes its files, and bad
+configs stop before any work with one sentence that names the key.
+
+Most tests compose the config in-process and call ``run_simulation`` (no Hydra global
+state); a few run the real console script, as a user would, from a directory that is
+not the repository.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from pipeflow.config import CONF_DIR, SCHEMAS, ConfigError, prepare_simulation, compose
+from pipeflow.schedules.export import to_torch_csv
+from pipeflow.schedules.ir import parse_orders
+from pipeflow.schedules.registry import build_schedule
+from pipeflow.sim.timeline import Timeline
+from pipeflow.simulate import format_report, run_simulation
+
+REPO = CONF_DIR.parent
+# Textbook costs (F = 1, B = 2, messages of 0 bytes) on links without latency, and no
+# picture: fast, and the closed forms hold exactly.
+UNIT = ["cost=unit", "draw=false"]
+
+
+def simulate(tmp_path: Path, *overrides: str) -> dict:
+    return run_simulation(compose("simulate", overrides), tmp_path)
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+# --------------------------------------------------------------------------- in process
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 3), (3, 1)])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_unit_cost_bubble_matches_closed_form(tmp_path, schedule, p, m):
+    s = simulate(tmp_path, f"schedule={schedule}", f"pipeline.stages={p}", f"pipeline.microbatches={m}", *UNIT)
+    assert s["schedule"] == schedule and s["stages"] == p and s["microbatches"] == m
+    assert s["bubble_ratio"] == pytest.approx((p - 1) / (m + p - 1))
+    # F = 1, B = 2 per stage, no message time: (m + p - 1) slots of F + B
+    assert s["makespan"] == pytest.approx(3 * (m + p - 1))
+    assert s["placement"] == [list(range(p))]
+    assert [d["device"] for d in s["per_device"]] == list(range(p))
+    for d in s["per_device"]:
+        assert d["busy"] == pytest.approx(3 * m)
+        assert d["idle"] == pytest.approx(s["makespan"] - 3 * m)
+
+
+def test_summary_and_timeline_files(tmp_path):
+    s = simulate(
+        tmp_path, "schedule=1f1b", "pipeline.stages=4", "pipeline.microbatches=6", "cost=unit"
+    )
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    assert on_disk == json.loads(json.dumps(s))
+    for key in ("schedule", "stages", "microbatches", "virtual_stages", "segments", "makespan", "bubble_ratio",
+                "placement", "per_device", "topology", "cost", "model"):
+        assert key in on_disk, key
+    for d in on_disk["per_device"]:
+        for key in ("device", "busy", "idle", "peak_activation_bytes", "peak_live_microbatches"):
+            assert key in d, key
+    # 1F1B keeps at most p - r microbatches alive on stage r
+    assert [d["peak_live_microbatches"] for d in on_disk["per_device"]] == [4, 3, 2, 1]
+    assert on_disk["topology"]["name"] == "local_cpu" and on_disk["cost"]["name"] == "unit"
+
+    trace = json.loads((tmp_path / "timeline.json").read_text())
+    timeline = Timeline.from_chrome_trace(trace)
+    computed = [e for e in timeline.select(stream="compute") if e.kind in "FB"]
+    assert len(computed) == 2 * 6 * 4  # one F and one B per microbatch and stage
+    assert max(e.end for e in timeline) == pytest.approx(s["makespan"])
+
+    png = tmp_path / "timeline.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "schedule.csv").exists()
+
+
+def test_draw_false_skips_the_picture(tmp_path):
+    simulate(tmp_path, *UNIT)
+    assert (tmp_path / "summary.json").exists() and not (tmp_path / "timeline.png").exists()
+
+
+def test_export_torch_csv(tmp_path):
+    s = simulate(tmp_path, "schedule=zb_h1", "pipeline.stages=4", "pipeline.microbatches=8", "export=torch_csv", *UNIT)
+    assert "schedule.csv" in s["files"]
+    text = (tmp_path / "schedule.csv").read_text()
+    expected = build_schedule("zb_h1", 4, 8)
+    assert text == to_torch_csv(expected)
+    assert parse_orders(csv.reader(text.splitlines())) == expected.compute_orders()
+
+
+@pytest.mark.parametrize(
+    "overrides,placement",
+    [
+        (["schedule=gpipe"], [[0, 1, 2, 3]]),
+        (["schedule=1f1b"], [[0, 1, 2, 3]]),
+        (["schedule=zb_h1"], [[0, 1, 2, 3]]),
+        (["schedule=interleaved_1f1b", "pipeline.virtual_stages=2", "model=gpt_small"], [[0, 1, 2, 3, 0, 1, 2, 3]]),
+        (["schedule=chimera"], [[0, 1, 2, 3], [3, 2, 1, 0]]),
+    ],
+    ids=lambda v: v[0] if isinstance(v[0], str) else None,
+)
+def test_every_schedule_config_runs(tmp_path, overrides, placement):
+    s = simulate(tmp_path, *overrides, "pipeline.stages=4", "pipeline.microbatches=8", *UNIT)
+    assert s["schedule"] == overrides[0].split("=")[1]
+    assert s["placement"] == placement
+    assert 0 <= s["bubble_ratio"] < 1 and s["makespan"] > 0
+
+
+def test_every_schedule_has_a_config_file():
+    from pipeflow.schedules.registry import schedule_names
+
+    assert set(options("schedule")) == set(schedule_names())
+
+
+@pytest.mark.parametrize("topology", options("topology"))
+def test_every_topology_config_runs_with_analytic_cost(tmp_path, topology):
+    s = simulate(tmp_path, f"topology={topology}", "model=gpt_small", "cost=analytic", "draw=false")
+    assert s["topology"]["name"] == topology
+    assert s["topology"]["num_devices"] == 4  # cut to what the schedule uses
+    assert s["makespan"] > 0 and len(s["per_device"]) == 4
+
+
+@pytest.mark.parametrize("model", options("model"))
+def test_every_model_config_composes(model):
+    cfg = compose("simulate", [f"model={model}"])
+    assert cfg.model.name == model
+    assert cfg.model.n_embd % cfg.model.n_head == 0
+    prepare_simulation(cfg)
+
+
+def test_model_sizes_from_the_papers():
+    m = compose("simulate", ["model=gpt_1.5b"]).model
+    assert (m.n_layer, m.n_head, m.n_embd, m.seq_len) == (48, 25, 1600, 1024)
+    m = compose("simulate", ["model=gpt_7b"]).model
+    assert (m.n_layer, m.n_embd, m.n_inner, m.vocab_size) == (32, 4096, 16384, 50304)
+    m = compose("simulate", ["model=bert_1b"]).model
+    assert (m.family, m.n_layer, m.n_head, m.n_embd) == ("bert", 32, 32, 1600)
+
+
+@pytest.mark.parametrize("group", ["topology", "cost"])
+def test_yaml_values_match_the_code_defaults(group):
+    """The YAML files spell the defaults out for users; the schemas take them from the
+    presets' and cost models' own signatures. They must agree."""
+    for option in options(group):
+        schema = SCHEMAS[f"schema/{group}/{option}"]
+        defaults = {f.name: f.default for f in dataclasses.fields(schema)}
+        composed = OmegaConf.to_container(compose("simulate", [f"{group}={option}"])[group])
+        assert composed == pytest.approx(defaults), option
+
+
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (["schedule=chimera", "pipeline.stages=3"], "pipeline.stages=3"),
+        (["schedule.name=foo"], "schedule.name=foo"),
+        (["schedule=1f1b", "pipeline.virtual_stages=2"], "pipeline.virtual_stages=2"),
+        (["pipeline.stages=8"], "pipeline.stages=8"),  # gpt_tiny has 4 layers
+        (["schedule=interleaved_1f1b", "pipeline.virtual_stages=2"], "pipeline.stages=4"),  # 8 stages > 4 layers
+        (["pipeline.microbatch_size=0"], "pipeline.microbatch_size=0"),
+        (["topology=dgx_a100_8", "model=gpt_medium", "pipeline.stages=16"], "pipeline.stages=16"),
+        (["topology=cluster", "topology.nodes=0"], "topology.nodes=0"),
+        (["cost.name=foo"], "cost.name=foo"),
+        (["cost=unit", "cost.weight=5"], "cost.weight=5"),
+        (["schedule=chimera", "export=torch_csv"], "export=torch_csv"),
+        (["export=csv"], "export=csv"),
+    ],
+)
+def test_bad_configs_fail_first_with_one_sentence(tmp_path, overrides, key):
+    with pytest.raises(ConfigError) as info:
+        simulate(tmp_path, *overrides)
+    msg = str(info.value)
+    assert key in msg
+    assert "\n" not in msg
+    assert not any(tmp_path.iterdir()), "nothing may be written for a bad config"
+
+
+def test_allowed_values_are_listed():
+    with pytest.raises(ConfigError, match=r"allowed values: gpipe, 1f1b, interleaved_1f1b, zb_h1, chimera"):
+        prepare_simulation(compose("simulate", ["schedule.name=foo"]))
+
+
+@pytest.mark.parametrize("override", ["pipeline.stage=4", "cost.forwards=2", "topology.node=3", "draws=false"])
+def test_misspelt_keys_fail_at_composition(override):
+    with pytest.raises(ConfigCompositionException):
+        compose("simulate", [override])
+
+
+def test_report_table():
+    s = {
+        "schedule": "1f1b", "stages": 2, "microbatches": 4, "virtual_stages": 1, "segments": 1,
+        "model": {"name": "gpt_tiny"}, "topology": {"name": "local_cpu"}, "cost": {"name": "unit"},
+        "makespan": 15.0, "bubble_ratio": 0.2,
+        "per_device": [
+            {"device": d, "busy": 12.0, "idle": 3.0, "peak_activation_bytes": 2.0 - d, "peak_live_microbatches": 2 - d}
+            for d in range(2)
+        ],
+    }
+    lines = format_report(s).splitlines()
+    assert "bubble ratio  0.2000" in lines
+    header = next(i for i, line in enumerate(lines) if line.split()[:1] == ["device"])
+    assert len(lines) == header + 3
+    assert lines[header + 2].split() == ["1", "12", "3", "1", "1"]
+
+
+# ------------------------------------------------------------------------ as a user would
+
+
+def _cli() -> list[str]:
+    script = Path(sys.executable).with_name("pipeflow-simulate")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "pipeflow.simulate"]
+
+
+def _run(args: list[str], cwd: Path, cli: list[str] | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HYDRA_")}
+    return subprocess.run(
+        (cli or _cli()) + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=240
+    )
+
+
+def test_console_script_from_another_directory(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _run(["cost=unit", "export=torch_csv", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "bubble ratio" in proc.stdout and "peak live mb" in proc.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    p, m = summary["stages"], summary["microbatches"]
+    assert (p, m) == (4, 8)  # the embedded defaults
+    assert summary["bubble_ratio"] == pytest.approx((p - 1) / (m + p - 1))
+    for name in ("timeline.json", "timeline.png", "schedule.csv"):
+        assert (run_dir / name).exists(), name
+
+
+def test_module_entry_point_reports_a_bad_config_in_one_line(tmp_path):
+    proc = _run(["schedule=chimera", "pipeline.stages=3", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path,
+                cli=[sys.executable, "-m", "pipeflow.simulate"])
+    assert proc.returncode != 0
+    err = proc.stderr.strip()
+    assert "pipeline.stages=3" in err and "chimera" in err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_multirun_writes_one_summary_per_job(tmp_path):
+    sweep = tmp_path / "multi"
+    proc = _run(["-m", "schedule=gpipe,1f1b", *UNIT, f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    summaries = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/summary.json"))]
+    assert sorted(s["schedule"] for s in summaries) == ["1f1b", "gpipe"]
+
+
+def test_sweep_config_file(tmp_path):
+    sweep = tmp_path / "multi"
+    proc = _run(
+        ["-m", "--config-dir", str(REPO / "sweeps"), "--config-name", "simulate_schedules", *UNIT,
+         f"hydra.sweep.dir={sweep}"],
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    runs = {(s["schedule"], s["microbatches"]) for s in
+            (json.loads(p.read_text()) for p in sweep.glob("*/summary.json"))}
+    assert runs == {(name, m) for name in ("gpipe", "1f1b", "zb_h1", "chimera") for m in (4, 8, 16)}
