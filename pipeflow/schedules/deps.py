@@ -53,39 +53,43 @@ class DepResolver:
                     self._wgrad.setdefault(key, []).append(a)
                 if k == Kind.B or k == Kind.I:
                     self._backward_kind[(a.stage, a.microbatch, a.segment)] = k
+        # Nearly every schedule uses one backward kind throughout; then no per-action
+        # look-up is needed (this method runs once per action in the simulator's compile).
+        kinds = set(self._backward_kind.values())
+        self._only_kind = kinds.pop() if len(kinds) == 1 else None
 
     def backward_of(self, stage: int, mb: int, pipe: int, seg: int) -> Action:
         """The action producing the input gradient of (stage, mb, seg): its B or its I."""
-        kind = self._backward_kind.get((stage, mb, seg), Kind.I if self.split else Kind.B)
+        kind = self._only_kind or self._backward_kind.get((stage, mb, seg), Kind.I if self.split else Kind.B)
         return Action(kind, stage, mb, pipe, seg)
 
     def deps(self, a: Action) -> list[Dep]:
-        k = a.kind
-        s, mb, pipe, seg = a.stage, a.microbatch, a.pipe, a.segment
-        out: list[Dep] = []
+        k, s, mb, pipe, seg, version = a
+        new = tuple.__new__  # plain tuple construction: this runs once per action
         if k == Kind.F:
-            for p in self.graph.preds[s]:
-                out.append(Dep(Action(Kind.F, p, mb, pipe, seg), True))
+            out = [new(Dep, (new(Action, (Kind.F, p, mb, pipe, seg, -1)), True)) for p in self.graph.preds[s]]
             if seg > 0:
-                out.append(Dep(Action(Kind.F, s, mb, pipe, seg - 1), False))
-        elif k == Kind.B or k == Kind.I:
-            for t in self.graph.succs[s]:
-                out.append(Dep(self.backward_of(t, mb, pipe, seg), True))
-            out.append(Dep(Action(Kind.F, s, mb, pipe, seg), False))
-            if seg + 1 < self.nseg:
-                out.append(Dep(self.backward_of(s, mb, pipe, seg + 1), False))
-        elif k == Kind.W:
-            out.append(Dep(Action(Kind.I, s, mb, pipe, seg), False))
-        elif k == Kind.REDUCE:
-            for w in self._wgrad.get((s, pipe, a.version), ()):
-                out.append(Dep(w, False))
-        elif k == Kind.STEP:
-            if self.has_reduce and self.replicated:
-                out.append(Dep(Action(Kind.REDUCE, s, -1, pipe, 0, a.version), False))
+                out.append(new(Dep, (new(Action, (Kind.F, s, mb, pipe, seg - 1, -1)), False)))
+            return out
+        if k == Kind.B or k == Kind.I:
+            bkind = self._only_kind
+            if bkind is None:
+                out = [new(Dep, (self.backward_of(t, mb, pipe, seg), True)) for t in self.graph.succs[s]]
             else:
-                for w in self._wgrad.get((s, pipe, a.version), ()):
-                    out.append(Dep(w, False))
-        return out
+                out = [new(Dep, (new(Action, (bkind, t, mb, pipe, seg, -1)), True)) for t in self.graph.succs[s]]
+            out.append(new(Dep, (new(Action, (Kind.F, s, mb, pipe, seg, -1)), False)))
+            if seg + 1 < self.nseg:
+                out.append(new(Dep, (self.backward_of(s, mb, pipe, seg + 1), False)))
+            return out
+        if k == Kind.W:
+            return [new(Dep, (new(Action, (Kind.I, s, mb, pipe, seg, -1)), False))]
+        if k == Kind.REDUCE:
+            return [Dep(w, False) for w in self._wgrad.get((s, pipe, version), ())]
+        if k == Kind.STEP:
+            if self.has_reduce and self.replicated:
+                return [Dep(Action(Kind.REDUCE, s, -1, pipe, 0, version), False)]
+            return [Dep(w, False) for w in self._wgrad.get((s, pipe, version), ())]
+        return []
 
     def reduce_group(self, a: Action) -> list[Action]:
         """All REDUCE actions that form one collective with ``a`` (same stage and update)."""
