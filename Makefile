@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: all install run test bench clean distclean
+.PHONY: all install run simulate test bench clean distclean
 
 all: test
 
@@ -21,9 +21,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -e '.[dev]'
 	touch $@
 
-# The main job: simulate the default schedule; ARGS are Hydra overrides,
-# e.g. make run ARGS="schedule=gpipe pipeline.microbatches=16".
+# The main job: train the embedded default (gpt_tiny, 1F1B, 2 CPU ranks); ARGS are
+# Hydra overrides, e.g. make run ARGS="schedule=chimera pipeline.stages=4".
 run: $(STAMP)
+	$(BIN)/pipeflow-train $(ARGS)
+
+# Predict a schedule's iteration without training, e.g.
+# make simulate ARGS="schedule=gpipe pipeline.microbatches=16".
+simulate: $(STAMP)
 	$(BIN)/pipeflow-simulate $(ARGS)
 
 # pytest exits 5 when it collects no tests; that is not a failure here.

@@ -4,14 +4,18 @@ Every YAML file under ``conf/`` starts from one of the schemas registered here
 (``defaults: [/schema/..., _self_]``), so a misspelt key in a file or on the command line
 fails at composition time instead of being silently ignored. Value ranges and
 combinations that a type cannot express (an unknown schedule, Chimera on an odd number
-of stages, more stages than layers) are caught by :func:`prepare_simulation` before
-any work starts, with one sentence that names the key and the allowed values.
+of stages, more stages than layers, a data file that is not there) are caught by
+:func:`prepare_simulation` and :func:`prepare_training` before any work starts (for
+training: before any rank is spawned), with one sentence that names the key and the
+allowed values.
 """
 
 from __future__ import annotations
 
 import collections.abc
+import glob
 import inspect
+import os
 import re
 import types
 import typing
@@ -23,11 +27,13 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
 from pipeflow.planning.cost import COST_MODELS, CostModel, build_cost_model, cost_params
+from pipeflow.planning.partition import PARTITIONERS
 from pipeflow.planning.transformer import TransformerSpec
 from pipeflow.schedules.common import ScheduleConfigError
 from pipeflow.schedules.export import check_exportable
 from pipeflow.schedules.ir import Schedule
-from pipeflow.schedules.registry import build_schedule
+from pipeflow.schedules.registry import build_schedule, schedule_names
+from pipeflow.schedules.validate import validate
 from pipeflow.topology.presets import PRESETS, build_topology
 from pipeflow.topology.topology import Topology
 
@@ -35,6 +41,21 @@ from pipeflow.topology.topology import Topology
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 EXPORT_FORMATS = ("torch_csv",)
+
+# Schedules the torch.distributed runtime executes; every registered one today. A
+# schedule registered for the simulator alone is refused by pipeflow-train with a
+# sentence that points to pipeflow-simulate.
+RUNTIME_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "chimera")
+OPTIMIZERS = ("adamw",)
+BACKENDS = ("auto", "gloo", "nccl")
+RUNTIME_DEVICES = ("auto", "cpu", "cuda")
+LOGGERS = ("wandb", "none")
+LOGGER_MODES = ("auto", "offline", "online", "disabled")
+FAIL_MODES = ("raise", "kill")
+TRAIN_FAMILIES = ("gpt",)  # the runtime's stage model (pipeflow.models.gpt) is GPT-2
+# text_corpus feeds UTF-8 bytes as tokens (pipeflow.data.text.ByteTokenizer; a test keeps
+# the two equal: importing the data package here would cost torch and datasets)
+BYTE_VOCAB = 256
 
 
 class ConfigError(ValueError):
@@ -69,6 +90,7 @@ class ModelConfig:
     vocab_size: int = MISSING
     n_positions: int = MISSING
     seq_len: int = MISSING
+    dropout: float = 0.0  # read by pipeflow.models; the cost model ignores it
 
 
 def _config_type(hint: Any) -> Any:
@@ -125,11 +147,89 @@ class SimulateConfig:
     draw: bool = True  # write timeline.png
 
 
+@dataclass
+class TrainerConfig:
+    steps: int = 300  # optimizer steps (pipeline iterations) of the whole run
+    log_every: int = 1  # a metrics.jsonl line every N steps
+    val_every: int = 50  # validation loss every N steps; 0: never
+    val_batches: int = 4  # batches per validation
+    save_every: int = 0  # a checkpoint every N steps; 0: only at the end
+    timeline_step: Optional[int] = 5  # the step (1..steps) whose actions are timed into timeline.json/png; null: none
+
+
+@dataclass
+class AdamWConfig:
+    name: str = "adamw"
+    lr: float = 1e-3  # peak learning rate, reached after warmup_steps
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_steps: int = 20  # linear warm-up from 0
+    min_lr_ratio: float = 0.1  # cosine decay to lr * min_lr_ratio at trainer.steps
+    grad_clip: Optional[float] = 1.0  # global gradient-norm clip; null or 0: none
+
+
+@dataclass
+class LocalRuntimeConfig:
+    name: str = "local"
+    backend: str = "auto"  # auto: nccl when CUDA is available, else gloo
+    device: str = "auto"  # auto | cpu | cuda
+    timeout_s: float = 60.0  # a collective or P2P op that takes longer fails the run
+    master_port: Optional[int] = None  # null: a free port
+    threads_per_rank: int = 1  # torch intra-op threads of each rank
+    fail_at_step: Optional[int] = None  # test hook: rank fail_rank fails at this step
+    fail_rank: Optional[int] = None
+    fail_mode: str = "raise"  # raise: a Python error; kill: SIGKILL, as an out-of-memory kill would
+    dump_grads: bool = False  # test hook: each rank writes run_dir/grads/rank<r>.pt after its first backward
+
+
+@dataclass
+class WandbLoggerConfig:
+    name: str = "wandb"
+    project: str = "pipeflow"
+    mode: str = "auto"  # auto: WANDB_MODE if set, else online when logged in, else offline
+    group: Optional[str] = None  # null: a multirun's jobs share one group named after the sweep
+    tags: List[str] = field(default_factory=list)  # a multirun adds each job's overrides
+    run_name: Optional[str] = None  # null: a multirun names the run after its job folder
+    entity: Optional[str] = None
+
+
+@dataclass
+class NoLoggerConfig:
+    name: str = "none"
+
+
+@dataclass
+class TrainConfig:
+    # The default pipeline is small enough for two CPU ranks; train.yaml spells it out.
+    pipeline: PipelineConfig = field(
+        default_factory=lambda: PipelineConfig(stages=2, microbatches=4, microbatch_size=4)
+    )
+    schedule: ScheduleConfig = MISSING
+    model: ModelConfig = MISSING
+    # data and partition options carry their own keys (pipeflow.data, planning.partition)
+    data: Any = MISSING
+    partition: Any = MISSING
+    topology: Any = MISSING
+    optim: AdamWConfig = MISSING
+    runtime: LocalRuntimeConfig = MISSING
+    logger: Any = MISSING  # logger/wandb and logger/none differ
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    resume: Optional[str] = None  # a previous run dir to continue from (its latest checkpoint)
+    seed: int = 1234
+
+
 # Schemas by their ConfigStore path. They live under schema/ rather than beside the
 # options they type, so `--help` and `cost=...` list only real options; an option
 # file pulls its schema in with `defaults: [/schema/<group>/<option>@_here_, _self_]`.
 SCHEMAS: dict[str, type] = {
     "schema/simulate": SimulateConfig,
+    "schema/train": TrainConfig,
+    "schema/optim/adamw": AdamWConfig,
+    "schema/runtime/local": LocalRuntimeConfig,
+    "schema/logger/wandb": WandbLoggerConfig,
+    "schema/logger/none": NoLoggerConfig,
     "schema/schedule": ScheduleConfig,
     "schema/model": ModelConfig,
     **{f"schema/cost/{name}": _cost_schema(name) for name in COST_MODELS},
@@ -161,7 +261,8 @@ def compose(config_name: str = "simulate", overrides: Sequence[str] = ()) -> Dic
 def _naming_key(key: str, value: Any, err: Exception) -> ConfigError:
     """Wrap a lower layer's ValueError so the sentence names a config key."""
     msg = str(err).strip()
-    if re.search(r"\b(pipeline|schedule|model|topology|cost|export)\.\w+", msg):  # e.g. "topology.nodes=0: ..."
+    # already naming one, e.g. "topology.nodes=0: ..." or "resume=...: ..."
+    if re.search(r"\b(pipeline|schedule|model|topology|cost|export)\.\w+", msg) or msg.startswith(f"{key}="):
         return ConfigError(msg)
     return ConfigError(f"{key}={value}: {msg}")
 
@@ -169,6 +270,57 @@ def _naming_key(key: str, value: Any, err: Exception) -> ConfigError:
 def devices_needed_for(cfg: DictConfig) -> str:
     """Why the schedule needs its device count, for the topology's too-small error."""
     return f"schedule.name={cfg.schedule.name} with pipeline.stages={cfg.pipeline.stages}"
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_pipeline(cfg: DictConfig) -> None:
+    pipe = cfg.pipeline
+    for key in ("stages", "microbatches", "virtual_stages", "segments", "microbatch_size"):
+        value = pipe[key]
+        if not _whole(value) or value < 1:
+            raise ConfigError(f"pipeline.{key}={value}: must be a whole number >= 1")
+
+
+def _generate_schedule(cfg: DictConfig) -> Schedule:
+    """The schedule the config names, generated but not validated."""
+    pipe = cfg.pipeline
+    # The schedule's own size rules (even stages for Chimera, ...) live with the
+    # generators; generating is cheap, validating is not needed to learn the sizes.
+    try:
+        return build_schedule(
+            cfg.schedule.name, pipe.stages, pipe.microbatches, pipe.virtual_stages, pipe.segments, check=False
+        )
+    except ScheduleConfigError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _model_spec(cfg: DictConfig, schedule: Schedule) -> TransformerSpec:
+    """The model's shape, checked against the number of stages the schedule cuts it into."""
+    pipe = cfg.pipeline
+    try:
+        spec = TransformerSpec.from_config(cfg.model)
+    except ValueError as err:
+        raise _naming_key("model", cfg.model.name, err) from None
+    if schedule.num_stages > spec.n_layer:
+        # each stage needs at least one layer; interleaving puts several stages on a device
+        per_device = max(1, schedule.num_stages // pipe.stages)
+        via = f" ({pipe.stages} x pipeline.virtual_stages={per_device})" if per_device > 1 else ""
+        raise ConfigError(
+            f"pipeline.stages={pipe.stages}: the schedule splits the model into {schedule.num_stages} stages{via}, "
+            f"but model '{cfg.model.name}' has only {spec.n_layer} layers (model.n_layer); "
+            f"allowed values: 1..{spec.n_layer // per_device}"
+        )
+    return spec
+
+
+def _build_topology(cfg: DictConfig, schedule: Schedule) -> Topology:
+    try:
+        return build_topology(cfg.topology, schedule.num_devices, needed_for=devices_needed_for(cfg))
+    except ValueError as err:
+        raise _naming_key("topology", cfg.topology.name, err) from None
 
 
 @dataclass
@@ -187,49 +339,258 @@ def prepare_simulation(cfg: DictConfig) -> SimulationInputs:
     simulated or written, so a bad config fails before any work."""
     if cfg.export is not None and cfg.export not in EXPORT_FORMATS:
         raise ConfigError(f"export={cfg.export}: unknown format; allowed values: null, {', '.join(EXPORT_FORMATS)}")
-
-    pipe = cfg.pipeline
-    for key in ("stages", "microbatches", "virtual_stages", "segments", "microbatch_size"):
-        value = pipe[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"pipeline.{key}={value}: must be a whole number >= 1")
-
-    # The schedule's own size rules (even stages for Chimera, ...) live with the
-    # generators; generating is cheap, validating is not needed to learn the sizes.
+    _check_pipeline(cfg)
+    schedule = _generate_schedule(cfg)
+    spec = _model_spec(cfg, schedule)
     try:
-        schedule = build_schedule(
-            cfg.schedule.name, pipe.stages, pipe.microbatches, pipe.virtual_stages, pipe.segments, check=False
-        )
-    except ScheduleConfigError as err:
-        raise ConfigError(str(err)) from None
-
-    try:
-        spec = TransformerSpec.from_config(cfg.model)
-    except ValueError as err:
-        raise _naming_key("model", cfg.model.name, err) from None
-    if schedule.num_stages > spec.n_layer:
-        # each stage needs at least one layer; interleaving puts several stages on a device
-        per_device = max(1, schedule.num_stages // pipe.stages)
-        via = f" ({pipe.stages} x pipeline.virtual_stages={per_device})" if per_device > 1 else ""
-        raise ConfigError(
-            f"pipeline.stages={pipe.stages}: the schedule splits the model into {schedule.num_stages} stages{via}, "
-            f"but model '{cfg.model.name}' has only {spec.n_layer} layers (model.n_layer); "
-            f"allowed values: 1..{spec.n_layer // per_device}"
-        )
-
-    try:
-        cost = build_cost_model(cfg.cost, schedule.num_stages, spec, pipe.microbatch_size)
+        cost = build_cost_model(cfg.cost, schedule.num_stages, spec, cfg.pipeline.microbatch_size)
     except ValueError as err:
         raise _naming_key("cost", cfg.cost.name, err) from None
-
-    try:
-        topology = build_topology(cfg.topology, schedule.num_devices, needed_for=devices_needed_for(cfg))
-    except ValueError as err:
-        raise _naming_key("topology", cfg.topology.name, err) from None
-
+    topology = _build_topology(cfg, schedule)
     if cfg.export == "torch_csv":
         try:
             check_exportable(schedule)
         except ValueError as err:
             raise ConfigError(f"export=torch_csv: {err}") from None
     return SimulationInputs(schedule, spec, cost, topology)
+
+
+# ---------------------------------------------------------------------------- training
+
+
+@dataclass
+class TrainingInputs:
+    """What a train config composes into; built once by :func:`prepare_training`."""
+
+    schedule: Schedule  # generated and validated
+    spec: TransformerSpec
+    topology: Topology
+
+    @property
+    def world_size(self) -> int:
+        """One rank per device of the schedule."""
+        return self.schedule.num_devices
+
+
+def _number(key: str, value: Any, rule: str, ok: bool) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value}: {rule}")
+
+
+def _at_least(key: str, value: Any, low: int) -> None:
+    _number(key, value, f"must be a whole number >= {low}", _whole(value) and value >= low)
+
+
+def _check_trainer(trainer: DictConfig) -> None:
+    _at_least("trainer.steps", trainer.steps, 1)
+    _at_least("trainer.log_every", trainer.log_every, 1)
+    _at_least("trainer.val_every", trainer.val_every, 0)  # 0: never
+    _at_least("trainer.val_batches", trainer.val_batches, 1 if trainer.val_every > 0 else 0)
+    _at_least("trainer.save_every", trainer.save_every, 0)  # 0: only the final checkpoint
+    if trainer.timeline_step is not None:
+        _at_least("trainer.timeline_step", trainer.timeline_step, 1)  # steps count from 1
+
+
+def _check_optim(optim: DictConfig) -> None:
+    if optim.name not in OPTIMIZERS:
+        raise ConfigError(f"optim.name={optim.name}: unknown optimizer; allowed values: {', '.join(OPTIMIZERS)}")
+    _number("optim.lr", optim.lr, "the learning rate must be > 0", optim.lr > 0)
+    _number("optim.weight_decay", optim.weight_decay, "must be >= 0", optim.weight_decay >= 0)
+    for key in ("beta1", "beta2"):
+        _number(f"optim.{key}", optim[key], "must be in [0, 1)", 0 <= optim[key] < 1)
+    _number("optim.eps", optim.eps, "must be > 0", optim.eps > 0)
+    _at_least("optim.warmup_steps", optim.warmup_steps, 0)
+    _number("optim.min_lr_ratio", optim.min_lr_ratio, "must be in [0, 1]", 0 <= optim.min_lr_ratio <= 1)
+    if optim.grad_clip is not None:
+        _number("optim.grad_clip", optim.grad_clip, "must be >= 0, or null for no clipping", optim.grad_clip >= 0)
+
+
+def _cuda_devices() -> int:
+    # torch is imported only when a config asks for CUDA, so checking a CPU config stays fast
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _check_runtime(rt: DictConfig, world_size: int) -> None:
+    if rt.backend not in BACKENDS:
+        raise ConfigError(f"runtime.backend={rt.backend}: unknown backend; allowed values: {', '.join(BACKENDS)}")
+    if rt.device not in RUNTIME_DEVICES:
+        raise ConfigError(f"runtime.device={rt.device}: unknown device; allowed values: {', '.join(RUNTIME_DEVICES)}")
+    if rt.backend == "nccl" and rt.device == "cpu":
+        raise ConfigError("runtime.backend=nccl: NCCL moves CUDA tensors only; use runtime.backend=gloo (or auto) "
+                          "with runtime.device=cpu")
+    if rt.backend == "nccl" or rt.device == "cuda":
+        key, value = ("runtime.backend", rt.backend) if rt.backend == "nccl" else ("runtime.device", rt.device)
+        gpus = _cuda_devices()
+        if gpus == 0:
+            raise ConfigError(f"{key}={value}: no CUDA device is available here; use {key}=auto (gloo on CPU)")
+        if gpus < world_size:
+            # NCCL refuses two ranks on one GPU
+            raise ConfigError(
+                f"{key}={value}: the schedule needs {world_size} ranks but only {gpus} CUDA devices are visible; "
+                f"use fewer pipeline.stages or runtime.device=cpu"
+            )
+    _number("runtime.timeout_s", rt.timeout_s, "must be > 0 seconds", rt.timeout_s > 0)
+    _at_least("runtime.threads_per_rank", rt.threads_per_rank, 1)
+    if rt.master_port is not None:
+        _number("runtime.master_port", rt.master_port, "must be null (a free port) or in 1..65535",
+                _whole(rt.master_port) and 1 <= rt.master_port <= 65535)
+    if (rt.fail_at_step is None) != (rt.fail_rank is None):
+        unset = "runtime.fail_rank" if rt.fail_rank is None else "runtime.fail_at_step"
+        raise ConfigError(f"{unset}=null: the failure test hook needs both runtime.fail_rank and runtime.fail_at_step")
+    if rt.fail_rank is not None:
+        _number("runtime.fail_rank", rt.fail_rank, f"must be a rank in 0..{world_size - 1}",
+                _whole(rt.fail_rank) and 0 <= rt.fail_rank < world_size)
+        _at_least("runtime.fail_at_step", rt.fail_at_step, 1)
+        if rt.fail_mode not in FAIL_MODES:
+            raise ConfigError(f"runtime.fail_mode={rt.fail_mode}: allowed values: {', '.join(FAIL_MODES)}")
+
+
+def _check_logger(logger: DictConfig) -> None:
+    if logger.name not in LOGGERS:
+        raise ConfigError(f"logger.name={logger.name}: unknown logger; allowed values: {', '.join(LOGGERS)}")
+    if logger.name != "wandb":
+        return
+    if logger.mode not in LOGGER_MODES:
+        raise ConfigError(f"logger.mode={logger.mode}: unknown W&B mode; allowed values: {', '.join(LOGGER_MODES)}")
+    if logger.mode == "online":
+        # Caught here, since in rank 0 it would only surface after every rank has started.
+        from pipeflow.tracking.sink import wandb_credentials
+
+        found, why = wandb_credentials()
+        if not found:
+            raise ConfigError(
+                f"logger.mode=online: {why}; run `wandb login` (or set WANDB_API_KEY), "
+                f"or use logger.mode=offline or auto"
+            )
+
+
+def data_file_list(files: Any) -> list[str] | None:
+    """``data.files`` as the list of files it names: one path or a list, globs expanded
+    (sorted), or None for the data set's default corpus. Raises ConfigError naming the
+    first entry that matches nothing."""
+    if files is None:
+        return None
+    found: list[str] = []
+    for pattern in [files] if isinstance(files, str) else list(files):
+        path = os.path.expanduser(str(pattern))
+        if glob.has_magic(path):
+            matches = sorted(m for m in glob.glob(path) if os.path.isfile(m))
+            what = "no file matches"
+        else:
+            matches = [path] if os.path.isfile(path) else []
+            what = "no such file"
+        if not matches:
+            raise ConfigError(
+                f"data.files={pattern}: {what} (relative paths start at {os.getcwd()}); "
+                f"give existing files or globs, or data.files=null"
+            )
+        found += matches
+    return found
+
+
+def _check_data_files(data: DictConfig) -> None:
+    data_file_list(data.get("files"))
+
+
+def _check_resume(resume: str | None) -> None:
+    if resume is None:
+        return
+    if not Path(resume).expanduser().is_dir():
+        raise ConfigError(
+            f"resume={resume}: no such directory; give a previous run's folder (outputs/train/<date>/<time>) "
+            f"or one of its checkpoints/step_N folders"
+        )
+    # The runtime's own reading of `resume` (run dir -> latest checkpoint), torch-free
+    from pipeflow.runtime.checkpoint import resolve
+
+    try:
+        resolve(str(Path(resume).expanduser()))
+    except (OSError, ValueError) as err:
+        raise _naming_key("resume", resume, err) from None
+
+
+def prepare_training(cfg: DictConfig) -> TrainingInputs:
+    """Check a train config and build (and validate) its schedule, or raise ConfigError,
+    one sentence naming the key and the allowed values. Nothing is spawned, loaded or
+    written, so a bad config fails before any rank starts."""
+    _check_pipeline(cfg)
+    name, pipe = cfg.schedule.name, cfg.pipeline
+    if name in schedule_names() and name not in RUNTIME_SCHEDULES:
+        raise ConfigError(
+            f"schedule.name={name}: the runtime does not execute this schedule yet (pipeflow-simulate does); "
+            f"allowed values: {', '.join(RUNTIME_SCHEDULES)}"
+        )
+    if name == "chimera" and pipe.stages == 1:
+        # pipeline.stages=1 is the single-process reference run; Chimera's two opposite
+        # pipelines need two devices at least, so there is nothing to mean here.
+        raise ConfigError(
+            "pipeline.stages=1: schedule 'chimera' needs an even number of stages (2, 4, ...); "
+            "for single-process reference training use schedule=1f1b"
+        )
+    schedule = _generate_schedule(cfg)
+    spec = _model_spec(cfg, schedule)
+    topology = _build_topology(cfg, schedule)
+
+    model = cfg.model
+    if model.family not in TRAIN_FAMILIES:
+        raise ConfigError(
+            f"model.family={model.family}: the runtime trains GPT models only; allowed values: "
+            f"{', '.join(TRAIN_FAMILIES)} (e.g. model=gpt_tiny)"
+        )
+    _number("model.dropout", model.dropout, "a probability; use a number in [0, 1)", 0 <= model.dropout < 1)
+    if cfg.data.name == "text_corpus" and model.vocab_size < BYTE_VOCAB:
+        raise ConfigError(
+            f"model.vocab_size={model.vocab_size}: data 'text_corpus' feeds byte tokens 0..255; "
+            f"use model.vocab_size >= {BYTE_VOCAB}"
+        )
+    if cfg.partition.name not in PARTITIONERS:
+        raise ConfigError(
+            f"partition.name={cfg.partition.name}: the runtime cannot split a model this way; "
+            f"allowed values: {', '.join(PARTITIONERS)}"
+        )
+    _check_trainer(cfg.trainer)
+    _check_optim(cfg.optim)
+    _check_runtime(cfg.runtime, schedule.num_devices)
+    _check_logger(cfg.logger)
+    _check_data_files(cfg.data)
+    _check_resume(cfg.resume)
+
+    # Generators are tested to be valid, but the runtime would deadlock on a schedule that
+    # is not, so one validation here (milliseconds at training sizes) is cheap insurance.
+    validate(schedule)
+    return TrainingInputs(schedule, spec, topology)
+
+
+def check_group_choices(args: Sequence[str], config_dir: Path = CONF_DIR) -> None:
+    """Refuse a command-line group choice that names no option file (``schedule=nope``)
+    with one sentence, before Hydra composes: Hydra's own report spans many lines.
+
+    ``args`` are the command-line arguments; only ``group=option`` overrides (and choice
+    sweeps of them) of groups under ``config_dir`` are checked. With an extra config
+    directory (``--config-dir``, ``hydra.searchpath``) options may live elsewhere, so
+    nothing is checked and Hydra reports as usual; so are overrides it cannot parse.
+    """
+    if any(a.startswith(("-cd", "--config-dir", "hydra.searchpath")) for a in args):
+        return
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    candidates = [a for a in args if "=" in a and not a.startswith("-")]
+    try:
+        overrides = OverridesParser.create().parse_overrides(candidates)
+    except Exception:  # noqa: BLE001 - malformed overrides are Hydra's to report
+        return
+    for override in overrides:
+        group = override.key_or_group
+        if override.package is not None or override.is_delete() or not (config_dir / group).is_dir():
+            continue
+        try:
+            values = (list(override.sweep_string_iterator()) if override.is_sweep_override()
+                      else [override.get_value_element_as_str()])
+        except Exception:  # noqa: BLE001 - ranges and the like are not group choices
+            continue
+        options = sorted(p.stem for p in (config_dir / group).glob("*.yaml"))
+        for value in values:
+            if value not in options:
+                raise ConfigError(f"{group}={value}: unknown {group}; allowed values: {', '.join(options)}")

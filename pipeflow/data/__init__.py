@@ -1,0 +1,5 @@
+"""Data pipelines (torch, datasets): byte-level text for GPT so far."""
+
+from .text import ByteTokenizer, PackedText, build_text_data, default_corpus_files, load_corpus_tokens
+
+__all__ = ["ByteTokenizer", "PackedText", "build_text_data", "default_corpus_files", "load_corpus_tokens"]

@@ -1,0 +1,197 @@
+"""GPT-2, cut into pipeline stages.
+
+The blocks are transformers' own GPT-2 blocks (``GPT2Block``, eager attention); what
+lives here is the cut: a :class:`GPTStage` holds blocks ``[lo, hi)``, plus the token
+and position embeddings when it is the first stage and the final LayerNorm and the LM
+head when it is the last.
+
+Two properties let a pipelined run be checked against the same model on one device:
+
+- Parameter names are global: ``wte.weight``, ``wpe.weight``, ``h.<layer>.<...>``,
+  ``ln_f.*``, ``lm_head.weight``, whatever the split, so gradients compare by name.
+- Initialisation does not depend on the split: every parameter is drawn from its own
+  generator seeded by (seed, name), so the stages of any split hold exactly the
+  whole model's weights.
+
+The LM head is tied to the token embedding (GPT-2). When one stage holds both, the head
+uses ``wte.weight`` itself. Otherwise the last stage keeps a copy, ``lm_head.weight``,
+initialised equal to ``wte.weight``; the runtime all-reduces the two copies' gradients
+so they stay equal (Megatron-LM's tied embeddings across pipeline stages).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import GPT2Config
+from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+from pipeflow.planning.transformer import TransformerSpec
+
+INIT_STD = 0.02  # GPT-2's initializer_range
+
+
+def gpt2_config(model_cfg: Mapping) -> GPT2Config:
+    """A transformers ``GPT2Config`` from the ``model`` config group (family gpt)."""
+    family = model_cfg.get("family", "gpt")
+    if family != "gpt":
+        raise ValueError(f"model.family={family}: the GPT stage model builds GPT-2 only; allowed values: gpt")
+    spec = TransformerSpec.from_config(model_cfg)  # checks shapes with the project's messages
+    dropout = model_cfg.get("dropout", 0.0)
+    if dropout is None:
+        dropout = 0.0
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        raise ValueError(f"model.dropout={dropout!r}: a probability; use a number in [0, 1)")
+    config = GPT2Config(
+        vocab_size=spec.vocab_size,
+        n_positions=spec.positions,
+        n_embd=spec.n_embd,
+        n_layer=spec.n_layer,
+        n_head=spec.n_head,
+        n_inner=spec.ffn_width,
+        activation_function="gelu_new",
+        resid_pdrop=float(dropout),
+        embd_pdrop=float(dropout),
+        attn_pdrop=float(dropout),
+        layer_norm_epsilon=1e-5,
+        initializer_range=INIT_STD,
+        use_cache=False,
+        # GPT-2's <|endoftext|> id (50256) means nothing to other vocabularies (bytes)
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    # Eager attention: the additive causal mask below is applied exactly as written,
+    # on every device and dtype (the fused kernels pick their own masking paths).
+    config._attn_implementation = "eager"
+    return config
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    """A generator seeded by (seed, name) through a stable hash (Python's hash() is salted per process)."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def _normal_(param: Tensor, std: float, seed: int, name: str) -> None:
+    values = torch.randn(param.shape, generator=_generator(seed, name), dtype=torch.float32) * std
+    with torch.no_grad():
+        param.copy_(values)
+
+
+class GPTStage(nn.Module):
+    """Layers [lo, hi) of a GPT-2; the token+position embedding when first, final LayerNorm + LM head when last."""
+
+    def __init__(self, config: GPT2Config, lo: int, hi: int, first: bool, last: bool, seed: int):
+        super().__init__()
+        if not 0 <= lo < hi <= config.n_layer:
+            raise ValueError(
+                f"stage layers [{lo}, {hi}): need 0 <= lo < hi <= model.n_layer={config.n_layer}"
+            )
+        self.config = config
+        self.lo, self.hi, self.first, self.last = lo, hi, first, last
+        if first:
+            self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+            self.wpe = nn.Embedding(config.n_positions, config.n_embd)
+            self.drop = nn.Dropout(config.embd_pdrop)
+        self.h = nn.ModuleDict({str(i): GPT2Block(config, layer_idx=i) for i in range(lo, hi)})
+        if last:
+            self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+            if not first:
+                self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self._init_weights(seed)
+
+    def _init_weights(self, seed: int) -> None:
+        """GPT-2's initialisation, one generator per parameter name so any split draws the same values."""
+        residual_std = INIT_STD / math.sqrt(2 * self.config.n_layer)
+        for name, param in self.named_parameters():
+            if name == "lm_head.weight":
+                # the tied copy starts equal to the embedding it mirrors
+                _normal_(param, INIT_STD, seed, "wte.weight")
+            elif name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")):
+                nn.init.ones_(param)
+            elif name.endswith(".bias"):
+                nn.init.zeros_(param)
+            elif name.endswith(("attn.c_proj.weight", "mlp.c_proj.weight")):
+                # GPT-2: projections into the residual stream scaled by 1/sqrt(2 * n_layer)
+                _normal_(param, residual_std, seed, name)
+            else:
+                _normal_(param, INIT_STD, seed, name)
+
+    def tied_parameters(self) -> list[nn.Parameter]:
+        """This stage's copies of the tied embedding, whose gradients the runtime sums across stages."""
+        tied = []
+        if self.first:
+            tied.append(self.wte.weight)
+        if self.last and not self.first:
+            tied.append(self.lm_head.weight)
+        return tied
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.first:
+            T = x.size(1)
+            if T > self.config.n_positions:
+                raise ValueError(
+                    f"sequence of {T} tokens is longer than model.n_positions={self.config.n_positions}; "
+                    f"use seq_len <= {self.config.n_positions}"
+                )
+            pos = torch.arange(T, device=x.device)
+            x = self.drop(self.wte(x) + self.wpe(pos))
+        T = x.size(1)
+        # The blocks only add the mask they are given: token t may attend to tokens <= t.
+        mask = torch.full((T, T), torch.finfo(x.dtype).min, dtype=x.dtype, device=x.device).triu(1)
+        mask = mask[None, None]
+        for block in self.h.values():
+            x = block(x, attention_mask=mask)
+            if isinstance(x, tuple):  # transformers 4.x returns (hidden_states, ...)
+                x = x[0]
+        if self.last:
+            x = self.ln_f(x)
+            head = self.wte.weight if self.first else self.lm_head.weight
+            x = F.linear(x, head)
+        return x
+
+
+def _layer_bounds(n_layer: int, layers_per_stage: Sequence[int], stage: int) -> tuple[int, int]:
+    layers = list(layers_per_stage)
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in layers) or sum(layers) != n_layer:
+        raise ValueError(
+            f"partition layers_per_stage={layers}: needs whole numbers >= 1, one per stage, "
+            f"adding up to model.n_layer={n_layer}"
+        )
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < len(layers):
+        raise ValueError(f"stage={stage!r}: allowed values: 0 to {len(layers) - 1} (pipeline.stages={len(layers)})")
+    lo = sum(layers[:stage])
+    return lo, lo + layers[stage]
+
+
+def build_stage(model_cfg: Mapping, layers_per_stage: Sequence[int], stage: int, seed: int) -> GPTStage:
+    """Stage ``stage`` of the split ``layers_per_stage`` (see pipeflow.planning.partition)."""
+    config = gpt2_config(model_cfg)
+    lo, hi = _layer_bounds(config.n_layer, layers_per_stage, stage)
+    return GPTStage(config, lo, hi, first=stage == 0, last=stage == len(layers_per_stage) - 1, seed=seed)
+
+
+def build_model(model_cfg: Mapping, seed: int) -> GPTStage:
+    """The whole model as one stage: the pipeline.stages=1 reference."""
+    config = gpt2_config(model_cfg)
+    return GPTStage(config, 0, config.n_layer, first=True, last=True, seed=seed)
+
+
+def lm_loss(logits: Tensor, targets: Tensor, normalizer: float) -> Tensor:
+    """Summed next-token cross-entropy divided by ``normalizer``.
+
+    The runtime passes the global batch's token count, so the losses (and gradients)
+    of its microbatches and segments add up to the global batch's mean — the scaling a
+    pipelined step needs to match one device."""
+    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), reduction="sum")
+    return loss / normalizer
+
+
+def hidden_shape(model_cfg: Mapping, microbatch_size: int, seq_len: int) -> tuple[int, int, int]:
+    """Shape of the activation one stage sends the next for one microbatch."""
+    return (microbatch_size, seq_len, model_cfg["n_embd"])

@@ -1,0 +1,1 @@
+"""The torch.distributed runtime: launch ranks, execute schedules, checkpoint."""

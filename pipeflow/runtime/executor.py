@@ -1,0 +1,384 @@
+"""Execute one rank's share of a Schedule with real tensors.
+
+The rank walks its lowered action list (compute actions with the send/recv that the
+lowering pass derived). Consecutive sends and receives are posted together with
+``batch_isend_irecv`` and matched by the message tags the lowering assigned, so two
+devices may exchange messages in different orders (Chimera) without deadlock; a
+compute action waits only on its own receives. Tensors between stages on the same
+device never touch the network.
+
+Backward flavours:
+- B: one ``autograd.backward`` through the stage: weight gradients accumulate, the
+  input gradient goes to the previous stage.
+- I then W (zero bubble): I takes only the input gradient (``autograd.grad`` w.r.t. the
+  stage input, graph retained); W later accumulates the weight gradients
+  (``autograd.backward(..., inputs=params)``), which frees the graph.
+
+The optimizer step is the end of a synchronous iteration: REDUCE all-reduces the
+gradients of replicated stages (asynchronously, overlapping later work); at the first
+STEP the rank waits for them, sums the copies of the tied embedding across the ranks
+that hold one, and takes part in one world all-reduce that yields the global gradient
+norm (each parameter counted once), the iteration's loss and the busy time. Gradients
+are clipped by that norm, then each STEP updates its stage.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from ..schedules.ir import Action, Kind, Schedule
+from ..schedules.lowering import Comm, lower
+from ..sim.timeline import Event
+
+
+@dataclass
+class StageState:
+    """One (pipe, stage) held by this rank: its module and what is in flight."""
+
+    pipe: int
+    stage: int
+    module: torch.nn.Module
+    first: bool
+    last: bool
+    optimizer: torch.optim.Optimizer | None = None
+    params: list = field(default_factory=list)
+    tied: list = field(default_factory=list)  # this stage's copies of the tied embedding
+    saved: dict = field(default_factory=dict)  # (mb, seg) -> (input leaf or None, output or loss)
+    pending_w: dict = field(default_factory=dict)  # (mb, seg) -> (output or loss, its gradient)
+
+
+@dataclass
+class StepStats:
+    loss: float  # the iteration's loss (sum of the normalised microbatch losses over the last stages)
+    grad_norm: float  # before clipping
+    busy: float  # seconds of compute on this rank
+    events: list  # timeline events of this rank when recorded
+
+
+class Groups:
+    """Process groups every rank creates in the same order: one per replicated stage
+    (so their all-reduces never interfere, whatever order ranks issue them in), and one
+    for the ranks holding copies of the tied embedding."""
+
+    def __init__(self, schedule: Schedule, tied_stages: tuple[int, ...]):
+        placement = schedule.placement
+        self.replica_group: dict[int, object] = {}
+        for stage in range(schedule.num_stages):
+            devices = sorted({d for _, d in placement.replicas(stage)})
+            if len(devices) > 1:
+                self.replica_group[stage] = dist.new_group(devices)
+        tied_devices = sorted({d for s in tied_stages for _, d in placement.replicas(s)})
+        self.tied_devices = tied_devices
+        self.tied_group = dist.new_group(tied_devices) if len(tied_devices) > 1 else None
+
+
+class Executor:
+    def __init__(
+        self,
+        schedule: Schedule,
+        rank: int,
+        stages: dict[tuple[int, int], StageState],
+        adapter,
+        groups: Groups,
+        grad_clip: float | None,
+        on_grads: Callable[[dict[tuple[int, int], StageState]], None] | None = None,
+    ):
+        if not schedule.graph.is_chain:
+            raise NotImplementedError(
+                f"schedule {schedule.name!r} has a branched stage graph; the runtime executes chains of stages"
+            )
+        if schedule.num_segments != 1:
+            raise NotImplementedError("the runtime executes schedules without sequence segments (pipeline.segments=1)")
+        self.schedule = schedule
+        self.rank = rank
+        self.stages = stages
+        self.adapter = adapter
+        self.groups = groups
+        self.grad_clip = grad_clip
+        self.on_grads = on_grads
+        items = lower(schedule)[rank]
+        self.placement = schedule.placement
+        self.graph = schedule.graph
+        self.plan, self.tail = _post_ahead(items)
+        # forward-only walk for evaluation: the forwards and the activation messages, in
+        # the same per-device order (a subsequence of a deadlock-free order is one too)
+        self.eval_plan, self.eval_tail = _post_ahead(
+            [x for x in items if (isinstance(x, Comm) and not x.grad) or (isinstance(x, Action) and x.kind == Kind.F)]
+        )
+
+    # ---- messages ---------------------------------------------------------------------
+    def _key(self, c: Comm) -> tuple:
+        return (c.grad, c.src_stage, c.dst_stage, c.microbatch, c.pipe, c.segment)
+
+    def _flush(self, comms: list[Comm], outbox: dict, inbox: dict, sends: list) -> None:
+        """Post a run of sends and receives as one batch; receives are waited for by
+        the compute action that needs them, sends at the end of the iteration."""
+        if not comms:
+            return
+        ops = []
+        for c in comms:
+            if c.op == "send":
+                ops.append(dist.P2POp(dist.isend, outbox.pop(self._key(c)), c.peer, tag=c.tag))
+            else:
+                shape, dtype = self.adapter.message_spec(c.src_stage, c.dst_stage)
+                buf = torch.empty(shape, dtype=dtype, device=self.adapter.device)
+                ops.append(dist.P2POp(dist.irecv, buf, c.peer, tag=c.tag))
+        for c, op, work in zip(comms, ops, dist.batch_isend_irecv(ops)):
+            if c.op == "send":
+                sends.append((work, op.tensor))  # the tensor must live until the send completes
+            else:
+                inbox[self._key(c)] = (op.tensor, work)
+
+    def _await_inputs(self, a: Action, inbox: dict) -> None:
+        if a.kind == Kind.F:
+            keys = [(False, p, a.stage, a.microbatch, a.pipe, a.segment) for p in self.graph.preds[a.stage]]
+        elif a.kind in Kind.BACKWARD:
+            keys = [(True, a.stage, t, a.microbatch, a.pipe, a.segment) for t in self.graph.succs[a.stage]]
+        else:
+            return
+        for key in keys:
+            if key in inbox:
+                buf, work = inbox[key]
+                if work is not None:
+                    work.wait()
+                    inbox[key] = (buf, None)  # a gloo receive must not be waited on twice
+
+    def _take(self, key: tuple, inbox: dict, local: dict) -> torch.Tensor:
+        """A message for this rank: from a receive (wait for it) or from a stage on this device."""
+        if key in local:
+            return local.pop(key)
+        buf, work = inbox.pop(key)
+        if work is not None:
+            work.wait()
+        return buf
+
+    def _emit(self, key: tuple, tensor: torch.Tensor, outbox: dict, local: dict, dst_device: int) -> None:
+        if dst_device == self.rank:
+            local[key] = tensor
+        else:
+            outbox[key] = tensor
+
+    # ---- one iteration ----------------------------------------------------------------
+    def train_step(self, batch, normalizer: float, lr: float, record: bool = False, t0: float | None = None) -> StepStats:
+        """Run this rank's actions for one iteration; ``busy`` in the result is this
+        rank's compute time (the caller reduces it across ranks if it wants the total)."""
+        outbox: dict = {}
+        inbox: dict = {}
+        local: dict = {}
+        sends: list = []
+        reduces: list = []
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        busy = 0.0
+        events: list[Event] = []
+        t0 = time.perf_counter() if t0 is None else t0
+        synced: tuple[float, float] | None = None
+        for posts, a in self.plan:
+            self._flush(posts, outbox, inbox, sends)
+            if a.kind == Kind.STEP and synced is None:
+                # the world all-reduce for the clip norm and the loss: not compute, not busy
+                synced = self._synchronise(reduces, loss_sum)
+            self._await_inputs(a, inbox)  # waiting for a message is idle time, not compute
+            start = time.perf_counter()
+            if a.kind == Kind.F:
+                loss_sum += self._forward(a, batch, normalizer, inbox, local, outbox)
+            elif a.kind == Kind.B:
+                self._backward(a, inbox, local, outbox, full=True)
+            elif a.kind == Kind.I:
+                self._backward(a, inbox, local, outbox, full=False)
+            elif a.kind == Kind.W:
+                self._weight(a)
+            elif a.kind == Kind.REDUCE:
+                reduces.append(self._reduce(a))
+            elif a.kind == Kind.STEP:
+                st = self.stages[(a.pipe, a.stage)]
+                for group in st.optimizer.param_groups:
+                    group["lr"] = lr
+                st.optimizer.step()
+                st.optimizer.zero_grad(set_to_none=True)
+            end = time.perf_counter()
+            if a.kind != Kind.REDUCE:  # REDUCE only issues an asynchronous all-reduce
+                busy += end - start
+            if record:
+                events.append(
+                    Event(self.rank, str(a), a.kind, a.stage, a.microbatch, a.pipe, a.segment, start - t0, end - t0,
+                          "collective" if a.kind == Kind.REDUCE else "compute")
+                )
+        self._flush(self.tail, outbox, inbox, sends)
+        for work, _tensor in sends:
+            work.wait()
+        if synced is None:
+            raise RuntimeError(f"schedule {self.schedule.name!r} has no STEP on rank {self.rank}; nothing was updated")
+        if inbox or outbox or local:
+            raise RuntimeError(
+                f"rank {self.rank}: messages left over after the iteration: "
+                f"{sorted(list(inbox) + list(outbox) + list(local))[:6]}"
+            )
+        grad_norm, loss = synced
+        return StepStats(loss, grad_norm, busy, events)
+
+    def _forward(self, a: Action, batch, normalizer, inbox, local, outbox) -> torch.Tensor:
+        st = self.stages[(a.pipe, a.stage)]
+        key = (a.microbatch, a.segment)
+        if st.first:
+            x = self.adapter.stage_input(batch, a.microbatch)
+            leaf = None
+        else:
+            (pred,) = self.graph.preds[a.stage]
+            x = self._take((False, pred, a.stage, a.microbatch, a.pipe, a.segment), inbox, local)
+            x = x.detach().requires_grad_(True)
+            leaf = x
+        out = st.module(x)
+        if st.last:
+            loss = self.adapter.loss(out, batch, a.microbatch, normalizer)
+            st.saved[key] = (leaf, loss)
+            return loss.detach().double()
+        st.saved[key] = (leaf, out)
+        for succ in self.graph.succs[a.stage]:
+            dev = self.placement.device(a.pipe, succ)
+            self._emit((False, a.stage, succ, a.microbatch, a.pipe, a.segment), out.detach(), outbox, local, dev)
+        return torch.zeros((), dtype=torch.float64)
+
+    def _output_grad(self, a: Action, st: StageState, inbox, local):
+        if st.last:
+            return None  # the output is the loss itself
+        (succ,) = self.graph.succs[a.stage]
+        return self._take((True, a.stage, succ, a.microbatch, a.pipe, a.segment), inbox, local)
+
+    def _send_input_grad(self, a: Action, grad: torch.Tensor, outbox, local) -> None:
+        (pred,) = self.graph.preds[a.stage]
+        dev = self.placement.device(a.pipe, pred)
+        self._emit((True, pred, a.stage, a.microbatch, a.pipe, a.segment), grad, outbox, local, dev)
+
+    def _backward(self, a: Action, inbox, local, outbox, full: bool) -> None:
+        st = self.stages[(a.pipe, a.stage)]
+        key = (a.microbatch, a.segment)
+        g = self._output_grad(a, st, inbox, local)
+        if full:
+            leaf, out = st.saved.pop(key)
+            torch.autograd.backward(out, grad_tensors=g)
+            if leaf is not None:
+                self._send_input_grad(a, leaf.grad, outbox, local)
+            return
+        leaf, out = st.saved[key]
+        if leaf is not None:
+            (gx,) = torch.autograd.grad(out, [leaf], grad_outputs=g, retain_graph=True)
+            self._send_input_grad(a, gx, outbox, local)
+        st.pending_w[key] = (out, g)
+
+    def _weight(self, a: Action) -> None:
+        st = self.stages[(a.pipe, a.stage)]
+        key = (a.microbatch, a.segment)
+        out, g = st.pending_w.pop(key)
+        st.saved.pop(key)
+        torch.autograd.backward(out, grad_tensors=g, inputs=st.params)
+
+    # ---- gradient synchronisation -----------------------------------------------------
+    def _reduce(self, a: Action):
+        group = self.groups.replica_group.get(a.stage)
+        if group is None:
+            return None
+        st = self.stages[(a.pipe, a.stage)]
+        tied = {id(p) for p in st.tied}
+        params = [p for p in st.params if id(p) not in tied]  # the tied copies are summed separately
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = _flatten_dense_tensors(grads)
+        work = dist.all_reduce(flat, group=group, async_op=True)
+        return (work, flat, params, grads)
+
+    def _synchronise(self, reduces, loss_sum: torch.Tensor) -> tuple[float, float]:
+        for r in reduces:
+            if r is None:
+                continue
+            work, flat, params, grads = r
+            work.wait()
+            for p, g in zip(params, _unflatten_dense_tensors(flat, grads)):
+                p.grad = g.view_as(p).clone()
+        self._sync_tied()
+        if self.on_grads is not None:
+            self.on_grads(self.stages)
+        # one world all-reduce: the squared gradient norm (each parameter counted once:
+        # replicas only on pipe 0, the tied embedding only on the first stage) and the loss
+        sq = torch.zeros((), dtype=torch.float64)
+        for (pipe, stage), st in self.stages.items():
+            tied = {id(p) for p in st.tied}
+            for p in st.params:
+                if p.grad is not None and pipe == 0 and (id(p) not in tied or st.first):
+                    sq += p.grad.detach().double().pow(2).sum()
+        vec = torch.stack([sq, loss_sum.double()])
+        dist.all_reduce(vec)
+        norm = math.sqrt(vec[0].item())
+        if self.grad_clip:
+            coef = self.grad_clip / (norm + 1e-6)
+            if coef < 1.0:
+                for st in self.stages.values():
+                    for p in st.params:
+                        if p.grad is not None:
+                            p.grad.mul_(coef)
+        return norm, vec[1].item()
+
+    def _sync_tied(self) -> None:
+        """Every copy of the tied embedding gets the sum of all copies' gradients."""
+        copies = [p for st in self.stages.values() for p in st.tied]
+        if not copies or (self.groups.tied_group is None and len(copies) == 1):
+            return
+        total = torch.zeros_like(copies[0])
+        for p in copies:
+            if p.grad is not None:
+                total += p.grad
+        if self.groups.tied_group is not None:
+            dist.all_reduce(total, group=self.groups.tied_group)
+        for p in copies:
+            p.grad = total.clone()
+
+    # ---- evaluation -------------------------------------------------------------------
+    @torch.no_grad()
+    def eval_loss(self, batch, normalizer: float) -> float:
+        outbox: dict = {}
+        inbox: dict = {}
+        local: dict = {}
+        sends: list = []
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for posts, a in self.eval_plan:
+            self._flush(posts, outbox, inbox, sends)
+            loss_sum += self._forward(a, batch, normalizer, inbox, local, outbox)
+            self.stages[(a.pipe, a.stage)].saved.pop((a.microbatch, a.segment), None)
+        self._flush(self.eval_tail, outbox, inbox, sends)
+        for work, _tensor in sends:
+            work.wait()
+        vec = loss_sum.reshape(1).clone()
+        dist.all_reduce(vec)
+        return vec.item()
+
+
+def _post_ahead(items: list) -> tuple[list[tuple[list[Comm], Action]], list[Comm]]:
+    """Group a lowered list into (messages to post, action) steps.
+
+    Before action i the rank posts the sends of action i-1 (its outputs) and the
+    receives of actions i and i+1: a receive posted one action early lets the transfer
+    start as soon as the sender is ready (gloo moves data only once the receive is
+    posted) while the rank is still computing. Receives never block, so posting early
+    cannot deadlock; it costs one message's buffer."""
+    actions: list[Action] = []
+    recvs: list[list[Comm]] = []
+    sends: list[list[Comm]] = [[]]  # sends[i + 1]: the sends that follow action i
+    pending: list[Comm] = []
+    for x in items:
+        if isinstance(x, Comm):
+            (pending if x.op == "recv" else sends[-1]).append(x)
+        else:
+            actions.append(x)
+            recvs.append(pending)
+            pending = []
+            sends.append([])
+    plan = []
+    for i, a in enumerate(actions):
+        posts = list(sends[i]) + ([] if i else recvs[0]) + (recvs[i + 1] if i + 1 < len(actions) else [])
+        plan.append((posts, a))
+    return plan, sends[-1] + pending

@@ -1,0 +1,131 @@
+"""pipeflow-train: train a model with a pipeline schedule over torch.distributed ranks.
+
+    pipeflow-train                                        # gpt_tiny, 1F1B, 2 local CPU ranks
+    pipeflow-train schedule=chimera pipeline.stages=4
+    pipeflow-train -m schedule=gpipe,1f1b,chimera trainer.steps=20   # one W&B group
+
+Composition only: config -> up-front check (pipeflow.config.prepare_training; a bad
+config stops here, before any process starts) -> W&B group, tags and run name -> the
+runtime's launcher (pipeflow.runtime.launch), which spawns one rank per device and
+writes metrics.jsonl, timeline.json/png, checkpoints/, summary.json and wandb/ into the
+Hydra run directory.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import CompactHydraException
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from pipeflow.config import (
+    CONF_DIR,
+    ConfigError,
+    check_group_choices,
+    data_file_list,
+    prepare_training,
+    register_configs,
+)
+
+# Hydra composes against these schemas, so they must be in the ConfigStore before main().
+register_configs()
+
+_W_AND_B_TAG_LIMIT = 64  # characters; W&B rejects longer tags
+
+
+class JobError(CompactHydraException):
+    """One multirun job that could not run. Hydra prints the message without a traceback,
+    goes on with the other jobs, and exits non-zero at the end."""
+
+
+def logger_labels(logger: DictConfig, hydra_cfg: DictConfig) -> dict:
+    """W&B group, tags and run name for this job: what the config says, else, in a
+    multirun, one group per sweep, the job's overrides as tags and its folder as name."""
+    if logger.name != "wandb":
+        return {}
+    group, tags, run_name = logger.group, list(logger.tags), logger.run_name
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        sweep = Path(hydra_cfg.sweep.dir)
+        # outputs/multirun/train/<date>/<time> -> "train-<date>_<time>"
+        stamp = "_".join(sweep.parts[-2:]) if re.fullmatch(r"\d{4}-\d{2}-\d{2}", sweep.parent.name) else sweep.name
+        group = group or f"{hydra_cfg.job.name}-{stamp}"
+        # the overrides that vary across the sweep are what tells its runs apart
+        tags += [o for o in hydra_cfg.overrides.task if not o.lstrip("+~").startswith(("logger.", "hydra."))]
+        run_name = run_name or Path(hydra_cfg.runtime.output_dir).name
+    tags = list(dict.fromkeys(t[:_W_AND_B_TAG_LIMIT] for t in tags))
+    return {"group": group, "tags": tags, "run_name": run_name}
+
+
+def job_config(cfg: DictConfig, hydra_cfg: DictConfig) -> dict:
+    """The config the ranks get: resolved, plain, with the logger labels filled in and
+    paths made absolute (ranks started by torchrun may not share the launcher's working
+    directory): ``resume``, and ``data.files`` as the list of files its globs name."""
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    plain["logger"].update(logger_labels(cfg.logger, hydra_cfg))
+    if plain.get("resume"):
+        plain["resume"] = str(Path(plain["resume"]).expanduser().resolve())
+    if plain["data"].get("files") is not None:
+        plain["data"]["files"] = [str(Path(f).resolve()) for f in data_file_list(plain["data"]["files"])]
+    return plain
+
+
+def format_summary(summary: dict, run_dir: str) -> str:
+    """The console lines after a run: the summary's numbers, then where the files are."""
+    lines = []
+    for key, value in summary.items():
+        if isinstance(value, float):
+            lines.append(f"{key:<22}{value:.6g}")
+        elif isinstance(value, (int, str)) and not isinstance(value, bool):
+            lines.append(f"{key:<22}{value}")
+    lines.append(f"\nwrote metrics.jsonl, summary.json and the rest to {run_dir}")
+    return "\n".join(lines)
+
+
+def _stop(message: str, hydra_cfg: DictConfig) -> None:
+    # A single run ends here: the sentence on stderr, exit status 1, no traceback. A
+    # multirun job raises instead, so the sweep's other jobs still run.
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        sys.stderr.write(f"[{Path(hydra_cfg.runtime.output_dir).name}] {message}\n")
+        raise JobError(message)
+    raise SystemExit(message)
+
+
+# An absolute config path: a relative one ("../conf") is resolved as a Python package
+# when the app starts from its console script, and conf/ is a folder, not a package.
+@hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
+def train_app(cfg: DictConfig) -> None:
+    hydra_cfg = HydraConfig.get()
+    run_dir = str(Path(hydra_cfg.runtime.output_dir).resolve())
+    try:
+        inputs = prepare_training(cfg)
+    except ConfigError as err:
+        _stop(str(err), hydra_cfg)
+
+    # The runtime imports torch; a config error above never pays for that.
+    from pipeflow.runtime.launch import JobFailed, TrainJob, launch
+
+    job = TrainJob(cfg=job_config(cfg, hydra_cfg), run_dir=run_dir, world_size=inputs.world_size)
+    try:
+        summary = launch(job)
+    except JobFailed as err:
+        _stop(str(err), hydra_cfg)
+    print(format_summary(summary, run_dir))
+
+
+def main() -> None:
+    """The console script: a group choice with no option file (``schedule=nope``) is
+    refused in one line, as every other config error is, before Hydra composes."""
+    try:
+        check_group_choices(sys.argv[1:])
+    except ConfigError as err:
+        raise SystemExit(str(err)) from None
+    train_app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,424 @@
+"""The pipeflow-train config: it composes, and every impossible combination stops in
+prepare_training, before any rank is spawned, with one sentence that names the key.
+
+Nothing here trains: the checks run in-process on composed configs, and the app is
+started as a user would only with configs that must be refused (or, for the logger
+labels, with a stand-in for Hydra's own config).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from hydra.types import RunMode
+from omegaconf import OmegaConf
+
+from pipeflow.config import CONF_DIR, RUNTIME_SCHEDULES, ConfigError, check_group_choices, compose, prepare_training
+from pipeflow.schedules.registry import schedule_names
+from pipeflow.train import format_summary, job_config, logger_labels
+
+
+def train_cfg(*overrides: str):
+    return compose("train", overrides)
+
+
+def prepare(*overrides: str):
+    return prepare_training(train_cfg(*overrides))
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+@pytest.fixture
+def no_wandb_credentials(tmp_path, monkeypatch):
+    for key in list(os.environ):
+        if key.startswith("WANDB_"):
+            monkeypatch.delenv(key)
+    monkeypatch.delenv("NETRC", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "home" / "config"))
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "home" / "cache"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+
+
+# ----------------------------------------------------------------------------- composes
+
+
+def test_embedded_defaults():
+    cfg = train_cfg()
+    assert (cfg.model.name, cfg.schedule.name, cfg.partition.name, cfg.topology.name) == (
+        "gpt_tiny", "1f1b", "uniform", "local_cpu")
+    assert (cfg.data.name, cfg.optim.name, cfg.runtime.name, cfg.logger.name) == (
+        "text_corpus", "adamw", "local", "wandb")
+    p = cfg.pipeline
+    assert (p.stages, p.microbatches, p.virtual_stages, p.segments, p.microbatch_size) == (2, 4, 1, 1, 4)
+    t = cfg.trainer
+    assert (t.steps, t.log_every, t.val_every, t.val_batches, t.save_every, t.timeline_step) == (300, 1, 50, 4, 0, 5)
+    assert cfg.resume is None and cfg.seed == 1234
+    assert cfg.logger.mode == "auto" and cfg.runtime.backend == "auto" and cfg.runtime.timeout_s == 60
+    o = cfg.optim
+    assert (o.weight_decay, o.beta1, o.beta2, o.eps) == (0.1, 0.9, 0.95, 1e-8)
+    assert (o.warmup_steps, o.min_lr_ratio, o.grad_clip) == (20, 0.1, 1.0)
+
+    inputs = prepare_training(cfg)
+    assert inputs.world_size == 2 == inputs.schedule.num_devices
+    assert inputs.schedule.name == "1f1b" and inputs.topology.num_devices == 2
+
+
+def test_the_runtime_schedules_are_registered_ones():
+    assert set(RUNTIME_SCHEDULES) <= set(schedule_names())
+
+
+def test_a_schedule_the_runtime_does_not_run_is_refused(monkeypatch):
+    import pipeflow.config as config
+
+    monkeypatch.setattr(config, "RUNTIME_SCHEDULES", ("gpipe", "1f1b"))
+    with pytest.raises(ConfigError, match=r"^schedule\.name=zb_h1: the runtime does not .*values: gpipe, 1f1b$"):
+        prepare("schedule=zb_h1")
+
+
+@pytest.mark.parametrize(
+    "overrides,world_size,num_stages",
+    [
+        (["schedule=gpipe"], 2, 2),
+        (["schedule=zb_h1", "pipeline.stages=4", "pipeline.microbatches=8"], 4, 4),
+        (["schedule=chimera", "pipeline.stages=4"], 4, 4),
+        (["schedule=interleaved_1f1b", "pipeline.virtual_stages=2"], 2, 4),
+        (["pipeline.stages=1"], 1, 1),  # the single-process reference
+        (["schedule=gpipe", "pipeline.stages=1", "pipeline.microbatches=1"], 1, 1),
+    ],
+)
+def test_runnable_configs_pass(overrides, world_size, num_stages):
+    inputs = prepare(*overrides)
+    assert inputs.world_size == world_size and inputs.schedule.num_stages == num_stages
+
+
+@pytest.mark.parametrize("group", ["partition", "optim", "runtime", "logger", "data"])
+def test_every_option_composes_and_passes(group, no_wandb_credentials):
+    for option in options(group):
+        cfg = train_cfg(f"{group}={option}")
+        assert cfg[group].name == option
+        prepare_training(cfg)
+
+
+def test_logger_none_has_only_a_name():
+    assert OmegaConf.to_container(train_cfg("logger=none").logger) == {"name": "none"}
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["trainer.step=3", "optim.learning_rate=1e-3", "runtime.backnd=gloo", "logger.mod=offline", "pipeline.stage=2",
+     "seeds=1", "trainer.steps=many"],
+)
+def test_misspelt_keys_and_wrong_types_fail_at_composition(override):
+    with pytest.raises(ConfigCompositionException):
+        train_cfg(override)
+
+
+def test_data_files_that_exist_pass(tmp_path):
+    (tmp_path / "a.txt").write_text("hello")
+    (tmp_path / "b.txt").write_text("world")
+    prepare(f"data.files=[{tmp_path / 'a.txt'}]")
+    prepare(f"data.files={tmp_path / 'b.txt'}")
+    prepare(f"data.files=[{tmp_path / '*.txt'}]")
+
+
+def test_resume_from_a_run_with_checkpoints_passes(tmp_path):
+    (tmp_path / "checkpoints" / "step_0000010").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "latest").write_text("10\n")  # written once every rank has saved
+    prepare(f"resume={tmp_path}")
+    prepare(f"resume={tmp_path / 'checkpoints' / 'step_0000010'}")  # or one checkpoint of it
+
+
+# --------------------------------------------------------------------------- refused
+
+
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        # the issue's list: more stages than layers, Chimera on odd stages, interleaving
+        # with m not a multiple of p, an unknown schedule
+        (["pipeline.stages=8"], "pipeline.stages=8"),  # gpt_tiny has 4 layers
+        (["schedule=interleaved_1f1b", "pipeline.virtual_stages=4"], "pipeline.stages=2"),  # 8 stages > 4 layers
+        (["schedule=chimera", "pipeline.stages=3"], "pipeline.stages=3"),
+        (["schedule=chimera", "pipeline.stages=1"], "pipeline.stages=1"),
+        (["schedule=chimera", "pipeline.microbatches=3"], "pipeline.microbatches=3"),
+        (["schedule=interleaved_1f1b", "pipeline.virtual_stages=2", "pipeline.microbatches=3"],
+         "pipeline.microbatches=3"),
+        (["schedule.name=nope"], "schedule.name=nope"),
+        (["schedule=1f1b", "pipeline.virtual_stages=2"], "pipeline.virtual_stages=2"),
+        (["pipeline.microbatch_size=0"], "pipeline.microbatch_size=0"),
+        # model and topology
+        (["model.seq_len=512"], "model.seq_len=512"),  # > model.n_positions=256
+        (["model=bert_large", "pipeline.stages=2"], "model.family=bert"),
+        (["model.vocab_size=100"], "model.vocab_size=100"),  # bytes need 256
+        (["model.dropout=1.0"], "model.dropout=1.0"),
+        (["topology.num_devices=1"], "topology.num_devices=1"),
+        (["partition.name=greedy"], "partition.name=greedy"),
+        # trainer
+        (["trainer.steps=0"], "trainer.steps=0"),
+        (["trainer.save_every=-1"], "trainer.save_every=-1"),
+        (["trainer.log_every=0"], "trainer.log_every=0"),
+        (["trainer.val_batches=0"], "trainer.val_batches=0"),
+        (["trainer.timeline_step=0"], "trainer.timeline_step=0"),
+        # optimizer
+        (["optim.name=sgd"], "optim.name=sgd"),
+        (["optim.lr=0"], "optim.lr=0"),
+        (["optim.beta1=-0.1"], "optim.beta1=-0.1"),
+        (["optim.beta2=1.0"], "optim.beta2=1.0"),
+        (["optim.warmup_steps=-5"], "optim.warmup_steps=-5"),
+        (["optim.grad_clip=-1"], "optim.grad_clip=-1"),
+        (["optim.min_lr_ratio=2"], "optim.min_lr_ratio=2"),
+        (["optim.eps=0"], "optim.eps=0"),
+        # runtime
+        (["runtime.backend=mpi"], "runtime.backend=mpi"),
+        (["runtime.device=tpu"], "runtime.device=tpu"),
+        (["runtime.backend=nccl", "runtime.device=cpu"], "runtime.backend=nccl"),
+        (["runtime.timeout_s=0"], "runtime.timeout_s=0"),
+        (["runtime.master_port=70000"], "runtime.master_port=70000"),
+        (["runtime.threads_per_rank=0"], "runtime.threads_per_rank=0"),
+        (["runtime.fail_rank=2", "runtime.fail_at_step=3"], "runtime.fail_rank=2"),  # 2 ranks: 0 and 1
+        (["runtime.fail_rank=1"], "runtime.fail_at_step=null"),
+        (["runtime.fail_rank=1", "runtime.fail_at_step=2", "runtime.fail_mode=explode"], "runtime.fail_mode=explode"),
+        # logger
+        (["logger.mode=sometimes"], "logger.mode=sometimes"),
+        (["logger=none", "logger.name=tensorboard"], "logger.name=tensorboard"),
+    ],
+)
+def test_bad_configs_fail_with_one_sentence_naming_the_key(overrides, key):
+    with pytest.raises(ConfigError) as info:
+        prepare(*overrides)
+    msg = str(info.value)
+    assert key in msg
+    assert "\n" not in msg, msg
+
+
+def test_byte_vocabulary_matches_the_data_set():
+    from pipeflow.config import BYTE_VOCAB
+    from pipeflow.data.text import ByteTokenizer
+
+    assert BYTE_VOCAB == ByteTokenizer.vocab_size
+
+
+def test_unknown_schedule_lists_the_allowed_values():
+    with pytest.raises(ConfigError, match="allowed values: gpipe, 1f1b, interleaved_1f1b, zb_h1, chimera"):
+        prepare("schedule.name=nope")
+
+
+def test_chimera_on_one_stage_points_to_the_reference_schedule():
+    with pytest.raises(ConfigError, match=r"use schedule=1f1b"):
+        prepare("schedule=chimera", "pipeline.stages=1")
+
+
+def test_more_stages_than_layers_says_the_allowed_range():
+    with pytest.raises(ConfigError, match=r"only 4 layers .*allowed values: 1\.\.4"):
+        prepare("pipeline.stages=5")
+
+
+def test_unknown_partition_lists_the_allowed_values():
+    with pytest.raises(ConfigError, match="allowed values: uniform, parameters"):
+        prepare("partition.name=greedy")
+
+
+@pytest.mark.parametrize("files", ["[{d}/missing.txt]", "{d}/missing.txt", "[{d}/*.nothing]"])
+def test_missing_data_files(tmp_path, files):
+    (tmp_path / "real.txt").write_text("x")
+    with pytest.raises(ConfigError) as info:
+        prepare("data.files=" + files.format(d=tmp_path))
+    msg = str(info.value)
+    assert msg.startswith("data.files=") and ("missing.txt: no such file" in msg or "*.nothing: no file matches" in msg)
+
+
+def test_one_missing_file_among_several_is_named(tmp_path):
+    (tmp_path / "real.txt").write_text("x")
+    with pytest.raises(ConfigError, match=r"data\.files=.*gone\.txt: no such file"):
+        prepare(f"data.files=[{tmp_path / 'real.txt'},{tmp_path / 'gone.txt'}]")
+
+
+def test_resume_from_a_missing_dir(tmp_path):
+    with pytest.raises(ConfigError, match=r"^resume=.*no such directory"):
+        prepare(f"resume={tmp_path / 'nowhere'}")
+
+
+def test_resume_from_a_dir_without_checkpoints(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(ConfigError, match=r"^resume=.*checkpoints/"):
+        prepare(f"resume={tmp_path}")
+    (tmp_path / "checkpoints" / "step_0000005").mkdir(parents=True)  # a save that never finished
+    with pytest.raises(ConfigError, match=r"^resume=.*checkpoints/latest is missing"):
+        prepare(f"resume={tmp_path}")
+
+
+def test_cuda_requested_where_there_is_none():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ConfigError, match=r"^runtime\.device=cuda: no CUDA device"):
+        prepare("runtime.device=cuda")
+
+
+def test_online_without_credentials_fails_before_start(no_wandb_credentials):
+    with pytest.raises(ConfigError, match=r"^logger\.mode=online: no W&B API key .*wandb login"):
+        prepare("logger.mode=online")
+
+
+def test_online_with_an_api_key_passes(no_wandb_credentials, monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", "0123456789" * 4)  # never verified: no network
+    prepare("logger.mode=online")
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["schedule=nope"],
+         "schedule=nope: unknown schedule; allowed values: 1f1b, chimera, gpipe, interleaved_1f1b, zb_h1"),
+        (["-m", "schedule=gpipe,nope,1f1b"], "schedule=nope: unknown schedule"),
+        (["trainer.steps=3", "model=gpt_huge"], "model=gpt_huge: unknown model; allowed values: bert_1b, "),
+        (["logger=tensorboard"], "logger=tensorboard: unknown logger; allowed values: none, wandb"),
+    ],
+)
+def test_unknown_group_options_on_the_command_line(args, message):
+    with pytest.raises(ConfigError) as info:
+        check_group_choices(args)
+    assert str(info.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        [], ["--help"], ["-m", "schedule=gpipe,1f1b,chimera", "trainer.steps=20"], ["model=gpt_small", "logger=none"],
+        ["+extra=1", "~logger"], ["trainer.steps=nope"],  # not group choices: Hydra's and the schema's business
+        ["--config-dir", "sweeps", "schedule=mine"], ["hydra.searchpath=[file:///x]", "schedule=mine"],  # elsewhere
+        ["schedule=gpipe,"],  # malformed: Hydra reports it
+    ],
+)
+def test_group_choices_left_to_hydra(args):
+    check_group_choices(args)
+
+
+# ------------------------------------------------------------------ what the app adds
+
+
+def hydra_stub(mode: RunMode, overrides=(), output_dir="outputs/train/2026-11-21/12-00-00",
+               sweep_dir="outputs/multirun/train/2026-11-21/12-00-00"):
+    cfg = OmegaConf.create({
+        "sweep": {"dir": sweep_dir},
+        "job": {"name": "train"},
+        "overrides": {"task": list(overrides)},
+        "runtime": {"output_dir": output_dir},
+    })
+    cfg.mode = mode
+    return cfg
+
+
+def test_single_run_labels_come_from_the_config():
+    cfg = train_cfg("logger.group=mine", "logger.tags=[a,b]", "schedule=gpipe")
+    labels = logger_labels(cfg.logger, hydra_stub(RunMode.RUN, ["logger.group=mine", "schedule=gpipe"]))
+    assert labels == {"group": "mine", "tags": ["a", "b"], "run_name": None}
+    assert logger_labels(train_cfg().logger, hydra_stub(RunMode.RUN)) == {"group": None, "tags": [], "run_name": None}
+
+
+def test_multirun_jobs_share_a_group_and_are_tagged_with_their_overrides():
+    overrides = ["schedule=gpipe", "trainer.steps=20", "logger.mode=offline", "+x=" + "y" * 80]
+    stub = hydra_stub(RunMode.MULTIRUN, overrides,
+                      output_dir="outputs/multirun/train/2026-11-21/12-00-00/0_schedule=gpipe,trainer.steps=20")
+    labels = logger_labels(train_cfg("logger.tags=[mine]").logger, stub)
+    assert labels["group"] == "train-2026-11-21_12-00-00"
+    assert labels["tags"] == ["mine", "schedule=gpipe", "trainer.steps=20", ("+x=" + "y" * 80)[:64]]
+    assert labels["run_name"] == "0_schedule=gpipe,trainer.steps=20"
+
+
+def test_multirun_keeps_an_explicit_group_and_name():
+    stub = hydra_stub(RunMode.MULTIRUN, ["schedule=gpipe"], sweep_dir="/tmp/sweeps/mine",
+                      output_dir="/tmp/sweeps/mine/0")
+    labels = logger_labels(train_cfg("logger.group=paper", "logger.run_name=r").logger, stub)
+    assert (labels["group"], labels["run_name"]) == ("paper", "r")
+    assert logger_labels(train_cfg().logger, stub)["group"] == "train-mine"
+
+
+def test_job_config_is_plain_resolved_and_labelled(tmp_path, monkeypatch):
+    (tmp_path / "old" / "checkpoints" / "step_1").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    cfg = train_cfg("resume=old")
+    plain = job_config(cfg, hydra_stub(RunMode.MULTIRUN, ["resume=old"], output_dir="x/3_resume=old"))
+    assert isinstance(plain, dict) and isinstance(plain["logger"]["tags"], list)
+    assert plain["resume"] == str(tmp_path / "old")
+    assert plain["logger"]["run_name"] == "3_resume=old" and plain["logger"]["tags"] == ["resume=old"]
+    assert plain["model"] == OmegaConf.to_container(cfg.model)
+    assert job_config(train_cfg("logger=none"), hydra_stub(RunMode.MULTIRUN))["logger"] == {"name": "none"}
+    assert job_config(cfg, hydra_stub(RunMode.RUN))["data"]["files"] is None  # the default corpus
+
+
+def test_job_config_lists_the_data_files_its_globs_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes").mkdir()
+    for name in ("b.txt", "a.txt", "c.md"):
+        (tmp_path / "notes" / name).write_text(name)
+    (tmp_path / "one.txt").write_text("1")
+    files = job_config(train_cfg("data.files=[one.txt,notes/*.txt]"), hydra_stub(RunMode.RUN))["data"]["files"]
+    assert files == [str(tmp_path / "one.txt"), str(tmp_path / "notes" / "a.txt"), str(tmp_path / "notes" / "b.txt")]
+    assert job_config(train_cfg("data.files=one.txt"), hydra_stub(RunMode.RUN))["data"]["files"] == [
+        str(tmp_path / "one.txt")]
+
+
+def test_summary_lines():
+    text = format_summary({"schedule": "1f1b", "steps": 3, "final_loss": 2.123456789, "per_device": [1]}, "/r")
+    assert text.splitlines()[:3] == ["schedule              1f1b", "steps                 3",
+                                     "final_loss            2.12346"]
+    assert "per_device" not in text and text.endswith("/r")
+
+
+# ------------------------------------------------------------------------ as a user would
+
+
+def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "WANDB_"))}
+    return subprocess.run([sys.executable, "-m", "pipeflow.train", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_bad_config_stops_the_app_in_one_line(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _run(["schedule=nope", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert proc.returncode == 1
+    err = proc.stderr.strip()
+    assert err == "schedule=nope: unknown schedule; allowed values: 1f1b, chimera, gpipe, interleaved_1f1b, zb_h1"
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert not any(run_dir.glob("*.json*")) and not (run_dir / "wandb").exists()  # no rank ever started
+
+
+def test_the_check_does_not_load_torch():
+    """Checking a config imports neither torch nor wandb nor datasets, so a bad one is refused at once."""
+    code = ("import sys; from pipeflow.config import compose, prepare_training; import pipeflow.train; "
+            "prepare_training(compose('train')); "
+            "print(sorted(m for m in ('torch', 'wandb', 'datasets') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_a_bad_combination_stops_the_app_in_one_line_before_any_rank(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _run(["schedule=chimera", "pipeline.stages=3", "logger=none", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert proc.returncode == 1
+    err = proc.stderr.strip()
+    assert err.startswith("pipeline.stages=3: schedule 'chimera' needs an even number of stages")
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "summary.json").exists()
+
+
+def test_a_bad_multirun_job_does_not_stop_the_others(tmp_path):
+    sweep = tmp_path / "multi"
+    proc = _run(["-m", "schedule.name=nope,chimera", "pipeline.stages=3", f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "schedule.name=nope: unknown schedule" in proc.stderr
+    assert "pipeline.stages=3: schedule 'chimera' needs an even number of stages" in proc.stderr  # the 2nd job ran
+    assert "Traceback" not in proc.stderr
+    assert not list(sweep.glob("*/metrics.jsonl"))
