@@ -35,8 +35,11 @@ simulate: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS) || { rc=$$?; [ $$rc -eq 5 ] || exit $$rc; }
 
+# Performance lives here, not in the tests: each benchmark measures side by side in one run.
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_simulator
+	$(BIN)/python -m benchmarks.bench_runtime_vs_torch
+	$(BIN)/python -m benchmarks.bench_predicted_vs_measured
 
 # Caches and build leftovers; run outputs under outputs/ are results and stay.
 clean:

@@ -139,30 +139,16 @@ class TorchTrainer:
 
 
 class PipeflowTrainer:
-    """pipeflow's Executor and 1F1B, set up as pipeflow.runtime.worker does."""
+    """pipeflow's Executor and 1F1B, built by the runtime's own rank set-up."""
 
     def __init__(self, rank: int, world: int, cfg: dict, layers: list[int]):
-        from pipeflow.runtime.adapters import GPTAdapter
-        from pipeflow.runtime.executor import Executor, Groups, StageState
-        from pipeflow.runtime.worker import make_optimizer
-        from pipeflow.schedules.registry import build_schedule
+        from pipeflow.runtime.worker import build_rank
 
-        pipe = cfg["pipeline"]
-        schedule = build_schedule(cfg["schedule"]["name"], pipe["stages"], pipe["microbatches"])
-        seq_len = int(cfg["model"]["seq_len"])
-        mbs = int(pipe["microbatch_size"])
-        adapter = GPTAdapter(cfg["model"], layers, mbs, seq_len, int(cfg["seed"]), torch.device("cpu"))
-        stages = {}
-        for p, stage in schedule.placement.stages_on(rank):
-            module = adapter.build_stage(stage)
-            st = StageState(p, stage, module, first=stage == 0, last=stage == schedule.num_stages - 1)
-            st.params = [q for q in module.parameters() if q.requires_grad]
-            st.tied = module.tied_parameters()
-            st.optimizer = make_optimizer(module, cfg["optim"])
-            stages[(p, stage)] = st
-        groups = Groups(schedule, adapter.tied_stages)
-        self.executor = Executor(schedule, rank, stages, adapter, groups, grad_clip=cfg["optim"].get("grad_clip"))
-        self.normalizer = float(pipe["microbatches"] * mbs * seq_len)  # as the worker: global token count
+        setup = build_rank(cfg, rank, torch.device("cpu"))
+        assert setup.layers_per_stage == layers  # the split torch's stages use too
+        self.executor = setup.executor
+        # as the worker: microbatch losses are token sums over the global token count
+        self.normalizer = float(setup.schedule.num_microbatches * setup.adapter.mbs * setup.adapter.seq_len)
 
     def step(self, batch, lr: float) -> float:
         return self.executor.train_step(batch, self.normalizer, lr).loss

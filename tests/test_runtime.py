@@ -166,3 +166,18 @@ def test_resume_continues_exactly(tmp_path):
     assert steps == [6, 7, 8, 9, 10]
     assert resumed["losses"] == pytest.approx(full["losses"][5:], rel=1e-6)
     assert resumed["summary"]["resumed_from"] == 5
+
+
+def test_torchrun_adopts_its_ranks(tmp_path):
+    """Under torchrun the trainer starts no processes of its own: each torchrun process
+    is one rank, and all of them write to rank 0's run folder."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "pipeflow.train", *SMALL,
+         "pipeline.stages=2", "trainer.steps=2", f"hydra.run.dir={tmp_path}"],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 2
+    assert sorted(p.name for p in (tmp_path / "checkpoints" / "step_0000002").iterdir()) == ["rank0.pt", "rank1.pt"]

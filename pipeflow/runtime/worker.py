@@ -13,6 +13,7 @@ import resource
 import signal
 import socket
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from ..data.text import build_text_data
 from ..planning.partition import partition_layers
 from ..planning.transformer import TransformerSpec
+from ..schedules.ir import Schedule
 from ..schedules.registry import build_schedule
 from ..sim.timeline import Timeline
 from . import checkpoint
@@ -78,6 +80,11 @@ def run_worker(rank: int, job: TrainJob) -> dict | None:
     dist.init_process_group(
         backend, rank=rank, world_size=job.world_size, timeout=timedelta(seconds=float(runtime.get("timeout_s", 60)))
     )
+    # Under torchrun every process composed its own config, and a run dir named after the
+    # clock may differ by a second between them: everyone writes where rank 0 writes.
+    where = [job.run_dir]
+    dist.broadcast_object_list(where, src=0)
+    job = TrainJob(job.cfg, where[0], job.world_size)
     # No teardown on failure: closing this rank's connections first would make its peers
     # fail and report before it does. The launcher stops every rank anyway.
     result = _train(rank, job, device)
@@ -85,20 +92,26 @@ def run_worker(rank: int, job: TrainJob) -> dict | None:
     return result
 
 
-def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
-    cfg = job.cfg
-    pipe_cfg, trainer, optim, runtime = cfg["pipeline"], cfg["trainer"], cfg["optim"], cfg["runtime"]
-    seed = int(cfg["seed"])
+@dataclass
+class RankSetup:
+    """What one rank holds: its stages (modules and optimizers) and the executor that runs them."""
+
+    schedule: Schedule
+    layers_per_stage: list[int]
+    adapter: GPTAdapter
+    stages: dict[tuple[int, int], StageState]
+    executor: Executor
+
+
+def build_rank(cfg: dict, rank: int, device: torch.device, on_grads=None) -> RankSetup:
+    """Build this rank's share of the job. Needs the process group (it creates groups)."""
+    pipe_cfg, optim = cfg["pipeline"], cfg["optim"]
     schedule = build_schedule(
         cfg["schedule"]["name"], pipe_cfg["stages"], pipe_cfg["microbatches"], pipe_cfg["virtual_stages"], pipe_cfg["segments"]
     )
     spec = TransformerSpec.from_config(cfg["model"])
     layers = partition_layers(cfg["partition"]["name"], spec, schedule.num_stages)
-    seq_len = spec.seq_len
-    mbs = int(pipe_cfg["microbatch_size"])
-    m = schedule.num_microbatches
-    adapter = GPTAdapter(cfg["model"], layers, mbs, seq_len, seed, device)
-
+    adapter = GPTAdapter(cfg["model"], layers, int(pipe_cfg["microbatch_size"]), spec.seq_len, int(cfg["seed"]), device)
     stages: dict[tuple[int, int], StageState] = {}
     for pipe, stage in schedule.placement.stages_on(rank):
         module = adapter.build_stage(stage)
@@ -108,7 +121,14 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
         st.optimizer = make_optimizer(module, optim)
         stages[(pipe, stage)] = st
     groups = Groups(schedule, adapter.tied_stages)
+    executor = Executor(schedule, rank, stages, adapter, groups, grad_clip=optim.get("grad_clip"), on_grads=on_grads)
+    return RankSetup(schedule, layers, adapter, stages, executor)
 
+
+def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
+    cfg = job.cfg
+    pipe_cfg, trainer, optim, runtime = cfg["pipeline"], cfg["trainer"], cfg["optim"], cfg["runtime"]
+    seed = int(cfg["seed"])
     dump_dir = Path(job.run_dir) / "grads"
     dumped = []
 
@@ -125,10 +145,11 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
         }
         torch.save(grads, dump_dir / f"rank{rank}.pt")
 
-    executor = Executor(
-        schedule, rank, stages, adapter, groups, grad_clip=optim.get("grad_clip"),
-        on_grads=dump_grads if runtime.get("dump_grads") else None,
-    )
+    setup = build_rank(cfg, rank, device, on_grads=dump_grads if runtime.get("dump_grads") else None)
+    schedule, layers, stages, executor = setup.schedule, setup.layers_per_stage, setup.stages, setup.executor
+    seq_len = setup.adapter.seq_len
+    mbs = setup.adapter.mbs
+    m = schedule.num_microbatches
 
     # the data set is built (and cached) by rank 0 first so ranks do not race on the cache
     if rank != 0:
