@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, List, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from pipeflow.planning.cost import COST_MODELS, CostModel, build_cost_model, cost_params
 from pipeflow.planning.partition import PARTITIONERS
@@ -52,10 +52,17 @@ RUNTIME_DEVICES = ("auto", "cpu", "cuda")
 LOGGERS = ("wandb", "none")
 LOGGER_MODES = ("auto", "offline", "online", "disabled")
 FAIL_MODES = ("raise", "kill")
-TRAIN_FAMILIES = ("gpt",)  # the runtime's stage model (pipeflow.models.gpt) is GPT-2
-# text_corpus feeds UTF-8 bytes as tokens (pipeflow.data.text.ByteTokenizer; a test keeps
-# the two equal: importing the data package here would cost torch and datasets)
+# The runtime's stage models (pipeflow.models.gpt, pipeflow.models.bert).
+TRAIN_FAMILIES = ("gpt", "bert", "cbm")
+# The family whose objective a data set feeds: next-token text for GPT, masked text for
+# BERT. A batch of one is meaningless to the other's loss, so the pair is refused early.
+DATA_FAMILY = {"text_corpus": "gpt", "mlm_corpus": "bert", "image_text": "cbm"}
+# text_corpus feeds UTF-8 bytes as tokens (pipeflow.data.text.ByteTokenizer), mlm_corpus
+# bytes plus four special ids (pipeflow.data.mlm.MLM_VOCAB); a test keeps these equal to
+# the data package's (importing it here would cost torch and datasets)
 BYTE_VOCAB = 256
+MLM_VOCAB = 260
+DATA_VOCAB = {"text_corpus": BYTE_VOCAB, "mlm_corpus": MLM_VOCAB}
 
 
 class ConfigError(ValueError):
@@ -139,7 +146,7 @@ def _camel(name: str) -> str:
 class SimulateConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     schedule: ScheduleConfig = MISSING
-    model: ModelConfig = MISSING
+    model: Any = MISSING  # GPT/BERT options compose /schema/model; a CBM is checked by cbm_shape
     # Typed by the option's own schema (cost/unit and cost/analytic differ), hence Any.
     topology: Any = MISSING
     cost: Any = MISSING
@@ -207,7 +214,9 @@ class TrainConfig:
         default_factory=lambda: PipelineConfig(stages=2, microbatches=4, microbatch_size=4)
     )
     schedule: ScheduleConfig = MISSING
-    model: ModelConfig = MISSING
+    # GPT and BERT options compose /schema/model themselves (so a misspelt key still
+    # fails); a concurrent-branch model has two branches and is checked by cbm_shape
+    model: Any = MISSING
     # data and partition options carry their own keys (pipeflow.data, planning.partition)
     data: Any = MISSING
     partition: Any = MISSING
@@ -340,12 +349,17 @@ def prepare_simulation(cfg: DictConfig) -> SimulationInputs:
     if cfg.export is not None and cfg.export not in EXPORT_FORMATS:
         raise ConfigError(f"export={cfg.export}: unknown format; allowed values: null, {', '.join(EXPORT_FORMATS)}")
     _check_pipeline(cfg)
-    schedule = _generate_schedule(cfg)
-    spec = _model_spec(cfg, schedule)
-    try:
-        cost = build_cost_model(cfg.cost, schedule.num_stages, spec, cfg.pipeline.microbatch_size)
-    except ValueError as err:
-        raise _naming_key("cost", cfg.cost.name, err) from None
+    if cfg.model.get("family") == "cbm":
+        schedule, specs = _branched_schedule(cfg)
+        spec = None
+        cost = _branched_cost(cfg, specs)
+    else:
+        schedule = _generate_schedule(cfg)
+        spec = _model_spec(cfg, schedule)
+        try:
+            cost = build_cost_model(cfg.cost, schedule.num_stages, spec, cfg.pipeline.microbatch_size)
+        except ValueError as err:
+            raise _naming_key("cost", cfg.cost.name, err) from None
     topology = _build_topology(cfg, schedule)
     if cfg.export == "torch_csv":
         try:
@@ -363,7 +377,7 @@ class TrainingInputs:
     """What a train config composes into; built once by :func:`prepare_training`."""
 
     schedule: Schedule  # generated and validated
-    spec: TransformerSpec
+    spec: TransformerSpec | None  # None for a concurrent-branch model (two branches, no one spec)
     topology: Topology
 
     @property
@@ -511,6 +525,25 @@ def _check_resume(resume: str | None) -> None:
         raise _naming_key("resume", resume, err) from None
 
 
+def _check_profiled_partition(part: DictConfig, spec: TransformerSpec, num_stages: int) -> None:
+    """partition=profiled: a memory limit in bytes, and a profile file that fits the model
+    (null: pipeflow-train profiles before launching); with a file, the split is computed
+    now, so a memory limit nothing fits stops the run here."""
+    limit, path = part.get("memory_limit"), part.get("profile")
+    if limit is not None:
+        _number("partition.memory_limit", limit, "must be a number of bytes > 0, or null for no limit",
+                isinstance(limit, (int, float)) and not isinstance(limit, bool) and limit > 0)
+    if path is None:
+        return
+    from pipeflow.planning.partition import partition_layers
+
+    try:
+        partition_layers("profiled", spec, num_stages, {"profile": str(Path(path).expanduser()), "memory_limit": limit})
+    except ValueError as err:
+        msg = str(err)
+        raise (ConfigError(msg) if msg.startswith("partition.") else _naming_key("partition.profile", path, err)) from None
+
+
 def prepare_training(cfg: DictConfig) -> TrainingInputs:
     """Check a train config and build (and validate) its schedule, or raise ConfigError,
     one sentence naming the key and the allowed values. Nothing is spawned, loaded or
@@ -529,27 +562,39 @@ def prepare_training(cfg: DictConfig) -> TrainingInputs:
             "pipeline.stages=1: schedule 'chimera' needs an even number of stages (2, 4, ...); "
             "for single-process reference training use schedule=1f1b"
         )
+    model = cfg.model
+    if model.get("family") == "cbm":
+        return _prepare_branched(cfg)
     schedule = _generate_schedule(cfg)
     spec = _model_spec(cfg, schedule)
     topology = _build_topology(cfg, schedule)
 
-    model = cfg.model
     if model.family not in TRAIN_FAMILIES:
         raise ConfigError(
-            f"model.family={model.family}: the runtime trains GPT models only; allowed values: "
-            f"{', '.join(TRAIN_FAMILIES)} (e.g. model=gpt_tiny)"
+            f"model.family={model.family}: the runtime cannot train this family; allowed values: "
+            f"{', '.join(TRAIN_FAMILIES)} (e.g. model=gpt_tiny or model=bert_tiny)"
         )
     _number("model.dropout", model.dropout, "a probability; use a number in [0, 1)", 0 <= model.dropout < 1)
-    if cfg.data.name == "text_corpus" and model.vocab_size < BYTE_VOCAB:
+    feeds = DATA_FAMILY.get(cfg.data.name)
+    if feeds is not None and feeds != model.family:
+        fits = [d for d, f in DATA_FAMILY.items() if f == model.family]
         raise ConfigError(
-            f"model.vocab_size={model.vocab_size}: data 'text_corpus' feeds byte tokens 0..255; "
-            f"use model.vocab_size >= {BYTE_VOCAB}"
+            f"data.name={cfg.data.name}: it feeds {feeds} models, not model.family={model.family} "
+            f"(model={model.name}); allowed values: {', '.join(fits) or 'a data set made for ' + model.family}"
+        )
+    need = DATA_VOCAB.get(cfg.data.name)
+    if need is not None and model.vocab_size < need:
+        raise ConfigError(
+            f"model.vocab_size={model.vocab_size}: data '{cfg.data.name}' feeds token ids 0..{need - 1}; "
+            f"use model.vocab_size >= {need}"
         )
     if cfg.partition.name not in PARTITIONERS:
         raise ConfigError(
             f"partition.name={cfg.partition.name}: the runtime cannot split a model this way; "
             f"allowed values: {', '.join(PARTITIONERS)}"
         )
+    if cfg.partition.name == "profiled":
+        _check_profiled_partition(cfg.partition, spec, schedule.num_stages)
     _check_trainer(cfg.trainer)
     _check_optim(cfg.optim)
     _check_runtime(cfg.runtime, schedule.num_devices)
@@ -561,6 +606,70 @@ def prepare_training(cfg: DictConfig) -> TrainingInputs:
     # is not, so one validation here (milliseconds at training sizes) is cheap insurance.
     validate(schedule)
     return TrainingInputs(schedule, spec, topology)
+
+
+def _branched_schedule(cfg: DictConfig) -> tuple[Schedule, list]:
+    """A concurrent-branch model's stage graph (cut at the interaction layers), grouped
+    onto the schedule's chain of devices; generated, not validated. Building the graph
+    imports the model module (and so torch): only configs of this family pay for it."""
+    from pipeflow.models.cbm import cbm_shape, cbm_stage_graph
+    from pipeflow.runtime.adapters import cbm_stage_counts
+
+    plain = OmegaConf.to_container(cfg.model, resolve=True)
+    try:
+        shape = cbm_shape(plain)
+        graph, specs = cbm_stage_graph(plain, *cbm_stage_counts(shape, cfg.pipeline.stages))
+    except ValueError as err:
+        raise _naming_key("model", cfg.model.name, err) from None
+    pipe = cfg.pipeline
+    try:
+        schedule = build_schedule(cfg.schedule.name, pipe.stages, pipe.microbatches, pipe.virtual_stages,
+                                  pipe.segments, check=False, graph=graph)
+    except (ScheduleConfigError, ValueError) as err:
+        raise ConfigError(str(err)) from None
+    return schedule, specs
+
+
+def _branched_cost(cfg: DictConfig, specs: list) -> CostModel:
+    from pipeflow.planning.branched_cost import BranchedAnalyticCost
+
+    params = {k: v for k, v in OmegaConf.to_container(cfg.cost, resolve=True).items() if v is not None}
+    name = params.pop("name")
+    try:
+        if name == "unit":
+            return build_cost_model(cfg.cost, len(specs), None, cfg.pipeline.microbatch_size)
+        if name == "analytic":
+            params.pop("layers_per_stage", None)
+            params.pop("segment_lengths", None)
+            return BranchedAnalyticCost(OmegaConf.to_container(cfg.model, resolve=True),
+                                        [(s.branch, s.lo, s.hi) for s in specs], cfg.pipeline.microbatch_size, **params)
+    except (TypeError, ValueError) as err:
+        raise _naming_key("cost", name, err) from None
+    raise ConfigError(f"cost.name={name}: a concurrent-branch model is priced by analytic or unit; allowed values: analytic, unit")
+
+
+def _prepare_branched(cfg: DictConfig) -> TrainingInputs:
+    """A concurrent-branch model: its stage DAG grouped onto the schedule's chain of devices."""
+    schedule, _ = _branched_schedule(cfg)
+    if cfg.data.name != "image_text":
+        raise ConfigError(
+            f"data.name={cfg.data.name}: model.family=cbm trains on image-text pairs; allowed values: image_text"
+        )
+    if cfg.partition.name != "uniform":
+        raise ConfigError(
+            f"partition.name={cfg.partition.name}: a concurrent-branch model's stages are cut at its "
+            f"interaction layers (pipeflow.models.cbm.cbm_stage_graph); allowed values: uniform"
+        )
+    _number("model.dropout", cfg.model.dropout, "a probability; use a number in [0, 1)", 0 <= cfg.model.dropout < 1)
+    topology = _build_topology(cfg, schedule)
+    _check_trainer(cfg.trainer)
+    _check_optim(cfg.optim)
+    _check_runtime(cfg.runtime, schedule.num_devices)
+    _check_logger(cfg.logger)
+    _check_data_files(cfg.data)
+    _check_resume(cfg.resume)
+    validate(schedule)
+    return TrainingInputs(schedule, None, topology)
 
 
 def check_group_choices(args: Sequence[str], config_dir: Path = CONF_DIR) -> None:

@@ -46,7 +46,7 @@ def run_simulation(cfg: DictConfig, out_dir: str | Path) -> dict:
     files = ["summary.json", "timeline.json"]
     result.timeline.save(out / "timeline.json")
     if cfg.draw:
-        title = f"{schedule.name}: p={pipe.stages}, m={pipe.microbatches}, {spec.name} on {topology.name}"
+        title = f"{schedule.name}: p={pipe.stages}, m={pipe.microbatches}, {cfg.model.name} on {topology.name}"
         draw_timeline(result.timeline, out / "timeline.png", title=title)
         files.append("timeline.png")
     if cfg.export == "torch_csv":

@@ -67,11 +67,35 @@ def job_config(cfg: DictConfig, hydra_cfg: DictConfig) -> dict:
     directory): ``resume``, and ``data.files`` as the list of files its globs name."""
     plain = OmegaConf.to_container(cfg, resolve=True)
     plain["logger"].update(logger_labels(cfg.logger, hydra_cfg))
+    if plain["partition"].get("profile"):
+        plain["partition"]["profile"] = str(Path(plain["partition"]["profile"]).expanduser().resolve())
     if plain.get("resume"):
         plain["resume"] = str(Path(plain["resume"]).expanduser().resolve())
     if plain["data"].get("files") is not None:
         plain["data"]["files"] = [str(Path(f).resolve()) for f in data_file_list(plain["data"]["files"])]
     return plain
+
+
+def profile_for_partition(plain: dict, run_dir: str, spec, num_stages: int) -> str:
+    """partition=profiled without a profile file: measure the model here, in the app
+    process, before any rank starts (ranks profiling themselves would disagree on the
+    split), write run_dir/profile.json and point the job's partition.profile at it.
+    The split is computed once here too, so a memory limit nothing fits stops the run."""
+    import torch
+
+    from pipeflow.models.profiler import profile_model
+    from pipeflow.planning.partition import partition_layers
+
+    rt = plain["runtime"]
+    cuda = torch.cuda.is_available() and rt["device"] in ("auto", "cuda")
+    prof = profile_model(
+        plain["model"], int(plain["pipeline"]["microbatch_size"]), seed=int(plain["seed"]),
+        device="cuda" if cuda else "cpu", threads=int(rt["threads_per_rank"]),
+    )
+    path = str(prof.save(Path(run_dir) / "profile.json"))
+    plain["partition"]["profile"] = path
+    partition_layers("profiled", spec, num_stages, plain["partition"])
+    return path
 
 
 def format_summary(summary: dict, run_dir: str) -> str:
@@ -109,7 +133,13 @@ def train_app(cfg: DictConfig) -> None:
     # The runtime imports torch; a config error above never pays for that.
     from pipeflow.runtime.launch import JobFailed, TrainJob, launch
 
-    job = TrainJob(cfg=job_config(cfg, hydra_cfg), run_dir=run_dir, world_size=inputs.world_size)
+    plain = job_config(cfg, hydra_cfg)
+    if plain["partition"]["name"] == "profiled" and plain["partition"].get("profile") is None:
+        try:
+            profile_for_partition(plain, run_dir, inputs.spec, inputs.schedule.num_stages)
+        except ValueError as err:
+            _stop(str(err), hydra_cfg)
+    job = TrainJob(cfg=plain, run_dir=run_dir, world_size=inputs.world_size)
     try:
         summary = launch(job)
     except JobFailed as err:

@@ -100,5 +100,5 @@ def test_partition_layers_by_name():
 
 def test_partition_layers_unknown_name():
     spec = TransformerSpec("t", n_layer=4, n_head=2, n_embd=8, vocab_size=16, seq_len=8)
-    with pytest.raises(ValueError, match=r"^partition\.name=foo: unknown partitioner; allowed values: uniform, parameters$"):
+    with pytest.raises(ValueError, match=r"^partition\.name=foo: unknown partitioner; allowed values: uniform, parameters, profiled$"):
         partition_layers("foo", spec, 2)

@@ -102,7 +102,11 @@ def test_runnable_configs_pass(overrides, world_size, num_stages):
 @pytest.mark.parametrize("group", ["partition", "optim", "runtime", "logger", "data"])
 def test_every_option_composes_and_passes(group, no_wandb_credentials):
     for option in options(group):
-        cfg = train_cfg(f"{group}={option}")
+        # a data set goes with the model family that trains on it (BERT on masked text)
+        model = {("data", "mlm_corpus"): ["model=bert_tiny"], ("data", "image_text"): ["model=cbm_tiny"]}.get(
+            (group, option), []
+        )
+        cfg = train_cfg(f"{group}={option}", *model)
         assert cfg[group].name == option
         prepare_training(cfg)
 
@@ -156,7 +160,11 @@ def test_resume_from_a_run_with_checkpoints_passes(tmp_path):
         (["pipeline.microbatch_size=0"], "pipeline.microbatch_size=0"),
         # model and topology
         (["model.seq_len=512"], "model.seq_len=512"),  # > model.n_positions=256
-        (["model=bert_large", "pipeline.stages=2"], "model.family=bert"),
+        (["model.family=t5"], "model.family=t5"),
+        (["model=bert_large", "pipeline.stages=2"], "data.name=text_corpus"),  # BERT needs masked data
+        (["model=bert_tiny"], "data.name=text_corpus"),
+        (["data=mlm_corpus"], "data.name=mlm_corpus"),  # GPT needs next-token text
+        (["model=bert_tiny", "data=mlm_corpus", "model.vocab_size=256"], "model.vocab_size=256"),  # + [MASK] etc.
         (["model.vocab_size=100"], "model.vocab_size=100"),  # bytes need 256
         (["model.dropout=1.0"], "model.dropout=1.0"),
         (["topology.num_devices=1"], "topology.num_devices=1"),
@@ -204,6 +212,20 @@ def test_byte_vocabulary_matches_the_data_set():
     from pipeflow.data.text import ByteTokenizer
 
     assert BYTE_VOCAB == ByteTokenizer.vocab_size
+
+
+def test_mlm_vocabulary_matches_the_data_set():
+    from pipeflow.config import MLM_VOCAB
+    from pipeflow.data.mlm import MLM_VOCAB as DATA_MLM_VOCAB
+    from pipeflow.data.mlm import SEP_ID
+
+    assert MLM_VOCAB == DATA_MLM_VOCAB == SEP_ID + 1
+    assert compose("train", ["model=bert_tiny"]).model.vocab_size >= MLM_VOCAB
+
+
+def test_bert_with_masked_data_passes():
+    prepare("model=bert_tiny", "data=mlm_corpus")
+    prepare("model=bert_tiny", "data=mlm_corpus", "schedule=chimera", "pipeline.stages=4")
 
 
 def test_unknown_schedule_lists_the_allowed_values():

@@ -10,6 +10,8 @@ gradient sizes; the topology turns bytes into transfer and all-reduce times.
   (:mod:`pipeflow.planning.transformer`) at a fraction of the device's peak, and memory
   from Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
   Transformer Models").
+- :class:`ProfiledCost`: times, activation and parameter bytes summed from a measured
+  profile (:mod:`pipeflow.planning.profile`) over the units each stage holds.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from abc import ABC, abstractmethod
 from typing import Mapping, Sequence
 
 from ..topology.topology import Device
+from .profile import MODEL_STATE_FACTOR, load_profile, partition_profile
 from .transformer import (
     TransformerSpec,
     embedding_params,
@@ -394,9 +397,120 @@ class AnalyticCost(CostModel):
         }
 
 
+class ProfiledCost(CostModel):
+    """Per-stage costs summed from a profile measured on this machine
+    (:mod:`pipeflow.models.profiler`): stage s holds ``layers_per_stage[s]`` blocks (None:
+    the profiled partitioner's split of the same profile), plus the embedding on the first
+    and the head on the last stage.
+
+    F and B are the sums of the units' measured times; I and W split B in half (the
+    profile does not time them apart; a matmul's input and weight gradients cost the same
+    FLOPs); S is the optimizer step over the stage's parameters. Messages are one fp32
+    hidden state, priced by the topology. Activation bytes are what autograd saved; the
+    I-to-W residual is not measured (0). One sequence segment only.
+    """
+
+    name = "profiled"
+
+    def __init__(
+        self,
+        num_stages: int,
+        spec: TransformerSpec | None = None,
+        microbatch_size: int | None = None,
+        profile: str | None = None,
+        layers_per_stage: Sequence[int] | None = None,
+    ) -> None:
+        self.num_stages = _check_int("pipeline.stages", num_stages)
+        self.profile_path = profile
+        self.profile = load_profile(profile, key="cost.profile")
+        prof = self.profile
+        if spec is not None and (spec.n_layer, spec.n_embd, spec.seq_len) != (prof.n_layer, prof.n_embd, prof.seq_len):
+            raise ValueError(
+                f"cost.profile={profile}: it profiles n_layer={prof.n_layer}, n_embd={prof.n_embd}, "
+                f"seq_len={prof.seq_len}, but model '{spec.name}' has {spec.n_layer}, {spec.n_embd}, {spec.seq_len}; "
+                f"profile this model"
+            )
+        if microbatch_size is not None and microbatch_size != prof.microbatch_size:
+            raise ValueError(
+                f"cost.profile={profile}: it was measured with microbatches of {prof.microbatch_size} sequences, "
+                f"but pipeline.microbatch_size={microbatch_size}; profile with that microbatch size"
+            )
+        if layers_per_stage is None:
+            layers = partition_profile(prof, self.num_stages)
+        else:
+            layers = list(layers_per_stage)
+            if (
+                len(layers) != self.num_stages
+                or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in layers)
+                or sum(layers) != prof.n_layer
+            ):
+                raise ValueError(
+                    f"cost.layers_per_stage={layers}: needs {self.num_stages} whole numbers >= 1 "
+                    f"(pipeline.stages={self.num_stages}) adding up to the profile's n_layer={prof.n_layer}"
+                )
+        self.layers_per_stage = tuple(layers)
+        units = prof.stage_units(layers)
+        fwd = [sum(u.forward_s for u in us) for us in units]
+        bwd = [sum(u.backward_s for u in us) for us in units]
+        self._time = {
+            "F": fwd,
+            "B": bwd,
+            "I": [b / 2 for b in bwd],
+            "W": [b / 2 for b in bwd],
+            "S": [sum(u.step_s for u in us) for us in units],
+        }
+        self._activation = [float(sum(u.activation_bytes for u in us)) for us in units]
+        self._params = [float(sum(u.param_bytes for u in us)) for us in units]
+
+    def _check_segment(self, segment: int) -> None:
+        if segment != 0:
+            raise ValueError(
+                f"segment {segment}: cost model 'profiled' measures whole sequences (one segment); "
+                f"use pipeline.segments=1"
+            )
+
+    def compute_time(self, kind: str, stage: int, segment: int, device: Device) -> float:
+        if kind not in self._time:
+            raise self._bad_kind(kind)
+        self._check_segment(segment)
+        return self._time[kind][stage]
+
+    def message_bytes(self, src_stage: int, dst_stage: int, segment: int) -> float:
+        return float(self.profile.message_bytes())
+
+    def activation_bytes(self, stage: int, segment: int) -> float:
+        return self._activation[stage]
+
+    def weight_residual_bytes(self, stage: int, segment: int) -> float:
+        return 0.0
+
+    def param_bytes(self, stage: int) -> float:
+        return self._params[stage]
+
+    def model_state_bytes(self, stage: int) -> float:
+        return MODEL_STATE_FACTOR * self._params[stage]
+
+    def describe(self) -> dict:
+        prof = self.profile
+        return {
+            "name": self.name,
+            "profile": self.profile_path,
+            "model": prof.model,
+            "device": prof.device,
+            "num_stages": self.num_stages,
+            "layers_per_stage": list(self.layers_per_stage),
+            "microbatch_size": prof.microbatch_size,
+            "stage_forward_s": self._time["F"],
+            "stage_backward_s": self._time["B"],
+            "stage_step_s": self._time["S"],
+            "stage_activation_bytes": self._activation,
+            "stage_param_bytes": self._params,
+        }
+
+
 # ------------------------------------------------------------------ config
 
-COST_MODELS = {"unit": UnitCost, "analytic": AnalyticCost}
+COST_MODELS = {"unit": UnitCost, "analytic": AnalyticCost, "profiled": ProfiledCost}
 # filled from the run, not from the cost config
 _FROM_RUN = {"num_stages", "spec", "microbatch_size"}
 
@@ -433,6 +547,10 @@ def build_cost_model(
         )
     if name == "unit":
         return UnitCost(num_stages, **params)
+    if name == "profiled":
+        if params.get("layers_per_stage") is not None:
+            params["layers_per_stage"] = list(params["layers_per_stage"])  # a ListConfig becomes a list
+        return ProfiledCost(num_stages, spec, microbatch_size, **params)
     if spec is None:
         raise ValueError(
             "cost.name=analytic needs the model's shape (model.n_layer, n_head, n_embd, vocab_size, seq_len); "

@@ -11,15 +11,19 @@ stage also the embedding and the last stage the final LayerNorm and the LM head.
   counting the embedding on the first stage and the head on the last — what bounds a
   stage's weight, gradient and optimizer memory. GPT-2's vocabulary-sized matrices
   are several blocks' worth, so the end stages get fewer blocks.
+- ``profiled``: the contiguous cut whose slowest stage (measured forward + backward) is
+  fastest, within ``partition.memory_limit``; from a profile file
+  (:mod:`pipeflow.planning.profile`, measured by :mod:`pipeflow.models.profiler`).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
+from .profile import load_profile, partition_profile
 from .transformer import TransformerSpec, embedding_params, head_params, layer_params
 
-PARTITIONERS = ("uniform", "parameters")
+PARTITIONERS = ("uniform", "parameters", "profiled")
 
 
 def _check_stages(stages: int, n_layer: int) -> None:
@@ -113,12 +117,22 @@ def by_parameters(layer_params: Sequence[int], first_extra: int, last_extra: int
     return layers
 
 
-def partition_layers(name: str, spec: TransformerSpec, stages: int) -> list[int]:
-    """Layers per stage by the partitioner the ``partition`` config group names."""
+def partition_layers(name: str, spec: TransformerSpec, stages: int, options: Mapping | None = None) -> list[int]:
+    """Layers per stage by the partitioner the ``partition`` config group names;
+    ``options`` is that group (``profiled`` reads its ``profile`` and ``memory_limit``)."""
     if name == "uniform":
         return uniform(spec.n_layer, stages)
     if name == "parameters":
         # head_params counts the last stage's copy of the tied embedding; with one stage
         # the split is forced anyway, so the double count never matters.
         return by_parameters([layer_params(spec)] * spec.n_layer, embedding_params(spec), head_params(spec), stages)
+    if name == "profiled":
+        options = options or {}
+        profile = load_profile(options.get("profile"), key="partition.profile")
+        if profile.n_layer != spec.n_layer:
+            raise ValueError(
+                f"partition.profile={options.get('profile')}: it profiles {profile.n_layer} blocks but "
+                f"model.n_layer={spec.n_layer}; profile this model again"
+            )
+        return partition_profile(profile, stages, options.get("memory_limit"))
     raise ValueError(f"partition.name={name}: unknown partitioner; allowed values: {', '.join(PARTITIONERS)}")

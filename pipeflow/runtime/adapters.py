@@ -8,6 +8,9 @@ from typing import Mapping, Sequence
 
 import torch
 
+from ..data.mlm import IGNORE_INDEX, build_mlm_data
+from ..data.text import build_text_data
+from ..models import bert
 from ..models.gpt import build_stage, hidden_shape, lm_loss
 
 
@@ -51,3 +54,105 @@ class GPTAdapter:
 
     def tokens_per_microbatch(self) -> int:
         return self.mbs * self.seq_len
+
+    def build_data(self, data_cfg: Mapping):
+        """The data set: any step's batch is a function of (seed, step), on every rank."""
+        return build_text_data(data_cfg, self.seq_len, self.seed)
+
+    def normalizer(self, batch) -> float:
+        """What microbatch losses are divided by so they add up to the batch mean: every
+        target token counts (a masked-LM adapter would count only the masked ones)."""
+        return float(batch[1].numel())
+
+
+class BertAdapter(GPTAdapter):
+    """A BERT (masked LM) split into a chain of stages; a batch is (input ids, labels), [B, T]
+    each, labels -100 where a position is not scored. Stages exchange hidden states
+    [mbs, T, n_embd] like the GPT's, and the word embedding (first stage) and the MLM
+    decoder (last stage) are tied the same way."""
+
+    def build_stage(self, stage: int) -> torch.nn.Module:
+        return bert.build_stage(self.model_cfg, self.layers_per_stage, stage, self.seed).to(self.device)
+
+    def loss(self, logits: torch.Tensor, batch, mb: int, normalizer: float) -> torch.Tensor:
+        return bert.mlm_loss(logits, self._rows(batch[1], mb), normalizer)
+
+    def build_data(self, data_cfg: Mapping):
+        """Masked byte windows: any step's batch and masking are a function of (seed, step)."""
+        return build_mlm_data(data_cfg, self.seq_len, self.seed)
+
+    def normalizer(self, batch) -> float:
+        """The global batch's masked positions: microbatches hold different numbers of them,
+        so dividing each microbatch's summed loss by the batch's count makes them add up
+        to the batch mean, as on one device."""
+        return float((batch[1] != IGNORE_INDEX).sum())
+
+
+ADAPTERS = {"gpt": GPTAdapter, "bert": BertAdapter}
+
+
+def make_adapter(model_cfg: Mapping, layers_per_stage: Sequence[int], microbatch_size: int, seq_len: int,
+                 seed: int, device: torch.device):
+    family = model_cfg.get("family", "gpt")
+    if family not in ADAPTERS:
+        raise ValueError(f"model.family={family}: the runtime trains {', '.join(ADAPTERS)}")
+    return ADAPTERS[family](model_cfg, layers_per_stage, microbatch_size, seq_len, seed, device)
+
+
+class CBMAdapter:
+    """A concurrent-branch multimodal model: a DAG of stages (vision chain, text chain,
+    interaction edges, fused head). A batch is a dict (image, input_ids, mlm_labels,
+    itm_label); each source stage reads its branch's input."""
+
+    def __init__(self, model_cfg: Mapping, microbatch_size: int, seed: int, device: torch.device, num_devices: int):
+        from ..models import cbm
+
+        self._cbm = cbm
+        self.model_cfg = model_cfg
+        self.mbs = microbatch_size
+        self.seed = seed
+        self.device = device
+        shape = cbm.cbm_shape(model_cfg)
+        self.seq_len = shape.seq_len
+        vs, ts = cbm_stage_counts(shape, num_devices)
+        self.graph, self.specs = cbm.cbm_stage_graph(model_cfg, vs, ts)
+        self.tied_stages: tuple[int, ...] = ()  # the MLM head is not tied to the embedding
+
+    def build_stage(self, stage: int) -> torch.nn.Module:
+        return self._cbm.build_cbm_stage(self.model_cfg, self.specs, stage, self.seed).to(self.device)
+
+    def _rows(self, mb: int) -> slice:
+        return slice(mb * self.mbs, (mb + 1) * self.mbs)
+
+    def stage_input(self, batch, mb: int, stage: int) -> torch.Tensor:
+        return self._cbm.source_input(self.specs[stage], batch)[self._rows(mb)].to(self.device)
+
+    def loss(self, out: torch.Tensor, batch, mb: int, normalizer) -> torch.Tensor:
+        return self._cbm.cbm_loss(out, batch, normalizer, rows=self._rows(mb))
+
+    def message_spec(self, src_stage: int, dst_stage: int) -> tuple[tuple[int, ...], torch.dtype]:
+        return tuple(self._cbm.message_shape(self.model_cfg, self.specs[src_stage], self.mbs)), torch.float32
+
+    def build_data(self, data_cfg: Mapping):
+        from ..data.image_text import build_image_text_data
+
+        return build_image_text_data(data_cfg, self.model_cfg, self.seed)
+
+    def normalizer(self, batch):
+        """Pairs (matching loss) and masked tokens (MLM loss) of the global batch."""
+        return self._cbm.normalizer(batch)
+
+
+def cbm_stage_counts(shape, num_devices: int) -> tuple[int, int]:
+    """Stages per branch for a run over ``num_devices``: the fewest that put a boundary
+    before every interaction, more (alternating branches) while the graph has fewer
+    stages than devices."""
+    vs = ts = 1 + len(shape.interaction_layers)
+    while vs + ts + 1 < num_devices and (vs < shape.vision.n_layer or ts < shape.text.n_layer):
+        if vs <= ts and vs < shape.vision.n_layer:
+            vs += 1
+        elif ts < shape.text.n_layer:
+            ts += 1
+        else:
+            vs += 1
+    return vs, ts

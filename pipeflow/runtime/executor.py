@@ -90,10 +90,6 @@ class Executor:
         grad_clip: float | None,
         on_grads: Callable[[dict[tuple[int, int], StageState]], None] | None = None,
     ):
-        if not schedule.graph.is_chain:
-            raise NotImplementedError(
-                f"schedule {schedule.name!r} has a branched stage graph; the runtime executes chains of stages"
-            )
         if schedule.num_segments != 1:
             raise NotImplementedError("the runtime executes schedules without sequence segments (pipeline.segments=1)")
         self.schedule = schedule
@@ -125,7 +121,8 @@ class Executor:
         ops = []
         for c in comms:
             if c.op == "send":
-                ops.append(dist.P2POp(dist.isend, outbox.pop(self._key(c)), c.peer, tag=c.tag))
+                # autograd may hand back a strided view; the wire needs contiguous memory
+                ops.append(dist.P2POp(dist.isend, outbox.pop(self._key(c)).contiguous(), c.peer, tag=c.tag))
             else:
                 shape, dtype = self.adapter.message_spec(c.src_stage, c.dst_stage)
                 buf = torch.empty(shape, dtype=dtype, device=self.adapter.device)
@@ -224,52 +221,67 @@ class Executor:
         return StepStats(loss, grad_norm, busy, events)
 
     def _forward(self, a: Action, batch, normalizer, inbox, local, outbox) -> torch.Tensor:
+        """Run a stage forward. A source stage reads the batch; any other stage gets its
+        predecessors' outputs as leaves that collect the gradient to send back (one
+        tensor for a single predecessor, a dict by predecessor stage for several)."""
         st = self.stages[(a.pipe, a.stage)]
         key = (a.microbatch, a.segment)
-        if st.first:
-            x = self.adapter.stage_input(batch, a.microbatch)
-            leaf = None
+        preds = self.graph.preds[a.stage]
+        leaves: dict[int, torch.Tensor] = {}
+        if not preds:
+            x = self._source_input(batch, a)
         else:
-            (pred,) = self.graph.preds[a.stage]
-            x = self._take((False, pred, a.stage, a.microbatch, a.pipe, a.segment), inbox, local)
-            x = x.detach().requires_grad_(True)
-            leaf = x
+            for p in preds:
+                t = self._take((False, p, a.stage, a.microbatch, a.pipe, a.segment), inbox, local)
+                leaves[p] = t.detach().requires_grad_(True)
+            x = leaves[preds[0]] if len(preds) == 1 else leaves
         out = st.module(x)
         if st.last:
             loss = self.adapter.loss(out, batch, a.microbatch, normalizer)
-            st.saved[key] = (leaf, loss)
+            st.saved[key] = (leaves, loss)
             return loss.detach().double()
-        st.saved[key] = (leaf, out)
+        st.saved[key] = (leaves, out)
         for succ in self.graph.succs[a.stage]:
             dev = self.placement.device(a.pipe, succ)
             self._emit((False, a.stage, succ, a.microbatch, a.pipe, a.segment), out.detach(), outbox, local, dev)
         return torch.zeros((), dtype=torch.float64)
 
+    def _source_input(self, batch, a: Action):
+        # models with one input stage take (batch, mb); branched ones also name the stage
+        if len(self.graph.sources) == 1:
+            return self.adapter.stage_input(batch, a.microbatch)
+        return self.adapter.stage_input(batch, a.microbatch, a.stage)
+
     def _output_grad(self, a: Action, st: StageState, inbox, local):
         if st.last:
             return None  # the output is the loss itself
-        (succ,) = self.graph.succs[a.stage]
-        return self._take((True, a.stage, succ, a.microbatch, a.pipe, a.segment), inbox, local)
+        # an output read by several successors gets the sum of their gradients
+        grads = [
+            self._take((True, a.stage, t, a.microbatch, a.pipe, a.segment), inbox, local)
+            for t in self.graph.succs[a.stage]
+        ]
+        return grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
 
-    def _send_input_grad(self, a: Action, grad: torch.Tensor, outbox, local) -> None:
-        (pred,) = self.graph.preds[a.stage]
-        dev = self.placement.device(a.pipe, pred)
-        self._emit((True, pred, a.stage, a.microbatch, a.pipe, a.segment), grad, outbox, local, dev)
+    def _send_input_grads(self, a: Action, leaves: dict, grads, outbox, local) -> None:
+        for (pred, leaf), g in zip(leaves.items(), grads):
+            if g is None:  # an input this stage did not use in this microbatch
+                g = torch.zeros_like(leaf)
+            dev = self.placement.device(a.pipe, pred)
+            self._emit((True, pred, a.stage, a.microbatch, a.pipe, a.segment), g, outbox, local, dev)
 
     def _backward(self, a: Action, inbox, local, outbox, full: bool) -> None:
         st = self.stages[(a.pipe, a.stage)]
         key = (a.microbatch, a.segment)
         g = self._output_grad(a, st, inbox, local)
         if full:
-            leaf, out = st.saved.pop(key)
+            leaves, out = st.saved.pop(key)
             torch.autograd.backward(out, grad_tensors=g)
-            if leaf is not None:
-                self._send_input_grad(a, leaf.grad, outbox, local)
+            self._send_input_grads(a, leaves, [leaf.grad for leaf in leaves.values()], outbox, local)
             return
-        leaf, out = st.saved[key]
-        if leaf is not None:
-            (gx,) = torch.autograd.grad(out, [leaf], grad_outputs=g, retain_graph=True)
-            self._send_input_grad(a, gx, outbox, local)
+        leaves, out = st.saved[key]
+        if leaves:
+            grads = torch.autograd.grad(out, list(leaves.values()), grad_outputs=g, retain_graph=True, allow_unused=True)
+            self._send_input_grads(a, leaves, grads, outbox, local)
         st.pending_w[key] = (out, g)
 
     def _weight(self, a: Action) -> None:

@@ -20,14 +20,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..data.text import build_text_data
 from ..planning.partition import partition_layers
 from ..planning.transformer import TransformerSpec
 from ..schedules.ir import Schedule
 from ..schedules.registry import build_schedule
 from ..sim.timeline import Timeline
 from . import checkpoint
-from .adapters import GPTAdapter
+from .adapters import CBMAdapter, make_adapter
 from .executor import Executor, Groups, StageState
 from .launch import TrainJob
 
@@ -98,7 +97,7 @@ class RankSetup:
 
     schedule: Schedule
     layers_per_stage: list[int]
-    adapter: GPTAdapter
+    adapter: object  # GPTAdapter, BertAdapter or CBMAdapter: see pipeflow.runtime.adapters
     stages: dict[tuple[int, int], StageState]
     executor: Executor
 
@@ -106,18 +105,26 @@ class RankSetup:
 def build_rank(cfg: dict, rank: int, device: torch.device, on_grads=None) -> RankSetup:
     """Build this rank's share of the job. Needs the process group (it creates groups)."""
     pipe_cfg, optim = cfg["pipeline"], cfg["optim"]
-    schedule = build_schedule(
-        cfg["schedule"]["name"], pipe_cfg["stages"], pipe_cfg["microbatches"], pipe_cfg["virtual_stages"], pipe_cfg["segments"]
-    )
-    spec = TransformerSpec.from_config(cfg["model"])
-    layers = partition_layers(cfg["partition"]["name"], spec, schedule.num_stages)
-    adapter = GPTAdapter(cfg["model"], layers, int(pipe_cfg["microbatch_size"]), spec.seq_len, int(cfg["seed"]), device)
+    mbs, seed = int(pipe_cfg["microbatch_size"]), int(cfg["seed"])
+    sizes = (cfg["schedule"]["name"], pipe_cfg["stages"], pipe_cfg["microbatches"], pipe_cfg["virtual_stages"],
+             pipe_cfg["segments"])
+    if cfg["model"].get("family") == "cbm":
+        # a branched model: its stage DAG, grouped onto the schedule's chain of devices
+        adapter = CBMAdapter(cfg["model"], mbs, seed, device, num_devices=pipe_cfg["stages"])
+        schedule = build_schedule(*sizes, graph=adapter.graph)
+        layers = [spec.hi - spec.lo for spec in adapter.specs]
+    else:
+        schedule = build_schedule(*sizes)
+        spec = TransformerSpec.from_config(cfg["model"])
+        layers = partition_layers(cfg["partition"]["name"], spec, schedule.num_stages, cfg["partition"])
+        adapter = make_adapter(cfg["model"], layers, mbs, spec.seq_len, seed, device)
     stages: dict[tuple[int, int], StageState] = {}
     for pipe, stage in schedule.placement.stages_on(rank):
         module = adapter.build_stage(stage)
-        st = StageState(pipe, stage, module, first=stage == 0, last=stage == schedule.num_stages - 1)
+        graph = schedule.graph  # sources read the batch, sinks compute the loss
+        st = StageState(pipe, stage, module, first=not graph.preds[stage], last=not graph.succs[stage])
         st.params = [p for p in module.parameters() if p.requires_grad]
-        st.tied = module.tied_parameters()
+        st.tied = module.tied_parameters() if hasattr(module, "tied_parameters") else []
         st.optimizer = make_optimizer(module, optim)
         stages[(pipe, stage)] = st
     groups = Groups(schedule, adapter.tied_stages)
@@ -154,7 +161,7 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
     # the data set is built (and cached) by rank 0 first so ranks do not race on the cache
     if rank != 0:
         dist.barrier()
-    data = build_text_data(cfg["data"], seq_len, seed)
+    data = setup.adapter.build_data(cfg["data"])
     if rank == 0:
         dist.barrier()
 
@@ -183,7 +190,6 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
     steps = int(trainer["steps"])
     batch_size = m * mbs
     tokens = batch_size * seq_len
-    normalizer = float(tokens)  # microbatch losses are token sums / global token count
     history: list[dict] = []
     val_losses: list[float] = []
     t_start = time.perf_counter()
@@ -194,6 +200,7 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
             raise RuntimeError(f"injected failure on rank {rank} at step {step} (runtime.fail_at_step)")
         torch.manual_seed(seed * 1_000_003 + step)  # dropout (if any) is a function of the step
         batch = data.train_batch(step, batch_size)
+        normalizer = setup.adapter.normalizer(batch)  # microbatch losses add up to the batch mean
         lr = lr_at(step, optim, steps)
         record = step == trainer.get("timeline_step")
         dist.barrier()
@@ -219,7 +226,8 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
         }
         val_every = int(trainer.get("val_every") or 0)
         if (val_every and step % val_every == 0) or step == steps:
-            vl = [executor.eval_loss(b, normalizer) for b in data.val_batches(batch_size, int(trainer["val_batches"]))]
+            vl = [executor.eval_loss(b, setup.adapter.normalizer(b))
+                  for b in data.val_batches(batch_size, int(trainer["val_batches"]))]
             if vl:
                 metrics["val_loss"] = sum(vl) / len(vl)
                 val_losses.append(metrics["val_loss"])

@@ -17,6 +17,7 @@ replica 1. ``0:4R@0`` reduces stage 4's gradients for update 0; ``0:4S@0`` appli
 
 from __future__ import annotations
 
+import heapq
 import re
 from dataclasses import dataclass, field
 from enum import Enum
@@ -181,16 +182,18 @@ class StageGraph:
         return tuple(s for s in range(self.num_stages) if not self.succs[s])
 
     def topological_order(self) -> list[int]:
+        """Stages so that every edge goes forward; among ready stages the lowest index first."""
         indeg = [len(p) for p in self.preds]
         ready = [s for s in range(self.num_stages) if indeg[s] == 0]
+        heapq.heapify(ready)
         order: list[int] = []
         while ready:
-            s = ready.pop(0)
+            s = heapq.heappop(ready)
             order.append(s)
             for t in self.succs[s]:
                 indeg[t] -= 1
                 if indeg[t] == 0:
-                    ready.append(t)
+                    heapq.heappush(ready, t)
         if len(order) != self.num_stages:
             raise ValueError("stage graph has a cycle")
         return order

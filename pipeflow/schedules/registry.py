@@ -6,10 +6,11 @@ generates, and validates, so nothing downstream ever sees a malformed schedule.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 from .common import ScheduleConfigError
-from .ir import Schedule
+from .grouping import place_graph
+from .ir import Schedule, StageGraph
 from .validate import validate
 
 
@@ -54,6 +55,8 @@ GENERATORS: dict[str, Callable[..., Schedule]] = {
 # which pipeline.* keys a schedule actually uses; others must stay at their neutral value
 USES_VIRTUAL_STAGES = {"interleaved_1f1b"}
 USES_SEGMENTS: set[str] = set()
+# chain schedules that can run over grouped stages of a branched model
+GROUPABLE = {"gpipe", "1f1b", "zb_h1", "chimera"}
 
 
 def schedule_names() -> list[str]:
@@ -67,9 +70,12 @@ def build_schedule(
     virtual_stages: int = 1,
     segments: int = 1,
     check: bool = True,
+    graph: StageGraph | None = None,
+    groups: Sequence[Sequence[int]] | None = None,
     **params,
 ) -> Schedule:
-    """Generate (and by default validate) the named schedule."""
+    """Generate (and by default validate) the named schedule. With ``graph`` (a branched
+    model's stage DAG) the chain schedule runs over contiguous groups of its stages."""
     if name not in GENERATORS:
         raise ScheduleConfigError(
             f"schedule.name={name}: unknown schedule; allowed values: {', '.join(GENERATORS)}"
@@ -86,6 +92,14 @@ def build_schedule(
             + (f" (segmented schedules: {', '.join(sorted(USES_SEGMENTS))})" if USES_SEGMENTS else "")
         )
     sched = GENERATORS[name](stages, microbatches, virtual_stages, segments, **params)
+    if graph is not None and not (graph.is_chain and graph.num_stages == sched.num_stages):
+        # a branched model: run the chain schedule over contiguous groups of its stages
+        if name not in GROUPABLE:
+            raise ScheduleConfigError(
+                f"schedule.name={name}: a branched model runs with {', '.join(sorted(GROUPABLE))} "
+                f"(its stages grouped onto a chain of pipeline.stages={stages} devices)"
+            )
+        sched = place_graph(sched, graph, groups)
     if check:
         validate(sched)
     return sched

@@ -1,0 +1,493 @@
+"""A concurrent-branch multimodal model (CBM), cut into the stages of a StageGraph.
+
+Two transformer branches run side by side:
+
+- vision: a ViT-style branch. The image is cut into patch_size x patch_size patches,
+  each patch projected to n_embd (a strided Conv2d), plus learned positions.
+- text: byte tokens (plus MASK and PAD ids, see pipeflow.data.image_text) and learned
+  positions, bidirectional self-attention (the text is trained by masked-token loss).
+
+Depth d of a branch is its hidden state after d blocks (depth 0: the embeddings).
+At an interaction depth k (``model.interaction_layers``, 1-based) block k of each
+branch also cross-attends to the *other* branch's hidden state at depth k-1
+(co-attention). Reading the partner's previous depth, not its current one, keeps the
+two branches free of a cycle: both blocks k depend only on depth k-1.
+
+A fused head joins the branches: mean-pooled vision + mean-pooled text -> one
+image-text matching (ITM) logit, and a masked-token (MLM) head on every text position.
+
+The stage split (:func:`cbm_stage_graph`) puts a stage boundary right before every
+interaction depth in both branches, so the stage that needs the partner's depth k-1
+receives exactly that tensor: the whole output of the partner stage that ends there.
+Each stage therefore holds at most one interaction block, its first.
+
+As in pipeflow.models.gpt, parameter names are global (``vision.blocks.<i>.*``,
+``text.blocks.<i>.*``, ``head.*``; block i computes depth i+1) and every parameter is
+drawn from its own generator seeded by (seed, name), so any split holds exactly the
+whole model's weights and gradients compare by name.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, NamedTuple, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pipeflow.models.gpt import _normal_  # the per-name seeded draw GPT stages use
+from pipeflow.schedules.ir import StageGraph
+
+INIT_STD = 0.02
+BRANCHES = ("vision", "text")
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class BranchShape:
+    n_layer: int
+    n_embd: int
+    n_head: int
+
+
+@dataclass(frozen=True)
+class CBMShape:
+    """The checked ``model`` config group (family cbm)."""
+
+    vision: BranchShape
+    text: BranchShape
+    image_size: int
+    patch_size: int
+    channels: int
+    vocab_size: int
+    seq_len: int
+    interaction_layers: tuple[int, ...]
+    dropout: float
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+
+def _whole(value, key: str, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{key}={value!r}: must be a whole number >= {low}")
+    return value
+
+
+def cbm_shape(model_cfg: Mapping) -> CBMShape:
+    """Read and check the ``model`` group of a CBM; errors name the offending key."""
+    family = model_cfg.get("family")
+    if family != "cbm":
+        raise ValueError(f"model.family={family}: the concurrent-branch model builds family cbm only; allowed values: cbm")
+    branches = {}
+    for b in BRANCHES:
+        sub = model_cfg.get(b)
+        if sub is None:
+            raise ValueError(f"model.{b} is missing: a CBM needs model.{b} with n_layer, n_embd, n_head")
+        n_layer = _whole(sub.get("n_layer"), f"model.{b}.n_layer")
+        n_embd = _whole(sub.get("n_embd"), f"model.{b}.n_embd")
+        n_head = _whole(sub.get("n_head"), f"model.{b}.n_head")
+        if n_embd % n_head:
+            raise ValueError(f"model.{b}.n_head={n_head}: must divide model.{b}.n_embd={n_embd}")
+        branches[b] = BranchShape(n_layer, n_embd, n_head)
+    vis, txt = model_cfg["vision"], model_cfg["text"]
+    image_size = _whole(vis.get("image_size"), "model.vision.image_size")
+    patch_size = _whole(vis.get("patch_size"), "model.vision.patch_size")
+    if image_size % patch_size:
+        raise ValueError(f"model.vision.patch_size={patch_size}: must divide model.vision.image_size={image_size}")
+    channels = _whole(vis.get("channels", 1), "model.vision.channels")
+    vocab_size = _whole(txt.get("vocab_size"), "model.text.vocab_size")
+    seq_len = _whole(txt.get("seq_len"), "model.text.seq_len")
+
+    depths = model_cfg.get("interaction_layers") or []
+    top = min(branches["vision"].n_layer, branches["text"].n_layer)
+    for k in depths:
+        # depth 1 would cross-attend to the embeddings: a stage holding only an
+        # embedding, which the split does not make (every stage holds >= 1 block)
+        if isinstance(k, bool) or not isinstance(k, int) or not 2 <= k <= top:
+            raise ValueError(
+                f"model.interaction_layers={list(depths)}: each depth must be a whole number in 2..{top} "
+                f"(at most both branches' n_layer)"
+            )
+    if len(set(depths)) != len(depths):
+        raise ValueError(f"model.interaction_layers={list(depths)}: list each depth once")
+
+    dropout = model_cfg.get("dropout", 0.0)
+    if dropout is None:
+        dropout = 0.0
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        raise ValueError(f"model.dropout={dropout!r}: a probability; use a number in [0, 1)")
+    return CBMShape(
+        vision=branches["vision"],
+        text=branches["text"],
+        image_size=image_size,
+        patch_size=patch_size,
+        channels=channels,
+        vocab_size=vocab_size,
+        seq_len=seq_len,
+        interaction_layers=tuple(sorted(depths)),
+        dropout=float(dropout),
+    )
+
+
+# ----------------------------------------------------------------------------- blocks
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, dropout: float):
+        super().__init__()
+        self.c_fc = nn.Linear(dim, 4 * dim)
+        self.c_proj = nn.Linear(4 * dim, dim)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.drop(self.c_proj(F.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block; with ``cross_dim`` it also cross-attends to the
+    other branch (queries from this branch, keys and values from the other)."""
+
+    def __init__(self, dim: int, n_head: int, dropout: float, cross_dim: int | None = None):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, n_head, dropout=dropout, batch_first=True)
+        self.cross = cross_dim is not None
+        if self.cross:
+            self.ln_cross = nn.LayerNorm(dim)
+            # the other branch's residual stream has its own scale: normalise it here
+            self.ln_cross_kv = nn.LayerNorm(cross_dim)
+            self.cross_attn = nn.MultiheadAttention(
+                dim, n_head, dropout=dropout, kdim=cross_dim, vdim=cross_dim, batch_first=True
+            )
+        self.ln_2 = nn.LayerNorm(dim)
+        self.mlp = MLP(dim, dropout)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor, other: Tensor | None = None) -> Tensor:
+        h = self.ln_1(x)
+        x = x + self.drop(self.attn(h, h, h, need_weights=False)[0])
+        if self.cross:
+            if other is None:
+                raise ValueError("an interaction block needs the other branch's hidden state")
+            q, kv = self.ln_cross(x), self.ln_cross_kv(other)
+            x = x + self.drop(self.cross_attn(q, kv, kv, need_weights=False)[0])
+        return x + self.mlp(self.ln_2(x))
+
+
+class Branch(nn.Module):
+    """Blocks [lo, hi) of one branch, plus its embedding when lo == 0."""
+
+    def __init__(self, shape: CBMShape, branch: str, lo: int, hi: int):
+        super().__init__()
+        b: BranchShape = getattr(shape, branch)
+        other: BranchShape = getattr(shape, "text" if branch == "vision" else "vision")
+        self.branch, self.lo, self.hi = branch, lo, hi
+        self.embeds = lo == 0
+        if self.embeds and branch == "vision":
+            self.patch_embed = nn.Conv2d(shape.channels, b.n_embd, shape.patch_size, stride=shape.patch_size)
+            self.pos_embed = nn.Parameter(torch.zeros(1, shape.num_patches, b.n_embd))
+        elif self.embeds:
+            self.tok_embed = nn.Embedding(shape.vocab_size, b.n_embd)
+            self.pos_embed = nn.Embedding(shape.seq_len, b.n_embd)
+        self.drop = nn.Dropout(shape.dropout)
+        # block i computes depth i+1; it is an interaction block when i+1 is listed
+        self.blocks = nn.ModuleDict(
+            {
+                str(i): Block(
+                    b.n_embd,
+                    b.n_head,
+                    shape.dropout,
+                    cross_dim=other.n_embd if i + 1 in shape.interaction_layers else None,
+                )
+                for i in range(lo, hi)
+            }
+        )
+
+    def embed(self, x: Tensor) -> Tensor:
+        if self.branch == "vision":
+            x = self.patch_embed(x).flatten(2).transpose(1, 2)  # [B, C, H, W] -> [B, patches, n_embd]
+            return self.drop(x + self.pos_embed)
+        pos = torch.arange(x.size(1), device=x.device)
+        return self.drop(self.tok_embed(x) + self.pos_embed(pos))
+
+    def block(self, i: int, x: Tensor, other: Tensor | None) -> Tensor:
+        return self.blocks[str(i)](x, other)
+
+
+class Head(nn.Module):
+    """Fused head: pooled vision + pooled text -> ITM logit; text positions -> MLM logits.
+
+    Returns one tensor [B, 1 + T * vocab_size]: column 0 the ITM logit, then the MLM
+    logits flattened (see :func:`split_head_output`). One tensor because a stage sends
+    and returns exactly one."""
+
+    def __init__(self, shape: CBMShape):
+        super().__init__()
+        dv, dt = shape.vision.n_embd, shape.text.n_embd
+        self.ln_vision = nn.LayerNorm(dv)
+        self.ln_text = nn.LayerNorm(dt)
+        self.itm_fc = nn.Linear(dv + dt, dt)
+        self.itm_out = nn.Linear(dt, 1)
+        self.mlm = nn.Linear(dt, shape.vocab_size)  # not tied: the embedding lives on another stage
+
+    def forward(self, vision: Tensor, text: Tensor) -> Tensor:
+        v, t = self.ln_vision(vision), self.ln_text(text)
+        pooled = torch.cat([v.mean(1), t.mean(1)], dim=-1)
+        itm = self.itm_out(F.gelu(self.itm_fc(pooled)))  # [B, 1]
+        mlm = self.mlm(t)  # [B, T, V]
+        return torch.cat([itm, mlm.flatten(1)], dim=1)
+
+
+def _init_weights(module: nn.Module, shape: CBMShape, seed: int) -> None:
+    """One generator per global parameter name, so any split draws the same values."""
+    for name, param in module.named_parameters():
+        branch = name.split(".", 1)[0]
+        n_layer = getattr(shape, branch).n_layer if branch in BRANCHES else 1
+        if ".ln_" in name or name.startswith("head.ln_"):
+            if name.endswith(".weight"):
+                nn.init.ones_(param)
+            else:
+                nn.init.zeros_(param)
+        elif name.endswith("bias"):  # Linear .bias and MultiheadAttention's in_proj_bias
+            nn.init.zeros_(param)
+        elif name.endswith(("attn.out_proj.weight", "cross_attn.out_proj.weight", "mlp.c_proj.weight")):
+            # GPT-2's scaling of projections into the residual stream, per branch depth
+            _normal_(param, INIT_STD / math.sqrt(2 * n_layer), seed, name)
+        else:
+            _normal_(param, INIT_STD, seed, name)
+
+
+# ----------------------------------------------------------------------------- stage graph
+
+
+@dataclass(frozen=True)
+class CBMStageSpec:
+    """What one stage of :func:`cbm_stage_graph` holds and which predecessors feed it.
+
+    branch: "vision", "text" or "head". lo, hi: the branch's blocks [lo, hi) (0-based
+    block i computes depth i+1); -1 for the head. chain_pred: the same branch's previous
+    stage (None for a branch's first stage, whose input is the raw batch tensor).
+    partner_pred: the other branch's stage ending at depth lo, when block lo is an
+    interaction block. For the head: chain_pred is the last vision stage and
+    partner_pred the last text stage."""
+
+    stage: int
+    branch: str
+    lo: int
+    hi: int
+    chain_pred: int | None
+    partner_pred: int | None
+
+    @property
+    def is_source(self) -> bool:
+        return self.chain_pred is None and self.partner_pred is None
+
+
+def _split_branch(n_layer: int, cuts: Sequence[int], stages: int, branch: str) -> list[tuple[int, int]]:
+    """``stages`` contiguous block ranges covering [0, n_layer) with a boundary at every cut.
+
+    The cuts cut the branch into segments; every segment gets one stage, and each extra
+    stage goes to the segment whose stages are currently the longest (ties: the first),
+    so the largest stage, which sets the pipeline's pace, is as small as it can be."""
+    bounds = [0, *sorted(cuts), n_layer]
+    seg_len = [bounds[i + 1] - bounds[i] for i in range(len(bounds) - 1)]
+    if not len(seg_len) <= stages <= n_layer:
+        raise ValueError(
+            f"pipeline.stages: {stages} {branch} stages cannot hold model.{branch}.n_layer={n_layer} layers with a "
+            f"boundary before each interaction depth (needs {len(seg_len)} to {n_layer} {branch} stages)"
+        )
+    per_seg = [1] * len(seg_len)
+    for _ in range(stages - len(seg_len)):
+        open_segs = [i for i in range(len(seg_len)) if per_seg[i] < seg_len[i]]
+        best = max(open_segs, key=lambda i: (math.ceil(seg_len[i] / per_seg[i]), -i))
+        per_seg[best] += 1
+    ranges = []
+    for start, length, n in zip(bounds, seg_len, per_seg):
+        base, extra = divmod(length, n)
+        for j in range(n):  # the earlier stages of a segment take the remainder
+            size = base + (1 if j < extra else 0)
+            ranges.append((start, start + size))
+            start += size
+    return ranges
+
+
+def cbm_stage_graph(model_cfg: Mapping, vision_stages: int, text_stages: int) -> tuple[StageGraph, list[CBMStageSpec]]:
+    """The CBM as a StageGraph and what each stage holds.
+
+    Stages 0..Vs-1 are the vision chain (stage 0 holds the patch embedding), Vs..Vs+Ts-1
+    the text chain (stage Vs holds the token embedding) and stage Vs+Ts the fused head.
+    Edges: each branch's chain; for every interaction depth k, an edge from the stage of
+    each branch that ends at depth k-1 to the other branch's stage that starts with
+    block k; both branches' last stages -> head. A boundary is placed right before
+    every interaction depth (in both branches) and the remaining layers are spread as
+    evenly as the boundaries allow.
+
+    Stage *indices* are branch-major, so with interactions they are not a topological
+    order (a text stage feeds a vision stage with a smaller index): run stages in
+    ``graph.topological_order()``."""
+    shape = cbm_shape(model_cfg)
+    vs = _whole(vision_stages, "pipeline.stages (vision stages)")
+    ts = _whole(text_stages, "pipeline.stages (text stages)")
+    cuts = [k - 1 for k in shape.interaction_layers]  # a stage must end at depth k-1
+    ranges = {
+        "vision": _split_branch(shape.vision.n_layer, cuts, vs, "vision"),
+        "text": _split_branch(shape.text.n_layer, cuts, ts, "text"),
+    }
+    offset = {"vision": 0, "text": vs}
+    head = vs + ts
+
+    def ending_at(branch: str, depth: int) -> int:
+        return offset[branch] + next(j for j, (_, hi) in enumerate(ranges[branch]) if hi == depth)
+
+    specs: list[CBMStageSpec] = []
+    edges: list[tuple[int, int]] = []
+    for branch in BRANCHES:
+        other = "text" if branch == "vision" else "vision"
+        for j, (lo, hi) in enumerate(ranges[branch]):
+            stage = offset[branch] + j
+            chain_pred = stage - 1 if j else None
+            partner_pred = ending_at(other, lo) if lo + 1 in shape.interaction_layers else None
+            specs.append(CBMStageSpec(stage, branch, lo, hi, chain_pred, partner_pred))
+            for pred in (chain_pred, partner_pred):
+                if pred is not None and (pred, stage) not in edges:
+                    edges.append((pred, stage))
+    last_vision, last_text = vs - 1, vs + ts - 1
+    specs.append(CBMStageSpec(head, "head", -1, -1, last_vision, last_text))
+    edges += [(last_vision, head), (last_text, head)]
+    graph = StageGraph(head + 1, tuple(edges), branch=tuple(s.branch for s in specs))
+    return graph, specs
+
+
+# ----------------------------------------------------------------------------- modules
+
+
+class CBMStage(nn.Module):
+    """One stage of :func:`cbm_stage_graph`.
+
+    forward(x): for a source stage (a branch's first) ``x`` is the raw batch tensor:
+    images [B, C, H, W] float for vision, token ids [B, T] long for text. Otherwise ``x``
+    is a dict {pred_stage_index: tensor} holding the outputs of all of the stage's
+    predecessors. Returns one tensor: the branch's hidden state at depth ``hi``
+    ([B, patches, vision.n_embd] or [B, T, text.n_embd]); the head returns
+    [B, 1 + T * vocab_size] (see :func:`split_head_output`)."""
+
+    def __init__(self, shape: CBMShape, spec: CBMStageSpec, seed: int):
+        super().__init__()
+        self.shape, self.spec = shape, spec
+        if spec.branch == "head":
+            self.head = Head(shape)
+        else:
+            # the attribute is the branch's name, so parameters read vision.blocks.<i>...
+            self.add_module(spec.branch, Branch(shape, spec.branch, spec.lo, spec.hi))
+        _init_weights(self, shape, seed)
+
+    def forward(self, x: Tensor | Mapping[int, Tensor]) -> Tensor:
+        spec = self.spec
+        if spec.branch == "head":
+            return self.head(x[spec.chain_pred], x[spec.partner_pred])
+        branch: Branch = getattr(self, spec.branch)
+        if spec.is_source:
+            if isinstance(x, Mapping):
+                raise TypeError(f"stage {spec.stage} is a source: pass the raw {spec.branch} input tensor, not a dict")
+            h = branch.embed(x)
+        else:
+            h = x[spec.chain_pred]
+        other = x[spec.partner_pred] if spec.partner_pred is not None else None
+        for i in range(spec.lo, spec.hi):
+            # only the first block can interact: the split puts a boundary before each
+            h = branch.block(i, h, other if i == spec.lo else None)
+        return h
+
+
+class CBMModel(nn.Module):
+    """The whole CBM on one device: the reference a pipelined run must match."""
+
+    def __init__(self, shape: CBMShape, seed: int):
+        super().__init__()
+        self.shape = shape
+        self.vision = Branch(shape, "vision", 0, shape.vision.n_layer)
+        self.text = Branch(shape, "text", 0, shape.text.n_layer)
+        self.head = Head(shape)
+        _init_weights(self, shape, seed)
+
+    def forward(self, image: Tensor, input_ids: Tensor) -> Tensor:
+        v, t = self.vision.embed(image), self.text.embed(input_ids)
+        for depth in range(1, max(self.shape.vision.n_layer, self.shape.text.n_layer) + 1):
+            # both blocks at this depth read the other branch's previous depth
+            v_prev, t_prev = v, t
+            if depth <= self.shape.vision.n_layer:
+                v = self.vision.block(depth - 1, v_prev, t_prev)
+            if depth <= self.shape.text.n_layer:
+                t = self.text.block(depth - 1, t_prev, v_prev)
+        return self.head(v, t)
+
+
+def build_cbm_stage(model_cfg: Mapping, stage_specs: Sequence[CBMStageSpec], stage: int, seed: int) -> CBMStage:
+    """Stage ``stage`` of a split made by :func:`cbm_stage_graph` (pass its stage_specs)."""
+    shape = cbm_shape(model_cfg)
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < len(stage_specs):
+        raise ValueError(f"stage={stage!r}: allowed values: 0 to {len(stage_specs) - 1} (pipeline.stages)")
+    return CBMStage(shape, stage_specs[stage], seed)
+
+
+def build_cbm_model(model_cfg: Mapping, seed: int) -> CBMModel:
+    """The whole model as one module computing what the chained stages compute."""
+    return CBMModel(cbm_shape(model_cfg), seed)
+
+
+# ----------------------------------------------------------------------------- data, loss
+
+
+def source_input(spec: CBMStageSpec, batch: Mapping[str, Tensor]) -> Tensor:
+    """The batch tensor a source stage takes: ``image`` for vision, ``input_ids`` for text."""
+    if not spec.is_source:
+        raise ValueError(f"stage {spec.stage} is not a source stage: it takes its predecessors' outputs")
+    return batch["image" if spec.branch == "vision" else "input_ids"]
+
+
+def message_shape(model_cfg: Mapping, spec: CBMStageSpec, microbatch_size: int) -> tuple[int, ...]:
+    """Shape of the one tensor stage ``spec`` outputs (sent whole to every successor)."""
+    shape = cbm_shape(model_cfg)
+    if spec.branch == "vision":
+        return (microbatch_size, shape.num_patches, shape.vision.n_embd)
+    if spec.branch == "text":
+        return (microbatch_size, shape.seq_len, shape.text.n_embd)
+    return (microbatch_size, 1 + shape.seq_len * shape.vocab_size)
+
+
+def split_head_output(head_out: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
+    """The head's [B, 1 + T * V] as (ITM logits [B], MLM logits [B, T, V])."""
+    itm, mlm = head_out[:, 0], head_out[:, 1:]
+    return itm, mlm.reshape(head_out.size(0), seq_len, -1)
+
+
+class CBMNormalizer(NamedTuple):
+    """Counts over the whole batch: the ITM mean is over pairs, the MLM mean over masked tokens."""
+
+    pairs: float
+    masked_tokens: float
+
+
+def normalizer(batch: Mapping[str, Tensor]) -> CBMNormalizer:
+    """The global batch's counts, so that microbatch losses add up to the batch mean."""
+    masked = int((batch["mlm_labels"] != -100).sum())
+    return CBMNormalizer(float(batch["itm_label"].numel()), float(max(1, masked)))
+
+
+def cbm_loss(head_out: Tensor, batch: Mapping[str, Tensor], norm: CBMNormalizer, rows: slice | None = None) -> Tensor:
+    """Summed ITM BCE / pairs + summed MLM CE / masked tokens, for rows ``rows`` of ``batch``
+    (the microbatch the head output belongs to; None: all of it)."""
+    rows = slice(None) if rows is None else rows
+    itm_label, mlm_labels = batch["itm_label"][rows], batch["mlm_labels"][rows]
+    itm, mlm = split_head_output(head_out, mlm_labels.size(1))
+    itm_loss = F.binary_cross_entropy_with_logits(itm.float(), itm_label.float(), reduction="sum")
+    mlm_loss = F.cross_entropy(
+        mlm.reshape(-1, mlm.size(-1)).float(), mlm_labels.reshape(-1), ignore_index=-100, reduction="sum"
+    )
+    return itm_loss / norm.pairs + mlm_loss / norm.masked_tokens

@@ -1,0 +1,191 @@
+"""Measure a GPT's layer sequence on this machine: the input of the ``profiled``
+partitioner and cost model (:mod:`pipeflow.planning.profile`).
+
+Every unit is a :class:`~pipeflow.models.gpt.GPTStage`, so what is timed is the code the
+runtime runs: the embedding is a first stage with its blocks removed, block i a middle
+stage holding block i alone, the head a last stage with its blocks removed (final
+LayerNorm and the untied ``lm_head`` copy, as on any last stage of a split) followed by
+the runtime's loss, :func:`~pipeflow.models.gpt.lm_loss`. A stage builds its causal mask
+in every forward; the block units pay it, as every stage does once.
+
+Per unit: forward and backward time (median over ``repeats`` after ``warmup`` rounds),
+the AdamW step over its parameters, the bytes autograd saved in the forward for the
+backward (``torch.autograd.graph.saved_tensors_hooks``; each storage counted once, the
+unit's own parameters not counted), and its parameter bytes.
+
+    python -m pipeflow.models.profiler --out profile.json model.vocab_size=8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Callable, Mapping
+
+import torch
+from torch import nn
+
+from pipeflow.planning.profile import LayerProfile, ModelProfile
+
+from .gpt import GPTStage, gpt2_config, lm_loss
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_time(fn: Callable[[], None], device: torch.device, warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _units(model_cfg: Mapping, seed: int) -> list[tuple[str, str, GPTStage]]:
+    """(name, kind, module) for the embedding, each block and the head, cut as the runtime cuts."""
+    config = gpt2_config(model_cfg)
+    n = config.n_layer
+    # a one-block first stage minus its block is the embedding alone; its forward is GPTStage's own
+    emb = GPTStage(config, 0, 1, first=True, last=False, seed=seed)
+    emb.h = nn.ModuleDict()
+    units = [("embedding", "embedding", emb)]
+    for i in range(n):
+        units.append((f"block.{i}", "block", GPTStage(config, i, i + 1, first=False, last=False, seed=seed)))
+    head = GPTStage(config, n - 1, n, first=False, last=True, seed=seed)
+    head.h = nn.ModuleDict()
+    units.append(("head", "head", head))
+    return units
+
+
+def profile_model(
+    model_cfg: Mapping,
+    microbatch_size: int,
+    seq_len: int | None = None,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    threads: int | None = 1,
+    warmup: int = 2,
+    repeats: int = 5,
+) -> ModelProfile:
+    """Profile every unit of the configured GPT for one microbatch of ``microbatch_size``
+    sequences of ``seq_len`` tokens (default: model.seq_len), with ``threads`` intra-op
+    threads (the runtime's runtime.threads_per_rank; None: leave torch's setting)."""
+    device = torch.device(device)
+    seq_len = int(seq_len if seq_len is not None else model_cfg["seq_len"])
+    vocab, n_embd = int(model_cfg["vocab_size"]), int(model_cfg["n_embd"])
+    old_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (microbatch_size, seq_len), generator=gen).to(device)
+    targets = torch.randint(0, vocab, (microbatch_size, seq_len), generator=gen).to(device)
+    hidden = torch.randn(microbatch_size, seq_len, n_embd, generator=gen).to(device)
+    normalizer = float(targets.numel())
+    profiled = []
+    try:
+        for name, kind, module in _units(model_cfg, seed):
+            module.to(device).train()
+            params = [p for p in module.parameters() if p.requires_grad]
+            param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+            saved: dict[int, int] = {}
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                # one storage may back several saved views; parameters are not activations
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in param_ptrs:
+                    saved[ptr] = t.untyped_storage().nbytes()
+                return t
+
+            def forward():
+                # the embedding takes token ids; every other unit a hidden state that
+                # needs a gradient, as a received activation does in the runtime
+                x = ids if kind == "embedding" else hidden.detach().requires_grad_(True)
+                out = module(x)
+                if kind == "head":
+                    out = lm_loss(out, targets, normalizer)
+                return out
+
+            def backward_of(out):
+                if out.dim() == 0:
+                    out.backward()
+                else:
+                    out.backward(grad)
+
+            with torch.no_grad():
+                grad = torch.randn_like(hidden)
+            fwd_s = _median_time(forward, device, warmup, repeats)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = forward()
+            activation = sum(saved.values())
+            backward_of(out)
+
+            # backward alone: a fresh forward (untimed) before each timed backward
+            bwd_times = []
+            for r in range(warmup + repeats):
+                out = forward()
+                _sync(device)
+                t0 = time.perf_counter()
+                backward_of(out)
+                _sync(device)
+                if r >= warmup:
+                    bwd_times.append(time.perf_counter() - t0)
+            optimizer = torch.optim.AdamW(params, lr=1e-4)
+            step_s = _median_time(optimizer.step, device, warmup, repeats)
+            profiled.append(
+                LayerProfile(
+                    name=name,
+                    kind=kind,
+                    forward_s=fwd_s,
+                    backward_s=statistics.median(bwd_times),
+                    activation_bytes=int(activation),
+                    param_bytes=int(sum(p.numel() * p.element_size() for p in params)),
+                    step_s=step_s,
+                )
+            )
+            module.zero_grad(set_to_none=True)
+    finally:
+        torch.set_num_threads(old_threads)
+    return ModelProfile(
+        model=str(model_cfg.get("name", "gpt")),
+        n_layer=int(model_cfg["n_layer"]),
+        n_embd=n_embd,
+        vocab_size=vocab,
+        seq_len=seq_len,
+        microbatch_size=int(microbatch_size),
+        units=profiled,
+        device=str(device),
+        threads=torch.get_num_threads() if threads is None else int(threads),
+        meta={"warmup": warmup, "repeats": repeats, "torch": torch.__version__},
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="profile.json", help="where to write the profile")
+    parser.add_argument("--microbatch-size", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("overrides", nargs="*", help="train config overrides, e.g. model=gpt_small model.n_layer=8")
+    args = parser.parse_args(argv)
+    from omegaconf import OmegaConf
+
+    from pipeflow.config import compose
+
+    cfg = compose("train", args.overrides)
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    prof = profile_model(model_cfg, args.microbatch_size, seed=int(cfg.seed), threads=args.threads)
+    print(f"wrote {prof.save(args.out)}")
+    for u in prof.units:
+        print(f"{u.name:<12} F {u.forward_s * 1e3:8.3f} ms  B {u.backward_s * 1e3:8.3f} ms  "
+              f"act {u.activation_bytes / 2**20:8.2f} MiB  params {u.param_bytes / 2**20:7.2f} MiB")
+
+
+if __name__ == "__main__":
+    main()

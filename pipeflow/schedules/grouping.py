@@ -1,0 +1,78 @@
+"""Run a chain schedule over a stage DAG: the baseline way to pipeline a branched model.
+
+A concurrent-branch model is a DAG of stages, not a chain. The classic baseline (the
+one BAPP is measured against) lays its stages out in one topological order, cuts that
+order into p contiguous groups, and runs an ordinary chain schedule over the groups:
+every action of chain position c becomes the same action for each stage of group c,
+forwards in topological order and backwards in reverse. The result is valid for any
+chain schedule: a stage's predecessors sit in its own group (earlier in the order) or
+in an earlier group, whose forward the chain schedule already waits for; symmetrically
+for successors and backwards.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .ir import Action, Kind, Placement, Schedule, StageGraph
+
+
+def contiguous_groups(graph: StageGraph, parts: int) -> list[list[int]]:
+    """The graph's topological order cut into ``parts`` contiguous runs, the longer runs first.
+
+    Stage indices need not be a topological order (a two-branch model numbers one branch,
+    then the other, while interaction edges cross between them)."""
+    order = graph.topological_order()
+    if not 1 <= parts <= len(order):
+        raise ValueError(
+            f"pipeline.stages={parts}: the model has {len(order)} stages to place, so use 1..{len(order)} devices"
+        )
+    base, extra = divmod(len(order), parts)
+    out, lo = [], 0
+    for c in range(parts):
+        n = base + (1 if c < extra else 0)
+        out.append(order[lo : lo + n])
+        lo += n
+    return out
+
+
+def place_graph(chain: Schedule, graph: StageGraph, groups: Sequence[Sequence[int]] | None = None) -> Schedule:
+    """``chain`` is a schedule over a chain of len(groups) stages; return it run over ``graph``."""
+    p = chain.num_stages
+    groups = [list(g) for g in (groups or contiguous_groups(graph, p))]
+    if len(groups) != p or sorted(s for g in groups for s in g) != list(range(graph.num_stages)):
+        raise ValueError(f"groups must split stages 0..{graph.num_stages - 1} into {p} parts, got {groups}")
+    flat = [s for g in groups for s in g]
+    position = {s: i for i, s in enumerate(flat)}
+    for src, dst in graph.edges:
+        if position[src] >= position[dst]:
+            raise ValueError(f"groups put stage {dst} before its predecessor {src}; groups must follow a topological order")
+    if not chain.graph.is_chain:
+        raise ValueError(f"schedule {chain.name!r} is not a chain schedule")
+    table = []
+    for row in chain.placement.table:
+        devices = [0] * graph.num_stages
+        for c, group in enumerate(groups):
+            for s in group:
+                devices[s] = row[c]
+        table.append(tuple(devices))
+
+    def expand(a: Action) -> list[Action]:
+        members = groups[a.stage]
+        if a.kind in Kind.BACKWARD or a.kind == Kind.W:
+            members = members[::-1]
+        return [a._replace(stage=s) for s in members]
+
+    orders = [[b for a in order for b in expand(a)] for order in chain.orders]
+    return Schedule(
+        name=chain.name,
+        graph=graph,
+        placement=Placement(chain.num_devices, tuple(table)),
+        orders=orders,
+        num_microbatches=chain.num_microbatches,
+        num_segments=chain.num_segments,
+        policy=chain.policy,
+        pipe_of_microbatch=chain.pipe_of_microbatch,
+        update_of_microbatch=chain.update_of_microbatch,
+        meta={**chain.meta, "groups": groups},
+    )
