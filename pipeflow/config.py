@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, List, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
 from pipeflow.planning.cost import COST_MODELS, CostModel, build_cost_model, cost_params
 from pipeflow.planning.partition import PARTITIONERS
@@ -57,6 +57,8 @@ TRAIN_FAMILIES = ("gpt", "bert", "cbm")
 # The family whose objective a data set feeds: next-token text for GPT, masked text for
 # BERT. A batch of one is meaningless to the other's loss, so the pair is refused early.
 DATA_FAMILY = {"text_corpus": "gpt", "mlm_corpus": "bert", "image_text": "cbm"}
+# data=auto (the default) picks the data set the model's family trains on
+DATA_FOR_FAMILY = {family: data for data, family in DATA_FAMILY.items()}
 # text_corpus feeds UTF-8 bytes as tokens (pipeflow.data.text.ByteTokenizer), mlm_corpus
 # bytes plus four special ids (pipeflow.data.mlm.MLM_VOCAB); a test keeps these equal to
 # the data package's (importing it here would cost torch and datasets)
@@ -549,6 +551,7 @@ def prepare_training(cfg: DictConfig) -> TrainingInputs:
     one sentence naming the key and the allowed values. Nothing is spawned, loaded or
     written, so a bad config fails before any rank starts."""
     _check_pipeline(cfg)
+    _resolve_auto_data(cfg)
     name, pipe = cfg.schedule.name, cfg.pipeline
     if name in schedule_names() and name not in RUNTIME_SCHEDULES:
         raise ConfigError(
@@ -606,6 +609,30 @@ def prepare_training(cfg: DictConfig) -> TrainingInputs:
     # is not, so one validation here (milliseconds at training sizes) is cheap insurance.
     validate(schedule)
     return TrainingInputs(schedule, spec, topology)
+
+
+def _resolve_auto_data(cfg: DictConfig) -> None:
+    """data=auto: replace the data group by the option file of the model family's data set."""
+    if cfg.data.get("name") != "auto":
+        return
+    family = cfg.model.get("family")
+    if family not in DATA_FOR_FAMILY:
+        raise ConfigError(
+            f"data.name=auto: no default data set for model.family={family}; pick one of {', '.join(DATA_FAMILY)}"
+        )
+    chosen = OmegaConf.load(CONF_DIR / "data" / f"{DATA_FOR_FAMILY[family]}.yaml")
+    chosen.pop("defaults", None)
+    for key, value in cfg.data.items():
+        if key == "name" or value is None:
+            continue  # null keeps the chosen data set's default
+        if key not in chosen:
+            raise ConfigError(
+                f"data.{key}={value}: data set '{chosen.name}' (data=auto for model.family={family}) has no such key; "
+                f"its keys: {', '.join(k for k in chosen if k != 'name')}"
+            )
+        chosen[key] = value
+    with open_dict(cfg):
+        cfg.data = chosen
 
 
 def _branched_schedule(cfg: DictConfig) -> tuple[Schedule, list]:
@@ -667,6 +694,19 @@ def _prepare_branched(cfg: DictConfig) -> TrainingInputs:
     _check_runtime(cfg.runtime, schedule.num_devices)
     _check_logger(cfg.logger)
     _check_data_files(cfg.data)
+    if cfg.data.get("files"):
+        # the user's own image-text files: missing columns or mixed image sizes must stop
+        # the run here, not in every rank after start-up
+        import datasets
+
+        from pipeflow.data.image_text import build_image_text_data
+
+        datasets.disable_progress_bars()  # a config check prints its verdict, nothing else
+        try:
+            build_image_text_data(OmegaConf.to_container(cfg.data, resolve=True),
+                                  OmegaConf.to_container(cfg.model, resolve=True), int(cfg.seed))
+        except ValueError as err:
+            raise ConfigError(str(err).strip().splitlines()[0]) from None
     _check_resume(cfg.resume)
     validate(schedule)
     return TrainingInputs(schedule, None, topology)

@@ -8,6 +8,7 @@ labels, with a stand-in for Hydra's own config).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -50,12 +51,25 @@ def no_wandb_credentials(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- composes
 
 
+@pytest.mark.parametrize("model,data", [("gpt", "text_corpus"), ("bert", "mlm_corpus"), ("cbm", "image_text"),
+                                        ("gpt_small", "text_corpus"), ("bert_tiny", "mlm_corpus")])
+def test_auto_data_follows_the_model_family_and_keeps_overrides(model, data, tmp_path):
+    cfg = train_cfg(f"model={model}", "pipeline.stages=2")
+    prepare_training(cfg)
+    assert cfg.data.name == data and cfg.data.val_fraction > 0  # the data set's own defaults
+    (tmp_path / "a.txt").write_text("some text " * 50)
+    if data != "image_text":
+        cfg = train_cfg(f"model={model}", f"data.files=[{tmp_path / 'a.txt'}]", "data.val_fraction=0.5")
+        prepare_training(cfg)
+        assert cfg.data.name == data and cfg.data.val_fraction == 0.5 and len(cfg.data.files) == 1
+
+
 def test_embedded_defaults():
     cfg = train_cfg()
     assert (cfg.model.name, cfg.schedule.name, cfg.partition.name, cfg.topology.name) == (
         "gpt_tiny", "1f1b", "uniform", "local_cpu")
     assert (cfg.data.name, cfg.optim.name, cfg.runtime.name, cfg.logger.name) == (
-        "text_corpus", "adamw", "local", "wandb")
+        "auto", "adamw", "local", "wandb")
     p = cfg.pipeline
     assert (p.stages, p.microbatches, p.virtual_stages, p.segments, p.microbatch_size) == (2, 4, 1, 1, 4)
     t = cfg.trainer
@@ -161,8 +175,9 @@ def test_resume_from_a_run_with_checkpoints_passes(tmp_path):
         # model and topology
         (["model.seq_len=512"], "model.seq_len=512"),  # > model.n_positions=256
         (["model.family=t5"], "model.family=t5"),
-        (["model=bert_large", "pipeline.stages=2"], "data.name=text_corpus"),  # BERT needs masked data
-        (["model=bert_tiny"], "data.name=text_corpus"),
+        (["model=bert_large", "pipeline.stages=2", "data=text_corpus"], "data.name=text_corpus"),  # BERT needs masked data
+        (["model=bert_tiny", "data=text_corpus"], "data.name=text_corpus"),
+        (["model=cbm", "data.max_bytes=1000"], "data.max_bytes=1000"),  # image_text has no such key
         (["data=mlm_corpus"], "data.name=mlm_corpus"),  # GPT needs next-token text
         (["model=bert_tiny", "data=mlm_corpus", "model.vocab_size=256"], "model.vocab_size=256"),  # + [MASK] etc.
         (["model.vocab_size=100"], "model.vocab_size=100"),  # bytes need 256
@@ -302,7 +317,7 @@ def test_online_with_an_api_key_passes(no_wandb_credentials, monkeypatch):
         (["schedule=nope"],
          "schedule=nope: unknown schedule; allowed values: 1f1b, chimera, gpipe, interleaved_1f1b, zb_h1"),
         (["-m", "schedule=gpipe,nope,1f1b"], "schedule=nope: unknown schedule"),
-        (["trainer.steps=3", "model=gpt_huge"], "model=gpt_huge: unknown model; allowed values: bert_1b, "),
+        (["trainer.steps=3", "model=gpt_huge"], "model=gpt_huge: unknown model; allowed values: bert, bert_1b, "),
         (["logger=tensorboard"], "logger=tensorboard: unknown logger; allowed values: none, wandb"),
     ],
 )
@@ -444,3 +459,19 @@ def test_a_bad_multirun_job_does_not_stop_the_others(tmp_path):
     assert "pipeline.stages=3: schedule 'chimera' needs an even number of stages" in proc.stderr  # the 2nd job ran
     assert "Traceback" not in proc.stderr
     assert not list(sweep.glob("*/metrics.jsonl"))
+
+
+@pytest.mark.parametrize(
+    "rows,message",
+    [
+        ([{"image": [[0.0] * 8] * 8, "caption": "a digit"}] * 4, "no 'text' column"),
+        ([{"text": "a digit"}] * 4, "no 'image' column"),
+        ([{"image": [[0.0] * 8] * 8, "text": "a"}, {"image": [[0.0] * 4] * 4, "text": "b"}] * 2, "inconsistent sizes"),
+    ],
+)
+def test_bad_image_text_files_stop_before_any_rank(rows, message, tmp_path):
+    path = tmp_path / "pairs.json"
+    path.write_text(json.dumps(rows))
+    with pytest.raises(ConfigError) as e:
+        prepare_training(train_cfg("model=cbm", f"data.files=[{path}]"))
+    assert str(e.value).startswith("data.files") and message in str(e.value)
