@@ -507,7 +507,12 @@ def data_file_list(files: Any) -> list[str] | None:
 
 
 def _check_data_files(data: DictConfig) -> None:
-    data_file_list(data.get("files"))
+    files = data.get("files")
+    if files is not None and not isinstance(files, str) and len(files) == 0:
+        raise ConfigError(
+            "data.files=[]: the list is empty; list at least one file, or set data.files=null for the default data"
+        )
+    data_file_list(files)
 
 
 def _check_resume(resume: str | None) -> None:

@@ -37,7 +37,7 @@ def run_simulation(cfg: DictConfig, out_dir: str | Path) -> dict:
     """
     inputs = prepare_simulation(cfg)
     pipe = cfg.pipeline
-    schedule, spec, cost, topology = inputs.schedule, inputs.spec, inputs.cost, inputs.topology
+    schedule, cost, topology = inputs.schedule, inputs.cost, inputs.topology
     validate(schedule)
     result = simulate(schedule, cost, topology, record=True)
 

@@ -9,15 +9,12 @@ five steps of losses agree to 1e-4 relative.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from pipeflow.config import compose, prepare_training
-from pipeflow.runtime.launch import TrainJob, launch
+import pipeline_runs
 
 # bert_tiny's 4 layers (one per stage at 4 stages), narrower and shorter for CI
 SMALL = [
@@ -42,26 +39,7 @@ WORD = "embeddings.word_embeddings.weight"
 
 
 def train(run_dir: Path, *overrides: str) -> dict:
-    cfg = compose("train", [*SMALL, *overrides])
-    inputs = prepare_training(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    launch(TrainJob(OmegaConf.to_container(cfg, resolve=True), str(run_dir), inputs.world_size))
-    return {
-        "losses": [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()],
-        "grads": _grads(run_dir),
-        "summary": json.loads((run_dir / "summary.json").read_text()),
-    }
-
-
-def _grads(run_dir: Path) -> dict[str, list[torch.Tensor]]:
-    """Gradients by global parameter name; a name may come from several replicas. The
-    decoder's copy of the tied word embedding is filed under the embedding's name."""
-    out: dict[str, list[torch.Tensor]] = {}
-    for f in sorted((run_dir / "grads").glob("rank*.pt")):
-        for key, g in torch.load(f).items():
-            name = key.split(":", 1)[1]
-            out.setdefault(WORD if name == "cls.decoder.weight" else name, []).append(g)
-    return out
+    return pipeline_runs.train(run_dir, [*SMALL, *overrides], tied={"cls.decoder.weight": WORD})
 
 
 @pytest.fixture(scope="module")

@@ -8,15 +8,12 @@ pipeline.stages=1 reference and five steps of losses agree to 1e-4 relative.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from pipeflow.config import compose, prepare_training
-from pipeflow.runtime.launch import TrainJob, launch
+import pipeline_runs
 
 SMALL = [
     "model=cbm_tiny",
@@ -34,19 +31,7 @@ CASES = [("gpipe", 2), ("1f1b", 2), ("gpipe", 4), ("1f1b", 4), ("chimera", 2), (
 
 
 def train(run_dir: Path, *overrides: str) -> dict:
-    cfg = compose("train", [*SMALL, *overrides])
-    inputs = prepare_training(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    launch(TrainJob(OmegaConf.to_container(cfg, resolve=True), str(run_dir), inputs.world_size))
-    grads: dict[str, list[torch.Tensor]] = {}
-    for f in sorted((run_dir / "grads").glob("rank*.pt")):
-        for key, g in torch.load(f).items():
-            grads.setdefault(key.split(":", 1)[1], []).append(g)
-    return {
-        "losses": [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()],
-        "grads": grads,
-        "schedule": inputs.schedule,
-    }
+    return pipeline_runs.train(run_dir, [*SMALL, *overrides])
 
 
 @pytest.fixture(scope="module")

@@ -19,10 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from pipeflow.config import compose, prepare_training
-from pipeflow.runtime.launch import JobFailed, TrainJob, launch
+import pipeline_runs
+from pipeflow.runtime.launch import JobFailed
 
 # small enough for CI (2 cores), deep enough for 4 stages x 2 virtual stages
 SMALL = [
@@ -47,26 +46,7 @@ CASES = [
 
 
 def train(run_dir: Path, *overrides: str) -> dict:
-    cfg = compose("train", [*SMALL, *overrides])
-    inputs = prepare_training(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    launch(TrainJob(OmegaConf.to_container(cfg, resolve=True), str(run_dir), inputs.world_size))
-    return {
-        "losses": [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()],
-        "grads": _grads(run_dir),
-        "summary": json.loads((run_dir / "summary.json").read_text()),
-    }
-
-
-def _grads(run_dir: Path) -> dict[str, list[torch.Tensor]]:
-    """Gradients by global parameter name; a name may come from several replicas. The LM
-    head's copy of the tied embedding is filed under the embedding's name."""
-    out: dict[str, list[torch.Tensor]] = {}
-    for f in sorted((run_dir / "grads").glob("rank*.pt")):
-        for key, g in torch.load(f).items():
-            name = key.split(":", 1)[1]
-            out.setdefault("wte.weight" if name == "lm_head.weight" else name, []).append(g)
-    return out
+    return pipeline_runs.train(run_dir, [*SMALL, *overrides], tied={"lm_head.weight": "wte.weight"})
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import pytest
 
 from pipeflow.planning.cost import UnitCost
 from pipeflow.schedules.common import finish_sync
-from pipeflow.schedules.ir import B, F, I, W, Placement, StageGraph
+from pipeflow.schedules.ir import F, I, W, Placement, StageGraph
 from pipeflow.schedules.registry import build_schedule
 from pipeflow.schedules.validate import validate
 from pipeflow.sim import Event, Timeline, draw_timeline, simulate

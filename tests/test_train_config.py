@@ -475,3 +475,9 @@ def test_bad_image_text_files_stop_before_any_rank(rows, message, tmp_path):
     with pytest.raises(ConfigError) as e:
         prepare_training(train_cfg("model=cbm", f"data.files=[{path}]"))
     assert str(e.value).startswith("data.files") and message in str(e.value)
+
+
+@pytest.mark.parametrize("model", ["gpt", "bert", "cbm"])
+def test_an_empty_file_list_stops_before_any_rank(model):
+    with pytest.raises(ConfigError, match=r"^data.files=\[\]: the list is empty"):
+        prepare_training(train_cfg(f"model={model}", "data.files=[]"))

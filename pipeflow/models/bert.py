@@ -29,8 +29,7 @@ from torch import Tensor, nn
 from transformers import BertConfig
 from transformers.models.bert.modeling_bert import BertEmbeddings, BertLayer, BertPredictionHeadTransform
 
-from pipeflow.models.gpt import _layer_bounds, _normal_
-from pipeflow.planning.transformer import TransformerSpec
+from pipeflow.models.common import family_spec, layer_bounds, seeded_normal_
 
 INIT_STD = 0.02  # BERT's initializer_range
 IGNORE_INDEX = -100  # labels of positions that are not scored (not masked)
@@ -39,15 +38,7 @@ IGNORE_INDEX = -100  # labels of positions that are not scored (not masked)
 def bert_config(model_cfg: Mapping) -> BertConfig:
     """A transformers ``BertConfig`` from the ``model`` config group (family bert); the
     group's GPT-style key names map onto BERT's (n_layer -> num_hidden_layers, ...)."""
-    family = model_cfg.get("family", "gpt")
-    if family != "bert":
-        raise ValueError(f"model.family={family}: the BERT stage model builds BERT only; allowed values: bert")
-    spec = TransformerSpec.from_config(model_cfg)  # checks shapes with the project's messages
-    dropout = model_cfg.get("dropout", 0.0)
-    if dropout is None:
-        dropout = 0.0
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-        raise ValueError(f"model.dropout={dropout!r}: a probability; use a number in [0, 1)")
+    spec, dropout = family_spec(model_cfg, "bert", "BERT")
     config = BertConfig(
         vocab_size=spec.vocab_size,
         hidden_size=spec.n_embd,
@@ -109,13 +100,13 @@ class BertStage(nn.Module):
         for name, param in self.named_parameters():
             if name == "cls.decoder.weight":
                 # the tied copy starts equal to the embedding it mirrors
-                _normal_(param, INIT_STD, seed, "embeddings.word_embeddings.weight")
+                seeded_normal_(param, INIT_STD, seed, "embeddings.word_embeddings.weight")
             elif name.endswith("LayerNorm.weight"):
                 nn.init.ones_(param)
             elif name.endswith("bias"):  # Linear and LayerNorm biases, and cls.bias
                 nn.init.zeros_(param)
             else:
-                _normal_(param, INIT_STD, seed, name)
+                seeded_normal_(param, INIT_STD, seed, name)
 
     def decoder_weight(self) -> Tensor:
         return self.embeddings.word_embeddings.weight if self.first else self.cls.decoder.weight
@@ -152,7 +143,7 @@ class BertStage(nn.Module):
 def build_stage(model_cfg: Mapping, layers_per_stage: Sequence[int], stage: int, seed: int) -> BertStage:
     """Stage ``stage`` of the split ``layers_per_stage`` (see pipeflow.planning.partition)."""
     config = bert_config(model_cfg)
-    lo, hi = _layer_bounds(config.num_hidden_layers, layers_per_stage, stage)
+    lo, hi = layer_bounds(config.num_hidden_layers, layers_per_stage, stage)
     return BertStage(config, lo, hi, first=stage == 0, last=stage == len(layers_per_stage) - 1, seed=seed)
 
 

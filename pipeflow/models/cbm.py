@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pipeflow.models.gpt import _normal_  # the per-name seeded draw GPT stages use
+from pipeflow.models.common import seeded_normal_  # the per-name seeded draw every stage model uses
 from pipeflow.schedules.ir import StageGraph
 
 INIT_STD = 0.02
@@ -258,9 +258,9 @@ def _init_weights(module: nn.Module, shape: CBMShape, seed: int) -> None:
             nn.init.zeros_(param)
         elif name.endswith(("attn.out_proj.weight", "cross_attn.out_proj.weight", "mlp.c_proj.weight")):
             # GPT-2's scaling of projections into the residual stream, per branch depth
-            _normal_(param, INIT_STD / math.sqrt(2 * n_layer), seed, name)
+            seeded_normal_(param, INIT_STD / math.sqrt(2 * n_layer), seed, name)
         else:
-            _normal_(param, INIT_STD, seed, name)
+            seeded_normal_(param, INIT_STD, seed, name)
 
 
 # ----------------------------------------------------------------------------- stage graph

@@ -21,7 +21,6 @@ so they stay equal (Megatron-LM's tied embeddings across pipeline stages).
 
 from __future__ import annotations
 
-import hashlib
 import math
 from typing import Mapping, Sequence
 
@@ -31,22 +30,14 @@ from torch import Tensor, nn
 from transformers import GPT2Config
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
-from pipeflow.planning.transformer import TransformerSpec
+from pipeflow.models.common import family_spec, layer_bounds, seeded_normal_
 
 INIT_STD = 0.02  # GPT-2's initializer_range
 
 
 def gpt2_config(model_cfg: Mapping) -> GPT2Config:
     """A transformers ``GPT2Config`` from the ``model`` config group (family gpt)."""
-    family = model_cfg.get("family", "gpt")
-    if family != "gpt":
-        raise ValueError(f"model.family={family}: the GPT stage model builds GPT-2 only; allowed values: gpt")
-    spec = TransformerSpec.from_config(model_cfg)  # checks shapes with the project's messages
-    dropout = model_cfg.get("dropout", 0.0)
-    if dropout is None:
-        dropout = 0.0
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-        raise ValueError(f"model.dropout={dropout!r}: a probability; use a number in [0, 1)")
+    spec, dropout = family_spec(model_cfg, "gpt", "GPT-2")
     config = GPT2Config(
         vocab_size=spec.vocab_size,
         n_positions=spec.positions,
@@ -69,18 +60,6 @@ def gpt2_config(model_cfg: Mapping) -> GPT2Config:
     # on every device and dtype (the fused kernels pick their own masking paths).
     config._attn_implementation = "eager"
     return config
-
-
-def _generator(seed: int, name: str) -> torch.Generator:
-    """A generator seeded by (seed, name) through a stable hash (Python's hash() is salted per process)."""
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-
-
-def _normal_(param: Tensor, std: float, seed: int, name: str) -> None:
-    values = torch.randn(param.shape, generator=_generator(seed, name), dtype=torch.float32) * std
-    with torch.no_grad():
-        param.copy_(values)
 
 
 class GPTStage(nn.Module):
@@ -111,16 +90,16 @@ class GPTStage(nn.Module):
         for name, param in self.named_parameters():
             if name == "lm_head.weight":
                 # the tied copy starts equal to the embedding it mirrors
-                _normal_(param, INIT_STD, seed, "wte.weight")
+                seeded_normal_(param, INIT_STD, seed, "wte.weight")
             elif name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")):
                 nn.init.ones_(param)
             elif name.endswith(".bias"):
                 nn.init.zeros_(param)
             elif name.endswith(("attn.c_proj.weight", "mlp.c_proj.weight")):
                 # GPT-2: projections into the residual stream scaled by 1/sqrt(2 * n_layer)
-                _normal_(param, residual_std, seed, name)
+                seeded_normal_(param, residual_std, seed, name)
             else:
-                _normal_(param, INIT_STD, seed, name)
+                seeded_normal_(param, INIT_STD, seed, name)
 
     def tied_parameters(self) -> list[nn.Parameter]:
         """This stage's copies of the tied embedding, whose gradients the runtime sums across stages."""
@@ -156,23 +135,10 @@ class GPTStage(nn.Module):
         return x
 
 
-def _layer_bounds(n_layer: int, layers_per_stage: Sequence[int], stage: int) -> tuple[int, int]:
-    layers = list(layers_per_stage)
-    if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in layers) or sum(layers) != n_layer:
-        raise ValueError(
-            f"partition layers_per_stage={layers}: needs whole numbers >= 1, one per stage, "
-            f"adding up to model.n_layer={n_layer}"
-        )
-    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < len(layers):
-        raise ValueError(f"stage={stage!r}: allowed values: 0 to {len(layers) - 1} (pipeline.stages={len(layers)})")
-    lo = sum(layers[:stage])
-    return lo, lo + layers[stage]
-
-
 def build_stage(model_cfg: Mapping, layers_per_stage: Sequence[int], stage: int, seed: int) -> GPTStage:
     """Stage ``stage`` of the split ``layers_per_stage`` (see pipeflow.planning.partition)."""
     config = gpt2_config(model_cfg)
-    lo, hi = _layer_bounds(config.n_layer, layers_per_stage, stage)
+    lo, hi = layer_bounds(config.n_layer, layers_per_stage, stage)
     return GPTStage(config, lo, hi, first=stage == 0, last=stage == len(layers_per_stage) - 1, seed=seed)
 
 

@@ -1,0 +1,34 @@
+"""Shared by the runtime tests: run a composed training config on real CPU ranks and
+read back what the ranks wrote (losses, dumped gradients, summary)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from pipeflow.config import compose, prepare_training
+from pipeflow.runtime.launch import TrainJob, launch
+
+
+def train(run_dir: Path, overrides: list[str], tied: dict[str, str] | None = None) -> dict:
+    """Train ``compose("train", overrides)``; ``tied`` files a tied copy's gradient
+    under the name of the parameter it mirrors (e.g. lm_head.weight -> wte.weight)."""
+    cfg = compose("train", overrides)
+    inputs = prepare_training(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    launch(TrainJob(OmegaConf.to_container(cfg, resolve=True), str(run_dir), inputs.world_size))
+    grads: dict[str, list[torch.Tensor]] = {}
+    for f in sorted((run_dir / "grads").glob("rank*.pt")):
+        for key, g in torch.load(f).items():
+            name = key.split(":", 1)[1]  # "<pipe>:<name>": replicas report the same name
+            grads.setdefault((tied or {}).get(name, name), []).append(g)
+    summary = run_dir / "summary.json"
+    return {
+        "losses": [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()],
+        "grads": grads,
+        "summary": json.loads(summary.read_text()) if summary.exists() else None,
+        "schedule": inputs.schedule,
+    }
