@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -49,10 +48,10 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from pipeflow.config import compose, prepare_training  # noqa: E402
+from pipeflow.runtime.launch import free_port, rank_context  # noqa: E402
 
 TARGET = 1.0
 WARMUP = 3  # steps of each run left out of the medians
@@ -181,17 +180,10 @@ def _rank(rank: int, world: int, port: int, cfg: dict, layers: list[int], batche
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_both(cfg: dict, layers: list[int], batches: list, out: Path) -> dict:
     # forked from the launcher's server (torch and the model already imported)
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["pipeflow.runtime.worker"])
-    port = _free_port()
+    ctx = rank_context()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, 2, port, cfg, layers, batches, str(out))) for r in range(2)]
     for p in procs:
         p.start()

@@ -11,17 +11,15 @@ same corpus, so every parameter's raw gradient must agree to fp32 round-off.
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
 from pipeflow.config import compose, prepare_training
-from pipeflow.runtime.launch import TrainJob, launch
+from pipeflow.runtime.launch import TrainJob, free_port, launch, rank_context
 
 # tests/test_runtime.py's small model with 4 layers: 2 per stage
 OVERRIDES = [
@@ -43,12 +41,6 @@ OVERRIDES = [
 ]
 STEP = 1  # pipeflow's first iteration is step 1, and its batch is train_batch(1, m * mbs)
 TIMEOUT_S = 60
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _torch_rank(rank: int, world: int, port: int, cfg: dict, layers: list[int], batch, out: str) -> None:
@@ -93,9 +85,8 @@ def _run_torch(cfg: dict, layers: list[int], batch, out: Path) -> dict[str, torc
     """Both ranks as real processes; a rank that fails or hangs fails the test."""
     # forked from a server that has torch and the models imported already (the
     # launcher's own server), so a rank starts in a fraction of a second
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["pipeflow.runtime.worker"])
-    port = _free_port()
+    ctx = rank_context()
+    port = free_port()
     procs = [ctx.Process(target=_torch_rank, args=(r, 2, port, cfg, layers, batch, str(out))) for r in range(2)]
     for p in procs:
         p.start()

@@ -20,27 +20,17 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from .profile import load_profile, partition_profile
+from .profile import check_stage_count, load_profile, partition_profile
 from .transformer import TransformerSpec, embedding_params, head_params, layer_params
 
 PARTITIONERS = ("uniform", "parameters", "profiled")
-
-
-def _check_stages(stages: int, n_layer: int) -> None:
-    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
-        raise ValueError(f"pipeline.stages={stages!r}: must be a whole number >= 1")
-    if stages > n_layer:
-        raise ValueError(
-            f"pipeline.stages={stages}: the model has {n_layer} layers and every stage needs at least one; "
-            f"allowed values: 1 to {n_layer}"
-        )
 
 
 def uniform(n_layer: int, stages: int) -> list[int]:
     """Layers per stage as even as possible; the first stages take the remainder."""
     if isinstance(n_layer, bool) or not isinstance(n_layer, int) or n_layer < 1:
         raise ValueError(f"model.n_layer={n_layer!r}: must be a whole number >= 1")
-    _check_stages(stages, n_layer)
+    check_stage_count(stages, n_layer)
     base, extra = divmod(n_layer, stages)
     return [base + (1 if s < extra else 0) for s in range(stages)]
 
@@ -63,7 +53,7 @@ def by_parameters(layer_params: Sequence[int], first_extra: int, last_extra: int
     for key, value in [("layer_params", v) for v in sizes] + [("first_extra", first_extra), ("last_extra", last_extra)]:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{key}={value!r}: parameter counts must be whole numbers >= 0")
-    _check_stages(stages, n)
+    check_stage_count(stages, n)
 
     prefix = [0]
     for p in sizes:

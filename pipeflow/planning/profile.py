@@ -37,6 +37,17 @@ UNIT_KINDS = ("embedding", "block", "head")
 MODEL_STATE_FACTOR = 4
 
 
+def check_stage_count(stages: int, n_layer: int) -> None:
+    """Every partitioner's rule: a whole number of stages, each with at least one layer."""
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"pipeline.stages={stages!r}: must be a whole number >= 1")
+    if stages > n_layer:
+        raise ValueError(
+            f"pipeline.stages={stages}: the model has {n_layer} layers and every stage needs at least one; "
+            f"allowed values: 1 to {n_layer}"
+        )
+
+
 @dataclass(frozen=True)
 class LayerProfile:
     """One unit of the layer sequence, measured for one microbatch."""
@@ -188,13 +199,7 @@ def partition_profile(profile: ModelProfile, stages: int, memory_limit: float | 
     Raises ValueError naming ``partition.memory_limit`` when no split fits.
     """
     n = profile.n_layer
-    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
-        raise ValueError(f"pipeline.stages={stages!r}: must be a whole number >= 1")
-    if stages > n:
-        raise ValueError(
-            f"pipeline.stages={stages}: the model has {n} layers and every stage needs at least one; "
-            f"allowed values: 1 to {n}"
-        )
+    check_stage_count(stages, n)
     if memory_limit is not None and (
         isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float)) or not memory_limit > 0
     ):

@@ -42,7 +42,7 @@ class JobFailed(RuntimeError):
         self.message = message
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -55,7 +55,7 @@ def _adopted_rank() -> int | None:
     return None
 
 
-def _context():
+def rank_context():
     """Ranks are forked from a server that has imported the runtime (torch, transformers)
     once, so a launch does not pay seconds of imports per rank, and a sweep or a test
     session reuses the server. The server never touches CUDA, so forking is safe."""
@@ -151,8 +151,8 @@ def launch(job: TrainJob) -> dict:
 
         return run_worker(rank, job) or {}
 
-    port = job.cfg.get("runtime", {}).get("master_port") or _free_port()
-    ctx = _context()
+    port = job.cfg.get("runtime", {}).get("master_port") or free_port()
+    ctx = rank_context()
     errors = ctx.SimpleQueue()
     env = dict(os.environ)
     procs = [ctx.Process(target=_rank_entry, args=(r, job, port, errors, env), daemon=False) for r in range(job.world_size)]
