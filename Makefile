@@ -41,6 +41,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_runtime_vs_torch
 	$(BIN)/python -m benchmarks.bench_predicted_vs_measured
 	$(BIN)/python -m benchmarks.bench_partition
+	$(BIN)/python -m benchmarks.bench_async
 
 # Caches and build leftovers; run outputs under outputs/ are results and stay.
 clean:

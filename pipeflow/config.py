@@ -45,7 +45,7 @@ EXPORT_FORMATS = ("torch_csv",)
 # Schedules the torch.distributed runtime executes; every registered one today. A
 # schedule registered for the simulator alone is refused by pipeflow-train with a
 # sentence that points to pipeflow-simulate.
-RUNTIME_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "chimera")
+RUNTIME_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "chimera", "pipedream", "pipedream_2bw", "amdp")
 OPTIMIZERS = ("adamw",)
 BACKENDS = ("auto", "gloo", "nccl")
 RUNTIME_DEVICES = ("auto", "cpu", "cuda")
@@ -86,6 +86,16 @@ class PipelineConfig:
 @dataclass
 class ScheduleConfig:
     name: str = MISSING  # one of pipeflow.schedules.registry.schedule_names()
+    # Options of the asynchronous schedules (pipeflow.schedules.asynchronous); null for
+    # the others. windows: steps run without a flush (simulation: the steps simulated;
+    # training: the longest stretch between flushes, which also come at validation and
+    # checkpoints). stash: pipedream's weight stashing. accumulation_rounds: amdp's
+    # rounds of d minibatches per update (null: pipeline.microbatches / stages).
+    # zero: amdp's owner-based optimizer sharding.
+    windows: Optional[int] = None
+    stash: Optional[bool] = None
+    accumulation_rounds: Optional[int] = None
+    zero: Optional[bool] = None
 
 
 @dataclass
@@ -295,6 +305,11 @@ def _check_pipeline(cfg: DictConfig) -> None:
             raise ConfigError(f"pipeline.{key}={value}: must be a whole number >= 1")
 
 
+def schedule_options(schedule_cfg) -> dict:
+    """The schedule's own options (every schedule.* key but name that is not null)."""
+    return {k: v for k, v in dict(schedule_cfg).items() if k != "name" and v is not None}
+
+
 def _generate_schedule(cfg: DictConfig) -> Schedule:
     """The schedule the config names, generated but not validated."""
     pipe = cfg.pipeline
@@ -302,7 +317,8 @@ def _generate_schedule(cfg: DictConfig) -> Schedule:
     # generators; generating is cheap, validating is not needed to learn the sizes.
     try:
         return build_schedule(
-            cfg.schedule.name, pipe.stages, pipe.microbatches, pipe.virtual_stages, pipe.segments, check=False
+            cfg.schedule.name, pipe.stages, pipe.microbatches, pipe.virtual_stages, pipe.segments, check=False,
+            **schedule_options(cfg.schedule),
         )
     except ScheduleConfigError as err:
         raise ConfigError(str(err)) from None
@@ -656,7 +672,7 @@ def _branched_schedule(cfg: DictConfig) -> tuple[Schedule, list]:
     pipe = cfg.pipeline
     try:
         schedule = build_schedule(cfg.schedule.name, pipe.stages, pipe.microbatches, pipe.virtual_stages,
-                                  pipe.segments, check=False, graph=graph)
+                                  pipe.segments, check=False, graph=graph, **schedule_options(cfg.schedule))
     except (ScheduleConfigError, ValueError) as err:
         raise ConfigError(str(err)) from None
     return schedule, specs

@@ -40,6 +40,7 @@ def run_simulation(cfg: DictConfig, out_dir: str | Path) -> dict:
     schedule, cost, topology = inputs.schedule, inputs.cost, inputs.topology
     validate(schedule)
     result = simulate(schedule, cost, topology, record=True)
+    sim_summary = result.summary()
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -67,6 +68,9 @@ def run_simulation(cfg: DictConfig, out_dir: str | Path) -> dict:
         "peak_activation_bytes": result.peak_activation_bytes,
         "p2p_bytes": result.p2p_bytes,
         "collective_bytes": result.collective_bytes,
+        # weight versions (pipeflow.schedules.versions): all 0 for synchronous schedules
+        "staleness": sim_summary["staleness"],
+        **{k: sim_summary[k] for k in ("microbatches_per_step", "windows", "updates") if k in sim_summary},
         "placement": schedule.placement.as_lists(),
         "per_device": [dataclasses.asdict(d) for d in result.per_device],
         "model": OmegaConf.to_container(cfg.model, resolve=True),
@@ -88,9 +92,21 @@ def format_report(summary: dict) -> str:
         f"model         {s['model']['name']} on {s['topology']['name']} ({s['cost']['name']} cost)",
         f"makespan      {s['makespan']:.6g}",
         f"bubble ratio  {s['bubble_ratio']:.4f}",
-        "",
     ]
+    is_async = "microbatches_per_step" in s
+    if is_async:
+        st = s.get("staleness") or {}
+        head += [
+            f"windows       {s['windows']} x {s['microbatches_per_step']} microbatches, {s['updates']} updates, "
+            f"no flush",
+            f"staleness     max {st.get('max_staleness', 0)}, mean {st.get('mean_staleness', 0.0):.3g} updates",
+            f"mismatch      max {st.get('max_mismatch', 0)}, mean {st.get('mean_mismatch', 0.0):.3g} "
+            f"({st.get('mismatched', 0)} forward/backward pairs on different versions)",
+        ]
+    head.append("")
     cols = ("device", "busy", "idle", "peak act. bytes", "peak live mb")
+    if is_async:
+        cols += ("weight versions", "weight bytes")
     rows = [
         (
             str(d["device"]),
@@ -99,6 +115,7 @@ def format_report(summary: dict) -> str:
             f"{d['peak_activation_bytes']:.6g}",
             f"{d['peak_live_microbatches']:g}",
         )
+        + ((str(d.get("peak_weight_versions", "")), f"{d.get('weight_bytes', 0.0):.6g}") if is_async else ())
         for d in s["per_device"]
     ]
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]

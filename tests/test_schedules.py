@@ -40,7 +40,7 @@ def test_generator_passes_validator(name, p, m):
 
 
 def test_registry_names():
-    assert schedule_names() == ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "chimera"]
+    assert schedule_names() == ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "chimera", "pipedream", "pipedream_2bw", "amdp"]
 
 
 @pytest.mark.parametrize(

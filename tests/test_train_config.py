@@ -315,7 +315,7 @@ def test_online_with_an_api_key_passes(no_wandb_credentials, monkeypatch):
     "args,message",
     [
         (["schedule=nope"],
-         "schedule=nope: unknown schedule; allowed values: 1f1b, chimera, gpipe, interleaved_1f1b, zb_h1"),
+         "schedule=nope: unknown schedule; allowed values: 1f1b, amdp, chimera, gpipe, interleaved_1f1b, pipedream, pipedream_2bw, zb_h1"),
         (["-m", "schedule=gpipe,nope,1f1b"], "schedule=nope: unknown schedule"),
         (["trainer.steps=3", "model=gpt_huge"], "model=gpt_huge: unknown model; allowed values: bert, bert_1b, "),
         (["logger=tensorboard"], "logger=tensorboard: unknown logger; allowed values: none, wandb"),
@@ -426,7 +426,7 @@ def test_a_bad_config_stops_the_app_in_one_line(tmp_path):
     proc = _run(["schedule=nope", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert proc.returncode == 1
     err = proc.stderr.strip()
-    assert err == "schedule=nope: unknown schedule; allowed values: 1f1b, chimera, gpipe, interleaved_1f1b, zb_h1"
+    assert err == "schedule=nope: unknown schedule; allowed values: 1f1b, amdp, chimera, gpipe, interleaved_1f1b, pipedream, pipedream_2bw, zb_h1"
     assert len(err.splitlines()) == 1 and "Traceback" not in err
     assert not any(run_dir.glob("*.json*")) and not (run_dir / "wandb").exists()  # no rank ever started
 
@@ -481,3 +481,22 @@ def test_bad_image_text_files_stop_before_any_rank(rows, message, tmp_path):
 def test_an_empty_file_list_stops_before_any_rank(model):
     with pytest.raises(ConfigError, match=r"^data.files=\[\]: the list is empty"):
         prepare_training(train_cfg(f"model={model}", "data.files=[]"))
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["schedule=amdp", "pipeline.stages=3"], r"^pipeline\.stages=3: schedule 'amdp' needs an even pipeline depth"),
+        (["schedule=amdp", "pipeline.stages=4", "pipeline.microbatches=6"],
+         r"^pipeline\.microbatches=6: schedule 'amdp' needs a multiple of pipeline\.stages=4"),
+        (["schedule=amdp", "pipeline.stages=4", "pipeline.microbatches=8", "schedule.accumulation_rounds=4"],
+         r"^pipeline\.microbatches=8: schedule 'amdp' needs schedule\.accumulation_rounds=4 rounds .*16"),
+        (["schedule=pipedream_2bw", "pipeline.stages=4", "pipeline.microbatches=2"],
+         r"^pipeline\.microbatches=2: schedule 'pipedream_2bw' needs at least as many microbatches"),
+        (["schedule=1f1b", "+schedule.windows=4"], r"^schedule\.windows=4: schedule '1f1b' has no option 'windows'"),
+        (["schedule=pipedream", "schedule.windows=0"], r"^schedule\.windows=0: schedule 'pipedream' needs a whole number"),
+    ],
+)
+def test_asynchronous_schedule_options_are_checked_before_start(args, message):
+    with pytest.raises(ConfigError, match=message):
+        prepare(*args)

@@ -27,7 +27,9 @@ def save(run_dir: str, step: int, rank: int, stages: dict, meta: dict) -> None:
         "step": step,
         "meta": meta,
         "stages": {f"{pipe}:{stage}": st.module.state_dict() for (pipe, stage), st in stages.items()},
-        "optimizers": {f"{pipe}:{stage}": st.optimizer.state_dict() for (pipe, stage), st in stages.items()},
+        # a replica without optimizer state (a non-owner under schedule.zero) saves none
+        "optimizers": {f"{pipe}:{stage}": st.optimizer.state_dict() for (pipe, stage), st in stages.items()
+                       if st.optimizer is not None},
     }
     tmp = d / f"rank{rank}.pt.tmp"
     torch.save(state, tmp)
@@ -68,5 +70,6 @@ def load(resume: str, rank: int, stages: dict, meta: dict) -> int:
             )
     for (pipe, stage), st in stages.items():
         st.module.load_state_dict(state["stages"][f"{pipe}:{stage}"])
-        st.optimizer.load_state_dict(state["optimizers"][f"{pipe}:{stage}"])
+        if st.optimizer is not None:
+            st.optimizer.load_state_dict(state["optimizers"][f"{pipe}:{stage}"])
     return step

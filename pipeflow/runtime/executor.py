@@ -228,8 +228,9 @@ class Executor:
         key = (a.microbatch, a.segment)
         preds = self.graph.preds[a.stage]
         leaves: dict[int, torch.Tensor] = {}
+        batch, mb, normalizer = self._locate(a, batch, normalizer)
         if not preds:
-            x = self._source_input(batch, a)
+            x = self._source_input(batch, a, mb)
         else:
             for p in preds:
                 t = self._take((False, p, a.stage, a.microbatch, a.pipe, a.segment), inbox, local)
@@ -237,7 +238,7 @@ class Executor:
             x = leaves[preds[0]] if len(preds) == 1 else leaves
         out = st.module(x)
         if st.last:
-            loss = self.adapter.loss(out, batch, a.microbatch, normalizer)
+            loss = self.adapter.loss(out, batch, mb, normalizer)
             st.saved[key] = (leaves, loss)
             return loss.detach().double()
         st.saved[key] = (leaves, out)
@@ -246,11 +247,16 @@ class Executor:
             self._emit((False, a.stage, succ, a.microbatch, a.pipe, a.segment), out.detach(), outbox, local, dev)
         return torch.zeros((), dtype=torch.float64)
 
-    def _source_input(self, batch, a: Action):
+    def _locate(self, a: Action, batch, normalizer):
+        """(batch, index in it, normalizer) of the action's microbatch: one batch per
+        iteration here; an asynchronous chunk spans several (AsyncExecutor)."""
+        return batch, a.microbatch, normalizer
+
+    def _source_input(self, batch, a: Action, mb: int):
         # models with one input stage take (batch, mb); branched ones also name the stage
         if len(self.graph.sources) == 1:
-            return self.adapter.stage_input(batch, a.microbatch)
-        return self.adapter.stage_input(batch, a.microbatch, a.stage)
+            return self.adapter.stage_input(batch, mb)
+        return self.adapter.stage_input(batch, mb, a.stage)
 
     def _output_grad(self, a: Action, st: StageState, inbox, local):
         if st.last:

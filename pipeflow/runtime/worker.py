@@ -22,11 +22,14 @@ import torch.distributed as dist
 
 from ..planning.partition import partition_layers
 from ..planning.transformer import TransformerSpec
-from ..schedules.ir import Schedule
+from ..schedules.ir import Schedule, WeightPolicy
 from ..schedules.registry import build_schedule
+from ..schedules.versions import summarize
+from ..schedules.zero import zero_owners
 from ..sim.timeline import Timeline
 from . import checkpoint
 from .adapters import CBMAdapter, make_adapter
+from .async_executor import AsyncExecutor
 from .executor import Executor, Groups, StageState
 from .launch import TrainJob
 
@@ -41,10 +44,12 @@ def lr_at(step: int, optim: dict, steps: int) -> float:
     return low + 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))) * (lr - low)
 
 
-def make_optimizer(module: torch.nn.Module, optim: dict) -> torch.optim.Optimizer:
+def make_optimizer(module: torch.nn.Module, optim: dict, params: list | None = None) -> torch.optim.Optimizer:
+    """AdamW over the module's parameters (or the given subset of them)."""
+    chosen = [p for p in module.parameters() if p.requires_grad] if params is None else params
     # weight decay on matrices only (GPT-2 / nanoGPT practice): not on biases or norms
-    decay = [p for p in module.parameters() if p.requires_grad and p.dim() >= 2]
-    rest = [p for p in module.parameters() if p.requires_grad and p.dim() < 2]
+    decay = [p for p in chosen if p.dim() >= 2]
+    rest = [p for p in chosen if p.dim() < 2]
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": float(optim["weight_decay"])}, {"params": rest, "weight_decay": 0.0}],
         lr=float(optim["lr"]),
@@ -100,36 +105,79 @@ class RankSetup:
     adapter: object  # GPTAdapter, BertAdapter or CBMAdapter: see pipeflow.runtime.adapters
     stages: dict[tuple[int, int], StageState]
     executor: Executor
+    # asynchronous schedules: evaluation runs a forward-only 1F1B over pipe 0's replicas,
+    # and a chunk of L steps runs the schedule generated for L windows
+    eval_executor: Executor | None = None
+    chunk_executors: dict | None = None
+    make_chunk: object = None
+
+    @property
+    def is_async(self) -> bool:
+        return self.schedule.policy != WeightPolicy.SYNC
+
+    def chunk_executor(self, windows: int) -> "AsyncExecutor":
+        if windows not in self.chunk_executors:
+            self.chunk_executors[windows] = self.make_chunk(windows)
+        return self.chunk_executors[windows]
 
 
 def build_rank(cfg: dict, rank: int, device: torch.device, on_grads=None) -> RankSetup:
     """Build this rank's share of the job. Needs the process group (it creates groups)."""
+    from ..config import schedule_options
+
     pipe_cfg, optim = cfg["pipeline"], cfg["optim"]
     mbs, seed = int(pipe_cfg["microbatch_size"]), int(cfg["seed"])
     sizes = (cfg["schedule"]["name"], pipe_cfg["stages"], pipe_cfg["microbatches"], pipe_cfg["virtual_stages"],
              pipe_cfg["segments"])
+    options = schedule_options(cfg["schedule"])
     if cfg["model"].get("family") == "cbm":
         # a branched model: its stage DAG, grouped onto the schedule's chain of devices
         adapter = CBMAdapter(cfg["model"], mbs, seed, device, num_devices=pipe_cfg["stages"])
-        schedule = build_schedule(*sizes, graph=adapter.graph)
+        schedule = build_schedule(*sizes, graph=adapter.graph, **options)
         layers = [spec.hi - spec.lo for spec in adapter.specs]
     else:
-        schedule = build_schedule(*sizes)
+        schedule = build_schedule(*sizes, **options)
         spec = TransformerSpec.from_config(cfg["model"])
         layers = partition_layers(cfg["partition"]["name"], spec, schedule.num_stages, cfg["partition"])
         adapter = make_adapter(cfg["model"], layers, mbs, spec.seq_len, seed, device)
     stages: dict[tuple[int, int], StageState] = {}
+    # owner-based sharding: a replicated stage's optimizer state lives on its owner only
+    # (the other replicas keep state for their tied copies alone, which they update themselves)
+    owners = zero_owners(schedule.placement) if schedule.meta.get("zero") else {}
     for pipe, stage in schedule.placement.stages_on(rank):
         module = adapter.build_stage(stage)
         graph = schedule.graph  # sources read the batch, sinks compute the loss
         st = StageState(pipe, stage, module, first=not graph.preds[stage], last=not graph.succs[stage])
         st.params = [p for p in module.parameters() if p.requires_grad]
         st.tied = module.tied_parameters() if hasattr(module, "tied_parameters") else []
-        st.optimizer = make_optimizer(module, optim)
+        replicated = len({d for _, d in schedule.placement.replicas(stage)}) > 1
+        if owners and replicated and owners[stage] != rank:
+            st.optimizer = make_optimizer(module, optim, params=list(st.tied)) if st.tied else None
+        else:
+            st.optimizer = make_optimizer(module, optim)
         stages[(pipe, stage)] = st
     groups = Groups(schedule, adapter.tied_stages)
-    executor = Executor(schedule, rank, stages, adapter, groups, grad_clip=optim.get("grad_clip"), on_grads=on_grads)
-    return RankSetup(schedule, layers, adapter, stages, executor)
+    clip = optim.get("grad_clip")
+    if schedule.policy == WeightPolicy.SYNC:
+        executor = Executor(schedule, rank, stages, adapter, groups, grad_clip=clip, on_grads=on_grads)
+        return RankSetup(schedule, layers, adapter, stages, executor)
+
+    def make_chunk(windows: int) -> AsyncExecutor:
+        opts = dict(options, windows=windows)
+        sched = build_schedule(*sizes, **opts) if adapter.__class__ is not CBMAdapter else \
+            build_schedule(*sizes, graph=adapter.graph, **opts)
+        return AsyncExecutor(sched, rank, stages, adapter, groups, grad_clip=clip)
+
+    executor = AsyncExecutor(schedule, rank, stages, adapter, groups, grad_clip=clip)
+    # evaluation after a flush: every mirror replica holds the same weights, so pipe 0's
+    # replicas (stage i on device i for every asynchronous placement) run a forward-only 1F1B
+    eval_schedule = build_schedule("1f1b", pipe_cfg["stages"], pipe_cfg["microbatches"])
+    eval_stages = {(0, s): st for (pipe, s), st in stages.items() if pipe == 0}
+    if eval_schedule.placement.table[0] != schedule.placement.table[0]:
+        raise ValueError(f"schedule {schedule.name!r}: pipe 0 must place stage i on device i for evaluation")
+    eval_executor = Executor(eval_schedule, rank, eval_stages, adapter, groups, grad_clip=None)
+    return RankSetup(schedule, layers, adapter, stages, executor, eval_executor,
+                     {int(schedule.meta["windows"]): executor}, make_chunk)
 
 
 def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
@@ -193,7 +241,10 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
     history: list[dict] = []
     val_losses: list[float] = []
     t_start = time.perf_counter()
-    for step in range(start_step + 1, steps + 1):
+    staleness: list[dict] = []
+    if setup.is_async:
+        _run_async(rank, job, setup, data, sink, progress, start_step, one_host, history, val_losses, staleness, meta)
+    for step in [] if setup.is_async else range(start_step + 1, steps + 1):
         if runtime.get("fail_at_step") == step and (runtime.get("fail_rank") or 0) == rank:
             if runtime.get("fail_mode", "raise") == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -253,6 +304,9 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
 
     peaks = [None] * job.world_size if rank == 0 else None
     dist.gather_object(_peak_memory(device), peaks, dst=0)
+    versions = [None] * job.world_size if rank == 0 else None
+    dist.gather_object(max((getattr(st, "versions", None).peak_versions if getattr(st, "versions", None) else 1)
+                           for st in stages.values()), versions, dst=0)
     if rank != 0:
         return None
     progress.close()
@@ -274,7 +328,121 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
         "mean_step_time": sum(h["step_time"] for h in steady) / len(steady) if steady else None,
         "measured_bubble_ratio": sum(h["bubble"] for h in steady) / len(steady) if steady else None,
         "peak_memory_bytes": peaks,
+        "weight_policy": schedule.policy.value,
+        "peak_weight_versions": versions,  # per rank: the most versions one replica held at once
+        **_staleness_summary(job.run_dir, staleness, setup),
         "wall_time": time.perf_counter() - t_start,
     }
     sink.finish(summary)
     return summary
+
+
+def _staleness_summary(run_dir: str, records: list[dict], setup: RankSetup) -> dict:
+    """Write staleness.json (every (pipe, stage, microbatch): the versions its forward and
+    backward used, and the one its update was applied to) and summarise it."""
+    if not setup.is_async:
+        # a synchronous iteration: every forward, backward and update sees the same version
+        return {"max_staleness": 0, "mean_staleness": 0.0, "max_mismatch": 0, "mean_mismatch": 0.0}
+    import json
+
+    (Path(run_dir) / "staleness.json").write_text(json.dumps(records) + "\n")
+    out = summarize(records)
+    out["updates"] = len({r["update"] for r in records})
+    return out
+
+
+def _run_async(rank, job, setup: RankSetup, data, sink, progress, start_step: int, one_host: bool,
+               history: list, val_losses: list, staleness: list, meta: dict) -> None:
+    """Train with an asynchronous schedule: chunks of steps without a flush. A chunk ends
+    at schedule.windows steps, or earlier where validation, a checkpoint or the end of
+    the run needs every update applied (a flush)."""
+    cfg = job.cfg
+    pipe_cfg, trainer, optim, runtime = cfg["pipeline"], cfg["trainer"], cfg["optim"], cfg["runtime"]
+    seed, steps = int(cfg["seed"]), int(trainer["steps"])
+    m, mbs = int(pipe_cfg["microbatches"]), setup.adapter.mbs
+    batch_size = m * mbs
+    tokens = batch_size * setup.adapter.seq_len
+    cap = int(setup.schedule.meta["windows"])
+    ups = setup.executor.updates_per_step
+    val_every, save_every = int(trainer.get("val_every") or 0), int(trainer.get("save_every") or 0)
+    step = start_step + 1
+    while step <= steps:
+        end = min(steps, step + cap - 1)
+        for every in (val_every, save_every):
+            if every:
+                end = min(end, ((step - 1) // every + 1) * every)
+        fail = runtime.get("fail_at_step")
+        if fail is not None and step <= fail <= end and (runtime.get("fail_rank") or 0) == rank:
+            if runtime.get("fail_mode", "raise") == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(f"injected failure on rank {rank} at step {fail} (runtime.fail_at_step)")
+        ex = setup.chunk_executor(end - step + 1)
+        torch.manual_seed(seed * 1_000_003 + step)
+        span = range(step, end + 1)
+        batches = [data.train_batch(s, batch_size) for s in span]
+        normalizers = [setup.adapter.normalizer(b) for b in batches]
+        lrs = [lr_at(s, optim, steps) for s in span]
+        tl = trainer.get("timeline_step")
+        record = tl is not None and step <= tl <= end
+        dist.barrier()
+        t0 = time.perf_counter()
+        if record and one_host:
+            origin = torch.tensor([t0], dtype=torch.float64)
+            dist.broadcast(origin, src=0)
+            t0 = origin.item()
+        stats = ex.train_chunk(batches, normalizers, lrs, base_update=(step - 1) * ups, base_mb=(step - 1) * m,
+                               record=record, t0=t0)
+        chunk_time = time.perf_counter() - t0
+        busy = torch.tensor([stats.busy], dtype=torch.float64)
+        dist.all_reduce(busy)
+        gathered = [None] * job.world_size if rank == 0 else None
+        dist.gather_object(stats.records, gathered, dst=0)
+        if runtime.get("dump_grads") and step == 1:
+            dump_dir = Path(job.run_dir) / "grads"
+            dump_dir.mkdir(parents=True, exist_ok=True)
+            torch.save(ex.first_grads, dump_dir / f"rank{rank}.pt")
+        metrics_of = []
+        if rank == 0:
+            recs = sorted((r for rs in gathered for r in rs), key=lambda r: (r["microbatch"], r["pipe"], r["stage"]))
+            staleness.extend(recs)
+            for w, s in enumerate(span):
+                mine = [r for r in recs if (s - 1) * m <= r["microbatch"] < s * m]
+                st = summarize(mine)
+                metrics_of.append({
+                    "loss": stats.losses[w],
+                    "lr": lrs[w],
+                    "grad_norm": stats.grad_norms[w],
+                    "step_time": chunk_time / len(span),  # steps of a chunk overlap: their mean
+                    "tokens_per_s": tokens * len(span) / chunk_time,
+                    "samples": s * batch_size,
+                    "updates": s * ups,
+                    "bubble": max(0.0, 1.0 - busy.item() / (job.world_size * chunk_time)),
+                    "max_staleness": st["max_staleness"],
+                    "mean_staleness": st["mean_staleness"],
+                    "max_mismatch": st["max_mismatch"],
+                })
+        if (val_every and end % val_every == 0) or end == steps:
+            vl = [setup.eval_executor.eval_loss(b, setup.adapter.normalizer(b))
+                  for b in data.val_batches(batch_size, int(trainer["val_batches"]))]
+            if vl and rank == 0:
+                metrics_of[-1]["val_loss"] = sum(vl) / len(vl)
+                val_losses.append(metrics_of[-1]["val_loss"])
+        if record:
+            events = [None] * job.world_size if rank == 0 else None
+            dist.gather_object(stats.events, events, dst=0)
+            if rank == 0:
+                timeline = Timeline(
+                    [e for evs in events for e in evs], job.world_size, time_unit="s", source="measured",
+                    meta={"schedule": setup.schedule.name, "steps": [step, end],
+                          "num_stages": setup.schedule.num_stages, "num_microbatches": m * len(span)},
+                )
+                sink.log_timeline(timeline, tl)
+        if (save_every and end % save_every == 0) or end == steps:
+            checkpoint.save(job.run_dir, end, rank, setup.stages, meta)
+        if rank == 0:
+            for s, metrics in zip(span, metrics_of):
+                history.append(metrics)
+                if s % int(trainer.get("log_every") or 1) == 0 or "val_loss" in metrics:
+                    sink.log(s, metrics)
+                progress.update(s, metrics["loss"], metrics["tokens_per_s"])
+        step = end + 1

@@ -44,12 +44,42 @@ def _chimera(stages, microbatches, virtual_stages, segments, **kw):
     return chimera(stages, microbatches, **kw)
 
 
+def _pipedream(stages, microbatches, virtual_stages, segments, **kw):
+    from .asynchronous import pipedream
+
+    return pipedream(stages, microbatches, **kw)
+
+
+def _pipedream_2bw(stages, microbatches, virtual_stages, segments, **kw):
+    from .asynchronous import pipedream_2bw
+
+    return pipedream_2bw(stages, microbatches, **kw)
+
+
+def _amdp(stages, microbatches, virtual_stages, segments, **kw):
+    from .asynchronous import amdp
+
+    return amdp(stages, microbatches, **kw)
+
+
 GENERATORS: dict[str, Callable[..., Schedule]] = {
     "gpipe": _gpipe,
     "1f1b": _1f1b,
     "interleaved_1f1b": _interleaved,
     "zb_h1": _zb_h1,
     "chimera": _chimera,
+    "pipedream": _pipedream,
+    "pipedream_2bw": _pipedream_2bw,
+    "amdp": _amdp,
+}
+
+# Schedules that update weights without a flush: they cover schedule.windows steps.
+ASYNC_SCHEDULES = ("pipedream", "pipedream_2bw", "amdp")
+# schedule.* keys (besides name) each schedule reads; the others must stay null
+SCHEDULE_PARAMS: dict[str, tuple[str, ...]] = {
+    "pipedream": ("windows", "stash"),
+    "pipedream_2bw": ("windows",),
+    "amdp": ("windows", "accumulation_rounds", "zero"),
 }
 
 # which pipeline.* keys a schedule actually uses; others must stay at their neutral value
@@ -91,6 +121,13 @@ def build_schedule(
             f"use pipeline.segments=1"
             + (f" (segmented schedules: {', '.join(sorted(USES_SEGMENTS))})" if USES_SEGMENTS else "")
         )
+    allowed = SCHEDULE_PARAMS.get(name, ())
+    for key in params:
+        if key not in allowed:
+            raise ScheduleConfigError(
+                f"schedule.{key}={params[key]}: schedule '{name}' has no option '{key}'"
+                + (f"; its options: {', '.join(allowed)}" if allowed else "; it takes none")
+            )
     sched = GENERATORS[name](stages, microbatches, virtual_stages, segments, **params)
     if graph is not None and not (graph.is_chain and graph.num_stages == sched.num_stages):
         # a branched model: run the chain schedule over contiguous groups of its stages

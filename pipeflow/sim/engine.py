@@ -19,6 +19,18 @@ The rules (tests compare them with closed forms, so they are exact, not approxim
   ``topology.allreduce_time(devices, cost.param_bytes(stage))``; all members' REDUCEs
   end together. With one replica a REDUCE is a zero-time no-op.
 
+Weight versions (asynchronous schedules) change no timing. The simulator follows each
+device's list, so the version every forward and backward sees is the one
+:func:`pipeflow.schedules.versions.weight_versions` derives from the lists; the result
+carries those records (``versions``) and their summary (``summary()["staleness"]``).
+Weight memory follows the policy: every (pipe, stage) replica keeps its live version,
+plus (stash) every older version an in-flight microbatch's forward used until its
+backward, or (double_buffer) the previous version once it has been updated; sync, none
+and bounded keep the live version only. ``optimizer_bytes`` is what model state adds
+to the weights (``cost.model_state_bytes - cost.param_bytes`` per replica), held only
+by the owner device of each stage (:func:`pipeflow.schedules.zero.zero_owners`) when
+the schedule's ``meta["zero"]`` is set.
+
 Speed matters because the planner calls this in its inner loop: the schedule is
 compiled once into integer ids and flat lists (:func:`compile_schedule`, reusable
 across cost models and topologies), every duration and message is priced once, and the
@@ -37,7 +49,9 @@ from itertools import repeat
 from operator import itemgetter
 
 from ..schedules.deps import DepResolver
-from ..schedules.ir import Action, Kind, Schedule
+from ..schedules.ir import Action, Kind, Schedule, WeightPolicy
+from ..schedules.versions import VersionRecord, summarize, weight_versions
+from ..schedules.zero import zero_owners
 from .timeline import Event, Timeline
 
 __all__ = ["CompiledSchedule", "DeviceStats", "SimResult", "SimulationError", "compile_schedule", "simulate"]
@@ -97,6 +111,8 @@ class CompiledSchedule:
     next_on_device: list[int]  # -1 for the last action of a device
     group_of: list[int]  # REDUCE id -> collective group, -1 for other actions
     groups: list[list[int]]  # member REDUCE ids of each collective
+    # weight-version records (asynchronous policies only), filled by the first simulate
+    versions: list[VersionRecord] | None = field(default=None, repr=False)
 
     @property
     def num_actions(self) -> int:
@@ -248,6 +264,9 @@ class DeviceStats:
     recv_bytes: float
     collective_bytes: float  # gradient bytes this device all-reduced
     num_actions: int
+    peak_weight_versions: int = 0  # most weight versions one of its replicas keeps at once
+    weight_bytes: float = 0.0  # peak over time of the weight bytes of all its replicas' versions
+    optimizer_bytes: float = 0.0  # gradients and optimizer state (model state beyond the weights)
 
 
 @dataclass
@@ -270,6 +289,13 @@ class SimResult:
     start: list[float] = field(default_factory=list, repr=False)
     end: list[float] = field(default_factory=list, repr=False)
     issued: dict[Action, float] = field(default_factory=dict, repr=False)
+    # weight version each forward and backward saw (empty for synchronous schedules: all 0)
+    versions: list[VersionRecord] = field(default_factory=list, repr=False)
+    staleness: dict = field(default_factory=lambda: summarize([]))
+    # asynchronous schedules: microbatches per update window, windows simulated, updates
+    microbatches_per_step: int | None = None
+    windows: int | None = None
+    updates: int = 1
 
     @property
     def peak_activation_bytes(self) -> float:
@@ -292,7 +318,7 @@ class SimResult:
         cost = self.cost
         if not isinstance(cost, (dict, str, int, float, type(None))):
             cost = str(cost)
-        return {
+        out = {
             "schedule": self.schedule,
             "topology": self.topology,
             "cost": cost,
@@ -304,8 +330,14 @@ class SimResult:
             "peak_activation_bytes": self.peak_activation_bytes,
             "p2p_bytes": self.p2p_bytes,
             "collective_bytes": self.collective_bytes,
+            "staleness": dict(self.staleness),
             "per_device": [vars(d).copy() for d in self.per_device],
         }
+        if self.microbatches_per_step is not None:
+            out["microbatches_per_step"] = self.microbatches_per_step
+            out["windows"] = self.windows
+            out["updates"] = self.updates
+        return out
 
 
 # --------------------------------------------------------------------------- simulate
@@ -507,6 +539,10 @@ def _simulate(cs: CompiledSchedule, cost, topology, record: bool) -> SimResult:
         raise SimulationError(_deadlock_message(cs, waits))
     makespan = now if n else 0.0
 
+    # ---- weights: versions seen (asynchronous policies), versions kept, optimizer state
+    versions = _versions(cs)
+    weights = _weight_memory(cs, cost)
+
     # ---- memory: walk each device's list in order (its events are time-ordered there)
     act_cache: dict[tuple[int, int], tuple[float, float]] = {}
     per_device: list[DeviceStats] = []
@@ -550,6 +586,7 @@ def _simulate(cs: CompiledSchedule, cost, topology, record: bool) -> SimResult:
         peak = max(peak, cur)
         peak_live = max(peak_live, live)
         total_busy += busy
+        nver, wbytes, obytes = weights[d]
         per_device.append(
             DeviceStats(
                 device=d,
@@ -562,6 +599,9 @@ def _simulate(cs: CompiledSchedule, cost, topology, record: bool) -> SimResult:
                 recv_bytes=recv[d],
                 collective_bytes=coll_bytes[d],
                 num_actions=cs.offsets[d + 1] - cs.offsets[d],
+                peak_weight_versions=nver,
+                weight_bytes=wbytes,
+                optimizer_bytes=obytes,
             )
         )
     bubble = 1.0 - total_busy / (ndev * makespan) if makespan > 0 and ndev else 0.0
@@ -583,11 +623,122 @@ def _simulate(cs: CompiledSchedule, cost, topology, record: bool) -> SimResult:
         start=start,
         end=end,
         issued={actions[i]: t for i, t in issue_time.items()},
+        versions=versions,
+        staleness=summarize(versions),
     )
+    meta = sched.meta or {}
+    if meta.get("microbatches_per_step") is not None:
+        result.microbatches_per_step = int(meta["microbatches_per_step"])
+        result.windows = int(meta.get("windows", 1))
+        result.updates = len(set(sched.update_of_microbatch))
     if record:
         result.timeline = _timeline(cs, start, end, issue_time, gbytes, transfers or [], result,
                                     getattr(cost, "time_unit", "s"))
     return result
+
+
+def _versions(cs: CompiledSchedule) -> list[VersionRecord]:
+    """The weight version of every forward and backward, from the device lists (which the
+    simulator follows); computed once per compiled schedule, and only for asynchronous
+    policies (under sync every version is 0)."""
+    if cs.versions is None:
+        sched = cs.schedule
+        if sched.policy == WeightPolicy.SYNC:
+            cs.versions = []
+        else:
+            try:
+                cs.versions = weight_versions(sched)
+            except ValueError as err:
+                raise SimulationError(str(err)) from None
+    return cs.versions
+
+
+def _weight_memory(cs: CompiledSchedule, cost) -> list[tuple[int, float, float]]:
+    """Per device: (peak weight versions of one replica, peak weight bytes, optimizer bytes).
+
+    Versions per (pipe, stage) replica, walking the device's list (its compute and STEP
+    actions run in that order): the live version (STEPs so far) is always kept; under
+    stash so is every version that an in-flight microbatch's forward used, until the
+    backward that produces its input gradient (B or I); under double_buffer the
+    previous version is kept once the replica has been updated. Other policies keep
+    one version, so no walk is needed.
+    """
+    sched = cs.schedule
+    placement = sched.placement
+    policy = sched.policy
+    pcache: dict[int, float] = {}
+
+    def pbytes(stage: int) -> float:
+        v = pcache.get(stage)
+        if v is None:
+            v = pcache[stage] = float(cost.param_bytes(stage))
+        return v
+
+    state_of = getattr(cost, "model_state_bytes", None)
+    owners = zero_owners(placement) if (sched.meta or {}).get("zero") else None
+    out = []
+    for d in range(cs.num_devices):
+        reps = placement.stages_on(d)
+        base = sum(pbytes(s) for _, s in reps)
+        # gradients and optimizer state: every replica's, or with ZeRO one per owned stage
+        opt = 0.0
+        if state_of is not None:
+            held = reps if owners is None else [(0, s) for s in sorted({s for _, s in reps}) if owners[s] == d]
+            for _, s in held:
+                extra = float(state_of(s)) - pbytes(s)
+                if extra > 0:
+                    opt += extra
+        peak_versions = 1 if reps else 0
+        peak = total = base
+        if policy == WeightPolicy.STASH or policy == WeightPolicy.DOUBLE_BUFFER:
+            stash = policy == WeightPolicy.STASH
+            live: dict[tuple[int, int], int] = {}
+            count: dict[tuple[int, int], int] = {}
+            users: dict[tuple[int, int], dict[int, int]] = {}  # version -> in-flight forwards
+            fwd_version: dict[tuple, int] = {}
+            for a in cs.actions[cs.offsets[d]:cs.offsets[d + 1]]:
+                k = a[0]
+                if k == Kind.STEP:
+                    key = (a[3], a[1])
+                    v = live.get(key, 0)
+                    live[key] = v + 1
+                    n = count.get(key, 1)
+                    if stash:
+                        grow = v in users.get(key, ())  # the old version still has a user
+                    else:
+                        grow = n < 2  # double buffer: the previous version is kept from now on
+                    if grow:
+                        n += 1
+                        count[key] = n
+                        total += pbytes(a[1])
+                        if total > peak:
+                            peak = total
+                        if n > peak_versions:
+                            peak_versions = n
+                elif not stash:
+                    continue
+                elif k == Kind.F:
+                    key = (a[3], a[1])
+                    v = live.get(key, 0)
+                    fwd_version[(key, a[2], a[4])] = v
+                    u = users.setdefault(key, {})
+                    u[v] = u.get(v, 0) + 1
+                elif k in Kind.BACKWARD:
+                    key = (a[3], a[1])
+                    v = fwd_version.pop((key, a[2], a[4]), None)
+                    if v is None:
+                        continue
+                    u = users[key]
+                    left = u[v] - 1
+                    if left:
+                        u[v] = left
+                    else:
+                        del u[v]
+                        if v != live.get(key, 0):  # the last user of an old version: free it
+                            count[key] = count.get(key, 1) - 1
+                            total -= pbytes(a[1])
+        out.append((peak_versions, peak, opt))
+    return out
 
 
 def _timeline(cs: CompiledSchedule, start, end, issue_time, gbytes, transfers, result: SimResult,

@@ -1,0 +1,427 @@
+"""Execute an asynchronous schedule (pipedream, pipedream_2bw, amdp): updates without a flush.
+
+One call runs a chunk: ``windows`` consecutive steps whose microbatches flow through the
+pipeline without a flush; the weights change in the middle of the stream, and every
+replica keeps the weight versions its policy needs.
+
+Weight versions are real tensors. A replica's version is the number of updates applied
+to it. While a forward runs, autograd's saved-tensor hooks replace every saved tensor
+that lives in a parameter's storage by a reference (parameter, version, view); when the
+backward unpacks it the policy decides what it gets:
+
+- ``stash`` / ``double_buffer``: the version the forward used. Before an update
+  overwrites a version that an in-flight microbatch saved (or that 2BW's next window
+  will compute with), the replica copies it aside; those copies are the stash, freed
+  when no microbatch needs them. 2BW's forwards of window u compute with version u-1:
+  the parameters' storage is swapped to the stashed copy for the forward.
+- ``none`` / ``bounded``: the current parameters, whatever update happened since the
+  forward. The optimizer updates in place; because saved parameters are references,
+  autograd's in-place check does not fire and the backward really sees the new weights.
+
+Gradients accumulate in ``.grad`` as usual and are taken from it right after a
+replica's last backward of an update, so a later window's backwards never mix in.
+REDUCE all-reduces the taken gradient across the stage's mirror replicas (asynchronous,
+overlapping later work); with ``zero`` it is reduced to the stage's owner instead, which
+alone holds optimizer state, steps, and broadcasts the new parameters at STEP.
+
+Tied weights (GPT's embedding and LM head): each copy's gradient of an update is summed
+across the copies by an asynchronous all-reduce issued once the copy's rank has taken it
+from all its local copies. A copy applies that update at the first of its own STEPs that
+follows, in the schedule's zero-cost dry run, every copy's last backward of the update
+(or at the end of the chunk): deadlock-free by construction, and no copy waits for a
+gradient that cannot have been computed yet. Both copies apply the same updates in the
+same order, so they agree whenever they have applied the same number.
+
+Clipping is per stage (by the norm of the update the stage applies): a global norm would
+need a world collective at every update, which is a flush.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from ..schedules.ir import Action, Kind, Schedule, WeightPolicy
+from ..schedules.validate import dry_run
+from ..schedules.versions import forward_version
+from ..schedules.zero import zero_owners
+from ..sim.timeline import Event
+from .executor import Executor, Groups, StageState
+
+KEEP = (WeightPolicy.STASH, WeightPolicy.DOUBLE_BUFFER)  # backward uses the forward's version
+
+
+class ReplicaVersions:
+    """The weight versions of one replica: the live parameters plus stashed copies."""
+
+    def __init__(self, params: list[torch.nn.Parameter], policy: WeightPolicy, live: int = 0):
+        self.params = params
+        self.policy = policy
+        self.live = live  # updates applied so far (across chunks)
+        self.stash: dict[int, list[torch.Tensor]] = {}
+        self.refs: Counter = Counter()  # version -> in-flight microbatches that saved it
+        self.peak_versions = 1
+
+    def tensors(self, version: int) -> list[torch.Tensor]:
+        if version == self.live:
+            return [p.detach() for p in self.params]
+        return self.stash[version]
+
+    def before_update(self) -> None:
+        """Copy the live version aside if anything will still compute with it."""
+        v = self.live
+        need = self.refs[v] > 0 or self.policy == WeightPolicy.DOUBLE_BUFFER
+        if self.policy in KEEP and need and v not in self.stash:
+            self.stash[v] = [p.detach().clone() for p in self.params]
+
+    def after_update(self) -> None:
+        self.live += 1
+        self._free()
+
+    def release(self, version: int) -> None:
+        self.refs[version] -= 1
+        self._free()
+
+    def _free(self) -> None:
+        keep_from = self.live - 1 if self.policy == WeightPolicy.DOUBLE_BUFFER else self.live
+        for v in [v for v in self.stash if v < keep_from and self.refs[v] <= 0]:
+            del self.stash[v]
+        self.peak_versions = max(self.peak_versions, 1 + len(self.stash))
+
+
+@contextmanager
+def weight_version(vers: ReplicaVersions, version: int):
+    """Run a forward with weight ``version`` of a replica and make its backward see what
+    the policy says: that version (stash, double_buffer) or the current weights."""
+    tensors = vers.tensors(version)
+    swapped = None
+    if version != vers.live:  # 2BW: compute with the previous version's copy
+        swapped = [p.data for p in vers.params]
+        for p, t in zip(vers.params, tensors):
+            p.data = t
+    index = {t.untyped_storage().data_ptr(): i for i, t in enumerate(tensors)}
+    keep = vers.policy in KEEP
+
+    def pack(t: torch.Tensor):
+        i = index.get(t.untyped_storage().data_ptr()) if t.layout == torch.strided else None
+        if i is None:
+            return t
+        return (i, version, t.size(), t.stride(), t.storage_offset())
+
+    def unpack(obj):
+        if not isinstance(obj, tuple):
+            return obj
+        i, v, size, stride, offset = obj
+        src = vers.tensors(v)[i] if keep else vers.params[i].detach()
+        return src.as_strided(size, stride, offset)
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+    finally:
+        if swapped is not None:
+            for p, t in zip(vers.params, swapped):
+                p.data = t
+
+
+@dataclass
+class ChunkStats:
+    losses: list[float]  # per step of the chunk (sum of its normalised microbatch losses)
+    grad_norms: list[float]  # per step: root mean square over its updates of the global update norm
+    busy: float
+    records: list[dict]  # staleness records of this rank
+    events: list = field(default_factory=list)
+
+
+class AsyncExecutor(Executor):
+    def __init__(self, schedule: Schedule, rank: int, stages: dict[tuple[int, int], StageState], adapter,
+                 groups: Groups, grad_clip: float | None, on_grads=None):
+        if schedule.policy == WeightPolicy.SYNC:
+            raise ValueError(f"schedule {schedule.name!r} is synchronous; use Executor")
+        if schedule.uses_split_backward():
+            raise NotImplementedError("asynchronous schedules run full backwards (B), not I/W splits")
+        super().__init__(schedule, rank, stages, adapter, groups, grad_clip, on_grads)
+        self.policy = schedule.policy
+        self.m = int(schedule.meta["microbatches_per_step"])
+        self.windows = int(schedule.meta["windows"])
+        upd = schedule.update_of_microbatch
+        self.updates = sorted(set(upd))
+        self.updates_per_step = len(self.updates) // self.windows
+        # the step (of the chunk) each update belongs to, for its learning rate
+        self.step_of_update = {u: min(mb for mb in range(len(upd)) if upd[mb] == u) // self.m for u in self.updates}
+        self.zero = bool(schedule.meta.get("zero"))
+        self.owner = zero_owners(schedule.placement) if self.zero else {}
+        order = schedule.orders[rank]
+        # where each local replica's gradient of an update is complete
+        self.take_after: dict[int, list[tuple[int, int, int]]] = {}
+        last: dict[tuple[int, int, int], int] = {}
+        for pos, a in enumerate(order):
+            if a.kind in Kind.WEIGHT_GRAD:
+                last[(a.pipe, a.stage, upd[a.microbatch])] = pos
+        for key, pos in last.items():
+            self.take_after.setdefault(pos, []).append(key)
+        self._check_collective_order(order)
+        self.tied_plan = self._plan_tied(schedule)
+        for (pipe, stage), st in stages.items():
+            if getattr(st, "versions", None) is None:
+                st.versions = ReplicaVersions(st.params, self.policy)
+        self.first_grads: dict[str, torch.Tensor] = {}  # the gradients update 0 applied, by name
+
+    # ---- static plans -----------------------------------------------------------------
+    def _check_collective_order(self, order: list[Action]) -> None:
+        """Per replica, collectives on its mirror group alternate REDUCE u, STEP u (zero's
+        broadcast), so every member issues them in the same order."""
+        if not self.zero:
+            return
+        seen: dict[tuple[int, int], list[str]] = {}
+        for a in order:
+            if a.kind in (Kind.REDUCE, Kind.STEP):
+                seen.setdefault((a.pipe, a.stage), []).append(f"{a.kind}{a.version}")
+        for key, ops in seen.items():
+            want = [f"{k}{u}" for u in sorted({int(o[1:]) for o in ops}) for k in (Kind.REDUCE, Kind.STEP)]
+            if self.groups.replica_group.get(key[1]) is not None and ops != want:
+                raise ValueError(f"schedule {self.schedule.name!r}: replica {key} issues {ops[:6]}, "
+                                 f"zero needs REDUCE and STEP of each update in turn")
+
+    def _plan_tied(self, schedule: Schedule) -> dict[tuple[int, int, int], list[int]]:
+        """(pipe, stage, update w) -> tied updates this replica applies at its STEP w."""
+        tied_stages = {s for (_, s), st in self.stages.items() if st.tied}
+        all_tied = set(self.adapter.tied_stages) if len({*self.adapter.tied_stages}) > 1 else set()
+        if not tied_stages or not all_tied:
+            return {}
+        upd = schedule.update_of_microbatch
+        done_at = {a: i for i, a in enumerate(dry_run(schedule))}
+        # every copy's last backward of each update, anywhere in the schedule
+        last: dict[int, int] = {}
+        for order in schedule.orders:
+            for a in order:
+                if a.kind in Kind.WEIGHT_GRAD and a.stage in all_tied:
+                    u = upd[a.microbatch]
+                    last[u] = max(last.get(u, -1), done_at[a])
+        plan: dict[tuple[int, int, int], list[int]] = {}
+        for (pipe, stage) in self.stages:
+            if stage not in tied_stages:
+                continue
+            steps = sorted((done_at[a], a.version) for a in schedule.orders[self.rank]
+                           if a.kind == Kind.STEP and (a.pipe, a.stage) == (pipe, stage))
+            for u, t in sorted(last.items()):
+                w = next((v for when, v in steps if when > t), None)
+                plan.setdefault((pipe, stage, -1 if w is None else w), []).append(u)
+        return plan
+
+    # ---- data of a global microbatch --------------------------------------------------
+    def _locate(self, a: Action, batch, normalizer):
+        w, i = divmod(a.microbatch, self.m)
+        return batch[w], i, normalizer[w]
+
+    # ---- one chunk --------------------------------------------------------------------
+    def train_chunk(self, batches: list, normalizers: list, lrs: list[float], base_update: int, base_mb: int,
+                    record: bool = False, t0: float | None = None) -> ChunkStats:
+        """Run ``len(batches)`` steps without a flush. ``base_update``: updates applied
+        before the chunk; ``base_mb``: the run's id of the chunk's first microbatch."""
+        if len(batches) != self.windows:
+            raise ValueError(f"chunk of {len(batches)} steps for a schedule of {self.windows} windows")
+        outbox: dict = {}
+        inbox: dict = {}
+        local: dict = {}
+        sends: list = []
+        upd = self.schedule.update_of_microbatch
+        losses = torch.zeros(self.windows, dtype=torch.float64)
+        sq_norms = torch.zeros(len(self.updates), dtype=torch.float64)
+        taken: dict[tuple[int, int, int], list] = {}
+        reduces: dict[tuple[int, int, int], tuple] = {}
+        tied_local: dict[int, list] = {}  # update -> [local sum, copies still to take]
+        tied_work: dict[int, tuple] = {}
+        fwd_v: dict[tuple[int, int, int], int] = {}
+        applied: dict[tuple[int, int, int], int] = {}
+        records: list[dict] = []
+        busy = 0.0
+        events: list[Event] = []
+        t0 = time.perf_counter() if t0 is None else t0
+        tied_copies = {k: st for k, st in self.stages.items() if st.tied}
+        for (pipe, stage), st in self.stages.items():
+            if st.versions.live != base_update:
+                st.versions.live = base_update  # a resumed run: its stash is gone, versions restart
+                st.versions.stash.clear()
+        for pos, (posts, a) in enumerate(self.plan):
+            self._flush(posts, outbox, inbox, sends)
+            self._await_inputs(a, inbox)
+            start = time.perf_counter()
+            st = self.stages.get((a.pipe, a.stage))
+            if a.kind == Kind.F:
+                u = base_update + upd[a.microbatch]
+                v = forward_version(self.policy, st.versions.live, u)
+                if v != st.versions.live and v not in st.versions.stash:
+                    v = st.versions.live  # 2BW after a resume: the previous version is gone
+                fwd_v[(a.pipe, a.stage, a.microbatch)] = v
+                if self.policy in KEEP:
+                    st.versions.refs[v] += 1
+                loss = self._versioned_forward(a, st, v, batches, normalizers, inbox, local, outbox)
+                losses[a.microbatch // self.m] += loss
+            elif a.kind == Kind.B:
+                key = (a.pipe, a.stage, a.microbatch)
+                self._backward(a, inbox, local, outbox, full=True)
+                f = fwd_v.pop(key)
+                b = f if self.policy in KEEP else st.versions.live
+                if self.policy in KEEP:
+                    st.versions.release(f)
+                records.append({"pipe": a.pipe, "stage": a.stage, "microbatch": base_mb + a.microbatch,
+                                "update": base_update + upd[a.microbatch], "forward": f, "backward": b})
+            elif a.kind == Kind.REDUCE:
+                reduces[(a.pipe, a.stage, a.version)] = self._reduce_async(a, taken)
+            elif a.kind == Kind.STEP:
+                applied[(a.pipe, a.stage, base_update + a.version)] = st.versions.live
+                self._step(a, st, taken, reduces, tied_work, lrs, base_update, sq_norms)
+            else:
+                raise NotImplementedError(f"{a}: asynchronous schedules run F, B, REDUCE and STEP")
+            for key in self.take_after.get(pos, ()):
+                self._take_grads(key, taken, tied_local, tied_work, tied_copies, base_update)
+            end = time.perf_counter()
+            if a.kind != Kind.REDUCE:
+                busy += end - start
+            if record:
+                events.append(Event(self.rank, str(a), a.kind, a.stage, a.microbatch, a.pipe, a.segment,
+                                    start - t0, end - t0, "collective" if a.kind == Kind.REDUCE else "compute"))
+        self._flush(self.tail, outbox, inbox, sends)
+        # tied updates no STEP of this chunk could take: apply them now, in order
+        for (pipe, stage, w), us in sorted(self.tied_plan.items(), key=lambda kv: kv[0][2] < 0):
+            if w == -1:
+                st = self.stages[(pipe, stage)]
+                for u in us:
+                    self._apply_tied(st, u, tied_work, lrs, base_update, sq_norms, stage_first=st.first and pipe == 0)
+        for work, _tensor in sends:
+            work.wait()
+        for r in reduces.values():
+            if r is not None:
+                r[0].wait()
+        if inbox or outbox or local:
+            raise RuntimeError(f"rank {self.rank}: messages left over after the chunk: "
+                               f"{sorted(list(inbox) + list(outbox) + list(local))[:6]}")
+        for rec in records:
+            rec["applied"] = applied.get((rec["pipe"], rec["stage"], rec["update"]), rec["forward"])
+            rec["mismatch"] = rec["backward"] - rec["forward"]
+            rec["staleness"] = rec["applied"] - rec["forward"]
+        # one all-reduce for the chunk's losses and update norms (not a flush: the chunk is over)
+        vec = torch.cat([losses, sq_norms])
+        dist.all_reduce(vec)
+        step_losses = vec[: self.windows].tolist()
+        norms = vec[self.windows:].tolist()
+        per_step: list[list[float]] = [[] for _ in range(self.windows)]
+        for u, sq in zip(self.updates, norms):
+            per_step[self.step_of_update[u]].append(sq)
+        grad_norms = [math.sqrt(sum(x) / len(x)) if x else 0.0 for x in per_step]
+        return ChunkStats(step_losses, grad_norms, busy, records, events)
+
+    # ---- forward with a weight version -------------------------------------------------
+    def _versioned_forward(self, a: Action, st: StageState, version: int, batches, normalizers, inbox, local, outbox):
+        with weight_version(st.versions, version):
+            return self._forward(a, batches, normalizers, inbox, local, outbox)
+
+    # ---- gradients and updates ---------------------------------------------------------
+    def _take_grads(self, key, taken, tied_local, tied_work, tied_copies, base_update) -> None:
+        """The replica's gradient of update ``key[2]`` is complete: move it out of .grad."""
+        pipe, stage, u = key
+        st = self.stages[(pipe, stage)]
+        tied = {id(p) for p in st.tied}
+        grads = []
+        for p in st.params:
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            p.grad = None
+            if id(p) in tied:
+                entry = tied_local.setdefault(u, [torch.zeros_like(p), len(tied_copies)])
+                entry[0] += g
+                entry[1] -= 1
+                if entry[1] == 0:  # every local copy has its share: sum across the copies' ranks
+                    total = tied_local.pop(u)[0]
+                    group = self.groups.tied_group
+                    work = dist.all_reduce(total, group=group, async_op=True) if group is not None else None
+                    tied_work[u] = (work, total)
+            else:
+                grads.append(g)
+        taken[key] = grads
+
+    def _plain(self, st: StageState) -> list:
+        tied = {id(p) for p in st.tied}
+        return [p for p in st.params if id(p) not in tied]
+
+    def _reduce_async(self, a: Action, taken):
+        group = self.groups.replica_group.get(a.stage)
+        if group is None:
+            return None
+        grads = taken[(a.pipe, a.stage, a.version)]
+        flat = _flatten_dense_tensors(grads)
+        if self.zero:
+            work = dist.reduce(flat, dst=self.owner[a.stage], group=group, async_op=True)
+        else:
+            work = dist.all_reduce(flat, group=group, async_op=True)
+        return (work, flat, grads)
+
+    def _step(self, a: Action, st: StageState, taken, reduces, tied_work, lrs, base_update, sq_norms) -> None:
+        key = (a.pipe, a.stage, a.version)
+        grads = taken.pop(key)
+        r = reduces.pop(key, None)
+        if r is not None:
+            work, flat, _ = r
+            work.wait()
+            grads = list(_unflatten_dense_tensors(flat, grads))
+        plain = self._plain(st)
+        u = base_update + a.version
+        lr = lrs[self.step_of_update[a.version]]
+        group = self.groups.replica_group.get(a.stage)
+        owner = self.owner.get(a.stage, self.rank) if group is not None else self.rank
+        counted = a.pipe == 0 if not self.zero or group is None else owner == self.rank
+        st.versions.before_update()
+        if owner == self.rank:
+            sq = sum(g.double().pow(2).sum() for g in grads) if grads else torch.zeros((), dtype=torch.float64)
+            self._apply(st, plain, grads, lr, sq)
+            if counted:
+                sq_norms[a.version] += float(sq)
+            if u == 0:
+                for name, p in st.module.named_parameters():
+                    if any(p is q for q in plain):
+                        self.first_grads[f"{a.pipe}:{name}"] = grads[[id(q) for q in plain].index(id(p))].clone()
+        if self.zero and group is not None:  # the owner's parameters reach the other replicas
+            flat = _flatten_dense_tensors([p.detach() for p in plain])
+            dist.broadcast(flat, src=owner, group=group)
+            if owner != self.rank:
+                with torch.no_grad():
+                    for p, t in zip(plain, _unflatten_dense_tensors(flat, plain)):
+                        p.copy_(t)
+        for tu in self.tied_plan.get((a.pipe, a.stage, a.version), ()):
+            self._apply_tied(st, tu, tied_work, lrs, base_update, sq_norms, stage_first=st.first and a.pipe == 0)
+        st.versions.after_update()
+
+    def _apply(self, st: StageState, params: list, grads: list, lr: float, sq) -> None:
+        """One optimizer step over ``params`` with ``grads`` (the others untouched), clipped by their norm."""
+        coef = 1.0
+        if self.grad_clip:
+            norm = math.sqrt(float(sq))
+            if norm > self.grad_clip:
+                coef = self.grad_clip / (norm + 1e-6)
+        for p, g in zip(params, grads):
+            p.grad = g.view_as(p) * coef if coef != 1.0 else g.view_as(p).clone()
+        for group in st.optimizer.param_groups:
+            group["lr"] = lr
+        st.optimizer.step()
+        for p in st.params:
+            p.grad = None
+
+    def _apply_tied(self, st: StageState, u_local: int, tied_work, lrs, base_update, sq_norms, stage_first: bool):
+        work, total = tied_work[u_local]
+        if work is not None:
+            work.wait()
+        sq = total.double().pow(2).sum()
+        self._apply(st, st.tied, [total] * len(st.tied), lrs[self.step_of_update[u_local]], sq)
+        if stage_first:
+            sq_norms[u_local] += float(sq)
+        if base_update + u_local == 0:
+            for name, p in st.module.named_parameters():
+                if any(p is q for q in st.tied):
+                    self.first_grads[f"{st.pipe}:{name}"] = total.clone()

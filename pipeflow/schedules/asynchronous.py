@@ -1,0 +1,290 @@
+"""Asynchronous schedules: weight updates without a flush.
+
+A synchronous schedule is one iteration that ends in a flush. These schedules instead
+cover ``windows`` consecutive steps (update windows) of ``microbatches`` microbatches
+each, with no flush between them: microbatch ``w * m + i`` is the i-th of step ``w``,
+and ``update_of_microbatch`` says which weight update each gradient feeds. STEP actions
+sit in the middle of the stream, and the policy of the schedule says which weight
+version a forward and a backward see (:mod:`pipeflow.schedules.versions` computes it).
+
+- ``pipedream``: steady-state 1F1B over all microbatches; every stage updates after
+  every backward (one update per microbatch). ``stash=True``: a backward uses the
+  version its forward used (weight stashing); ``stash=False``: the current weights.
+- ``pipedream_2bw``: 1F1B without a flush; gradients accumulate over each window of
+  m >= p microbatches, one update per window right after the stage's last backward of
+  the window; the microbatches of window u run forward and backward on version u-1
+  (two versions kept), so every gradient is exactly one update stale.
+- ``amdp``: d/2 pipelines over d devices in complementary directions (pipeline j puts
+  stage i on ``(2j + i) mod d``, or ``(2j + 1 - i) mod d`` for odd j); each pipeline's
+  first stage admits at most two minibatches before the first returns; devices serve
+  ready work first-come-first-served; a window of R rounds (R * d minibatches) feeds one
+  update: each replica reduces its gradients across its mirror replicas right after its
+  last backward in the window and steps when the reduction is complete, without a flush.
+  Beyond the first round of a window a forward waits for the previous update, so only
+  the first d minibatches of a window can see two versions (mismatch at most one).
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from .common import check_basic, require
+from .ir import Action, Kind, Placement, Schedule, StageGraph, WeightPolicy
+
+
+def _check_windows(name: str, windows: int) -> None:
+    require(isinstance(windows, int) and windows >= 1, "schedule.windows", windows, name,
+            "a whole number >= 1 of steps run without a flush")
+
+
+def _nonflush_1f1b(p: int, total: int) -> list[list[Action]]:
+    """1F1B over ``total`` microbatches with no flush: warm up once, alternate, drain once."""
+    orders = []
+    for r in range(p):
+        warm = min(p - r - 1, total)
+        order = [Action(Kind.F, r, mb) for mb in range(warm)]
+        fwd, bwd = warm, 0
+        while fwd < total:
+            order.append(Action(Kind.F, r, fwd))
+            order.append(Action(Kind.B, r, bwd))
+            fwd, bwd = fwd + 1, bwd + 1
+        order.extend(Action(Kind.B, r, mb) for mb in range(bwd, total))
+        orders.append(order)
+    return orders
+
+
+def _steps_after_last_backward(orders: list[list[Action]], update_of: tuple[int, ...]) -> list[list[Action]]:
+    """Insert STEP(stage, update) right after the stage's last backward of that update."""
+    out = []
+    for order in orders:
+        last: dict[tuple[int, int, int], int] = {}
+        for pos, a in enumerate(order):
+            if a.kind in Kind.WEIGHT_GRAD:
+                last[(a.pipe, a.stage, update_of[a.microbatch])] = pos
+        after = {pos: key for key, pos in last.items()}
+        new = []
+        for pos, a in enumerate(order):
+            new.append(a)
+            if pos in after:
+                pipe, stage, u = after[pos]
+                new.append(Action(Kind.STEP, stage, -1, pipe, 0, u))
+        out.append(new)
+    return out
+
+
+def pipedream(stages: int, microbatches: int, windows: int = 1, stash: bool = True) -> Schedule:
+    name = "pipedream"
+    check_basic(name, stages, microbatches)
+    _check_windows(name, windows)
+    require(isinstance(stash, bool), "schedule.stash", stash, name, "true (weight stashing) or false")
+    p, total = stages, microbatches * windows
+    update_of = tuple(range(total))  # one update per microbatch
+    orders = _steps_after_last_backward(_nonflush_1f1b(p, total), update_of)
+    return Schedule(
+        name=name, graph=StageGraph.chain(p), placement=Placement.single(range(p)), orders=orders,
+        num_microbatches=total, policy=WeightPolicy.STASH if stash else WeightPolicy.NONE,
+        update_of_microbatch=update_of,
+        meta={"microbatches_per_step": microbatches, "windows": windows, "stash": stash},
+    )
+
+
+def pipedream_2bw(stages: int, microbatches: int, windows: int = 1) -> Schedule:
+    name = "pipedream_2bw"
+    check_basic(name, stages, microbatches)
+    _check_windows(name, windows)
+    p, m = stages, microbatches
+    require(m >= p, "pipeline.microbatches", m, name,
+            f"at least as many microbatches per window as stages (m >= {p}), so two weight versions suffice")
+    total = m * windows
+    update_of = tuple(mb // m for mb in range(total))
+    orders = _steps_after_last_backward(_nonflush_1f1b(p, total), update_of)
+    return Schedule(
+        name=name, graph=StageGraph.chain(p), placement=Placement.single(range(p)), orders=orders,
+        num_microbatches=total, policy=WeightPolicy.DOUBLE_BUFFER, update_of_microbatch=update_of,
+        meta={"microbatches_per_step": m, "windows": windows},
+    )
+
+
+def amdp_placement(d: int) -> Placement:
+    """Pipeline j places stage i on (2j + i) mod d for even j, (2j + 1 - i) mod d for odd j."""
+    table = []
+    for j in range(d // 2):
+        if j % 2 == 0:
+            table.append(tuple((2 * j + i) % d for i in range(d)))
+        else:
+            table.append(tuple((2 * j + 1 - i) % d for i in range(d)))
+    return Placement(d, tuple(table))
+
+
+def mirror_groups(placement: Placement) -> list[tuple[int, ...]]:
+    """Sets of devices that hold the same stages (AMDP's mirror groups), sorted."""
+    seen = {tuple(sorted({d for _, d in placement.replicas(s)})) for s in range(placement.num_stages)}
+    return sorted(seen)
+
+
+# Ties between ready actions on a device, after first come first served: a backward
+# first (it frees memory and returns the admission slot), the deeper stage first, or the
+# older minibatch first. The generator keeps whichever order is shortest in unit time.
+_RULES = ("backward_first", "deeper_first", "older_first")
+
+
+def _amdp_list_schedule(placement: Placement, pipe_of, update_of, round_in_window, admission: int, ratio: float,
+                        rule: str) -> tuple[list[list[Action]], float]:
+    """List scheduling in unit time (forward 1, backward ``ratio``): a free device runs
+    the ready action that became ready first; ``rule`` breaks ties. Returns the
+    per-device orders (with REDUCE and STEP) and the makespan in those units."""
+    d, npipes = placement.num_devices, placement.num_pipes
+    total = len(pipe_of)
+    dur = {Kind.F: 1.0, Kind.B: ratio}
+    per_pipe: list[list[int]] = [[] for _ in range(npipes)]
+    for mb in range(total):
+        per_pipe[pipe_of[mb]].append(mb)
+    left: dict[tuple[int, int, int], int] = {}  # backwards still to run per (pipe, stage, update)
+    for mb in range(total):
+        for s in range(d):
+            key = (pipe_of[mb], s, update_of[mb])
+            left[key] = left.get(key, 0) + 1
+    reduced: dict[tuple[int, int], int] = {}
+    stepped: set[tuple[int, int, int]] = set()
+    step_ready: list[list[Action]] = [[] for _ in range(d)]
+    held: dict[tuple[int, int, int], list[Action]] = {}
+    in_flight, next_admit = [0] * npipes, [0] * npipes
+    free_at = [0.0] * d
+    queue: list[list] = [[] for _ in range(d)]
+    events: list = []
+    orders: list[list[Action]] = [[] for _ in range(d)]
+    seq = 0
+
+    def tie(a: Action) -> tuple:
+        if rule == "backward_first":
+            return (a.kind != Kind.B, a.pipe)
+        if rule == "deeper_first":
+            return (-a.stage if a.kind == Kind.F else -d, a.pipe)
+        return (a.microbatch, a.kind != Kind.B)
+
+    def make_ready(a: Action, t: float) -> None:
+        nonlocal seq
+        u = update_of[a.microbatch]
+        gate = (a.pipe, a.stage, u - 1)
+        if a.kind == Kind.F and u > 0 and round_in_window[a.microbatch] >= 1 and gate not in stepped:
+            held.setdefault(gate, []).append(a)  # beyond a window's first round: wait for the update
+            return
+        heapq.heappush(queue[placement.device(a.pipe, a.stage)], (t, tie(a), seq, a))
+        seq += 1
+
+    def admit(j: int, t: float) -> None:
+        while in_flight[j] < admission and next_admit[j] < len(per_pipe[j]):
+            mb = per_pipe[j][next_admit[j]]
+            next_admit[j] += 1
+            in_flight[j] += 1
+            make_ready(Action(Kind.F, 0, mb, j), t)
+
+    for j in range(npipes):
+        admit(j, 0.0)
+    remaining, now = 2 * total * d, 0.0
+    while remaining:
+        changed = True
+        while changed:  # an update may release forwards on any device
+            changed = False
+            for dev in range(d):
+                if free_at[dev] > now:
+                    continue
+                for st in step_ready[dev]:  # an update takes the device's first free moment
+                    orders[dev].append(st)
+                    stepped.add((st.pipe, st.stage, st.version))
+                    for a in held.pop((st.pipe, st.stage, st.version), ()):
+                        make_ready(a, now)
+                    changed = True
+                step_ready[dev] = []
+                if queue[dev]:
+                    a = heapq.heappop(queue[dev])[-1]
+                    orders[dev].append(a)
+                    free_at[dev] = now + dur[a.kind]
+                    heapq.heappush(events, (free_at[dev], seq, a))
+                    seq += 1
+                    changed = True
+        if not events:
+            raise RuntimeError("amdp list scheduling stalled")  # a bug, never a config error
+        now = events[0][0]
+        while events and events[0][0] <= now:
+            t, _, a = heapq.heappop(events)
+            remaining -= 1
+            j, s, mb = a.pipe, a.stage, a.microbatch
+            if a.kind == Kind.F:
+                make_ready(Action(Kind.F, s + 1, mb, j) if s + 1 < d else Action(Kind.B, s, mb, j), t)
+                continue
+            if s > 0:
+                make_ready(Action(Kind.B, s - 1, mb, j), t)
+            else:
+                in_flight[j] -= 1
+                admit(j, t)
+            u = update_of[mb]
+            left[(j, s, u)] -= 1
+            if left[(j, s, u)] == 0:  # the replica's last backward of the window: reduce now
+                if npipes > 1:  # a single pipeline has no mirror replicas
+                    orders[placement.device(j, s)].append(Action(Kind.REDUCE, s, -1, j, 0, u))
+                reduced[(s, u)] = reduced.get((s, u), 0) + 1
+                if reduced[(s, u)] == npipes:  # the reduction is complete: every replica may step
+                    for jj in range(npipes):
+                        step_ready[placement.device(jj, s)].append(Action(Kind.STEP, s, -1, jj, 0, u))
+    for dev in range(d):  # the last window's updates
+        orders[dev].extend(step_ready[dev])
+    return orders, now
+
+
+def amdp(
+    stages: int,
+    microbatches: int,
+    windows: int = 1,
+    accumulation_rounds: int | None = None,
+    zero: bool = False,
+    admission: int = 2,
+    backward_ratio: float = 2.0,
+) -> Schedule:
+    """AMDP over d = ``stages`` devices; ``microbatches`` = R * d minibatches per update window.
+
+    The per-device order is built by list scheduling in unit time (forward 1, backward
+    ``backward_ratio``): a free device runs the ready action that became ready first
+    (first come, first served), a backward before a forward on ties, then the lower
+    pipeline. The order is then fixed; other costs only change its timing.
+    """
+    name = "amdp"
+    check_basic(name, stages, microbatches)
+    _check_windows(name, windows)
+    d = stages
+    require(d % 2 == 0, "pipeline.stages", d, name,
+            "an even pipeline depth d (2, 4, 8, ...): d/2 pipelines in complementary directions share the devices")
+    if accumulation_rounds is None:
+        require(microbatches % d == 0, "pipeline.microbatches", microbatches, name,
+                f"a multiple of pipeline.stages={d}: a round is d minibatches (two per pipeline), "
+                f"and a window is schedule.accumulation_rounds rounds, e.g. {d} or {2 * d}")
+        rounds = microbatches // d
+    else:
+        require(isinstance(accumulation_rounds, int) and accumulation_rounds >= 1, "schedule.accumulation_rounds",
+                accumulation_rounds, name, "a whole number of rounds >= 1 (null: pipeline.microbatches / stages)")
+        rounds = accumulation_rounds
+        require(microbatches == rounds * d, "pipeline.microbatches", microbatches, name,
+                f"schedule.accumulation_rounds={rounds} rounds of d={d} minibatches per update, i.e. "
+                f"pipeline.microbatches={rounds * d} (or schedule.accumulation_rounds=null)")
+    require(isinstance(zero, bool), "schedule.zero", zero, name, "true (owner-based optimizer sharding) or false")
+    require(isinstance(admission, int) and admission >= 1, "schedule.admission", admission, name, "a whole number >= 1")
+    placement = amdp_placement(d)
+    npipes = placement.num_pipes
+    m = microbatches
+    total = m * windows
+    pipe_of = tuple((mb % m) % d // 2 for mb in range(total))
+    update_of = tuple(mb // m for mb in range(total))
+    round_in_window = tuple((mb % m) // d for mb in range(total))
+    best = None
+    for rule in _RULES:
+        orders, makespan = _amdp_list_schedule(placement, pipe_of, update_of, round_in_window, admission,
+                                               float(backward_ratio), rule)
+        if best is None or makespan < best[1]:
+            best = (orders, makespan, rule)
+    orders, _, rule = best
+    return Schedule(
+        name=name, graph=StageGraph.chain(d), placement=placement, orders=orders, num_microbatches=total,
+        policy=WeightPolicy.BOUNDED, pipe_of_microbatch=pipe_of, update_of_microbatch=update_of,
+        meta={"microbatches_per_step": m, "windows": windows, "accumulation_rounds": rounds, "zero": zero,
+              "admission": admission, "order_rule": rule, "mirror_groups": [list(g) for g in mirror_groups(placement)]},
+    )

@@ -1,0 +1,118 @@
+"""Which weight version every forward and backward sees, from the schedule alone.
+
+A replica's version is the number of updates (STEPs) applied to it. The policy of the
+schedule decides what a computation sees:
+
+=============  ==========================================  ========================
+policy         forward                                     backward
+=============  ==========================================  ========================
+sync           current                                     current (= forward)
+stash          current                                     the forward's (stashed)
+none           current                                     current
+bounded        current                                     current
+double_buffer  u - 1 for window u (u = 0: version 0)       the forward's
+=============  ==========================================  ========================
+
+Because a device runs its list in order, "current" is the number of STEPs of that
+replica earlier in the device's list: the versions are a property of the schedule, and
+the simulator reports them from here. The runtime counts its real updates and records
+what it actually used; a test checks that the two agree.
+
+Per record: ``mismatch = backward - forward`` (AMDP's parameter mismatch) and
+``staleness = applied - forward``, where ``applied`` is the version the gradient's
+update is applied to (PipeDream: p - i - 1 on stage i; 2BW: 1; synchronous: 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .ir import Kind, Schedule, WeightPolicy
+
+
+@dataclass(frozen=True)
+class VersionRecord:
+    pipe: int
+    stage: int
+    microbatch: int  # the schedule's microbatch id (offset by the caller for a run)
+    update: int  # the update this gradient feeds (global: base_update + local index)
+    forward: int  # the version the forward computed with
+    backward: int  # the version the backward computed with
+    applied: int  # the version the update is applied to
+
+    @property
+    def mismatch(self) -> int:
+        return self.backward - self.forward
+
+    @property
+    def staleness(self) -> int:
+        return self.applied - self.forward
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["mismatch"] = self.mismatch
+        out["staleness"] = self.staleness
+        return out
+
+
+def forward_version(policy: WeightPolicy, live: int, update: int) -> int:
+    """The version a forward uses under ``policy`` when ``live`` updates have been applied."""
+    if policy == WeightPolicy.DOUBLE_BUFFER:
+        return max(update - 1, 0)
+    return live
+
+
+def weight_versions(schedule: Schedule, base_update: int = 0) -> list[VersionRecord]:
+    """Records for every (pipe, stage, microbatch) in device-list order.
+
+    ``base_update`` is the number of updates applied before this schedule runs (the
+    runtime runs an asynchronous schedule as consecutive chunks).
+    """
+    policy = schedule.policy
+    upd = schedule.update_of_microbatch
+    out: list[VersionRecord] = []
+    for order in schedule.orders:
+        live: dict[tuple[int, int], int] = {}
+        fwd: dict[tuple[int, int, int], int] = {}
+        bwd: dict[tuple[int, int, int], int] = {}
+        applied: dict[tuple[int, int, int], int] = {}
+        for a in order:
+            key = (a.pipe, a.stage)
+            cur = live.get(key, base_update)
+            if a.kind == Kind.F:
+                u = base_update + upd[a.microbatch]
+                v = forward_version(policy, cur, u)
+                if v > cur or (policy == WeightPolicy.DOUBLE_BUFFER and v < cur - 1):
+                    raise ValueError(
+                        f"schedule {schedule.name!r}: {a} needs weight version {v} but version {cur} is current; "
+                        f"double buffering keeps only the current and the previous version"
+                    )
+                fwd[(a.pipe, a.stage, a.microbatch)] = v
+            elif a.kind in Kind.BACKWARD:
+                f = fwd[(a.pipe, a.stage, a.microbatch)]
+                keep = policy in (WeightPolicy.STASH, WeightPolicy.DOUBLE_BUFFER)
+                bwd[(a.pipe, a.stage, a.microbatch)] = f if keep else cur
+            elif a.kind == Kind.STEP:
+                applied[(a.pipe, a.stage, base_update + a.version)] = cur
+                live[key] = cur + 1
+        for (pipe, stage, mb), f in fwd.items():
+            u = base_update + upd[mb]
+            out.append(VersionRecord(pipe, stage, mb, u, f, bwd[(pipe, stage, mb)], applied.get((pipe, stage, u), f)))
+    return out
+
+
+def summarize(records) -> dict:
+    """max/mean staleness and mismatch; accepts VersionRecords or their dicts."""
+    rows = [r.as_dict() if isinstance(r, VersionRecord) else r for r in records]
+    if not rows:
+        return {"max_staleness": 0, "mean_staleness": 0.0, "max_mismatch": 0, "mean_mismatch": 0.0,
+                "mismatched": 0}
+    st = [r["staleness"] for r in rows]
+    mm = [r["mismatch"] for r in rows]
+    return {
+        "max_staleness": max(st),
+        "mean_staleness": sum(st) / len(st),
+        "max_mismatch": max(mm),
+        "mean_mismatch": sum(mm) / len(mm),
+        "mismatched": sum(1 for x in mm if x),
+    }
