@@ -13,6 +13,22 @@ from pipeflow.config import compose, prepare_training
 from pipeflow.runtime.launch import TrainJob, launch
 
 
+# a GPT small enough for CI (2 cores), deep enough for 4 stages x 2 virtual stages
+GPT_SMALL = [
+    "model.n_layer=8",
+    "model.n_embd=64",
+    "model.n_head=4",
+    "model.seq_len=64",
+    "pipeline.microbatches=4",
+    "pipeline.microbatch_size=2",
+    "optim.warmup_steps=2",
+    "trainer.val_every=0",
+    "trainer.val_batches=1",
+    "trainer.timeline_step=2",
+    "logger=none",
+]
+
+
 def train(run_dir: Path, overrides: list[str], tied: dict[str, str] | None = None) -> dict:
     """Train ``compose("train", overrides)``; ``tied`` files a tied copy's gradient
     under the name of the parameter it mirrors (e.g. lm_head.weight -> wte.weight)."""

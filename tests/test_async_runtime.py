@@ -20,19 +20,7 @@ from pipeflow.runtime.async_executor import ReplicaVersions, weight_version
 from pipeflow.schedules.ir import WeightPolicy
 from pipeflow.schedules.versions import weight_versions
 
-SMALL = [
-    "model.n_layer=8",
-    "model.n_embd=64",
-    "model.n_head=4",
-    "model.seq_len=64",
-    "pipeline.microbatches=4",
-    "pipeline.microbatch_size=2",
-    "optim.warmup_steps=2",
-    "trainer.val_every=0",
-    "trainer.val_batches=1",
-    "trainer.timeline_step=null",
-    "logger=none",
-]
+SMALL = [*pipeline_runs.GPT_SMALL, "trainer.timeline_step=null"]
 TIED = {"lm_head.weight": "wte.weight"}
 
 

@@ -23,20 +23,7 @@ import torch
 import pipeline_runs
 from pipeflow.runtime.launch import JobFailed
 
-# small enough for CI (2 cores), deep enough for 4 stages x 2 virtual stages
-SMALL = [
-    "model.n_layer=8",
-    "model.n_embd=64",
-    "model.n_head=4",
-    "model.seq_len=64",
-    "pipeline.microbatches=4",
-    "pipeline.microbatch_size=2",
-    "optim.warmup_steps=2",
-    "trainer.val_every=0",
-    "trainer.val_batches=1",
-    "trainer.timeline_step=2",
-    "logger=none",
-]
+SMALL = pipeline_runs.GPT_SMALL
 
 CASES = [
     (name, p)

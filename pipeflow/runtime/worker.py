@@ -254,14 +254,7 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
         normalizer = setup.adapter.normalizer(batch)  # microbatch losses add up to the batch mean
         lr = lr_at(step, optim, steps)
         record = step == trainer.get("timeline_step")
-        dist.barrier()
-        t0 = time.perf_counter()
-        if record and one_host:
-            # ranks on one host read the same monotonic clock: share rank 0's origin so
-            # events compare across ranks exactly (a barrier alone leaves tens of us of skew)
-            origin = torch.tensor([t0], dtype=torch.float64)
-            dist.broadcast(origin, src=0)
-            t0 = origin.item()
+        t0 = _start_clock(record and one_host)
         stats = executor.train_step(batch, normalizer, lr, record=record, t0=t0)
         step_time = time.perf_counter() - t0
         busy = torch.tensor([stats.busy], dtype=torch.float64)
@@ -337,6 +330,19 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
     return summary
 
 
+def _start_clock(shared: bool) -> float:
+    """Line the ranks up and start the step's clock. ``shared``: ranks on one host read
+    the same monotonic clock, so rank 0's origin is broadcast and recorded events
+    compare across ranks exactly (a barrier alone leaves tens of us of skew)."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    if shared:
+        origin = torch.tensor([t0], dtype=torch.float64)
+        dist.broadcast(origin, src=0)
+        t0 = origin.item()
+    return t0
+
+
 def _staleness_summary(run_dir: str, records: list[dict], setup: RankSetup) -> dict:
     """Write staleness.json (every (pipe, stage, microbatch): the versions its forward and
     backward used, and the one its update was applied to) and summarise it."""
@@ -384,12 +390,7 @@ def _run_async(rank, job, setup: RankSetup, data, sink, progress, start_step: in
         lrs = [lr_at(s, optim, steps) for s in span]
         tl = trainer.get("timeline_step")
         record = tl is not None and step <= tl <= end
-        dist.barrier()
-        t0 = time.perf_counter()
-        if record and one_host:
-            origin = torch.tensor([t0], dtype=torch.float64)
-            dist.broadcast(origin, src=0)
-            t0 = origin.item()
+        t0 = _start_clock(record and one_host)
         stats = ex.train_chunk(batches, normalizers, lrs, base_update=(step - 1) * ups, base_mb=(step - 1) * m,
                                record=record, t0=t0)
         chunk_time = time.perf_counter() - t0
