@@ -167,3 +167,16 @@ def test_amdp_zero_sharding_changes_memory_not_the_math(tmp_path):
     zero = train(tmp_path / "zero", *common, "schedule.zero=true")
     assert zero["losses"] == pytest.approx(plain["losses"], rel=1e-5)
     assert plain["losses"][-1] < plain["losses"][0]
+
+
+@pytest.mark.parametrize("name,extra", [("pipedream_2bw", []), ("amdp", ["schedule.zero=true"])])
+def test_asynchronous_resume_continues_exactly(name, extra, tmp_path):
+    """A checkpoint comes at a flush and keeps the weight versions still needed after it
+    (2BW computes the next window on the previous version), so resuming changes nothing."""
+    common = (f"schedule={name}", "pipeline.stages=4", "trainer.steps=6", "trainer.save_every=3", *extra)
+    full = train(tmp_path / "full", *common)
+    at3 = tmp_path / "full" / "checkpoints" / "step_0000003"
+    resumed = train(tmp_path / "resumed", *common, f"resume={at3}")
+    assert resumed["losses"] == pytest.approx(full["losses"][3:], rel=1e-6)
+    late = [r for r in _records(tmp_path / "full") if r["microbatch"] >= 3 * 4]
+    assert sorted(_records(tmp_path / "resumed"), key=str) == sorted(late, key=str)

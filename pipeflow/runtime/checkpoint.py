@@ -31,6 +31,12 @@ def save(run_dir: str, step: int, rank: int, stages: dict, meta: dict) -> None:
         "optimizers": {f"{pipe}:{stage}": st.optimizer.state_dict() for (pipe, stage), st in stages.items()
                        if st.optimizer is not None},
     }
+    # asynchronous schedules: the weight versions still needed after this flush (2BW's
+    # previous version), so a resumed run computes with exactly the same weights
+    versions = {f"{pipe}:{stage}": {"live": st.versions.live, "stash": st.versions.stash}
+                for (pipe, stage), st in stages.items() if getattr(st, "versions", None) is not None}
+    if versions:
+        state["versions"] = versions
     tmp = d / f"rank{rank}.pt.tmp"
     torch.save(state, tmp)
     os.replace(tmp, d / f"rank{rank}.pt")
@@ -72,4 +78,8 @@ def load(resume: str, rank: int, stages: dict, meta: dict) -> int:
         st.module.load_state_dict(state["stages"][f"{pipe}:{stage}"])
         if st.optimizer is not None:
             st.optimizer.load_state_dict(state["optimizers"][f"{pipe}:{stage}"])
+        saved_versions = state.get("versions", {}).get(f"{pipe}:{stage}")
+        if saved_versions is not None and getattr(st, "versions", None) is not None:
+            st.versions.live = saved_versions["live"]
+            st.versions.stash = dict(saved_versions["stash"])
     return step
