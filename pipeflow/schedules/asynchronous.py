@@ -123,9 +123,17 @@ def mirror_groups(placement: Placement) -> list[tuple[int, ...]]:
 
 
 # Ties between ready actions on a device, after first come first served: a backward
-# first (it frees memory and returns the admission slot), the deeper stage first, or the
-# older minibatch first. The generator keeps whichever order is shortest in unit time.
-_RULES = ("backward_first", "deeper_first", "older_first")
+# first (it frees memory and returns the admission slot), the deeper stage first, the
+# older minibatch first, or the action with the most work still behind it (forwards
+# before backwards, the shallowest forward first: longest remaining path). The generator
+# keeps whichever order is shortest in unit time.
+_TIES = {
+    "backward_first": lambda a, d: (a.kind != Kind.B, a.pipe),
+    "deeper_first": lambda a, d: (-a.stage if a.kind == Kind.F else -d, a.pipe),
+    "older_first": lambda a, d: (a.microbatch, a.kind != Kind.B),
+    "most_remaining_first": lambda a, d: (a.stage - 2 * d if a.kind == Kind.F else -a.stage, a.pipe),
+}
+_RULES = tuple(_TIES)
 
 
 def _amdp_list_schedule(placement: Placement, pipe_of, update_of, round_in_window, admission: int, ratio: float,
@@ -155,12 +163,7 @@ def _amdp_list_schedule(placement: Placement, pipe_of, update_of, round_in_windo
     orders: list[list[Action]] = [[] for _ in range(d)]
     seq = 0
 
-    def tie(a: Action) -> tuple:
-        if rule == "backward_first":
-            return (a.kind != Kind.B, a.pipe)
-        if rule == "deeper_first":
-            return (-a.stage if a.kind == Kind.F else -d, a.pipe)
-        return (a.microbatch, a.kind != Kind.B)
+    tie = _TIES[rule]
 
     def make_ready(a: Action, t: float) -> None:
         nonlocal seq
@@ -169,7 +172,7 @@ def _amdp_list_schedule(placement: Placement, pipe_of, update_of, round_in_windo
         if a.kind == Kind.F and u > 0 and round_in_window[a.microbatch] >= 1 and gate not in stepped:
             held.setdefault(gate, []).append(a)  # beyond a window's first round: wait for the update
             return
-        heapq.heappush(queue[placement.device(a.pipe, a.stage)], (t, tie(a), seq, a))
+        heapq.heappush(queue[placement.device(a.pipe, a.stage)], (t, tie(a, d), seq, a))
         seq += 1
 
     def admit(j: int, t: float) -> None:
