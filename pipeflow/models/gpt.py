@@ -135,6 +135,61 @@ class GPTStage(nn.Module):
         return x
 
 
+    def forward_segment(
+        self, x: Tensor, offset: int, prefix: Sequence[tuple[Tensor, Tensor]] | None = None
+    ) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+        """One sequence segment (Seq1F1B): positions ``offset .. offset + T - 1``.
+
+        ``prefix[i]`` holds the keys and values ([B, heads, P, head_dim]) that block i
+        computed for the earlier segments of the same microbatch (P = ``offset``), or
+        None for the first segment; this segment's queries attend over the prefix and
+        its own tokens, causally. Returns the output and, per block, this segment's own
+        (keys, values), which later segments take as their prefix.
+        """
+        T = x.size(1)
+        if self.first:
+            if offset + T > self.config.n_positions:
+                raise ValueError(
+                    f"sequence of {offset + T} tokens is longer than model.n_positions={self.config.n_positions}; "
+                    f"use seq_len <= {self.config.n_positions}"
+                )
+            pos = torch.arange(offset, offset + T, device=x.device)
+            x = self.drop(self.wte(x) + self.wpe(pos))
+        # query t (position offset + t) sees keys 0 .. offset + t: bottom-right aligned
+        mask = torch.full((T, offset + T), torch.finfo(x.dtype).min, dtype=x.dtype, device=x.device)
+        mask = mask.triu(offset + 1)[None, None]
+        kvs: list[tuple[Tensor, Tensor]] = []
+        for i, block in enumerate(self.h.values()):
+            x, kv = _block_segment(block, x, prefix[i] if prefix else None, mask)
+            kvs.append(kv)
+        if self.last:
+            x = self.ln_f(x)
+            head = self.wte.weight if self.first else self.lm_head.weight
+            x = F.linear(x, head)
+        return x, kvs
+
+
+def _block_segment(block: GPT2Block, x: Tensor, past: tuple[Tensor, Tensor] | None, mask: Tensor):
+    """GPT2Block's computation (pre-LN attention + MLP, eager softmax attention, as
+    transformers writes it) with the keys/values of earlier segments prepended."""
+    attn = block.attn
+    B, T, H = x.shape
+    q, k, v = attn.c_attn(block.ln_1(x)).split(attn.split_size, dim=2)
+
+    def heads(t: Tensor) -> Tensor:
+        return t.view(B, T, attn.num_heads, attn.head_dim).transpose(1, 2)
+
+    q, k, v = heads(q), heads(k), heads(v)
+    keys, values = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
+    w = torch.matmul(q, keys.transpose(-1, -2)) * attn.scaling + mask
+    w = F.softmax(w, dim=-1).type(values.dtype)
+    w = attn.attn_dropout(w)
+    out = torch.matmul(w, values).transpose(1, 2).reshape(B, T, H)
+    x = x + attn.resid_dropout(attn.c_proj(out))
+    x = x + block.mlp(block.ln_2(x))
+    return x, (k, v)
+
+
 def build_stage(model_cfg: Mapping, layers_per_stage: Sequence[int], stage: int, seed: int) -> GPTStage:
     """Stage ``stage`` of the split ``layers_per_stage`` (see pipeflow.planning.partition)."""
     config = gpt2_config(model_cfg)

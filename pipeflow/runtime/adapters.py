@@ -25,8 +25,13 @@ class GPTAdapter:
         seq_len: int,
         seed: int,
         device: torch.device,
+        segment_lengths: Sequence[int] | None = None,
     ):
         self.model_cfg = model_cfg
+        # Seq1F1B: the sequence is cut into segments of these lengths (None: one segment)
+        self.segment_lengths = list(segment_lengths) if segment_lengths else None
+        self.segment_starts = [sum(self.segment_lengths[:i]) for i in range(len(self.segment_lengths))] \
+            if self.segment_lengths else [0]
         self.layers_per_stage = list(layers_per_stage)
         self.num_stages = len(self.layers_per_stage)
         self.mbs = microbatch_size
@@ -43,14 +48,27 @@ class GPTAdapter:
     def _rows(self, t: torch.Tensor, mb: int) -> torch.Tensor:
         return t[mb * self.mbs : (mb + 1) * self.mbs].to(self.device, non_blocking=True)
 
-    def stage_input(self, batch, mb: int) -> torch.Tensor:
-        return self._rows(batch[0], mb)
+    def _segment(self, t: torch.Tensor, segment: int) -> torch.Tensor:
+        if self.segment_lengths is None:
+            return t
+        lo = self.segment_starts[segment]
+        return t[:, lo : lo + self.segment_lengths[segment]]
 
-    def loss(self, logits: torch.Tensor, batch, mb: int, normalizer: float) -> torch.Tensor:
-        return lm_loss(logits, self._rows(batch[1], mb), normalizer)
+    def segment_offset(self, segment: int) -> int:
+        return self.segment_starts[segment]
 
-    def message_spec(self, src_stage: int, dst_stage: int) -> tuple[tuple[int, ...], torch.dtype]:
-        return self._hidden, torch.float32
+    def stage_input(self, batch, mb: int, segment: int = 0) -> torch.Tensor:
+        return self._segment(self._rows(batch[0], mb), segment)
+
+    def loss(self, logits: torch.Tensor, batch, mb: int, normalizer: float, segment: int = 0) -> torch.Tensor:
+        # a segment's token sum over the whole batch's token count: the segments add up to the unsplit loss
+        return lm_loss(logits, self._segment(self._rows(batch[1], mb), segment), normalizer)
+
+    def message_spec(self, src_stage: int, dst_stage: int, segment: int = 0) -> tuple[tuple[int, ...], torch.dtype]:
+        if self.segment_lengths is None:
+            return self._hidden, torch.float32
+        mbs, _, width = self._hidden
+        return (mbs, self.segment_lengths[segment], width), torch.float32
 
     def tokens_per_microbatch(self) -> int:
         return self.mbs * self.seq_len
@@ -92,11 +110,14 @@ ADAPTERS = {"gpt": GPTAdapter, "bert": BertAdapter}
 
 
 def make_adapter(model_cfg: Mapping, layers_per_stage: Sequence[int], microbatch_size: int, seq_len: int,
-                 seed: int, device: torch.device):
+                 seed: int, device: torch.device, segment_lengths: Sequence[int] | None = None):
     family = model_cfg.get("family", "gpt")
     if family not in ADAPTERS:
         raise ValueError(f"model.family={family}: the runtime trains {', '.join(ADAPTERS)}")
-    return ADAPTERS[family](model_cfg, layers_per_stage, microbatch_size, seq_len, seed, device)
+    if segment_lengths and family != "gpt":
+        raise ValueError(f"model.family={family}: sequence segments need causal attention (model.family=gpt)")
+    extra = {"segment_lengths": segment_lengths} if segment_lengths else {}
+    return ADAPTERS[family](model_cfg, layers_per_stage, microbatch_size, seq_len, seed, device, **extra)
 
 
 class CBMAdapter:

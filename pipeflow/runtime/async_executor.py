@@ -97,9 +97,10 @@ class ReplicaVersions:
 
 
 @contextmanager
-def weight_version(vers: ReplicaVersions, version: int):
+def weight_version(vers: ReplicaVersions, version: int, meter=None):
     """Run a forward with weight ``version`` of a replica and make its backward see what
-    the policy says: that version (stash, double_buffer) or the current weights."""
+    the policy says: that version (stash, double_buffer) or the current weights. Other
+    saved tensors go to ``meter`` (a SavedBytes) when given."""
     tensors = vers.tensors(version)
     swapped = None
     if version != vers.live:  # 2BW: compute with the previous version's copy
@@ -112,12 +113,12 @@ def weight_version(vers: ReplicaVersions, version: int):
     def pack(t: torch.Tensor):
         i = index.get(t.untyped_storage().data_ptr()) if t.layout == torch.strided else None
         if i is None:
-            return t
+            return t if meter is None else meter.pack(t)
         return (i, version, t.size(), t.stride(), t.storage_offset())
 
     def unpack(obj):
         if not isinstance(obj, tuple):
-            return obj
+            return obj if meter is None else meter.unpack(obj)
         i, v, size, stride, offset = obj
         src = vers.tensors(v)[i] if keep else vers.params[i].detach()
         return src.as_strided(size, stride, offset)
@@ -321,8 +322,11 @@ class AsyncExecutor(Executor):
 
     # ---- forward with a weight version -------------------------------------------------
     def _versioned_forward(self, a: Action, st: StageState, version: int, batches, normalizers, inbox, local, outbox):
-        with weight_version(st.versions, version):
-            return self._forward(a, batches, normalizers, inbox, local, outbox)
+        self._fwd_version = version
+        return self._forward(a, batches, normalizers, inbox, local, outbox)
+
+    def _hooks(self, st: StageState):
+        return weight_version(st.versions, self._fwd_version, self.meter)
 
     # ---- gradients and updates ---------------------------------------------------------
     def _take_grads(self, key, taken, tied_local, tied_work, tied_copies, base_update) -> None:

@@ -36,6 +36,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from ..schedules.ir import Action, Kind, Schedule
 from ..schedules.lowering import Comm, lower
 from ..sim.timeline import Event
+from .memory import SavedBytes
 
 
 @dataclass
@@ -51,6 +52,8 @@ class StageState:
     params: list = field(default_factory=list)
     tied: list = field(default_factory=list)  # this stage's copies of the tied embedding
     saved: dict = field(default_factory=dict)  # (mb, seg) -> (input leaf or None, output or loss)
+    kv: dict = field(default_factory=dict)  # Seq1F1B: mb -> seg -> (own K/V per block, prefix leaves, holds)
+    kv_grad: dict = field(default_factory=dict)  # (mb, seg) -> per block (dK, dV) from later segments
     pending_w: dict = field(default_factory=dict)  # (mb, seg) -> (output or loss, its gradient)
 
 
@@ -90,8 +93,9 @@ class Executor:
         grad_clip: float | None,
         on_grads: Callable[[dict[tuple[int, int], StageState]], None] | None = None,
     ):
-        if schedule.num_segments != 1:
-            raise NotImplementedError("the runtime executes schedules without sequence segments (pipeline.segments=1)")
+        self.segmented = schedule.num_segments > 1
+        if self.segmented and schedule.uses_split_backward():
+            raise NotImplementedError("sequence segments run full backwards (B), not I/W splits")
         self.schedule = schedule
         self.rank = rank
         self.stages = stages
@@ -103,6 +107,8 @@ class Executor:
         self.placement = schedule.placement
         self.graph = schedule.graph
         self.plan, self.tail = _post_ahead(items)
+        # bytes autograd saves for backward (and Seq1F1B's K/V cache), parameters excluded
+        self.meter = SavedBytes({p.untyped_storage().data_ptr() for st in stages.values() for p in st.module.parameters()})
         # forward-only walk for evaluation: the forwards and the activation messages, in
         # the same per-device order (a subsequence of a deadlock-free order is one too)
         self.eval_plan, self.eval_tail = _post_ahead(
@@ -124,7 +130,8 @@ class Executor:
                 # autograd may hand back a strided view; the wire needs contiguous memory
                 ops.append(dist.P2POp(dist.isend, outbox.pop(self._key(c)).contiguous(), c.peer, tag=c.tag))
             else:
-                shape, dtype = self.adapter.message_spec(c.src_stage, c.dst_stage)
+                shape, dtype = (self.adapter.message_spec(c.src_stage, c.dst_stage, c.segment) if self.segmented
+                                else self.adapter.message_spec(c.src_stage, c.dst_stage))
                 buf = torch.empty(shape, dtype=dtype, device=self.adapter.device)
                 ops.append(dist.P2POp(dist.irecv, buf, c.peer, tag=c.tag))
         for c, op, work in zip(comms, ops, dist.batch_isend_irecv(ops)):
@@ -236,9 +243,11 @@ class Executor:
                 t = self._take((False, p, a.stage, a.microbatch, a.pipe, a.segment), inbox, local)
                 leaves[p] = t.detach().requires_grad_(True)
             x = leaves[preds[0]] if len(preds) == 1 else leaves
-        out = st.module(x)
+        with self._hooks(st):
+            out = self._run_module(st, a, x)
         if st.last:
-            loss = self.adapter.loss(out, batch, mb, normalizer)
+            loss = (self.adapter.loss(out, batch, mb, normalizer, a.segment) if self.segmented
+                    else self.adapter.loss(out, batch, mb, normalizer))
             st.saved[key] = (leaves, loss)
             return loss.detach().double()
         st.saved[key] = (leaves, out)
@@ -247,6 +256,54 @@ class Executor:
             self._emit((False, a.stage, succ, a.microbatch, a.pipe, a.segment), out.detach(), outbox, local, dev)
         return torch.zeros((), dtype=torch.float64)
 
+    def _hooks(self, st: StageState):
+        """The saved-tensor hooks a forward runs under: the byte count here; the
+        asynchronous executor adds its weight versions."""
+        return self.meter.hooks()
+
+    def _run_module(self, st: StageState, a: Action, x):
+        if not self.segmented:
+            return st.module(x)
+        # Seq1F1B: the segment attends over the keys/values of the microbatch's earlier
+        # segments, taken as leaves so that their gradient is collected here and handed
+        # to those segments' own backwards (no backward runs through another's graph)
+        cache = st.kv.setdefault(a.microbatch, {})
+        prefix = None
+        if a.segment > 0:
+            earlier = [cache[j][0] for j in range(a.segment)]
+            prefix = [
+                (torch.cat([kv[i][0] for kv in earlier], 2).detach().requires_grad_(True),
+                 torch.cat([kv[i][1] for kv in earlier], 2).detach().requires_grad_(True))
+                for i in range(len(earlier[0]))
+            ]
+        out, kvs = st.module.forward_segment(x, self.adapter.segment_offset(a.segment), prefix)
+        holds = [self.meter.hold(t) for kv in kvs for t in kv] if a.segment + 1 < self.schedule.num_segments else []
+        cache[a.segment] = (kvs, prefix, holds)
+        return out
+
+    def _segment_backward(self, a: Action, st: StageState, out, g) -> None:
+        """Backward of one segment: its output gradient plus the gradient later segments
+        sent to its keys/values; then its prefix leaves' gradients go to the earlier ones."""
+        cache = st.kv[a.microbatch]
+        kvs, prefix, _holds = cache.pop(a.segment)
+        tensors, grads = [out], [g]
+        extra = st.kv_grad.pop((a.microbatch, a.segment), None)
+        if extra is not None:
+            for (k, v), (dk, dv) in zip(kvs, extra):
+                tensors += [k, v]
+                grads += [dk, dv]
+        if prefix is not None:
+            torch.autograd.backward(tensors, grad_tensors=grads, inputs=None)
+            lengths = self.adapter.segment_lengths[: a.segment]
+            for i, (kl, vl) in enumerate(prefix):
+                for j, (dk, dv) in enumerate(zip(torch.split(kl.grad, lengths, 2), torch.split(vl.grad, lengths, 2))):
+                    acc = st.kv_grad.setdefault((a.microbatch, j), [None] * len(prefix))
+                    acc[i] = (dk, dv) if acc[i] is None else (acc[i][0] + dk, acc[i][1] + dv)
+        else:
+            torch.autograd.backward(tensors, grad_tensors=grads)
+        if not cache:
+            del st.kv[a.microbatch]
+
     def _locate(self, a: Action, batch, normalizer):
         """(batch, index in it, normalizer) of the action's microbatch: one batch per
         iteration here; an asynchronous chunk spans several (AsyncExecutor)."""
@@ -254,6 +311,8 @@ class Executor:
 
     def _source_input(self, batch, a: Action, mb: int):
         # models with one input stage take (batch, mb); branched ones also name the stage
+        if self.segmented:
+            return self.adapter.stage_input(batch, mb, a.segment)
         if len(self.graph.sources) == 1:
             return self.adapter.stage_input(batch, mb)
         return self.adapter.stage_input(batch, mb, a.stage)
@@ -281,7 +340,10 @@ class Executor:
         g = self._output_grad(a, st, inbox, local)
         if full:
             leaves, out = st.saved.pop(key)
-            torch.autograd.backward(out, grad_tensors=g)
+            if self.segmented:
+                self._segment_backward(a, st, out, g)
+            else:
+                torch.autograd.backward(out, grad_tensors=g)
             self._send_input_grads(a, leaves, [leaf.grad for leaf in leaves.values()], outbox, local)
             return
         leaves, out = st.saved[key]
@@ -366,7 +428,10 @@ class Executor:
         for posts, a in self.eval_plan:
             self._flush(posts, outbox, inbox, sends)
             loss_sum += self._forward(a, batch, normalizer, inbox, local, outbox)
-            self.stages[(a.pipe, a.stage)].saved.pop((a.microbatch, a.segment), None)
+            st = self.stages[(a.pipe, a.stage)]
+            st.saved.pop((a.microbatch, a.segment), None)
+            if self.segmented and a.segment + 1 == self.schedule.num_segments:
+                st.kv.pop(a.microbatch, None)  # the microbatch's last segment: its K/V are done
         self._flush(self.eval_tail, outbox, inbox, sends)
         for work, _tensor in sends:
             work.wait()

@@ -255,10 +255,10 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
         lr = lr_at(step, optim, steps)
         record = step == trainer.get("timeline_step")
         t0 = _start_clock(record and one_host)
+        executor.meter.reset_step()
         stats = executor.train_step(batch, normalizer, lr, record=record, t0=t0)
         step_time = time.perf_counter() - t0
-        busy = torch.tensor([stats.busy], dtype=torch.float64)
-        dist.all_reduce(busy)
+        busy, saved = _busy_and_saved(stats.busy, executor.meter, job.world_size)
         metrics = {
             "loss": stats.loss,
             "lr": lr,
@@ -266,7 +266,8 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
             "step_time": step_time,
             "tokens_per_s": tokens / step_time,
             "samples": step * batch_size,
-            "bubble": max(0.0, 1.0 - busy.item() / (job.world_size * step_time)),
+            "bubble": max(0.0, 1.0 - busy / (job.world_size * step_time)),
+            **saved,
         }
         val_every = int(trainer.get("val_every") or 0)
         if (val_every and step % val_every == 0) or step == steps:
@@ -297,6 +298,9 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
 
     peaks = [None] * job.world_size if rank == 0 else None
     dist.gather_object(_peak_memory(device), peaks, dst=0)
+    meters = [setup.executor.meter, *[e.meter for e in (setup.chunk_executors or {}).values()]]
+    saved_peaks = [None] * job.world_size if rank == 0 else None
+    dist.gather_object((max(mt.peak for mt in meters), max(mt.kv_peak for mt in meters)), saved_peaks, dst=0)
     versions = [None] * job.world_size if rank == 0 else None
     dist.gather_object(max((getattr(st, "versions", None).peak_versions if getattr(st, "versions", None) else 1)
                            for st in stages.values()), versions, dst=0)
@@ -321,6 +325,10 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
         "mean_step_time": sum(h["step_time"] for h in steady) / len(steady) if steady else None,
         "measured_bubble_ratio": sum(h["bubble"] for h in steady) / len(steady) if steady else None,
         "peak_memory_bytes": peaks,
+        # per rank: bytes autograd kept for backward at the peak (Seq1F1B's K/V cache
+        # included), and the K/V cache's own peak
+        "peak_saved_bytes": [p[0] for p in saved_peaks],
+        "peak_kv_bytes": [p[1] for p in saved_peaks],
         "weight_policy": schedule.policy.value,
         "peak_weight_versions": versions,  # per rank: the most versions one replica held at once
         **_staleness_summary(job.run_dir, staleness, setup),
@@ -328,6 +336,15 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
     }
     sink.finish(summary)
     return summary
+
+
+def _busy_and_saved(busy: float, meter, world_size: int) -> tuple[float, dict]:
+    """Sum the ranks' compute time and collect each rank's peak of saved bytes this step."""
+    mine = torch.tensor([busy, float(meter.step_peak)], dtype=torch.float64)
+    every = [torch.zeros(2, dtype=torch.float64) for _ in range(world_size)]
+    dist.all_gather(every, mine)
+    saved = {f"saved_mib/rank{r}": t[1].item() / 2**20 for r, t in enumerate(every)}
+    return sum(t[0].item() for t in every), saved
 
 
 def _start_clock(shared: bool) -> float:
@@ -391,11 +408,11 @@ def _run_async(rank, job, setup: RankSetup, data, sink, progress, start_step: in
         tl = trainer.get("timeline_step")
         record = tl is not None and step <= tl <= end
         t0 = _start_clock(record and one_host)
+        ex.meter.reset_step()
         stats = ex.train_chunk(batches, normalizers, lrs, base_update=(step - 1) * ups, base_mb=(step - 1) * m,
                                record=record, t0=t0)
         chunk_time = time.perf_counter() - t0
-        busy = torch.tensor([stats.busy], dtype=torch.float64)
-        dist.all_reduce(busy)
+        busy, saved = _busy_and_saved(stats.busy, ex.meter, job.world_size)
         gathered = [None] * job.world_size if rank == 0 else None
         dist.gather_object(stats.records, gathered, dst=0)
         if runtime.get("dump_grads") and step == 1:
@@ -417,7 +434,8 @@ def _run_async(rank, job, setup: RankSetup, data, sink, progress, start_step: in
                     "tokens_per_s": tokens * len(span) / chunk_time,
                     "samples": s * batch_size,
                     "updates": s * ups,
-                    "bubble": max(0.0, 1.0 - busy.item() / (job.world_size * chunk_time)),
+                    "bubble": max(0.0, 1.0 - busy / (job.world_size * chunk_time)),
+                    **saved,
                     "max_staleness": st["max_staleness"],
                     "mean_staleness": st["mean_staleness"],
                     "max_mismatch": st["max_mismatch"],

@@ -1,0 +1,105 @@
+"""How many bytes of activations a rank keeps for backward, measured, on any device.
+
+CUDA has an allocator that reports its peak; a CPU process has only its resident set,
+which says little about activations. So the runtime counts what autograd actually
+saves: every forward runs under saved-tensor hooks, each saved tensor's storage is
+counted once (however many graph nodes save it) from the moment it is saved until the
+last node holding it is freed, which is when its backward ran (or its graph was
+dropped). Parameters are not activations and are not counted. The keys and values a
+Seq1F1B segment keeps for the later segments of its microbatch are held through the
+same count (:meth:`SavedBytes.hold`), so a storage both saved and cached counts once;
+their own peak is reported too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class _Held:
+    """What autograd stores instead of a saved tensor: the tensor, and a release on free."""
+
+    __slots__ = ("meter", "ptr", "tensor")
+
+    def __init__(self, meter: "SavedBytes", ptr: int, tensor: torch.Tensor):
+        self.meter, self.ptr, self.tensor = meter, ptr, tensor
+
+    def __del__(self):
+        self.meter._release(self.ptr)
+
+
+class SavedBytes:
+    def __init__(self, exclude: set[int] | None = None):
+        self.exclude = set(exclude or ())  # storages never counted (parameters)
+        self.live: dict[int, list[int]] = {}  # storage -> [holders, bytes]
+        self.current = 0
+        self.peak = 0
+        self.kv_current = 0
+        self.kv_peak = 0
+        self.step_peak = 0
+
+    def reset_step(self) -> None:
+        self.step_peak = self.current
+
+    def _acquire(self, t: torch.Tensor) -> int | None:
+        if t.layout != torch.strided or t.device.type == "meta":
+            return None
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in self.exclude or ptr == 0:
+            return None
+        entry = self.live.get(ptr)
+        if entry is None:
+            nbytes = storage.nbytes()
+            self.live[ptr] = [1, nbytes]
+            self.current += nbytes
+            self.peak = max(self.peak, self.current)
+            self.step_peak = max(self.step_peak, self.current)
+        else:
+            entry[0] += 1
+        return ptr
+
+    def _release(self, ptr: int) -> None:
+        entry = self.live.get(ptr)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self.live[ptr]
+            self.current -= entry[1]
+
+    # ---- autograd's saved tensors ------------------------------------------------------
+    def pack(self, t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        ptr = self._acquire(t)
+        return t if ptr is None else _Held(self, ptr, t)
+
+    @staticmethod
+    def unpack(obj):
+        return obj.tensor if isinstance(obj, _Held) else obj
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    # ---- a K/V cache entry -------------------------------------------------------------
+    def hold(self, t: torch.Tensor) -> "KVHold":
+        """Count ``t`` while the returned handle lives (drop it to release)."""
+        return KVHold(self, t)
+
+
+class KVHold:
+    __slots__ = ("meter", "ptr", "tensor", "nbytes")
+
+    def __init__(self, meter: SavedBytes, t: torch.Tensor):
+        self.meter, self.tensor = meter, t
+        self.nbytes = t.numel() * t.element_size()
+        self.ptr = meter._acquire(t)
+        if self.ptr is not None:
+            meter.kv_current += self.nbytes
+            meter.kv_peak = max(meter.kv_peak, meter.kv_current)
+
+    def __del__(self):
+        if self.ptr is not None:
+            self.meter._release(self.ptr)
+            self.meter.kv_current -= self.nbytes
