@@ -42,6 +42,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_predicted_vs_measured
 	$(BIN)/python -m benchmarks.bench_partition
 	$(BIN)/python -m benchmarks.bench_async
+	$(BIN)/python -m benchmarks.bench_seq1f1b
 
 # Caches and build leftovers; run outputs under outputs/ are results and stay.
 clean:

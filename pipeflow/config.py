@@ -28,11 +28,12 @@ from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
 from pipeflow.planning.cost import COST_MODELS, CostModel, build_cost_model, cost_params
 from pipeflow.planning.partition import PARTITIONERS
+from pipeflow.planning.seqsplit import split_sequence
 from pipeflow.planning.transformer import TransformerSpec
 from pipeflow.schedules.common import ScheduleConfigError
 from pipeflow.schedules.export import check_exportable
 from pipeflow.schedules.ir import Schedule
-from pipeflow.schedules.registry import build_schedule, schedule_names
+from pipeflow.schedules.registry import USES_SEGMENTS, build_schedule, schedule_names
 from pipeflow.schedules.validate import validate
 from pipeflow.topology.presets import PRESETS, build_topology
 from pipeflow.topology.topology import Topology
@@ -45,7 +46,8 @@ EXPORT_FORMATS = ("torch_csv",)
 # Schedules the torch.distributed runtime executes; every registered one today. A
 # schedule registered for the simulator alone is refused by pipeflow-train with a
 # sentence that points to pipeflow-simulate.
-RUNTIME_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "chimera", "pipedream", "pipedream_2bw", "amdp")
+RUNTIME_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "chimera", "pipedream", "pipedream_2bw", "amdp",
+                     "seq1f1b", "seq1f1b_interleaved")
 OPTIMIZERS = ("adamw",)
 BACKENDS = ("auto", "gloo", "nccl")
 RUNTIME_DEVICES = ("auto", "cpu", "cuda")
@@ -96,6 +98,10 @@ class ScheduleConfig:
     stash: Optional[bool] = None
     accumulation_rounds: Optional[int] = None
     zero: Optional[bool] = None
+    # Segmented schedules (seq1f1b, seq1f1b_interleaved): how a sequence is cut into
+    # pipeline.segments segments, uniform (equal lengths) or compute (equal FLOPs;
+    # pipeflow.planning.seqsplit); null for the others.
+    split: Optional[str] = None
 
 
 @dataclass
@@ -343,6 +349,53 @@ def _model_spec(cfg: DictConfig, schedule: Schedule) -> TransformerSpec:
     return spec
 
 
+def segment_lengths(cfg: Any) -> list[int] | None:
+    """Tokens per sequence segment, first to last, for a segmented schedule (seq1f1b,
+    seq1f1b_interleaved): ``pipeline.segments`` segments of ``model.seq_len`` tokens cut
+    by ``schedule.split`` (uniform, the default, or compute; :mod:`pipeflow.planning.seqsplit`).
+    None for every other schedule. ``cfg`` is the composed config or the same as plain
+    dicts (``cfg["schedule"]``, ``cfg["pipeline"]``, ``cfg["model"]``). Raises ConfigError
+    naming the key."""
+    schedule, pipe, model = cfg["schedule"], cfg["pipeline"], cfg["model"]
+    if schedule["name"] not in USES_SEGMENTS:
+        return None
+    try:
+        spec = TransformerSpec.from_config(model)
+    except ValueError as err:
+        raise _naming_key("model", model.get("name"), err) from None
+    split = schedule.get("split")
+    try:
+        return split_sequence("uniform" if split is None else split, spec.seq_len, pipe.get("segments", 1), spec)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _simulation_segments(cfg: DictConfig, schedule: Schedule) -> list[int] | None:
+    """The segment lengths the cost model prices (None: whole sequences), checked
+    against the cost group: analytic takes them as cost.segment_lengths (an explicit
+    list there wins, if it has one length per segment), unit prices every segment
+    alike, profiled measured whole sequences only."""
+    lengths = segment_lengths(cfg)
+    if lengths is None:
+        return None
+    name = cfg.cost.get("name")
+    if name == "profiled" and schedule.num_segments > 1:
+        raise ConfigError(
+            f"pipeline.segments={schedule.num_segments}: cost model 'profiled' measures whole sequences; "
+            f"use cost=analytic (or unit) with sequence segments"
+        )
+    given = cfg.cost.get("segment_lengths")
+    if given is not None:
+        given = list(given)
+        if len(given) != schedule.num_segments:
+            raise ConfigError(
+                f"cost.segment_lengths={given}: {len(given)} lengths for pipeline.segments={schedule.num_segments}; "
+                f"give one per segment, or null for schedule.split's"
+            )
+        return given
+    return lengths
+
+
 def _build_topology(cfg: DictConfig, schedule: Schedule) -> Topology:
     try:
         return build_topology(cfg.topology, schedule.num_devices, needed_for=devices_needed_for(cfg))
@@ -358,6 +411,7 @@ class SimulationInputs:
     spec: TransformerSpec
     cost: CostModel
     topology: Topology
+    segment_lengths: list[int] | None = None  # tokens per sequence segment (segmented schedules)
 
 
 def prepare_simulation(cfg: DictConfig) -> SimulationInputs:
@@ -369,13 +423,18 @@ def prepare_simulation(cfg: DictConfig) -> SimulationInputs:
     _check_pipeline(cfg)
     if cfg.model.get("family") == "cbm":
         schedule, specs = _branched_schedule(cfg)
-        spec = None
+        spec, lengths = None, None
         cost = _branched_cost(cfg, specs)
     else:
         schedule = _generate_schedule(cfg)
         spec = _model_spec(cfg, schedule)
+        lengths = _simulation_segments(cfg, schedule)
+        cost_cfg = cfg.cost
+        if lengths is not None and cfg.cost.name == "analytic":
+            # the split drives the analytic cost: unequal segments, unequal times and memory
+            cost_cfg = {**OmegaConf.to_container(cfg.cost, resolve=True), "segment_lengths": lengths}
         try:
-            cost = build_cost_model(cfg.cost, schedule.num_stages, spec, cfg.pipeline.microbatch_size)
+            cost = build_cost_model(cost_cfg, schedule.num_stages, spec, cfg.pipeline.microbatch_size)
         except ValueError as err:
             raise _naming_key("cost", cfg.cost.name, err) from None
     topology = _build_topology(cfg, schedule)
@@ -384,7 +443,7 @@ def prepare_simulation(cfg: DictConfig) -> SimulationInputs:
             check_exportable(schedule)
         except ValueError as err:
             raise ConfigError(f"export=torch_csv: {err}") from None
-    return SimulationInputs(schedule, spec, cost, topology)
+    return SimulationInputs(schedule, spec, cost, topology, lengths)
 
 
 # ---------------------------------------------------------------------------- training
@@ -599,6 +658,12 @@ def prepare_training(cfg: DictConfig) -> TrainingInputs:
             f"{', '.join(TRAIN_FAMILIES)} (e.g. model=gpt_tiny or model=bert_tiny)"
         )
     _number("model.dropout", model.dropout, "a probability; use a number in [0, 1)", 0 <= model.dropout < 1)
+    if pipe.segments > 1 and model.family != "gpt":
+        raise ConfigError(
+            f"pipeline.segments={pipe.segments}: sequence segments attend causally across segments, which the "
+            f"runtime implements for model.family=gpt; model.family={model.family} trains with pipeline.segments=1"
+        )
+    segment_lengths(cfg)  # a split the sequence cannot take fails here, naming its key
     feeds = DATA_FAMILY.get(cfg.data.name)
     if feeds is not None and feeds != model.family:
         fits = [d for d, f in DATA_FAMILY.items() if f == model.family]

@@ -60,6 +60,8 @@ def run_simulation(cfg: DictConfig, out_dir: str | Path) -> dict:
         "microbatches": pipe.microbatches,
         "virtual_stages": pipe.virtual_stages,
         "segments": pipe.segments,
+        # tokens per sequence segment, first to last (schedule.split); null: whole sequences
+        "segment_lengths": inputs.segment_lengths,
         "microbatch_size": pipe.microbatch_size,
         "num_stages": schedule.num_stages,
         "num_devices": schedule.num_devices,
@@ -88,7 +90,9 @@ def format_report(summary: dict) -> str:
     head = [
         f"schedule      {s['schedule']}",
         f"stages        {s['stages']}" + (f" x {s['virtual_stages']} virtual" if s["virtual_stages"] > 1 else ""),
-        f"microbatches  {s['microbatches']}" + (f" x {s['segments']} segments" if s["segments"] > 1 else ""),
+        f"microbatches  {s['microbatches']}" + (f" x {s['segments']} segments" if s["segments"] > 1 else "")
+        + (f" of {', '.join(map(str, s['segment_lengths']))} tokens" if s.get("segment_lengths") and s["segments"] > 1
+           else ""),
         f"model         {s['model']['name']} on {s['topology']['name']} ({s['cost']['name']} cost)",
         f"makespan      {s['makespan']:.6g}",
         f"bubble ratio  {s['bubble_ratio']:.4f}",

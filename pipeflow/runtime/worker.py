@@ -123,7 +123,7 @@ class RankSetup:
 
 def build_rank(cfg: dict, rank: int, device: torch.device, on_grads=None) -> RankSetup:
     """Build this rank's share of the job. Needs the process group (it creates groups)."""
-    from ..config import schedule_options
+    from ..config import schedule_options, segment_lengths
 
     pipe_cfg, optim = cfg["pipeline"], cfg["optim"]
     mbs, seed = int(pipe_cfg["microbatch_size"]), int(cfg["seed"])
@@ -139,7 +139,8 @@ def build_rank(cfg: dict, rank: int, device: torch.device, on_grads=None) -> Ran
         schedule = build_schedule(*sizes, **options)
         spec = TransformerSpec.from_config(cfg["model"])
         layers = partition_layers(cfg["partition"]["name"], spec, schedule.num_stages, cfg["partition"])
-        adapter = make_adapter(cfg["model"], layers, mbs, spec.seq_len, seed, device)
+        adapter = make_adapter(cfg["model"], layers, mbs, spec.seq_len, seed, device,
+                               segment_lengths=segment_lengths(cfg))
     stages: dict[tuple[int, int], StageState] = {}
     # owner-based sharding: a replicated stage's optimizer state lives on its owner only
     # (the other replicas keep state for their tied copies alone, which they update themselves)
@@ -315,6 +316,7 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
         "microbatch_size": mbs,
         "world_size": job.world_size,
         "layers_per_stage": layers,
+        "segment_lengths": getattr(setup.adapter, "segment_lengths", None),
         "steps": steps,
         "resumed_from": start_step or None,
         "final_loss": history[-1]["loss"] if history else None,

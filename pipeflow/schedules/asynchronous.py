@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import heapq
 
-from .common import check_basic, require
+from .common import check_basic, require, warmup_alternate_drain
 from .ir import Action, Kind, Placement, Schedule, StageGraph, WeightPolicy
 
 
@@ -39,18 +39,11 @@ def _check_windows(name: str, windows: int) -> None:
 
 def _nonflush_1f1b(p: int, total: int) -> list[list[Action]]:
     """1F1B over ``total`` microbatches with no flush: warm up once, alternate, drain once."""
-    orders = []
-    for r in range(p):
-        warm = min(p - r - 1, total)
-        order = [Action(Kind.F, r, mb) for mb in range(warm)]
-        fwd, bwd = warm, 0
-        while fwd < total:
-            order.append(Action(Kind.F, r, fwd))
-            order.append(Action(Kind.B, r, bwd))
-            fwd, bwd = fwd + 1, bwd + 1
-        order.extend(Action(Kind.B, r, mb) for mb in range(bwd, total))
-        orders.append(order)
-    return orders
+    return [
+        warmup_alternate_drain(total, p - r - 1, lambda mb, r=r: Action(Kind.F, r, mb),
+                               lambda mb, r=r: Action(Kind.B, r, mb))
+        for r in range(p)
+    ]
 
 
 def _steps_after_last_backward(orders: list[list[Action]], update_of: tuple[int, ...]) -> list[list[Action]]:

@@ -28,6 +28,19 @@ def check_basic(name: str, stages: int, microbatches: int) -> None:
     )
 
 
+def warmup_alternate_drain(total: int, warmup: int, forward, backward) -> list[Action]:
+    """The 1F1B shape over ``total`` units: ``warmup`` forwards, then one forward and one
+    backward in turn, then the remaining backwards. ``forward(k)`` / ``backward(k)`` are
+    the actions of the k-th unit in forward / backward order."""
+    warmup = min(warmup, total)
+    order = [forward(k) for k in range(warmup)]
+    for k in range(total - warmup):
+        order.append(forward(warmup + k))
+        order.append(backward(k))
+    order.extend(backward(k) for k in range(total - warmup, total))
+    return order
+
+
 def finish_sync(
     name: str,
     graph: StageGraph,

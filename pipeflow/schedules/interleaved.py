@@ -12,7 +12,8 @@ paid for with v times more point-to-point messages. m must be a multiple of p.
 from __future__ import annotations
 
 from .common import check_basic, finish_sync, require
-from .ir import Action, Kind, Placement, Schedule, StageGraph
+from .ir import Placement, Schedule, StageGraph
+from .seq1f1b import interleaved_orders
 
 
 def interleaved_1f1b(stages: int, microbatches: int, virtual_stages: int = 2) -> Schedule:
@@ -28,36 +29,7 @@ def interleaved_1f1b(stages: int, microbatches: int, virtual_stages: int = 2) ->
         f"a multiple of pipeline.stages={p} (microbatches move through the chunks in groups of p): "
         f"e.g. {p}, {2 * p}, {3 * p}",
     )
-    total = m * v  # chunk-microbatch pairs per device
-
-    def chunk_mb(k: int, backward: bool) -> tuple[int, int]:
-        chunk = (k // p) % v
-        if backward:
-            chunk = v - 1 - chunk
-        return chunk, (k // (p * v)) * p + k % p
-
-    orders: list[list[Action]] = []
-    for r in range(p):
-        warmup = min(2 * (p - r - 1) + (v - 1) * p, total)
-        order: list[Action] = []
-
-        def fwd(k: int) -> None:
-            c, mb = chunk_mb(k, False)
-            order.append(Action(Kind.F, c * p + r, mb))
-
-        def bwd(k: int) -> None:
-            c, mb = chunk_mb(k, True)
-            order.append(Action(Kind.B, c * p + r, mb))
-
-        for k in range(warmup):
-            fwd(k)
-        for k in range(total - warmup):
-            fwd(warmup + k)
-            bwd(k)
-        for k in range(total - warmup, total):
-            bwd(k)
-        orders.append(order)
-
+    orders = interleaved_orders(p, m, v, 1)  # Seq1F1B-I's order with one segment per microbatch
     device_of_stage = [s % p for s in range(p * v)]
     return finish_sync(
         name,

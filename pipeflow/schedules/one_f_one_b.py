@@ -7,24 +7,16 @@ stage 0, against m for GPipe, at the same bubble ratio (p-1)/(m+p-1).
 
 from __future__ import annotations
 
-from .common import check_basic, finish_sync
+from .common import check_basic, finish_sync, warmup_alternate_drain
 from .ir import Action, Kind, Placement, Schedule, StageGraph
 
 
 def one_f_one_b_order(rank: int, stages: int, microbatches: int, stage: int | None = None) -> list[Action]:
     """The 1F1B order of one device holding one stage (``stage`` defaults to ``rank``)."""
     s = rank if stage is None else stage
-    p, m = stages, microbatches
-    warmup = min(p - rank - 1, m)
-    order = [Action(Kind.F, s, mb) for mb in range(warmup)]
-    fwd, bwd = warmup, 0
-    while fwd < m:
-        order.append(Action(Kind.F, s, fwd))
-        fwd += 1
-        order.append(Action(Kind.B, s, bwd))
-        bwd += 1
-    order.extend(Action(Kind.B, s, mb) for mb in range(bwd, m))
-    return order
+    return warmup_alternate_drain(
+        microbatches, stages - rank - 1, lambda mb: Action(Kind.F, s, mb), lambda mb: Action(Kind.B, s, mb)
+    )
 
 
 def one_f_one_b(stages: int, microbatches: int) -> Schedule:

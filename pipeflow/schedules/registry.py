@@ -62,6 +62,18 @@ def _amdp(stages, microbatches, virtual_stages, segments, **kw):
     return amdp(stages, microbatches, **kw)
 
 
+def _seq1f1b(stages, microbatches, virtual_stages, segments, **kw):
+    from .seq1f1b import seq1f1b
+
+    return seq1f1b(stages, microbatches, segments, **kw)
+
+
+def _seq1f1b_interleaved(stages, microbatches, virtual_stages, segments, **kw):
+    from .seq1f1b import seq1f1b_interleaved
+
+    return seq1f1b_interleaved(stages, microbatches, virtual_stages, segments, **kw)
+
+
 GENERATORS: dict[str, Callable[..., Schedule]] = {
     "gpipe": _gpipe,
     "1f1b": _1f1b,
@@ -71,6 +83,8 @@ GENERATORS: dict[str, Callable[..., Schedule]] = {
     "pipedream": _pipedream,
     "pipedream_2bw": _pipedream_2bw,
     "amdp": _amdp,
+    "seq1f1b": _seq1f1b,
+    "seq1f1b_interleaved": _seq1f1b_interleaved,
 }
 
 # Schedules that update weights without a flush: they cover schedule.windows steps.
@@ -80,11 +94,14 @@ SCHEDULE_PARAMS: dict[str, tuple[str, ...]] = {
     "pipedream": ("windows", "stash"),
     "pipedream_2bw": ("windows",),
     "amdp": ("windows", "accumulation_rounds", "zero"),
+    # how the sequence is cut into segments (pipeflow.planning.seqsplit): uniform | compute
+    "seq1f1b": ("split",),
+    "seq1f1b_interleaved": ("split",),
 }
 
 # which pipeline.* keys a schedule actually uses; others must stay at their neutral value
-USES_VIRTUAL_STAGES = {"interleaved_1f1b"}
-USES_SEGMENTS: set[str] = set()
+USES_VIRTUAL_STAGES = {"interleaved_1f1b", "seq1f1b_interleaved"}
+USES_SEGMENTS: set[str] = {"seq1f1b", "seq1f1b_interleaved"}
 # chain schedules that can run over grouped stages of a branched model
 GROUPABLE = {"gpipe", "1f1b", "zb_h1", "chimera"}
 

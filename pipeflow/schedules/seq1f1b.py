@@ -1,0 +1,164 @@
+"""Seq1F1B (Sun et al., NAACL 2025): 1F1B over sequence segments, and its interleaved variant.
+
+Each microbatch is cut into s sequence segments and the segment, not the microbatch,
+is the unit the pipeline schedules. Forwards go microbatch by microbatch, segments
+0 -> s-1; backwards go microbatch by microbatch (oldest first) but segments in
+reverse, s-1 -> 0, because a later segment's attention reads the keys and values of
+every earlier one (:mod:`pipeflow.schedules.deps` enforces both orders).
+
+- ``seq1f1b``: stage r runs (p-r-1) + (s-1) warm-up forwards (at most m*s), then one
+  forward / one backward, then the drain. With s = 1 this is exactly 1F1B.
+- ``seq1f1b_interleaved`` (Seq1F1B-I): v model chunks per device, chunk c of device r
+  is stage c*p + r, as in :mod:`pipeflow.schedules.interleaved`, with the segment as
+  the unit: units move through the chunks in groups of N, and the warm-up is
+  (v-1)*N + 2*(p-r-1) + (s-1). N = p when s divides p (the paper's setting, and
+  s = 1 gives exactly interleaved 1F1B). A group must hold whole microbatches: the
+  backward walks a group's microbatches last segment first, and a microbatch cut by a
+  group boundary would have its last segment's backward wait on a forward of the next
+  group. So in general N is the smallest multiple of s that is >= p, and m*s must be a
+  multiple of N.
+
+``split`` (uniform or compute) is how the sequence is cut into segments; the order
+does not depend on it, so it is only checked here and kept in ``meta["split"]`` for
+the cost model and the runtime (:mod:`pipeflow.planning.seqsplit`).
+
+Bubble ratio with equal segments: (p-1)/(m*s+p-1), and (p-1)/(v*m*s+p-1) for Seq1F1B-I;
+activations in flight on stage r (p-r-1+s)/s microbatches instead of p-r.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .common import check_basic, finish_sync, require, warmup_alternate_drain
+from .ir import Action, Kind, Placement, Schedule, StageGraph
+
+# The strategies of pipeflow.planning.seqsplit (schedules do not import planning; a
+# test keeps the two equal).
+SPLITS = ("uniform", "compute")
+
+
+def _check_segments(name: str, segments: int, split: str) -> None:
+    require(
+        isinstance(segments, int) and not isinstance(segments, bool) and segments >= 1,
+        "pipeline.segments",
+        segments,
+        name,
+        "a whole number of sequence segments per microbatch >= 1",
+    )
+    require(split in SPLITS, "schedule.split", split, name, f"one of: {', '.join(SPLITS)}")
+
+
+def _forward_unit(u: int, s: int) -> tuple[int, int]:
+    """(microbatch, segment) of the u-th forward unit: microbatch by microbatch, segments in order."""
+    return u // s, u % s
+
+
+def _backward_unit(u: int, s: int) -> tuple[int, int]:
+    """(microbatch, segment) of the u-th backward unit: oldest microbatch first, segments reversed."""
+    return u // s, s - 1 - u % s
+
+
+def seq1f1b_order(rank: int, stages: int, microbatches: int, segments: int) -> list[Action]:
+    """The Seq1F1B order of device ``rank`` (holding stage ``rank``)."""
+    p, m, s = stages, microbatches, segments
+
+    def fwd(u: int) -> Action:
+        mb, seg = _forward_unit(u, s)
+        return Action(Kind.F, rank, mb, 0, seg)
+
+    def bwd(u: int) -> Action:
+        mb, seg = _backward_unit(u, s)
+        return Action(Kind.B, rank, mb, 0, seg)
+
+    return warmup_alternate_drain(m * s, p - rank - 1 + s - 1, fwd, bwd)
+
+
+def seq1f1b(stages: int, microbatches: int, segments: int, split: str = "uniform") -> Schedule:
+    name = "seq1f1b"
+    check_basic(name, stages, microbatches)
+    _check_segments(name, segments, split)
+    p, m, s = stages, microbatches, segments
+    orders = [seq1f1b_order(r, p, m, s) for r in range(p)]
+    return finish_sync(
+        name, StageGraph.chain(p), Placement.single(range(p)), orders, m, num_segments=s, meta={"split": split}
+    )
+
+
+def unit_group_size(stages: int, segments: int) -> int:
+    """How many units (microbatch segments) move through the chunks together in
+    Seq1F1B-I: the smallest multiple of s that is at least p (p itself when s divides p),
+    so that a group holds whole microbatches."""
+    return segments * -(-stages // segments)
+
+
+def interleaved_orders(p: int, m: int, v: int, s: int) -> list[list[Action]]:
+    """Per-device orders of the interleaved (virtual-stage) schedule over m microbatches
+    of s segments: units (microbatch segments) move through a device's v chunks in groups
+    of :func:`unit_group_size`; chunk c of device r is stage c*p + r. With s = 1 this is
+    Megatron's interleaved 1F1B (groups of p microbatches)."""
+    n = unit_group_size(p, s)
+    total = m * s * v  # chunk-unit pairs per device
+
+    def chunk_unit(k: int, backward: bool) -> tuple[int, int]:
+        chunk = (k // n) % v
+        if backward:
+            chunk = v - 1 - chunk
+        return chunk, (k // (n * v)) * n + k % n
+
+    orders: list[list[Action]] = []
+    for r in range(p):
+        def fwd(k: int, r: int = r) -> Action:
+            c, u = chunk_unit(k, False)
+            mb, seg = _forward_unit(u, s)
+            return Action(Kind.F, c * p + r, mb, 0, seg)
+
+        def bwd(k: int, r: int = r) -> Action:
+            c, u = chunk_unit(k, True)
+            mb, seg = _backward_unit(u, s)
+            return Action(Kind.B, c * p + r, mb, 0, seg)
+
+        orders.append(warmup_alternate_drain(total, (v - 1) * n + 2 * (p - r - 1) + (s - 1), fwd, bwd))
+    return orders
+
+
+def seq1f1b_interleaved(
+    stages: int, microbatches: int, virtual_stages: int = 2, segments: int = 1, split: str = "uniform"
+) -> Schedule:
+    name = "seq1f1b_interleaved"
+    check_basic(name, stages, microbatches)
+    _check_segments(name, segments, split)
+    p, m, v, s = stages, microbatches, virtual_stages, segments
+    require(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+        "pipeline.virtual_stages",
+        v,
+        name,
+        "a whole number of chunks per device >= 1",
+    )
+    n = unit_group_size(p, s)
+    units = m * s
+    if s == 1:
+        rule = (
+            f"a multiple of pipeline.stages={p} (microbatches move through the chunks in groups of p): "
+            f"e.g. {p}, {2 * p}, {3 * p}"
+        )
+    else:
+        step = n // math.gcd(n, s)
+        rule = (
+            f"pipeline.microbatches * pipeline.segments={s} to be a multiple of {n} (the microbatch segments "
+            f"move through the chunks in groups of {n}): e.g. {step}, {2 * step}, {3 * step}"
+        )
+    require(units % n == 0, "pipeline.microbatches", m, name, rule)
+    orders = interleaved_orders(p, m, v, s)
+    device_of_stage = [st % p for st in range(p * v)]
+    return finish_sync(
+        name,
+        StageGraph.chain(p * v),
+        Placement.single(device_of_stage, p),
+        orders,
+        m,
+        num_segments=s,
+        meta={"virtual_stages": v, "split": split},
+    )
+
