@@ -33,7 +33,7 @@ from pipeflow.planning.transformer import TransformerSpec
 from pipeflow.schedules.common import ScheduleConfigError
 from pipeflow.schedules.export import check_exportable
 from pipeflow.schedules.ir import Schedule
-from pipeflow.schedules.registry import USES_SEGMENTS, build_schedule, schedule_names
+from pipeflow.schedules.registry import BRANCH_AWARE, USES_SEGMENTS, build_schedule, schedule_names
 from pipeflow.schedules.validate import validate
 from pipeflow.topology.presets import PRESETS, build_topology
 from pipeflow.topology.topology import Topology
@@ -47,7 +47,7 @@ EXPORT_FORMATS = ("torch_csv",)
 # schedule registered for the simulator alone is refused by pipeflow-train with a
 # sentence that points to pipeflow-simulate.
 RUNTIME_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "chimera", "pipedream", "pipedream_2bw", "amdp",
-                     "seq1f1b", "seq1f1b_interleaved")
+                     "seq1f1b", "seq1f1b_interleaved", "bapp")
 OPTIMIZERS = ("adamw",)
 BACKENDS = ("auto", "gloo", "nccl")
 RUNTIME_DEVICES = ("auto", "cpu", "cuda")
@@ -96,6 +96,15 @@ class ScheduleConfig:
     # zero: amdp's owner-based optimizer sharding.
     windows: Optional[int] = None
     stash: Optional[bool] = None
+    # bapp (pipeflow.schedules.bapp): coordinate=true lets the coordinator choose the
+    # policy by simulation within memory_limit_gb per device (null: no limit); with
+    # coordinate=false, priority / lead / warmup / head give it
+    coordinate: Optional[bool] = None
+    memory_limit_gb: Optional[float] = None
+    priority: Optional[str] = None
+    lead: Optional[str] = None
+    warmup: Optional[int] = None
+    head: Optional[str] = None
     accumulation_rounds: Optional[int] = None
     zero: Optional[bool] = None
     # Segmented schedules (seq1f1b, seq1f1b_interleaved): how a sequence is cut into
@@ -311,9 +320,19 @@ def _check_pipeline(cfg: DictConfig) -> None:
             raise ConfigError(f"pipeline.{key}={value}: must be a whole number >= 1")
 
 
+# schedule.* keys the config layer reads itself (bapp's coordinator), not the generator
+COORDINATOR_KEYS = ("coordinate", "memory_limit_gb")
+
+
 def schedule_options(schedule_cfg) -> dict:
     """The schedule's own options (every schedule.* key but name that is not null)."""
-    return {k: v for k, v in dict(schedule_cfg).items() if k != "name" and v is not None}
+    for key in COORDINATOR_KEYS:
+        value = schedule_cfg.get(key)
+        if value is not None and schedule_cfg["name"] not in BRANCH_AWARE:
+            raise ConfigError(f"schedule.{key}={value}: schedule '{schedule_cfg['name']}' has no option '{key}' "
+                              f"(the coordinator serves {', '.join(sorted(BRANCH_AWARE))})")
+    return {k: v for k, v in dict(schedule_cfg).items()
+            if k != "name" and k not in COORDINATOR_KEYS and v is not None}
 
 
 def _generate_schedule(cfg: DictConfig) -> Schedule:
@@ -729,18 +748,48 @@ def _branched_schedule(cfg: DictConfig) -> tuple[Schedule, list]:
     from pipeflow.runtime.adapters import cbm_stage_counts
 
     plain = OmegaConf.to_container(cfg.model, resolve=True)
+    bapp = cfg.schedule.name in BRANCH_AWARE
     try:
         shape = cbm_shape(plain)
-        graph, specs = cbm_stage_graph(plain, *cbm_stage_counts(shape, cfg.pipeline.stages))
+        # bapp cuts each branch into pipeline.stages stages; chain schedules group the graph
+        counts = (cfg.pipeline.stages, cfg.pipeline.stages) if bapp else cbm_stage_counts(shape, cfg.pipeline.stages)
+        graph, specs = cbm_stage_graph(plain, *counts)
     except ValueError as err:
         raise _naming_key("model", cfg.model.name, err) from None
     pipe = cfg.pipeline
+    options = schedule_options(cfg.schedule)
     try:
-        schedule = build_schedule(cfg.schedule.name, pipe.stages, pipe.microbatches, pipe.virtual_stages,
-                                  pipe.segments, check=False, graph=graph, **schedule_options(cfg.schedule))
+        if bapp and cfg.schedule.get("coordinate", True) is not False:
+            if options:
+                raise ConfigError(f"schedule.{next(iter(options))}={next(iter(options.values()))}: the coordinator "
+                                  f"chooses bapp's policy; set schedule.coordinate=false to give it yourself")
+            from pipeflow.schedules.coordinator import coordinate
+
+            cost = _branched_cost(cfg, specs) if "cost" in cfg else _default_branched_cost(cfg, specs)
+            topology = build_topology(cfg.topology, pipe.stages, needed_for=devices_needed_for(cfg))
+            limit = cfg.schedule.get("memory_limit_gb")
+            schedule = coordinate(pipe.stages, pipe.microbatches, graph, cost, topology,
+                                  memory_limit=None if limit is None else float(limit) * 1e9).schedule
+        else:
+            schedule = build_schedule(cfg.schedule.name, pipe.stages, pipe.microbatches, pipe.virtual_stages,
+                                      pipe.segments, check=False, graph=graph, **options)
     except (ScheduleConfigError, ValueError) as err:
         raise ConfigError(str(err)) from None
     return schedule, specs
+
+
+def branched_schedule(cfg: Any) -> tuple[Schedule, list]:
+    """The schedule a concurrent-branch config runs (what pipeflow-train's ranks build):
+    ``cfg`` composed or plain dicts."""
+    return _branched_schedule(cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg))
+
+
+def _default_branched_cost(cfg: DictConfig, specs: list) -> CostModel:
+    """Training configs carry no cost group: the coordinator orders by FLOPs (analytic defaults)."""
+    from pipeflow.planning.branched_cost import BranchedAnalyticCost
+
+    return BranchedAnalyticCost(OmegaConf.to_container(cfg.model, resolve=True),
+                                [(s.branch, s.lo, s.hi) for s in specs], cfg.pipeline.microbatch_size)
 
 
 def _branched_cost(cfg: DictConfig, specs: list) -> CostModel:

@@ -187,3 +187,16 @@ def test_source_stage_rejects_a_dict():
     stage = build_cbm_stage(TINY, specs, 0, SEED)
     with pytest.raises(TypeError, match="source"):
         stage({0: torch.zeros(1)})
+
+
+@pytest.mark.parametrize("cfg,vs,ts", [(TINY, 4, 3), (DEEP, 5, 4)])
+def test_one_predecessor_stages_take_the_tensor_itself(cfg, vs, ts):
+    """The runtime hands a stage with a single predecessor that tensor, not a dict (a
+    stage past the last interaction reads only its chain): same output as the dict."""
+    batch = _batch(cfg)
+    graph, specs, stages, outs = _run_stages(cfg, vs, ts, batch)
+    single = [s for s in range(graph.num_stages) if len(graph.preds[s]) == 1]
+    assert single  # these splits have such stages
+    for s in single:
+        (pred,) = graph.preds[s]
+        torch.testing.assert_close(stages[s](outs[pred]), outs[s], rtol=0, atol=0)

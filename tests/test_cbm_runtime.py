@@ -2,7 +2,8 @@
 chain, co-attention edges, fused head) grouped onto a chain of CPU ranks.
 
 GPipe and 1F1B on 2 and 4 ranks, Chimera on 2 and 4 (the flattened baseline of the BAPP
-paper) and ZB-H1 on 3: after one step every parameter's gradient equals the
+paper), ZB-H1 on 3 and BAPP (each branch cut into p stages, the two branches in opposite
+directions, the coordinator's policy) on 2 and 3: after one step every parameter's gradient equals the
 pipeline.stages=1 reference and five steps of losses agree to 1e-4 relative.
 """
 
@@ -27,7 +28,8 @@ SMALL = [
     "logger=none",
 ]
 
-CASES = [("gpipe", 2), ("1f1b", 2), ("gpipe", 4), ("1f1b", 4), ("chimera", 2), ("chimera", 4), ("zb_h1", 3)]
+CASES = [("gpipe", 2), ("1f1b", 2), ("gpipe", 4), ("1f1b", 4), ("chimera", 2), ("chimera", 4), ("zb_h1", 3),
+         ("bapp", 2), ("bapp", 3)]
 
 
 def train(run_dir: Path, *overrides: str) -> dict:
@@ -55,3 +57,18 @@ def test_branched_model_matches_single_device(name, p, reference, tmp_path):
     for a, b in zip(run["losses"], reference["losses"]):
         assert abs(a - b) <= 1e-4 * abs(b)
     assert run["losses"][0] != run["losses"][-1]
+
+
+def test_bapp_with_a_given_policy_matches_single_device(reference, tmp_path):
+    run = train(tmp_path, "schedule=bapp", "pipeline.stages=2", "trainer.steps=5", "runtime.dump_grads=true",
+                "schedule.coordinate=false", "schedule.priority=backward_first", "schedule.lead=text",
+                "schedule.head=text_end", "schedule.warmup=1")
+    placement = run["schedule"].placement.table[0]
+    graph = run["schedule"].graph
+    vision = [s for s in graph.topological_order() if graph.branch[s] == "vision"]
+    text = [s for s in graph.topological_order() if graph.branch[s] == "text"]
+    assert [placement[s] for s in vision] == [0, 1] and [placement[s] for s in text] == [1, 0]  # opposite ways
+    for pname, (r,) in reference["grads"].items():
+        for g in run["grads"][pname]:
+            torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5 * float(r.abs().max()), msg=pname)
+    assert run["losses"] == pytest.approx(reference["losses"], rel=1e-4)

@@ -41,7 +41,7 @@ def test_generator_passes_validator(name, p, m):
 
 def test_registry_names():
     assert schedule_names() == ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "chimera", "pipedream", "pipedream_2bw", "amdp",
-                                "seq1f1b", "seq1f1b_interleaved"]
+                                "bapp", "seq1f1b", "seq1f1b_interleaved"]
 
 
 @pytest.mark.parametrize(

@@ -396,8 +396,12 @@ class CBMStage(nn.Module):
             if isinstance(x, Mapping):
                 raise TypeError(f"stage {spec.stage} is a source: pass the raw {spec.branch} input tensor, not a dict")
             h = branch.embed(x)
-        else:
+        elif isinstance(x, Mapping):
             h = x[spec.chain_pred]
+        else:  # the runtime passes a stage with one predecessor (its chain) that tensor itself
+            if spec.partner_pred is not None:
+                raise TypeError(f"stage {spec.stage} reads two predecessors: pass a dict by stage")
+            h = x
         other = x[spec.partner_pred] if spec.partner_pred is not None else None
         for i in range(spec.lo, spec.hi):
             # only the first block can interact: the split puts a boundary before each

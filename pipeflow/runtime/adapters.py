@@ -125,7 +125,8 @@ class CBMAdapter:
     interaction edges, fused head). A batch is a dict (image, input_ids, mlm_labels,
     itm_label); each source stage reads its branch's input."""
 
-    def __init__(self, model_cfg: Mapping, microbatch_size: int, seed: int, device: torch.device, num_devices: int):
+    def __init__(self, model_cfg: Mapping, microbatch_size: int, seed: int, device: torch.device, num_devices: int,
+                 stage_counts: tuple[int, int] | None = None):
         from ..models import cbm
 
         self._cbm = cbm
@@ -135,7 +136,8 @@ class CBMAdapter:
         self.device = device
         shape = cbm.cbm_shape(model_cfg)
         self.seq_len = shape.seq_len
-        vs, ts = cbm_stage_counts(shape, num_devices)
+        # stages per branch: given (bapp: pipeline.stages each), or the grouping's choice
+        vs, ts = stage_counts or cbm_stage_counts(shape, num_devices)
         self.graph, self.specs = cbm.cbm_stage_graph(model_cfg, vs, ts)
         self.tied_stages: tuple[int, ...] = ()  # the MLM head is not tied to the embedding
 

@@ -123,7 +123,8 @@ class RankSetup:
 
 def build_rank(cfg: dict, rank: int, device: torch.device, on_grads=None) -> RankSetup:
     """Build this rank's share of the job. Needs the process group (it creates groups)."""
-    from ..config import schedule_options, segment_lengths
+    from ..config import branched_schedule, schedule_options, segment_lengths
+    from ..schedules.registry import BRANCH_AWARE
 
     pipe_cfg, optim = cfg["pipeline"], cfg["optim"]
     mbs, seed = int(pipe_cfg["microbatch_size"]), int(cfg["seed"])
@@ -132,8 +133,14 @@ def build_rank(cfg: dict, rank: int, device: torch.device, on_grads=None) -> Ran
     options = schedule_options(cfg["schedule"])
     if cfg["model"].get("family") == "cbm":
         # a branched model: its stage DAG, grouped onto the schedule's chain of devices
-        adapter = CBMAdapter(cfg["model"], mbs, seed, device, num_devices=pipe_cfg["stages"])
-        schedule = build_schedule(*sizes, graph=adapter.graph, **options)
+        if cfg["schedule"]["name"] in BRANCH_AWARE:
+            # every rank runs the coordinator on the same inputs, so all get the same schedule
+            adapter = CBMAdapter(cfg["model"], mbs, seed, device, num_devices=pipe_cfg["stages"],
+                                 stage_counts=(pipe_cfg["stages"], pipe_cfg["stages"]))
+            schedule, _ = branched_schedule(cfg)
+        else:
+            adapter = CBMAdapter(cfg["model"], mbs, seed, device, num_devices=pipe_cfg["stages"])
+            schedule = build_schedule(*sizes, graph=adapter.graph, **options)
         layers = [spec.hi - spec.lo for spec in adapter.specs]
     else:
         schedule = build_schedule(*sizes, **options)

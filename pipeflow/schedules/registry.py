@@ -74,6 +74,12 @@ def _seq1f1b_interleaved(stages, microbatches, virtual_stages, segments, **kw):
     return seq1f1b_interleaved(stages, microbatches, virtual_stages, segments, **kw)
 
 
+def _bapp(stages, microbatches, virtual_stages, segments, graph=None, **kw):
+    from .bapp import BappPolicy, bapp
+
+    return bapp(stages, microbatches, graph, BappPolicy(**kw))
+
+
 GENERATORS: dict[str, Callable[..., Schedule]] = {
     "gpipe": _gpipe,
     "1f1b": _1f1b,
@@ -83,6 +89,7 @@ GENERATORS: dict[str, Callable[..., Schedule]] = {
     "pipedream": _pipedream,
     "pipedream_2bw": _pipedream_2bw,
     "amdp": _amdp,
+    "bapp": _bapp,
     "seq1f1b": _seq1f1b,
     "seq1f1b_interleaved": _seq1f1b_interleaved,
 }
@@ -94,6 +101,8 @@ SCHEDULE_PARAMS: dict[str, tuple[str, ...]] = {
     "pipedream": ("windows", "stash"),
     "pipedream_2bw": ("windows",),
     "amdp": ("windows", "accumulation_rounds", "zero"),
+    # bapp's policy (pipeflow.schedules.bapp); the config layer lets the coordinator pick it
+    "bapp": ("priority", "lead", "warmup", "head"),
     # how the sequence is cut into segments (pipeflow.planning.seqsplit): uniform | compute
     "seq1f1b": ("split",),
     "seq1f1b_interleaved": ("split",),
@@ -102,6 +111,9 @@ SCHEDULE_PARAMS: dict[str, tuple[str, ...]] = {
 # which pipeline.* keys a schedule actually uses; others must stay at their neutral value
 USES_VIRTUAL_STAGES = {"interleaved_1f1b", "seq1f1b_interleaved"}
 USES_SEGMENTS: set[str] = {"seq1f1b", "seq1f1b_interleaved"}
+# schedules built for a branched model's stage graph as it is (each branch cut into
+# pipeline.stages stages), not a chain schedule over grouped stages
+BRANCH_AWARE = {"bapp"}
 # chain schedules that can run over grouped stages of a branched model
 GROUPABLE = {"gpipe", "1f1b", "zb_h1", "chimera"}
 
@@ -145,6 +157,11 @@ def build_schedule(
                 f"schedule.{key}={params[key]}: schedule '{name}' has no option '{key}'"
                 + (f"; its options: {', '.join(allowed)}" if allowed else "; it takes none")
             )
+    if name in BRANCH_AWARE:  # schedules a branched stage graph itself, one stage per branch and device
+        sched = GENERATORS[name](stages, microbatches, virtual_stages, segments, graph=graph, **params)
+        if check:
+            validate(sched)
+        return sched
     sched = GENERATORS[name](stages, microbatches, virtual_stages, segments, **params)
     if graph is not None and not (graph.is_chain and graph.num_stages == sched.num_stages):
         # a branched model: run the chain schedule over contiguous groups of its stages
