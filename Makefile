@@ -43,6 +43,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_partition
 	$(BIN)/python -m benchmarks.bench_async
 	$(BIN)/python -m benchmarks.bench_seq1f1b
+	$(BIN)/python -m benchmarks.bench_bapp
 
 # Caches and build leftovers; run outputs under outputs/ are results and stay.
 clean:
