@@ -11,7 +11,6 @@ schedule.csv with ``export=torch_csv``).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -73,8 +72,12 @@ def run_simulation(cfg: DictConfig, out_dir: str | Path) -> dict:
         # weight versions (pipeflow.schedules.versions): all 0 for synchronous schedules
         "staleness": sim_summary["staleness"],
         **{k: sim_summary[k] for k in ("microbatches_per_step", "windows", "updates") if k in sim_summary},
+        # branched models: compute time per branch and idle time per cause, summed over
+        # devices (per device in per_device[*].busy_by_branch / idle_by_cause)
+        **{k: sim_summary[k] for k in ("busy_by_branch", "idle_by_cause") if k in sim_summary},
         "placement": schedule.placement.as_lists(),
-        "per_device": [dataclasses.asdict(d) for d in result.per_device],
+        # per device; for branched models with busy_by_branch and idle_by_cause
+        "per_device": sim_summary["per_device"],
         "model": OmegaConf.to_container(cfg.model, resolve=True),
         "cost": cost.describe(),
         "topology": topology.to_dict(),
@@ -122,10 +125,40 @@ def format_report(summary: dict) -> str:
         + ((str(d.get("peak_weight_versions", "")), f"{d.get('weight_bytes', 0.0):.6g}") if is_async else ())
         for d in s["per_device"]
     ]
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-    table = ["  ".join(c.rjust(w) for c, w in zip(cols, widths))]
-    table += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
+    table = _table(cols, rows)
+    branches = _branch_table(s["per_device"])
+    if branches:
+        table += [""] + branches
     return "\n".join(head + table)
+
+
+def _table(cols, rows) -> list[str]:
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    out = ["  ".join(c.rjust(w) for c, w in zip(cols, widths))]
+    out += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
+    return out
+
+
+def _branch_table(per_device: list[dict]) -> list[str]:
+    """Branched models: busy time per branch and idle time per cause, one row per device
+    (causes that never occur are left out); nothing for unlabelled models."""
+    if not any(d.get("busy_by_branch") for d in per_device):
+        return []
+    labels = list(dict.fromkeys(k for d in per_device for k in d.get("busy_by_branch", {})))
+    causes = [  # in the simulator's order (interaction first), those that occur
+        c for c in dict.fromkeys(k for d in per_device for k in (d.get("idle_by_cause") or {}))
+        if any((d.get("idle_by_cause") or {}).get(c, 0.0) > 0 for d in per_device)
+    ]
+    cols = ("device", *(f"busy {b}" for b in labels), *(f"idle {c}" for c in causes))
+    rows = [
+        (str(d["device"]),
+         *(f"{d['busy_by_branch'].get(b, 0.0):.6g}" for b in labels),
+         *(f"{(d.get('idle_by_cause') or {}).get(c, 0.0):.6g}" for c in causes))
+        for d in per_device
+    ]
+    note = ("idle causes: interaction = a message between branches, head = into the head, chain = along a "
+            "branch, reduce = an all-reduce, stream = the device's own order, drain = done early")
+    return _table(cols, rows) + [note] if causes else _table(cols, rows)
 
 
 # An absolute config path: a relative one ("../conf") is resolved as a Python package

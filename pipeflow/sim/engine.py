@@ -31,6 +31,29 @@ to the weights (``cost.model_state_bytes - cost.param_bytes`` per replica), held
 by the owner device of each stage (:func:`pipeflow.schedules.zero.zero_owners`) when
 the schedule's ``meta["zero"]`` is set.
 
+Branched models (``graph.branch`` labels, e.g. a concurrent-branch model's "vision",
+"text" and "head" stages) get a multi-branch view: ``DeviceStats.busy_by_branch`` splits
+each device's busy time by the branch of the stage it worked on, and, with
+``record=True``, ``SimResult.waits`` explains every idle gap of every compute stream
+(:class:`Wait`, summed per device into ``DeviceStats.idle_by_cause``). A gap before an
+action is charged to the dependency that resolved last -- by definition the one that set
+the action's start -- classified as:
+
+- ``interaction``: an activation or gradient message from another device along an edge
+  between two different branches, neither of them the head (cross-attention, fusion);
+- ``head``: a message along an edge into the head (the join of the branches);
+- ``chain``: a message along an edge within one branch (every edge of an unlabelled
+  graph is a chain edge);
+- ``reduce``: a gradient all-reduce (a STEP waiting for its REDUCE's collective);
+- ``stream``: anything else on the device itself (its own list order, a dependency that
+  carries no message);
+- ``drain``: the tail after the device's last action, until the iteration ends.
+
+When several dependencies resolve at the same instant the gap goes to the first of
+interaction, head, chain, reduce, stream (each of them alone would have held the action).
+The waits are derived after the event loop from the recorded times and transfers, so the
+``record=False`` fast path does no extra work.
+
 Speed matters because the planner calls this in its inner loop: the schedule is
 compiled once into integer ids and flat lists (:func:`compile_schedule`, reusable
 across cost models and topologies), every duration and message is priced once, and the
@@ -47,6 +70,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import itemgetter
+from typing import NamedTuple
 
 from ..schedules.deps import DepResolver
 from ..schedules.ir import Action, Kind, Schedule, WeightPolicy
@@ -54,7 +78,20 @@ from ..schedules.versions import VersionRecord, summarize, weight_versions
 from ..schedules.zero import zero_owners
 from .timeline import Event, Timeline
 
-__all__ = ["CompiledSchedule", "DeviceStats", "SimResult", "SimulationError", "compile_schedule", "simulate"]
+__all__ = [
+    "WAIT_KINDS",
+    "classify_edge",
+    "CompiledSchedule",
+    "DeviceStats",
+    "SimResult",
+    "SimulationError",
+    "Wait",
+    "compile_schedule",
+    "simulate",
+]
+
+# what an idle gap of a compute stream waited for (see the module doc), in tie-break order
+WAIT_KINDS = ("interaction", "head", "chain", "reduce", "stream", "drain")
 
 
 class SimulationError(RuntimeError):
@@ -267,6 +304,51 @@ class DeviceStats:
     peak_weight_versions: int = 0  # most weight versions one of its replicas keeps at once
     weight_bytes: float = 0.0  # peak over time of the weight bytes of all its replicas' versions
     optimizer_bytes: float = 0.0  # gradients and optimizer state (model state beyond the weights)
+    # branch label -> compute time of this device's actions on stages of that branch (every
+    # label of the graph, in the graph's order); empty for an unlabelled graph
+    busy_by_branch: dict[str, float] = field(default_factory=dict)
+    # wait kind (WAIT_KINDS) -> idle time charged to it; sums to ``idle``. Filled only
+    # with record=True (empty otherwise)
+    idle_by_cause: dict[str, float] = field(default_factory=dict)
+
+
+class Wait(NamedTuple):
+    """One idle gap of a device's compute stream and what ended it.
+
+    ``action`` waited from ``start`` to ``end`` (it started at ``end``); ``cause`` is the
+    dependency that resolved last, on ``cause_device``, and ``message`` says whether it
+    reached this device as an activation or gradient message. ``kind`` is one of
+    :data:`WAIT_KINDS`. The gap after a device's last action is a ``drain`` wait with no
+    action and no cause.
+    """
+
+    device: int
+    start: float
+    end: float
+    action: Action | None
+    cause: Action | None
+    cause_device: int
+    kind: str
+    message: bool = False
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+    def to_dict(self) -> dict:
+        return {
+            "device": self.device,
+            "start": self.start,
+            "end": self.end,
+            "action": None if self.action is None else str(self.action),
+            "cause": None if self.cause is None else str(self.cause),
+            "cause_device": self.cause_device,
+            "kind": self.kind,
+            "message": self.message,
+        }
+
+
+_BRANCH_VIEW = ("busy_by_branch", "idle_by_cause")
 
 
 @dataclass
@@ -296,6 +378,10 @@ class SimResult:
     microbatches_per_step: int | None = None
     windows: int | None = None
     updates: int = 1
+    # every idle gap of every compute stream and its cause (record=True only), device by
+    # device in time order; see :class:`Wait`
+    waits: list[Wait] = field(default_factory=list, repr=False)
+    branches: tuple[str, ...] = ()  # the graph's branch labels per stage (empty: unlabelled)
 
     @property
     def peak_activation_bytes(self) -> float:
@@ -314,7 +400,13 @@ class SimResult:
         return self.start[i], self.end[i]
 
     def summary(self) -> dict:
-        """JSON-able metrics (no per-action times)."""
+        """JSON-able metrics (no per-action times).
+
+        For a branched graph every device also carries ``busy_by_branch`` and (with
+        record=True) ``idle_by_cause``, and their sums over devices come at the top
+        level; for an unlabelled graph these are left out, so the summary does not
+        depend on ``record``."""
+        branched = bool(self.branches)
         cost = self.cost
         if not isinstance(cost, (dict, str, int, float, type(None))):
             cost = str(cost)
@@ -331,8 +423,23 @@ class SimResult:
             "p2p_bytes": self.p2p_bytes,
             "collective_bytes": self.collective_bytes,
             "staleness": dict(self.staleness),
-            "per_device": [vars(d).copy() for d in self.per_device],
+            "per_device": [
+                {k: dict(v) if isinstance(v, dict) else v
+                 for k, v in vars(d).items() if branched or k not in _BRANCH_VIEW}
+                for d in self.per_device
+            ],
         }
+        by_branch: dict[str, float] = {}
+        by_cause: dict[str, float] = {}
+        for d in self.per_device if branched else ():
+            for k, v in d.busy_by_branch.items():
+                by_branch[k] = by_branch.get(k, 0.0) + v
+            for k, v in d.idle_by_cause.items():
+                by_cause[k] = by_cause.get(k, 0.0) + v
+        if by_branch:
+            out["busy_by_branch"] = by_branch  # summed over devices
+        if by_cause:
+            out["idle_by_cause"] = by_cause
         if self.microbatches_per_step is not None:
             out["microbatches_per_step"] = self.microbatches_per_step
             out["windows"] = self.windows
@@ -348,7 +455,8 @@ def simulate(
 
     ``schedule`` may be compiled already (:func:`compile_schedule`) to price one
     schedule under many cost models or topologies. ``record=False`` skips building the
-    timeline; every metric is still exact.
+    timeline and the idle-gap analysis (``waits``, ``DeviceStats.idle_by_cause``); every
+    other metric is still exact.
     """
     with _gc_paused():
         cs = schedule if isinstance(schedule, CompiledSchedule) else _compile(schedule)
@@ -548,9 +656,16 @@ def _simulate(cs: CompiledSchedule, cost, topology, record: bool) -> SimResult:
     per_device: list[DeviceStats] = []
     nseg = max(1, sched.num_segments)
     total_busy = 0.0
+    labels = sched.graph.branch
+    label_order = tuple(dict.fromkeys(labels))
     for d in range(ndev):
         lo, hi = cs.offsets[d], cs.offsets[d + 1]
         busy = sum(dur[lo:hi])
+        by_branch: dict[str, float] = {}
+        if labels:
+            by_branch = dict.fromkeys(label_order, 0.0)
+            for i in range(lo, hi):
+                by_branch[labels[stage[i]]] += dur[i]
         cur = peak = 0.0
         live = peak_live = 0
         last = -math.inf
@@ -602,6 +717,7 @@ def _simulate(cs: CompiledSchedule, cost, topology, record: bool) -> SimResult:
                 peak_weight_versions=nver,
                 weight_bytes=wbytes,
                 optimizer_bytes=obytes,
+                busy_by_branch=by_branch,
             )
         )
     bubble = 1.0 - total_busy / (ndev * makespan) if makespan > 0 and ndev else 0.0
@@ -625,6 +741,7 @@ def _simulate(cs: CompiledSchedule, cost, topology, record: bool) -> SimResult:
         issued={actions[i]: t for i, t in issue_time.items()},
         versions=versions,
         staleness=summarize(versions),
+        branches=tuple(labels),
     )
     meta = sched.meta or {}
     if meta.get("microbatches_per_step") is not None:
@@ -632,9 +749,105 @@ def _simulate(cs: CompiledSchedule, cost, topology, record: bool) -> SimResult:
         result.windows = int(meta.get("windows", 1))
         result.updates = len(set(sched.update_of_microbatch))
     if record:
+        result.waits = waits = _waits(cs, start, end, issue_time, transfers or [], makespan)
+        for st in per_device:
+            st.idle_by_cause = dict.fromkeys(WAIT_KINDS, 0.0)
+        for w in waits:
+            per_device[w.device].idle_by_cause[w.kind] += w.end - w.start
         result.timeline = _timeline(cs, start, end, issue_time, gbytes, transfers or [], result,
                                     getattr(cost, "time_unit", "s"))
     return result
+
+
+def classify_edge(branch: tuple[str, ...] | list[str], src_stage: int, dst_stage: int) -> str:
+    """The wait kind of a message along graph edge ``src_stage -> dst_stage`` (an
+    activation along it or a gradient against it): "head" into the head, "interaction"
+    between two other branches, "chain" within one branch or in an unlabelled graph."""
+    if not branch:
+        return "chain"
+    a, b = branch[src_stage], branch[dst_stage]
+    if a == "head" or b == "head":
+        return "head"
+    return "chain" if a == b else "interaction"
+
+
+def _waits(cs: CompiledSchedule, start, end, issue_time: dict[int, float], transfers, makespan: float) -> list[Wait]:
+    """Every idle gap of every compute stream (REDUCE is not on it) and its cause.
+
+    The action after a gap started at the latest of its dependencies' resolution times
+    and its device predecessor's release (see the event loop), so one of them equals its
+    start exactly: a message's arrival (``transfers``), a REDUCE's collective end, or the
+    predecessor's release (a REDUCE releases the stream when issued). Candidates are
+    gathered for the gap actions only; a gap that none of them explains (a same-device
+    dependency, which cannot end after the previous action, would be one) falls back to
+    the schedule's full dependency list. Ties go to the first kind of WAIT_KINDS.
+    """
+    actions, kind, stage, device, offsets = cs.actions, cs.kind, cs.stage, cs.device, cs.offsets
+    branch = cs.schedule.graph.branch
+    R, F = Kind.REDUCE, Kind.F
+    new = tuple.__new__
+    gaps: list[tuple[int, float, float, int]] = []  # device, from, to, waiting action (-1: drain)
+    for d in range(cs.num_devices):
+        prev = 0.0
+        for i in range(offsets[d], offsets[d + 1]):
+            if kind[i] == R:
+                continue
+            s = start[i]
+            if s > prev:
+                gaps.append((d, prev, s, i))
+            prev = end[i]
+        if makespan > prev:
+            gaps.append((d, prev, makespan, -1))
+
+    # the candidates that resolved exactly at each waiting action's start: (cause id, kind)
+    # with kind None for a message (classified below, only when it is chosen)
+    tied: dict[int, list[tuple[int, str | None]]] = {g[3]: [] for g in gaps if g[3] >= 0}
+    if tied:
+        for p, c, _, arrive, _ in transfers:
+            lst = tied.get(c)
+            if lst is not None and arrive == start[c]:
+                lst.append((p, None))
+        for members in cs.groups:
+            for r in members:
+                for c in cs.local_out[r]:
+                    lst = tied.get(c)
+                    if lst is not None and end[r] == start[c]:
+                        lst.append((r, "reduce"))
+        for c, lst in tied.items():
+            q = c - 1  # the device predecessor: a REDUCE releases the stream when issued
+            if q >= offsets[device[c]] and (issue_time.get(q, end[q]) if kind[q] == R else end[q]) == start[c]:
+                lst.append((q, "stream"))
+
+    rank = {k: r for r, k in enumerate(WAIT_KINDS)}
+    resolver = None
+    out: list[Wait] = []
+    for d, a, b, c in gaps:
+        if c < 0:
+            out.append(new(Wait, (d, a, b, None, None, -1, "drain", False)))
+            continue
+        lst = tied[c]
+        if not lst:  # not explained by a message, a collective or the stream: any dependency that ended then
+            if resolver is None:
+                resolver = DepResolver(cs.schedule)
+            for dep, _ in resolver.deps(actions[c]):
+                p = cs.index[dep]
+                if end[p] == b:
+                    lst.append((p, "reduce" if kind[p] == R else "stream"))
+        best_p, best_kind, best_rank = -1, "stream", len(WAIT_KINDS)
+        for p, k in lst:
+            if k is None:
+                # an activation along the edge, or a gradient against it
+                src, dst = (stage[p], stage[c]) if kind[p] == F else (stage[c], stage[p])
+                k = classify_edge(branch, src, dst)
+            r = rank[k]
+            if r < best_rank:
+                best_p, best_kind, best_rank = p, k, r
+        if best_p < 0:
+            out.append(new(Wait, (d, a, b, actions[c], None, -1, "stream", False)))
+        else:
+            out.append(new(Wait, (d, a, b, actions[c], actions[best_p], device[best_p], best_kind,
+                                  best_kind in ("interaction", "head", "chain") and device[best_p] != d)))
+    return out
 
 
 def _versions(cs: CompiledSchedule) -> list[VersionRecord]:
@@ -770,21 +983,38 @@ def _timeline(cs: CompiledSchedule, start, end, issue_time, gbytes, transfers, r
             for p, c, s, arrive, nbytes in transfers
         ]
     )
-    return Timeline(
-        events=events,
-        num_devices=cs.num_devices,
-        time_unit=time_unit,
-        source="simulated",
-        meta={
-            "schedule": result.schedule,
-            "topology": result.topology,
-            "num_stages": result.num_stages,
-            "num_microbatches": result.num_microbatches,
-            "num_segments": cs.schedule.num_segments,
-            "makespan": result.makespan,
-            "bubble_ratio": result.bubble_ratio,
-        },
-    )
+    meta = {
+        "schedule": result.schedule,
+        "topology": result.topology,
+        "num_stages": result.num_stages,
+        "num_microbatches": result.num_microbatches,
+        "num_segments": cs.schedule.num_segments,
+        "makespan": result.makespan,
+        "bubble_ratio": result.bubble_ratio,
+    }
+    if result.branches:
+        # the multi-branch view: stage -> branch (the Gantt chart colours by it) and the
+        # compute streams' idle gaps with their causes, as "wait" events
+        meta["branch"] = list(result.branches)
+        events.extend(map(_wait_event, result.waits))
+    return Timeline(events=events, num_devices=cs.num_devices, time_unit=time_unit, source="simulated", meta=meta)
+
+
+def _wait_event(w: Wait) -> Event:
+    """A :class:`Wait` as a timeline event on the device's "wait" stream: named and
+    indexed by the action that waited ("drain" after the last one), ``src`` the cause's
+    device, the cause in ``extra``."""
+    a = w.action
+    extra = {
+        "cause_kind": w.kind,
+        "cause": None if w.cause is None else str(w.cause),
+        "cause_device": w.cause_device,
+        "message": w.message,
+    }
+    if a is None:
+        return Event(w.device, "drain", "", -1, -1, 0, 0, w.start, w.end, "wait", -1, w.device, extra=extra)
+    return Event(w.device, f"wait {a}", a[0], a[1], a[2], a[3], a[4], w.start, w.end, "wait",
+                 w.cause_device, w.device, extra=extra)
 
 
 def _deadlock_message(cs: CompiledSchedule, waits: list[int]) -> str:

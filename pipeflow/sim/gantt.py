@@ -5,6 +5,13 @@ the kind shows in the shading: F plain, B darker and hatched, I darker and hatch
 other way, W light and dotted, STEP grey; a REDUCE is a thin black bar along the bottom
 of its row (it runs beside the compute stream, not on it). Transfers are not drawn.
 
+A branched model's timeline (``meta["branch"]``: stage -> branch label, written by the
+simulator for graphs with branch labels) is coloured by branch instead of microbatch:
+vision blue, text orange, head purple (other labels take further colours), with the same
+per-kind shading and hatching. Its idle gaps that waited on an interaction message
+(``wait`` events with ``cause_kind == "interaction"``) are drawn as a thin red-hatched
+band across the gap, "waiting on interaction" in the legend; the other gaps stay blank.
+
 Everything is drawn as one polygon collection per kind, so a 64-device x 1024-microbatch
 timeline (over 100k bars) still renders in seconds; hatching, bar edges and microbatch
 numbers are only added when there are few enough bars to see them.
@@ -30,6 +37,21 @@ _KIND_LABELS = {
     "R": "gradient all-reduce (R)",
 }
 _HATCH = {"B": "////", "I": "\\\\\\\\", "W": "...."}
+# branch colours (tab10 blue, orange, purple); further labels take the next ones
+BRANCH_COLOURS = {"vision": (0.122, 0.467, 0.706), "text": (1.0, 0.498, 0.055), "head": (0.580, 0.404, 0.741)}
+_MORE_COLOURS = [(0.173, 0.627, 0.173), (0.549, 0.337, 0.294), (0.890, 0.467, 0.761), (0.737, 0.741, 0.133),
+                 (0.090, 0.745, 0.812)]
+WAIT_COLOUR = (0.84, 0.15, 0.16)  # red: nothing else is drawn red
+WAIT_LABEL = "waiting on interaction"
+
+
+def branch_colours(labels) -> dict[str, tuple]:
+    """Label -> base colour, for the labels in first-appearance order."""
+    out: dict[str, tuple] = {}
+    more = iter(_MORE_COLOURS * (1 + len(labels) // len(_MORE_COLOURS)))
+    for label in dict.fromkeys(labels):
+        out[label] = BRANCH_COLOURS.get(label) or next(more)
+    return out
 
 
 def _shade(rgb, kind: str):
@@ -57,6 +79,12 @@ def draw_timeline(timeline: Timeline, path: str | os.PathLike, title: str | None
     ndev = max(timeline.num_devices, max((e.device + 1 for e in timeline.events), default=1))
     compute = [e for e in timeline.events if e.stream == "compute"]
     reduces = [e for e in timeline.events if e.stream == "collective"]
+    labels = list(timeline.meta.get("branch") or ())
+    colour_of_branch = branch_colours(labels) if labels else {}
+    interaction_waits = [
+        e for e in timeline.events
+        if e.stream == "wait" and e.end > e.start and (e.extra or {}).get("cause_kind") == "interaction"
+    ]
     shown = compute + reduces
     t0 = min((e.start for e in shown), default=0.0)
     span = max((e.end for e in shown), default=1.0) - t0
@@ -100,11 +128,13 @@ def draw_timeline(timeline: Timeline, path: str | os.PathLike, title: str | None
             continue
         faces = []
         for e in events:
-            key = (kind, e.microbatch)
+            key = (kind, e.stage) if colour_of_branch else (kind, e.microbatch)
             col = colour_cache.get(key)
             if col is None:
                 if kind == "S" or e.microbatch < 0:
                     col = grey
+                elif colour_of_branch and 0 <= e.stage < len(labels):
+                    col = _shade(colour_of_branch[labels[e.stage]], kind)
                 else:
                     col = _shade(palette[e.microbatch % len(palette)], kind)
                 colour_cache[key] = col
@@ -121,6 +151,20 @@ def draw_timeline(timeline: Timeline, path: str | os.PathLike, title: str | None
 
     if reduces:
         ax.add_collection(PolyCollection(bars(reduces, row_top + 0.04, 0.42), facecolors="black", edgecolors="none"))
+
+    # idle gaps that waited on an interaction: a thin band across the middle of the gap
+    if interaction_waits:
+        mid = (row_top - 0.4) / 2
+        hatched = len(interaction_waits) <= DETAIL_LIMIT
+        band = PolyCollection(
+            bars(interaction_waits, mid - 0.09, mid + 0.09),
+            facecolors=(1.0, 0.88, 0.88) if hatched else WAIT_COLOUR,
+            edgecolors=WAIT_COLOUR if hatched else "none",
+            linewidths=0.6 if hatched else 0.0,
+        )
+        if hatched:
+            band.set_hatch("xxxx")
+        ax.add_collection(band)
 
     # microbatch numbers, where a bar is wide enough to hold them
     if len(compute) <= LABEL_LIMIT:
@@ -149,16 +193,24 @@ def draw_timeline(timeline: Timeline, path: str | os.PathLike, title: str | None
     ax.grid(axis="x", linewidth=0.3, alpha=0.5)
     ax.set_axisbelow(True)
 
-    sample = colormaps["tab10"].colors[0]
+    # with branch colours, the kinds are shown on a neutral sample (the colour is the branch's)
+    sample = (0.8, 0.8, 0.8) if colour_of_branch else colormaps["tab10"].colors[0]
     handles = []
+    shown_stages = {e.stage for e in compute}
+    for label, colour in colour_of_branch.items():
+        if any(labels[s] == label for s in shown_stages if 0 <= s < len(labels)):
+            handles.append(Patch(facecolor=colour, edgecolor="white", label=label))
     for kind in ("F", "B", "I", "W", "S"):
         if kind in by_kind:
             face = grey if kind == "S" else _shade(sample, kind)
             handles.append(Patch(facecolor=face, edgecolor="white", hatch=_HATCH.get(kind), label=_KIND_LABELS[kind]))
     if reduces:
         handles.append(Patch(facecolor="black", label=_KIND_LABELS["R"]))
+    if interaction_waits:
+        handles.append(Patch(facecolor=(1.0, 0.88, 0.88), edgecolor=WAIT_COLOUR, hatch="xxxx", label=WAIT_LABEL))
     if handles:  # above the chart, right-aligned, opposite the title
-        ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=len(handles),
+        ncol = len(handles) if len(handles) <= 6 else -(-len(handles) // 2)
+        ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=ncol,
                   fontsize=8, frameon=False, borderaxespad=0.2)
 
     if title is None:

@@ -12,7 +12,12 @@ An :class:`Event` is one interval on one stream of one device:
   per participating device;
 - ``comm``: a point-to-point transfer of an activation or gradient; it sits on the
   sending device, ``src``/``dst`` are the devices and ``nbytes`` the payload, and it
-  spans from the moment the transfer got its links to its arrival.
+  spans from the moment the transfer got its links to its arrival;
+- ``wait``: an idle gap of the compute stream and what ended it (simulations of
+  branched models): named ``"wait <action>"`` after the action that waited (``"drain"``
+  after the device's last action), ``src`` the device of the cause, and ``extra`` holding
+  ``cause_kind`` (interaction, head, chain, reduce, stream, drain), ``cause`` (the
+  action that resolved last), ``cause_device`` and ``message``.
 
 The Chrome-trace export is lossless: every field of every event is kept in the event's
 ``args`` and the timeline's own fields in ``otherData``, so ``Timeline.load`` reads back
@@ -28,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
 FORMAT = "pipeflow.timeline/1"
-STREAMS = ("compute", "collective", "comm")
+STREAMS = ("compute", "wait", "collective", "comm")
 SOURCES = ("simulated", "measured")
 # Chrome traces count in microseconds; this converts one timeline unit into them.
 # "units" are a unit-cost model's abstract time; traces show one unit as one second
@@ -195,6 +200,9 @@ class Timeline:
             args["end"] = e.end
             if e.extra:
                 args["extra"] = e.extra
+                if e.stream == "wait":  # the cause at the top of args, where the viewers show it
+                    for k, v in e.extra.items():
+                        args.setdefault(k, v)
             trace.append(
                 {
                     "name": e.name,
@@ -225,7 +233,7 @@ class Timeline:
 
         A trace written by another tool is read as well as it can be: each "X" event
         becomes an event on device ``pid`` with its thread's name as the stream (when
-        it is one of compute/collective/comm) and ``ts``/``dur`` in microseconds.
+        it is one of compute/wait/collective/comm) and ``ts``/``dur`` in microseconds.
         """
         if isinstance(trace, list):  # the bare-array form of the format
             trace = {"traceEvents": trace}
