@@ -292,6 +292,7 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
                 timeline = Timeline(
                     events, job.world_size, time_unit="s", source="measured",
                     meta={"schedule": schedule.name, "step": step, "num_stages": schedule.num_stages,
+                          **({"branch": list(schedule.graph.branch)} if schedule.graph.branch else {}),
                           "num_microbatches": m},
                 )
                 sink.log_timeline(timeline, step)

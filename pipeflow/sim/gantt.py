@@ -172,10 +172,12 @@ def draw_timeline(timeline: Timeline, path: str | os.PathLike, title: str | None
         px_per_unit = axes_px / span
         fontsize = 7 if ndev <= 16 else 5
         need_px = fontsize * 1.6
+        segmented = any(e.segment for e in compute)
         for e in compute:
             if e.microbatch < 0:
                 continue
-            label = str(e.microbatch)
+            # a sequence segment's action reads "<microbatch>.<segment>"
+            label = f"{e.microbatch}.{e.segment}" if segmented else str(e.microbatch)
             if (e.end - e.start) * px_per_unit >= need_px * max(1, len(label) * 0.6):
                 colour = "white" if e.kind in ("B", "I") else "black"
                 ax.text(
