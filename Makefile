@@ -44,6 +44,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_async
 	$(BIN)/python -m benchmarks.bench_seq1f1b
 	$(BIN)/python -m benchmarks.bench_bapp
+	$(BIN)/python -m benchmarks.bench_planner
 
 # Caches and build leftovers; run outputs under outputs/ are results and stay.
 clean:

@@ -47,7 +47,7 @@ EXPORT_FORMATS = ("torch_csv",)
 # schedule registered for the simulator alone is refused by pipeflow-train with a
 # sentence that points to pipeflow-simulate.
 RUNTIME_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "chimera", "pipedream", "pipedream_2bw", "amdp",
-                     "seq1f1b", "seq1f1b_interleaved", "bapp")
+                     "seq1f1b", "seq1f1b_interleaved", "bapp", "planned")
 OPTIMIZERS = ("adamw",)
 BACKENDS = ("auto", "gloo", "nccl")
 RUNTIME_DEVICES = ("auto", "cpu", "cuda")
@@ -100,7 +100,10 @@ class ScheduleConfig:
     # policy by simulation within memory_limit_gb per device (null: no limit); with
     # coordinate=false, priority / lead / warmup / head give it
     coordinate: Optional[bool] = None
-    memory_limit_gb: Optional[float] = None
+    memory_limit_gb: Optional[float] = None  # bapp's coordinator and schedule=planned's planner
+    # schedule=planned: a plan.json written by pipeflow-plan; null: plan at start-up for
+    # the run's model, topology (pipeline.stages devices) and microbatches
+    plan: Optional[str] = None
     priority: Optional[str] = None
     lead: Optional[str] = None
     warmup: Optional[int] = None
@@ -321,23 +324,73 @@ def _check_pipeline(cfg: DictConfig) -> None:
 
 
 # schedule.* keys the config layer reads itself (bapp's coordinator), not the generator
-COORDINATOR_KEYS = ("coordinate", "memory_limit_gb")
+COORDINATOR_KEYS = ("coordinate", "memory_limit_gb", "plan")
+# schedule=planned: the topology-aware planner's plan (pipeflow.planning.planner) as the
+# schedule (1F1B over the planned devices, replicas reduced) and its cut as the partition
+PLANNED = "planned"
 
 
 def schedule_options(schedule_cfg) -> dict:
     """The schedule's own options (every schedule.* key but name that is not null)."""
     for key in COORDINATOR_KEYS:
         value = schedule_cfg.get(key)
-        if value is not None and schedule_cfg["name"] not in BRANCH_AWARE:
+        serves = ("plan", "memory_limit_gb") if schedule_cfg["name"] == PLANNED else \
+            (COORDINATOR_KEYS[:2] if schedule_cfg["name"] in BRANCH_AWARE else ())
+        if value is not None and key not in serves:
             raise ConfigError(f"schedule.{key}={value}: schedule '{schedule_cfg['name']}' has no option '{key}' "
-                              f"(the coordinator serves {', '.join(sorted(BRANCH_AWARE))})")
+                              f"(the coordinator serves {', '.join(sorted(BRANCH_AWARE))}; schedule.plan and "
+                              f"schedule.memory_limit_gb serve {PLANNED})")
     return {k: v for k, v in dict(schedule_cfg).items()
             if k != "name" and k not in COORDINATOR_KEYS and v is not None}
+
+
+def planned_schedule(cfg: Any):
+    """schedule=planned: (schedule, plan) from the plan.json in schedule.plan, or from a
+    plan made now for the run's model, topology and microbatches. ``cfg`` composed or
+    plain dicts (the ranks of pipeflow-train call it too: the planner is deterministic)."""
+    from pipeflow.planning.planner import Plan, build_plan_schedule
+    from pipeflow.planning.planner import plan as make_plan
+
+    cfg = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg)
+    pipe, path = cfg.pipeline, cfg.schedule.get("plan")
+    limit = cfg.schedule.get("memory_limit_gb")
+    if "partition" in cfg and cfg.partition.name not in ("uniform", "planner"):
+        raise ConfigError(f"partition.name={cfg.partition.name}: schedule=planned cuts the model as its plan says; "
+                          f"allowed values: planner (or the default uniform, which the plan replaces)")
+    if path:
+        try:
+            p = Plan.from_json(Path(str(path)).expanduser().read_text())
+        except (OSError, ValueError, TypeError, KeyError) as err:
+            raise ConfigError(f"schedule.plan={path}: not a plan.json written by pipeflow-plan ({err})") from None
+    else:
+        spec = TransformerSpec.from_config(cfg.model)
+        topology = build_topology(cfg.topology, pipe.stages, needed_for=devices_needed_for(cfg))
+        try:
+            p = make_plan(spec, topology, pipe.microbatches, pipe.microbatch_size,
+                          memory_limit_bytes=None if limit is None else float(limit) * 1e9)
+        except ValueError as err:
+            raise ConfigError(str(err).replace("plan.memory_limit_gb", "schedule.memory_limit_gb")) from None
+    used = sorted({d for row in p.pipelines for d in row})
+    if used[-1] >= pipe.stages:
+        raise ConfigError(f"pipeline.stages={pipe.stages}: the plan places stages on devices {used}; "
+                          f"run it with pipeline.stages={used[-1] + 1} devices")
+    if sum(p.layers_per_stage) != cfg.model.n_layer:
+        raise ConfigError(f"schedule.plan={path}: the plan cuts {sum(p.layers_per_stage)} layers, "
+                          f"model.n_layer={cfg.model.n_layer}; plan this model (pipeflow-plan model={cfg.model.name})")
+    try:
+        schedule = build_plan_schedule(p.device_of_stage, pipe.stages, pipe.microbatches, p.replica_devices)
+    except ValueError as err:
+        raise ConfigError(f"schedule.plan={path}: {err}") from None
+    schedule.name = PLANNED
+    schedule.meta["plan"] = p.to_dict()
+    return schedule, p
 
 
 def _generate_schedule(cfg: DictConfig) -> Schedule:
     """The schedule the config names, generated but not validated."""
     pipe = cfg.pipeline
+    if cfg.schedule.name == PLANNED:
+        return planned_schedule(cfg)[0]
     # The schedule's own size rules (even stages for Chimera, ...) live with the
     # generators; generating is cheap, validating is not needed to learn the sizes.
     try:
@@ -449,6 +502,9 @@ def prepare_simulation(cfg: DictConfig) -> SimulationInputs:
         spec = _model_spec(cfg, schedule)
         lengths = _simulation_segments(cfg, schedule)
         cost_cfg = cfg.cost
+        if schedule.name == PLANNED and cfg.cost.name == "analytic":
+            cost_cfg = {**OmegaConf.to_container(cfg.cost, resolve=True),
+                        "layers_per_stage": list(schedule.meta["plan"]["layers_per_stage"])}
         if lengths is not None and cfg.cost.name == "analytic":
             # the split drives the analytic cost: unequal segments, unequal times and memory
             cost_cfg = {**OmegaConf.to_container(cfg.cost, resolve=True), "segment_lengths": lengths}
@@ -696,11 +752,21 @@ def prepare_training(cfg: DictConfig) -> TrainingInputs:
             f"model.vocab_size={model.vocab_size}: data '{cfg.data.name}' feeds token ids 0..{need - 1}; "
             f"use model.vocab_size >= {need}"
         )
-    if cfg.partition.name not in PARTITIONERS:
+    if cfg.partition.name == "planner" and cfg.schedule.name != PLANNED:
+        raise ConfigError(f"partition.name=planner: the planner's cut comes with its device mapping; "
+                          f"use it with schedule={PLANNED}")
+    if cfg.partition.name not in (*PARTITIONERS, "planner"):
         raise ConfigError(
             f"partition.name={cfg.partition.name}: the runtime cannot split a model this way; "
-            f"allowed values: {', '.join(PARTITIONERS)}"
+            f"allowed values: {', '.join(PARTITIONERS)}, planner"
         )
+    if schedule.name == PLANNED:
+        used = {d for row in schedule.placement.table for d in row}
+        if len(used) != schedule.num_devices:
+            idle = sorted(set(range(schedule.num_devices)) - used)
+            raise ConfigError(f"pipeline.stages={cfg.pipeline.stages}: the plan leaves devices {idle} without a "
+                              f"stage, and every rank needs one; plan for {len(used)} devices or give a plan that "
+                              f"uses all {schedule.num_devices}")
     if cfg.partition.name == "profiled":
         _check_profiled_partition(cfg.partition, spec, schedule.num_stages)
     _check_trainer(cfg.trainer)

@@ -86,7 +86,7 @@ def test_embedded_defaults():
 
 
 def test_the_runtime_schedules_are_registered_ones():
-    assert set(RUNTIME_SCHEDULES) <= set(schedule_names())
+    assert set(RUNTIME_SCHEDULES) <= set(schedule_names()) | {"planned"}
 
 
 def test_a_schedule_the_runtime_does_not_run_is_refused(monkeypatch):
@@ -117,9 +117,9 @@ def test_runnable_configs_pass(overrides, world_size, num_stages):
 def test_every_option_composes_and_passes(group, no_wandb_credentials):
     for option in options(group):
         # a data set goes with the model family that trains on it (BERT on masked text)
-        model = {("data", "mlm_corpus"): ["model=bert_tiny"], ("data", "image_text"): ["model=cbm_tiny"]}.get(
-            (group, option), []
-        )
+        # ... and the planner's cut with the plan's schedule
+        model = {("data", "mlm_corpus"): ["model=bert_tiny"], ("data", "image_text"): ["model=cbm_tiny"],
+                 ("partition", "planner"): ["schedule=planned"]}.get((group, option), [])
         cfg = train_cfg(f"{group}={option}", *model)
         assert cfg[group].name == option
         prepare_training(cfg)
@@ -315,7 +315,7 @@ def test_online_with_an_api_key_passes(no_wandb_credentials, monkeypatch):
     "args,message",
     [
         (["schedule=nope"],
-         "schedule=nope: unknown schedule; allowed values: 1f1b, amdp, bapp, chimera, gpipe, interleaved_1f1b, pipedream, pipedream_2bw, seq1f1b, seq1f1b_interleaved, zb_h1"),
+         "schedule=nope: unknown schedule; allowed values: 1f1b, amdp, bapp, chimera, gpipe, interleaved_1f1b, pipedream, pipedream_2bw, planned, seq1f1b, seq1f1b_interleaved, zb_h1"),
         (["-m", "schedule=gpipe,nope,1f1b"], "schedule=nope: unknown schedule"),
         (["trainer.steps=3", "model=gpt_huge"], "model=gpt_huge: unknown model; allowed values: bert, bert_1b, "),
         (["logger=tensorboard"], "logger=tensorboard: unknown logger; allowed values: none, wandb"),
@@ -426,7 +426,7 @@ def test_a_bad_config_stops_the_app_in_one_line(tmp_path):
     proc = _run(["schedule=nope", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert proc.returncode == 1
     err = proc.stderr.strip()
-    assert err == "schedule=nope: unknown schedule; allowed values: 1f1b, amdp, bapp, chimera, gpipe, interleaved_1f1b, pipedream, pipedream_2bw, seq1f1b, seq1f1b_interleaved, zb_h1"
+    assert err == "schedule=nope: unknown schedule; allowed values: 1f1b, amdp, bapp, chimera, gpipe, interleaved_1f1b, pipedream, pipedream_2bw, planned, seq1f1b, seq1f1b_interleaved, zb_h1"
     assert len(err.splitlines()) == 1 and "Traceback" not in err
     assert not any(run_dir.glob("*.json*")) and not (run_dir / "wandb").exists()  # no rank ever started
 

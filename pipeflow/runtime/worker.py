@@ -123,7 +123,7 @@ class RankSetup:
 
 def build_rank(cfg: dict, rank: int, device: torch.device, on_grads=None) -> RankSetup:
     """Build this rank's share of the job. Needs the process group (it creates groups)."""
-    from ..config import branched_schedule, schedule_options, segment_lengths
+    from ..config import branched_schedule, planned_schedule, schedule_options, segment_lengths
     from ..schedules.registry import BRANCH_AWARE
 
     pipe_cfg, optim = cfg["pipeline"], cfg["optim"]
@@ -142,6 +142,12 @@ def build_rank(cfg: dict, rank: int, device: torch.device, on_grads=None) -> Ran
             adapter = CBMAdapter(cfg["model"], mbs, seed, device, num_devices=pipe_cfg["stages"])
             schedule = build_schedule(*sizes, graph=adapter.graph, **options)
         layers = [spec.hi - spec.lo for spec in adapter.specs]
+    elif cfg["schedule"]["name"] == "planned":
+        # the planner is deterministic: every rank gets the same plan (or reads the same file)
+        schedule, the_plan = planned_schedule(cfg)
+        spec = TransformerSpec.from_config(cfg["model"])
+        layers = list(the_plan.layers_per_stage)
+        adapter = make_adapter(cfg["model"], layers, mbs, spec.seq_len, seed, device)
     else:
         schedule = build_schedule(*sizes, **options)
         spec = TransformerSpec.from_config(cfg["model"])

@@ -257,15 +257,27 @@ def pcie_8(
     gives about half that, and all of a switch's outbound traffic shares one uplink per
     direction.
     """
+    return _pcie_box("pcie_8", switches, gpus_per_switch, device, pcie_bandwidth, pcie_latency, uplink_bandwidth,
+                     uplink_latency)
+
+
+def _pcie_box(name: str, switches, gpus_per_switch, device, pcie_bandwidth, pcie_latency, uplink_bandwidth,
+              uplink_latency, bridge: tuple[float, float] | None = None) -> Topology:
+    """GPUs behind PCIe switches (peer to peer under a switch, through one shared uplink
+    per switch across them); ``bridge`` = (bandwidth, latency) of an NVLink bridge that
+    joins each pair of neighbouring GPUs (0-1, 2-3, ...)."""
     sw = _count("switches", switches)
     gps = _count("gpus_per_switch", gpus_per_switch)
+    if bridge is not None and gps % 2:
+        raise ValueError(f"gpus_per_switch={gps}: NVLink bridges join pairs, so it must be even")
     dev = _device("device", device)
     bw = _number("pcie_bandwidth", pcie_bandwidth)
     lat = _number("pcie_latency", pcie_latency, strict=False)
     ubw = _number("uplink_bandwidth", uplink_bandwidth)
     ulat = _number("uplink_latency", uplink_latency, strict=False)
     n = sw * gps
-    b = TopologyBuilder("pcie_8", [dev] * n)
+    b = TopologyBuilder(name, [dev] * n)
+    pair = [b.resource(f"nvlink-bridge[{g}->{g ^ 1}]", *bridge) for g in range(n)] if bridge else []
     out = [b.resource(f"pcie-out[{g}]", bw, lat / 2) for g in range(n)]
     inn = [b.resource(f"pcie-in[{g}]", bw, lat / 2) for g in range(n)]
     up_out = [b.resource(f"pcie-uplink-out[sw{k}]", ubw, ulat / 2) for k in range(sw)]
@@ -274,11 +286,36 @@ def pcie_8(
         for t in range(n):
             if s == t:
                 continue
-            if s // gps == t // gps:
+            if pair and t == s ^ 1:
+                b.path(s, t, [pair[s]])
+            elif s // gps == t // gps:
                 b.path(s, t, [out[s], inn[t]])
             else:
                 b.path(s, t, [out[s], up_out[s // gps], up_in[t // gps], inn[t]])
     return b.build()
+
+
+def pcie_nvlink_pairs(
+    switches: int = 2,
+    gpus_per_switch: int = 4,
+    device: str = "a100-80g-pcie",
+    nvlink_bandwidth: float = 112.5e9,
+    nvlink_latency: float = 5e-6,
+    pcie_bandwidth: float = 25e9,
+    pcie_latency: float = 10e-6,
+    uplink_bandwidth: float = 12e9,
+    uplink_latency: float = 10e-6,
+) -> Topology:
+    """``pcie_8`` with an NVLink bridge on each pair of neighbouring GPUs (0-1, 2-3, ...).
+
+    An A100 PCIe NVLink bridge carries 3 links, 112.5 GB/s per direction, between the two
+    GPUs it joins and nothing else: pairs talk over the bridge, everything else goes the
+    PCIe way of ``pcie_8``. The layout where a planner should put pipeline neighbours on
+    a bridge and keep replicas of a stage off the uplinks.
+    """
+    bridge = (_number("nvlink_bandwidth", nvlink_bandwidth), _number("nvlink_latency", nvlink_latency, strict=False))
+    return _pcie_box("pcie_nvlink_pairs", switches, gpus_per_switch, device, pcie_bandwidth, pcie_latency,
+                     uplink_bandwidth, uplink_latency, bridge)
 
 
 def heterogeneous(
@@ -318,6 +355,7 @@ PRESETS: dict[str, Callable[..., Topology]] = {
     "local_cpu": local_cpu,
     "dgx_a100_8": dgx_a100_8,
     "pcie_8": pcie_8,
+    "pcie_nvlink_pairs": pcie_nvlink_pairs,
     "two_node_ib": two_node_ib,
     "cluster": cluster,
     "heterogeneous": heterogeneous,

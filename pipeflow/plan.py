@@ -1,0 +1,204 @@
+"""pipeflow-plan: a pipeline plan for a model on a topology, no GPU needed.
+
+    pipeflow-plan                                          # gpt_1.5b on heterogeneous, m = 16
+    pipeflow-plan model=bert_1b topology=pcie_8 plan.memory_limit_gb=40
+    pipeflow-plan topology=cluster topology.nodes=4 plan.stages=16
+
+Chooses the number of stages, the contiguous layer cut, the mapping of stages onto
+devices and the 1F1B microbatch order (:mod:`pipeflow.planning.planner`), within
+``plan.memory_limit_gb`` per device. Prints the plan as a table and the predicted
+iteration times of the baselines (uniform + identity mapping, PipeDream-style,
+DAPPLE-style; :mod:`pipeflow.planning.baselines`); writes plan.json and timeline.png (the predicted timeline)
+to the Hydra run directory. A model that cannot fit stops with one sentence saying by
+how much.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from pipeflow.config import CONF_DIR, ConfigError, register_configs
+from pipeflow.planning.baselines import BASELINES
+from pipeflow.planning.planner import GB, Plan, evaluate, fits, plan
+from pipeflow.planning.transformer import TransformerSpec
+from pipeflow.sim.gantt import draw_timeline
+from pipeflow.topology.presets import build_topology
+
+
+@dataclass
+class PlanPipelineConfig:
+    microbatches: int = 16
+    microbatch_size: int = 1
+
+
+@dataclass
+class PlanOptions:
+    memory_limit_gb: Optional[float] = None
+    stages: Optional[int] = None
+    replicas: Optional[int] = None
+    efficiency: float = 0.5
+    dtype_bytes: int = 2
+    top_k: int = 12
+
+
+@dataclass
+class PlanAppConfig:
+    pipeline: PlanPipelineConfig = field(default_factory=PlanPipelineConfig)
+    plan: PlanOptions = field(default_factory=PlanOptions)
+    model: Any = MISSING
+    topology: Any = MISSING
+    baselines: bool = True
+    draw: bool = True
+
+
+def register_plan_configs() -> None:
+    register_configs()
+    ConfigStore.instance().store(group="schema", name="plan_app", node=PlanAppConfig)
+
+
+register_plan_configs()
+
+
+def compose_plan(overrides=()) -> DictConfig:
+    """Compose conf/plan.yaml outside ``@hydra.main`` (tests)."""
+    from hydra import compose, initialize_config_dir
+
+    register_plan_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("plan", overrides=list(overrides))
+
+
+def _whole(key: str, value, low: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{key}={value}: must be a whole number >= {low}")
+
+
+def run_plan(cfg: DictConfig, out_dir: str | Path) -> dict:
+    """Plan the configured run, write plan.json (and timeline.png), return the summary.
+    Raises ConfigError (one sentence naming the key) when the config cannot be planned."""
+    pipe, opts = cfg.pipeline, cfg.plan
+    _whole("pipeline.microbatches", pipe.microbatches)
+    _whole("pipeline.microbatch_size", pipe.microbatch_size)
+    if cfg.model.get("family") not in (None, "gpt", "bert"):
+        raise ConfigError(f"model.family={cfg.model.get('family')}: pipeflow-plan plans GPT and BERT models")
+    try:
+        spec = TransformerSpec.from_config(cfg.model)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    try:
+        topology = build_topology(cfg.topology)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    limit_gb = opts.memory_limit_gb
+    if limit_gb is not None and not (isinstance(limit_gb, (int, float)) and limit_gb > 0):
+        raise ConfigError(f"plan.memory_limit_gb={limit_gb}: must be a number > 0, or null for the devices' memory")
+    limit = None if limit_gb is None else float(limit_gb) * GB
+    kw = dict(efficiency=float(opts.efficiency), dtype_bytes=int(opts.dtype_bytes))
+    try:
+        best = plan(spec, topology, pipe.microbatches, pipe.microbatch_size, limit, opts.stages,
+                    top_k=int(opts.top_k), replicas=opts.replicas, **kw)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+    baselines = {}
+    if cfg.baselines:
+        for name, fn in BASELINES.items():
+            try:
+                b = fn(spec, topology, pipe.microbatches, pipe.microbatch_size, limit, opts.stages, **kw)
+            except ValueError:
+                continue
+            baselines[name] = {
+                "predicted_iteration_time": b.predicted_iteration_time,
+                "fits": fits(b, topology, limit),
+                "layers_per_stage": b.layers_per_stage,
+                "device_of_stage": b.device_of_stage,
+                "peak_memory_bytes": b.peak_memory_bytes,
+            }
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = ["plan.json"]
+    if cfg.draw:
+        _, res = evaluate(spec, topology, best.layers_per_stage, best.device_of_stage, pipe.microbatches,
+                          pipe.microbatch_size, limit, record=True, replica_devices=best.replica_devices, **kw)
+        reps = f" x {best.replicas} replicas" if best.replicas > 1 else ""
+        title = (f"plan: {best.num_stages} stages{reps}, m={pipe.microbatches}, {spec.name} on {topology.name}, "
+                 f"{best.predicted_iteration_time * 1e3:.1f} ms")
+        draw_timeline(res.timeline, out / "timeline.png", title=title)
+        files.append("timeline.png")
+    doc = {
+        **best.to_dict(),
+        "baselines": baselines,
+        "topology_summary": topology.to_dict(),
+        "model_config": OmegaConf.to_container(cfg.model, resolve=True),
+        "files": files,
+    }
+    (out / "plan.json").write_text(json.dumps(doc, indent=2) + "\n")
+    return {"plan": best, "baselines": baselines, "files": files, "devices": topology.devices,
+            "limit": limit}
+
+
+def format_plan(summary: dict) -> str:
+    """The console table: one row per stage, then the baselines."""
+    p: Plan = summary["plan"]
+    devs = summary["devices"]
+    limit = summary["limit"]
+    head = [
+        f"model         {p.model} on {p.topology} ({len(devs)} devices)",
+        f"stages        {p.num_stages}"
+        + (f" x {p.replicas} data-parallel replicas ({p.num_devices_used} devices)" if p.replicas > 1 else "")
+        + f", schedule {p.schedule}, {p.microbatches} microbatches of {p.microbatch_size}",
+        f"iteration     {p.predicted_iteration_time * 1e3:.3f} ms (simulated)",
+        f"memory limit  {'device memory' if limit is None else f'{limit / GB:g} GB'} per device; "
+        f"peak {p.peak_memory_bytes / GB:.2f} GB",
+        "",
+    ]
+    cols = ("stage", "layers", "blocks", "device" if p.replicas == 1 else "devices", "kind",
+            "F+B / mb (ms)", "memory (GB)")
+    rows, start = [], 0
+    for s, (n, d) in enumerate(zip(p.layers_per_stage, p.device_of_stage)):
+        where = ",".join(str(row[s]) for row in p.pipelines)
+        kinds = sorted({f"{devs[row[s]].name}@node{devs[row[s]].node}" for row in p.pipelines})
+        rows.append((str(s), str(n), f"{start}-{start + n - 1}", where, ",".join(kinds),
+                     f"{p.stage_compute_time[s] * 1e3:.3f}", f"{p.stage_memory_bytes[s] / GB:.2f}"))
+        start += n
+    lines = head + _table(cols, rows)
+    if summary["baselines"]:
+        lines += ["", "baselines (same simulator):"]
+        brow = []
+        for name, b in summary["baselines"].items():
+            t = b["predicted_iteration_time"]
+            brow.append((name, f"{t * 1e3:.3f}", f"{t / p.predicted_iteration_time:.3f}x",
+                         "yes" if b["fits"] else "NO", str(len(b["layers_per_stage"]))))
+        lines += _table(("planner", "iteration (ms)", "vs plan", "fits", "stages"), brow)
+    return "\n".join(lines)
+
+
+def _table(cols, rows) -> list[str]:
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    out = ["  ".join(c.rjust(w) for c, w in zip(cols, widths))]
+    out += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
+    return out
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="plan", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    out_dir = HydraConfig.get().runtime.output_dir
+    try:
+        summary = run_plan(cfg, out_dir)
+    except ConfigError as err:
+        raise SystemExit(str(err)) from None
+    print(format_plan(summary))
+    print(f"\nwrote {', '.join(summary['files'])} to {out_dir}")
+
+
+if __name__ == "__main__":
+    main()

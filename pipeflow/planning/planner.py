@@ -1,0 +1,777 @@
+"""Topology-aware synchronous pipeline planning (Luo et al., INFOCOM 2022; the design
+notes' ALGORITHMS.md, "Topology-aware synchronous planning").
+
+For a transformer, a topology, ``m`` microbatches and a per-device memory limit,
+:func:`plan` jointly chooses
+
+- the number of stages ``p`` (at most the number of devices and of layers),
+- the contiguous cut of the layer sequence into stages,
+- the mapping of stages onto devices: an ordering of devices along the pipeline that
+  keeps consecutive pipeline edges on fast links (a greedy path over the topology
+  graph from every start device, so a chain stays inside an NVLink island or a PCIe
+  switch as long as it can and crosses a slow link once),
+- the per-stage order of microbatches (1F1B: the order that bounds in-flight
+  activations to ``p - s`` on stage ``s``),
+
+- optionally, data-parallel replicas of the whole pipeline (every stage replicated
+  the same number of times; microbatches shared round robin, each stage's gradients
+  all-reduced across its replicas): blocked tables (each pipeline a run of the greedy
+  ordering) and interleaved ones (a stage's replicas on consecutive devices, so the
+  all-reduce stays inside a fast island),
+
+and scores the best candidates with the real simulator
+(:func:`pipeflow.sim.engine.simulate`). Replicating single stages (PipeDream's uneven
+replication) is not modelled: the schedule IR places whole pipelines.
+
+Search, per stage count ``p`` (every count up to 24, beyond that a spread of them) and
+device chain of length ``p`` (the greedy orderings' first ``p`` devices, both
+directions, deduplicated up to link and device symmetry):
+
+1. cuts: the cut minimising the slowest stage (bisection on the bottleneck time with a
+   greedy feasibility check, which is exact for contiguous cuts since a stage's time
+   and memory grow with its layers; packed from the front and from the back), the cut
+   minimising the largest per-device memory, the uniform cut, and, when there are few,
+   every cut;
+2. each (chain, cut) is ranked by a closed-form 1F1B estimate
+   ``sum_s t_s + 2 sum_e c_e + (m - 1) max(max_s t_s, max_e c_e) + max step``
+   (``t_s`` forward + backward of stage s on its device, ``c_e`` one message over edge
+   e; with r replicas m becomes ceil(m / r) and the all-reduce time the backwards
+   cannot hide is added), with an estimated memory
+   ``min(p - s, m) * activation_s + model_state_s``;
+   the chains of the best few are then refined by hill climbing on that estimate
+   (swap two stages' devices, or move a stage to an unused device; chains whose
+   neighbourhood is small enough, i.e. not the 64-device cases);
+3. the best ``top_k`` that fit, plus the uniform-identity, PipeDream-style and
+   DAPPLE-style baselines' plans (:mod:`pipeflow.planning.baselines`), are simulated;
+   the fastest whose simulated memory fits wins. So a returned plan is never slower
+   than a baseline's plan that fits.
+
+Memory limit per device: ``min(memory_limit_bytes, device.memory_bytes)`` (the
+device's own memory when the limit is None). When no candidate fits, :func:`plan`
+raises ValueError naming ``plan.memory_limit_gb``, the smallest per-device requirement
+it found and how far that is over the limit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Iterable, Sequence
+
+from ..schedules.common import finish_sync, warmup_alternate_drain
+from ..schedules.ir import Action, Kind, Placement, Schedule, StageGraph
+from ..schedules.one_f_one_b import one_f_one_b_order
+from ..sim.engine import SimResult, simulate
+from ..topology.topology import Topology
+from .cost import AnalyticCost
+from .transformer import (
+    TransformerSpec,
+    embedding_params,
+    head_forward_flops,
+    head_params,
+    layer_forward_flops,
+    layer_params,
+)
+
+GB = 1e9  # plan.memory_limit_gb is in GB of 1e9 bytes, as schedule.memory_limit_gb
+
+# ------------------------------------------------------------------------- the plan
+
+
+@dataclass
+class Plan:
+    """A pipeline plan: stage s holds ``layers_per_stage[s]`` consecutive blocks and runs on
+    device ``device_of_stage[s]``; microbatches flow in the 1F1B order."""
+
+    layers_per_stage: list[int]
+    device_of_stage: list[int]
+    microbatches: int
+    microbatch_size: int = 1
+    # data-parallel replicas of the whole pipeline beyond the first: replica_devices[k][s]
+    # holds stage s of pipeline k + 1; microbatch i runs on pipeline i mod (replicas), and
+    # each stage's gradients are all-reduced across its replicas at the end (empty: none)
+    replica_devices: list[list[int]] = field(default_factory=list)
+    schedule: str = "1f1b"
+    predicted_iteration_time: float = math.nan
+    # per stage: peak activations + model state on its device (bytes; the largest over
+    # its replicas), and the forward + backward time of one microbatch on it (seconds)
+    stage_memory_bytes: list[float] = field(default_factory=list)
+    stage_compute_time: list[float] = field(default_factory=list)
+    memory_limit_bytes: float | None = None
+    model: str = ""
+    topology: str = ""
+    method: str = "planner"
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.layers_per_stage)
+
+    @property
+    def replicas(self) -> int:
+        """Pipelines running side by side (1: no replication)."""
+        return 1 + len(self.replica_devices)
+
+    @property
+    def pipelines(self) -> list[list[int]]:
+        """Device of each stage, per pipeline: ``pipelines[k][s]``."""
+        return [list(self.device_of_stage)] + [list(r) for r in self.replica_devices]
+
+    @property
+    def num_devices_used(self) -> int:
+        return self.num_stages * self.replicas
+
+    @property
+    def peak_memory_bytes(self) -> float:
+        return max(self.stage_memory_bytes, default=0.0)
+
+    def memory_per_device(self) -> dict[int, float]:
+        """Device -> memory of the stage it holds (the stage's largest over its replicas)."""
+        return {d: m for row in self.pipelines for d, m in zip(row, self.stage_memory_bytes)}
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    @staticmethod
+    def from_dict(data: dict) -> "Plan":
+        known = {f for f in Plan.__dataclass_fields__}
+        return Plan(**{k: v for k, v in data.items() if k in known})
+
+    @staticmethod
+    def from_json(text: str) -> "Plan":
+        return Plan.from_dict(json.loads(text))
+
+
+# ------------------------------------------------------------- schedule and scoring
+
+
+def build_plan_schedule(device_of_stage: Sequence[int], num_devices: int, microbatches: int,
+                        replica_devices: Sequence[Sequence[int]] = ()) -> Schedule:
+    """1F1B over ``len(device_of_stage)`` stages placed on arbitrary distinct devices; with
+    ``replica_devices``, that many more pipelines (one per row) share the microbatches
+    round robin, and each stage's gradients are all-reduced across its replicas."""
+    table = [list(device_of_stage)] + [list(r) for r in replica_devices]
+    p, d = len(table[0]), len(table)
+    flat = [x for row in table for x in row]
+    if len(set(flat)) != len(flat) or any(len(row) != p for row in table):
+        raise ValueError(f"device tables {table}: every stage of every pipeline needs its own device")
+    if d > microbatches:
+        raise ValueError(f"{d} pipeline replicas need at least {d} microbatches, got {microbatches}")
+    orders: list[list] = [[] for _ in range(num_devices)]
+    if d == 1:
+        for s, dev in enumerate(table[0]):
+            orders[dev] = one_f_one_b_order(s, p, microbatches)
+        return finish_sync("1f1b", StageGraph.chain(p), Placement.single(table[0], num_devices), orders,
+                           microbatches)
+    pipe_of = tuple(mb % d for mb in range(microbatches))
+    for k, row in enumerate(table):
+        mbs = [mb for mb in range(microbatches) if pipe_of[mb] == k]
+        for s, dev in enumerate(row):
+            orders[dev] = warmup_alternate_drain(
+                len(mbs), p - s - 1,
+                lambda i, s=s, k=k, mbs=mbs: Action(Kind.F, s, mbs[i], k),
+                lambda i, s=s, k=k, mbs=mbs: Action(Kind.B, s, mbs[i], k),
+            )
+    placement = Placement(num_devices, tuple(tuple(row) for row in table))
+    return finish_sync("1f1b", StageGraph.chain(p), placement, orders, microbatches, pipe_of_microbatch=pipe_of)
+
+
+def device_limits(topology: Topology, memory_limit_bytes: float | None) -> list[float]:
+    """Per device: the memory a plan may use there."""
+    return [
+        d.memory_bytes if memory_limit_bytes is None else min(float(memory_limit_bytes), d.memory_bytes)
+        for d in topology.devices
+    ]
+
+
+def evaluate(
+    spec: TransformerSpec,
+    topology: Topology,
+    layers_per_stage: Sequence[int],
+    device_of_stage: Sequence[int],
+    microbatches: int,
+    microbatch_size: int = 1,
+    memory_limit_bytes: float | None = None,
+    efficiency: float = 0.5,
+    dtype_bytes: int = 2,
+    method: str = "planner",
+    record: bool = False,
+    replica_devices: Sequence[Sequence[int]] = (),
+) -> tuple[Plan, SimResult]:
+    """Simulate one candidate; the Plan carries its iteration time and per-stage memory."""
+    layers, devs = list(layers_per_stage), list(device_of_stage)
+    reps = [list(r) for r in replica_devices]
+    table = [devs] + reps
+    cost = AnalyticCost(
+        spec, len(layers), microbatch_size=microbatch_size, efficiency=efficiency,
+        dtype_bytes=dtype_bytes, layers_per_stage=layers,
+    )
+    sched = build_plan_schedule(devs, topology.num_devices, microbatches, reps)
+    res = simulate(sched, cost, topology, record=record)
+    mem = [max(res.per_device[row[s]].peak_activation_bytes for row in table) + cost.model_state_bytes(s)
+           for s in range(len(devs))]
+    comp = [
+        max(cost.compute_time("F", s, 0, topology.devices[row[s]]) + cost.compute_time("B", s, 0, topology.devices[row[s]])
+            for row in table)
+        for s in range(len(devs))
+    ]
+    plan = Plan(
+        layers_per_stage=layers,
+        device_of_stage=devs,
+        microbatches=microbatches,
+        microbatch_size=microbatch_size,
+        replica_devices=reps,
+        predicted_iteration_time=res.makespan,
+        stage_memory_bytes=mem,
+        stage_compute_time=comp,
+        memory_limit_bytes=memory_limit_bytes,
+        model=spec.name,
+        topology=topology.name,
+        method=method,
+    )
+    return plan, res
+
+
+def fits(plan: Plan, topology: Topology, memory_limit_bytes: float | None) -> bool:
+    limits = device_limits(topology, memory_limit_bytes)
+    return all(m <= limits[d] * (1 + 1e-9) for d, m in plan.memory_per_device().items())
+
+
+def overshoot(plan: Plan, topology: Topology, memory_limit_bytes: float | None) -> float:
+    """Bytes by which the plan's worst device exceeds its limit (<= 0: fits)."""
+    limits = device_limits(topology, memory_limit_bytes)
+    return max(m - limits[d] for d, m in plan.memory_per_device().items())
+
+
+# ------------------------------------------------------------- closed-form estimates
+
+
+class StageModel:
+    """Per-layer constants of the analytic cost (whole sequences, no segments), so the
+    search can price any cut on any device without building a cost model. Mirrors
+    :class:`~pipeflow.planning.cost.AnalyticCost` exactly (a test checks it)."""
+
+    def __init__(self, spec: TransformerSpec, microbatch_size: int = 1, efficiency: float = 0.5,
+                 dtype_bytes: int = 2) -> None:
+        self.spec, self.b, self.eff, self.dt = spec, microbatch_size, efficiency, dtype_bytes
+        S, b, dt = spec.seq_len, microbatch_size, dtype_bytes
+        H, Fw, V, h = spec.n_embd, spec.ffn_width, spec.vocab_size, spec.n_head
+        self.L = spec.n_layer
+        self.f_layer = layer_forward_flops(spec, S, S) * b
+        self.f_head = head_forward_flops(spec, S) * b
+        self.a_layer = float(S * b * ((8 * H + 2 * Fw) * dt + 2 * H) + h * S * S * b * (2 * dt + 1))
+        self.a_first = float(S * b * H)
+        self.a_last = float(2 * S * b * H * dt + 4 * S * b * V)
+        self.p_layer = layer_params(spec)
+        self.p_first = embedding_params(spec)
+        self.p_last = head_params(spec)
+        self.state_per_param = dt + 4 + (12 if dt < 4 else 8)
+        self.step_per_param = 28 + (dt if dt < 4 else 0)
+        self.msg_bytes = float(b * S * H * dt)
+
+    def params(self, n: int, first: bool, last: bool) -> float:
+        x = n * self.p_layer + (self.p_first if first else 0) + (self.p_last if last else 0)
+        if first and last:
+            x -= self.spec.vocab_size * self.spec.n_embd
+        return float(x)
+
+    def fb_time(self, n: int, last: bool, device) -> float:
+        """Forward + backward (3x forward FLOPs) of one microbatch through n layers."""
+        return 3 * (n * self.f_layer + (self.f_head if last else 0.0)) / (device.peak_flops * self.eff)
+
+    def step_time(self, n: int, first: bool, last: bool, device) -> float:
+        if device.memory_bandwidth <= 0:
+            return 0.0
+        return self.params(n, first, last) * self.step_per_param / device.memory_bandwidth
+
+    def memory(self, n: int, first: bool, last: bool, in_flight: int) -> float:
+        act = n * self.a_layer + (self.a_first if first else 0.0) + (self.a_last if last else 0.0)
+        return in_flight * act + self.params(n, first, last) * self.state_per_param
+
+
+@dataclass
+class _Candidate:
+    est: float
+    est_mem_over: float  # max over stages of (estimated memory - limit)
+    layers: tuple[int, ...]
+    devices: tuple[int, ...]
+    method: str = "planner"
+    replicas: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def key(self) -> tuple:
+        return (self.layers, self.devices, self.replicas)
+
+
+def _edge_times(topology: Topology, chain: Sequence[int], nbytes: float) -> list[float]:
+    return [
+        max(topology.transfer_time(a, b, nbytes), topology.transfer_time(b, a, nbytes))
+        for a, b in zip(chain, chain[1:])
+    ]
+
+
+def estimate(model: StageModel, topology: Topology, layers: Sequence[int], chain: Sequence[int],
+             microbatches: int, limits: Sequence[float],
+             replicas: Sequence[Sequence[int]] = ()) -> tuple[float, float]:
+    """(estimated 1F1B iteration time, estimated worst memory overshoot in bytes).
+
+    With ``replicas`` (more pipelines), each runs ceil(m / replicas) microbatches, a
+    stage's time is its slowest replica's, and each stage's gradient all-reduce adds
+    what the backwards of the stages before it cannot hide."""
+    table = [list(chain)] + [list(r) for r in replicas]
+    p, d = len(layers), len(table)
+    m = -(-microbatches // d)
+    devs = topology.devices
+    t = [max(model.fb_time(n, s == p - 1, devs[row[s]]) for row in table) for s, n in enumerate(layers)]
+    c = [max(e) for e in zip(*(_edge_times(topology, row, model.msg_bytes) for row in table))] if p > 1 else []
+    step = max(model.step_time(n, s == 0, s == p - 1, devs[row[s]])
+               for s, n in enumerate(layers) for row in table)
+    est = sum(t) + 2 * sum(c) + (m - 1) * max(max(t), max(c, default=0.0)) + step
+    if d > 1:
+        hidden = 0.0
+        tail = 0.0
+        for s, n in enumerate(layers):
+            ar = topology.allreduce_time([row[s] for row in table], model.params(n, s == 0, s == p - 1) * model.dt)
+            tail = max(tail, ar - hidden)
+            hidden += 2 * t[s] / 3
+        est += tail
+    over = max(
+        model.memory(n, s == 0, s == p - 1, min(p - s, m)) - limits[row[s]]
+        for s, n in enumerate(layers) for row in table
+    )
+    return est, over
+
+
+# ------------------------------------------------------------------------ cuts
+
+
+def _greedy_cut(cap, p: int, L: int, reverse: bool = False) -> list[int] | None:
+    """Pack stages in order (from the back with ``reverse``), each taking as many layers as
+    ``cap(s, n)`` allows while leaving one per remaining stage; None if infeasible.
+    ``cap(s, n)`` is True when stage s may hold n layers."""
+    out = [0] * p
+    left = L
+    order = range(p - 1, -1, -1) if reverse else range(p)
+    for k, s in enumerate(order):
+        remaining = p - 1 - k
+        hi = left - remaining
+        if hi < 1:
+            return None
+        if k == p - 1:
+            if not cap(s, left):
+                return None
+            out[s] = left
+            left = 0
+            break
+        # the largest n in 1..hi with cap(s, n): cap is monotone (true then false)
+        if not cap(s, 1):
+            return None
+        lo_n, hi_n = 1, hi
+        while lo_n < hi_n:
+            mid = (lo_n + hi_n + 1) // 2
+            if cap(s, mid):
+                lo_n = mid
+            else:
+                hi_n = mid - 1
+        out[s] = lo_n
+        left -= lo_n
+    return out if left == 0 else None
+
+
+def _bisect_cut(value, p: int, L: int, reverse: bool, extra_cap=None, iters: int = 40) -> list[int] | None:
+    """The cut minimising max_s value(s, n_s) (monotone in n), subject to extra_cap."""
+    def cap_for(T):
+        def cap(s, n):
+            return value(s, n) <= T and (extra_cap is None or extra_cap(s, n))
+        return cap
+
+    hi = max(value(s, L - p + 1) for s in range(p))
+    lo = 0.0
+    best = _greedy_cut(cap_for(hi), p, L, reverse)
+    if best is None:
+        return None
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        cut = _greedy_cut(cap_for(mid), p, L, reverse)
+        if cut is None:
+            lo = mid
+        else:
+            hi, best = mid, cut
+        if hi - lo <= 1e-9 * hi:
+            break
+    return best
+
+
+def _compositions(L: int, p: int) -> Iterable[tuple[int, ...]]:
+    for bars in itertools.combinations(range(1, L), p - 1):
+        edges = (0, *bars, L)
+        yield tuple(edges[i + 1] - edges[i] for i in range(p))
+
+
+def uniform_cut(L: int, p: int) -> list[int]:
+    base, extra = divmod(L, p)
+    return [base + (1 if s < extra else 0) for s in range(p)]
+
+
+def chain_cuts(model: StageModel, topology: Topology, chain: Sequence[int], microbatches: int,
+               limits: Sequence[float], exhaustive_budget: int = 0) -> list[list[int]]:
+    """Candidate cuts of the layers over the devices of ``chain`` (one stage per device)."""
+    p, L, m = len(chain), model.L, microbatches
+    if p > L:
+        return []
+    devs = topology.devices
+    if math.comb(L - 1, p - 1) <= exhaustive_budget:
+        return [list(c) for c in _compositions(L, p)]
+
+    def time_of(s, n):
+        return model.fb_time(n, s == p - 1, devs[chain[s]])
+
+    def mem_of(s, n):
+        return model.memory(n, s == 0, s == p - 1, min(p - s, m)) / limits[chain[s]]
+
+    def mem_ok(s, n):
+        return mem_of(s, n) <= 1.0
+
+    cuts = [uniform_cut(L, p)]
+    for reverse in (False, True):
+        for extra in (mem_ok, None):
+            c = _bisect_cut(time_of, p, L, reverse, extra)
+            if c is not None:
+                cuts.append(c)
+        c = _bisect_cut(mem_of, p, L, reverse)  # least memory
+        if c is not None:
+            cuts.append(c)
+    out, seen = [], set()
+    for c in cuts:
+        if tuple(c) not in seen:
+            seen.add(tuple(c))
+            out.append(c)
+    return out
+
+
+# ---------------------------------------------------------------------- mappings
+
+
+def _pair_bw(topology: Topology, a: int, b: int) -> float:
+    return min(topology.bandwidth(a, b), topology.bandwidth(b, a))
+
+
+def greedy_chain(topology: Topology, start: int) -> list[int]:
+    """A device ordering from ``start``: always step to the unused device with the fastest
+    link both ways, ties to the same node, then the faster device, then the lower id."""
+    n = topology.num_devices
+    devs = topology.devices
+    chain = [start]
+    used = [False] * n
+    used[start] = True
+    cur = start
+    for _ in range(n - 1):
+        best, key = -1, None
+        for d in range(n):
+            if used[d]:
+                continue
+            k = (_pair_bw(topology, cur, d), devs[d].node == devs[cur].node, devs[d].peak_flops, -d)
+            if key is None or k > key:
+                best, key = d, k
+        chain.append(best)
+        used[best] = True
+        cur = best
+    return chain
+
+
+def _signature(topology: Topology, chain: Sequence[int]) -> tuple:
+    devs = topology.devices
+    return (
+        tuple((devs[d].name, devs[d].peak_flops, devs[d].memory_bytes) for d in chain),
+        tuple((topology.route(a, b).bandwidth, topology.route(a, b).latency,
+               topology.route(b, a).bandwidth, topology.route(b, a).latency) for a, b in zip(chain, chain[1:])),
+    )
+
+
+def greedy_chains(topology: Topology, starts: Sequence[int] | None = None) -> list[list[int]]:
+    """The greedy ordering from each start device (every device on up to 16 devices;
+    beyond that one start per node and device kind)."""
+    n = topology.num_devices
+    if starts is None:
+        if n <= 16:
+            starts = range(n)
+        else:  # one start per node and per device kind
+            seen_kind: set = set()
+            starts = []
+            for d, dev in enumerate(topology.devices):
+                key = (dev.node, dev.name)
+                if key not in seen_kind:
+                    seen_kind.add(key)
+                    starts.append(d)
+    return [greedy_chain(topology, s) for s in starts]
+
+
+def device_chains(topology: Topology, p: int, full: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
+    """Distinct (up to link and device symmetry) device chains of length p: the first p
+    devices of each greedy ordering (``full``, default :func:`greedy_chains`), and their
+    reversals."""
+    if full is None:
+        full = greedy_chains(topology)
+    out, seen = [], set()
+    for ch in full:
+        ch = list(ch)
+        for cand in (ch[:p], ch[:p][::-1]):
+            sig = _signature(topology, cand)
+            if sig not in seen:
+                seen.add(sig)
+                out.append(cand)
+    return out
+
+
+# ------------------------------------------------------------------------ search
+
+
+def _best_on_chain(model, topology, chain, microbatches, limits, exhaustive_budget) -> _Candidate | None:
+    best = None
+    for cut in chain_cuts(model, topology, chain, microbatches, limits, exhaustive_budget):
+        est, over = estimate(model, topology, cut, chain, microbatches, limits)
+        c = _Candidate(est, over, tuple(cut), tuple(chain))
+        if best is None or (max(c.est_mem_over, 0), c.est) < (max(best.est_mem_over, 0), best.est):
+            best = c
+    return best
+
+
+def _local_search(model, topology, cands, microbatches, limits, exhaustive_budget,
+                  starts: int = 4, max_neighbours: int = 400, max_rounds: int = 8) -> list[_Candidate]:
+    """Hill-climb the device chains of the ``starts`` best fitting candidates (by estimate)."""
+    D = topology.num_devices
+    pool = sorted((c for c in cands if c.est_mem_over <= 0 and not c.replicas), key=lambda c: c.est)
+    out: list[_Candidate] = []
+    seen_chains: set = set()
+    cache: dict = {}
+    for start in pool:
+        if len(seen_chains) >= starts:
+            break
+        if start.devices in seen_chains:
+            continue
+        seen_chains.add(start.devices)
+        p = len(start.devices)
+        if p * (p - 1) // 2 + p * (D - p) > max_neighbours:
+            continue
+        cur = start
+        for _ in range(max_rounds):
+            chain = list(cur.devices)
+            unused = [d for d in range(D) if d not in chain]
+            neighbours = []
+            for i in range(p):
+                for j in range(i + 1, p):
+                    nb = chain[:]
+                    nb[i], nb[j] = nb[j], nb[i]
+                    neighbours.append(nb)
+                for d in unused:
+                    nb = chain[:]
+                    nb[i] = d
+                    neighbours.append(nb)
+            improved = None
+            for nb in neighbours:
+                # chains alike up to device and link symmetry have the same best cut and estimate
+                sig = _signature(topology, nb)
+                if sig not in cache:
+                    cache[sig] = _best_on_chain(model, topology, nb, microbatches, limits, exhaustive_budget)
+                c = cache[sig]
+                if c is not None and tuple(nb) != c.devices:
+                    c = _Candidate(c.est, c.est_mem_over, c.layers, tuple(nb))
+                if c is not None and c.est_mem_over <= 0 and c.est < (improved or cur).est * (1 - 1e-9):
+                    improved = c
+            if improved is None:
+                break
+            cur = improved
+            out.append(cur)
+    return out
+
+
+def _check_args(spec, topology, microbatches, microbatch_size, memory_limit_bytes, num_stages):
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"pipeline.microbatches={microbatches!r}: must be a whole number >= 1")
+    if isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int) or microbatch_size < 1:
+        raise ValueError(f"pipeline.microbatch_size={microbatch_size!r}: must be a whole number >= 1")
+    if memory_limit_bytes is not None and not (memory_limit_bytes > 0):
+        raise ValueError(f"plan.memory_limit_gb={memory_limit_bytes / GB:g}: must be a number > 0 (or null)")
+    most = min(spec.n_layer, topology.num_devices)
+    if num_stages is not None and (
+        isinstance(num_stages, bool) or not isinstance(num_stages, int) or not 1 <= num_stages <= most
+    ):
+        raise ValueError(
+            f"plan.stages={num_stages!r}: allowed values: null (search) or 1..{most} "
+            f"(model '{spec.name}' has {spec.n_layer} layers, topology '{topology.name}' "
+            f"{topology.num_devices} devices)"
+        )
+
+
+def _stage_counts(most: int, budget: int = 24) -> list[int]:
+    """Every count up to 8, then a geometric-ish spread (with the extreme) up to ``most``."""
+    if most <= budget:
+        return list(range(1, most + 1))
+    counts = set(range(1, 9))
+    x = 8.0
+    while x < most:
+        x *= 1.25
+        counts.add(min(most, int(round(x))))
+    for d in range(1, most + 1):  # divisors-friendly values: powers of two and multiples of 8
+        if d % 8 == 0 or (d & (d - 1)) == 0:
+            counts.add(d)
+    counts.add(most)
+    return sorted(counts)
+
+
+def not_fitting_message(spec: TransformerSpec, limit: float | None, need: float, over: float,
+                        lean: Plan | None = None) -> str:
+    where = ""
+    if lean is not None:
+        rep = f" x {lean.replicas} replicas" if lean.replicas > 1 else ""
+        where = (f" (the leanest plan found: {lean.num_stages} stages{rep}, layers {lean.layers_per_stage} "
+                 f"on devices {lean.pipelines if lean.replicas > 1 else lean.device_of_stage})")
+    lim = "the devices' own memory (null)" if limit is None else f"{limit / GB:g} GB"
+    return (
+        f"plan.memory_limit_gb={'null' if limit is None else f'{limit / GB:g}'}: model '{spec.name}' does not fit "
+        f"in {lim} per device; the smallest per-device requirement found is {need / GB:.2f} GB, "
+        f"{over / GB:.2f} GB over the limit{where}; raise plan.memory_limit_gb, use more devices, "
+        f"or a smaller pipeline.microbatch_size"
+    )
+
+
+def _replica_counts(most: int) -> list[int]:
+    return [d for d in range(2, most + 1) if d <= 8 or (d & (d - 1)) == 0]
+
+
+def replica_tables(topology: Topology, p: int, d: int, full: Sequence[Sequence[int]]) -> list[list[list[int]]]:
+    """Device tables (``d`` pipelines of ``p`` stages) from the greedy orderings: blocked
+    (pipeline k = the k-th run of p devices: pipeline edges on the fastest links) and
+    interleaved (stage s of every pipeline on d consecutive devices: replicas, and so
+    the gradient all-reduce, inside a fast island)."""
+    out, seen = [], set()
+    for ch in full:
+        ch = list(ch)[: p * d]
+        for table in ([ch[k * p:(k + 1) * p] for k in range(d)], [[ch[s * d + k] for s in range(p)] for k in range(d)]):
+            sig = (tuple(_signature(topology, row) for row in table),
+                   tuple(topology.allreduce_time(list(col), 1e9) for col in zip(*table)))
+            if sig not in seen:
+                seen.add(sig)
+                out.append(table)
+    return out
+
+
+def plan(
+    spec: TransformerSpec,
+    topology: Topology,
+    microbatches: int,
+    microbatch_size: int = 1,
+    memory_limit_bytes: float | None = None,
+    num_stages: int | None = None,
+    efficiency: float = 0.5,
+    dtype_bytes: int = 2,
+    top_k: int = 12,
+    exhaustive_budget: int = 64,
+    replicas: int | None = None,
+) -> Plan:
+    """The fastest 1F1B plan found (see the module docstring); ValueError when nothing fits.
+
+    ``replicas``: None searches data-parallel replicas of the pipeline too (1 up to the
+    devices and microbatches allow), 1 plans one pipeline, k > 1 exactly k replicas."""
+    _check_args(spec, topology, microbatches, microbatch_size, memory_limit_bytes, num_stages)
+    D, L = topology.num_devices, spec.n_layer
+    if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int)
+                                 or not 1 <= replicas <= min(D, microbatches)):
+        raise ValueError(f"plan.replicas={replicas!r}: allowed values: null (search) or "
+                         f"1..{min(D, microbatches)} (devices and pipeline.microbatches allow)")
+    if num_stages is not None and replicas is not None and num_stages * replicas > D:
+        raise ValueError(f"plan.stages={num_stages} x plan.replicas={replicas} needs {num_stages * replicas} "
+                         f"devices; topology '{topology.name}' has {D}")
+    model = StageModel(spec, microbatch_size, efficiency, dtype_bytes)
+    limits = device_limits(topology, memory_limit_bytes)
+    full = greedy_chains(topology)
+    cands: list[_Candidate] = []
+    seen: set = set()
+
+    def add(c: _Candidate) -> None:
+        if c.key not in seen:
+            seen.add(c.key)
+            cands.append(c)
+
+    if replicas in (None, 1):
+        most = min(L, D)
+        counts = [num_stages] if num_stages is not None else _stage_counts(most)
+        for p in counts:
+            for chain in device_chains(topology, p, full):
+                for cut in chain_cuts(model, topology, chain, microbatches, limits, exhaustive_budget):
+                    est, over = estimate(model, topology, cut, chain, microbatches, limits)
+                    add(_Candidate(est, over, tuple(cut), tuple(chain)))
+        # mapping refinement: hill-climb the best few chains by swapping two stages' devices or
+        # moving a stage to an unused device, each neighbour priced with its best cut
+        for c in _local_search(model, topology, cands, microbatches, limits, exhaustive_budget):
+            add(c)
+
+    rep_counts = _replica_counts(min(D, microbatches)) if replicas is None else [r for r in [replicas] if r > 1]
+    for d in rep_counts:
+        most = min(L, D // d)
+        if most < 1 or (num_stages is not None and num_stages > most):
+            continue
+        counts = [num_stages] if num_stages is not None else _stage_counts(most)
+        m_d = -(-microbatches // d)
+        for p in counts:
+            for table in replica_tables(topology, p, d, full):
+                rows = [tuple(r) for r in table[1:]]
+                for cut in chain_cuts(model, topology, table[0], m_d, limits, exhaustive_budget):
+                    est, over = estimate(model, topology, cut, table[0], microbatches, limits, rows)
+                    add(_Candidate(est, over, tuple(cut), tuple(table[0]), replicas=tuple(rows)))
+
+    # the baselines are candidates too: the plan is never slower than them when they fit
+    from .baselines import dapple_plan_layout, pipedream_plan_layout, uniform_layout  # late: they import us
+
+    extra: list[_Candidate] = []
+    if replicas in (None, 1):
+        for method, layout in (
+            ("uniform", uniform_layout(spec, topology, num_stages)),
+            ("pipedream", pipedream_plan_layout(spec, topology, microbatches, microbatch_size, efficiency,
+                                                dtype_bytes, num_stages)),
+            ("dapple", dapple_plan_layout(spec, topology, microbatches, microbatch_size, efficiency,
+                                          dtype_bytes, num_stages, memory_limit_bytes)),
+        ):
+            cut, chain = layout
+            est, over = estimate(model, topology, cut, chain, microbatches, limits)
+            extra.append(_Candidate(est, over, tuple(cut), tuple(chain), method))
+
+    def run(c: _Candidate) -> Plan:
+        return evaluate(spec, topology, c.layers, c.devices, microbatches, microbatch_size, memory_limit_bytes,
+                        efficiency, dtype_bytes, replica_devices=c.replicas)[0]
+
+    fitting = sorted((c for c in cands if c.est_mem_over <= 0), key=lambda c: c.est)
+    # estimated memory is close but not exact: simulate a few beyond the estimate's edge
+    near = sorted((c for c in cands if 0 < c.est_mem_over), key=lambda c: (c.est_mem_over, c.est))
+    chosen = fitting[:top_k] + [c for c in extra if c.est_mem_over <= 0] + near[: max(2, top_k // 4)]
+    best: Plan | None = None
+    leanest: Plan | None = None
+    done: set = set()
+    for c in chosen:
+        if c.key in done:
+            continue
+        done.add(c.key)
+        cand = run(c)
+        if fits(cand, topology, memory_limit_bytes):
+            if best is None or cand.predicted_iteration_time < best.predicted_iteration_time * (1 - 1e-12):
+                best = cand
+        elif leanest is None or overshoot(cand, topology, memory_limit_bytes) < overshoot(
+                leanest, topology, memory_limit_bytes):
+            leanest = cand
+    if best is not None:
+        best.method = "planner"
+        return best
+    # nothing fits: report the leanest candidate, by simulated memory
+    for c in sorted(cands + extra, key=lambda c: c.est_mem_over)[:4]:
+        cand = run(c)
+        if leanest is None or overshoot(cand, topology, memory_limit_bytes) < overshoot(
+                leanest, topology, memory_limit_bytes):
+            leanest = cand
+    over = overshoot(leanest, topology, memory_limit_bytes)
+    limit_of = device_limits(topology, memory_limit_bytes)
+    need = max(leanest.memory_per_device().items(), key=lambda kv: kv[1] - limit_of[kv[0]])[1]
+    raise ValueError(not_fitting_message(spec, memory_limit_bytes, need, over, leanest))
