@@ -74,6 +74,10 @@ class ReplicaVersions:
             return [p.detach() for p in self.params]
         return self.stash[version]
 
+    def tensor(self, version: int, i: int) -> torch.Tensor:
+        """Parameter ``i`` at ``version`` (what a backward unpacks, once per saved weight)."""
+        return self.params[i].detach() if version == self.live else self.stash[version][i]
+
     def before_update(self) -> None:
         """Copy the live version aside if anything will still compute with it."""
         v = self.live
@@ -120,7 +124,7 @@ def weight_version(vers: ReplicaVersions, version: int, meter=None):
         if not isinstance(obj, tuple):
             return obj if meter is None else meter.unpack(obj)
         i, v, size, stride, offset = obj
-        src = vers.tensors(v)[i] if keep else vers.params[i].detach()
+        src = vers.tensor(v, i) if keep else vers.params[i].detach()
         return src.as_strided(size, stride, offset)
 
     try:
