@@ -134,9 +134,15 @@ def test_amdp_staleness_from_the_runtime(tmp_path):
     assert run["summary"]["max_mismatch"] <= 1
 
 
-def test_sync_schedule_reports_zero_staleness(tmp_path):
-    run = train(tmp_path, "schedule=1f1b", "pipeline.stages=2", "trainer.steps=2")
-    assert run["summary"]["max_staleness"] == 0 and run["summary"]["mean_mismatch"] == 0.0
+@pytest.mark.parametrize("name,extra", [("1f1b", []), ("chimera", ["pipeline.stages=4"])])
+def test_sync_schedule_reports_zero_staleness(name, extra, tmp_path):
+    """A synchronous run reports its schedule's version accounting: every forward,
+    backward and update of an iteration on one version (Chimera's replicas included)."""
+    run = train(tmp_path, f"schedule={name}", "pipeline.stages=2", "trainer.steps=2", *extra)
+    s = run["summary"]
+    assert s["weight_policy"] == "sync"
+    assert (s["max_staleness"], s["mean_staleness"], s["max_mismatch"], s["mean_mismatch"]) == (0, 0.0, 0, 0.0)
+    assert not (tmp_path / "staleness.json").exists()
 
 
 @pytest.fixture(scope="module")
