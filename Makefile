@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: all install run simulate test bench clean distclean
+.PHONY: all install run simulate sweep compare test bench reproduce clean distclean
 
 all: test
 
@@ -31,6 +31,19 @@ run: $(STAMP)
 simulate: $(STAMP)
 	$(BIN)/pipeflow-simulate $(ARGS)
 
+# A ready-made sweep from sweeps/ (one W&B group), e.g. make sweep SWEEP=train_schedules;
+# the file's prefix picks the app: train_* -> pipeflow-train, simulate_* -> pipeflow-simulate,
+# plan_* -> pipeflow-plan. ARGS are extra overrides for every job.
+SWEEP ?= train_schedules
+sweep: $(STAMP)
+	@test -f sweeps/$(SWEEP).yaml || { echo "no sweep sweeps/$(SWEEP).yaml; ready ones: $$(ls sweeps | sed 's/\.yaml//' | tr '\n' ' ')"; exit 2; }
+	$(BIN)/pipeflow-$(firstword $(subst _, ,$(SWEEP))) -m --config-dir sweeps --config-name $(SWEEP) $(ARGS)
+
+# One report over run and multirun folders, e.g. make compare ARGS="outputs/multirun/train/2026-11-21/17-05-12";
+# with no ARGS, the newest sweep under outputs/multirun/.
+compare: $(STAMP)
+	$(BIN)/pipeflow-compare $(or $(ARGS),$$(ls -d outputs/multirun/*/*/* 2>/dev/null | sort -t/ -k4,5 | tail -n 1))
+
 # pytest exits 5 when it collects no tests; that is not a failure here.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS) || { rc=$$?; [ $$rc -eq 5 ] || exit $$rc; }
@@ -45,6 +58,12 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_seq1f1b
 	$(BIN)/python -m benchmarks.bench_bapp
 	$(BIN)/python -m benchmarks.bench_planner
+	$(BIN)/python -m benchmarks.bench_closed_forms
+
+# One table of every comparison with a published figure: pipeflow's figure beside the
+# paper's, with the command for each row. ARGS: --quick (a minute or two), --out DIR.
+reproduce: $(STAMP)
+	$(BIN)/python -m benchmarks.reproduce $(ARGS)
 
 # Caches and build leftovers; run outputs under outputs/ are results and stay.
 clean:

@@ -112,6 +112,39 @@ def _fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.1f}"
 
 
+# the paper's accumulation-threshold sweep: GPT, d = 8, R rounds of d minibatches per update
+PUBLISHED_ROUNDS = {1: 75.5, 2: 78.9, 4: 83.7, 8: 83.3}
+
+
+def accumulation_rate(rounds: int) -> float:
+    """Steady-state ktokens/s of AMDP (ZeRO) for GPT on d = 8 with updates every ``rounds`` rounds."""
+    m = rounds * 8
+    cost = AnalyticCost(GPT, 8, microbatch_size=MICROBATCH, efficiency=EFFICIENCY)
+    topo = get_topology(TOPOLOGY, 8)
+    r1, r2 = (simulate(build_schedule("amdp", 8, m, windows=w, zero=True), cost, topo, record=False)
+              for w in (W1, W2))
+    return (W2 - W1) * m * MICROBATCH * GPT.seq_len / (r2.makespan - r1.makespan) / 1e3
+
+
+def results() -> dict:
+    """Every published row simulated under every schedule, and the accumulation sweep.
+
+    ``rows``: one dict per published (model, d, batch) with ``published`` (ktokens/s of
+    2bw, inter-1f1b, amdp) and ``pipeflow`` (label -> :func:`measure`'s dict, or None
+    where the schedule does not apply); ``rounds``: rounds -> published and pipeflow
+    ktokens/s of AMDP on GPT, d = 8.
+    """
+    rows = []
+    for (model, d, batch), pub in PUBLISHED.items():
+        rows.append({
+            "model": model, "d": d, "batch": batch,
+            "published": dict(zip(("2bw", "inter-1f1b", "amdp"), pub)),
+            "pipeflow": {label: measure(model, d, batch, label) for label in SCHEDULES},
+        })
+    rounds = {r: {"published": pub, "pipeflow": accumulation_rate(r)} for r, pub in PUBLISHED_ROUNDS.items()}
+    return {"rows": rows, "rounds": rounds}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.parse_args(argv)
@@ -121,9 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{TOPOLOGY} cut to d; GPT seq {GPT.seq_len}, BERT seq {BERT.seq_len}; steady state from windows "
         f"{W1} -> {W2}\n"
     )
-    rows = {}
-    for key in PUBLISHED:
-        rows[key] = {label: measure(*key, label) for label in SCHEDULES}
+    res = results()
+    rows = {(row["model"], row["d"], row["batch"]): row["pipeflow"] for row in res["rows"]}
 
     labels = list(SCHEDULES)
     head = (["model", "d", "batch"] + [f"{lab} (pf)" for lab in labels]
@@ -148,21 +180,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{pub[2] / pub[0]:.3f} ({pub[2] / pub[0] - 1:+.1%}); pipeflow {r['amdp']['ktok']:.1f}/{r['2bw']['ktok']:.1f} "
         f"= {ours:.3f} ({ours - 1:+.1%})"
     )
-
-    # the paper's accumulation-threshold sweep: GPT, d = 8, R rounds of d minibatches per update
-    pub_rounds = {1: 75.5, 2: 78.9, 4: 83.7, 8: 83.3}
-    ours_rounds = {}
-    for rounds in pub_rounds:
-        m = rounds * 8
-        cost = AnalyticCost(GPT, 8, microbatch_size=MICROBATCH, efficiency=EFFICIENCY)
-        topo = get_topology(TOPOLOGY, 8)
-        r1, r2 = (simulate(build_schedule("amdp", 8, m, windows=w, zero=True), cost, topo, record=False)
-                  for w in (W1, W2))
-        ours_rounds[rounds] = (W2 - W1) * m * MICROBATCH * GPT.seq_len / (r2.makespan - r1.makespan) / 1e3
+    rounds = res["rounds"]
     print(
-        "GPT d=8 AMDP by accumulation rounds " + "/".join(map(str, pub_rounds)) + ": pipeflow "
-        + "/".join(f"{x:.1f}" for x in ours_rounds.values()) + " ktokens/s, published "
-        + "/".join(f"{x:.1f}" for x in pub_rounds.values())
+        "GPT d=8 AMDP by accumulation rounds " + "/".join(map(str, rounds)) + ": pipeflow "
+        + "/".join(f"{x['pipeflow']:.1f}" for x in rounds.values()) + " ktokens/s, published "
+        + "/".join(f"{x['published']:.1f}" for x in rounds.values())
     )
 
     print("\npeak memory per device, GB (activations + weight versions + optimizer state); amdp with ZeRO\n")

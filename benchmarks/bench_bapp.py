@@ -61,10 +61,11 @@ def flattened(name: str, model: dict, p: int, m: int, topo) -> float:
     return simulate(build_schedule(name, p, m, graph=graph), cost, topo, record=False).makespan
 
 
-def simulated_table() -> list[str]:
-    rows = ["| model | p | m | bapp (ms) | uncoordinated (ms) | chimera (ms) | 1f1b (ms) | bapp / chimera | "
-            "bapp / 1f1b | coordinator policy | search (s) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+def simulated() -> list[dict]:
+    """One dict per (model, p = 4 and 8): simulated makespans (s) of the coordinated BAPP,
+    the uncoordinated one and the flattened Chimera and 1F1B, m = 2p, with the
+    coordinator's policy and its search time."""
+    rows = []
     for label, model in configs():
         for p in (4, 8):
             m = 2 * p
@@ -72,12 +73,10 @@ def simulated_table() -> list[str]:
             graph, specs = cbm_stage_graph(model, p, p)
             cost = BranchedAnalyticCost(model, [(s.branch, s.lo, s.hi) for s in specs], MICROBATCH)
             c = coordinate(p, m, graph, cost, topo)
-            chim, one = flattened("chimera", model, p, m, topo), flattened("1f1b", model, p, m, topo)
-            rows.append(
-                f"| {label} | {p} | {m} | {c.makespan * 1e3:.1f} | {c.uncoordinated_makespan * 1e3:.1f} | "
-                f"{chim * 1e3:.1f} | {one * 1e3:.1f} | **{chim / c.makespan:.2f}x** | {one / c.makespan:.2f}x | "
-                f"{c.policy.describe()} | {c.seconds:.2f} |"
-            )
+            rows.append({"model": label, "p": p, "m": m, "bapp": c.makespan,
+                         "uncoordinated": c.uncoordinated_makespan, "chimera": flattened("chimera", model, p, m, topo),
+                         "1f1b": flattened("1f1b", model, p, m, topo), "policy": c.policy.describe(),
+                         "search_s": c.seconds})
     return rows
 
 
@@ -91,6 +90,16 @@ def measured(schedule: str, steps: int, run_dir: Path) -> float:
     return json.loads((run_dir / "summary.json").read_text())["mean_step_time"]
 
 
+def measured_times(steps: int = 30, repeats: int = 2) -> dict[str, list[float]]:
+    """schedule -> mean step time (s) of each of ``repeats`` CPU runs, schedules alternating run by run."""
+    times: dict[str, list[float]] = {"bapp": [], "chimera": [], "1f1b": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(repeats):
+            for name in times:
+                times[name].append(measured(name, steps, Path(tmp) / f"{name}-{r}"))
+    return times
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=30)
@@ -98,14 +107,16 @@ def main() -> None:
     ap.add_argument("--no-measure", action="store_true")
     args = ap.parse_args()
     print("Simulated step time, dgx_a100_8, analytic cost, microbatch 4 (published BAPP vs Chimera: +20% on average)")
-    print("\n".join(simulated_table()))
+    print("| model | p | m | bapp (ms) | uncoordinated (ms) | chimera (ms) | 1f1b (ms) | bapp / chimera | "
+          "bapp / 1f1b | coordinator policy | search (s) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in simulated():
+        print(f"| {r['model']} | {r['p']} | {r['m']} | {r['bapp'] * 1e3:.1f} | {r['uncoordinated'] * 1e3:.1f} | "
+              f"{r['chimera'] * 1e3:.1f} | {r['1f1b'] * 1e3:.1f} | **{r['chimera'] / r['bapp']:.2f}x** | "
+              f"{r['1f1b'] / r['bapp']:.2f}x | {r['policy']} | {r['search_s']:.2f} |")
     if args.no_measure:
         return
-    times: dict[str, list[float]] = {"bapp": [], "chimera": [], "1f1b": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.repeats):
-            for name in times:
-                times[name].append(measured(name, args.steps, Path(tmp) / f"{name}-{r}"))
+    times = measured_times(args.steps, args.repeats)
     mean = {k: sum(v) / len(v) for k, v in times.items()}
     print("\nMeasured on 2 CPU ranks, cbm_tiny, 8 microbatches of 4 (mean step time of each run's second half)")
     print("| schedule | step times (s) | mean (s) | throughput vs bapp |")

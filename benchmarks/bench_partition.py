@@ -63,6 +63,40 @@ def measured(profile: Path, stages: int, partition: str, steps: int, run_dir: Pa
     return json.loads((run_dir / "summary.json").read_text())["mean_step_time"]
 
 
+def results(stages=(2, 4), steps: int = 8) -> dict:
+    """Profile the model once, then for each stage count the uniform and the profiled
+    split, simulated and measured.
+
+    Returns ``profile`` (the head's and the mean block's F+B time, s) and ``rows``: per
+    stage count the ``splits`` (layers per stage), ``sim_uniform`` / ``sim_profiled``
+    (predicted step time, s), ``run_uniform`` / ``run_profiled`` (measured mean step
+    time, s) and the ratios profiled / uniform ``sim_ratio`` and ``run_ratio``.
+    """
+    from pipeflow.planning import TransformerSpec
+
+    model_cfg = OmegaConf.to_container(compose("train", MODEL).model, resolve=True)
+    spec = TransformerSpec.from_config(compose("train", MODEL).model)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        prof = profile_model(model_cfg, microbatch_size=4, threads=1)
+        path = prof.save(tmp / "profile.json")
+        head, block = prof.head.time_s, sum(b.time_s for b in prof.blocks) / len(prof.blocks)
+        for n in stages:
+            splits = {
+                "uniform": partition_layers("uniform", spec, n),
+                "profiled": partition_layers("profiled", spec, n, {"profile": str(path)}),
+            }
+            row = {"stages": n, "splits": splits}
+            for name, layers in splits.items():
+                row[f"sim_{name}"] = simulated(path, n, layers)
+                row[f"run_{name}"] = measured(path, n, name, steps, tmp / f"{name}_{n}")
+            row["sim_ratio"] = row["sim_profiled"] / row["sim_uniform"]
+            row["run_ratio"] = row["run_profiled"] / row["run_uniform"]
+            rows.append(row)
+    return {"profile": {"head_s": head, "block_s": block}, "rows": rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
@@ -70,39 +104,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args(argv)
 
-    model_cfg = OmegaConf.to_container(compose("train", MODEL).model, resolve=True)
-    results = []
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        prof = profile_model(model_cfg, microbatch_size=4, threads=1)
-        path = prof.save(tmp / "profile.json")
-        head, block = prof.head.time_s, sum(b.time_s for b in prof.blocks) / len(prof.blocks)
-        print(f"profile: head F+B {head * 1e3:.1f} ms = {head / block:.2f} mean blocks ({block * 1e3:.1f} ms)")
-        spec_cfg = compose("train", MODEL)
-        from pipeflow.planning import TransformerSpec
-
-        spec = TransformerSpec.from_config(spec_cfg.model)
-        for stages in args.stages:
-            splits = {
-                "uniform": partition_layers("uniform", spec, stages),
-                "profiled": partition_layers("profiled", spec, stages, {"profile": str(path)}),
-            }
-            row = {"stages": stages, "splits": splits}
-            for name, layers in splits.items():
-                row[f"sim_{name}"] = simulated(path, stages, layers)
-                row[f"run_{name}"] = measured(path, stages, name, args.steps, tmp / f"{name}_{stages}")
-            row["sim_ratio"] = row["sim_profiled"] / row["sim_uniform"]
-            row["run_ratio"] = row["run_profiled"] / row["run_uniform"]
-            results.append(row)
-
+    res = results(args.stages, args.steps)
+    head, block = res["profile"]["head_s"], res["profile"]["block_s"]
+    print(f"profile: head F+B {head * 1e3:.1f} ms = {head / block:.2f} mean blocks ({block * 1e3:.1f} ms)")
     print(f"\n{'stages':>6}  {'uniform':>14}  {'profiled':>14}  {'sim uni':>8}  {'sim prof':>8}  {'ratio':>6}"
           f"  {'run uni':>8}  {'run prof':>8}  {'ratio':>6}")
-    for r in results:
+    for r in res["rows"]:
         print(f"{r['stages']:>6}  {str(r['splits']['uniform']):>14}  {str(r['splits']['profiled']):>14}  "
               f"{r['sim_uniform'] * 1e3:7.1f}ms {r['sim_profiled'] * 1e3:7.1f}ms  {r['sim_ratio']:6.3f}  "
               f"{r['run_uniform'] * 1e3:7.1f}ms {r['run_profiled'] * 1e3:7.1f}ms  {r['run_ratio']:6.3f}")
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+        args.json.write_text(json.dumps(res["rows"], indent=1))
     return 0
 
 

@@ -57,35 +57,61 @@ def topology(name: str):
     return get_topology(name.split("(")[0], **TOPOLOGIES[name])
 
 
+def plan_row(model: str, tname: str, m: int) -> dict:
+    """One (model, topology, m): the planner's and each baseline's simulated iteration time
+    in seconds (None for a baseline that does not fit its devices' memory)."""
+    spec, topo = model_spec(model), topology(tname)
+    t0 = time.perf_counter()
+    best = plan(spec, topo, m)
+    took = time.perf_counter() - t0
+    one = plan(spec, topo, m, replicas=1)
+    row = {"model": model, "topology": tname, "devices": topo.num_devices, "microbatches": m,
+           "planner": best.predicted_iteration_time, "stages": best.num_stages,
+           "replicas": best.replicas, "planner_1pipe": one.predicted_iteration_time,
+           "stages_1pipe": one.num_stages,
+           "plan_seconds": took, "layers": best.layers_per_stage, "devices_used": best.device_of_stage}
+    for name, fn in BASELINES.items():
+        b = fn(spec, topo, m)
+        # a baseline that does not fit its devices' memory cannot run: no time
+        row[name] = b.predicted_iteration_time if b.peak_memory_bytes <= min(
+            topo.devices[d].memory_bytes for d in b.device_of_stage) else None
+    return row
+
+
+def results(microbatches=(16, 64)) -> dict:
+    """Every (model, topology, m) row, the best and median speedup of the planner over each
+    baseline (``summary``: baseline -> best, median, best_1pipe, median_1pipe), and the
+    time to plan a 96-layer model over 64 devices (``plan_96x64``)."""
+    rows = []
+    for model in MODELS:
+        for tname in TOPOLOGIES:
+            for m in microbatches:
+                rows.append(plan_row(model, tname, m))
+                print(f"{model} {tname} m={m}: planned in {rows[-1]['plan_seconds']:.2f} s", file=sys.stderr)
+    summary = {}
+    for n in BASELINES:
+        sp = [r[n] / r["planner"] for r in rows if r[n] is not None]
+        sp1 = [r[n] / r["planner_1pipe"] for r in rows if r[n] is not None]
+        summary[n] = {"best": max(sp), "median": statistics.median(sp),
+                      "best_1pipe": max(sp1), "median_1pipe": statistics.median(sp1)}
+
+    spec96 = TransformerSpec("gpt_96l", 96, 32, 2048, 50257, 1024)
+    topo64 = get_topology("cluster", nodes=8)
+    t0 = time.perf_counter()
+    big = plan(spec96, topo64, 64)
+    big_row = {"seconds": time.perf_counter() - t0, "stages": big.num_stages, "replicas": big.replicas,
+               "iteration": big.predicted_iteration_time, "peak_gb": big.peak_memory_bytes / GB}
+    return {"rows": rows, "summary": summary, "plan_96x64": big_row}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--microbatches", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args(argv)
 
-    rows = []
-    for model in MODELS:
-        spec = model_spec(model)
-        for tname in TOPOLOGIES:
-            topo = topology(tname)
-            for m in args.microbatches:
-                t0 = time.perf_counter()
-                best = plan(spec, topo, m)
-                took = time.perf_counter() - t0
-                one = plan(spec, topo, m, replicas=1)
-                row = {"model": model, "topology": tname, "devices": topo.num_devices, "microbatches": m,
-                       "planner": best.predicted_iteration_time, "stages": best.num_stages,
-                       "replicas": best.replicas, "planner_1pipe": one.predicted_iteration_time,
-                       "stages_1pipe": one.num_stages,
-                       "plan_seconds": took, "layers": best.layers_per_stage, "devices_used": best.device_of_stage}
-                for name, fn in BASELINES.items():
-                    b = fn(spec, topo, m)
-                    # a baseline that does not fit its devices' memory cannot run: no time
-                    row[name] = b.predicted_iteration_time if b.peak_memory_bytes <= min(
-                        topo.devices[d].memory_bytes for d in b.device_of_stage) else None
-                rows.append(row)
-                print(f"{model} {tname} m={m}: planned in {took:.2f} s", file=sys.stderr)
-
+    res = results(args.microbatches)
+    rows, summary = res["rows"], res["summary"]
     names = list(BASELINES)
     head = ("| model | topology | m | planner (ms) | stages x replicas | planner, 1 pipeline (ms) | stages | "
             + " | ".join(f"{n} (ms)" for n in names) + " | "
@@ -102,25 +128,16 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("| baseline | best speedup | median speedup | best, 1 pipeline | median, 1 pipeline |")
     print("|---|---|---|---|---|")
-    summary = {}
-    for n in names:
-        sp = [r[n] / r["planner"] for r in rows if r[n] is not None]
-        sp1 = [r[n] / r["planner_1pipe"] for r in rows if r[n] is not None]
-        summary[n] = {"best": max(sp), "median": statistics.median(sp),
-                      "best_1pipe": max(sp1), "median_1pipe": statistics.median(sp1)}
-        print(f"| {n} | {max(sp):.2f}x | {statistics.median(sp):.2f}x | {max(sp1):.2f}x | "
-              f"{statistics.median(sp1):.2f}x |")
+    for n, x in summary.items():
+        print(f"| {n} | {x['best']:.2f}x | {x['median']:.2f}x | {x['best_1pipe']:.2f}x | {x['median_1pipe']:.2f}x |")
 
-    spec96 = TransformerSpec("gpt_96l", 96, 32, 2048, 50257, 1024)
-    topo64 = get_topology("cluster", nodes=8)
-    t0 = time.perf_counter()
-    big = plan(spec96, topo64, 64)
-    took = time.perf_counter() - t0
-    print(f"\nplanning a 96-layer model (hidden 2048) over 64 devices (cluster, 8x8), m=64: {took:.2f} s "
-          f"-> {big.num_stages} stages x {big.replicas} replicas, {big.predicted_iteration_time * 1e3:.1f} ms, "
-          f"peak {big.peak_memory_bytes / GB:.1f} GB")
+    big = res["plan_96x64"]
+    print(f"\nplanning a 96-layer model (hidden 2048) over 64 devices (cluster, 8x8), m=64: {big['seconds']:.2f} s "
+          f"-> {big['stages']} stages x {big['replicas']} replicas, {big['iteration'] * 1e3:.1f} ms, "
+          f"peak {big['peak_gb']:.1f} GB")
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "summary": summary, "plan_96x64_seconds": took}, indent=1))
+        args.json.write_text(json.dumps({"rows": rows, "summary": summary, "plan_96x64_seconds": big["seconds"]},
+                                        indent=1))
     return 0
 
 

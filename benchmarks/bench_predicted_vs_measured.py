@@ -104,17 +104,38 @@ def run_once(schedule: str, run_dir: Path, steps: int, timeline_step: int) -> di
     return out
 
 
+def results(repeats: int = 3) -> list[dict]:
+    """:func:`run_once` for each schedule, ``repeats`` times, alternating schedules so that
+    drifting machine load hits both alike; each dict also has its ``repeat``."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="pipeflow-bench-") as tmp:
+        for r in range(repeats):
+            for schedule in SCHEDULES:
+                rows.append({"repeat": r, **run_once(schedule, Path(tmp) / f"{schedule}-{r}", STEPS, TIMELINE_STEP)})
+    return rows
+
+
+def errors(rows: list[dict]) -> dict[str, dict[str, dict]]:
+    """schedule -> message pricing ("calibrated", "links") -> the relative prediction error
+    (predicted - measured) / measured over the runs: ``median``, ``worst`` (largest in
+    magnitude) and ``runs``."""
+    out: dict[str, dict[str, dict]] = {}
+    for schedule in SCHEDULES:
+        for label in ("calibrated", "links"):
+            errs = [(r[f"predicted_{label}"] - r["measured_step_time"]) / r["measured_step_time"]
+                    for r in rows if r["schedule"] == schedule]
+            out.setdefault(schedule, {})[label] = {"median": statistics.median(errs),
+                                                   "worst": max(errs, key=abs), "runs": len(errs)}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3, help="runs per schedule, alternating schedules (default 3)")
     ap.add_argument("--json", type=Path, help="also write every run's figures here")
     args = ap.parse_args(argv)
 
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="pipeflow-bench-") as tmp:
-        for r in range(args.repeats):
-            for schedule in SCHEDULES:  # alternate, so drifting machine load hits both alike
-                rows.append({"repeat": r, **run_once(schedule, Path(tmp) / f"{schedule}-{r}", STEPS, TIMELINE_STEP)})
+    rows = results(args.repeats)
 
     print(f"gpt_tiny, 2 stages, m=4, mbs=4, 2 CPU ranks (gloo, 1 thread each); timed step {TIMELINE_STEP} of {STEPS}")
     head = (f"{'schedule':<8} {'run':>3} {'measured':>10} {'predicted':>10} {'error':>7} {'msg':>7} "
@@ -135,12 +156,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         times = row["cost_calibrated"]["times"]
         print("    per-stage means (ms): " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in times.items()))
-    for schedule in SCHEDULES:
-        for label in ("calibrated", "links"):
-            errs = [(r[f"predicted_{label}"] - r["measured_step_time"]) / r["measured_step_time"]
-                    for r in rows if r["schedule"] == schedule]
-            print(f"{schedule:<6} {label:<10} messages: error median {statistics.median(errs):+.1%}, "
-                  f"worst {max(errs, key=abs):+.1%} over {len(errs)} run(s)  (target within {TARGET:.0%})")
+    for schedule, by_label in errors(rows).items():
+        for label, e in by_label.items():
+            print(f"{schedule:<6} {label:<10} messages: error median {e['median']:+.1%}, "
+                  f"worst {e['worst']:+.1%} over {e['runs']} run(s)  (target within {TARGET:.0%})")
     print("measured: step_time of the timed step (rank 0, barrier to end of the step, optimizer included); "
           "msg: calibrated time per message; sync: the all-reduces before the optimizer step, added to S; "
           "timeline: the timed step's measured makespan; steady med: median step_time of steps 3-8")

@@ -200,15 +200,22 @@ def run_both(cfg: dict, layers: list[int], batches: list, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=3, help="runs, each a fresh pair of ranks (default 3)")
-    ap.add_argument("--steps", type=int, default=15, help=f"steps per run; the first {WARMUP} are warm-up (default 15)")
-    args = ap.parse_args(argv)
-    if args.steps <= WARMUP:
-        ap.error(f"--steps must exceed the {WARMUP} warm-up steps")
+def _ratios(run: dict) -> list[float]:
+    """pipeflow's step over torch's adjacent step, for each steady step of one run."""
+    return [a / b for a, b in zip(run["step_time"]["pipeflow"][WARMUP:], run["step_time"]["torch"][WARMUP:])]
 
-    dcfg = compose("train", overrides(args.steps))
+
+def results(repeats: int = 3, steps: int = 15) -> dict:
+    """``repeats`` fresh pairs of ranks, ``steps`` alternating steps each.
+
+    Returns ``runs`` (each run's per-trainer ``step_time`` and ``loss`` lists), ``median``
+    (trainer -> median steady step time, s), ``ratio`` (pipeflow / torch of those
+    medians), ``pair_ratio`` (median of the adjacent-step ratios), ``steady_steps`` (per
+    trainer) and ``loss_max_rel_diff`` (the largest relative loss difference, step by step).
+    """
+    if steps <= WARMUP:
+        raise ValueError(f"steps must exceed the {WARMUP} warm-up steps")
+    dcfg = compose("train", overrides(steps))
     inputs = prepare_training(dcfg)
     cfg = OmegaConf.to_container(dcfg, resolve=True)
     from pipeflow.data.text import build_text_data
@@ -217,45 +224,50 @@ def main(argv: list[str] | None = None) -> int:
     layers = list(partition_layers(cfg["partition"]["name"], inputs.spec, 2))
     batch_size = cfg["pipeline"]["microbatches"] * cfg["pipeline"]["microbatch_size"]
     data = build_text_data(cfg["data"], inputs.spec.seq_len, int(cfg["seed"]))
-    batches = [data.train_batch(step, batch_size) for step in range(1, args.steps + 1)]  # pipeflow's steps 1..N
+    batches = [data.train_batch(step, batch_size) for step in range(1, steps + 1)]  # pipeflow's steps 1..N
 
     runs = []
     with tempfile.TemporaryDirectory(prefix="pipeflow-bench-") as tmp:
-        for r in range(args.repeats):
+        for r in range(repeats):
             runs.append(run_both(cfg, layers, batches, Path(tmp) / f"run-{r}.json"))
 
     names = ("pipeflow", "torch")
     steady = {k: [t for run in runs for t in run["step_time"][k][WARMUP:]] for k in names}
-
-    def ratios(run: dict) -> list[float]:
-        """pipeflow's step over torch's adjacent step, for each steady step."""
-        return [a / b for a, b in zip(run["step_time"]["pipeflow"][WARMUP:], run["step_time"]["torch"][WARMUP:])]
-
-    pairs = [x for run in runs for x in ratios(run)]
     med = {k: statistics.median(v) for k, v in steady.items()}
+    # the same training: the losses agree step by step (fp32 round-off apart)
+    diffs = [abs(a - b) / abs(b) for run in runs for a, b in zip(run["loss"]["pipeflow"], run["loss"]["torch"])]
+    return {"runs": runs, "median": med, "ratio": med["pipeflow"] / med["torch"],
+            "pair_ratio": statistics.median(x for run in runs for x in _ratios(run)),
+            "steady_steps": len(steady["pipeflow"]), "loss_max_rel_diff": max(diffs), "loss_steps": len(diffs)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3, help="runs, each a fresh pair of ranks (default 3)")
+    ap.add_argument("--steps", type=int, default=15, help=f"steps per run; the first {WARMUP} are warm-up (default 15)")
+    args = ap.parse_args(argv)
+    if args.steps <= WARMUP:
+        ap.error(f"--steps must exceed the {WARMUP} warm-up steps")
+
+    res = results(args.repeats, args.steps)
+    med, ratio = res["median"], res["ratio"]
     print(f"gpt_tiny (4 layers, n_embd 128, seq 128), 2 stages x 2 layers, 1F1B, m=4, mbs=4; "
           f"2 CPU ranks (gloo, 1 thread each); {args.repeats} runs x {args.steps} steps, the trainers alternating "
           f"step by step, first {WARMUP} steps of each run dropped; step time includes the optimizer step")
     head = f"{'run':>4} {'pipeflow med':>13} {'torch med':>10} {'ratio':>7} {'per-step ratio med':>19}"
     print(head)
     print("-" * len(head))
-    for r, run in enumerate(runs):
+    for r, run in enumerate(res["runs"]):
         a = statistics.median(run["step_time"]["pipeflow"][WARMUP:])
         b = statistics.median(run["step_time"]["torch"][WARMUP:])
-        pr = statistics.median(ratios(run))
+        pr = statistics.median(_ratios(run))
         print(f"{r:>4} {a * 1e3:>11.1f}ms {b * 1e3:>8.1f}ms {a / b:>7.3f} {pr:>19.3f}")
-    ratio = med["pipeflow"] / med["torch"]
     print(f"{'all':>4} {med['pipeflow'] * 1e3:>11.1f}ms {med['torch'] * 1e3:>8.1f}ms {ratio:>7.3f} "
-          f"{statistics.median(pairs):>19.3f}")
-    print(f"pipeflow/torch = {ratio:.3f} (medians of {len(steady['pipeflow'])} steady steps each; target <= {TARGET}); "
-          f"median ratio of adjacent steps {statistics.median(pairs):.3f}")
-    # the same training: the losses agree step by step (fp32 round-off apart)
-    diffs = [
-        abs(a - b) / abs(b)
-        for run in runs
-        for a, b in zip(run["loss"]["pipeflow"], run["loss"]["torch"])
-    ]
-    print(f"loss agreement pipeflow vs torch: max relative difference {max(diffs):.2e} over {len(diffs)} steps")
+          f"{res['pair_ratio']:>19.3f}")
+    print(f"pipeflow/torch = {ratio:.3f} (medians of {res['steady_steps']} steady steps each; target <= {TARGET}); "
+          f"median ratio of adjacent steps {res['pair_ratio']:.3f}")
+    print(f"loss agreement pipeflow vs torch: max relative difference {res['loss_max_rel_diff']:.2e} "
+          f"over {res['loss_steps']} steps")
     return 0
 
 

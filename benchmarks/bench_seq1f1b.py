@@ -172,6 +172,16 @@ def run_seq1f1b(label: str, seq: int) -> dict:
     return out
 
 
+def results() -> dict[int, dict[str, dict]]:
+    """seq -> schedule label -> :func:`run`'s dict (seq1f1b labels via :func:`run_seq1f1b`)."""
+    rows: dict[int, dict[str, dict]] = {}
+    for seq in SEQS:
+        rows[seq] = {}
+        for label, (_, _, split, _) in SCHEDULES.items():
+            rows[seq][label] = run_seq1f1b(label, seq) if split else run(label, seq)
+    return rows
+
+
 def _tok(r: dict) -> str:
     return f"OOM (sim {r['tok']:,.0f})" if r["oom"] else f"{r['tok']:,.0f}"
 
@@ -189,11 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         f"stages x t={TP} tensor parallel, DP 1; m={MICROBATCHES}, microbatch 1; efficiency {EFFICIENCY}; "
         f"flash attention, sequence parallel, no recomputation; OOM above {LIMIT_GB:.0f} GB per GPU\n"
     )
-    rows: dict[int, dict[str, dict]] = {}
-    for seq in SEQS:
-        rows[seq] = {}
-        for label, (name, _, split, _) in SCHEDULES.items():
-            rows[seq][label] = run_seq1f1b(label, seq) if split else run(label, seq)
+    rows = results()
 
     head = ["seq", "schedule", "s", "tokens/s (pf)", "peak GB/GPU (pf)", "activations GB", "bubble (pf)",
             "tokens/s (pub)", "x 1F1B (pf)", "x 1F1B (pub)"]

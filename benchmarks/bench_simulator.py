@@ -69,6 +69,11 @@ def bench(name: str, p: int, m: int, nodes: int, repeats: int) -> dict:
     }
 
 
+def results(repeats: int = 3) -> list[dict]:
+    """:func:`bench` of every case; the first is the target's."""
+    return [bench(*case, repeats=repeats) for case in CASES]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3, help="runs per measurement; the median is reported")
@@ -77,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {MODEL.name}; cost AnalyticCost; topology cluster (nodes x 8 A100, NVSwitch + 25 GB/s IB)")
     print(f"median of {args.repeats} runs, wall seconds\n")
     cols = ["case", "actions", "generate", "validate", "simulate", "simulate+record", "compile only", "precompiled"]
-    rows = [bench(*case, repeats=args.repeats) for case in CASES]
+    rows = results(args.repeats)
     widths = [max(len(c), 9) for c in cols]
     widths[0] = max(len(r["case"]) for r in rows)
     print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))

@@ -182,6 +182,7 @@ class SimulateConfig:
     cost: Any = MISSING
     export: Optional[str] = None  # torch_csv: also write schedule.csv
     draw: bool = True  # write timeline.png
+    logger: Any = MISSING  # logger/none (simulate.yaml's default) or logger/wandb: one W&B run per job
 
 
 @dataclass

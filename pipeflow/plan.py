@@ -4,12 +4,17 @@
     pipeflow-plan model=bert_1b topology=pcie_8 plan.memory_limit_gb=40
     pipeflow-plan topology=cluster topology.nodes=4 plan.stages=16
 
+    pipeflow-plan -m --config-dir sweeps --config-name plan_topologies   # presets x methods
+
 Chooses the number of stages, the contiguous layer cut, the mapping of stages onto
 devices and the 1F1B microbatch order (:mod:`pipeflow.planning.planner`), within
 ``plan.memory_limit_gb`` per device. Prints the plan as a table and the predicted
 iteration times of the baselines (uniform + identity mapping, PipeDream-style,
-DAPPLE-style; :mod:`pipeflow.planning.baselines`); writes plan.json and timeline.png (the predicted timeline)
-to the Hydra run directory. A model that cannot fit stops with one sentence saying by
+DAPPLE-style; :mod:`pipeflow.planning.baselines`); ``plan.method`` picks a baseline as
+the plan instead, to compare the methods run by run. Writes plan.json, summary.json
+(the plan's simulated iteration with pipeflow-simulate's keys, ``kind: simulated``) and
+timeline.png (the predicted timeline) to the Hydra run directory; ``logger=wandb`` also
+makes the job one W&B run. A model that cannot fit stops with one sentence saying by
 how much.
 """
 
@@ -26,11 +31,17 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from pipeflow.config import CONF_DIR, ConfigError, register_configs
+from pipeflow.config import _check_logger as check_logger
 from pipeflow.planning.baselines import BASELINES
 from pipeflow.planning.planner import GB, Plan, evaluate, fits, plan
 from pipeflow.planning.transformer import TransformerSpec
+from pipeflow.sim.engine import SimResult
 from pipeflow.sim.gantt import draw_timeline
 from pipeflow.topology.presets import build_topology
+from pipeflow.topology.topology import Topology
+
+# plan.method: the topology-aware planner, or one of the baselines it is compared with
+METHODS = ("planner", *BASELINES)
 
 
 @dataclass
@@ -47,6 +58,7 @@ class PlanOptions:
     efficiency: float = 0.5
     dtype_bytes: int = 2
     top_k: int = 12
+    method: str = "planner"  # planner, or a baseline of pipeflow.planning.baselines (uniform, pipedream, dapple)
 
 
 @dataclass
@@ -57,6 +69,7 @@ class PlanAppConfig:
     topology: Any = MISSING
     baselines: bool = True
     draw: bool = True
+    logger: Any = MISSING  # logger/none (plan.yaml's default) or logger/wandb: one W&B run per job
 
 
 def register_plan_configs() -> None:
@@ -81,9 +94,19 @@ def _whole(key: str, value, low: int = 1) -> None:
         raise ConfigError(f"{key}={value}: must be a whole number >= {low}")
 
 
-def run_plan(cfg: DictConfig, out_dir: str | Path) -> dict:
-    """Plan the configured run, write plan.json (and timeline.png), return the summary.
-    Raises ConfigError (one sentence naming the key) when the config cannot be planned."""
+@dataclass
+class PlanInputs:
+    """What a plan config composes into; built once by :func:`prepare_plan`."""
+
+    spec: TransformerSpec
+    topology: Topology
+    limit: float | None  # bytes per device; None: each device's own memory
+    kw: dict  # efficiency and dtype_bytes, as the planner and the baselines take them
+
+
+def prepare_plan(cfg: DictConfig) -> PlanInputs:
+    """Check a plan config and build the model shape and topology it names, or raise
+    ConfigError, one sentence naming the key. Nothing is planned or written."""
     pipe, opts = cfg.pipeline, cfg.plan
     _whole("pipeline.microbatches", pipe.microbatches)
     _whole("pipeline.microbatch_size", pipe.microbatch_size)
@@ -100,17 +123,29 @@ def run_plan(cfg: DictConfig, out_dir: str | Path) -> dict:
     limit_gb = opts.memory_limit_gb
     if limit_gb is not None and not (isinstance(limit_gb, (int, float)) and limit_gb > 0):
         raise ConfigError(f"plan.memory_limit_gb={limit_gb}: must be a number > 0, or null for the devices' memory")
+    if opts.method not in METHODS:
+        raise ConfigError(f"plan.method={opts.method}: unknown planning method; allowed values: {', '.join(METHODS)}")
+    if opts.method != "planner" and opts.replicas not in (None, 1):
+        raise ConfigError(f"plan.replicas={opts.replicas}: plan.method={opts.method} plans one pipeline; "
+                          f"replicas need plan.method=planner")
     limit = None if limit_gb is None else float(limit_gb) * GB
-    kw = dict(efficiency=float(opts.efficiency), dtype_bytes=int(opts.dtype_bytes))
-    try:
-        best = plan(spec, topology, pipe.microbatches, pipe.microbatch_size, limit, opts.stages,
-                    top_k=int(opts.top_k), replicas=opts.replicas, **kw)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
+    return PlanInputs(spec, topology, limit, dict(efficiency=float(opts.efficiency), dtype_bytes=int(opts.dtype_bytes)))
+
+
+def run_plan(cfg: DictConfig, out_dir: str | Path) -> dict:
+    """Plan the configured run, write plan.json, summary.json (and timeline.png), return
+    the plan, the baselines and the summary. Raises ConfigError (one sentence naming the
+    key) when the config cannot be planned."""
+    pipe, opts = cfg.pipeline, cfg.plan
+    inputs = prepare_plan(cfg)
+    spec, topology, limit, kw = inputs.spec, inputs.topology, inputs.limit, inputs.kw
+    best = _chosen_plan(opts.method, spec, topology, pipe, opts, limit, kw)
 
     baselines = {}
     if cfg.baselines:
         for name, fn in BASELINES.items():
+            if name == opts.method:
+                continue
             try:
                 b = fn(spec, topology, pipe.microbatches, pipe.microbatch_size, limit, opts.stages, **kw)
             except ValueError:
@@ -126,14 +161,12 @@ def run_plan(cfg: DictConfig, out_dir: str | Path) -> dict:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     files = ["plan.json"]
+    _, res = evaluate(spec, topology, best.layers_per_stage, best.device_of_stage, pipe.microbatches,
+                      pipe.microbatch_size, limit, record=cfg.draw, replica_devices=best.replica_devices, **kw)
     if cfg.draw:
-        _, res = evaluate(spec, topology, best.layers_per_stage, best.device_of_stage, pipe.microbatches,
-                          pipe.microbatch_size, limit, record=True, replica_devices=best.replica_devices, **kw)
-        reps = f" x {best.replicas} replicas" if best.replicas > 1 else ""
-        title = (f"plan: {best.num_stages} stages{reps}, m={pipe.microbatches}, {spec.name} on {topology.name}, "
-                 f"{best.predicted_iteration_time * 1e3:.1f} ms")
-        draw_timeline(res.timeline, out / "timeline.png", title=title)
+        draw_timeline(res.timeline, out / "timeline.png", title=timeline_title(best, topology.name))
         files.append("timeline.png")
+    files.append("summary.json")
     doc = {
         **best.to_dict(),
         "baselines": baselines,
@@ -142,8 +175,67 @@ def run_plan(cfg: DictConfig, out_dir: str | Path) -> dict:
         "files": files,
     }
     (out / "plan.json").write_text(json.dumps(doc, indent=2) + "\n")
+    summary = simulated_summary(best, res, topology, cfg, fits(best, topology, limit), files)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return {"plan": best, "baselines": baselines, "files": files, "devices": topology.devices,
-            "limit": limit}
+            "limit": limit, "summary": summary}
+
+
+def _chosen_plan(method: str, spec: TransformerSpec, topology: Topology, pipe: DictConfig, opts: DictConfig,
+                 limit: float | None, kw: dict) -> Plan:
+    """The plan of ``plan.method``: the topology-aware planner's, or a baseline's (one
+    pipeline, whether or not it fits the memory limit; ``fits`` in the summary says)."""
+    try:
+        if method == "planner":
+            return plan(spec, topology, pipe.microbatches, pipe.microbatch_size, limit, opts.stages,
+                        top_k=int(opts.top_k), replicas=opts.replicas, **kw)
+        return BASELINES[method](spec, topology, pipe.microbatches, pipe.microbatch_size, limit, opts.stages, **kw)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def timeline_title(p: Plan, topology: str) -> str:
+    """The title of a plan's predicted timeline."""
+    who = "plan" if p.method == "planner" else f"{p.method} baseline"
+    reps = f" x {p.replicas} replicas" if p.replicas > 1 else ""
+    return (f"{who}: {p.num_stages} stages{reps}, m={p.microbatches}, {p.model} on {topology}, "
+            f"{p.predicted_iteration_time * 1e3:.1f} ms")
+
+
+def simulated_summary(p: Plan, res: SimResult, topology: Topology, cfg: DictConfig, fit: bool,
+                      files: list[str]) -> dict:
+    """summary.json of a plan, with the keys pipeflow-simulate's has (``kind``, ``schedule``,
+    ``stages``, ``microbatches``, ``makespan``, ``bubble_ratio``, ``peak_activation_bytes``,
+    ``per_device``, ``model``, ``cost``, ``topology``) plus the plan's own. The bubble ratio
+    and ``per_device`` cover the devices the plan uses; the topology's others stay idle."""
+    used = sorted({d for row in p.pipelines for d in row})
+    per_device = [d for d in res.summary()["per_device"] if d["device"] in used]
+    busy = sum(d["busy"] for d in per_device)
+    return {
+        "kind": "simulated",
+        "method": p.method,  # planner | uniform | pipedream | dapple
+        "schedule": p.schedule,  # the microbatch order of every pipeline (1f1b)
+        "stages": p.num_stages,
+        "replicas": p.replicas,
+        "microbatches": p.microbatches,
+        "microbatch_size": p.microbatch_size,
+        "num_devices": len(used),
+        "makespan": res.makespan,
+        "bubble_ratio": 1.0 - busy / (len(used) * res.makespan) if res.makespan > 0 else 0.0,
+        "peak_activation_bytes": max(d["peak_activation_bytes"] for d in per_device),
+        "peak_memory_bytes": p.peak_memory_bytes,  # activations + model state, the largest stage
+        "memory_limit_bytes": p.memory_limit_bytes,
+        "fits": fit,
+        "p2p_bytes": res.p2p_bytes,
+        "collective_bytes": res.collective_bytes,
+        "layers_per_stage": p.layers_per_stage,
+        "placement": p.pipelines,
+        "per_device": per_device,
+        "model": OmegaConf.to_container(cfg.model, resolve=True),
+        "cost": res.cost,
+        "topology": topology.to_dict(),
+        "files": files,
+    }
 
 
 def format_plan(summary: dict) -> str:
@@ -153,6 +245,7 @@ def format_plan(summary: dict) -> str:
     limit = summary["limit"]
     head = [
         f"model         {p.model} on {p.topology} ({len(devs)} devices)",
+        *([f"method        {p.method} baseline (plan.method)"] if p.method != "planner" else []),
         f"stages        {p.num_stages}"
         + (f" x {p.replicas} data-parallel replicas ({p.num_devices_used} devices)" if p.replicas > 1 else "")
         + f", schedule {p.schedule}, {p.microbatches} microbatches of {p.microbatch_size}",
@@ -191,13 +284,21 @@ def _table(cols, rows) -> list[str]:
 
 @hydra.main(config_path=str(CONF_DIR), config_name="plan", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    out_dir = HydraConfig.get().runtime.output_dir
+    hydra_cfg = HydraConfig.get()
+    out_dir = hydra_cfg.runtime.output_dir
     try:
+        check_logger(cfg.logger)
         summary = run_plan(cfg, out_dir)
     except ConfigError as err:
         raise SystemExit(str(err)) from None
     print(format_plan(summary))
     print(f"\nwrote {', '.join(summary['files'])} to {out_dir}")
+    if cfg.logger.name == "wandb":
+        from pipeflow.tracking.simulated import log_simulated_run
+
+        png = Path(out_dir) / "timeline.png" if "timeline.png" in summary["files"] else None
+        log_simulated_run(cfg, hydra_cfg, out_dir, summary["summary"], png,
+                          timeline_title(summary["plan"], summary["summary"]["topology"]["name"]))
 
 
 if __name__ == "__main__":

@@ -3,10 +3,13 @@
     pipeflow-simulate                                    # 1F1B, gpt_tiny, 4 local CPU ranks
     pipeflow-simulate schedule=chimera topology=dgx_a100_8 model=gpt_1.5b
     pipeflow-simulate -m schedule=gpipe,1f1b,zb_h1 pipeline.microbatches=8,16
+    pipeflow-simulate -m --config-dir sweeps --config-name simulate_schedules   # one W&B group
 
 Composition only: config -> schedule (registry) -> cost model -> topology -> simulator
--> files in the Hydra run directory (summary.json, timeline.json, timeline.png, and
-schedule.csv with ``export=torch_csv``).
+-> files in the Hydra run directory (summary.json with ``kind: simulated``,
+timeline.json, timeline.png, and schedule.csv with ``export=torch_csv``) -> with
+``logger=wandb``, one W&B run per job (:mod:`pipeflow.tracking.simulated`; a multirun's
+jobs share one group).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from pipeflow.config import CONF_DIR, ConfigError, prepare_simulation, register_configs
+from pipeflow.config import _check_logger as check_logger
 from pipeflow.schedules.export import write_torch_csv
 from pipeflow.schedules.validate import validate
 from pipeflow.sim.engine import simulate
@@ -46,7 +50,7 @@ def run_simulation(cfg: DictConfig, out_dir: str | Path) -> dict:
     files = ["summary.json", "timeline.json"]
     result.timeline.save(out / "timeline.json")
     if cfg.draw:
-        title = f"{schedule.name}: p={pipe.stages}, m={pipe.microbatches}, {cfg.model.name} on {topology.name}"
+        title = timeline_title(schedule.name, pipe.stages, pipe.microbatches, cfg.model.name, topology.name)
         draw_timeline(result.timeline, out / "timeline.png", title=title)
         files.append("timeline.png")
     if cfg.export == "torch_csv":
@@ -54,6 +58,7 @@ def run_simulation(cfg: DictConfig, out_dir: str | Path) -> dict:
         files.append("schedule.csv")
 
     summary = {
+        "kind": "simulated",  # predicted by the simulator; pipeflow-train's summaries are measured
         "schedule": schedule.name,
         "stages": pipe.stages,
         "microbatches": pipe.microbatches,
@@ -85,6 +90,11 @@ def run_simulation(cfg: DictConfig, out_dir: str | Path) -> dict:
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def timeline_title(schedule: str, stages: int, microbatches: int, model: str, topology: str) -> str:
+    """The title of a simulated timeline (picture and W&B caption)."""
+    return f"{schedule}: p={stages}, m={microbatches}, {model} on {topology}"
 
 
 def format_report(summary: dict) -> str:
@@ -165,13 +175,23 @@ def _branch_table(per_device: list[dict]) -> list[str]:
 # when the app starts from its console script, and conf/ is a folder, not a package.
 @hydra.main(config_path=str(CONF_DIR), config_name="simulate", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    out_dir = HydraConfig.get().runtime.output_dir
+    hydra_cfg = HydraConfig.get()
+    out_dir = hydra_cfg.runtime.output_dir
     try:
+        check_logger(cfg.logger)
         summary = run_simulation(cfg, out_dir)
     except ConfigError as err:
         raise SystemExit(str(err)) from None  # the sentence on stderr, exit status 1, no traceback
     print(format_report(summary))
     print(f"\nwrote {', '.join(summary['files'])} to {out_dir}")
+    if cfg.logger.name == "wandb":
+        # imported here: logger=none (the default) pays nothing for tracking
+        from pipeflow.tracking.simulated import log_simulated_run
+
+        png = Path(out_dir) / "timeline.png" if "timeline.png" in summary["files"] else None
+        title = timeline_title(summary["schedule"], summary["stages"], summary["microbatches"],
+                               summary["model"]["name"], summary["topology"]["name"])
+        log_simulated_run(cfg, hydra_cfg, out_dir, summary, png, title)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ Hydra run directory.
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 
@@ -31,34 +30,15 @@ from pipeflow.config import (
     prepare_training,
     register_configs,
 )
+from pipeflow.tracking.labels import logger_labels
 
 # Hydra composes against these schemas, so they must be in the ConfigStore before main().
 register_configs()
-
-_W_AND_B_TAG_LIMIT = 64  # characters; W&B rejects longer tags
 
 
 class JobError(CompactHydraException):
     """One multirun job that could not run. Hydra prints the message without a traceback,
     goes on with the other jobs, and exits non-zero at the end."""
-
-
-def logger_labels(logger: DictConfig, hydra_cfg: DictConfig) -> dict:
-    """W&B group, tags and run name for this job: what the config says, else, in a
-    multirun, one group per sweep, the job's overrides as tags and its folder as name."""
-    if logger.name != "wandb":
-        return {}
-    group, tags, run_name = logger.group, list(logger.tags), logger.run_name
-    if hydra_cfg.mode == RunMode.MULTIRUN:
-        sweep = Path(hydra_cfg.sweep.dir)
-        # outputs/multirun/train/<date>/<time> -> "train-<date>_<time>"
-        stamp = "_".join(sweep.parts[-2:]) if re.fullmatch(r"\d{4}-\d{2}-\d{2}", sweep.parent.name) else sweep.name
-        group = group or f"{hydra_cfg.job.name}-{stamp}"
-        # the overrides that vary across the sweep are what tells its runs apart
-        tags += [o for o in hydra_cfg.overrides.task if not o.lstrip("+~").startswith(("logger.", "hydra."))]
-        run_name = run_name or Path(hydra_cfg.runtime.output_dir).name
-    tags = list(dict.fromkeys(t[:_W_AND_B_TAG_LIMIT] for t in tags))
-    return {"group": group, "tags": tags, "run_name": run_name}
 
 
 def job_config(cfg: DictConfig, hydra_cfg: DictConfig) -> dict:

@@ -12,7 +12,7 @@ from pipeflow.config import ConfigError, compose, prepare_simulation, segment_le
 from pipeflow.planning.cost import AnalyticCost, UnitCost
 from pipeflow.planning.seqsplit import split_sequence
 from pipeflow.planning.transformer import TransformerSpec
-from pipeflow.schedules import Kind, validate
+from pipeflow.schedules import Kind
 from pipeflow.schedules.common import ScheduleConfigError
 from pipeflow.schedules.registry import SCHEDULE_PARAMS, USES_SEGMENTS, USES_VIRTUAL_STAGES, build_schedule
 from pipeflow.schedules.seq1f1b import unit_group_size

@@ -9,7 +9,7 @@ import pytest
 from pipeflow.models.cbm import cbm_stage_graph
 from pipeflow.planning.cost import UnitCost
 from pipeflow.schedules.common import finish_sync
-from pipeflow.schedules.ir import B, F, Placement, Schedule, StageGraph
+from pipeflow.schedules.ir import B, F, Placement, StageGraph
 from pipeflow.schedules.registry import build_schedule
 from pipeflow.schedules.validate import validate
 from pipeflow.sim import draw_timeline, simulate

@@ -266,8 +266,10 @@ def test_multirun_writes_one_summary_per_job(tmp_path):
 def test_sweep_config_file(tmp_path):
     sweep = tmp_path / "multi"
     proc = _run(
+        # logger=none: the sweep's own W&B logging is covered in test_sweeps; here it would
+        # upload runs for a developer who is logged in
         ["-m", "--config-dir", str(REPO / "sweeps"), "--config-name", "simulate_schedules", *UNIT,
-         f"hydra.sweep.dir={sweep}"],
+         "logger=none", f"hydra.sweep.dir={sweep}"],
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr

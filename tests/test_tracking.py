@@ -30,28 +30,6 @@ def wandb_logger(**kw) -> dict:
     return cfg
 
 
-@pytest.fixture
-def wandb_home(tmp_path, monkeypatch):
-    """A W&B environment with no credentials, no WANDB_MODE and its files under tmp_path."""
-    import wandb
-
-    wandb.teardown()  # a service left by an earlier test would carry its own settings
-    for key in list(os.environ):
-        if key.startswith("WANDB_"):
-            monkeypatch.delenv(key)
-    home = tmp_path / "home"
-    home.mkdir()
-    monkeypatch.delenv("NETRC", raising=False)
-    monkeypatch.setenv("HOME", str(home))
-    monkeypatch.setenv("WANDB_CONFIG_DIR", str(home / "config"))
-    monkeypatch.setenv("WANDB_CACHE_DIR", str(home / "cache"))
-    monkeypatch.setenv("WANDB_DATA_DIR", str(home / "data"))
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.chdir(tmp_path)
-    yield home
-    wandb.teardown()  # also drops WANDB_SERVICE, so later subprocesses start their own
-
-
 def timeline(n_devices: int = 2) -> Timeline:
     events = []
     t = 0.0
@@ -338,3 +316,22 @@ def test_a_multirun_is_one_wandb_group_with_a_run_per_job(wandb_home, tmp_path):
         assert run.run_group == "train-sweep" and run.display_name == job.name
         assert f"schedule={schedule}" in run.tags and "trainer.steps=2" in run.tags
         assert not any(t.startswith("hydra.") for t in run.tags)
+
+
+def test_an_asynchronous_run_reaches_wandb_with_every_step(wandb_home, tmp_path):
+    """An asynchronous chunk measures its timeline before its rows are logged; W&B
+    drops a row logged at a step below one it has seen, so the timeline must follow
+    the chunk's rows, not precede them."""
+    import pipeline_runs
+
+    run_dir = tmp_path / "run"
+    overrides = [o for o in pipeline_runs.GPT_SMALL if o != "logger=none"]
+    pipeline_runs.train(run_dir, [*overrides, "schedule=pipedream", "trainer.steps=4", "trainer.timeline_step=3",
+                                  "logger=wandb", "logger.project=pipeflow-tests"])
+    rows = {}
+    for h in of_type(wandb_records(offline_run_file(run_dir)), "history"):
+        row = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in h.item}
+        rows.setdefault(row["_step"], {}).update(row)
+    assert sorted(rows) == [1, 2, 3, 4]
+    assert all("loss" in rows[s] and "updates" in rows[s] for s in rows)
+    assert rows[4]["timeline/_type"] == "image-file"  # logged at the chunk's last step

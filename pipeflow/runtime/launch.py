@@ -136,6 +136,20 @@ def _failure(procs, errors) -> JobFailed:
     return JobFailed(r, f"the process ended with exit status {code} and no Python error")
 
 
+def _record_failure(run_dir: str, failed: JobFailed) -> None:
+    """run_dir/failure.json: which rank failed and why, so a report over many runs can
+    show this one as crashed (with its partial metrics) rather than guess."""
+    message = str(failed)
+    record = {"rank": failed.rank, "error": message.splitlines()[0], "detail": message}
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "failure.json"), "w") as f:
+            json.dump(record, f, indent=2)
+            f.write("\n")
+    except OSError:
+        pass  # the failure itself is what the caller must hear about
+
+
 def launch(job: TrainJob) -> dict:
     """Run the job on all ranks; return rank 0's summary. Raises JobFailed."""
     rank = _adopted_rank()
@@ -152,6 +166,9 @@ def launch(job: TrainJob) -> dict:
         return run_worker(rank, job) or {}
 
     port = job.cfg.get("runtime", {}).get("master_port") or free_port()
+    stale = os.path.join(job.run_dir, "failure.json")
+    if os.path.exists(stale):  # from an earlier attempt in the same directory
+        os.remove(stale)
     ctx = rank_context()
     errors = ctx.SimpleQueue()
     env = dict(os.environ)
@@ -168,7 +185,9 @@ def launch(job: TrainJob) -> dict:
             p.start()
         while True:
             if any(p.exitcode not in (None, 0) for p in procs):
-                raise _failure(procs, errors)
+                failed = _failure(procs, errors)
+                _record_failure(job.run_dir, failed)
+                raise failed
             if all(p.exitcode == 0 for p in procs):
                 break
             time.sleep(0.1)

@@ -7,6 +7,7 @@ rank can compute any step's batch from the seed, so nothing is broadcast), and r
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import resource
@@ -245,6 +246,8 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
 
         sink = MetricsSink(job.run_dir, cfg, cfg["logger"], resume_step=start_step)
         progress = Progress(int(trainer["steps"]), initial=start_step)
+        # the resolved config beside the metrics: pipeflow-compare labels runs by it
+        (Path(job.run_dir) / "config.json").write_text(json.dumps(cfg, indent=2, default=str) + "\n")
 
     hosts = [None] * job.world_size
     dist.all_gather_object(hosts, socket.gethostname())
@@ -256,8 +259,12 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
     val_losses: list[float] = []
     t_start = time.perf_counter()
     staleness: list[dict] = []
+    # seconds spent in training steps so far (validation and checkpoints left out); a
+    # resumed run goes on from the time its metrics recorded at the checkpoint
+    clock = [_train_time_at(job.run_dir, start_step) if rank == 0 and start_step else 0.0]
     if setup.is_async:
-        _run_async(rank, job, setup, data, sink, progress, start_step, one_host, history, val_losses, staleness, meta)
+        _run_async(rank, job, setup, data, sink, progress, start_step, one_host, history, val_losses, staleness, meta,
+                   clock)
     for step in [] if setup.is_async else range(start_step + 1, steps + 1):
         if runtime.get("fail_at_step") == step and (runtime.get("fail_rank") or 0) == rank:
             if runtime.get("fail_mode", "raise") == "kill":
@@ -273,13 +280,16 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
         stats = executor.train_step(batch, normalizer, lr, record=record, t0=t0)
         step_time = time.perf_counter() - t0
         busy, saved = _busy_and_saved(stats.busy, executor.meter, job.world_size)
+        clock[0] += step_time
         metrics = {
             "loss": stats.loss,
             "lr": lr,
             "grad_norm": stats.grad_norm,
             "step_time": step_time,
+            "train_time": clock[0],
             "tokens_per_s": tokens / step_time,
             "samples": step * batch_size,
+            "updates": step,  # one optimizer update per synchronous step
             "bubble": max(0.0, 1.0 - busy / (job.world_size * step_time)),
             **saved,
         }
@@ -324,6 +334,7 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
     progress.close()
     steady = history[len(history) // 2 :] or history  # skip the warm-up half for rates
     summary = {
+        "kind": "measured",
         "schedule": schedule.name,
         "stages": pipe_cfg["stages"],
         "microbatches": m,
@@ -332,6 +343,8 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
         "layers_per_stage": layers,
         "segment_lengths": getattr(setup.adapter, "segment_lengths", None),
         "steps": steps,
+        "samples": steps * batch_size,
+        "train_time": clock[0],
         "resumed_from": start_step or None,
         "final_loss": history[-1]["loss"] if history else None,
         "best_loss": min(h["loss"] for h in history) if history else None,
@@ -347,6 +360,7 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
         "peak_kv_bytes": [p[1] for p in saved_peaks],
         "weight_policy": schedule.policy.value,
         "peak_weight_versions": versions,  # per rank: the most versions one replica held at once
+        "updates": steps,  # synchronous: one per step; an asynchronous run's count replaces it
         **_staleness_summary(job.run_dir, staleness, setup),
         "wall_time": time.perf_counter() - t_start,
     }
@@ -384,16 +398,23 @@ def _staleness_summary(run_dir: str, records: list[dict], setup: RankSetup) -> d
         # accounting of one iteration is the run's (all zero unless the schedule is wrong)
         out = summarize(weight_versions(setup.schedule))
         return {k: out[k] for k in ("max_staleness", "mean_staleness", "max_mismatch", "mean_mismatch")}
-    import json
-
     (Path(run_dir) / "staleness.json").write_text(json.dumps(records) + "\n")
     out = summarize(records)
     out["updates"] = len({r["update"] for r in records})
     return out
 
 
+def _train_time_at(run_dir: str, step: int) -> float:
+    """The ``train_time`` a run's metrics.jsonl recorded at ``step`` (0.0 if none)."""
+    from ..tracking.sink import read_metrics
+
+    path = Path(run_dir) / "metrics.jsonl"
+    rows = [r for r in read_metrics(run_dir) if r.get("step", 0) <= step] if path.exists() else []
+    return float(rows[-1].get("train_time", 0.0)) if rows else 0.0
+
+
 def _run_async(rank, job, setup: RankSetup, data, sink, progress, start_step: int, one_host: bool,
-               history: list, val_losses: list, staleness: list, meta: dict) -> None:
+               history: list, val_losses: list, staleness: list, meta: dict, clock: list) -> None:
     """Train with an asynchronous schedule: chunks of steps without a flush. A chunk ends
     at schedule.windows steps, or earlier where validation, a checkpoint or the end of
     the run needs every update applied (a flush)."""
@@ -444,11 +465,13 @@ def _run_async(rank, job, setup: RankSetup, data, sink, progress, start_step: in
             for w, s in enumerate(span):
                 mine = [r for r in recs if (s - 1) * m <= r["microbatch"] < s * m]
                 st = summarize(mine)
+                clock[0] += chunk_time / len(span)
                 metrics_of.append({
                     "loss": stats.losses[w],
                     "lr": lrs[w],
                     "grad_norm": stats.grad_norms[w],
                     "step_time": chunk_time / len(span),  # steps of a chunk overlap: their mean
+                    "train_time": clock[0],
                     "tokens_per_s": tokens * len(span) / chunk_time,
                     "samples": s * batch_size,
                     "updates": s * ups,
@@ -464,6 +487,7 @@ def _run_async(rank, job, setup: RankSetup, data, sink, progress, start_step: in
             if vl and rank == 0:
                 metrics_of[-1]["val_loss"] = sum(vl) / len(vl)
                 val_losses.append(metrics_of[-1]["val_loss"])
+        timeline = None
         if record:
             events = [None] * job.world_size if rank == 0 else None
             dist.gather_object(stats.events, events, dst=0)
@@ -473,7 +497,6 @@ def _run_async(rank, job, setup: RankSetup, data, sink, progress, start_step: in
                     meta={"schedule": setup.schedule.name, "steps": [step, end],
                           "num_stages": setup.schedule.num_stages, "num_microbatches": m * len(span)},
                 )
-                sink.log_timeline(timeline, tl)
         if (save_every and end % save_every == 0) or end == steps:
             checkpoint.save(job.run_dir, end, rank, setup.stages, meta)
         if rank == 0:
@@ -482,4 +505,7 @@ def _run_async(rank, job, setup: RankSetup, data, sink, progress, start_step: in
                 if s % int(trainer.get("log_every") or 1) == 0 or "val_loss" in metrics:
                     sink.log(s, metrics)
                 progress.update(s, metrics["loss"], metrics["tokens_per_s"])
+            if timeline is not None:
+                # after the chunk's rows: W&B drops rows logged at a step below one it has seen
+                sink.log_timeline(timeline, tl)
         step = end + 1

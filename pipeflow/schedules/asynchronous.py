@@ -265,7 +265,6 @@ def amdp(
     require(isinstance(zero, bool), "schedule.zero", zero, name, "true (owner-based optimizer sharding) or false")
     require(isinstance(admission, int) and admission >= 1, "schedule.admission", admission, name, "a whole number >= 1")
     placement = amdp_placement(d)
-    npipes = placement.num_pipes
     m = microbatches
     total = m * windows
     pipe_of = tuple((mb % m) % d // 2 for mb in range(total))

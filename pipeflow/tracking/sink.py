@@ -3,7 +3,8 @@
 Rank 0 of the runtime owns a :class:`MetricsSink`. Everything it is given lands in the
 run directory first, so a run is complete on disk whether or not W&B is reachable:
 
-- ``metrics.jsonl``: one JSON object per :meth:`MetricsSink.log` call, ``{"step": ..., **metrics}``;
+- ``metrics.jsonl``: one JSON object per :meth:`MetricsSink.log` call, ``{"step": ..., **metrics}``
+  (created by the first call: a simulated run, which logs no steps, has none);
 - ``timeline.json`` / ``timeline.png``: the measured timeline of one step (same format as
   the simulator's, so the two compare event by event);
 - ``summary.json``: the final numbers;
@@ -116,7 +117,7 @@ class MetricsSink:
         self._owns_wandb_service = False
         if logger_cfg.get("name") == "wandb":
             self._start_wandb(config, logger_cfg)
-        self._file = open(self.metrics_path, "a", encoding="utf-8")
+        self._file = None  # metrics.jsonl, opened for appending by the first log()
 
     def _truncate_after(self, step: int) -> None:
         kept = []
@@ -175,6 +176,8 @@ class MetricsSink:
     def log(self, step: int, metrics: dict) -> None:
         """One line ``{"step": step, **metrics}`` in metrics.jsonl, and the same to W&B."""
         row = {"step": int(step), **{k: _plain(v) for k, v in metrics.items()}}
+        if self._file is None:
+            self._file = open(self.metrics_path, "a", encoding="utf-8")
         self._file.write(json.dumps(row, default=_json_default) + "\n")
         # flushed line by line: a crashed run keeps every step it logged
         self._file.flush()
@@ -194,11 +197,16 @@ class MetricsSink:
         title = f"{meta.get('schedule', 'pipeline')}: {', '.join(sizes)}, step {step}, {timeline.source}"
         timeline.save(self.run_dir / "timeline.json")
         png = draw_timeline(timeline, self.run_dir / "timeline.png", title=title)
+        self.log_image("timeline", png, title, step)
+
+    def log_image(self, key: str, path: str | os.PathLike, caption: str, step: int = 0) -> None:
+        """Show the picture at ``path`` (already in the run directory) in W&B as ``key``;
+        nothing to do without W&B."""
         if self.wandb_run is not None:
             import wandb
 
             # W&B drops rows logged at a step lower than one already logged
-            self.wandb_run.log({"timeline": wandb.Image(png, caption=title)}, step=max(int(step), self._last_step))
+            self.wandb_run.log({key: wandb.Image(str(path), caption=caption)}, step=max(int(step), self._last_step))
 
     def finish(self, summary: dict) -> None:
         """Write run_dir/summary.json, put its scalars in the W&B run summary, close."""
@@ -211,7 +219,8 @@ class MetricsSink:
         if self._finished:
             return
         self._finished = True
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
         if self.wandb_run is not None:
             self.wandb_run.finish(exit_code=exit_code)
             if self._owns_wandb_service:

@@ -1,0 +1,297 @@
+"""The numbers of a comparison: one row per run, one row per configuration, and the
+curves the plots draw.
+
+Everything a row says about a training run comes from that run's own files: losses,
+samples, updates and time from its ``metrics.jsonl`` (so a crashed run still has a row,
+with what it logged before the crash), rates and peaks from its ``summary.json`` when it
+finished, else from its rows. Simulated runs fill the ``sim_*`` columns; a training run
+gets the ``sim_*`` columns of the simulated run of the same configuration (schedule,
+depth, microbatches, segments, model) when one is among the inputs.
+
+X axes of the convergence curves, per logged step:
+
+- ``step``: the optimizer step number of synchronous runs; a step of an asynchronous
+  run is one global batch too, but may hold several updates (PipeDream: one per
+  microbatch);
+- ``samples``: sequences consumed so far, as the run logged them;
+- ``updates``: optimizer updates applied so far (an asynchronous run logs its own
+  count; a synchronous step is one update);
+- ``time``: seconds spent in training steps so far (``train_time``; validation and
+  checkpoints are not training time).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any, Iterable
+
+from .runs import Run
+
+__all__ = ["X_AXES", "series", "smoothed", "run_table", "group_table", "target_loss", "by_label", "RUN_COLUMNS",
+           "GROUP_COLUMNS"]
+
+X_AXES = {
+    "step": "step",
+    "samples": "samples (sequences)",
+    "updates": "optimizer updates",
+    "time": "training time (s)",
+}
+
+RUN_COLUMNS = [
+    "run", "label", "kind", "status", "note", "schedule", "seed", "stages", "microbatches", "steps", "steps_planned",
+    "samples", "updates", "final_loss", "best_loss", "final_val_loss", "best_val_loss", "target_loss",
+    "steps_to_target", "samples_to_target", "time_to_target_s", "tokens_per_s", "step_time_s", "bubble",
+    "peak_memory_mib", "peak_saved_mib", "max_staleness", "max_mismatch",
+    "sim_step_time", "sim_bubble", "sim_peak_activation_mib", "sim_over_measured", "sim_run",
+]
+# sim_step_time: the simulated iteration time per step (an asynchronous simulation's
+# makespan over its windows), in the simulator's time unit (seconds for cost=analytic
+# and cost=profiled); sim_over_measured: that over the measured mean step time
+
+GROUP_COLUMNS = [
+    "label", "kind", "runs", "finished", "final_loss_mean", "final_loss_std", "best_loss_mean",
+    "time_to_target_s_mean", "samples_to_target_mean", "tokens_per_s_mean", "bubble_mean", "step_time_s_mean",
+    "peak_memory_mib_max", "sim_step_time", "sim_bubble",
+]
+
+_MIB = 2**20
+
+
+def batch_size(run: Run) -> int | None:
+    pipe = run.config.get("pipeline") or {}
+    try:
+        return int(pipe["microbatches"]) * int(pipe["microbatch_size"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def series(run: Run, x: str, y: str = "loss") -> tuple[list[float], list[float]]:
+    """(xs, ys) of ``y`` against the x axis ``x`` (a key of :data:`X_AXES`) over the
+    run's logged rows that have ``y``."""
+    if x not in X_AXES:
+        raise ValueError(f"x axis {x!r}: allowed values are {', '.join(X_AXES)}")
+    xs, ys = [], []
+    bs = batch_size(run)
+    clock = 0.0
+    for row in run.rows:
+        if "step_time" in row:
+            clock += float(row["step_time"])
+        if y not in row or row[y] is None:
+            continue
+        if x == "step":
+            xv = row["step"]
+        elif x == "samples":
+            xv = row.get("samples", row["step"] * bs if bs else None)
+        elif x == "updates":
+            xv = row.get("updates", row["step"])
+        else:  # time: what the run measured; older runs without it: the sum of logged step times
+            xv = row.get("train_time", clock)
+        if xv is None:
+            continue
+        xs.append(float(xv))
+        ys.append(float(row[y]))
+    return xs, ys
+
+
+def smoothed(values: list[float], window: int) -> list[float]:
+    """Trailing mean over ``window`` points (the first points average what there is)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def by_label(runs: Iterable[Run]) -> dict[str, list[Run]]:
+    """Runs grouped by configuration label, in first-seen order."""
+    out: dict[str, list[Run]] = {}
+    for run in runs:
+        out.setdefault(run.label, []).append(run)
+    return out
+
+
+def target_loss(runs: list[Run], window: int) -> float | None:
+    """The default target of time-to-target: the highest smoothed final loss among the
+    runs that finished, so that every finished run reaches it (among all runs with
+    losses when none finished)."""
+    finals, finished = [], []
+    for run in runs:
+        if run.kind != "measured":
+            continue
+        _, ys = series(run, "step")
+        if not ys:
+            continue
+        final = smoothed(ys, window)[-1]
+        finals.append(final)
+        if run.status == "finished":
+            finished.append(final)
+    pool = finished or finals
+    return max(pool) if pool else None
+
+
+def _reach(run: Run, target: float | None, window: int) -> dict[str, Any]:
+    """Step, samples and training time of the first logged step whose smoothed loss is
+    at or below ``target``; empty when never reached."""
+    if target is None:
+        return {}
+    steps, ys = series(run, "step")
+    hit = next((i for i, v in enumerate(smoothed(ys, window)) if v <= target), None)
+    if hit is None:
+        return {}
+    return {
+        "steps_to_target": int(steps[hit]),
+        "samples_to_target": series(run, "samples")[0][hit] if series(run, "samples")[0] else None,
+        "time_to_target_s": series(run, "time")[0][hit],
+    }
+
+
+def _steady(rows: list[dict], key: str) -> float | None:
+    """Mean of ``key`` over the second half of the rows (the worker's own convention
+    for rates: the first half includes warm-up)."""
+    vals = [float(r[key]) for r in rows[len(rows) // 2:] if r.get(key) is not None]
+    return statistics.fmean(vals) if vals else None
+
+
+def _max(values) -> float | None:
+    vals = [float(v) for v in (values or []) if v is not None]
+    return max(vals) if vals else None
+
+
+def sim_key(run: Run) -> tuple:
+    """What makes a simulated run the prediction of a measured one."""
+    if run.kind == "simulated":  # the simulator's summary names its whole configuration
+        s = run.summary or {}
+        return (s.get("schedule"), s.get("stages"), s.get("microbatches"), s.get("virtual_stages", 1),
+                s.get("segments", 1), s.get("microbatch_size"), (s.get("model") or {}).get("name"))
+    pipe = run.config.get("pipeline") or {}
+    model = run.config.get("model") or {}
+    return (run.schedule, pipe.get("stages"), pipe.get("microbatches"), pipe.get("virtual_stages", 1),
+            pipe.get("segments", 1), pipe.get("microbatch_size"), model.get("name"))
+
+
+def _sim_columns(sim: Run) -> dict[str, Any]:
+    s = sim.summary or {}
+    per_device = s.get("per_device") or []
+    peak = _max(d.get("peak_activation_bytes") for d in per_device)
+    if peak is None:
+        peak = s.get("peak_activation_bytes")
+    makespan = s.get("makespan")
+    # an asynchronous simulation covers schedule.windows steps without a flush
+    steps = int(s.get("windows") or 1)
+    return {
+        "sim_step_time": makespan / steps if makespan is not None else None,
+        "sim_bubble": s.get("bubble_ratio"),
+        "sim_peak_activation_mib": peak / _MIB if peak is not None else None,
+        "sim_run": sim.name,
+    }
+
+
+def run_table(runs: list[Run], target: float | None, window: int) -> list[dict[str, Any]]:
+    """One row per run (:data:`RUN_COLUMNS`), in the order given."""
+    sims: dict[tuple, Run] = {}
+    for run in runs:
+        if run.kind == "simulated" and run.status == "finished":
+            sims.setdefault(sim_key(run), run)
+    rows = []
+    for run in runs:
+        pipe = run.config.get("pipeline") or {}
+        summary = run.summary or {}
+        row: dict[str, Any] = {
+            "run": run.name,
+            "label": run.label,
+            "kind": run.kind,
+            "status": run.status,
+            "note": run.error or "",
+            "schedule": run.schedule,
+            "seed": run.seed,
+            "stages": pipe.get("stages", summary.get("stages")),
+            "microbatches": pipe.get("microbatches", summary.get("microbatches")),
+        }
+        if run.kind == "simulated":
+            if run.status == "finished":
+                row.update(_sim_columns(run))
+            rows.append(row)
+            continue
+        losses = [r["loss"] for r in run.rows if r.get("loss") is not None]
+        vals = [r["val_loss"] for r in run.rows if r.get("val_loss") is not None]
+        last = run.rows[-1] if run.rows else {}
+        saved = [v for k, v in last.items() if k.startswith("saved_mib/")] if last else []
+        row.update({
+            "steps": run.steps_done,
+            "steps_planned": run.steps_planned,
+            "samples": series(run, "samples")[0][-1] if losses and series(run, "samples")[0] else None,
+            "updates": series(run, "updates")[0][-1] if losses else None,
+            "final_loss": losses[-1] if losses else None,
+            "best_loss": min(losses) if losses else None,
+            "final_val_loss": vals[-1] if vals else None,
+            "best_val_loss": min(vals) if vals else None,
+            "target_loss": target,
+            **_reach(run, target, window),
+        })
+        if run.status == "finished":
+            peaks = summary.get("peak_memory_bytes")
+            row.update({
+                "tokens_per_s": summary.get("mean_tokens_per_s"),
+                "step_time_s": summary.get("mean_step_time"),
+                "bubble": summary.get("measured_bubble_ratio"),
+                "peak_memory_mib": _max(peaks) / _MIB if _max(peaks) is not None else None,
+                "peak_saved_mib": (_max(summary.get("peak_saved_bytes")) or 0.0) / _MIB
+                if summary.get("peak_saved_bytes") else None,
+                "max_staleness": summary.get("max_staleness"),
+                "max_mismatch": summary.get("max_mismatch"),
+            })
+        elif run.rows:  # partial: what the logged rows say
+            row.update({
+                "tokens_per_s": _steady(run.rows, "tokens_per_s"),
+                "step_time_s": _steady(run.rows, "step_time"),
+                "bubble": _steady(run.rows, "bubble"),
+                "peak_saved_mib": max(saved) if saved else None,
+                "max_staleness": _max(r.get("max_staleness") for r in run.rows),
+                "max_mismatch": _max(r.get("max_mismatch") for r in run.rows),
+            })
+        sim = sims.get(sim_key(run))
+        if sim is not None:
+            row.update(_sim_columns(sim))
+            if row.get("step_time_s") and row.get("sim_step_time") is not None:
+                row["sim_over_measured"] = row["sim_step_time"] / row["step_time_s"]
+        rows.append(row)
+    return [{c: r.get(c) for c in RUN_COLUMNS} for r in rows]
+
+
+def _mean(values) -> float | None:
+    vals = [float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return statistics.fmean(vals) if vals else None
+
+
+def group_table(runs: list[Run], table: list[dict]) -> list[dict[str, Any]]:
+    """One row per configuration label (:data:`GROUP_COLUMNS`): means over its runs
+    (seeds), the spread of the final loss, and how many of its runs finished."""
+    rows_of = {r["run"]: r for r in table}
+    out = []
+    # a simulated and a measured run of one configuration share a label, not a group
+    kinds = [by_label(r for r in runs if r.kind == kind) for kind in ("measured", "simulated")]
+    for label, members in [item for groups in kinds for item in groups.items()]:
+        rows = [rows_of[m.name] for m in members]
+        finals = [r["final_loss"] for r in rows if r["final_loss"] is not None]
+        peaks = [r["peak_memory_mib"] for r in rows if r.get("peak_memory_mib") is not None]
+        out.append({
+            "label": label,
+            "kind": members[0].kind,
+            "runs": len(members),
+            "finished": sum(m.status == "finished" for m in members),
+            "final_loss_mean": _mean(finals),
+            "final_loss_std": statistics.stdev(finals) if len(finals) > 1 else None,
+            "best_loss_mean": _mean(r["best_loss"] for r in rows),
+            "time_to_target_s_mean": _mean(r["time_to_target_s"] for r in rows),
+            "samples_to_target_mean": _mean(r["samples_to_target"] for r in rows),
+            "tokens_per_s_mean": _mean(r["tokens_per_s"] for r in rows),
+            "bubble_mean": _mean(r["bubble"] for r in rows),
+            "step_time_s_mean": _mean(r["step_time_s"] for r in rows),
+            "peak_memory_mib_max": max(peaks) if peaks else None,
+            "sim_step_time": _mean(r["sim_step_time"] for r in rows),
+            "sim_bubble": _mean(r["sim_bubble"] for r in rows),
+        })
+    return out
