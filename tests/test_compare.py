@@ -99,6 +99,8 @@ def test_async_runs_are_placed_by_their_own_samples_and_updates(sweep):
     table = {r["schedule"]: r for r in run_table(list(runs.values()), None, 1)}
     assert table["pipedream"]["updates"] == 6 * 4 and table["pipedream"]["samples"] == 6 * 8
     assert table["pipedream"]["max_staleness"] >= 1 and table["1f1b"]["max_staleness"] == 0
+    # per step, as configured, though the asynchronous schedule's IR spans several steps
+    assert runs["pipedream"].summary["microbatches"] == 4
 
 
 def test_a_crashed_run_is_reported_with_what_it_logged(sweep, crashed, tmp_path):
@@ -273,3 +275,22 @@ def test_report_wandb_online_reports_the_runs_groups(tmp_path, capsys, monkeypat
     assert report.entity == "team" and report.project == "pp"
     runset = next(b for b in report.blocks if hasattr(b, "runsets")).runsets[0]
     assert "sweep-1" in runset.filters and "sweep-2" in runset.filters
+
+
+def test_a_plan_sweep_feeds_the_report_by_method_and_topology(tmp_path):
+    """pipeflow-plan -m over planning methods x topologies: every plan is a simulated
+    row labelled by what differs, with the plan's predicted iteration time."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HYDRA_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeflow.plan", "-m", "plan.method=planner,uniform", "topology=pcie_8,dgx_a100_8",
+         "model=gpt_tiny", "pipeline.microbatches=4", "baselines=false", "draw=false", "logger=none",
+         f"hydra.sweep.dir={tmp_path / 'plans'}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs, table, _ = compare([str(tmp_path / "plans")], CompareConfig(out=str(tmp_path / "out")))
+    assert sorted(r["label"] for r in table) == [
+        f"method={m}, topology={t}" for m in ("planner", "uniform") for t in ("dgx_a100_8", "pcie_8")]
+    for run, row in zip(runs, table):
+        assert row["kind"] == "simulated"
+        assert row["sim_step_time"] == pytest.approx(run.summary["makespan"])

@@ -260,10 +260,14 @@ def label_runs(runs: list[Run]) -> None:
 
 
 def _short_names(keys: list[str]) -> dict[str, str]:
-    """The last component of each key, longer where two keys would read the same."""
+    """The last component of each key, longer where two keys would read the same; a
+    config group's ``name`` as the group."""
     out = {}
     for key in keys:
         parts = key.split(".")
+        if len(parts) == 2 and parts[0] in _GROUPS and parts[1] == "name":
+            out[key] = parts[0]  # a config group's choice reads as on the command line: topology=pcie_8
+            continue
         n = 1
         while n < len(parts) and sum(k.split(".")[-n:] == parts[-n:] for k in keys) > 1:
             n += 1

@@ -337,7 +337,8 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
         "kind": "measured",
         "schedule": schedule.name,
         "stages": pipe_cfg["stages"],
-        "microbatches": m,
+        # per step, as configured (an asynchronous schedule's IR spans schedule.windows steps)
+        "microbatches": int(pipe_cfg["microbatches"]),
         "microbatch_size": mbs,
         "world_size": job.world_size,
         "layers_per_stage": layers,
