@@ -614,7 +614,9 @@ def _check_runtime(rt: DictConfig, world_size: int) -> None:
             raise ConfigError(f"runtime.fail_mode={rt.fail_mode}: allowed values: {', '.join(FAIL_MODES)}")
 
 
-def _check_logger(logger: DictConfig) -> None:
+def check_logger(logger: DictConfig) -> None:
+    """``logger.*`` of any app (train, simulate, plan): a known logger and W&B mode, and
+    credentials when online is asked for explicitly. Raises ConfigError naming the key."""
     if logger.name not in LOGGERS:
         raise ConfigError(f"logger.name={logger.name}: unknown logger; allowed values: {', '.join(LOGGERS)}")
     if logger.name != "wandb":
@@ -773,7 +775,7 @@ def prepare_training(cfg: DictConfig) -> TrainingInputs:
     _check_trainer(cfg.trainer)
     _check_optim(cfg.optim)
     _check_runtime(cfg.runtime, schedule.num_devices)
-    _check_logger(cfg.logger)
+    check_logger(cfg.logger)
     _check_data_files(cfg.data)
     _check_resume(cfg.resume)
 
@@ -894,7 +896,7 @@ def _prepare_branched(cfg: DictConfig) -> TrainingInputs:
     _check_trainer(cfg.trainer)
     _check_optim(cfg.optim)
     _check_runtime(cfg.runtime, schedule.num_devices)
-    _check_logger(cfg.logger)
+    check_logger(cfg.logger)
     _check_data_files(cfg.data)
     if cfg.data.get("files"):
         # the user's own image-text files: missing columns or mixed image sizes must stop

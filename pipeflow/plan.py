@@ -31,7 +31,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from pipeflow.config import CONF_DIR, ConfigError, register_configs
-from pipeflow.config import _check_logger as check_logger
+from pipeflow.config import check_logger
 from pipeflow.planning.baselines import BASELINES
 from pipeflow.planning.planner import GB, Plan, evaluate, fits, plan
 from pipeflow.planning.transformer import TransformerSpec

@@ -22,7 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from pipeflow.config import CONF_DIR, ConfigError, prepare_simulation, register_configs
-from pipeflow.config import _check_logger as check_logger
+from pipeflow.config import check_logger
 from pipeflow.schedules.export import write_torch_csv
 from pipeflow.schedules.validate import validate
 from pipeflow.sim.engine import simulate
