@@ -18,8 +18,8 @@ invalid configuration), its rows say ``failed: <reason>``, and so does a row who
 result cannot stand for the claim (a simulated out-of-memory where the paper's run
 fits); the suite goes on either way.
 
-    .venv/bin/python -m benchmarks.reproduce            # about 4 minutes on 2 cores
-    .venv/bin/python -m benchmarks.reproduce --quick    # fewer runs and steps, about 2
+    .venv/bin/python -m benchmarks.reproduce            # 157 s on a shared 2-core machine
+    .venv/bin/python -m benchmarks.reproduce --quick    # fewer runs and steps: 72 s
     .venv/bin/python -m benchmarks.reproduce --out outputs/reproduce/mine
 
 The measured rows are small CPU runs: on a shared host their ratios move by tens of

@@ -30,8 +30,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from pipeflow.config import CONF_DIR, ConfigError, register_configs
-from pipeflow.config import check_logger
+from pipeflow.config import CONF_DIR, ConfigError, check_logger, register_configs
 from pipeflow.planning.baselines import BASELINES
 from pipeflow.planning.planner import GB, Plan, evaluate, fits, plan
 from pipeflow.planning.transformer import TransformerSpec
@@ -296,8 +295,7 @@ def main(cfg: DictConfig) -> None:
     if cfg.logger.name == "wandb":
         from pipeflow.tracking.simulated import log_simulated_run
 
-        png = Path(out_dir) / "timeline.png" if "timeline.png" in summary["files"] else None
-        log_simulated_run(cfg, hydra_cfg, out_dir, summary["summary"], png,
+        log_simulated_run(cfg, hydra_cfg, out_dir, summary["summary"],
                           timeline_title(summary["plan"], summary["summary"]["topology"]["name"]))
 
 

@@ -21,8 +21,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from pipeflow.config import CONF_DIR, ConfigError, prepare_simulation, register_configs
-from pipeflow.config import check_logger
+from pipeflow.config import CONF_DIR, ConfigError, check_logger, prepare_simulation, register_configs
 from pipeflow.schedules.export import write_torch_csv
 from pipeflow.schedules.validate import validate
 from pipeflow.sim.engine import simulate
@@ -188,10 +187,9 @@ def main(cfg: DictConfig) -> None:
         # imported here: logger=none (the default) pays nothing for tracking
         from pipeflow.tracking.simulated import log_simulated_run
 
-        png = Path(out_dir) / "timeline.png" if "timeline.png" in summary["files"] else None
         title = timeline_title(summary["schedule"], summary["stages"], summary["microbatches"],
                                summary["model"]["name"], summary["topology"]["name"])
-        log_simulated_run(cfg, hydra_cfg, out_dir, summary, png, title)
+        log_simulated_run(cfg, hydra_cfg, out_dir, summary, title)
 
 
 if __name__ == "__main__":

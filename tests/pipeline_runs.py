@@ -29,6 +29,10 @@ GPT_SMALL = [
 ]
 
 
+# the GPT's LM head is tied to its token embedding: its gradient is the embedding's
+GPT_TIED = {"lm_head.weight": "wte.weight"}
+
+
 def train(run_dir: Path, overrides: list[str], tied: dict[str, str] | None = None) -> dict:
     """Train ``compose("train", overrides)``; ``tied`` files a tied copy's gradient
     under the name of the parameter it mirrors (e.g. lm_head.weight -> wte.weight)."""

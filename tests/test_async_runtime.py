@@ -21,7 +21,7 @@ from pipeflow.schedules.ir import WeightPolicy
 from pipeflow.schedules.versions import weight_versions
 
 SMALL = [*pipeline_runs.GPT_SMALL, "trainer.timeline_step=null"]
-TIED = {"lm_head.weight": "wte.weight"}
+TIED = pipeline_runs.GPT_TIED
 
 
 def train(run_dir: Path, *overrides: str) -> dict:

@@ -16,7 +16,7 @@ from pipeflow.planning.transformer import TransformerSpec
 from pipeflow.topology.presets import get_topology
 
 SMALL = [*pipeline_runs.GPT_SMALL, "trainer.timeline_step=null", "trainer.steps=3", "runtime.dump_grads=true"]
-TIED = {"lm_head.weight": "wte.weight"}
+TIED = pipeline_runs.GPT_TIED
 
 
 def train(run_dir: Path, *overrides: str) -> dict:

@@ -33,7 +33,7 @@ CASES = [
 
 
 def train(run_dir: Path, *overrides: str) -> dict:
-    return pipeline_runs.train(run_dir, [*SMALL, *overrides], tied={"lm_head.weight": "wte.weight"})
+    return pipeline_runs.train(run_dir, [*SMALL, *overrides], tied=pipeline_runs.GPT_TIED)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import pipeline_runs
 
 SMALL = [*pipeline_runs.GPT_SMALL, "trainer.timeline_step=null", "model.seq_len=48", "trainer.steps=5",
          "runtime.dump_grads=true"]
-TIED = {"lm_head.weight": "wte.weight"}
+TIED = pipeline_runs.GPT_TIED
 
 
 def train(run_dir: Path, *overrides: str) -> dict:

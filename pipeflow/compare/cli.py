@@ -103,18 +103,20 @@ def compare(paths: list[str], cfg: CompareConfig) -> tuple[list[Run], list[dict]
     return runs, table, report
 
 
+def _cell(value) -> str:
+    """A number as a reader wants it in a table: thousands grouped, else 4 digits."""
+    if isinstance(value, float):
+        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+    return "" if value is None else str(value)
+
+
 def format_table(table: list[dict]) -> str:
     """The console summary: a line per run."""
     cols = [("configuration", "label"), ("seed", "seed"), ("status", "status"), ("final loss", "final_loss"), ("tokens/s", "tokens_per_s"),
             ("bubble", "bubble"), ("to target (s)", "time_to_target_s"), ("sim step", "sim_step_time")]
     cols = [c for c in cols if c[0] in ("configuration", "status") or any(r.get(c[1]) is not None for r in table)]
 
-    def cell(v):
-        if isinstance(v, float):
-            return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
-        return "" if v is None else str(v)
-
-    rows = [[cell(r.get(k)) for _, k in cols] for r in table]
+    rows = [[_cell(r.get(k)) for _, k in cols] for r in table]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, (h, _) in enumerate(cols)]
     lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, ((h, _), w) in enumerate(zip(cols, widths)))]
     lines += ["  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths)))
@@ -155,11 +157,8 @@ def markdown_table(table: list[dict]) -> str:
             "sim_step_time"]
     cols = [c for c in cols if any(r.get(c) is not None for r in table)]
 
-    def cell(v):
-        return "" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v).replace("|", "/")
-
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(cell(r.get(c)) for c in cols) + " |" for r in table]
+    lines += ["| " + " | ".join(_cell(r.get(c)).replace("|", "/") for c in cols) + " |" for r in table]
     return "\n".join(lines)
 
 
@@ -181,8 +180,7 @@ def main(argv: list[str] | None = None) -> int:
               + "; ".join(f"{r['run']} ({r['status']})" for r in unfinished))
     print(f"\nwrote {', '.join(p.name for p in report.files)} to {report.out_dir}")
     if cfg.report == "wandb":
-        title = cfg.title or f"pipeflow comparison: {', '.join(dict.fromkeys(r.schedule for r in runs))}"
-        print(wandb_report(runs, table, cfg, title))
+        print(wandb_report(runs, table, cfg, report.title))
     return 0
 
 

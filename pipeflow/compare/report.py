@@ -39,10 +39,11 @@ _UNFINISHED = ("crashed", "incomplete")
 
 
 class Report:
-    """What :func:`write_report` wrote: paths of the files, the figures by name."""
+    """What :func:`write_report` wrote: its title, the paths of the files, the figures by name."""
 
-    def __init__(self, out_dir: Path):
+    def __init__(self, out_dir: Path, title: str):
         self.out_dir = out_dir
+        self.title = title
         self.figures: dict[str, Path] = {}
         self.files: list[Path] = []
 
@@ -304,7 +305,7 @@ def write_report(runs: list[Run], table: list[dict], groups: list[dict], out_dir
                  inputs: list[str], target: float | None, window: int) -> Report:
     """Write the figures, runs.csv, configurations.csv and report.html into ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    report = Report(out_dir)
+    report = Report(out_dir, title)
     colours = _colours(list(dict.fromkeys(r.label for r in runs)))
     for name, draw in (
         ("convergence", lambda p: _convergence(runs, colours, window, p)),

@@ -141,9 +141,10 @@ def _reach(run: Run, target: float | None, window: int) -> dict[str, Any]:
     hit = next((i for i, v in enumerate(smoothed(ys, window)) if v <= target), None)
     if hit is None:
         return {}
+    samples = series(run, "samples")[0]
     return {
         "steps_to_target": int(steps[hit]),
-        "samples_to_target": series(run, "samples")[0][hit] if series(run, "samples")[0] else None,
+        "samples_to_target": samples[hit] if len(samples) == len(steps) else None,
         "time_to_target_s": series(run, "time")[0][hit],
     }
 
@@ -218,12 +219,13 @@ def run_table(runs: list[Run], target: float | None, window: int) -> list[dict[s
         losses = [r["loss"] for r in run.rows if r.get("loss") is not None]
         vals = [r["val_loss"] for r in run.rows if r.get("val_loss") is not None]
         last = run.rows[-1] if run.rows else {}
-        saved = [v for k, v in last.items() if k.startswith("saved_mib/")] if last else []
+        saved = [v for k, v in last.items() if k.startswith("saved_mib/")]
+        samples, updates = series(run, "samples")[0], series(run, "updates")[0]
         row.update({
             "steps": run.steps_done,
             "steps_planned": run.steps_planned,
-            "samples": series(run, "samples")[0][-1] if losses and series(run, "samples")[0] else None,
-            "updates": series(run, "updates")[0][-1] if losses else None,
+            "samples": samples[-1] if samples else None,
+            "updates": updates[-1] if updates else None,
             "final_loss": losses[-1] if losses else None,
             "best_loss": min(losses) if losses else None,
             "final_val_loss": vals[-1] if vals else None,

@@ -9,6 +9,7 @@ scalars as the run summary. Simulated runs log no steps, so they have no metrics
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -17,15 +18,15 @@ from .sink import MetricsSink
 
 
 def log_simulated_run(cfg: DictConfig, hydra_cfg: DictConfig, run_dir: str | os.PathLike, summary: dict,
-                      image: str | os.PathLike | None = None, caption: str = "") -> None:
+                      caption: str = "") -> None:
     """Log the finished job in ``run_dir`` to W&B: ``cfg`` resolved, with the group, tags
     and run name :func:`logger_labels` gives the job ``hydra_cfg``, as the run config;
-    ``image`` (a file in the run directory, e.g. timeline.png) under the key ``timeline``;
-    ``summary`` as the run summary. ``summary`` is the app's summary.json, which the sink
-    writes again as it is."""
+    the job's timeline.png, when its ``summary["files"]`` lists one, under the key
+    ``timeline`` with ``caption``; ``summary`` as the run summary. ``summary`` is the
+    app's summary.json, which the sink writes again as it is."""
     plain = OmegaConf.to_container(cfg, resolve=True)
     plain["logger"].update(logger_labels(cfg.logger, hydra_cfg))
     with MetricsSink(str(run_dir), plain, plain["logger"]) as sink:
-        if image is not None:
-            sink.log_image("timeline", image, caption)
+        if "timeline.png" in summary.get("files", []):
+            sink.log_image("timeline", Path(run_dir) / "timeline.png", caption)
         sink.finish(summary)
