@@ -10,9 +10,9 @@ device never touch the network.
 Backward flavours:
 - B: one ``autograd.backward`` through the stage: weight gradients accumulate, the
   input gradient goes to the previous stage.
-- I then W (zero bubble): I takes only the input gradient (``autograd.grad`` w.r.t. the
-  stage input, graph retained); W later accumulates the weight gradients
-  (``autograd.backward(..., inputs=params)``), which frees the graph.
+- I then W (zero bubble): I computes only the input gradient and keeps the gradients
+  arriving at the weight-bearing operations; W later computes the weight gradients from
+  those alone, so nothing of the backward runs twice (:mod:`pipeflow.runtime.backward`).
 
 The optimizer step is the end of a synchronous iteration: REDUCE all-reduces the
 gradients of replicated stages (asynchronously, overlapping later work); at the first
@@ -36,6 +36,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from ..schedules.ir import Action, Kind, Schedule
 from ..schedules.lowering import Comm, lower
 from ..sim.timeline import Event
+from .backward import backward_input, backward_weight
 from .memory import SavedBytes
 
 
@@ -54,7 +55,7 @@ class StageState:
     saved: dict = field(default_factory=dict)  # (mb, seg) -> (input leaf or None, output or loss)
     kv: dict = field(default_factory=dict)  # Seq1F1B: mb -> seg -> (own K/V per block, prefix leaves, holds)
     kv_grad: dict = field(default_factory=dict)  # (mb, seg) -> per block (dK, dV) from later segments
-    pending_w: dict = field(default_factory=dict)  # (mb, seg) -> (output or loss, its gradient)
+    pending_w: dict = field(default_factory=dict)  # (mb, seg) -> what W needs after I (PendingWeight)
 
 
 @dataclass
@@ -346,18 +347,14 @@ class Executor:
                 torch.autograd.backward(out, grad_tensors=g)
             self._send_input_grads(a, leaves, [leaf.grad for leaf in leaves.values()], outbox, local)
             return
-        leaves, out = st.saved[key]
+        leaves, out = st.saved.pop(key)
+        grads, st.pending_w[key] = backward_input(out, g, list(leaves.values()), st.params)
         if leaves:
-            grads = torch.autograd.grad(out, list(leaves.values()), grad_outputs=g, retain_graph=True, allow_unused=True)
             self._send_input_grads(a, leaves, grads, outbox, local)
-        st.pending_w[key] = (out, g)
 
     def _weight(self, a: Action) -> None:
         st = self.stages[(a.pipe, a.stage)]
-        key = (a.microbatch, a.segment)
-        out, g = st.pending_w.pop(key)
-        st.saved.pop(key)
-        torch.autograd.backward(out, grad_tensors=g, inputs=st.params)
+        backward_weight(st.pending_w.pop((a.microbatch, a.segment)), st.params)
 
     # ---- gradient synchronisation -----------------------------------------------------
     def _reduce(self, a: Action):
