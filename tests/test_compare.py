@@ -145,6 +145,11 @@ def test_simulated_runs_fill_the_simulated_columns(sweep, tmp_path):
     assert by[("measured", "1f1b")]["sim_step_time"] == pytest.approx(one["makespan"])
     measured = by[("measured", "1f1b")]
     assert measured["sim_over_measured"] == pytest.approx(one["makespan"] / measured["step_time_s"])
+    # the simulator's deviation (cost=analytic: seconds), held to the 2-rank target
+    assert measured["sim_error"] == pytest.approx((one["makespan"] - measured["step_time_s"]) / measured["step_time_s"])
+    assert measured["sim_tolerance"] == 0.10
+    assert (measured["sim_flag"] == "beyond ±10%") == (abs(measured["sim_error"]) > 0.10)
+    assert (measured["sim_flag"] is not None) == any("1f1b" in c for c in report.cautions)
     pd = sims["pipedream"]
     assert pd["windows"] > 1
     assert by[("simulated", "pipedream")]["sim_step_time"] == pytest.approx(pd["makespan"] / pd["windows"])

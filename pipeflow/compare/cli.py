@@ -9,7 +9,10 @@ settings (:class:`CompareConfig`). Writes into ``out`` (default
 ``outputs/compare/<date>/<time>``): ``report.html`` (self-contained, figures embedded),
 the figures as PNGs, ``runs.csv`` (one row per run) and ``configurations.csv`` (one row
 per configuration, means over seeds). Runs that crashed or stopped early are reported
-as such, with what they logged before stopping.
+as such, with what they logged before stopping. A measured run with a simulated run of
+its configuration gets the simulator's deviation (``sim_error``), flagged beyond the
+fidelity target: 10% on up to 2 ranks, 15% on more (``sim_tolerance=FRACTION`` for
+another).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .report import Report, write_report
 from .runs import CompareInputError, Run, find_runs
-from .table import group_table, run_table, target_loss
+from .table import group_table, percent, run_table, target_loss
 
 __all__ = ["CompareConfig", "WandbReportConfig", "compare", "parse_args", "main", "REPORTS"]
 
@@ -46,6 +49,9 @@ class CompareConfig:
     target_loss: Optional[float] = None  # null: the highest final loss among finished configurations
     smooth: int = 5  # trailing mean over this many logged steps, for curves and time-to-target
     title: Optional[str] = None  # null: "pipeflow comparison: <the schedules>"
+    # largest |simulated - measured| / measured step time within target; null: the
+    # fidelity targets (table.SIM_TOLERANCE_*: 10% on up to 2 ranks, 15% on more)
+    sim_tolerance: Optional[float] = None
     wandb: WandbReportConfig = field(default_factory=WandbReportConfig)
 
 
@@ -54,7 +60,7 @@ class CompareConfigError(ValueError):
 
 
 _USAGE = ("usage: pipeflow-compare RUN_OR_MULTIRUN_DIR [...] [key=value ...]\n"
-          "settings: out=DIR, report=local|wandb, target_loss=FLOAT, smooth=N, title=TEXT, "
+          "settings: out=DIR, report=local|wandb, target_loss=FLOAT, smooth=N, title=TEXT, sim_tolerance=FRACTION, "
           "wandb.project=NAME, wandb.entity=NAME")
 
 
@@ -83,6 +89,8 @@ def parse_args(argv: list[str]) -> tuple[list[str], CompareConfig]:
         raise CompareConfigError(f"report={conf.report}: allowed values are {', '.join(REPORTS)}")
     if conf.smooth < 1:
         raise CompareConfigError(f"smooth={conf.smooth}: must be 1 or more (1: no smoothing)")
+    if conf.sim_tolerance is not None and not conf.sim_tolerance > 0:
+        raise CompareConfigError(f"sim_tolerance={conf.sim_tolerance}: must be a fraction above 0 (0.1: within 10%)")
     if not paths:
         raise CompareConfigError("no run directory given\n" + _USAGE)
     return paths, conf
@@ -93,7 +101,7 @@ def compare(paths: list[str], cfg: CompareConfig) -> tuple[list[Run], list[dict]
     per-run table and the report's files."""
     runs = find_runs(paths)
     target = cfg.target_loss if cfg.target_loss is not None else target_loss(runs, cfg.smooth)
-    table = run_table(runs, target, cfg.smooth)
+    table = run_table(runs, target, cfg.smooth, cfg.sim_tolerance)
     groups = group_table(runs, table)
     out = Path(cfg.out) if cfg.out else Path("outputs/compare") / f"{datetime.now():%Y-%m-%d/%H-%M-%S}"
     schedules = ", ".join(dict.fromkeys(r.schedule for r in runs))
@@ -103,8 +111,14 @@ def compare(paths: list[str], cfg: CompareConfig) -> tuple[list[Run], list[dict]
     return runs, table, report
 
 
-def _cell(value) -> str:
-    """A number as a reader wants it in a table: thousands grouped, else 4 digits."""
+_PERCENT = ("sim_error",)  # fractions a reader wants as percentages
+
+
+def _cell(value, key: str = "") -> str:
+    """A number as a reader wants it in a table: thousands grouped, else 4 digits; a
+    deviation as a signed percentage."""
+    if key in _PERCENT and isinstance(value, (int, float)):
+        return percent(value)
     if isinstance(value, float):
         return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
     return "" if value is None else str(value)
@@ -113,10 +127,11 @@ def _cell(value) -> str:
 def format_table(table: list[dict]) -> str:
     """The console summary: a line per run."""
     cols = [("configuration", "label"), ("seed", "seed"), ("status", "status"), ("final loss", "final_loss"), ("tokens/s", "tokens_per_s"),
-            ("bubble", "bubble"), ("to target (s)", "time_to_target_s"), ("sim step", "sim_step_time")]
+            ("bubble", "bubble"), ("to target (s)", "time_to_target_s"), ("sim step", "sim_step_time"),
+            ("sim error", "sim_error"), ("sim flag", "sim_flag")]
     cols = [c for c in cols if c[0] in ("configuration", "status") or any(r.get(c[1]) is not None for r in table)]
 
-    rows = [[_cell(r.get(k)) for _, k in cols] for r in table]
+    rows = [[_cell(r.get(k), k) for _, k in cols] for r in table]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, (h, _) in enumerate(cols)]
     lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, ((h, _), w) in enumerate(zip(cols, widths)))]
     lines += ["  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths)))
@@ -154,11 +169,11 @@ def wandb_report(runs: list[Run], table: list[dict], cfg: CompareConfig, title: 
 
 def markdown_table(table: list[dict]) -> str:
     cols = ["run", "label", "status", "final_loss", "best_loss", "time_to_target_s", "tokens_per_s", "bubble",
-            "sim_step_time"]
+            "sim_step_time", "sim_error", "sim_flag"]
     cols = [c for c in cols if any(r.get(c) is not None for r in table)]
 
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(_cell(r.get(c)).replace("|", "/") for c in cols) + " |" for r in table]
+    lines += ["| " + " | ".join(_cell(r.get(c), c).replace("|", "/") for c in cols) + " |" for r in table]
     return "\n".join(lines)
 
 
@@ -174,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pipeflow-compare: {err}", file=sys.stderr)
         return 2
     print(format_table(table))
+    if report.cautions:
+        print("\ncaution: simulated step time deviates from measured beyond the target for: "
+              + "; ".join(report.cautions))
     unfinished = [r for r in table if r["status"] != "finished"]
     if unfinished:
         print(f"\n{len(unfinished)} of {len(table)} runs did not finish: "

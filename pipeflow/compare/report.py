@@ -11,7 +11,13 @@ Figures (each written only when the runs have what it draws):
 - ``memory.png``: peak memory and peak saved activations per rank, and the simulator's
   peak activation bytes per device for simulated runs;
 - ``step_time.png``: measured step time beside the simulated iteration time where the
-  inputs hold both, and the simulated bubble ratio.
+  inputs hold both (each simulated bar marked with its deviation from the measured one,
+  and "beyond ±N%" when that is beyond the fidelity target), and the simulated bubble
+  ratio.
+
+When a measured and a simulated run of one configuration are among the inputs, the
+page opens with a caution naming every configuration whose simulated step time deviates
+from the measured one beyond the target (``sim_flag``), and the tables mark those cells.
 """
 
 from __future__ import annotations
@@ -30,7 +36,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from .runs import Run  # noqa: E402
-from .table import GROUP_COLUMNS, RUN_COLUMNS, X_AXES, by_label, series, smoothed  # noqa: E402
+from .table import (FEW_RANKS, GROUP_COLUMNS, RUN_COLUMNS, SIM_TOLERANCE_FEW_RANKS,  # noqa: E402
+                    SIM_TOLERANCE_MANY_RANKS, X_AXES, by_label, percent, series, sim_cautions, sim_in_seconds,
+                    smoothed)
 
 __all__ = ["write_report", "Report"]
 
@@ -39,13 +47,16 @@ _UNFINISHED = ("crashed", "incomplete")
 
 
 class Report:
-    """What :func:`write_report` wrote: its title, the paths of the files, the figures by name."""
+    """What :func:`write_report` wrote: its title, the paths of the files, the figures by
+    name, and the configurations whose simulated step time is beyond the fidelity target
+    (:func:`pipeflow.compare.table.sim_cautions`)."""
 
     def __init__(self, out_dir: Path, title: str):
         self.out_dir = out_dir
         self.title = title
         self.figures: dict[str, Path] = {}
         self.files: list[Path] = []
+        self.cautions: list[str] = []
 
     @property
     def html(self) -> Path:
@@ -215,7 +226,7 @@ def _memory(runs: list[Run], colours: dict, path: Path) -> Path | None:
     return path
 
 
-def _step_time(runs: list[Run], table: list[dict], colours: dict, path: Path) -> Path | None:
+def _step_time(runs: list[Run], table: list[dict], groups: list[dict], colours: dict, path: Path) -> Path | None:
     """Measured against simulated step time for the configurations that have both, then
     the simulated runs' iteration time and bubble ratio."""
     paired = [r for r in table if r["kind"] == "measured" and r.get("sim_step_time") is not None
@@ -236,6 +247,19 @@ def _step_time(runs: list[Run], table: list[dict], colours: dict, path: Path) ->
         ax.barh([p - 0.2 for p in pos], measured, 0.4, color=[colours[label] for label in labels], label="measured")
         ax.barh([p + 0.2 for p in pos], simulated, 0.4, color=[colours[label] for label in labels], alpha=0.45,
                 hatch="//", label="simulated")
+        for p, label, sim in zip(pos, labels, simulated):
+            errors = _values(paired, [label], "sim_error")[0]
+            if not errors:  # simulated in unit times: no deviation to mark
+                continue
+            flagged = any(r.get("sim_flag") for r in groups if r["kind"] == "measured" and r["label"] == label)
+            limit = next((r["sim_tolerance"] for r in groups if r["kind"] == "measured" and r["label"] == label
+                          and r.get("sim_tolerance") is not None), None)
+            text = f"  {percent(statistics.fmean(errors))}"
+            if flagged and limit is not None:
+                text += f" (beyond ±{percent(limit, sign=False)})"
+            ax.text(sim, p + 0.2, text, ha="left", va="center", fontsize=8,
+                    color="#b00000" if flagged else "#333333", fontweight="bold" if flagged else "normal")
+        ax.margins(x=0.25)
         ax.set_yticks(pos, labels, fontsize=8)
         ax.invert_yaxis()
         ax.set_title("Step time: measured vs simulated")
@@ -257,8 +281,10 @@ def _step_time(runs: list[Run], table: list[dict], colours: dict, path: Path) ->
 
 def _sim_unit(runs: list[Run]) -> str:
     """The simulated runs' time unit: seconds unless a unit cost model was used."""
-    names = {((r.summary or {}).get("cost") or {}).get("name") for r in runs if r.kind == "simulated"}
-    return "unit times (cost=unit)" if names == {"unit"} else "seconds (the cost model's prediction)"
+    sims = [r for r in runs if r.kind == "simulated"]
+    if sims and not any(sim_in_seconds(r) for r in sims):
+        return "unit times (cost=unit)"
+    return "seconds (the cost model's prediction)"
 
 
 def _cell(value: Any) -> str:
@@ -278,13 +304,26 @@ def write_csv(rows: list[dict], columns: list[str], path: Path) -> Path:
     return path
 
 
+# shown as percentages on the page (the CSV files keep the fractions)
+_PERCENT = {"sim_error": True, "sim_tolerance": False}  # column: with a sign
+# the cells marked when the simulated step time is beyond the fidelity target
+_FLAGGED = ("sim_step_time", "sim_error", "sim_flag")
+
+
+def _html_cell(row: dict, column: str) -> str:
+    value = row.get(column)
+    text = percent(value, sign=_PERCENT[column]) if column in _PERCENT and value is not None else _cell(value)
+    cls = ' class="flag"' if row.get("sim_flag") and column in _FLAGGED else ""
+    return f"<td{cls}>{html.escape(text)}</td>"
+
+
 def _html_table(rows: list[dict], columns: list[str]) -> str:
     present = [c for c in columns if any(r.get(c) not in (None, "") for r in rows)]
     head = "".join(f"<th>{html.escape(c)}</th>" for c in present)
     body = []
     for r in rows:
         cls = f' class="{r["status"]}"' if r.get("status") in _UNFINISHED + ("empty",) else ""
-        cells = "".join(f"<td>{html.escape(_cell(r.get(c)))}</td>" for c in present)
+        cells = "".join(_html_cell(r, c) for c in present)
         body.append(f"<tr{cls}>{cells}</tr>")
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
@@ -298,6 +337,8 @@ td:first-child, td:nth-child(2) { text-align: left; }
 tr.crashed td { background: #fde2e2; } tr.incomplete td { background: #fff4d6; } tr.empty td { background: #eee; }
 img { max-width: 100%; border: 1px solid #ddd; margin: 0.5em 0; }
 .note { color: #555; font-size: 13px; }
+td.flag { background: #fde2e2; color: #a00000; font-weight: bold; }
+.caution { background: #fde2e2; border-left: 4px solid #a00000; padding: 0.5em 0.8em; }
 """
 
 
@@ -311,7 +352,7 @@ def write_report(runs: list[Run], table: list[dict], groups: list[dict], out_dir
         ("convergence", lambda p: _convergence(runs, colours, window, p)),
         ("throughput", lambda p: _throughput(table, colours, p)),
         ("memory", lambda p: _memory(runs, colours, p)),
-        ("step_time", lambda p: _step_time(runs, table, colours, p)),
+        ("step_time", lambda p: _step_time(runs, table, groups, colours, p)),
     ):
         path = draw(out_dir / f"{name}.png")
         if path is not None:
@@ -326,6 +367,10 @@ def write_report(runs: list[Run], table: list[dict], groups: list[dict], out_dir
         f'<p class="note">{len(runs)} runs from {", ".join(html.escape(i) for i in inputs)}; written '
         f"{datetime.now():%Y-%m-%d %H:%M}.</p>",
     ]
+    report.cautions = sim_cautions(groups, table)
+    if report.cautions:
+        parts.append('<p class="caution"><b>Caution:</b> Simulated step time deviates from measured beyond the '
+                     f"target for: {html.escape('; '.join(report.cautions))}</p>")
     if problems:
         parts.append("<p><b>Not finished:</b></p><ul>" + "".join(
             f"<li>{html.escape(r['run'])}: {html.escape(r['status'])}"
@@ -339,13 +384,21 @@ def write_report(runs: list[Run], table: list[dict], groups: list[dict], out_dir
                        "schedules apply several updates per step; samples and updates are what each run logged.",
         "throughput": "Throughput and measured bubble ratio over the steady (second) half of each run.",
         "memory": "Peak memory per rank.",
-        "step_time": "Measured step time beside the simulated one for the same configuration.",
+        "step_time": "Measured step time beside the simulated one for the same configuration, each simulated "
+                     "bar marked with its deviation (simulated - measured) / measured.",
     }
     for name, path in report.figures.items():
         data = base64.b64encode(path.read_bytes()).decode("ascii")
         parts.append(f"<h2>{name.replace('_', ' ').capitalize()}</h2><p class='note'>{captions[name]}</p>"
                      f'<img alt="{name}" src="data:image/png;base64,{data}">')
-    parts.append("<h2>Runs</h2>" + _html_table(table, RUN_COLUMNS))
+    parts.append("<h2>Runs</h2>")
+    if any(r.get("sim_error") is not None for r in table):
+        parts.append("<p class='note'>sim_error: (simulated - measured step time) / measured, where a simulated "
+                     "run of the same configuration is in seconds; the fidelity target (sim_tolerance) is ±"
+                     f"{percent(SIM_TOLERANCE_FEW_RANKS, sign=False)} on up to {FEW_RANKS} ranks, ±"
+                     f"{percent(SIM_TOLERANCE_MANY_RANKS, sign=False)} on more, unless set with "
+                     "sim_tolerance=FRACTION; sim_flag marks a deviation beyond it.</p>")
+    parts.append(_html_table(table, RUN_COLUMNS))
     parts.append("<h2>Configurations</h2><p class='note'>Means over the runs of each configuration "
                  "(its seeds).</p>" + _html_table(groups, GROUP_COLUMNS))
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"

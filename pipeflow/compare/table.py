@@ -6,7 +6,10 @@ samples, updates and time from its ``metrics.jsonl`` (so a crashed run still has
 with what it logged before the crash), rates and peaks from its ``summary.json`` when it
 finished, else from its rows. Simulated runs fill the ``sim_*`` columns; a training run
 gets the ``sim_*`` columns of the simulated run of the same configuration (schedule,
-depth, microbatches, segments, model) when one is among the inputs.
+depth, microbatches, segments, model) when one is among the inputs, and with them the
+simulator's fidelity on that run: ``sim_error``, the signed deviation of the simulated
+step time from the measured one, ``sim_tolerance``, the target it is held to
+(:func:`sim_tolerance`), and ``sim_flag`` when it is beyond.
 
 X axes of the convergence curves, per logged step:
 
@@ -29,7 +32,8 @@ from typing import Any, Iterable
 from .runs import Run
 
 __all__ = ["X_AXES", "series", "smoothed", "run_table", "group_table", "target_loss", "by_label", "RUN_COLUMNS",
-           "GROUP_COLUMNS"]
+           "GROUP_COLUMNS", "SIM_TOLERANCE_FEW_RANKS", "SIM_TOLERANCE_MANY_RANKS", "FEW_RANKS", "sim_tolerance",
+           "sim_in_seconds", "sim_cautions", "percent"]
 
 X_AXES = {
     "step": "step",
@@ -43,17 +47,33 @@ RUN_COLUMNS = [
     "samples", "updates", "final_loss", "best_loss", "final_val_loss", "best_val_loss", "target_loss",
     "steps_to_target", "samples_to_target", "time_to_target_s", "tokens_per_s", "step_time_s", "bubble",
     "peak_memory_mib", "peak_saved_mib", "max_staleness", "max_mismatch",
-    "sim_step_time", "sim_bubble", "sim_peak_activation_mib", "sim_over_measured", "sim_run",
+    "sim_step_time", "sim_bubble", "sim_peak_activation_mib", "sim_over_measured", "sim_error", "sim_tolerance",
+    "sim_flag", "sim_run",
 ]
 # sim_step_time: the simulated iteration time per step (an asynchronous simulation's
 # makespan over its windows), in the simulator's time unit (seconds for cost=analytic
-# and cost=profiled); sim_over_measured: that over the measured mean step time
+# and cost=profiled); sim_over_measured: that over the measured mean step time;
+# sim_error: (sim_step_time - step_time_s) / step_time_s, a signed fraction (-0.23: the
+# simulator predicts 23% less time than was measured), only when the simulated time is
+# in seconds (not for cost=unit); sim_tolerance: the largest |sim_error| within the
+# fidelity target for this run; sim_flag: "beyond ±10%" when |sim_error| exceeds it,
+# else empty
 
 GROUP_COLUMNS = [
     "label", "kind", "runs", "finished", "final_loss_mean", "final_loss_std", "best_loss_mean",
     "time_to_target_s_mean", "samples_to_target_mean", "tokens_per_s_mean", "bubble_mean", "step_time_s_mean",
-    "peak_memory_mib_max", "sim_step_time", "sim_bubble",
+    "peak_memory_mib_max", "sim_step_time", "sim_bubble", "sim_error", "sim_tolerance", "sim_flag",
 ]
+# sim_error: the mean of the sim_error of the configuration's measured runs; sim_flag:
+# set when that mean is beyond sim_tolerance
+
+# The simulator's fidelity targets: the project's acceptance targets for the predicted
+# step time against a measured run of the same configuration, "on 2 ranks within 10%,
+# on 4 ranks within 15%". A run on FEW_RANKS ranks or fewer is held to the first, a run
+# on more ranks to the second. pipeflow-compare's sim_tolerance=FRACTION replaces both.
+FEW_RANKS = 2
+SIM_TOLERANCE_FEW_RANKS = 0.10
+SIM_TOLERANCE_MANY_RANKS = 0.15
 
 _MIB = 2**20
 
@@ -173,6 +193,51 @@ def sim_key(run: Run) -> tuple:
             pipe.get("segments", 1), pipe.get("microbatch_size"), model.get("name"))
 
 
+def sim_in_seconds(sim: Run) -> bool:
+    """Whether a simulated run's times are seconds: every cost model but cost=unit
+    predicts seconds; cost=unit counts abstract unit times."""
+    return ((sim.summary or {}).get("cost") or {}).get("name") != "unit"
+
+
+def sim_tolerance(world_size: int | None, override: float | None = None) -> float:
+    """The largest |deviation| of a simulated step time from a measured one, run on
+    ``world_size`` ranks, within the fidelity target (``override`` when given)."""
+    if override is not None:
+        return float(override)
+    if world_size is not None and world_size <= FEW_RANKS:
+        return SIM_TOLERANCE_FEW_RANKS
+    return SIM_TOLERANCE_MANY_RANKS
+
+
+def percent(fraction: float, sign: bool = True) -> str:
+    """A fraction as a percentage to one decimal, ".0" left out: -0.23 -> "-23%",
+    0.104 -> "+10.4%"."""
+    text = f"{100 * fraction:{'+' if sign else ''}.1f}".removesuffix(".0")
+    if text == "-0":  # a deviation that rounds to nothing is not negative
+        text = "+0" if sign else "0"
+    return text + "%"
+
+
+def _beyond(error: float, tolerance: float) -> bool:
+    return abs(error) > tolerance + 1e-12  # exactly at the target is within it (1.1 / 1.0 - 1 is 0.1000...09)
+
+
+def _flag(error: float | None, tolerance: float | None) -> str | None:
+    if error is None or tolerance is None or not _beyond(error, tolerance):
+        return None
+    return f"beyond ±{percent(tolerance, sign=False)}"
+
+
+def _world_size(run: Run, sim: Run) -> int | None:
+    """The ranks the measured run ran on: its summary says; a run that stopped early:
+    the devices of the simulated schedule, else its pipeline depth."""
+    for value in ((run.summary or {}).get("world_size"), (sim.summary or {}).get("num_devices"),
+                  (run.config.get("pipeline") or {}).get("stages")):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return int(value)
+    return None
+
+
 def _sim_columns(sim: Run) -> dict[str, Any]:
     s = sim.summary or {}
     per_device = s.get("per_device") or []
@@ -190,8 +255,10 @@ def _sim_columns(sim: Run) -> dict[str, Any]:
     }
 
 
-def run_table(runs: list[Run], target: float | None, window: int) -> list[dict[str, Any]]:
-    """One row per run (:data:`RUN_COLUMNS`), in the order given."""
+def run_table(runs: list[Run], target: float | None, window: int,
+              tolerance: float | None = None) -> list[dict[str, Any]]:
+    """One row per run (:data:`RUN_COLUMNS`), in the order given. ``tolerance``: the
+    fidelity target for every paired run (null: :func:`sim_tolerance` by its ranks)."""
     sims: dict[tuple, Run] = {}
     for run in runs:
         if run.kind == "simulated" and run.status == "finished":
@@ -259,6 +326,10 @@ def run_table(runs: list[Run], target: float | None, window: int) -> list[dict[s
             row.update(_sim_columns(sim))
             if row.get("step_time_s") and row.get("sim_step_time") is not None:
                 row["sim_over_measured"] = row["sim_step_time"] / row["step_time_s"]
+                if sim_in_seconds(sim):  # unit times are no seconds: no deviation to speak of
+                    error = (row["sim_step_time"] - row["step_time_s"]) / row["step_time_s"]
+                    limit = sim_tolerance(_world_size(run, sim), tolerance)
+                    row.update(sim_error=error, sim_tolerance=limit, sim_flag=_flag(error, limit))
         rows.append(row)
     return [{c: r.get(c) for c in RUN_COLUMNS} for r in rows]
 
@@ -295,5 +366,32 @@ def group_table(runs: list[Run], table: list[dict]) -> list[dict[str, Any]]:
             "peak_memory_mib_max": max(peaks) if peaks else None,
             "sim_step_time": _mean(r["sim_step_time"] for r in rows),
             "sim_bubble": _mean(r["sim_bubble"] for r in rows),
+            **_group_fidelity(rows),
         })
+    return out
+
+
+def _group_fidelity(rows: list[dict]) -> dict[str, Any]:
+    """sim_error, sim_tolerance and sim_flag of a configuration: the mean deviation of
+    its measured runs against the target (the strictest, should its runs differ)."""
+    paired = [r for r in rows if r.get("sim_error") is not None and r.get("sim_tolerance") is not None]
+    if not paired:
+        return {"sim_error": None, "sim_tolerance": None, "sim_flag": None}
+    error = _mean(r["sim_error"] for r in paired)
+    limit = min(r["sim_tolerance"] for r in paired)
+    return {"sim_error": error, "sim_tolerance": limit, "sim_flag": _flag(error, limit)}
+
+
+def sim_cautions(groups: list[dict], table: list[dict]) -> list[str]:
+    """One entry per configuration whose simulated step time deviates from the measured
+    one beyond the target, e.g. ``"1f1b (p=2): -23% (target ±10%)"``."""
+    out = []
+    for g in groups:
+        if g.get("kind") != "measured" or not g.get("sim_flag"):
+            continue
+        label = g["label"]
+        stages = next((r.get("stages") for r in table
+                       if r["kind"] == "measured" and r["label"] == label and r.get("stages") is not None), None)
+        where = f" (p={stages})" if stages is not None and "stages=" not in label else ""
+        out.append(f"{label}{where}: {percent(g['sim_error'])} (target ±{percent(g['sim_tolerance'], sign=False)})")
     return out
