@@ -26,7 +26,7 @@ from typing import Any, List, Optional, Sequence
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
-from pipeflow.planning.cost import COST_MODELS, CostModel, build_cost_model, cost_params
+from pipeflow.planning.cost import COST_MODELS, CalibratedCost, CostModel, build_cost_model, cost_params
 from pipeflow.planning.partition import PARTITIONERS
 from pipeflow.planning.seqsplit import split_sequence
 from pipeflow.planning.transformer import TransformerSpec
@@ -469,9 +469,13 @@ def _simulation_segments(cfg: DictConfig, schedule: Schedule) -> list[int] | Non
     return lengths
 
 
-def _build_topology(cfg: DictConfig, schedule: Schedule) -> Topology:
+def _build_topology(cfg: DictConfig, schedule: Schedule, cost: CostModel | None = None) -> Topology:
+    topo_cfg = cfg.topology
+    if isinstance(cost, CalibratedCost) and cfg.topology.name == "local_cpu":
+        # the calibrated host: its cores, their contention, and a gloo message's cost
+        topo_cfg = {**OmegaConf.to_container(cfg.topology, resolve=True), **cost.host}
     try:
-        return build_topology(cfg.topology, schedule.num_devices, needed_for=devices_needed_for(cfg))
+        return build_topology(topo_cfg, schedule.num_devices, needed_for=devices_needed_for(cfg))
     except ValueError as err:
         raise _naming_key("topology", cfg.topology.name, err) from None
 
@@ -513,7 +517,7 @@ def prepare_simulation(cfg: DictConfig) -> SimulationInputs:
             cost = build_cost_model(cost_cfg, schedule.num_stages, spec, cfg.pipeline.microbatch_size)
         except ValueError as err:
             raise _naming_key("cost", cfg.cost.name, err) from None
-    topology = _build_topology(cfg, schedule)
+    topology = _build_topology(cfg, schedule, cost)
     if cfg.export == "torch_csv":
         try:
             check_exportable(schedule)
@@ -867,7 +871,7 @@ def _branched_cost(cfg: DictConfig, specs: list) -> CostModel:
     params = {k: v for k, v in OmegaConf.to_container(cfg.cost, resolve=True).items() if v is not None}
     name = params.pop("name")
     try:
-        if name == "unit":
+        if name in ("unit", "calibrated"):
             return build_cost_model(cfg.cost, len(specs), None, cfg.pipeline.microbatch_size)
         if name == "analytic":
             params.pop("layers_per_stage", None)
@@ -876,7 +880,8 @@ def _branched_cost(cfg: DictConfig, specs: list) -> CostModel:
                                         [(s.branch, s.lo, s.hi) for s in specs], cfg.pipeline.microbatch_size, **params)
     except (TypeError, ValueError) as err:
         raise _naming_key("cost", name, err) from None
-    raise ConfigError(f"cost.name={name}: a concurrent-branch model is priced by analytic or unit; allowed values: analytic, unit")
+    raise ConfigError(f"cost.name={name}: a concurrent-branch model is priced by analytic, unit or calibrated; "
+                      f"allowed values: analytic, unit, calibrated")
 
 
 def _prepare_branched(cfg: DictConfig) -> TrainingInputs:

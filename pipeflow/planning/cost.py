@@ -12,13 +12,17 @@ gradient sizes; the topology turns bytes into transfer and all-reduce times.
   Transformer Models").
 - :class:`ProfiledCost`: times, activation and parameter bytes summed from a measured
   profile (:mod:`pipeflow.planning.profile`) over the units each stage holds.
+- :class:`CalibratedCost`: a configuration's real step measured on this machine by
+  :mod:`pipeflow.runtime.calibrate` (actions, messages, host contention, the step's sync).
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 import math
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import Mapping, Sequence
 
 from ..topology.topology import Device
@@ -510,7 +514,124 @@ class ProfiledCost(CostModel):
 
 # ------------------------------------------------------------------ config
 
-COST_MODELS = {"unit": UnitCost, "analytic": AnalyticCost, "profiled": ProfiledCost}
+# --------------------------------------------------------------------------- calibrated
+# Costs calibrated on this machine: the simulator's model of a real step of one configuration.
+# 
+# :mod:`pipeflow.runtime.calibrate` runs a configuration's ranks and measures, with the
+# runtime's own code, what each action of each (stage, segment) costs alone, what a gloo
+# message costs (``latency + bytes / bandwidth``), how the ranks slow each other down when
+# they compute at once on the host's cores, and the synchronisation before the optimizer
+# step. :class:`CalibratedCost` reads that file (``cost=calibrated
+# cost.calibration=<file>``):
+# 
+# - F, B, I, W: the measured times. The loss is inside the last stage's F, the executor's
+#   hooks inside every action, as in a real step.
+# - S: the stage's measured optimizer step plus the synchronisation (the tied embedding's
+#   all-reduce and the world all-reduce of the gradient norm), which a synchronous step
+#   runs once before its first STEP.
+# - messages: the measured bytes of each stage-to-stage tensor; their time comes from
+#   the topology, whose ``local_cpu`` latency and bandwidth the calibration sets
+#   (:func:`calibrated_topology`), together with the host's ``cores`` and ``contention``
+#   that drive the simulator's processor sharing.
+# - memory: the bytes autograd saved in each forward, measured.
+# 
+# torch-free: a calibration is plain JSON.
+
+FORMAT, VERSION = "pipeflow-calibration", 1
+HOST_KEYS = ("cores", "contention", "latency", "bandwidth")
+
+
+def load_calibration(path: str | Path | None, key: str = "cost.calibration") -> dict:
+    """A calibration file's contents, or a ValueError naming ``key``."""
+    if path is None:
+        raise ValueError(f"{key}=null: a calibration file is needed "
+                         f"(python -m pipeflow.runtime.calibrate --out calibration.json <train overrides>)")
+    p = Path(str(path)).expanduser()
+    if not p.is_file():
+        raise ValueError(f"{key}={path}: no such file; give the path of a calibration.json")
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{key}={path}: not a calibration file ({err})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:
+        raise ValueError(f"{key}={path}: not a {FORMAT} version {VERSION} file")
+    return data
+
+
+class CalibratedCost(CostModel):
+    """Per-(kind, stage, segment) times measured by :mod:`pipeflow.runtime.calibrate`."""
+
+    name = "calibrated"
+
+    def __init__(self, num_stages: int, calibration: str | None = None) -> None:
+        self.num_stages = _check_int("pipeline.stages", num_stages)
+        self.path = calibration
+        self.data = load_calibration(calibration)
+        have = int(self.data["config"]["num_stages"])
+        if have != self.num_stages:
+            raise ValueError(
+                f"cost.calibration={calibration}: it measured {have} stages, the schedule has {self.num_stages}; "
+                f"calibrate this stage layout (pipeline.stages, pipeline.virtual_stages, the partition)"
+            )
+        self.times: dict[tuple[str, int, int], float] = {}
+        for key, v in self.data["times"].items():
+            kind, stage, seg = key.split("|")
+            self.times[(kind, int(stage), int(seg))] = float(v)
+        self.sync = float(self.data.get("sync_s", 0.0))
+        self.act = {tuple(int(x) for x in k.split("|")): float(v) for k, v in self.data["activation_bytes"].items()}
+        self.msg = {tuple(int(x) for x in k.split("|")): float(v) for k, v in self.data["message_bytes"].items()}
+        self.params = {int(k): float(v) for k, v in self.data["param_bytes"].items()}
+        self.host = {k: self.data["host"][k] for k in HOST_KEYS}
+
+    def compute_time(self, kind: str, stage: int, segment: int, device: Device) -> float:
+        if kind not in KINDS:
+            raise self._bad_kind(kind)
+        if kind == "S":
+            return self.times.get(("S", stage, 0), 0.0) + self.sync
+        got = self.times.get((kind, stage, segment))
+        if got is None and kind in ("I", "W") and ("B", stage, segment) in self.times:
+            # a segmented calibration runs full backwards only: no measured split
+            raise ValueError(f"cost model 'calibrated' has no {kind} time for stage {stage}: "
+                             f"the calibrated configuration cannot split its backward")
+        if got is None:
+            raise ValueError(f"cost model 'calibrated' has no {kind} time for stage {stage}, segment {segment}; "
+                             f"calibrate this configuration")
+        return got
+
+    def message_bytes(self, src_stage: int, dst_stage: int, segment: int) -> float:
+        return self.msg.get((src_stage, dst_stage, segment), max(self.msg.values(), default=0.0))
+
+    def activation_bytes(self, stage: int, segment: int) -> float:
+        return self.act.get((stage, segment), 0.0)
+
+    def weight_residual_bytes(self, stage: int, segment: int) -> float:
+        return 0.0
+
+    def param_bytes(self, stage: int) -> float:
+        return self.params.get(stage, 0.0)
+
+    def describe(self) -> dict:
+        return {
+            "name": self.name,
+            "calibration": self.path,
+            "num_stages": self.num_stages,
+            "config": self.data.get("config"),
+            "times": {f"{s}{k}" + (f"s{g}" if g else ""): v for (k, s, g), v in sorted(self.times.items(),
+                                                                                      key=lambda kv: kv[0][1:])},
+            "sync_s": self.sync,
+            "host": self.host,
+        }
+
+
+def calibrated_topology_params(cost: CostModel) -> dict:
+    """The ``local_cpu`` parameters a calibrated cost model brings (empty for other models)."""
+    if not isinstance(cost, CalibratedCost):
+        return {}
+    return dict(cost.host)
+
+
+COST_MODELS = {"unit": UnitCost, "analytic": AnalyticCost, "profiled": ProfiledCost,
+               "calibrated": CalibratedCost}
 # filled from the run, not from the cost config
 _FROM_RUN = {"num_stages", "spec", "microbatch_size"}
 
@@ -547,6 +668,8 @@ def build_cost_model(
         )
     if name == "unit":
         return UnitCost(num_stages, **params)
+    if name == "calibrated":
+        return CalibratedCost(num_stages, **params)
     if name == "profiled":
         if params.get("layers_per_stage") is not None:
             params["layers_per_stage"] = list(params["layers_per_stage"])  # a ListConfig becomes a list

@@ -33,6 +33,14 @@ class TrainJob:
     cfg: dict
     run_dir: str
     world_size: int
+    # what each rank runs: "module:function", called as function(rank, job)
+    entry: str = "pipeflow.runtime.worker:run_worker"
+
+    def target(self):
+        import importlib
+
+        module, name = self.entry.split(":")
+        return getattr(importlib.import_module(module), name)
 
 
 class JobFailed(RuntimeError):
@@ -75,9 +83,7 @@ def _rank_entry(rank: int, job: TrainJob, port: int, errors, env: dict) -> None:
     os.environ["RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(job.world_size)
     try:
-        from .worker import run_worker
-
-        run_worker(rank, job)
+        job.target()(rank, job)
     except BaseException as err:  # noqa: BLE001 - every failure must reach the parent
         text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
         try:
@@ -161,9 +167,7 @@ def launch(job: TrainJob) -> dict:
                 f"the launcher started {world} processes but the schedule needs {job.world_size} "
                 f"(one per device); start torchrun with --nproc-per-node/--nnodes to match",
             )
-        from .worker import run_worker
-
-        return run_worker(rank, job) or {}
+        return job.target()(rank, job) or {}
 
     port = job.cfg.get("runtime", {}).get("master_port") or free_port()
     stale = os.path.join(job.run_dir, "failure.json")

@@ -539,112 +539,13 @@ def _simulate(cs: CompiledSchedule, cost, topology, record: bool) -> SimResult:
             coll_bytes[d] += nbytes
 
     # ---- the event loop
-    # Heap entries are (time, key). key < n: compute action ``key`` ended.
-    # n <= key < 2n: REDUCE ``key - n`` was issued. key >= 2n: REDUCE ``key - 2n`` done.
-    # Keys are unique, so equal times pop in key order: deterministic.
-    n2 = 2 * n
-    launch_key = [i + n if k == Kind.REDUCE else i for i, k in enumerate(kind)]
-    ready = [0.0] * n
-    waits = cs.num_waits.copy()
-    start = [0.0] * n
-    end = [0.0] * n
-    free = [0.0] * len(slot_of)
-    coll_free = [0.0] * ndev
-    left = [len(m) for m in groups]
-    issue_time: dict[int, float] = {}
-    local_out, tensor_out = cs.local_out, cs.tensor_out
-    next_on_device, group_of = cs.next_on_device, cs.group_of
-    transfers: list[tuple] | None = [] if record else None
-    push, pop = heapq.heappush, heapq.heappop
-
-    heap: list[tuple[float, int]] = []
-    num_launched = 0
-    for d in range(ndev):
-        c = cs.offsets[d]
-        if c < cs.offsets[d + 1] and waits[c] == 0:
-            # launching = taking the stream at the latest resolved dependency; a REDUCE
-            # has no duration there, its "end" is the moment it is issued
-            end[c] = dur[c]
-            push(heap, (dur[c], launch_key[c]))
-            num_launched += 1
-    now = 0.0
-    while heap:
-        now, a = pop(heap)
-        if a >= n:
-            if a >= n2:
-                a -= n2  # a REDUCE's collective finished: resolve what waits for it below
-            else:
-                a -= n
-                # a REDUCE was issued: the device moves on at once ...
-                issue_time[a] = now
-                c = next_on_device[a]
-                if c >= 0:
-                    if ready[c] < now:
-                        ready[c] = now
-                    waits[c] -= 1
-                    if not waits[c]:
-                        s = ready[c]
-                        start[c] = s
-                        end[c] = s + dur[c]
-                        push(heap, (s + dur[c], launch_key[c]))
-                        num_launched += 1
-                # ... and the collective starts once every replica has issued it
-                g = group_of[a]
-                left[g] -= 1
-                if not left[g]:
-                    members = groups[g]
-                    s = max(issue_time[m] for m in members)
-                    if len(gdevs[g]) > 1:
-                        for d in gdevs[g]:
-                            if coll_free[d] > s:
-                                s = coll_free[d]
-                        e = s + gdur[g]
-                        for d in gdevs[g]:
-                            coll_free[d] = e
-                    else:
-                        e = s  # one replica: nothing to reduce
-                    for m in members:
-                        start[m] = s
-                        end[m] = e
-                        push(heap, (e, m + n2))
-                continue
-        # ``a`` is done at ``now``: resolve what waits for it
-        for c in local_out[a]:
-            if ready[c] < now:
-                ready[c] = now
-            w = waits[c] - 1
-            waits[c] = w
-            if not w:
-                s = ready[c]
-                start[c] = s
-                end[c] = s + dur[c]
-                push(heap, (s + dur[c], launch_key[c]))
-                num_launched += 1
-        for c, mc in tensor_out[a]:
-            xfer, lat, slots, nbytes = specs[mc]
-            s = now
-            for r in slots:
-                if free[r] > s:
-                    s = free[r]
-            e = s + xfer
-            for r in slots:
-                free[r] = e
-            arrive = e + lat
-            if transfers is not None:
-                transfers.append((a, c, s, arrive, nbytes))
-            if ready[c] < arrive:
-                ready[c] = arrive
-            w = waits[c] - 1
-            waits[c] = w
-            if not w:
-                s = ready[c]
-                start[c] = s
-                end[c] = s + dur[c]
-                push(heap, (s + dur[c], launch_key[c]))
-                num_launched += 1
-
+    run = _events_shared if topology.shares_compute else _events
+    start, end, issue_time, transfers, num_launched, now, waits = run(
+        cs, dur, specs, len(slot_of), groups, gdevs, gdur, record, topology)
     if num_launched < n:
         raise SimulationError(_deadlock_message(cs, waits))
+    if topology.shares_compute:
+        dur = [e - s if k != Kind.REDUCE else 0.0 for s, e, k in zip(start, end, kind)]  # busy = elapsed
     makespan = now if n else 0.0
 
     # ---- weights: versions seen (asynchronous policies), versions kept, optimizer state
@@ -757,6 +658,245 @@ def _simulate(cs: CompiledSchedule, cost, topology, record: bool) -> SimResult:
         result.timeline = _timeline(cs, start, end, issue_time, gbytes, transfers or [], result,
                                     getattr(cost, "time_unit", "s"))
     return result
+
+
+
+def _events(cs: CompiledSchedule, dur, specs, num_slots, groups, gdevs, gdur, record, topology):
+    """The event loop of devices that compute independently (every GPU, CPU ranks with a
+    core each): an action's end is known when it starts. Returns (start, end,
+    issue_time, transfers, actions launched, makespan, waits left)."""
+    n, ndev, kind = len(cs.actions), cs.num_devices, cs.kind
+    # Heap entries are (time, key). key < n: compute action ``key`` ended.
+    # n <= key < 2n: REDUCE ``key - n`` was issued. key >= 2n: REDUCE ``key - 2n`` done.
+    # Keys are unique, so equal times pop in key order: deterministic.
+    n2 = 2 * n
+    launch_key = [i + n if k == Kind.REDUCE else i for i, k in enumerate(kind)]
+    ready = [0.0] * n
+    waits = cs.num_waits.copy()
+    start = [0.0] * n
+    end = [0.0] * n
+    free = [0.0] * num_slots
+    coll_free = [0.0] * ndev
+    left = [len(m) for m in groups]
+    issue_time: dict[int, float] = {}
+    local_out, tensor_out = cs.local_out, cs.tensor_out
+    next_on_device, group_of = cs.next_on_device, cs.group_of
+    transfers: list[tuple] | None = [] if record else None
+    push, pop = heapq.heappush, heapq.heappop
+
+    heap: list[tuple[float, int]] = []
+    num_launched = 0
+    for d in range(ndev):
+        c = cs.offsets[d]
+        if c < cs.offsets[d + 1] and waits[c] == 0:
+            # launching = taking the stream at the latest resolved dependency; a REDUCE
+            # has no duration there, its "end" is the moment it is issued
+            end[c] = dur[c]
+            push(heap, (dur[c], launch_key[c]))
+            num_launched += 1
+    now = 0.0
+    while heap:
+        now, a = pop(heap)
+        if a >= n:
+            if a >= n2:
+                a -= n2  # a REDUCE's collective finished: resolve what waits for it below
+            else:
+                a -= n
+                # a REDUCE was issued: the device moves on at once ...
+                issue_time[a] = now
+                c = next_on_device[a]
+                if c >= 0:
+                    if ready[c] < now:
+                        ready[c] = now
+                    waits[c] -= 1
+                    if not waits[c]:
+                        s = ready[c]
+                        start[c] = s
+                        end[c] = s + dur[c]
+                        push(heap, (s + dur[c], launch_key[c]))
+                        num_launched += 1
+                # ... and the collective starts once every replica has issued it
+                g = group_of[a]
+                left[g] -= 1
+                if not left[g]:
+                    members = groups[g]
+                    s = max(issue_time[m] for m in members)
+                    if len(gdevs[g]) > 1:
+                        for d in gdevs[g]:
+                            if coll_free[d] > s:
+                                s = coll_free[d]
+                        e = s + gdur[g]
+                        for d in gdevs[g]:
+                            coll_free[d] = e
+                    else:
+                        e = s  # one replica: nothing to reduce
+                    for m in members:
+                        start[m] = s
+                        end[m] = e
+                        push(heap, (e, m + n2))
+                continue
+        # ``a`` is done at ``now``: resolve what waits for it
+        for c in local_out[a]:
+            if ready[c] < now:
+                ready[c] = now
+            w = waits[c] - 1
+            waits[c] = w
+            if not w:
+                s = ready[c]
+                start[c] = s
+                end[c] = s + dur[c]
+                push(heap, (s + dur[c], launch_key[c]))
+                num_launched += 1
+        for c, mc in tensor_out[a]:
+            xfer, lat, slots, nbytes = specs[mc]
+            s = now
+            for r in slots:
+                if free[r] > s:
+                    s = free[r]
+            e = s + xfer
+            for r in slots:
+                free[r] = e
+            arrive = e + lat
+            if transfers is not None:
+                transfers.append((a, c, s, arrive, nbytes))
+            if ready[c] < arrive:
+                ready[c] = arrive
+            w = waits[c] - 1
+            waits[c] = w
+            if not w:
+                s = ready[c]
+                start[c] = s
+                end[c] = s + dur[c]
+                push(heap, (s + dur[c], launch_key[c]))
+                num_launched += 1
+
+    if num_launched < n:
+        raise SimulationError(_deadlock_message(cs, waits))
+    return start, end, issue_time, transfers, num_launched, now, waits
+
+
+def _events_shared(cs: CompiledSchedule, dur, specs, num_slots, groups, gdevs, gdur, record, topology):
+    """The event loop of devices that share a host's cores (:meth:`Topology.compute_rate`):
+    processor sharing. A compute action is work of ``dur`` seconds at full speed; while
+    k devices compute, each progresses at ``compute_rate(k)``, so an action's end is
+    known only when no other starts or ends before it. Messages, REDUCE and the
+    resolution of dependencies follow :func:`_events` exactly. Slower than that loop
+    (it scans the running actions at every event), and used only for shared hosts,
+    which hold a handful of ranks."""
+    n, ndev, kind = len(cs.actions), cs.num_devices, cs.kind
+    n2, n3 = 2 * n, 3 * n
+    # Heap keys: k < n: compute action k starts; n <= k < 2n: REDUCE k - n issued;
+    # 2n <= k < 3n: REDUCE k - 2n done. Compute ends are not in the heap: they move.
+    launch_key = [i + n if k == Kind.REDUCE else i for i, k in enumerate(kind)]
+    ready = [0.0] * n
+    waits = cs.num_waits.copy()
+    start = [0.0] * n
+    end = [0.0] * n
+    free = [0.0] * num_slots
+    coll_free = [0.0] * ndev
+    left = [len(m) for m in groups]
+    issue_time: dict[int, float] = {}
+    local_out, tensor_out = cs.local_out, cs.tensor_out
+    next_on_device, group_of = cs.next_on_device, cs.group_of
+    transfers: list[tuple] | None = [] if record else None
+    push, pop = heapq.heappush, heapq.heappop
+    rate_of = [topology.compute_rate(k) for k in range(ndev + 1)]
+    heap: list[tuple[float, int]] = []
+    running: dict[int, float] = {}  # compute action -> work left (seconds at full speed)
+    finished: list[int] = []  # compute actions of zero work, done when launched
+    num_launched = 0
+    now = 0.0
+
+    def launch(c: int, s: float) -> None:
+        nonlocal num_launched
+        num_launched += 1
+        start[c] = s
+        if kind[c] == Kind.REDUCE:
+            end[c] = s
+            push(heap, (s, launch_key[c]))
+        else:
+            push(heap, (s, c))
+
+    def resolved(c: int, t: float) -> None:
+        if ready[c] < t:
+            ready[c] = t
+        waits[c] -= 1
+        if not waits[c]:
+            launch(c, ready[c])
+
+    def done(a: int) -> None:
+        for c in local_out[a]:
+            resolved(c, now)
+        for c, mc in tensor_out[a]:
+            xfer, lat, slots, nbytes = specs[mc]
+            s = now
+            for r in slots:
+                if free[r] > s:
+                    s = free[r]
+            e = s + xfer
+            for r in slots:
+                free[r] = e
+            if transfers is not None:
+                transfers.append((a, c, s, e + lat, nbytes))
+            resolved(c, e + lat)
+
+    for d in range(ndev):
+        c = cs.offsets[d]
+        if c < cs.offsets[d + 1] and waits[c] == 0:
+            launch(c, 0.0)
+    while heap or running:
+        rate = rate_of[len(running)]
+        if running:
+            a = min(running, key=running.__getitem__)
+            t_end = now + running[a] / rate
+        if running and (not heap or t_end < heap[0][0]):
+            step = (t_end - now) * rate
+            for c in running:
+                running[c] -= step
+            now = t_end
+            del running[a]
+            end[a] = now
+            done(a)
+            continue
+        t, a = pop(heap)
+        if running:
+            step = (t - now) * rate
+            for c in running:
+                running[c] -= step
+        now = t
+        if a < n:  # a compute action starts
+            if dur[a] > 0:
+                running[a] = dur[a]
+            else:
+                end[a] = now
+                done(a)
+        elif a < n2:  # a REDUCE is issued: the device moves on, the collective waits for all replicas
+            a -= n
+            issue_time[a] = now
+            c = next_on_device[a]
+            if c >= 0:
+                resolved(c, now)
+            g = group_of[a]
+            left[g] -= 1
+            if not left[g]:
+                members = groups[g]
+                s = max(issue_time[m] for m in members)
+                if len(gdevs[g]) > 1:
+                    for d in gdevs[g]:
+                        if coll_free[d] > s:
+                            s = coll_free[d]
+                    e = s + gdur[g]
+                    for d in gdevs[g]:
+                        coll_free[d] = e
+                else:
+                    e = s
+                for m in members:
+                    start[m] = s
+                    end[m] = e
+                    push(heap, (e, m + n2))
+        else:  # a REDUCE's collective finished
+            done(a - n2)
+    return start, end, issue_time, transfers, num_launched, now, waits
 
 
 def classify_edge(branch: tuple[str, ...] | list[str], src_stage: int, dst_stage: int) -> str:

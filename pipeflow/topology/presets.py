@@ -138,12 +138,19 @@ def local_cpu(
     peak_flops: float = 1e11,
     memory_bytes: float = 8 * GiB,
     memory_bandwidth: float = 2e10,
+    cores: int | None = None,
+    contention: float = 1.0,
 ) -> Topology:
     """N CPU ranks on one host, gloo over shared memory / loopback.
 
     gloo moves a few GB/s per rank over loopback with tens of microseconds per message;
     each rank gets its own send and receive port (its copy bandwidth), so one rank
     talking to two others at once shares its port.
+
+    ``cores``: the host's cores, which the ranks share (None: every rank has a core of
+    its own). More ranks computing than cores run at cores/k speed each, and
+    ``contention`` is the speed of each when every core is busy (shared memory bandwidth
+    and cache); ``pipeflow.runtime.calibrate`` measures both.
     """
     n = _count("num_devices", num_devices)
     bw = _number("bandwidth", bandwidth)
@@ -161,7 +168,9 @@ def local_cpu(
         for t in range(n):
             if s != t:
                 b.path(s, t, [out[s], inn[t]])
-    return b.build()
+    if cores is not None:
+        cores = _count("cores", cores)
+    return b.build(cores=cores, contention=_number("contention", contention))
 
 
 def cluster(

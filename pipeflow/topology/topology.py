@@ -53,8 +53,21 @@ class Topology:
         resource_bandwidth: Sequence[float],
         resource_latency: Sequence[float],
         paths: Mapping[tuple[int, int], Sequence[int]],
+        cores: int | None = None,
+        contention: float = 1.0,
     ) -> None:
         self.name = name
+        # Shared compute: the devices are processes on one host with ``cores`` cores
+        # (None: each device computes on its own, as GPUs do). With k devices computing
+        # at once each progresses at rate min(1, cores / k) x the contention factor of
+        # min(k, cores) busy cores: 1 for one, ``contention`` (memory bandwidth and cache
+        # shared, measured by the calibration) with every core busy, linear between.
+        if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
+            raise ValueError(f"topology '{name}': cores={cores!r} must be a whole number >= 1, or None")
+        if not 0 < contention <= 1:
+            raise ValueError(f"topology '{name}': contention={contention!r} must be in (0, 1]")
+        self.cores = cores
+        self.contention = float(contention)
         self.devices = tuple(devices)
         self.resource_names = tuple(resource_names)
         self.resource_bandwidth = tuple(float(b) for b in resource_bandwidth)
@@ -102,6 +115,19 @@ class Topology:
     @property
     def num_nodes(self) -> int:
         return len({d.node for d in self.devices})
+
+    @property
+    def shares_compute(self) -> bool:
+        """Whether devices slow each other down when they compute at once (see __init__)."""
+        return self.cores is not None and (self.cores < self.num_devices or self.contention < 1.0)
+
+    def compute_rate(self, busy: int) -> float:
+        """How fast each of ``busy`` devices computing at once progresses (1 = alone)."""
+        if self.cores is None or busy <= 1:
+            return 1.0
+        k = min(busy, self.cores)
+        factor = 1.0 if self.cores == 1 else 1.0 - (1.0 - self.contention) * (k - 1) / (self.cores - 1)
+        return min(1.0, self.cores / busy) * factor
 
     def route(self, src: int, dst: int) -> Route:
         return self._routes[src][dst]
@@ -169,6 +195,8 @@ class Topology:
             [self.resource_bandwidth[x] for x in used],
             [self.resource_latency[x] for x in used],
             paths,
+            cores=self.cores,
+            contention=self.contention,
         )
 
     def to_dict(self) -> dict:
@@ -186,6 +214,7 @@ class Topology:
                 {"kind": kind, "count": count, "bandwidth": bw, "latency": lat}
                 for (kind, bw, lat), count in links.items()
             ],
+            **({"cores": self.cores, "contention": self.contention} if self.cores is not None else {}),
         }
 
     def __repr__(self) -> str:
@@ -216,5 +245,6 @@ class TopologyBuilder:
     def path(self, src: int, dst: int, resources: Sequence[int]) -> None:
         self.paths[(src, dst)] = list(resources)
 
-    def build(self) -> Topology:
-        return Topology(self.name, self.devices, self.names, self.bandwidth, self.latency, self.paths)
+    def build(self, cores: int | None = None, contention: float = 1.0) -> Topology:
+        return Topology(self.name, self.devices, self.names, self.bandwidth, self.latency, self.paths,
+                        cores=cores, contention=contention)

@@ -1,0 +1,192 @@
+"""Does the simulator predict what the runtime measures, for every schedule it executes?
+
+For each world size (2 and 4 CPU ranks by default) and each schedule the runtime runs
+(synchronous: gpipe, 1f1b, zb_h1, chimera, interleaved_1f1b; asynchronous: pipedream,
+pipedream_2bw, amdp; segmented: seq1f1b; planned; branched: bapp and chimera on the
+concurrent-branch model), with the same model and global batch (gpt_tiny, or cbm_tiny
+for the branched pair; 8 microbatches of 4):
+
+- **measured**: ``pipeflow-train`` for real, schedules alternating and repeated; the
+  median step time of the steady steps (the second half; an asynchronous step is its
+  chunk's time over its steps);
+- **simulated**: ``pipeflow-simulate`` of the same configuration with
+  ``cost=calibrated``: the costs :mod:`pipeflow.runtime.calibrate` measures on this
+  machine before the runs (one calibration per stage layout: every schedule over the
+  same p stages shares one; interleaving, segments, the planner's split and each
+  branched layout have their own).
+
+Reported per schedule: both step times, both as ratios to 1F1B's, and the error
+(simulated - measured) / measured; then, for every pair of schedules whose measured
+step times differ by more than 5%, whether the simulator orders them the same way.
+Targets: within 10% on 2 ranks, 15% on 4; every such pair ordered alike.
+
+    .venv/bin/python -m benchmarks.bench_fidelity                      # 2 and 4 ranks, 2 repeats
+    .venv/bin/python -m benchmarks.bench_fidelity --ranks 2 --repeats 1 --json out.json
+
+It reports, it does not fail. Run it on a quiet machine: the ranks share its cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from omegaconf import OmegaConf  # noqa: E402
+
+from pipeflow.config import compose, prepare_simulation, prepare_training  # noqa: E402
+from pipeflow.runtime.calibrate import calibrate  # noqa: E402
+from pipeflow.runtime.launch import TrainJob, launch  # noqa: E402
+from pipeflow.sim import simulate  # noqa: E402
+
+TARGETS = {2: 0.10}  # world size -> allowed |error|; larger worlds: TARGET_MANY
+TARGET_MANY = 0.15
+ORDER_GAP = 0.05  # pairs whose measured times differ by more than this must be ordered alike
+MICROBATCHES, MICROBATCH_SIZE = 8, 4
+
+# name -> (overrides, calibration key: configurations with one stage layout share one)
+CASES: dict[str, tuple[list[str], str]] = {
+    "1f1b": (["schedule=1f1b"], "chain"),
+    "gpipe": (["schedule=gpipe"], "chain"),
+    "zb_h1": (["schedule=zb_h1"], "chain"),
+    "chimera": (["schedule=chimera"], "chain"),
+    "interleaved_1f1b": (["schedule=interleaved_1f1b", "pipeline.virtual_stages=2"], "interleaved"),
+    "pipedream": (["schedule=pipedream"], "chain"),
+    "pipedream_2bw": (["schedule=pipedream_2bw"], "chain"),
+    "amdp": (["schedule=amdp"], "chain"),
+    "seq1f1b": (["schedule=seq1f1b", "pipeline.segments=2"], "segments"),
+    "planned": (["schedule=planned"], "planned"),
+    "bapp": (["model=cbm_tiny", "data=image_text", "schedule=bapp"], "bapp"),
+    "chimera_cbm": (["model=cbm_tiny", "data=image_text", "schedule=chimera"], "chimera_cbm"),
+}
+
+
+BRANCHED = {"bapp", "chimera_cbm"}  # the concurrent-branch model: compared with each other only
+
+
+def base(p: int, steps: int) -> list[str]:
+    return ["model=gpt_tiny", f"pipeline.stages={p}", f"pipeline.microbatches={MICROBATCHES}",
+            f"pipeline.microbatch_size={MICROBATCH_SIZE}", f"trainer.steps={steps}", "trainer.val_every=0",
+            "trainer.val_batches=1", "trainer.timeline_step=null", "runtime.threads_per_rank=1", "logger=none"]
+
+
+def measure(overrides: list[str], run_dir: Path) -> float:
+    """The median steady step time of one real run."""
+    cfg = compose("train", overrides)
+    inputs = prepare_training(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    launch(TrainJob(OmegaConf.to_container(cfg, resolve=True), str(run_dir), inputs.world_size))
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steady = rows[len(rows) // 2:]
+    return statistics.median(r["step_time"] for r in steady)
+
+
+def predict(overrides: list[str], calibration: Path) -> float:
+    """The simulated step time of the same configuration with calibrated costs."""
+    sim_over = [o for o in overrides if not o.startswith(("trainer.", "runtime.", "logger=", "data="))]
+    cfg = compose("simulate", [*sim_over, "cost=calibrated", f"cost.calibration={calibration}",
+                               "topology=local_cpu"])
+    inputs = prepare_simulation(cfg)
+    res = simulate(inputs.schedule, inputs.cost, inputs.topology, record=False)
+    return res.makespan / max(1, getattr(res, "windows", 1) or 1)
+
+
+def results(ranks=(2, 4), repeats: int = 2, steps: int = 16, names: list[str] | None = None) -> dict:
+    names = list(names or CASES)
+    out: dict = {"ranks": {}, "repeats": repeats, "steps": steps}
+    with tempfile.TemporaryDirectory(prefix="pipeflow-fidelity-") as tmp:
+        for p in ranks:
+            t0 = time.perf_counter()
+            calibrations: dict[str, Path] = {}
+            for name in names:
+                over, key = CASES[name]
+                if key not in calibrations:
+                    path = Path(tmp) / f"p{p}-{key}.json"
+                    calibrate(compose("train", [*base(p, steps), *over]), path)
+                    calibrations[key] = path
+            measured: dict[str, list[float]] = {n: [] for n in names}
+            for r in range(repeats):
+                # alternate the order between repeats so drifting load hits every schedule alike
+                for name in (names if r % 2 == 0 else names[::-1]):
+                    measured[name].append(measure([*base(p, steps), *CASES[name][0]], Path(tmp) / f"p{p}-{name}-{r}"))
+            rows = {}
+            for name in names:
+                over, key = CASES[name]
+                sim = predict([*base(p, steps), *over], calibrations[key])
+                meas = statistics.median(measured[name])
+                rows[name] = {"measured": meas, "runs": measured[name], "simulated": sim,
+                              "error": (sim - meas) / meas}
+            out["ranks"][p] = {"rows": rows, "seconds": time.perf_counter() - t0,
+                               "calibrations": {k: json.loads(v.read_text()) for k, v in calibrations.items()}}
+    for p, block in out["ranks"].items():
+        rows = block["rows"]
+        ref = rows.get("1f1b")
+        for row in rows.values():
+            row["measured_vs_1f1b"] = row["measured"] / ref["measured"] if ref else None
+            row["simulated_vs_1f1b"] = row["simulated"] / ref["simulated"] if ref else None
+        block["target"] = TARGETS.get(p, TARGET_MANY)
+        block["within"] = all(abs(r["error"]) <= block["target"] for r in rows.values())
+        block["misordered"] = misordered(rows)
+    return out
+
+
+def misordered(rows: dict) -> list[tuple[str, str]]:
+    """Pairs (a, b) measured more than ORDER_GAP apart that the simulator orders the other way
+    (comparable only within one model: the branched pair with itself)."""
+    bad = []
+    names = list(rows)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            if (a in BRANCHED) != (b in BRANCHED):
+                continue  # different models
+            ma, mb = rows[a]["measured"], rows[b]["measured"]
+            if abs(ma - mb) / min(ma, mb) <= ORDER_GAP:
+                continue
+            if (ma < mb) != (rows[a]["simulated"] < rows[b]["simulated"]):
+                bad.append((a, b))
+    return bad
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", default="2,4", help="world sizes, comma-separated (default 2,4)")
+    ap.add_argument("--repeats", type=int, default=2, help="runs per schedule, alternating (default 2)")
+    ap.add_argument("--steps", type=int, default=16, help="steps per run; the second half is timed (default 16)")
+    ap.add_argument("--schedules", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)}")
+    ap.add_argument("--json", type=Path, help="also write every figure here")
+    args = ap.parse_args(argv)
+    names = [n for n in args.schedules.split(",") if n]
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        ap.error(f"--schedules: unknown {', '.join(unknown)}; allowed: {', '.join(CASES)}")
+    res = results(tuple(int(x) for x in args.ranks.split(",")), args.repeats, args.steps, names)
+    for p, block in res["ranks"].items():
+        print(f"\n{p} CPU ranks (gloo, 1 thread each), gpt_tiny (cbm_tiny for bapp, chimera_cbm), m={MICROBATCHES}, "
+              f"mbs={MICROBATCH_SIZE}; {args.repeats} run(s) x {args.steps} steps, median of the second halves; "
+              f"{block['seconds']:.0f} s")
+        head = f"{'schedule':<17} {'measured':>10} {'simulated':>10} {'meas/1f1b':>10} {'sim/1f1b':>9} {'error':>7}"
+        print(head)
+        print("-" * len(head))
+        for name, r in block["rows"].items():
+            mv = f"{r['measured_vs_1f1b']:.3f}" if r["measured_vs_1f1b"] else "-"
+            sv = f"{r['simulated_vs_1f1b']:.3f}" if r["simulated_vs_1f1b"] else "-"
+            flag = "" if abs(r["error"]) <= block["target"] else "  <- beyond target"
+            print(f"{name:<17} {r['measured'] * 1e3:>8.1f}ms {r['simulated'] * 1e3:>8.1f}ms {mv:>10} {sv:>9} "
+                  f"{r['error']:>+7.1%}{flag}")
+        order = ", ".join(f"{a}/{b}" for a, b in block["misordered"]) or "none"
+        print(f"target: every error within {block['target']:.0%}: {'yes' if block['within'] else 'no'}; "
+              f"pairs measured >{ORDER_GAP:.0%} apart but ordered the other way by the simulator: {order}")
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,368 @@
+"""Calibrate the simulator to this machine: what a real step of a configuration costs.
+
+``python -m pipeflow.runtime.calibrate --out calibration.json <train overrides>`` starts
+the configuration's ranks, as ``pipeflow-train`` would, and measures with the
+runtime's own code (the executor's forward, backward, I/W split, hooks and optimizer):
+
+- **actions alone**: each rank in turn (the others wait) times every (stage, segment)
+  it holds: F (the loss on a last stage), B, I and W (where the backward can split),
+  and S, the stage's optimizer step. Medians over repeats, after warm-up.
+- **the host**: every rank then runs its forwards and backwards at the same time as
+  the others; how much slower that is than alone gives the host's ``contention``
+  (ranks share ``cores`` cores: memory bandwidth and caches, and past one rank per core,
+  the cores themselves). The simulator's processor-sharing model
+  (:meth:`pipeflow.topology.topology.Topology.compute_rate`) uses both.
+- **messages**: a ping-pong between ranks 0 and 1 at three sizes, fitted to
+  ``latency + bytes / bandwidth``: what one gloo message costs end to end (posting,
+  copies, the receiver's wake-up), which on CPU ranks is far from a link's figure.
+- **the step's synchronisation**: the tied embedding's all-reduce and the world
+  all-reduce of the gradient norm and the loss that precede the first STEP.
+
+The file is read by ``cost=calibrated cost.calibration=<file>``
+(:class:`pipeflow.planning.calibrated.CalibratedCost`), which also sets the
+``local_cpu`` topology's cores, contention, latency and bandwidth from it. It holds
+per-stage figures, so it prices every schedule with the same stage layout (1F1B,
+GPipe, ZB-H1, Chimera, the asynchronous ones); interleaving or a different partition
+needs its own calibration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..schedules.ir import Action, Kind
+from .executor import Executor
+
+FORMAT, VERSION = "pipeflow-calibration", 1
+WARMUP, REPEATS, TOGETHER = 2, 5, 6
+
+
+def _drop(store: dict, stage: int, grad: bool) -> None:
+    """Forget what the stage just emitted (nobody receives it here)."""
+    for key in [k for k in store if k[0] == grad and (k[1] if not grad else k[2]) == stage]:
+        del store[key]
+
+
+class _Bench:
+    """Times one rank's actions through its executor, feeding random messages."""
+
+    def __init__(self, ex: Executor, batch, normalizer: float):
+        self.ex, self.batch, self.normalizer = ex, batch, normalizer
+        self.graph = ex.graph
+        self.nseg = max(1, ex.schedule.num_segments)
+        self.split = not ex.segmented
+
+    def _feed(self, st, seg: int, grad: bool, local: dict) -> None:
+        ad = self.ex.adapter
+        if grad:
+            for t in self.graph.succs[st.stage]:
+                shape, dtype = ad.message_spec(st.stage, t, seg) if self.ex.segmented else ad.message_spec(st.stage, t)
+                local[(True, st.stage, t, 0, st.pipe, seg)] = torch.randn(shape).to(dtype)
+        else:
+            for p in self.graph.preds[st.stage]:
+                shape, dtype = ad.message_spec(p, st.stage, seg) if self.ex.segmented else ad.message_spec(p, st.stage)
+                local[(False, p, st.stage, 0, st.pipe, seg)] = torch.randn(shape).to(dtype)
+
+    def _timed(self, fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    def forwards(self, st, record: dict | None) -> None:
+        ex, local, out = self.ex, {}, {}
+        for seg in range(self.nseg):
+            self._feed(st, seg, False, local)
+            a = Action(Kind.F, st.stage, 0, st.pipe, seg)
+            before = ex.meter.current
+            t = self._timed(lambda: ex._forward(a, self.batch, self.normalizer, {}, local, out))
+            if record is not None:
+                record.setdefault(("F", st.stage, seg), []).append(t)
+                record.setdefault(("act", st.stage, seg), []).append(ex.meter.current - before)
+            _drop(local, st.stage, False)
+            _drop(out, st.stage, False)
+
+    def backwards(self, st, record: dict | None, kind: str = "B") -> None:
+        ex, local, out = self.ex, {}, {}
+        for seg in reversed(range(self.nseg)):
+            self._feed(st, seg, True, local)
+            if kind == "B":
+                a = Action(Kind.B, st.stage, 0, st.pipe, seg)
+                times = {"B": self._timed(lambda: ex._backward(a, {}, local, out, full=True))}
+            else:
+                a = Action(Kind.I, st.stage, 0, st.pipe, seg)
+                times = {"I": self._timed(lambda: ex._backward(a, {}, local, out, full=False))}
+                times["W"] = self._timed(lambda: ex._weight(Action(Kind.W, st.stage, 0, st.pipe, seg)))
+            for k, t in times.items():
+                if record is not None:
+                    record.setdefault((k, st.stage, seg), []).append(t)
+            local.clear()
+            out.clear()
+
+    def step(self, st, record: dict | None) -> None:
+        def run():
+            if st.optimizer is not None:
+                st.optimizer.step()
+                st.optimizer.zero_grad(set_to_none=True)
+        t = self._timed(run)
+        if record is not None:
+            record.setdefault(("S", st.stage, 0), []).append(t)
+
+    def round(self, st, record: dict | None) -> None:
+        self.forwards(st, record)
+        self.backwards(st, record, "B")
+        if self.split:
+            self.forwards(st, None)
+            self.backwards(st, record, "IW")
+        self.step(st, record)
+
+
+def _ping_pong(rank: int, numel: int, reps: int = 20) -> float:
+    """One-way time of a float32 message of ``numel`` elements between ranks 0 and 1."""
+    buf = torch.zeros(numel)
+    times = []
+    for r in range(reps + 3):
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        else:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+        if r >= 3:
+            times.append((time.perf_counter() - t0) / 2)
+    return statistics.median(times)
+
+
+def _fit_link(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares of time = latency + bytes / bandwidth over (bytes, seconds) points."""
+    n = len(points)
+    mx = sum(b for b, _ in points) / n
+    my = sum(t for _, t in points) / n
+    sxx = sum((b - mx) ** 2 for b, _ in points)
+    slope = sum((b - mx) * (t - my) for b, t in points) / sxx if sxx > 0 else 0.0
+    slope = max(slope, 1e-15)
+    latency = max(0.0, my - slope * mx)
+    return latency, 1.0 / slope
+
+
+def _host_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def run_rank(rank: int, job) -> dict | None:
+    """One rank of the calibration (the launcher's entry for ``TrainJob(entry=...)``)."""
+    from .worker import _device_and_backend, build_rank
+
+    cfg = job.cfg
+    runtime = cfg["runtime"]
+    torch.set_num_threads(int(runtime.get("threads_per_rank") or 1))
+    device, backend = _device_and_backend(runtime, rank)
+    dist.init_process_group(backend, rank=rank, world_size=job.world_size,
+                            timeout=timedelta(seconds=float(runtime.get("timeout_s", 60)) * 4))
+    world = job.world_size
+    setup = build_rank(cfg, rank, device)
+    ex = Executor(setup.schedule, rank, setup.stages, setup.adapter, setup.executor.groups, grad_clip=None)
+    m, mbs = setup.schedule.num_microbatches, setup.adapter.mbs
+    if rank != 0:
+        dist.barrier()
+    data = setup.adapter.build_data(cfg["data"])
+    if rank == 0:
+        dist.barrier()
+    batch = data.train_batch(1, m * mbs) if not setup.is_async else data.train_batch(1, int(cfg["pipeline"]["microbatches"]) * mbs)
+    bench = _Bench(ex, batch, setup.adapter.normalizer(batch))
+    stages = list(setup.stages.values())
+
+    # 1. actions alone, rank by rank
+    record: dict = {}
+    for turn in range(world):
+        if turn == rank:
+            for st in stages:
+                for _ in range(WARMUP):
+                    bench.round(st, None)
+                for _ in range(REPEATS):
+                    bench.round(st, record)
+        dist.barrier()
+    alone = {k: statistics.median(v) for k, v in record.items()}
+
+    # 2. every rank at once: the host's contention
+    def fb():
+        for st in stages:
+            bench.forwards(st, None)
+            bench.backwards(st, None, "B")
+            if st.optimizer is not None:
+                st.optimizer.zero_grad(set_to_none=True)
+
+    solo = statistics.median(bench._timed(fb) for _ in range(3))  # alone again, just before
+    dist.barrier()
+    shared_origin = time.perf_counter()
+    ends = []
+    for _ in range(TOGETHER):
+        fb()
+        ends.append(time.perf_counter() - shared_origin)
+    first_done = torch.tensor([ends[-1]], dtype=torch.float64)
+    dist.all_reduce(first_done, op=dist.ReduceOp.MIN)
+    # only rounds that ended while every rank was still busy count
+    inside = [e for e in ends if e <= first_done.item()] or ends[:1]
+    together = inside[-1] / len(inside)
+    slowdown = together / solo if solo > 0 else 1.0
+
+    # 3. messages between ranks 0 and 1 (the others wait)
+    sizes = sorted({int(torch.Size(shape).numel()) for shape in _message_shapes(setup, ex)} or {4096})
+    big = max(sizes)
+    link = []
+    if world >= 2:
+        for numel in (256, big, 4 * big):
+            dist.barrier()
+            if rank in (0, 1):
+                link.append((numel * 4.0, _ping_pong(rank, numel)))
+    dist.barrier()
+
+    # 4. the synchronisation before the first STEP (after a backward, so gradients exist)
+    for st in stages:
+        bench.forwards(st, None)
+        bench.backwards(st, None, "B")
+    sync_times = []
+    for _ in range(5):
+        dist.barrier()
+        t0 = time.perf_counter()
+        ex._synchronise([], torch.zeros((), dtype=torch.float64))
+        sync_times.append(time.perf_counter() - t0)
+
+    mine = {
+        "alone": {f"{k}|{s}|{g}": v for (k, s, g), v in alone.items()},
+        "slowdown": slowdown,
+        "link": link,
+        "sync": statistics.median(sync_times),
+        "params": {st.stage: sum(p.numel() * p.element_size() for p in st.params) for st in stages},
+        "messages": {f"{p}|{s}|{g}": b for (p, s, g), b in _message_bytes(setup, ex).items()},
+    }
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    result = _combine(cfg, setup, gathered, world)
+    Path(job.run_dir, "calibration.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def _message_shapes(setup, ex) -> list:
+    return [shape for shape in _message_specs(setup, ex).values()]
+
+
+def _message_specs(setup, ex) -> dict:
+    ad, graph = setup.adapter, setup.schedule.graph
+    out = {}
+    for s in range(setup.schedule.num_stages):
+        for t in graph.succs[s]:
+            for g in range(max(1, setup.schedule.num_segments)):
+                shape, _ = ad.message_spec(s, t, g) if ex.segmented else ad.message_spec(s, t)
+                out[(s, t, g)] = tuple(shape)
+    return out
+
+
+def _message_bytes(setup, ex) -> dict:
+    return {k: float(torch.Size(v).numel() * 4) for k, v in _message_specs(setup, ex).items()}
+
+
+def _combine(cfg: dict, setup, per_rank: list[dict], world: int) -> dict:
+    """Rank 0: one calibration from every rank's measurements (replicas: their median)."""
+    times: dict[str, list[float]] = {}
+    for r in per_rank:
+        for key, v in r["alone"].items():
+            times.setdefault(key, []).append(v)
+    alone = {k: statistics.median(v) for k, v in times.items()}
+    cores = _host_cores()
+    slowdown = statistics.median(r["slowdown"] for r in per_rank)
+    # slowdown = 1 / compute_rate(world): solve the topology's rate model for contention
+    busy = min(world, cores)
+    share = min(1.0, cores / world)
+    factor = min(1.0, 1.0 / (slowdown * share)) if slowdown > 0 else 1.0
+    if busy > 1 and cores > 1:
+        contention = 1.0 - (1.0 - factor) * (cores - 1) / (busy - 1)
+    else:
+        contention = 1.0
+    contention = min(1.0, max(0.05, contention))
+    link = per_rank[0]["link"]
+    latency, bandwidth = _fit_link(link) if len(link) >= 2 else (30e-6, 5e9)
+    out = {
+        "format": FORMAT,
+        "version": VERSION,
+        "config": {
+            "model": cfg["model"].get("name"),
+            "schedule": setup.schedule.name,
+            "num_stages": setup.schedule.num_stages,
+            "segments": max(1, setup.schedule.num_segments),
+            "microbatch_size": setup.adapter.mbs,
+            "layers_per_stage": list(setup.layers_per_stage),
+            "world_size": world,
+            "threads_per_rank": int(cfg["runtime"].get("threads_per_rank") or 1),
+        },
+        "times": {k: v for k, v in alone.items() if not k.startswith("act|")},
+        "activation_bytes": {k.split("|", 1)[1]: v for k, v in alone.items() if k.startswith("act|")},
+        "param_bytes": {str(s): b for r in per_rank for s, b in r["params"].items()},
+        "message_bytes": per_rank[0]["messages"],
+        "sync_s": statistics.median(r["sync"] for r in per_rank),
+        "host": {"cores": cores, "contention": contention, "latency": latency, "bandwidth": bandwidth,
+                 "slowdown_all_ranks": slowdown, "link_points": link},
+        "torch": torch.__version__,
+    }
+    return out
+
+
+def calibrate(cfg, out: str | Path | None = None) -> dict:
+    """Calibrate a composed train config (a DictConfig or a resolved dict); write ``out``."""
+    from omegaconf import DictConfig, OmegaConf
+
+    from ..config import prepare_training
+    from .launch import TrainJob, launch
+
+    if isinstance(cfg, DictConfig):
+        inputs = prepare_training(cfg)
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+        world = inputs.world_size
+    else:
+        resolved = cfg
+        world = int(cfg["pipeline"]["stages"])
+    with tempfile.TemporaryDirectory(prefix="pipeflow-calibrate-") as tmp:
+        launch(TrainJob(resolved, tmp, world, entry="pipeflow.runtime.calibrate:run_rank"))
+        result = json.loads(Path(tmp, "calibration.json").read_text())
+    if out is not None:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="calibration.json", help="where to write the calibration")
+    parser.add_argument("overrides", nargs="*", help="pipeflow-train overrides, e.g. schedule=1f1b pipeline.stages=4")
+    args = parser.parse_args(argv)
+    from ..config import compose
+
+    cfg = compose("train", list(args.overrides) + ["logger=none"])
+    result = calibrate(cfg, args.out)
+    print(f"wrote {args.out}")
+    host = result["host"]
+    print(f"host: {host['cores']} cores, contention {host['contention']:.3f}, message "
+          f"{host['latency'] * 1e6:.0f} us + bytes / {host['bandwidth'] / 1e9:.2f} GB/s, "
+          f"sync {result['sync_s'] * 1e3:.2f} ms")
+    for key, v in sorted(result["times"].items(), key=lambda kv: (int(kv[0].split('|')[1]), kv[0])):
+        print(f"  {key:<10} {v * 1e3:8.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
