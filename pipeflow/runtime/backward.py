@@ -44,10 +44,17 @@ class PendingWeight:
 
     roots: list = field(default_factory=list)  # per boundary node: (its GradientEdge roots, their gradients, branch edges)
     whole: tuple | None = None  # (output, its gradient): W is the whole backward
+    direct: list = field(default_factory=list)  # (parameter, gradient) that I computed (norms)
 
 
-def _walk(root, inputs: set, params: set) -> list:
-    """Each boundary node with the edges into its parameter-only branches.
+# the backward nodes of the weight GEMMs: their weight gradients are W's work
+MATMUL_NODES = frozenset({"AddmmBackward0", "MmBackward0", "BmmBackward0", "BaddbmmBackward0", "MmBackward",
+                          "LinearBackward0", "MatmulBackward0", "EmbeddingBackward0", "ConvolutionBackward0"})
+
+
+def _walk(root, inputs: set, params: set) -> tuple[list, list]:
+    """Each boundary node with the edges into its parameter-only branches, and the
+    accumulators of the parameters that I computes itself (see backward_input).
 
     ``inputs`` and ``params`` are the accumulate-grad nodes of the input leaves and of
     the parameters. One iterative post-order walk marks, for every node, whether the
@@ -70,13 +77,22 @@ def _walk(root, inputs: set, params: set) -> list:
         edges[node] = [(k, nr) for k, nr in node.next_functions if k is not None]
         stack.append((node, True))
         stack.extend((k, False) for k, _ in edges[node] if k not in to_input)
+    parents: dict = {}
+    for node, kids in edges.items():
+        for k, _ in kids:
+            parents.setdefault(k, []).append(node)
     out = []
     for node, kids in edges.items():
         if to_input[node]:
             branch = [GradientEdge(k, nr) for k, nr in kids if to_param[k] and not to_input[k]]
             if branch:
                 out.append((node, branch))
-    return out
+    # parameters whose gradient I computes itself: those reached only straight from
+    # boundary nodes that are not matrix products (norms, scales)
+    cheap = {n for n, _ in out if n.name() not in MATMUL_NODES}
+    direct = [k for n, branch in out if n in cheap for k in (e.node for e in branch)
+              if k in params and all(p in cheap for p in parents[k])]
+    return out, list(dict.fromkeys(direct))
 
 
 def backward_input(out: torch.Tensor, grad: torch.Tensor | None, leaves: list[torch.Tensor],
@@ -95,7 +111,14 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, leaves: list[to
         return [None] * len(leaves), pending
     inputs = {get_gradient_edge(x).node for x in leaves if x.requires_grad}
     pnodes = {get_gradient_edge(p).node for p in params if p.requires_grad}
-    boundary = _walk(out.grad_fn, inputs, pnodes)
+    boundary, direct = _walk(out.grad_fn, inputs, pnodes)
+    # A norm's weight and bias gradients are reductions, cheap beside the GEMMs that
+    # make W worth deferring, and splitting a norm's backward runs a much slower kernel
+    # on CPU (layer_norm_backward for the weights alone). So I takes them with the
+    # input gradient, whole, and hands them to W, which accumulates them.
+    direct_params = [node.variable for node in direct]
+    skip = set(direct)
+    boundary = [(n, b) for n, b in boundary if not all(e.node in skip for e in b)]
     captured: dict = {}
     handles = []
     for node, _ in boundary:
@@ -103,11 +126,15 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, leaves: list[to
             captured[node] = grad_outputs
         handles.append(node.register_prehook(keep))
     try:
-        grads = torch.autograd.grad(out, leaves, grad_outputs=grad, retain_graph=True, allow_unused=True)
+        got = torch.autograd.grad(out, [*leaves, *direct_params], grad_outputs=grad, retain_graph=True,
+                                  allow_unused=True)
     finally:
         for h in handles:
             h.remove()
+    grads = got[: len(leaves)]
+    pending.direct = [(p, g) for p, g in zip(direct_params, got[len(leaves):]) if g is not None]
     for node, branch in boundary:
+        branch = [e for e in branch if e.node not in skip]
         got = [(GradientEdge(node, i), g) for i, g in enumerate(captured.get(node, ())) if g is not None]
         if got:
             pending.roots.append(([e for e, _ in got], [g for _, g in got], branch))
@@ -121,6 +148,8 @@ def backward_weight(pending: PendingWeight, params: list[torch.Tensor]) -> None:
         out, grad = pending.whole
         torch.autograd.backward(out, grad_tensors=grad, inputs=wanted)
         return
+    for param, g in pending.direct:
+        param.grad = g if param.grad is None else param.grad + g
     deeper_roots, deeper_grads = [], []
     for roots, grads, branch in pending.roots:
         # each boundary node runs once in W, so its saved tensors can go with this call

@@ -164,10 +164,11 @@ def _host_cores() -> int:
 
 def run_rank(rank: int, job) -> dict | None:
     """One rank of the calibration (the launcher's entry for ``TrainJob(entry=...)``)."""
-    from .worker import _device_and_backend, build_rank
+    from .worker import _device_and_backend, build_rank, keep_freed_memory
 
     cfg = job.cfg
     runtime = cfg["runtime"]
+    keep_freed_memory()  # as the worker does: the same allocator as a real step
     torch.set_num_threads(int(runtime.get("threads_per_rank") or 1))
     device, backend = _device_and_backend(runtime, rank)
     dist.init_process_group(backend, rank=rank, world_size=job.world_size,
