@@ -44,6 +44,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from pipeflow.config import compose, prepare_simulation, prepare_training  # noqa: E402
 from pipeflow.runtime.calibrate import calibrate  # noqa: E402
 from pipeflow.runtime.launch import TrainJob, launch  # noqa: E402
+from pipeflow.sim.timeline import Timeline  # noqa: E402
 from pipeflow.sim import simulate  # noqa: E402
 
 TARGETS = {2: 0.10}  # world size -> allowed |error|; larger worlds: TARGET_MANY
@@ -77,15 +78,39 @@ def base(p: int, steps: int) -> list[str]:
             "trainer.val_batches=1", "trainer.timeline_step=null", "runtime.threads_per_rank=1", "logger=none"]
 
 
-def measure(overrides: list[str], run_dir: Path) -> float:
-    """The median steady step time of one real run."""
-    cfg = compose("train", overrides)
+def measure(overrides: list[str], run_dir: Path, steps: int) -> tuple[float, dict]:
+    """The median steady step time of one real run, and the durations of its last
+    step's actions: (stage, kind) -> list of seconds (its recorded timeline)."""
+    cfg = compose("train", [*overrides, f"trainer.timeline_step={steps}"])
     inputs = prepare_training(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     launch(TrainJob(OmegaConf.to_container(cfg, resolve=True), str(run_dir), inputs.world_size))
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steady = rows[len(rows) // 2:]
-    return statistics.median(r["step_time"] for r in steady)
+    actions: dict = {}
+    path = run_dir / "timeline.json"
+    if path.exists():
+        for e in Timeline.load(path).events:
+            if e.stream == "compute" and e.kind in ("F", "B", "I", "W"):
+                actions.setdefault(f"{e.stage}{e.kind}", []).append(e.end - e.start)
+    return statistics.median(r["step_time"] for r in steady), actions
+
+
+def split_check(rows: dict) -> dict | None:
+    """ZB-H1 against 1F1B from the same benchmark run: the step-time ratio, and per
+    stage mean(I) + mean(W) over 1F1B's mean(B) (acceptance: ratio <= 1, sums <= 1.1)."""
+    if "zb_h1" not in rows or "1f1b" not in rows:
+        return None
+    zb, ref = rows["zb_h1"]["actions"], rows["1f1b"]["actions"]
+    mean = statistics.fmean
+    stages = sorted({int(k[:-1]) for k in ref if k.endswith("B")})
+    per_stage = {}
+    for s in stages:
+        b = mean(ref[f"{s}B"])
+        iw = mean(zb.get(f"{s}I", [0.0])) + mean(zb.get(f"{s}W", [0.0]))
+        per_stage[s] = {"B": b, "I": mean(zb.get(f"{s}I", [0.0])), "W": mean(zb.get(f"{s}W", [0.0])),
+                        "I+W / B": iw / b}
+    return {"step_ratio": rows["zb_h1"]["measured"] / rows["1f1b"]["measured"], "stages": per_stage}
 
 
 def predict(overrides: list[str], calibration: Path) -> float:
@@ -112,17 +137,21 @@ def results(ranks=(2, 4), repeats: int = 2, steps: int = 16, names: list[str] | 
                     calibrate(compose("train", [*base(p, steps), *over]), path)
                     calibrations[key] = path
             measured: dict[str, list[float]] = {n: [] for n in names}
+            actions: dict[str, dict] = {n: {} for n in names}
             for r in range(repeats):
                 # alternate the order between repeats so drifting load hits every schedule alike
                 for name in (names if r % 2 == 0 else names[::-1]):
-                    measured[name].append(measure([*base(p, steps), *CASES[name][0]], Path(tmp) / f"p{p}-{name}-{r}"))
+                    t, acts = measure([*base(p, steps), *CASES[name][0]], Path(tmp) / f"p{p}-{name}-{r}", steps)
+                    measured[name].append(t)
+                    for k, v in acts.items():
+                        actions[name].setdefault(k, []).extend(v)
             rows = {}
             for name in names:
                 over, key = CASES[name]
                 sim = predict([*base(p, steps), *over], calibrations[key])
                 meas = statistics.median(measured[name])
                 rows[name] = {"measured": meas, "runs": measured[name], "simulated": sim,
-                              "error": (sim - meas) / meas}
+                              "error": (sim - meas) / meas, "actions": actions[name]}
             out["ranks"][p] = {"rows": rows, "seconds": time.perf_counter() - t0,
                                "calibrations": {k: json.loads(v.read_text()) for k, v in calibrations.items()}}
     for p, block in out["ranks"].items():
@@ -134,6 +163,7 @@ def results(ranks=(2, 4), repeats: int = 2, steps: int = 16, names: list[str] | 
         block["target"] = TARGETS.get(p, TARGET_MANY)
         block["within"] = all(abs(r["error"]) <= block["target"] for r in rows.values())
         block["misordered"] = misordered(rows)
+        block["split"] = split_check(rows)
     return out
 
 
@@ -183,6 +213,12 @@ def main(argv: list[str] | None = None) -> int:
         order = ", ".join(f"{a}/{b}" for a, b in block["misordered"]) or "none"
         print(f"target: every error within {block['target']:.0%}: {'yes' if block['within'] else 'no'}; "
               f"pairs measured >{ORDER_GAP:.0%} apart but ordered the other way by the simulator: {order}")
+        split = block["split"]
+        if split:
+            stages = "; ".join(f"stage {s}: I {v['I'] * 1e3:.1f} + W {v['W'] * 1e3:.1f} ms over B {v['B'] * 1e3:.1f} ms "
+                               f"= {v['I+W / B']:.3f}" for s, v in split["stages"].items())
+            print(f"zb_h1 / 1f1b measured step: {split['step_ratio']:.3f} (target <= 1); "
+                  f"last step's means: {stages} (target <= 1.1)")
     if args.json:
         args.json.write_text(json.dumps(res, indent=1, default=str))
     return 0

@@ -21,11 +21,16 @@ from pipeflow.models.gpt import build_stage, lm_loss
 from pipeflow.runtime.backward import backward_input, backward_weight
 
 GPT = dict(n_layer=4, n_head=4, n_embd=32, vocab_size=64, n_positions=64, seq_len=16, n_inner=None)
-MATMULS = {"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.matmul", "aten.linear"}
+# matrix products by kernel family; the in-place forms accumulate into their first operand
+GEMMS = {"aten.mm": 0, "aten.addmm": 1, "aten.addmm_": 1}
+BATCHED = {"aten.bmm": 0, "aten.baddbmm": 1, "aten.baddbmm_": 1}
 
 
 class MatmulCount(TorchDispatchMode):
-    """Counts each matrix-product kernel by (op, shapes of its operands)."""
+    """Counts each matrix-product kernel by (family, the product's sizes m, k, n as a
+    sorted triple): B and I + W may orient a weight gradient's product differently
+    (x^T g or, transposed, g^T x) and may accumulate it in place, but each product
+    must be computed, once, in one form or the other."""
 
     def __init__(self):
         super().__init__()
@@ -33,8 +38,12 @@ class MatmulCount(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func.overloadpacket)
-        if name in MATMULS:
-            self.seen[(name, tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor)))] += 1
+        for family, table in (("gemm", GEMMS), ("bmm", BATCHED)):
+            if name in table:
+                a, b = args[table[name]], args[table[name] + 1]
+                batch = a.shape[:-2]
+                self.seen[(family, tuple(batch), tuple(sorted((a.shape[-2], a.shape[-1], b.shape[-1]))))] += 1
+        assert name not in {"aten.matmul", "aten.linear"}, "composite ops decompose before dispatch"
         return func(*args, **(kwargs or {}))
 
 
@@ -136,3 +145,47 @@ def test_input_pass_runs_only_the_input_side():
         backward_weight(pending, params)
     assert 0 < sum(first.seen.values()) < sum(full.seen.values())
     assert first.seen + second.seen == full.seen
+
+
+class _Products(torch.nn.Module):
+    """Weights in every position W takes by hand or leaves to autograd: x @ W (no
+    transpose), W @ x (left operand), addmm with a scaled bias, a weight reused twice,
+    and a weight behind a reshape (autograd's fallback)."""
+
+    def __init__(self):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.right = torch.nn.Parameter(torch.randn(8, 8, generator=gen))
+        self.left = torch.nn.Parameter(torch.randn(6, 6, generator=gen))
+        self.bias = torch.nn.Parameter(torch.randn(8, generator=gen))
+        self.flat = torch.nn.Parameter(torch.randn(64, generator=gen))
+
+    def forward(self, x):  # x: (6, 8)
+        y = torch.addmm(self.bias, x, self.right, beta=0.5, alpha=2.0)
+        y = self.left @ y
+        y = y @ self.right.t()
+        return torch.tanh(y @ self.flat.view(8, 8)) * 2
+
+
+def test_weight_gradients_by_hand_match_autograd():
+    """W's hand-made GEMMs (and its fallback) give autograd's gradients, accumulating
+    onto gradients already there, as a second microbatch's W does."""
+    module = _Products()
+    params = list(module.parameters())
+    xs = [torch.randn(6, 8, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    gs = [torch.randn(6, 8, generator=torch.Generator().manual_seed(s)) for s in (3, 4)]
+    module.zero_grad(set_to_none=True)
+    want_inputs = []
+    for x, g in zip(xs, gs):
+        x = x.clone().requires_grad_(True)
+        torch.autograd.backward(module(x), grad_tensors=g)
+        want_inputs.append(x.grad)
+    want = {n: p.grad.clone() for n, p in module.named_parameters()}
+    module.zero_grad(set_to_none=True)
+    for x, g, wi in zip(xs, gs, want_inputs):
+        x = x.clone().requires_grad_(True)
+        got_inputs, pending = backward_input(module(x), g, [x], params)
+        torch.testing.assert_close(got_inputs[0], wi)
+        backward_weight(pending, params)
+    for n, p in module.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], msg=n)

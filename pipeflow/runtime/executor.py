@@ -36,7 +36,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from ..schedules.ir import Action, Kind, Schedule
 from ..schedules.lowering import Comm, lower
 from ..sim.timeline import Event
-from .backward import backward_input, backward_weight
+from .backward import accumulators, backward_input, backward_weight
 from .memory import SavedBytes
 
 
@@ -56,6 +56,7 @@ class StageState:
     kv: dict = field(default_factory=dict)  # Seq1F1B: mb -> seg -> (own K/V per block, prefix leaves, holds)
     kv_grad: dict = field(default_factory=dict)  # (mb, seg) -> per block (dK, dV) from later segments
     pending_w: dict = field(default_factory=dict)  # (mb, seg) -> what W needs after I (PendingWeight)
+    accumulators: frozenset | None = None  # the parameters' autograd accumulators, held for I (zero bubble)
 
 
 @dataclass
@@ -348,7 +349,9 @@ class Executor:
             self._send_input_grads(a, leaves, [leaf.grad for leaf in leaves.values()], outbox, local)
             return
         leaves, out = st.saved.pop(key)
-        grads, st.pending_w[key] = backward_input(out, g, list(leaves.values()), st.params)
+        if st.accumulators is None:
+            st.accumulators = accumulators(st.params)
+        grads, st.pending_w[key] = backward_input(out, g, list(leaves.values()), st.params, st.accumulators)
         if leaves:
             self._send_input_grads(a, leaves, grads, outbox, local)
 
