@@ -45,6 +45,7 @@ def test_calibration_has_every_action_of_every_stage(chain):
     host = cal["host"]
     assert host["cores"] >= 1 and 0 < host["contention"] <= 1
     assert host["latency"] >= 0 and host["bandwidth"] > 0 and len(host["link_points"]) == 3
+    assert host["message_host"] > 0  # posting a gloo message takes the rank some time
     assert cal["sync_s"] > 0
 
 
@@ -56,6 +57,7 @@ def test_calibrated_simulation_uses_the_file(chain):
     inputs = prepare_simulation(cfg)
     assert inputs.topology.cores == cal["host"]["cores"]
     assert inputs.topology.contention == pytest.approx(cal["host"]["contention"])
+    assert inputs.topology.message_host == pytest.approx(cal["host"]["message_host"])
     res = simulate(inputs.schedule, inputs.cost, inputs.topology)
     # GPipe: every F and B is priced by the file; S adds the step's synchronisation
     for (start, end), a in zip(zip(res.start, res.end), res.actions):

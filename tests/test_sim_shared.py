@@ -67,3 +67,17 @@ def test_two_busy_devices_each_at_the_contended_rate():
     one = simulate(build_schedule("gpipe", 2, 1), cost, get_topology("local_cpu", num_devices=2, cores=2,
                                                                      contention=0.5), record=False)
     assert one.makespan == pytest.approx(6.0)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_message_host_time_is_charged_to_both_ends(name):
+    """p=2, m=1: F0 -> F1 -> B1 -> B0 is one chain with two messages; each message's
+    host time lengthens its sender's and its receiver's action, so the step grows by
+    four of them."""
+    sched = build_schedule(name, 2, 1)
+    cost = UnitCost(2, forward=1.0, backward=2.0)
+    base = simulate(sched, cost, get_topology("local_cpu", num_devices=2), record=False)
+    host = simulate(sched, cost, get_topology("local_cpu", num_devices=2, message_host=0.25), record=False)
+    assert host.makespan == pytest.approx(base.makespan + 4 * 0.25)
+    with pytest.raises(ValueError, match="message_host"):
+        get_topology("local_cpu", num_devices=2, message_host=-1.0)

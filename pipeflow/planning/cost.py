@@ -524,21 +524,23 @@ class ProfiledCost(CostModel):
 # step. :class:`CalibratedCost` reads that file (``cost=calibrated
 # cost.calibration=<file>``):
 # 
-# - F, B, I, W: the measured times. The loss is inside the last stage's F, the executor's
-#   hooks inside every action, as in a real step.
+# - F, B, I, W: the measured times, from a replay of the schedule's own actions in its
+#   order. The loss is inside the last stage's F, the executor's hooks inside every
+#   action, as in a real step.
 # - S: the stage's measured optimizer step plus the synchronisation (the tied embedding's
 #   all-reduce and the world all-reduce of the gradient norm), which a synchronous step
 #   runs once before its first STEP.
 # - messages: the measured bytes of each stage-to-stage tensor; their time comes from
 #   the topology, whose ``local_cpu`` latency and bandwidth the calibration sets
-#   (:func:`calibrated_topology`), together with the host's ``cores`` and ``contention``
-#   that drive the simulator's processor sharing.
+#   (:func:`calibrated_topology_params`), together with the host's ``cores`` and ``contention``
+#   that drive the simulator's processor sharing and ``message_host``, the host time
+#   each message takes from its sender's and its receiver's compute.
 # - memory: the bytes autograd saved in each forward, measured.
 # 
 # torch-free: a calibration is plain JSON.
 
 FORMAT, VERSION = "pipeflow-calibration", 1
-HOST_KEYS = ("cores", "contention", "latency", "bandwidth")
+HOST_KEYS = ("cores", "contention", "latency", "bandwidth", "message_host")
 
 
 def load_calibration(path: str | Path | None, key: str = "cost.calibration") -> dict:
@@ -581,7 +583,7 @@ class CalibratedCost(CostModel):
         self.act = {tuple(int(x) for x in k.split("|")): float(v) for k, v in self.data["activation_bytes"].items()}
         self.msg = {tuple(int(x) for x in k.split("|")): float(v) for k, v in self.data["message_bytes"].items()}
         self.params = {int(k): float(v) for k, v in self.data["param_bytes"].items()}
-        self.host = {k: self.data["host"][k] for k in HOST_KEYS}
+        self.host = {k: self.data["host"][k] for k in HOST_KEYS if k in self.data["host"]}
 
     def compute_time(self, kind: str, stage: int, segment: int, device: Device) -> float:
         if kind not in KINDS:

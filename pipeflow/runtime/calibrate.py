@@ -6,24 +6,34 @@ runtime's own code (the executor's forward, backward, I/W split, hooks and optim
 
 - **actions alone**: each rank in turn (the others wait) times every (stage, segment)
   it holds: F (the loss on a last stage), B, I and W (where the backward can split),
-  and S, the stage's optimizer step. Medians over repeats, after warm-up.
-- **the host**: every rank then runs its forwards and backwards at the same time as
-  the others; how much slower that is than alone gives the host's ``contention``
-  (ranks share ``cores`` cores: memory bandwidth and caches, and past one rank per core,
-  the cores themselves). The simulator's processor-sharing model
-  (:meth:`pipeflow.topology.topology.Topology.compute_rate`) uses both.
+  and S, the stage's optimizer step, each in a tight loop; then it *replays* its own
+  actions of one iteration in the schedule's order, messages from other ranks replaced
+  by local tensors. The replay's mean per (kind, stage, segment) is what the
+  simulator gets (the tight loops only fill in kinds the schedule does not run): in a
+  step an action meets colder caches, more activations in flight and, where a rank
+  holds several stages, their weights too. Measured here, 1F1B's B on gpt_tiny took
+  15.0 ms in the loop and 16.1 in real steps; every schedule over the same stages
+  had been priced alike.
+- **the host**: every rank then replays at once, posting every message of the plan for
+  real (gloo's calls, and its threads on the same cores) and running the replicated
+  stages' all-reduces. The time spent posting, per message, is ``message_host``,
+  which the simulator charges to the compute of both ends of each message (a gloo
+  call takes ~60 us alone, but milliseconds when it waits on a lock held by a
+  transport thread the other rank's compute keeps off a core); how much slower the
+  rest is than alone gives the host's ``contention`` (memory bandwidth and caches,
+  the transport's threads, the all-reduces, and past one rank per core the cores
+  themselves). The simulator's processor-sharing model
+  (:meth:`pipeflow.topology.topology.Topology.compute_rate`) uses it.
 - **messages**: a ping-pong between ranks 0 and 1 at three sizes, fitted to
-  ``latency + bytes / bandwidth``: what one gloo message costs end to end (posting,
-  copies, the receiver's wake-up), which on CPU ranks is far from a link's figure.
+  ``latency + bytes / bandwidth``: what one gloo message costs end to end.
 - **the step's synchronisation**: the tied embedding's all-reduce and the world
   all-reduce of the gradient norm and the loss that precede the first STEP.
 
 The file is read by ``cost=calibrated cost.calibration=<file>``
-(:class:`pipeflow.planning.calibrated.CalibratedCost`), which also sets the
-``local_cpu`` topology's cores, contention, latency and bandwidth from it. It holds
-per-stage figures, so it prices every schedule with the same stage layout (1F1B,
-GPipe, ZB-H1, Chimera, the asynchronous ones); interleaving or a different partition
-needs its own calibration.
+(:class:`pipeflow.planning.cost.CalibratedCost`), which also sets the ``local_cpu``
+topology's cores, contention, message_host, latency and bandwidth from it. Since the
+replay is the schedule's own, calibrate each configuration you simulate (a file of
+another schedule over the same stages still prices it, less faithfully).
 """
 
 from __future__ import annotations
@@ -44,7 +54,7 @@ from ..schedules.ir import Action, Kind
 from .executor import Executor
 
 FORMAT, VERSION = "pipeflow-calibration", 1
-WARMUP, REPEATS, TOGETHER = 2, 5, 6
+WARMUP, REPEATS, TOGETHER = 2, 5, 12
 
 
 def _drop(store: dict, stage: int, grad: bool) -> None:
@@ -117,6 +127,86 @@ class _Bench:
         if record is not None:
             record.setdefault(("S", st.stage, 0), []).append(t)
 
+    def replay(self, record: dict | None, together: bool = False) -> tuple[float, float, int]:
+        """Run this rank's own actions of one iteration, in the schedule's order, with
+        every message from another rank replaced by a local tensor of its shape (and
+        every message to one dropped): each action meets the caches, the activations
+        in flight and the other stages' weights it meets in a real step, without
+        waiting for the network. ``together`` (every rank replays at once): also post
+        every message of the plan for real, as the step does (their receives land in
+        buffers nobody reads; all are waited for at the end), and run the all-reduces
+        of replicated stages, so that gloo's calls and threads compete with the
+        compute as they do in a step. Returns (the replay's time, the time spent
+        posting messages, how many were posted)."""
+        ex = self.ex
+        local: dict = {}
+        outbox: dict = {}
+        inbox: dict = {}
+        sends: list = []
+        reduces = []
+        posting, posted = 0.0, 0
+        t0 = time.perf_counter()
+        for posts, a in ex.plan:
+            if together and posts:
+                tp = time.perf_counter()
+                ex._flush(posts, outbox, inbox, sends)
+                posting += time.perf_counter() - tp
+                posted += len(posts)
+            st = ex.stages.get((a.pipe, a.stage))
+            if a.kind == Kind.F:
+                for p in self.graph.preds[a.stage]:
+                    key = (False, p, a.stage, a.microbatch, a.pipe, a.segment)
+                    if key not in local:
+                        local[key] = self._message(p, a.stage, a.segment)
+                run = lambda: ex._forward(a, self.batch, self.normalizer, {}, local, outbox)  # noqa: E731
+            elif a.kind in (Kind.B, Kind.I):
+                if not st.last:
+                    for t in self.graph.succs[a.stage]:
+                        key = (True, a.stage, t, a.microbatch, a.pipe, a.segment)
+                        if key not in local:
+                            local[key] = self._message(a.stage, t, a.segment)
+                full = a.kind == Kind.B
+                run = lambda: ex._backward(a, {}, local, outbox, full=full)  # noqa: E731
+            elif a.kind == Kind.W:
+                run = lambda: ex._weight(a)  # noqa: E731
+            elif a.kind == Kind.STEP:
+                if reduces:
+                    ex._synchronise(reduces, torch.zeros((), dtype=torch.float64))
+                    reduces = []
+
+                def run():
+                    if st.optimizer is not None:
+                        st.optimizer.step()
+                        st.optimizer.zero_grad(set_to_none=True)
+            elif a.kind == Kind.REDUCE:
+                if together:
+                    reduces.append(ex._reduce(a))
+                continue
+            else:
+                continue
+            t = self._timed(run)
+            if record is not None:
+                record.setdefault((a.kind, a.stage, a.segment), []).append(t)
+        if together:
+            tp = time.perf_counter()
+            ex._flush(ex.tail, outbox, inbox, sends)
+            posting += time.perf_counter() - tp
+            posted += len(ex.tail)
+        elapsed = time.perf_counter() - t0
+        for _buf, work in inbox.values():
+            if work is not None:
+                work.wait()
+        for work, _tensor in sends:
+            work.wait()
+        local.clear()
+        outbox.clear()
+        return elapsed, posting, posted
+
+    def _message(self, src: int, dst: int, seg: int) -> torch.Tensor:
+        ad = self.ex.adapter
+        shape, dtype = ad.message_spec(src, dst, seg) if self.ex.segmented else ad.message_spec(src, dst)
+        return torch.randn(shape).to(dtype)
+
     def round(self, st, record: dict | None) -> None:
         self.forwards(st, record)
         self.backwards(st, record, "B")
@@ -182,12 +272,18 @@ def run_rank(rank: int, job) -> dict | None:
     data = setup.adapter.build_data(cfg["data"])
     if rank == 0:
         dist.barrier()
-    batch = data.train_batch(1, m * mbs) if not setup.is_async else data.train_batch(1, int(cfg["pipeline"]["microbatches"]) * mbs)
+    # every microbatch the plan names (an asynchronous plan spans several steps' worth)
+    need = max(m, 1 + max((a.microbatch for _, a in ex.plan), default=0))
+    batch = data.train_batch(1, need * mbs)
     bench = _Bench(ex, batch, setup.adapter.normalizer(batch))
     stages = list(setup.stages.values())
 
-    # 1. actions alone, rank by rank
+    # 1. actions alone, rank by rank: each stage's F, B, I, W and S in a tight loop (the
+    # fallback for kinds the schedule does not run), then the rank's own actions in the
+    # schedule's order (replay), which is what a step runs
     record: dict = {}
+    replayed: dict = {}
+    solo = []
     for turn in range(world):
         if turn == rank:
             for st in stages:
@@ -195,30 +291,29 @@ def run_rank(rank: int, job) -> dict | None:
                     bench.round(st, None)
                 for _ in range(REPEATS):
                     bench.round(st, record)
+            for _ in range(WARMUP):
+                bench.replay(None)
+            for _ in range(REPEATS):
+                one: dict = {}
+                solo.append(bench.replay(one)[0])
+                for k, v in one.items():
+                    replayed.setdefault(k, []).append(sum(v) / len(v))  # the replay's mean per kind
         dist.barrier()
     alone = {k: statistics.median(v) for k, v in record.items()}
+    alone.update({k: statistics.median(v) for k, v in replayed.items()})
 
-    # 2. every rank at once: the host's contention
-    def fb():
-        for st in stages:
-            bench.forwards(st, None)
-            bench.backwards(st, None, "B")
-            if st.optimizer is not None:
-                st.optimizer.zero_grad(set_to_none=True)
-
-    solo = statistics.median(bench._timed(fb) for _ in range(3))  # alone again, just before
-    dist.barrier()
-    shared_origin = time.perf_counter()
-    ends = []
+    # 2. every rank replays at once (with the replicated stages' all-reduces): the host's
+    # contention, from how much longer that takes than alone
+    solo_t = statistics.median(solo)
+    together, per_message = [], []
     for _ in range(TOGETHER):
-        fb()
-        ends.append(time.perf_counter() - shared_origin)
-    first_done = torch.tensor([ends[-1]], dtype=torch.float64)
-    dist.all_reduce(first_done, op=dist.ReduceOp.MIN)
-    # only rounds that ended while every rank was still busy count
-    inside = [e for e in ends if e <= first_done.item()] or ends[:1]
-    together = inside[-1] / len(inside)
-    slowdown = together / solo if solo > 0 else 1.0
+        dist.barrier()
+        elapsed, posting, posted = bench.replay(None, together=True)
+        # the messages' own cost is priced per message; the rest is compute slowed by sharing
+        together.append(elapsed - posting)
+        if posted:
+            per_message.append(posting / posted)
+    slowdown = statistics.median(together) / solo_t if solo_t > 0 else 1.0
 
     # 3. messages between ranks 0 and 1 (the others wait)
     sizes = sorted({int(torch.Size(shape).numel()) for shape in _message_shapes(setup, ex)} or {4096})
@@ -245,6 +340,7 @@ def run_rank(rank: int, job) -> dict | None:
     mine = {
         "alone": {f"{k}|{s}|{g}": v for (k, s, g), v in alone.items()},
         "slowdown": slowdown,
+        "message_host": statistics.median(per_message) if per_message else 0.0,
         "link": link,
         "sync": statistics.median(sync_times),
         "params": {st.stage: sum(p.numel() * p.element_size() for p in st.params) for st in stages},
@@ -318,6 +414,7 @@ def _combine(cfg: dict, setup, per_rank: list[dict], world: int) -> dict:
         "message_bytes": per_rank[0]["messages"],
         "sync_s": statistics.median(r["sync"] for r in per_rank),
         "host": {"cores": cores, "contention": contention, "latency": latency, "bandwidth": bandwidth,
+                 "message_host": statistics.median(r["message_host"] for r in per_rank),
                  "slowdown_all_ranks": slowdown, "link_points": link},
         "torch": torch.__version__,
     }

@@ -494,6 +494,14 @@ def _simulate(cs: CompiledSchedule, cost, topology, record: bool) -> SimResult:
             dcache[key] = v
         dur[i] = v
 
+    # ---- the host time of a message on its sender's and its receiver's compute (CPU ranks)
+    host = float(getattr(topology, "message_host", 0.0) or 0.0)
+    if host > 0:
+        for a in range(n):
+            for c, _mc in cs.tensor_out[a]:
+                dur[a] += host
+                dur[c] += host
+
     # ---- price every message class once: (transfer time, latency, resource slots, bytes)
     slot_of: dict = {}  # topology resource id -> index into ``free``
     specs: list[tuple[float, float, tuple[int, ...], float]] = []

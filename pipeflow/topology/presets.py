@@ -140,6 +140,7 @@ def local_cpu(
     memory_bandwidth: float = 2e10,
     cores: int | None = None,
     contention: float = 1.0,
+    message_host: float = 0.0,
 ) -> Topology:
     """N CPU ranks on one host, gloo over shared memory / loopback.
 
@@ -150,7 +151,9 @@ def local_cpu(
     ``cores``: the host's cores, which the ranks share (None: every rank has a core of
     its own). More ranks computing than cores run at cores/k speed each, and
     ``contention`` is the speed of each when every core is busy (shared memory bandwidth
-    and cache); ``pipeflow.runtime.calibrate`` measures both.
+    and cache); ``message_host``: the host time a message costs its sender and its
+    receiver (gloo's calls and threads on the ranks' own cores);
+    ``pipeflow.runtime.calibrate`` measures all three.
     """
     n = _count("num_devices", num_devices)
     bw = _number("bandwidth", bandwidth)
@@ -170,7 +173,8 @@ def local_cpu(
                 b.path(s, t, [out[s], inn[t]])
     if cores is not None:
         cores = _count("cores", cores)
-    return b.build(cores=cores, contention=_number("contention", contention))
+    return b.build(cores=cores, contention=_number("contention", contention),
+                   message_host=_number("message_host", message_host, strict=False))
 
 
 def cluster(

@@ -55,6 +55,7 @@ class Topology:
         paths: Mapping[tuple[int, int], Sequence[int]],
         cores: int | None = None,
         contention: float = 1.0,
+        message_host: float = 0.0,
     ) -> None:
         self.name = name
         # Shared compute: the devices are processes on one host with ``cores`` cores
@@ -68,6 +69,12 @@ class Topology:
             raise ValueError(f"topology '{name}': contention={contention!r} must be in (0, 1]")
         self.cores = cores
         self.contention = float(contention)
+        # Host time each message costs the compute stream of both its sender and its
+        # receiver (posting it, the transport's own threads on the same cores): CPU ranks
+        # pay it, GPUs (whose copies run beside their kernels) do not.
+        if not 0 <= message_host < math.inf:
+            raise ValueError(f"topology '{name}': message_host={message_host!r} must be a finite number of seconds >= 0")
+        self.message_host = float(message_host)
         self.devices = tuple(devices)
         self.resource_names = tuple(resource_names)
         self.resource_bandwidth = tuple(float(b) for b in resource_bandwidth)
@@ -197,6 +204,7 @@ class Topology:
             paths,
             cores=self.cores,
             contention=self.contention,
+            message_host=self.message_host,
         )
 
     def to_dict(self) -> dict:
@@ -215,6 +223,7 @@ class Topology:
                 for (kind, bw, lat), count in links.items()
             ],
             **({"cores": self.cores, "contention": self.contention} if self.cores is not None else {}),
+            **({"message_host": self.message_host} if self.message_host else {}),
         }
 
     def __repr__(self) -> str:
@@ -245,6 +254,6 @@ class TopologyBuilder:
     def path(self, src: int, dst: int, resources: Sequence[int]) -> None:
         self.paths[(src, dst)] = list(resources)
 
-    def build(self, cores: int | None = None, contention: float = 1.0) -> Topology:
+    def build(self, cores: int | None = None, contention: float = 1.0, message_host: float = 0.0) -> Topology:
         return Topology(self.name, self.devices, self.names, self.bandwidth, self.latency, self.paths,
-                        cores=cores, contention=contention)
+                        cores=cores, contention=contention, message_host=message_host)
