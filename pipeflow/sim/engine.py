@@ -669,6 +669,22 @@ def _simulate(cs: CompiledSchedule, cost, topology, record: bool) -> SimResult:
 
 
 
+def _collective_span(members, issue_time: dict, devs: tuple, duration: float, coll_free: list) -> tuple[float, float]:
+    """(start, end) of a REDUCE group's collective: it starts once every replica has
+    issued it and every device in it is done with its previous collective; one replica
+    (or all on one device) has nothing to reduce."""
+    s = max(issue_time[m] for m in members)
+    if len(devs) < 2:
+        return s, s
+    for d in devs:
+        if coll_free[d] > s:
+            s = coll_free[d]
+    e = s + duration
+    for d in devs:
+        coll_free[d] = e
+    return s, e
+
+
 def _events(cs: CompiledSchedule, dur, specs, num_slots, groups, gdevs, gdur, record, topology):
     """The event loop of devices that compute independently (every GPU, CPU ranks with a
     core each): an action's end is known when it starts. Returns (start, end,
@@ -728,16 +744,7 @@ def _events(cs: CompiledSchedule, dur, specs, num_slots, groups, gdevs, gdur, re
                 left[g] -= 1
                 if not left[g]:
                     members = groups[g]
-                    s = max(issue_time[m] for m in members)
-                    if len(gdevs[g]) > 1:
-                        for d in gdevs[g]:
-                            if coll_free[d] > s:
-                                s = coll_free[d]
-                        e = s + gdur[g]
-                        for d in gdevs[g]:
-                            coll_free[d] = e
-                    else:
-                        e = s  # one replica: nothing to reduce
+                    s, e = _collective_span(members, issue_time, gdevs[g], gdur[g], coll_free)
                     for m in members:
                         start[m] = s
                         end[m] = e
@@ -888,16 +895,7 @@ def _events_shared(cs: CompiledSchedule, dur, specs, num_slots, groups, gdevs, g
             left[g] -= 1
             if not left[g]:
                 members = groups[g]
-                s = max(issue_time[m] for m in members)
-                if len(gdevs[g]) > 1:
-                    for d in gdevs[g]:
-                        if coll_free[d] > s:
-                            s = coll_free[d]
-                    e = s + gdur[g]
-                    for d in gdevs[g]:
-                        coll_free[d] = e
-                else:
-                    e = s
+                s, e = _collective_span(members, issue_time, gdevs[g], gdur[g], coll_free)
                 for m in members:
                     start[m] = s
                     end[m] = e
