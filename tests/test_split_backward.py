@@ -131,6 +131,45 @@ def test_input_then_weight_equals_full_backward(name):
         torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-7, msg=n)
 
 
+def _wide_mlp():
+    """A gpt_tiny-sized MLP (512 rows of 128 into 512): big enough that a fused
+    ``addmm_`` into ``.grad`` rounds differently from a product added afterwards."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.GELU(), torch.nn.Linear(512, 128))
+    seeds = iter(range(100, 200))
+
+    def run():
+        x = torch.randn(4, 128, 128, generator=torch.Generator().manual_seed(next(seeds))).requires_grad_(True)
+        out = module(x)
+        return [x], out, torch.randn(out.shape, generator=torch.Generator().manual_seed(next(seeds)))
+    return module, run
+
+
+@pytest.mark.parametrize("name", ["wide_mlp", "gpt_middle", "gpt_last", "gpt_first", "bert_middle", "cbm_cross"])
+def test_split_accumulates_bitwise_as_autograd(name):
+    """Two microbatches of I then W leave exactly (bitwise) the weight gradients two
+    full backwards leave: W adds each product to ``.grad`` as autograd's accumulator
+    does, so a zero-bubble schedule's losses equal 1F1B's to the last bit."""
+    module, run = _wide_mlp() if name == "wide_mlp" else _case(name)
+    params = [p for p in module.parameters() if p.requires_grad]
+    module.zero_grad(set_to_none=True)
+    for _ in range(2):
+        leaves, out, g = run()
+        torch.autograd.backward(out, grad_tensors=g)
+    want = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+    module.zero_grad(set_to_none=True)
+    if name == "wide_mlp":
+        module, run = _wide_mlp()  # the same weights and the same two microbatches again
+        params = [p for p in module.parameters() if p.requires_grad]
+    for _ in range(2):
+        leaves, out, g = run()
+        _, pending = backward_input(out, g, leaves, params)
+        backward_weight(pending, params)
+    got = {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
+    assert set(got) == set(want)
+    assert [n for n in want if not torch.equal(got[n], want[n])] == []
+
+
 def test_input_pass_runs_only_the_input_side():
     """I alone runs fewer matrix products than B: the weight side waits for W."""
     module, run = _case("gpt_middle")

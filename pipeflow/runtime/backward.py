@@ -200,11 +200,14 @@ def _param_through(edge: GradientEdge):
 
 
 def _accumulate(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha) -> None:
-    """``param.grad += alpha * a @ b``, the product written straight into ``.grad``."""
+    """``param.grad += alpha * a @ b``, summed as autograd's accumulator sums: the product
+    first, then added in place, so the gradient is bitwise the one autograd gives (a
+    fused ``addmm_`` rounds differently)."""
+    prod = torch.mm(a, b) if alpha == 1 else torch.mm(a, b).mul_(alpha)
     if param.grad is None:
-        param.grad = torch.mm(a, b) if alpha == 1 else torch.mm(a, b).mul_(alpha)
+        param.grad = prod
     else:
-        param.grad.addmm_(a, b, alpha=alpha)
+        param.grad.add_(prod)
 
 
 @torch.no_grad()
