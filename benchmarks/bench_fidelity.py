@@ -11,8 +11,9 @@ for the branched pair; 8 microbatches of 4):
   chunk's time over its steps);
 - **simulated**: ``pipeflow-simulate`` of the same configuration with
   ``cost=calibrated``: the costs :mod:`pipeflow.runtime.calibrate` measures on this
-  machine before the runs, one calibration per configuration (it replays the
-  schedule's own actions, so each schedule has its own).
+  machine right before each run, one calibration per configuration and run (it
+  replays the schedule's own actions, so each schedule has its own); the median of
+  the runs' predictions.
 
 Reported per schedule: both step times, both as ratios to 1F1B's, and the error
 (simulated - measured) / measured; then, for every pair of schedules whose measured
@@ -50,6 +51,9 @@ TARGETS = {2: 0.10}  # world size -> allowed |error|; larger worlds: TARGET_MANY
 TARGET_MANY = 0.15
 ORDER_GAP = 0.05  # pairs whose measured times differ by more than this must be ordered alike
 MICROBATCHES, MICROBATCH_SIZE = 8, 4
+
+# the --quick subset of benchmarks/reproduce.py: the pairs the acceptance names
+QUICK = ("1f1b", "zb_h1", "bapp", "chimera_cbm")
 
 # name -> the overrides of its configuration; each is calibrated on its own: the
 # calibration replays the schedule's own actions (see pipeflow.runtime.calibrate)
@@ -124,32 +128,38 @@ def predict(overrides: list[str], calibration: Path) -> float:
 
 
 def results(ranks=(2, 4), repeats: int = 2, steps: int = 16, names: list[str] | None = None) -> dict:
+    """Per world size and repeat, each case calibrated and then run at once, cases
+    alternating: a prediction and the measurement it is held to are taken seconds apart,
+    so a host whose speed drifts over minutes moves both alike (calibrating every case
+    first and measuring later put that drift, up to 20% on a shared host, into the error)."""
     names = list(names or CASES)
     out: dict = {"ranks": {}, "repeats": repeats, "steps": steps}
     with tempfile.TemporaryDirectory(prefix="pipeflow-fidelity-") as tmp:
         for p in ranks:
             t0 = time.perf_counter()
-            calibrations: dict[str, Path] = {}
-            for name in names:
-                calibrations[name] = Path(tmp) / f"p{p}-{name}.json"
-                calibrate(compose("train", [*base(p, steps), *CASES[name]]), calibrations[name])
             measured: dict[str, list[float]] = {n: [] for n in names}
+            simulated: dict[str, list[float]] = {n: [] for n in names}
             actions: dict[str, dict] = {n: {} for n in names}
+            calibrations: dict[str, list[dict]] = {n: [] for n in names}
             for r in range(repeats):
                 # alternate the order between repeats so drifting load hits every schedule alike
                 for name in (names if r % 2 == 0 else names[::-1]):
-                    t, acts = measure([*base(p, steps), *CASES[name]], Path(tmp) / f"p{p}-{name}-{r}", steps)
+                    overrides = [*base(p, steps), *CASES[name]]
+                    path = Path(tmp) / f"p{p}-{name}-{r}.json"
+                    calibrations[name].append(calibrate(compose("train", overrides), path))
+                    simulated[name].append(predict(overrides, path))
+                    t, acts = measure(overrides, Path(tmp) / f"p{p}-{name}-{r}", steps)
                     measured[name].append(t)
                     for k, v in acts.items():
                         actions[name].setdefault(k, []).extend(v)
             rows = {}
             for name in names:
-                sim = predict([*base(p, steps), *CASES[name]], calibrations[name])
-                meas = statistics.median(measured[name])
+                meas, sim = statistics.median(measured[name]), statistics.median(simulated[name])
                 rows[name] = {"measured": meas, "runs": measured[name], "simulated": sim,
-                              "error": (sim - meas) / meas, "actions": actions[name]}
-            out["ranks"][p] = {"rows": rows, "seconds": time.perf_counter() - t0,
-                               "calibrations": {k: json.loads(v.read_text()) for k, v in calibrations.items()}}
+                              "simulated_runs": simulated[name], "error": (sim - meas) / meas,
+                              "run_errors": [(s - m) / m for s, m in zip(simulated[name], measured[name])],
+                              "actions": actions[name]}
+            out["ranks"][p] = {"rows": rows, "seconds": time.perf_counter() - t0, "calibrations": calibrations}
     for p, block in out["ranks"].items():
         rows = block["rows"]
         ref = rows.get("1f1b")

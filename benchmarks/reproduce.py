@@ -46,6 +46,7 @@ from benchmarks import (  # noqa: E402
     bench_async,
     bench_bapp,
     bench_closed_forms,
+    bench_fidelity,
     bench_partition,
     bench_planner,
     bench_predicted_vs_measured,
@@ -120,6 +121,9 @@ SOURCES: dict[str, Source] = {
                                ({"repeats": 1, "steps": 10}, "--repeats 1 --steps 10")),
     "predicted_vs_measured": Source("bench_predicted_vs_measured", bench_predicted_vs_measured.results,
                                     ({"repeats": 3}, ""), ({"repeats": 1}, "--repeats 1")),
+    "fidelity": Source("bench_fidelity", bench_fidelity.results, ({"ranks": (2, 4), "repeats": 2}, ""),
+                       ({"ranks": (2,), "repeats": 1, "names": list(bench_fidelity.QUICK)},
+                        f"--ranks 2 --repeats 1 --schedules {','.join(bench_fidelity.QUICK)}")),
     "partition": Source("bench_partition", bench_partition.results, ({"stages": (2, 4), "steps": 8}, ""),
                         ({"stages": (2,), "steps": 6}, "--stages 2 --steps 6")),
 }
@@ -272,10 +276,52 @@ def _planner_claims() -> list[Claim]:
     ]
 
 
-def _runtime_vs_torch(res: dict) -> str:
-    med = res["median"]
-    return (f"{res['ratio']:.3f} ({med['pipeflow'] * 1e3:.1f} vs {med['torch'] * 1e3:.1f} ms, median of "
-            f"{res['steady_steps']} steady steps; losses differ by at most {res['loss_max_rel_diff']:.0e})")
+def _runtime_vs_torch(schedule: str) -> Callable[[dict], str]:
+    def figure(res: dict) -> str:
+        r = res["schedules"][schedule]
+        med = r["median"]
+        return (f"{r['ratio']:.3f} ({med['pipeflow'] * 1e3:.1f} vs {med['torch'] * 1e3:.1f} ms, median of "
+                f"{r['steady_steps']} steady steps; losses differ by at most {r['loss_max_rel_diff']:.0e})")
+    return figure
+
+
+def _fidelity_block(res: dict, p: int) -> dict:
+    if p not in res["ranks"]:
+        raise MeasurementFailed(f"{p} ranks were not run (--quick runs 2)")
+    return res["ranks"][p]
+
+
+def _fidelity_errors(p: int) -> Callable[[dict], str]:
+    def figure(res: dict) -> str:
+        block = _fidelity_block(res, p)
+        rows = block["rows"]
+        worst = max(rows, key=lambda n: abs(rows[n]["error"]))
+        beyond = [n for n, r in rows.items() if abs(r["error"]) > block["target"]]
+        return (f"worst {rows[worst]['error']:+.1%} ({worst}) over {len(rows)} schedules; "
+                f"beyond {block['target']:.0%}: {', '.join(beyond) or 'none'}")
+    return figure
+
+
+def _fidelity_order(p: int) -> Callable[[dict], str]:
+    def figure(res: dict) -> str:
+        bad = _fidelity_block(res, p)["misordered"]
+        return "all ordered alike" if not bad else "ordered the other way: " + ", ".join(f"{a}/{b}" for a, b in bad)
+    return figure
+
+
+def _fidelity_split(res: dict) -> str:
+    split = res["ranks"][2]["split"]
+    if split is None:
+        raise MeasurementFailed("zb_h1 and 1f1b were not both measured")
+    sums = ", ".join(f"stage {s}: {v['I+W / B']:.3f}" for s, v in split["stages"].items())
+    return f"{split['step_ratio']:.3f}; mean(I)+mean(W) over 1F1B's mean(B): {sums}"
+
+
+def _fidelity_branched(res: dict) -> str:
+    pair = res["ranks"][2].get("branched_pair")
+    if pair is None:
+        raise MeasurementFailed("bapp and chimera_cbm were not both measured")
+    return f"measured {pair['measured']:.3f}, simulated {pair['simulated']:.3f}: {pair['apart']:+.1%} apart"
 
 
 def _prediction(schedule: str) -> Callable[[list[dict]], str]:
@@ -297,8 +343,23 @@ def _simulator(rows: list[dict]) -> str:
 
 def _target_claims() -> list[Claim]:
     return [
-        Claim("Step time pipeflow 1F1B / torch.distributed.pipelining Schedule1F1B, gpt_tiny, 2 stages", NO_PAPER,
-              "none; target <= 1.0", MEASURED_CPU, "runtime_vs_torch", _runtime_vs_torch),
+        *(Claim(f"Step time pipeflow {name} / torch.distributed.pipelining {torch_name}, gpt_tiny, 2 ranks",
+                NO_PAPER, "none; target <= 1.0, identical losses", MEASURED_CPU, "runtime_vs_torch",
+                _runtime_vs_torch(name))
+          for name, torch_name in ((n, pair.torch_schedule) for n, pair in bench_runtime_vs_torch.SCHEDULES.items())),
+        *(Claim(f"Simulated vs measured step time, every schedule the runtime executes, {p} CPU ranks", NO_PAPER,
+                f"none; target every error within +/-{bench_fidelity.TARGETS.get(p, bench_fidelity.TARGET_MANY):.0%}",
+                f"measured on {p} CPU ranks (gloo) vs simulated (cost=calibrated)", "fidelity", _fidelity_errors(p))
+          for p in (2, 4)),
+        *(Claim(f"Schedule pairs measured >5% apart that the simulator orders alike, {p} CPU ranks", NO_PAPER,
+                "none; target all", f"measured on {p} CPU ranks (gloo) vs simulated (cost=calibrated)", "fidelity",
+                _fidelity_order(p))
+          for p in (2, 4)),
+        Claim("Step time zb_h1 / 1f1b, gpt_tiny, m=8", NO_PAPER, "none; target <= 1.0, I+W <= 1.1 x B per stage",
+              MEASURED_CPU, "fidelity", _fidelity_split),
+        Claim("BAPP / Chimera step time on cbm_tiny, measured against simulated", NO_PAPER,
+              "none; target within 10%", f"{MEASURED_CPU} vs simulated (cost=calibrated)", "fidelity",
+              _fidelity_branched),
         *(Claim(f"Simulator's predicted / measured step time - 1, {name}, gpt_tiny, 2 stages", NO_PAPER,
                 "none; target within +/-15%", f"{MEASURED_CPU} vs simulated", "predicted_vs_measured",
                 _prediction(name))

@@ -59,7 +59,8 @@ def test_calibrated_simulation_uses_the_file(chain):
     assert inputs.topology.contention == pytest.approx(cal["host"]["contention"])
     assert inputs.topology.message_host == pytest.approx(cal["host"]["message_host"])
     res = simulate(inputs.schedule, inputs.cost, inputs.topology)
-    # GPipe: every F and B is priced by the file; S adds the step's synchronisation
+    # GPipe: every F and B is priced by the file; each device's STEP adds the step's synchronisation
+    assert inputs.cost.step_sync == cal["sync_s"]
     for (start, end), a in zip(zip(res.start, res.end), res.actions):
         if a.kind == "S":
             assert end - start >= cal["times"][f"S|{a.stage}|0"] + cal["sync_s"] - 1e-12

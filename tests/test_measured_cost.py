@@ -55,8 +55,8 @@ def hand_made() -> Timeline:
 def test_hand_made_timeline_gives_its_durations_back():
     cost = MeasuredCost.from_timeline(hand_made(), 2)
     assert cost.message_time == pytest.approx(1.0)
-    assert cost.step_overhead == pytest.approx(0.25)
-    expected = {("F", 0): 2, ("F", 1): 3, ("B", 0): 4, ("B", 1): 5, ("S", 0): 0.75, ("S", 1): 0.75}
+    assert cost.step_overhead == pytest.approx(0.25) and cost.step_sync == pytest.approx(0.25)
+    expected = {("F", 0): 2, ("F", 1): 3, ("B", 0): 4, ("B", 1): 5, ("S", 0): 0.5, ("S", 1): 0.5}
     assert cost.times == pytest.approx(expected)
     assert cost.samples[("F", 1)] == 2 and cost.samples[("B", 0)] == 2
     assert [cost.compute_time(k, s, 0, CPU) for k, s in [("F", 1), ("B", 0)]] == pytest.approx([3, 4])

@@ -81,3 +81,28 @@ def test_message_host_time_is_charged_to_both_ends(name):
     assert host.makespan == pytest.approx(base.makespan + 4 * 0.25)
     with pytest.raises(ValueError, match="message_host"):
         get_topology("local_cpu", num_devices=2, message_host=-1.0)
+
+
+class _Synced(UnitCost):
+    """Unit costs plus the runtime's per-step synchronisation."""
+
+    step_sync = 0.5
+
+
+@pytest.mark.parametrize("name,virtual,synced", [("1f1b", 1, True), ("interleaved_1f1b", 2, True),
+                                                 ("chimera", 1, True), ("pipedream", 1, False)])
+def test_step_sync_is_charged_once_per_device_of_a_synchronous_step(name, virtual, synced):
+    """A synchronous step synchronises each rank once before its first STEP, however
+    many stages the rank holds (interleaving and Chimera hold two); an asynchronous
+    schedule's STEPs update stage by stage and do not synchronise."""
+    sched = build_schedule(name, 2, 4, virtual_stages=virtual)
+    res = simulate(sched, _Synced(sched.num_stages, forward=1.0, backward=2.0, step=0.25),
+                   get_topology("local_cpu", num_devices=2), record=True)
+    per_device: dict[int, list[float]] = {}
+    for a, s, e in zip(res.actions, res.start, res.end):
+        if a.kind == "S":
+            per_device.setdefault(sched.placement.device(a.pipe, a.stage), []).append(e - s)
+    assert set(per_device) == {0, 1}
+    for steps in per_device.values():
+        extra = sum(steps) - 0.25 * len(steps)
+        assert extra == pytest.approx(0.5 if synced else 0.0)

@@ -527,9 +527,11 @@ class ProfiledCost(CostModel):
 # - F, B, I, W: the measured times, from a replay of the schedule's own actions in its
 #   order. The loss is inside the last stage's F, the executor's hooks inside every
 #   action, as in a real step.
-# - S: the stage's measured optimizer step plus the synchronisation (the tied embedding's
-#   all-reduce and the world all-reduce of the gradient norm), which a synchronous step
-#   runs once before its first STEP.
+# - S: the stage's measured optimizer step. The synchronisation (the tied embedding's
+#   all-reduce and the world all-reduce of the gradient norm) is ``step_sync``: a
+#   synchronous step runs it once per rank, before the rank's first STEP, and the
+#   simulator charges it there (not per stage: a rank holding two stages syncs once;
+#   not at all in asynchronous schedules, whose STEPs do not synchronise the world).
 # - messages: the measured bytes of each stage-to-stage tensor; their time comes from
 #   the topology, whose ``local_cpu`` latency and bandwidth the calibration sets
 #   (:func:`calibrated_topology_params`), together with the host's ``cores`` and ``contention``
@@ -580,6 +582,8 @@ class CalibratedCost(CostModel):
             kind, stage, seg = key.split("|")
             self.times[(kind, int(stage), int(seg))] = float(v)
         self.sync = float(self.data.get("sync_s", 0.0))
+        # the simulator adds it to each rank's first STEP of a synchronous step
+        self.step_sync = self.sync
         self.act = {tuple(int(x) for x in k.split("|")): float(v) for k, v in self.data["activation_bytes"].items()}
         self.msg = {tuple(int(x) for x in k.split("|")): float(v) for k, v in self.data["message_bytes"].items()}
         self.params = {int(k): float(v) for k, v in self.data["param_bytes"].items()}
@@ -589,7 +593,7 @@ class CalibratedCost(CostModel):
         if kind not in KINDS:
             raise self._bad_kind(kind)
         if kind == "S":
-            return self.times.get(("S", stage, 0), 0.0) + self.sync
+            return self.times.get(("S", stage, 0), 0.0)
         got = self.times.get((kind, stage, segment))
         if got is None and kind in ("I", "W") and ("B", stage, segment) in self.times:
             # a segmented calibration runs full backwards only: no measured split

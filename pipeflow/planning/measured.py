@@ -40,7 +40,8 @@ The optimizer step. Before its first STEP the runtime synchronises the ranks (th
 embedding's all-reduce and the gradient-norm all-reduce), which the schedule does not
 model as an action. That time shows as the gap before STEP; the smallest gap over the
 devices (the last device to finish its backward waits only for the collective itself)
-is added to every stage's S time. A simulated timeline has no such gap.
+is ``step_sync``, which the simulator adds once to each device's first STEP of a
+synchronous step. A simulated timeline has no such gap.
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ class MeasuredCost(CostModel):
         self.time_unit = time_unit
         # diagnostics of from_timeline, reported by describe()
         self.step_overhead = step_overhead
+        self.step_sync = step_overhead  # the simulator charges it before each device's first STEP
         self.samples = dict(samples or {})
         self.message_samples = message_samples
 
@@ -280,7 +282,7 @@ class MeasuredCost(CostModel):
             for e in steps:
                 s_parts[e.stage].append(e.duration)
             for stage, v in s_parts.items():
-                times[("S", stage)] = statistics.fmean(v) + overhead
+                times[("S", stage)] = statistics.fmean(v)
                 counts[("S", stage)] = len(v)
 
         missing = [s for s in range(num_stages) if ("F", s) not in times]

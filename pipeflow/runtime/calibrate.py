@@ -14,7 +14,9 @@ runtime's own code (the executor's forward, backward, I/W split, hooks and optim
   holds several stages, their weights too. Measured here, 1F1B's B on gpt_tiny took
   15.0 ms in the loop and 16.1 in real steps; every schedule over the same stages
   had been priced alike.
-- **the host**: every rank then replays at once, posting every message of the plan for
+- **the host**: after each round of solo replays every rank replays at once (rounds
+  of solo and joint replays alternate, so that each slowdown is a ratio of neighbouring
+  times, which a host drifting by tens of percent over seconds leaves intact), posting every message of the plan for
   real (gloo's calls, and its threads on the same cores) and running the replicated
   stages' all-reduces. The time spent posting, per message, is ``message_host``,
   which the simulator charges to the compute of both ends of each message (a gloo
@@ -54,7 +56,7 @@ from ..schedules.ir import Action, Kind
 from .executor import Executor
 
 FORMAT, VERSION = "pipeflow-calibration", 1
-WARMUP, REPEATS, TOGETHER = 2, 5, 12
+WARMUP, REPEATS, ROUNDS = 2, 5, 7
 
 
 def _drop(store: dict, stage: int, grad: bool) -> None:
@@ -278,12 +280,9 @@ def run_rank(rank: int, job) -> dict | None:
     bench = _Bench(ex, batch, setup.adapter.normalizer(batch))
     stages = list(setup.stages.values())
 
-    # 1. actions alone, rank by rank: each stage's F, B, I, W and S in a tight loop (the
-    # fallback for kinds the schedule does not run), then the rank's own actions in the
-    # schedule's order (replay), which is what a step runs
+    # 1. each stage's F, B, I, W and S alone in a tight loop, rank by rank (the fallback
+    # for kinds the schedule does not run)
     record: dict = {}
-    replayed: dict = {}
-    solo = []
     for turn in range(world):
         if turn == rank:
             for st in stages:
@@ -293,27 +292,38 @@ def run_rank(rank: int, job) -> dict | None:
                     bench.round(st, record)
             for _ in range(WARMUP):
                 bench.replay(None)
-            for _ in range(REPEATS):
+        dist.barrier()
+    for _ in range(WARMUP):
+        dist.barrier()
+        bench.replay(None, together=True)
+
+    # 2. rounds of: the rank's own actions in the schedule's order (replay) alone, rank
+    # by rank, which is what a step runs; then every rank's replay at once (with the
+    # replicated stages' all-reduces), whose slowdown over this round's solo replay is
+    # the host's contention. A ratio of neighbouring replays, not of two separate
+    # blocks of them: on a shared host the speed drifts by tens of percent within a
+    # calibration, and only a ratio of adjacent times cancels that drift.
+    replayed: dict = {}
+    ratios, per_message = [], []
+    for _ in range(ROUNDS):
+        solo = 0.0
+        for turn in range(world):
+            if turn == rank:
                 one: dict = {}
-                solo.append(bench.replay(one)[0])
+                solo = bench.replay(one)[0]
                 for k, v in one.items():
                     replayed.setdefault(k, []).append(sum(v) / len(v))  # the replay's mean per kind
+            dist.barrier()
+        elapsed, posting, posted = bench.replay(None, together=True)
+        # the messages' own cost is priced per message; the rest is compute slowed by sharing
+        if solo > 0:
+            ratios.append((elapsed - posting) / solo)
+        if posted:
+            per_message.append(posting / posted)
         dist.barrier()
     alone = {k: statistics.median(v) for k, v in record.items()}
     alone.update({k: statistics.median(v) for k, v in replayed.items()})
-
-    # 2. every rank replays at once (with the replicated stages' all-reduces): the host's
-    # contention, from how much longer that takes than alone
-    solo_t = statistics.median(solo)
-    together, per_message = [], []
-    for _ in range(TOGETHER):
-        dist.barrier()
-        elapsed, posting, posted = bench.replay(None, together=True)
-        # the messages' own cost is priced per message; the rest is compute slowed by sharing
-        together.append(elapsed - posting)
-        if posted:
-            per_message.append(posting / posted)
-    slowdown = statistics.median(together) / solo_t if solo_t > 0 else 1.0
+    slowdown = statistics.median(ratios) if ratios else 1.0
 
     # 3. messages between ranks 0 and 1 (the others wait)
     sizes = sorted({int(torch.Size(shape).numel()) for shape in _message_shapes(setup, ex)} or {4096})

@@ -494,6 +494,17 @@ def _simulate(cs: CompiledSchedule, cost, topology, record: bool) -> SimResult:
             dcache[key] = v
         dur[i] = v
 
+    # ---- the synchronisation a synchronous step runs on each rank before its first STEP
+    # (the runtime's world all-reduce of the gradient norm and the loss, with the tied
+    # embedding's): once per device, however many stages the device holds; asynchronous
+    # schedules update stage by stage without it
+    sync = float(getattr(cost, "step_sync", 0.0) or 0.0)
+    if sync > 0 and sched.policy == WeightPolicy.SYNC:
+        for d in range(ndev):
+            first = next((i for i in range(cs.offsets[d], cs.offsets[d + 1]) if kind[i] == Kind.STEP), None)
+            if first is not None:
+                dur[first] += sync
+
     # ---- the host time of a message on its sender's and its receiver's compute (CPU ranks)
     host = float(getattr(topology, "message_host", 0.0) or 0.0)
     if host > 0:
