@@ -118,12 +118,18 @@ def split_check(rows: dict) -> dict | None:
 
 
 def predict(overrides: list[str], calibration: Path) -> float:
-    """The simulated step time of the same configuration with calibrated costs."""
+    """The simulated step time of the schedule the runtime runs for ``overrides``, with
+    calibrated costs. The schedule is taken from the training configuration, not
+    composed again for the simulator: BAPP's coordinator and the planner choose by
+    simulation, and under the calibrated costs they may choose otherwise than the
+    training run did (BAPP: another head placement and warm-up), which would compare
+    two different schedules."""
+    ran = prepare_training(compose("train", overrides)).schedule
     sim_over = [o for o in overrides if not o.startswith(("trainer.", "runtime.", "logger=", "data="))]
     cfg = compose("simulate", [*sim_over, "cost=calibrated", f"cost.calibration={calibration}",
                                "topology=local_cpu"])
     inputs = prepare_simulation(cfg)
-    res = simulate(inputs.schedule, inputs.cost, inputs.topology, record=False)
+    res = simulate(ran, inputs.cost, inputs.topology, record=False)
     return res.makespan / max(1, getattr(res, "windows", 1) or 1)
 
 
