@@ -100,9 +100,12 @@ def measure(overrides: list[str], run_dir: Path, steps: int) -> tuple[float, dic
     return statistics.median(r["step_time"] for r in steady), actions
 
 
-def split_check(rows: dict) -> dict | None:
+def split_check(rows: dict, calibrations: dict | None = None) -> dict | None:
     """ZB-H1 against 1F1B from the same benchmark run: the step-time ratio, and per
-    stage mean(I) + mean(W) over 1F1B's mean(B) (acceptance: ratio <= 1, sums <= 1.1)."""
+    stage mean(I) + mean(W) over 1F1B's mean(B) (acceptance: ratio <= 1, sums <= 1.1),
+    from the runs' recorded last steps; also the same sum from the calibrations' replays
+    (``replay``: the median over repeats, each repeat's zb_h1 and 1f1b calibrations taken
+    a minute apart, not a run apart)."""
     if "zb_h1" not in rows or "1f1b" not in rows:
         return None
     zb, ref = rows["zb_h1"]["actions"], rows["1f1b"]["actions"]
@@ -114,6 +117,10 @@ def split_check(rows: dict) -> dict | None:
         iw = mean(zb.get(f"{s}I", [0.0])) + mean(zb.get(f"{s}W", [0.0]))
         per_stage[s] = {"B": b, "I": mean(zb.get(f"{s}I", [0.0])), "W": mean(zb.get(f"{s}W", [0.0])),
                         "I+W / B": iw / b}
+        if calibrations and calibrations.get("zb_h1") and calibrations.get("1f1b"):
+            sums = [(z["times"].get(f"I|{s}|0", 0.0) + z["times"].get(f"W|{s}|0", 0.0)) / f["times"][f"B|{s}|0"]
+                    for z, f in zip(calibrations["zb_h1"], calibrations["1f1b"])]
+            per_stage[s]["replay"] = statistics.median(sums)
     return {"step_ratio": rows["zb_h1"]["measured"] / rows["1f1b"]["measured"], "stages": per_stage}
 
 
@@ -175,7 +182,7 @@ def results(ranks=(2, 4), repeats: int = 2, steps: int = 16, names: list[str] | 
         block["target"] = TARGETS.get(p, TARGET_MANY)
         block["within"] = all(abs(r["error"]) <= block["target"] for r in rows.values())
         block["misordered"] = misordered(rows)
-        block["split"] = split_check(rows)
+        block["split"] = split_check(rows, block.get("calibrations"))
         if "bapp" in rows and "chimera_cbm" in rows:
             meas = rows["bapp"]["measured"] / rows["chimera_cbm"]["measured"]
             sim = rows["bapp"]["simulated"] / rows["chimera_cbm"]["simulated"]
@@ -236,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         split = block["split"]
         if split:
             stages = "; ".join(f"stage {s}: I {v['I'] * 1e3:.1f} + W {v['W'] * 1e3:.1f} ms over B {v['B'] * 1e3:.1f} ms "
-                               f"= {v['I+W / B']:.3f}" for s, v in split["stages"].items())
+                               f"= {v['I+W / B']:.3f}" + (f" (calibration replays: {v['replay']:.3f})" if "replay" in v
+                                                           else "") for s, v in split["stages"].items())
             print(f"zb_h1 / 1f1b measured step: {split['step_ratio']:.3f} (target <= 1); "
                   f"last step's means: {stages} (target <= 1.1)")
     if args.json:

@@ -19,9 +19,11 @@ def test_pipeflow_and_torch_train_the_same(schedule):
     run = r["runs"][0]
     ours, theirs = run["loss"]["pipeflow"], run["loss"]["torch"]
     assert len(ours) == len(theirs) == STEPS
+    # identical, not close: the same fp32 operations in the same order, ZB-H1's by-hand
+    # weight gradients summed into .grad as autograd's accumulator sums them
     for step, (a, b) in enumerate(zip(ours, theirs), start=1):
-        assert abs(a - b) <= 1e-4 * abs(b), f"{schedule} step {step}: pipeflow {a} vs torch {b}"
-    assert r["loss_max_rel_diff"] <= 1e-4
+        assert a == b, f"{schedule} step {step}: pipeflow {a} vs torch {b}"
+    assert r["loss_max_rel_diff"] == 0.0
     # it trains: the loss moves (a torch side that never updated would fail the check above
     # from step 2 on; this guards against both sides standing still)
     assert ours[-1] < ours[0]

@@ -57,6 +57,7 @@ from .executor import Executor
 
 FORMAT, VERSION = "pipeflow-calibration", 1
 WARMUP, REPEATS, ROUNDS = 2, 5, 7
+LINK_FLOATS = 1 << 18  # the ping-pong's middle size, at least (1 MiB of fp32)
 
 
 def _drop(store: dict, stage: int, grad: bool) -> None:
@@ -138,7 +139,7 @@ class _Bench:
         every message of the plan for real, as the step does (their receives land in
         buffers nobody reads; all are waited for at the end), and run the all-reduces
         of replicated stages, so that gloo's calls and threads compete with the
-        compute as they do in a step. Returns (the replay's time, the time spent
+        compute as they do in a step. Returns (the replay's time less its wait for those all-reduces, the time spent
         posting messages, how many were posted)."""
         ex = self.ex
         local: dict = {}
@@ -146,7 +147,7 @@ class _Bench:
         inbox: dict = {}
         sends: list = []
         reduces = []
-        posting, posted = 0.0, 0
+        posting, posted, collective = 0.0, 0, 0.0
         t0 = time.perf_counter()
         for posts, a in ex.plan:
             if together and posts:
@@ -173,7 +174,9 @@ class _Bench:
                 run = lambda: ex._weight(a)  # noqa: E731
             elif a.kind == Kind.STEP:
                 if reduces:
+                    tw = time.perf_counter()
                     ex._synchronise(reduces, torch.zeros((), dtype=torch.float64))
+                    collective += time.perf_counter() - tw
                     reduces = []
 
                 def run():
@@ -194,7 +197,9 @@ class _Bench:
             ex._flush(ex.tail, outbox, inbox, sends)
             posting += time.perf_counter() - tp
             posted += len(ex.tail)
-        elapsed = time.perf_counter() - t0
+        # the replicas' all-reduces are priced by the simulator's REDUCE (over the
+        # fitted link), not as compute slowed by sharing: their wait is left out
+        elapsed = time.perf_counter() - t0 - collective
         for _buf, work in inbox.values():
             if work is not None:
                 work.wait()
@@ -327,7 +332,9 @@ def run_rank(rank: int, job) -> dict | None:
 
     # 3. messages between ranks 0 and 1 (the others wait)
     sizes = sorted({int(torch.Size(shape).numel()) for shape in _message_shapes(setup, ex)} or {4096})
-    big = max(sizes)
+    # at least a MiB: the fit also prices the replicas' gradient all-reduces (REDUCE),
+    # megabytes where a pipeline message may be kilobytes (data parallelism has none)
+    big = max(max(sizes), LINK_FLOATS)
     link = []
     if world >= 2:
         for numel in (256, big, 4 * big):

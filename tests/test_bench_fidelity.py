@@ -1,0 +1,38 @@
+"""benchmarks/bench_fidelity.py's verdicts, from hand-made figures: which schedule
+pairs count as misordered, and the ZB-H1 split check. No run is timed here."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import bench_fidelity as bench
+
+
+def _rows(**figures):
+    return {name: {"measured": m, "simulated": s} for name, (m, s) in figures.items()}
+
+
+def test_pairs_apart_by_more_than_the_gap_must_be_ordered_alike():
+    rows = _rows(**{"1f1b": (1.00, 0.90), "gpipe": (1.10, 0.85), "zb_h1": (1.02, 0.80),
+                    "bapp": (0.30, 0.20), "chimera_cbm": (0.40, 0.50)})
+    # gpipe is measured 10% slower than 1f1b but simulated faster: misordered;
+    # zb_h1 is within 5% of 1f1b, so its order does not count either way;
+    # the branched pair is ordered alike and never compared with the GPT schedules
+    assert bench.misordered(rows) == [("1f1b", "gpipe")]
+    rows["gpipe"]["simulated"] = 0.95
+    assert bench.misordered(rows) == []
+
+
+def test_split_check_sums_i_and_w_against_b_per_stage():
+    rows = {
+        "1f1b": {"measured": 0.30, "actions": {"0B": [0.020, 0.022], "1B": [0.018]}},
+        "zb_h1": {"measured": 0.27, "actions": {"0I": [0.0001], "0W": [0.021], "1I": [0.012], "1W": [0.008]}},
+    }
+    cal = {"1f1b": [{"times": {"B|0|0": 0.02, "B|1|0": 0.02}}],
+           "zb_h1": [{"times": {"I|0|0": 0.0, "W|0|0": 0.02, "I|1|0": 0.013, "W|1|0": 0.008}}]}
+    got = bench.split_check(rows, cal)
+    assert got["step_ratio"] == pytest.approx(0.9)
+    assert got["stages"][0]["I+W / B"] == pytest.approx(0.0211 / 0.021)
+    assert got["stages"][1]["I+W / B"] == pytest.approx(0.020 / 0.018)
+    assert got["stages"][1]["replay"] == pytest.approx(0.021 / 0.02)
+    assert bench.split_check({"1f1b": rows["1f1b"]}) is None
