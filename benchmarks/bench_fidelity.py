@@ -4,7 +4,8 @@ For each world size (2 and 4 CPU ranks by default) and each schedule the runtime
 (synchronous: gpipe, 1f1b, zb_h1, chimera, interleaved_1f1b; asynchronous: pipedream,
 pipedream_2bw, amdp; segmented: seq1f1b; planned; branched: bapp and chimera on the
 concurrent-branch model), with the same model and global batch (gpt_tiny, or cbm_tiny
-for the branched pair; 8 microbatches of 4):
+for the branched pair; 8 microbatches of 4; on 4 ranks gpt_tiny with 8 layers, two per
+stage as on 2, and cbm_tiny with 4-layer branches, which BAPP cuts into 4 stages each):
 
 - **measured**: ``pipeflow-train`` for real, schedules alternating and repeated; the
   median step time of the steady steps (the second half; an asynchronous step is its
@@ -82,6 +83,15 @@ def base(p: int, steps: int) -> list[str]:
             "trainer.val_batches=1", "trainer.timeline_step=null", "runtime.threads_per_rank=1", "logger=none"]
 
 
+def sized(name: str, p: int) -> list[str]:
+    """The model at ``p`` ranks: gpt_tiny with two layers per stage (its own 4 on 2 ranks,
+    8 on 4: interleaving two chunks per rank over 4 ranks needs 8), cbm_tiny with a
+    text branch BAPP can cut into ``p`` stages."""
+    if name in BRANCHED:
+        return [f"model.text.n_layer={p}", f"model.vision.n_layer={p}"] if p > 3 else []
+    return [f"model.n_layer={2 * p}"] if p != 2 else []
+
+
 def measure(overrides: list[str], run_dir: Path, steps: int) -> tuple[float, dict]:
     """The median steady step time of one real run, and the durations of its last
     step's actions: (stage, kind) -> list of seconds (its recorded timeline)."""
@@ -157,7 +167,7 @@ def results(ranks=(2, 4), repeats: int = 2, steps: int = 16, names: list[str] | 
             for r in range(repeats):
                 # alternate the order between repeats so drifting load hits every schedule alike
                 for name in (names if r % 2 == 0 else names[::-1]):
-                    overrides = [*base(p, steps), *CASES[name]]
+                    overrides = [*base(p, steps), *CASES[name], *sized(name, p)]
                     path = Path(tmp) / f"p{p}-{name}-{r}.json"
                     calibrations[name].append(calibrate(compose("train", overrides), path))
                     simulated[name].append(predict(overrides, path))
@@ -221,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--schedules: unknown {', '.join(unknown)}; allowed: {', '.join(CASES)}")
     res = results(tuple(int(x) for x in args.ranks.split(",")), args.repeats, args.steps, names)
     for p, block in res["ranks"].items():
-        print(f"\n{p} CPU ranks (gloo, 1 thread each), gpt_tiny (cbm_tiny for bapp, chimera_cbm), m={MICROBATCHES}, "
+        print(f"\n{p} CPU ranks (gloo, 1 thread each), gpt_tiny (cbm_tiny for bapp, chimera_cbm; "
+              f"{' '.join(sized('1f1b', p) + sized('bapp', p)) or 'as configured'}), m={MICROBATCHES}, "
               f"mbs={MICROBATCH_SIZE}; {args.repeats} run(s) x {args.steps} steps, median of the second halves; "
               f"{block['seconds']:.0f} s")
         head = f"{'schedule':<17} {'measured':>10} {'simulated':>10} {'meas/1f1b':>10} {'sim/1f1b':>9} {'error':>7}"
