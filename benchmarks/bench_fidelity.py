@@ -253,9 +253,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"apart {pair['apart']:+.1%} (target within 10%)")
         split = block["split"]
         if split:
-            stages = "; ".join(f"stage {s}: I {v['I'] * 1e3:.1f} + W {v['W'] * 1e3:.1f} ms over B {v['B'] * 1e3:.1f} ms "
-                               f"= {v['I+W / B']:.3f}" + (f" (calibration replays: {v['replay']:.3f})" if "replay" in v
-                                                           else "") for s, v in split["stages"].items())
+            def one(s: int, v: dict) -> str:
+                replay = f" (calibration replays: {v['replay']:.3f})" if "replay" in v else ""
+                return (f"stage {s}: I {v['I'] * 1e3:.1f} + W {v['W'] * 1e3:.1f} ms over B {v['B'] * 1e3:.1f} ms "
+                        f"= {v['I+W / B']:.3f}{replay}")
+            stages = "; ".join(one(s, v) for s, v in split["stages"].items())
             print(f"zb_h1 / 1f1b measured step: {split['step_ratio']:.3f} (target <= 1); "
                   f"last step's means: {stages} (target <= 1.1)")
     if args.json:

@@ -16,8 +16,8 @@ runtime's own code (the executor's forward, backward, I/W split, hooks and optim
   had been priced alike.
 - **the host**: after each round of solo replays every rank replays at once (rounds
   of solo and joint replays alternate, so that each slowdown is a ratio of neighbouring
-  times, which a host drifting by tens of percent over seconds leaves intact), posting every message of the plan for
-  real (gloo's calls, and its threads on the same cores) and running the replicated
+  times, which a host drifting by tens of percent over seconds leaves intact), posting
+  every message of the plan for real (gloo's calls, and its threads on the same cores) and running the replicated
   stages' all-reduces. The time spent posting, per message, is ``message_host``,
   which the simulator charges to the compute of both ends of each message (a gloo
   call takes ~60 us alone, but milliseconds when it waits on a lock held by a
@@ -139,8 +139,8 @@ class _Bench:
         every message of the plan for real, as the step does (their receives land in
         buffers nobody reads; all are waited for at the end), and run the all-reduces
         of replicated stages, so that gloo's calls and threads compete with the
-        compute as they do in a step. Returns (the replay's time less its wait for those all-reduces, the time spent
-        posting messages, how many were posted)."""
+        compute as they do in a step. Returns (the replay's time less its wait for
+        those all-reduces, the time spent posting messages, how many were posted)."""
         ex = self.ex
         local: dict = {}
         outbox: dict = {}
