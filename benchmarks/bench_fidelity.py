@@ -193,11 +193,21 @@ def results(ranks=(2, 4), repeats: int = 2, steps: int = 16, names: list[str] | 
         block["within"] = all(abs(r["error"]) <= block["target"] for r in rows.values())
         block["misordered"] = misordered(rows)
         block["split"] = split_check(rows, block.get("calibrations"))
+        block["spread"] = spread(rows)
         if "bapp" in rows and "chimera_cbm" in rows:
             meas = rows["bapp"]["measured"] / rows["chimera_cbm"]["measured"]
             sim = rows["bapp"]["simulated"] / rows["chimera_cbm"]["simulated"]
             block["branched_pair"] = {"measured": meas, "simulated": sim, "apart": (sim - meas) / meas}
     return out
+
+
+def spread(rows: dict) -> dict | None:
+    """How far one schedule's repeated runs lie apart: per schedule (slowest run over
+    fastest) - 1, and their median. The table's noise floor: an error or a gap between two
+    schedules smaller than this is not told apart from the host's run-to-run variation.
+    None with fewer than two runs per schedule."""
+    per = {n: max(r["runs"]) / min(r["runs"]) - 1 for n, r in rows.items() if len(r.get("runs", ())) > 1}
+    return {"schedules": per, "median": statistics.median(per.values())} if per else None
 
 
 def misordered(rows: dict) -> list[tuple[str, str]]:
@@ -247,6 +257,11 @@ def main(argv: list[str] | None = None) -> int:
         order = ", ".join(f"{a}/{b}" for a, b in block["misordered"]) or "none"
         print(f"target: every error within {block['target']:.0%}: {'yes' if block['within'] else 'no'}; "
               f"pairs measured >{ORDER_GAP:.0%} apart but ordered the other way by the simulator: {order}")
+        noise = block["spread"]
+        if noise:
+            widest = max(noise["schedules"], key=noise["schedules"].get)
+            print(f"run-to-run spread of a schedule's measured steps (slowest / fastest run - 1): median "
+                  f"{noise['median']:.1%}, widest {widest} {noise['schedules'][widest]:.1%}")
         pair = block.get("branched_pair")
         if pair:
             print(f"bapp / chimera_cbm step: measured {pair['measured']:.3f}, simulated {pair['simulated']:.3f}, "

@@ -36,3 +36,11 @@ def test_split_check_sums_i_and_w_against_b_per_stage():
     assert got["stages"][1]["I+W / B"] == pytest.approx(0.020 / 0.018)
     assert got["stages"][1]["replay"] == pytest.approx(0.021 / 0.02)
     assert bench.split_check({"1f1b": rows["1f1b"]}) is None
+
+
+def test_spread_is_each_schedules_slowest_over_fastest_run():
+    rows = {"1f1b": {"runs": [0.30, 0.33, 0.36]}, "gpipe": {"runs": [0.40, 0.40]}, "amdp": {"runs": [0.2]}}
+    got = bench.spread(rows)
+    assert got["schedules"] == pytest.approx({"1f1b": 0.2, "gpipe": 0.0})
+    assert got["median"] == pytest.approx(0.1)
+    assert bench.spread({"1f1b": {"runs": [0.3]}}) is None
