@@ -228,3 +228,37 @@ def test_weight_gradients_by_hand_match_autograd():
         backward_weight(pending, params)
     for n, p in module.named_parameters():
         torch.testing.assert_close(p.grad, want[n], msg=n)
+
+
+@pytest.mark.parametrize("name", ["gpt_middle", "gpt_last"])
+def test_input_pass_frees_the_graph_when_w_holds_what_it_needs(name):
+    """Where every boundary node is a matrix product W does by hand, I frees the graph as
+    a full backward does (W keeps only each product's operand and output gradient): a
+    second backward through it fails, and W still gives autograd's gradients."""
+    module, run = _case(name)
+    params = list(module.parameters())
+    leaves, out, g = run()
+    torch.autograd.backward(out, grad_tensors=g)
+    want = {n: p.grad.clone() for n, p in module.named_parameters()}
+    module.zero_grad(set_to_none=True)
+    leaves, out, g = run()
+    _, pending = backward_input(out, g, leaves, params)
+    assert pending.planned and not pending.roots
+    with pytest.raises(RuntimeError, match="second time|freed"):
+        torch.autograd.backward(out, grad_tensors=g)
+    module.zero_grad(set_to_none=True)
+    backward_weight(pending, params)
+    for n, p in module.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], msg=n)
+
+
+def test_input_pass_keeps_the_graph_for_autograds_fallback():
+    """A weight W cannot take by hand (behind a reshape) keeps the graph for W's autograd."""
+    module = _Products()
+    params = list(module.parameters())
+    x = torch.randn(6, 8).requires_grad_(True)
+    out = module(x)
+    _, pending = backward_input(out, torch.ones_like(out), [x], params)
+    assert pending.roots and pending.planned
+    backward_weight(pending, params)
+    assert all(p.grad is not None for p in params)
