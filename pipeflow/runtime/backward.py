@@ -175,8 +175,10 @@ def backward_weight(pending: PendingWeight, params: list[torch.Tensor]) -> None:
     """W: accumulate the parameters' gradients into ``.grad`` from what I kept; frees the graph."""
     wanted = [p for p in params if p.requires_grad]
     if pending.whole is not None:
+        # B itself: the stage's inputs need no gradient, so its parameters are the only
+        # leaves (naming them as ``inputs`` made the engine prune first, 1-4% slower)
         out, grad = pending.whole
-        torch.autograd.backward(out, grad_tensors=grad, inputs=wanted)
+        torch.autograd.backward(out, grad_tensors=grad)
         return
     for param, g in pending.direct:
         param.grad = g if param.grad is None else param.grad + g
