@@ -33,7 +33,8 @@ from pipeflow.planning.transformer import TransformerSpec
 from pipeflow.schedules.common import ScheduleConfigError
 from pipeflow.schedules.export import check_exportable
 from pipeflow.schedules.ir import Schedule
-from pipeflow.schedules.registry import BRANCH_AWARE, USES_SEGMENTS, build_schedule, schedule_names
+from pipeflow.schedules.registry import build_schedule, get_spec, load_spec, register, specs
+from pipeflow.schedules.spec import ScheduleSpec
 from pipeflow.schedules.validate import validate
 from pipeflow.topology.presets import PRESETS, build_topology
 from pipeflow.topology.topology import Topology
@@ -43,11 +44,6 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 EXPORT_FORMATS = ("torch_csv",)
 
-# Schedules the torch.distributed runtime executes; every registered one today. A
-# schedule registered for the simulator alone is refused by pipeflow-train with a
-# sentence that points to pipeflow-simulate.
-RUNTIME_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "chimera", "pipedream", "pipedream_2bw", "amdp",
-                     "seq1f1b", "seq1f1b_interleaved", "bapp", "planned")
 OPTIMIZERS = ("adamw",)
 BACKENDS = ("auto", "gloo", "nccl")
 RUNTIME_DEVICES = ("auto", "cpu", "cuda")
@@ -83,37 +79,6 @@ class PipelineConfig:
     virtual_stages: int = 1  # model chunks per device (interleaved_1f1b)
     segments: int = 1  # sequence segments per microbatch (Seq1F1B)
     microbatch_size: int = 1  # sequences per microbatch
-
-
-@dataclass
-class ScheduleConfig:
-    name: str = MISSING  # one of pipeflow.schedules.registry.schedule_names()
-    # Options of the asynchronous schedules (pipeflow.schedules.asynchronous); null for
-    # the others. windows: steps run without a flush (simulation: the steps simulated;
-    # training: the longest stretch between flushes, which also come at validation and
-    # checkpoints). stash: pipedream's weight stashing. accumulation_rounds: amdp's
-    # rounds of d minibatches per update (null: pipeline.microbatches / stages).
-    # zero: amdp's owner-based optimizer sharding.
-    windows: Optional[int] = None
-    stash: Optional[bool] = None
-    # bapp (pipeflow.schedules.bapp): coordinate=true lets the coordinator choose the
-    # policy by simulation within memory_limit_gb per device (null: no limit); with
-    # coordinate=false, priority / lead / warmup / head give it
-    coordinate: Optional[bool] = None
-    memory_limit_gb: Optional[float] = None  # bapp's coordinator and schedule=planned's planner
-    # schedule=planned: a plan.json written by pipeflow-plan; null: plan at start-up for
-    # the run's model, topology (pipeline.stages devices) and microbatches
-    plan: Optional[str] = None
-    priority: Optional[str] = None
-    lead: Optional[str] = None
-    warmup: Optional[int] = None
-    head: Optional[str] = None
-    accumulation_rounds: Optional[int] = None
-    zero: Optional[bool] = None
-    # Segmented schedules (seq1f1b, seq1f1b_interleaved): how a sequence is cut into
-    # pipeline.segments segments, uniform (equal lengths) or compute (equal FLOPs;
-    # pipeflow.planning.seqsplit); null for the others.
-    split: Optional[str] = None
 
 
 @dataclass
@@ -172,10 +137,21 @@ def _camel(name: str) -> str:
     return name.title().replace("_", "")
 
 
+def schedule_schema(spec: ScheduleSpec) -> type:
+    """``conf/schedule/<name>.yaml``: ``name``, ``generator`` (a user's schedule: the
+    import path of its generator or spec), the generator's options and the keys the
+    configuration layer reads for it, typed and defaulted from the spec."""
+    fields: list[tuple[str, Any, Any]] = [("name", str, field(default=spec.name)),
+                                          ("generator", Optional[str], None)]
+    fields += [(o.name, Optional[o.type], o.default) for o in spec.options.values()]
+    fields += [(key, Optional[kind], None) for key, kind in spec.config_keys.items()]
+    return make_dataclass(f"Schedule{_camel(spec.name)}Config", fields)
+
+
 @dataclass
 class SimulateConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
-    schedule: ScheduleConfig = MISSING
+    schedule: Any = MISSING  # typed by the schedule's own schema (schedule_schema)
     model: Any = MISSING  # GPT/BERT options compose /schema/model; a CBM is checked by cbm_shape
     # Typed by the option's own schema (cost/unit and cost/analytic differ), hence Any.
     topology: Any = MISSING
@@ -244,7 +220,7 @@ class TrainConfig:
     pipeline: PipelineConfig = field(
         default_factory=lambda: PipelineConfig(stages=2, microbatches=4, microbatch_size=4)
     )
-    schedule: ScheduleConfig = MISSING
+    schedule: Any = MISSING  # typed by the schedule's own schema (schedule_schema)
     # GPT and BERT options compose /schema/model themselves (so a misspelt key still
     # fails); a concurrent-branch model has two branches and is checked by cbm_shape
     model: Any = MISSING
@@ -260,6 +236,28 @@ class TrainConfig:
     seed: int = 1234
 
 
+# schedule=planned: the topology-aware planner's plan (pipeflow.planning.planner) as the
+# schedule (1F1B over the planned devices, replicas reduced) and its cut as the partition.
+# It needs the run's model and topology, so the configuration layer assembles it.
+PLANNED = "planned"
+
+
+def _assemble_planned(cfg: Any) -> Schedule:
+    return planned_schedule(cfg)[0]
+
+
+PLANNED_SPEC = register(ScheduleSpec(
+    PLANNED, None, "the topology-aware planner's partition, device mapping and 1F1B (pipeflow-plan)",
+    # plan: a plan.json written by pipeflow-plan (null: plan at start-up for the run's model,
+    # topology and microbatches); memory_limit_gb: per device, for that planning
+    config_keys={"plan": str, "memory_limit_gb": float}, assemble=_assemble_planned, supports={}), replace=True)
+
+
+def runtime_schedules() -> list[str]:
+    """The schedules pipeflow-train runs: every registered one whose spec says so."""
+    return [spec.name for spec in specs() if spec.runtime]
+
+
 # Schemas by their ConfigStore path. They live under schema/ rather than beside the
 # options they type, so `--help` and `cost=...` list only real options; an option
 # file pulls its schema in with `defaults: [/schema/<group>/<option>@_here_, _self_]`.
@@ -270,7 +268,7 @@ SCHEMAS: dict[str, type] = {
     "schema/runtime/local": LocalRuntimeConfig,
     "schema/logger/wandb": WandbLoggerConfig,
     "schema/logger/none": NoLoggerConfig,
-    "schema/schedule": ScheduleConfig,
+    **{f"schema/schedule/{spec.name}": schedule_schema(spec) for spec in specs()},
     "schema/model": ModelConfig,
     **{f"schema/cost/{name}": _cost_schema(name) for name in COST_MODELS},
     **{f"schema/topology/{preset}": _topology_schema(preset) for preset in PRESETS},
@@ -324,25 +322,37 @@ def _check_pipeline(cfg: DictConfig) -> None:
             raise ConfigError(f"pipeline.{key}={value}: must be a whole number >= 1")
 
 
-# schedule.* keys the config layer reads itself (bapp's coordinator), not the generator
-COORDINATOR_KEYS = ("coordinate", "memory_limit_gb", "plan")
-# schedule=planned: the topology-aware planner's plan (pipeflow.planning.planner) as the
-# schedule (1F1B over the planned devices, replicas reduced) and its cut as the partition
-PLANNED = "planned"
+def schedule_spec(schedule_cfg: Any) -> ScheduleSpec:
+    """The spec of ``schedule.name``; a user's schedule (``schedule.generator``, the
+    import path of its generator) is loaded and registered first. Raises ConfigError."""
+    name, generator = schedule_cfg["name"], schedule_cfg.get("generator")
+    try:
+        return load_spec(str(generator), name) if generator else get_spec(name)
+    except ScheduleConfigError as err:
+        raise ConfigError(str(err)) from None
 
 
-def schedule_options(schedule_cfg) -> dict:
-    """The schedule's own options (every schedule.* key but name that is not null)."""
-    for key in COORDINATOR_KEYS:
-        value = schedule_cfg.get(key)
-        serves = ("plan", "memory_limit_gb") if schedule_cfg["name"] == PLANNED else \
-            (COORDINATOR_KEYS[:2] if schedule_cfg["name"] in BRANCH_AWARE else ())
-        if value is not None and key not in serves:
-            raise ConfigError(f"schedule.{key}={value}: schedule '{schedule_cfg['name']}' has no option '{key}' "
-                              f"(the coordinator serves {', '.join(sorted(BRANCH_AWARE))}; schedule.plan and "
-                              f"schedule.memory_limit_gb serve {PLANNED})")
-    return {k: v for k, v in dict(schedule_cfg).items()
-            if k != "name" and k not in COORDINATOR_KEYS and v is not None}
+def schedule_options(schedule_cfg: Any) -> dict:
+    """The generator's options as the config gives them (null ones left to the generator's
+    defaults), each key checked against the schedule's schema: a key it does not have, or
+    a value of the wrong type, raises ConfigError naming the key and the allowed ones.
+    ``schedule_cfg`` composed or a plain dict (the ranks call it too)."""
+    spec = schedule_spec(schedule_cfg)
+    plain = schedule_cfg if isinstance(schedule_cfg, dict) else OmegaConf.to_container(schedule_cfg, resolve=True)
+    allowed = spec.keys()
+    for key, value in plain.items():
+        if key not in ("name", "generator") and key not in allowed:
+            raise ConfigError(f"schedule.{key}={value}: schedule '{spec.name}' has no option '{key}'; "
+                              + (f"its options: {', '.join(allowed)}" if allowed else "it takes none"))
+    try:
+        OmegaConf.merge(OmegaConf.structured(schedule_schema(spec)), plain)
+    except Exception as err:  # noqa: BLE001 - OmegaConf's validation errors name the key
+        key = getattr(err, "full_key", None) or getattr(err, "key", None) or "?"
+        value = plain.get(str(key).rsplit(".", 1)[-1], "?")
+        want = spec.options.get(str(key).rsplit(".", 1)[-1])
+        kind = f"a {want.type.__name__}" if want else "a value of the option's type"
+        raise ConfigError(f"schedule.{key}={value}: schedule '{spec.name}' takes {kind} here") from None
+    return {k: v for k, v in plain.items() if k in spec.options and v is not None}
 
 
 def planned_schedule(cfg: Any):
@@ -390,14 +400,16 @@ def planned_schedule(cfg: Any):
 def _generate_schedule(cfg: DictConfig) -> Schedule:
     """The schedule the config names, generated but not validated."""
     pipe = cfg.pipeline
-    if cfg.schedule.name == PLANNED:
-        return planned_schedule(cfg)[0]
+    options = schedule_options(cfg.schedule)
+    spec = schedule_spec(cfg.schedule)
+    if spec.assemble is not None:
+        return spec.assemble(cfg)
     # The schedule's own size rules (even stages for Chimera, ...) live with the
     # generators; generating is cheap, validating is not needed to learn the sizes.
     try:
         return build_schedule(
             cfg.schedule.name, pipe.stages, pipe.microbatches, pipe.virtual_stages, pipe.segments, check=False,
-            **schedule_options(cfg.schedule),
+            **options,
         )
     except ScheduleConfigError as err:
         raise ConfigError(str(err)) from None
@@ -430,7 +442,7 @@ def segment_lengths(cfg: Any) -> list[int] | None:
     dicts (``cfg["schedule"]``, ``cfg["pipeline"]``, ``cfg["model"]``). Raises ConfigError
     naming the key."""
     schedule, pipe, model = cfg["schedule"], cfg["pipeline"], cfg["model"]
-    if schedule["name"] not in USES_SEGMENTS:
+    if not schedule_spec(schedule).segments:
         return None
     try:
         spec = TransformerSpec.from_config(model)
@@ -715,10 +727,10 @@ def prepare_training(cfg: DictConfig) -> TrainingInputs:
     _check_pipeline(cfg)
     _resolve_auto_data(cfg)
     name, pipe = cfg.schedule.name, cfg.pipeline
-    if name in schedule_names() and name not in RUNTIME_SCHEDULES:
+    if not schedule_spec(cfg.schedule).runtime:
         raise ConfigError(
             f"schedule.name={name}: the runtime does not execute this schedule yet (pipeflow-simulate does); "
-            f"allowed values: {', '.join(RUNTIME_SCHEDULES)}"
+            f"allowed values: {', '.join(runtime_schedules())}"
         )
     if name == "chimera" and pipe.stages == 1:
         # pipeline.stages=1 is the single-process reference run; Chimera's two opposite
@@ -821,7 +833,8 @@ def _branched_schedule(cfg: DictConfig) -> tuple[Schedule, list]:
     from pipeflow.runtime.adapters import cbm_stage_counts
 
     plain = OmegaConf.to_container(cfg.model, resolve=True)
-    bapp = cfg.schedule.name in BRANCH_AWARE
+    sched_spec = schedule_spec(cfg.schedule)
+    bapp = sched_spec.branch_aware
     try:
         shape = cbm_shape(plain)
         # bapp cuts each branch into pipeline.stages stages; chain schedules group the graph
@@ -832,7 +845,7 @@ def _branched_schedule(cfg: DictConfig) -> tuple[Schedule, list]:
     pipe = cfg.pipeline
     options = schedule_options(cfg.schedule)
     try:
-        if bapp and cfg.schedule.get("coordinate", True) is not False:
+        if "coordinate" in sched_spec.config_keys and cfg.schedule.get("coordinate", True) is not False:
             if options:
                 raise ConfigError(f"schedule.{next(iter(options))}={next(iter(options.values()))}: the coordinator "
                                   f"chooses bapp's policy; set schedule.coordinate=false to give it yourself")

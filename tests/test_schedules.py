@@ -40,8 +40,11 @@ def test_generator_passes_validator(name, p, m):
 
 
 def test_registry_names():
-    assert schedule_names() == ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "chimera", "pipedream", "pipedream_2bw", "amdp",
-                                "bapp", "seq1f1b", "seq1f1b_interleaved"]
+    from pipeflow.schedules.registry import BUILTIN
+
+    assert BUILTIN == ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "chimera", "pipedream", "pipedream_2bw", "amdp",
+                       "bapp", "seq1f1b", "seq1f1b_interleaved")
+    assert set(BUILTIN) <= set(schedule_names())
 
 
 @pytest.mark.parametrize(

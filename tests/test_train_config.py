@@ -19,7 +19,7 @@ from hydra.errors import ConfigCompositionException
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
-from pipeflow.config import CONF_DIR, RUNTIME_SCHEDULES, ConfigError, check_group_choices, compose, prepare_training
+from pipeflow.config import CONF_DIR, ConfigError, check_group_choices, compose, prepare_training, runtime_schedules
 from pipeflow.schedules.registry import schedule_names
 from pipeflow.train import format_summary, job_config, logger_labels
 
@@ -86,14 +86,18 @@ def test_embedded_defaults():
 
 
 def test_the_runtime_schedules_are_registered_ones():
-    assert set(RUNTIME_SCHEDULES) <= set(schedule_names()) | {"planned"}
+    assert set(runtime_schedules()) <= set(schedule_names())
+    assert {"1f1b", "zb_h1", "bapp", "planned"} <= set(runtime_schedules())
 
 
 def test_a_schedule_the_runtime_does_not_run_is_refused(monkeypatch):
-    import pipeflow.config as config
+    import dataclasses
 
-    monkeypatch.setattr(config, "RUNTIME_SCHEDULES", ("gpipe", "1f1b"))
-    with pytest.raises(ConfigError, match=r"^schedule\.name=zb_h1: the runtime does not .*values: gpipe, 1f1b$"):
+    from pipeflow.schedules import registry
+
+    spec = registry.get_spec("zb_h1")
+    monkeypatch.setitem(registry._SPECS, "zb_h1", dataclasses.replace(spec, runtime=False))
+    with pytest.raises(ConfigError, match=r"^schedule\.name=zb_h1: the runtime does not .*values: gpipe, 1f1b, "):
         prepare("schedule=zb_h1")
 
 

@@ -150,17 +150,17 @@ class RankSetup:
 
 def build_rank(cfg: dict, rank: int, device: torch.device, on_grads=None) -> RankSetup:
     """Build this rank's share of the job. Needs the process group (it creates groups)."""
-    from ..config import branched_schedule, planned_schedule, schedule_options, segment_lengths
-    from ..schedules.registry import BRANCH_AWARE
+    from ..config import branched_schedule, planned_schedule, schedule_options, schedule_spec, segment_lengths
 
     pipe_cfg, optim = cfg["pipeline"], cfg["optim"]
     mbs, seed = int(pipe_cfg["microbatch_size"]), int(cfg["seed"])
     sizes = (cfg["schedule"]["name"], pipe_cfg["stages"], pipe_cfg["microbatches"], pipe_cfg["virtual_stages"],
              pipe_cfg["segments"])
     options = schedule_options(cfg["schedule"])
+    sched_spec = schedule_spec(cfg["schedule"])  # a user's schedule is loaded here, in the rank, too
     if cfg["model"].get("family") == "cbm":
         # a branched model: its stage DAG, grouped onto the schedule's chain of devices
-        if cfg["schedule"]["name"] in BRANCH_AWARE:
+        if sched_spec.branch_aware:
             # every rank runs the coordinator on the same inputs, so all get the same schedule
             adapter = CBMAdapter(cfg["model"], mbs, seed, device, num_devices=pipe_cfg["stages"],
                                  stage_counts=(pipe_cfg["stages"], pipe_cfg["stages"]))
@@ -169,7 +169,7 @@ def build_rank(cfg: dict, rank: int, device: torch.device, on_grads=None) -> Ran
             adapter = CBMAdapter(cfg["model"], mbs, seed, device, num_devices=pipe_cfg["stages"])
             schedule = build_schedule(*sizes, graph=adapter.graph, **options)
         layers = [spec.hi - spec.lo for spec in adapter.specs]
-    elif cfg["schedule"]["name"] == "planned":
+    elif sched_spec.name == "planned":
         # the planner is deterministic: every rank gets the same plan (or reads the same file)
         schedule, the_plan = planned_schedule(cfg)
         spec = TransformerSpec.from_config(cfg["model"])

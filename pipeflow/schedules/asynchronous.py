@@ -30,6 +30,7 @@ import heapq
 
 from .common import check_basic, require, warmup_alternate_drain
 from .ir import Action, Kind, Placement, Schedule, StageGraph, WeightPolicy
+from .spec import ScheduleSpec
 
 
 def _check_windows(name: str, windows: int) -> None:
@@ -283,3 +284,10 @@ def amdp(
         meta={"microbatches_per_step": m, "windows": windows, "accumulation_rounds": rounds, "zero": zero,
               "admission": admission, "order_rule": rule, "mirror_groups": [list(g) for g in mirror_groups(placement)]},
     )
+
+
+PIPEDREAM = ScheduleSpec("pipedream", pipedream, "asynchronous 1F1B, an update after every backward (weight stashing)",
+                         asynchronous=True)
+PIPEDREAM_2BW = ScheduleSpec("pipedream_2bw", pipedream_2bw, "asynchronous 1F1B, two weight versions, one update per window",
+                             asynchronous=True)
+AMDP = ScheduleSpec("amdp", amdp, "d/2 pipelines in complementary directions, bounded weight mismatch", asynchronous=True)

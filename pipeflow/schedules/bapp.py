@@ -33,6 +33,7 @@ from typing import Callable, NamedTuple
 
 from .common import check_basic, finish_sync, require
 from .ir import Action, Kind, Placement, Schedule, StageGraph
+from .spec import ScheduleSpec
 
 BRANCHES = ("vision", "text")
 PRIORITIES = ("fcfs", "backward_first", "forward_first")
@@ -109,6 +110,20 @@ def bapp(
     orders = _list_schedule(graph, placement, p, m, policy, durations or _unit_durations)
     return finish_sync(name, graph, placement, orders, m,
                        meta={"policy": policy._asdict(), "branches": {b: c for b, c in branch_chains(graph).items()}})
+
+
+def bapp_from_options(stages: int, microbatches: int, graph: StageGraph | None = None, priority: str | None = None,
+                      lead: str | None = None, warmup: int | None = None, head: str | None = None) -> Schedule:
+    """BAPP with the policy given option by option (``schedule.coordinate=false``; null:
+    the uncoordinated policy's choice: fcfs, vision, 0, vision_end)."""
+    given = {"priority": priority, "lead": lead, "warmup": warmup, "head": head}
+    return bapp(stages, microbatches, graph, UNCOORDINATED._replace(**{k: v for k, v in given.items() if v is not None}))
+
+
+# coordinate (default true in its YAML): the configuration layer lets
+# pipeflow.schedules.coordinator choose the policy by simulation, within memory_limit_gb
+SPEC = ScheduleSpec("bapp", bapp_from_options, "a branched model's branches as pipelines in opposite directions",
+                    config_keys={"coordinate": bool, "memory_limit_gb": float})
 
 
 def _unit_durations(kind: str, stage: int) -> float:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from .common import check_basic, finish_sync, require
 from .ir import Action, Kind, Placement, Schedule, StageGraph
+from .spec import ScheduleSpec
 
 
 def _unit_orders(p: int, first_mb: int, size: int, placement: Placement) -> list[list[Action]]:
@@ -79,3 +80,6 @@ def chimera(stages: int, microbatches: int) -> Schedule:
         pipe_of_microbatch=tuple(pipe_of),
         meta={"basic_unit": p},
     )
+
+
+SPEC = ScheduleSpec("chimera", chimera, "two pipelines in opposite directions over the same devices", groupable=True)

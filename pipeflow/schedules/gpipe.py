@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from .common import check_basic, finish_sync
 from .ir import Action, Kind, Placement, Schedule, StageGraph
+from .spec import ScheduleSpec
 
 
 def gpipe(stages: int, microbatches: int) -> Schedule:
@@ -18,3 +19,6 @@ def gpipe(stages: int, microbatches: int) -> Schedule:
         for r in range(p)
     ]
     return finish_sync("gpipe", StageGraph.chain(p), Placement.single(range(p)), orders, m)
+
+
+SPEC = ScheduleSpec("gpipe", gpipe, "every forward, then every backward, then a flush", groupable=True)

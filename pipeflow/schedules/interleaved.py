@@ -14,6 +14,7 @@ from __future__ import annotations
 from .common import check_basic, finish_sync, require
 from .ir import Placement, Schedule, StageGraph
 from .seq1f1b import interleaved_orders
+from .spec import ScheduleSpec
 
 
 def interleaved_1f1b(stages: int, microbatches: int, virtual_stages: int = 2) -> Schedule:
@@ -39,3 +40,6 @@ def interleaved_1f1b(stages: int, microbatches: int, virtual_stages: int = 2) ->
         m,
         meta={"virtual_stages": v},
     )
+
+
+SPEC = ScheduleSpec("interleaved_1f1b", interleaved_1f1b, "1F1B over v model chunks per device (Megatron's virtual pipeline)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .common import check_basic, finish_sync, warmup_alternate_drain
 from .ir import Action, Kind, Placement, Schedule, StageGraph
+from .spec import ScheduleSpec
 
 
 def one_f_one_b_order(rank: int, stages: int, microbatches: int, stage: int | None = None) -> list[Action]:
@@ -24,3 +25,6 @@ def one_f_one_b(stages: int, microbatches: int) -> Schedule:
     p, m = stages, microbatches
     orders = [one_f_one_b_order(r, p, m) for r in range(p)]
     return finish_sync("1f1b", StageGraph.chain(p), Placement.single(range(p)), orders, m)
+
+
+SPEC = ScheduleSpec("1f1b", one_f_one_b, "warm up, one forward one backward, drain (PipeDream-Flush)", groupable=True)

@@ -1,125 +1,119 @@
-"""Name -> generator. The one place the config's ``schedule.name`` is resolved.
+"""Name -> schedule spec. The one place the config's ``schedule.name`` is resolved.
 
+The built-in schedules' specs (:mod:`pipeflow.schedules.spec`) are registered here; a
+user's own schedule is registered by :func:`load_spec` from the import path in its YAML
+(``schedule.generator``), so no file of pipeflow is edited to add one.
 ``build_schedule`` checks sizes (errors name the config key and the allowed values),
 generates, and validates, so nothing downstream ever sees a malformed schedule.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import hashlib
+import importlib
+import importlib.util
+import os
+import sys
+from typing import Sequence
 
+from . import asynchronous, bapp, chimera, gpipe, interleaved, one_f_one_b, seq1f1b, zero_bubble
 from .common import ScheduleConfigError
 from .grouping import place_graph
 from .ir import Schedule, StageGraph
+from .spec import ScheduleSpec, spec_from_function
 from .validate import validate
 
-
-def _gpipe(stages, microbatches, virtual_stages, segments, **kw):
-    from .gpipe import gpipe
-
-    return gpipe(stages, microbatches, **kw)
+_SPECS: dict[str, ScheduleSpec] = {}
 
 
-def _1f1b(stages, microbatches, virtual_stages, segments, **kw):
-    from .one_f_one_b import one_f_one_b
-
-    return one_f_one_b(stages, microbatches, **kw)
-
-
-def _interleaved(stages, microbatches, virtual_stages, segments, **kw):
-    from .interleaved import interleaved_1f1b
-
-    return interleaved_1f1b(stages, microbatches, virtual_stages, **kw)
+def register(spec: ScheduleSpec, replace: bool = False) -> ScheduleSpec:
+    """Make ``spec`` known by its name (again with ``replace``: a user's spec reloaded)."""
+    if spec.name in _SPECS and _SPECS[spec.name] is not spec and not replace:
+        raise ScheduleConfigError(f"schedule.name={spec.name}: a schedule of that name is registered already")
+    _SPECS[spec.name] = spec
+    return spec
 
 
-def _zb_h1(stages, microbatches, virtual_stages, segments, **kw):
-    from .zero_bubble import zb_h1
-
-    return zb_h1(stages, microbatches, **kw)
-
-
-def _chimera(stages, microbatches, virtual_stages, segments, **kw):
-    from .chimera import chimera
-
-    return chimera(stages, microbatches, **kw)
-
-
-def _pipedream(stages, microbatches, virtual_stages, segments, **kw):
-    from .asynchronous import pipedream
-
-    return pipedream(stages, microbatches, **kw)
-
-
-def _pipedream_2bw(stages, microbatches, virtual_stages, segments, **kw):
-    from .asynchronous import pipedream_2bw
-
-    return pipedream_2bw(stages, microbatches, **kw)
-
-
-def _amdp(stages, microbatches, virtual_stages, segments, **kw):
-    from .asynchronous import amdp
-
-    return amdp(stages, microbatches, **kw)
-
-
-def _seq1f1b(stages, microbatches, virtual_stages, segments, **kw):
-    from .seq1f1b import seq1f1b
-
-    return seq1f1b(stages, microbatches, segments, **kw)
-
-
-def _seq1f1b_interleaved(stages, microbatches, virtual_stages, segments, **kw):
-    from .seq1f1b import seq1f1b_interleaved
-
-    return seq1f1b_interleaved(stages, microbatches, virtual_stages, segments, **kw)
-
-
-def _bapp(stages, microbatches, virtual_stages, segments, graph=None, **kw):
-    from .bapp import BappPolicy, bapp
-
-    return bapp(stages, microbatches, graph, BappPolicy(**kw))
-
-
-GENERATORS: dict[str, Callable[..., Schedule]] = {
-    "gpipe": _gpipe,
-    "1f1b": _1f1b,
-    "interleaved_1f1b": _interleaved,
-    "zb_h1": _zb_h1,
-    "chimera": _chimera,
-    "pipedream": _pipedream,
-    "pipedream_2bw": _pipedream_2bw,
-    "amdp": _amdp,
-    "bapp": _bapp,
-    "seq1f1b": _seq1f1b,
-    "seq1f1b_interleaved": _seq1f1b_interleaved,
-}
-
-# Schedules that update weights without a flush: they cover schedule.windows steps.
-ASYNC_SCHEDULES = ("pipedream", "pipedream_2bw", "amdp")
-# schedule.* keys (besides name) each schedule reads; the others must stay null
-SCHEDULE_PARAMS: dict[str, tuple[str, ...]] = {
-    "pipedream": ("windows", "stash"),
-    "pipedream_2bw": ("windows",),
-    "amdp": ("windows", "accumulation_rounds", "zero"),
-    # bapp's policy (pipeflow.schedules.bapp); the config layer lets the coordinator pick it
-    "bapp": ("priority", "lead", "warmup", "head"),
-    # how the sequence is cut into segments (pipeflow.planning.seqsplit): uniform | compute
-    "seq1f1b": ("split",),
-    "seq1f1b_interleaved": ("split",),
-}
-
-# which pipeline.* keys a schedule actually uses; others must stay at their neutral value
-USES_VIRTUAL_STAGES = {"interleaved_1f1b", "seq1f1b_interleaved"}
-USES_SEGMENTS: set[str] = {"seq1f1b", "seq1f1b_interleaved"}
-# schedules built for a branched model's stage graph as it is (each branch cut into
-# pipeline.stages stages), not a chain schedule over grouped stages
-BRANCH_AWARE = {"bapp"}
-# chain schedules that can run over grouped stages of a branched model
-GROUPABLE = {"gpipe", "1f1b", "zb_h1", "chimera"}
+for _spec in (gpipe.SPEC, one_f_one_b.SPEC, interleaved.SPEC, zero_bubble.SPEC, chimera.SPEC,
+              asynchronous.PIPEDREAM, asynchronous.PIPEDREAM_2BW, asynchronous.AMDP, bapp.SPEC,
+              seq1f1b.SEQ1F1B, seq1f1b.SEQ1F1B_INTERLEAVED):
+    register(_spec)
+BUILTIN = tuple(_SPECS)
 
 
 def schedule_names() -> list[str]:
-    return list(GENERATORS)
+    return list(_SPECS)
+
+
+def specs() -> list[ScheduleSpec]:
+    return list(_SPECS.values())
+
+
+def get_spec(name: str) -> ScheduleSpec:
+    spec = _SPECS.get(name)
+    if spec is None:
+        raise ScheduleConfigError(
+            f"schedule.name={name}: unknown schedule; allowed values: {', '.join(_SPECS)} "
+            f"(or your own: schedule.generator=<module>:<function> in its YAML)"
+        )
+    return spec
+
+
+def _import_target(path: str):
+    """The object at ``module.path:attr`` or ``some/file.py:attr``."""
+    where, sep, attr = path.rpartition(":")
+    if not sep or not where or not attr:
+        raise ScheduleConfigError(f"schedule.generator={path}: give <module>:<function> or <file.py>:<function>")
+    if where.endswith(".py"):
+        file = os.path.abspath(os.path.expanduser(where))
+        if not os.path.isfile(file):
+            raise ScheduleConfigError(f"schedule.generator={path}: no such file {file} "
+                                      f"(relative paths start at {os.getcwd()})")
+        # one module per file, under a name of its own, so every load of it is the same module
+        modname = f"pipeflow_user_schedule_{hashlib.sha1(file.encode()).hexdigest()[:12]}"
+        module = sys.modules.get(modname)
+        if module is None:
+            loader_spec = importlib.util.spec_from_file_location(modname, file)
+            module = importlib.util.module_from_spec(loader_spec)
+            sys.modules[modname] = module
+            try:
+                loader_spec.loader.exec_module(module)
+            except Exception as err:
+                del sys.modules[modname]
+                raise ScheduleConfigError(f"schedule.generator={path}: importing {file} failed: "
+                                          f"{type(err).__name__}: {err}") from None
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as err:
+            raise ScheduleConfigError(f"schedule.generator={path}: cannot import {where} ({err}); put its package "
+                                      f"on the Python path, or give <file.py>:<function>") from None
+    target = getattr(module, attr, None)
+    if target is None:
+        raise ScheduleConfigError(f"schedule.generator={path}: {where} has no {attr!r}")
+    return target
+
+
+def load_spec(generator: str, name: str) -> ScheduleSpec:
+    """Register and return the schedule at import path ``generator`` under ``name``:
+    a :class:`ScheduleSpec` or a bare generator function (its spec read from its
+    signature). A built-in name cannot be taken over."""
+    target = _import_target(generator)
+    if isinstance(target, ScheduleSpec):
+        if target.name != name:
+            raise ScheduleConfigError(f"schedule.name={name}: {generator} declares schedule {target.name!r}; "
+                                      f"use schedule.name={target.name}")
+        spec = target
+    elif callable(target):
+        try:
+            spec = spec_from_function(name, target)
+        except TypeError as err:
+            raise ScheduleConfigError(f"schedule.generator={generator}: {err}") from None
+    else:
+        raise ScheduleConfigError(f"schedule.generator={generator}: not a function or a ScheduleSpec")
+    if name in BUILTIN:
+        raise ScheduleConfigError(f"schedule.name={name}: a built-in schedule; give your own schedule another name")
+    return register(spec, replace=True)
 
 
 def build_schedule(
@@ -135,39 +129,38 @@ def build_schedule(
 ) -> Schedule:
     """Generate (and by default validate) the named schedule. With ``graph`` (a branched
     model's stage DAG) the chain schedule runs over contiguous groups of its stages."""
-    if name not in GENERATORS:
+    spec = get_spec(name)
+    if virtual_stages != 1 and not spec.virtual_stages:
+        chunked = ", ".join(s.name for s in specs() if s.virtual_stages)
         raise ScheduleConfigError(
-            f"schedule.name={name}: unknown schedule; allowed values: {', '.join(GENERATORS)}"
+            f"pipeline.virtual_stages={virtual_stages}: only {chunked} interleave model chunks; "
+            f"schedule '{name}' needs pipeline.virtual_stages=1"
         )
-    if virtual_stages != 1 and name not in USES_VIRTUAL_STAGES:
-        raise ScheduleConfigError(
-            f"pipeline.virtual_stages={virtual_stages}: only {', '.join(sorted(USES_VIRTUAL_STAGES))} "
-            f"interleaves model chunks; schedule '{name}' needs pipeline.virtual_stages=1"
-        )
-    if segments != 1 and name not in USES_SEGMENTS:
+    if segments != 1 and not spec.segments:
+        segmented = ", ".join(s.name for s in specs() if s.segments)
         raise ScheduleConfigError(
             f"pipeline.segments={segments}: schedule '{name}' does not split sequences into segments; "
-            f"use pipeline.segments=1"
-            + (f" (segmented schedules: {', '.join(sorted(USES_SEGMENTS))})" if USES_SEGMENTS else "")
+            f"use pipeline.segments=1" + (f" (segmented schedules: {segmented})" if segmented else "")
         )
-    allowed = SCHEDULE_PARAMS.get(name, ())
+    allowed = spec.options
     for key in params:
         if key not in allowed:
             raise ScheduleConfigError(
                 f"schedule.{key}={params[key]}: schedule '{name}' has no option '{key}'"
                 + (f"; its options: {', '.join(allowed)}" if allowed else "; it takes none")
             )
-    if name in BRANCH_AWARE:  # schedules a branched stage graph itself, one stage per branch and device
-        sched = GENERATORS[name](stages, microbatches, virtual_stages, segments, graph=graph, **params)
+    if spec.branch_aware:  # schedules a branched stage graph itself
+        sched = spec.build(stages, microbatches, virtual_stages, segments, graph=graph, **params)
         if check:
             validate(sched)
         return sched
-    sched = GENERATORS[name](stages, microbatches, virtual_stages, segments, **params)
+    sched = spec.build(stages, microbatches, virtual_stages, segments, **params)
     if graph is not None and not (graph.is_chain and graph.num_stages == sched.num_stages):
         # a branched model: run the chain schedule over contiguous groups of its stages
-        if name not in GROUPABLE:
+        if not spec.groupable:
+            groupable = ", ".join(s.name for s in specs() if s.groupable)
             raise ScheduleConfigError(
-                f"schedule.name={name}: a branched model runs with {', '.join(sorted(GROUPABLE))} "
+                f"schedule.name={name}: a branched model runs with {groupable} "
                 f"(its stages grouped onto a chain of pipeline.stages={stages} devices)"
             )
         sched = place_graph(sched, graph, groups)

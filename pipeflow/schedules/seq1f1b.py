@@ -32,6 +32,7 @@ import math
 
 from .common import check_basic, finish_sync, require, warmup_alternate_drain
 from .ir import Action, Kind, Placement, Schedule, StageGraph
+from .spec import ScheduleSpec
 
 # The strategies of pipeflow.planning.seqsplit (schedules do not import planning; a
 # test keeps the two equal).
@@ -162,3 +163,7 @@ def seq1f1b_interleaved(
         meta={"virtual_stages": v, "split": split},
     )
 
+
+SEQ1F1B = ScheduleSpec("seq1f1b", seq1f1b, "1F1B over sequence segments (Seq1F1B)")
+SEQ1F1B_INTERLEAVED = ScheduleSpec("seq1f1b_interleaved", seq1f1b_interleaved,
+                                   "Seq1F1B over v model chunks per device")

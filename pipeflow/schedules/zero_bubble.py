@@ -15,6 +15,7 @@ from collections import deque
 
 from .common import check_basic, finish_sync
 from .ir import Action, Kind, Placement, Schedule, StageGraph
+from .spec import ScheduleSpec
 
 
 def zb_h1(stages: int, microbatches: int) -> Schedule:
@@ -45,3 +46,6 @@ def zb_h1(stages: int, microbatches: int) -> Schedule:
         order.extend(Action(Kind.W, r, mb) for mb in pending_w)
         orders.append(order)
     return finish_sync("zb_h1", StageGraph.chain(p), Placement.single(range(p)), orders, m)
+
+
+SPEC = ScheduleSpec("zb_h1", zb_h1, "1F1B with the backward split into I and W, W deferred into the drain", groupable=True)
