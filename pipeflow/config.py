@@ -350,7 +350,8 @@ def schedule_options(schedule_cfg: Any) -> dict:
         key = getattr(err, "full_key", None) or getattr(err, "key", None) or "?"
         value = plain.get(str(key).rsplit(".", 1)[-1], "?")
         want = spec.options.get(str(key).rsplit(".", 1)[-1])
-        kind = f"a {want.type.__name__}" if want else "a value of the option's type"
+        kind = (("an " if want.type.__name__[0] in "aeiou" else "a ") + want.type.__name__) if want \
+            else "a value of the option's type"
         raise ConfigError(f"schedule.{key}={value}: schedule '{spec.name}' takes {kind} here") from None
     return {k: v for k, v in plain.items() if k in spec.options and v is not None}
 
