@@ -81,7 +81,7 @@ def _records(run_dir: Path) -> list[dict]:
 def _expected(schedule_name: str, run: dict, steps: int, windows: int, m: int) -> list[dict]:
     """The schedule's own version accounting over the run's chunks."""
     sched = run["schedule"]
-    ups = len(set(sched.update_of_microbatch)) // sched.meta["windows"]
+    ups = len(set(sched.update_of_microbatch)) // sched.windows
     from pipeflow.schedules.registry import build_schedule
 
     out = []

@@ -88,7 +88,7 @@ def test_amdp_validates(d, windows, rounds):
     s = build_schedule("amdp", d, rounds * d, windows=windows, accumulation_rounds=rounds)
     assert s.policy == WeightPolicy.BOUNDED
     assert s.num_microbatches == rounds * d * windows
-    assert s.meta["microbatches_per_step"] == rounds * d and s.meta["windows"] == windows
+    assert s.microbatches_per_step == rounds * d and s.windows == windows
     assert set(s.update_of_microbatch) == set(range(windows))
 
 

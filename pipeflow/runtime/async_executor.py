@@ -154,14 +154,14 @@ class AsyncExecutor(Executor):
             raise NotImplementedError("asynchronous schedules run full backwards (B), not I/W splits")
         super().__init__(schedule, rank, stages, adapter, groups, grad_clip, on_grads)
         self.policy = schedule.policy
-        self.m = int(schedule.meta["microbatches_per_step"])
-        self.windows = int(schedule.meta["windows"])
+        self.m = schedule.microbatches_per_step
+        self.windows = schedule.windows
         upd = schedule.update_of_microbatch
         self.updates = sorted(set(upd))
         self.updates_per_step = len(self.updates) // self.windows
         # the step (of the chunk) each update belongs to, for its learning rate
         self.step_of_update = {u: min(mb for mb in range(len(upd)) if upd[mb] == u) // self.m for u in self.updates}
-        self.zero = bool(schedule.meta.get("zero"))
+        self.zero = schedule.zero
         self.owner = zero_owners(schedule.placement) if self.zero else {}
         order = schedule.orders[rank]
         # where each local replica's gradient of an update is complete

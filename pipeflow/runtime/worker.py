@@ -184,7 +184,7 @@ def build_rank(cfg: dict, rank: int, device: torch.device, on_grads=None) -> Ran
     stages: dict[tuple[int, int], StageState] = {}
     # owner-based sharding: a replicated stage's optimizer state lives on its owner only
     # (the other replicas keep state for their tied copies alone, which they update themselves)
-    owners = zero_owners(schedule.placement) if schedule.meta.get("zero") else {}
+    owners = zero_owners(schedule.placement) if schedule.zero else {}
     for pipe, stage in schedule.placement.stages_on(rank):
         module = adapter.build_stage(stage)
         graph = schedule.graph  # sources read the batch, sinks compute the loss
@@ -218,7 +218,7 @@ def build_rank(cfg: dict, rank: int, device: torch.device, on_grads=None) -> Ran
         raise ValueError(f"schedule {schedule.name!r}: pipe 0 must place stage i on device i for evaluation")
     eval_executor = Executor(eval_schedule, rank, eval_stages, adapter, groups, grad_clip=None)
     return RankSetup(schedule, layers, adapter, stages, executor, eval_executor,
-                     {int(schedule.meta["windows"]): executor}, make_chunk)
+                     {schedule.windows: executor}, make_chunk)
 
 
 def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
@@ -451,7 +451,7 @@ def _run_async(rank, job, setup: RankSetup, data, sink, progress, start_step: in
     m, mbs = int(pipe_cfg["microbatches"]), setup.adapter.mbs
     batch_size = m * mbs
     tokens = batch_size * setup.adapter.seq_len
-    cap = int(setup.schedule.meta["windows"])
+    cap = setup.schedule.windows
     ups = setup.executor.updates_per_step
     val_every, save_every = int(trainer.get("val_every") or 0), int(trainer.get("save_every") or 0)
     step = start_step + 1

@@ -78,7 +78,7 @@ def pipedream(stages: int, microbatches: int, windows: int = 1, stash: bool = Tr
         name=name, graph=StageGraph.chain(p), placement=Placement.single(range(p)), orders=orders,
         num_microbatches=total, policy=WeightPolicy.STASH if stash else WeightPolicy.NONE,
         update_of_microbatch=update_of,
-        meta={"microbatches_per_step": microbatches, "windows": windows, "stash": stash},
+        windows=windows, microbatches_per_step=microbatches, meta={"stash": stash},
     )
 
 
@@ -95,7 +95,7 @@ def pipedream_2bw(stages: int, microbatches: int, windows: int = 1) -> Schedule:
     return Schedule(
         name=name, graph=StageGraph.chain(p), placement=Placement.single(range(p)), orders=orders,
         num_microbatches=total, policy=WeightPolicy.DOUBLE_BUFFER, update_of_microbatch=update_of,
-        meta={"microbatches_per_step": m, "windows": windows},
+        windows=windows, microbatches_per_step=m,
     )
 
 
@@ -281,7 +281,8 @@ def amdp(
     return Schedule(
         name=name, graph=StageGraph.chain(d), placement=placement, orders=orders, num_microbatches=total,
         policy=WeightPolicy.BOUNDED, pipe_of_microbatch=pipe_of, update_of_microbatch=update_of,
-        meta={"microbatches_per_step": m, "windows": windows, "accumulation_rounds": rounds, "zero": zero,
+        windows=windows, microbatches_per_step=m, zero=zero,
+        meta={"accumulation_rounds": rounds,
               "admission": admission, "order_rule": rule, "mirror_groups": [list(g) for g in mirror_groups(placement)]},
     )
 

@@ -73,6 +73,9 @@ def place_graph(chain: Schedule, graph: StageGraph, groups: Sequence[Sequence[in
         num_segments=chain.num_segments,
         policy=chain.policy,
         pipe_of_microbatch=chain.pipe_of_microbatch,
+        windows=chain.windows,
+        microbatches_per_step=chain.microbatches_per_step,
+        zero=chain.zero,
         update_of_microbatch=chain.update_of_microbatch,
         meta={**chain.meta, "groups": groups},
     )

@@ -270,10 +270,19 @@ class Schedule:
     policy: WeightPolicy = WeightPolicy.SYNC
     pipe_of_microbatch: tuple[int, ...] = ()
     update_of_microbatch: tuple[int, ...] = ()
-    meta: dict = field(default_factory=dict)
+    # What the runtime and the simulator read besides the orders. An asynchronous schedule
+    # covers ``windows`` steps (updates) of ``microbatches_per_step`` microbatches each,
+    # without a flush; a synchronous one is one step of all its microbatches. ``zero``:
+    # a replicated stage's optimizer state lives on one owner replica (AMDP's sharding).
+    windows: int = 1
+    microbatches_per_step: int = 0  # 0: num_microbatches / windows
+    zero: bool = False
+    meta: dict = field(default_factory=dict)  # descriptive only (policy chosen, plan, groups, ...)
 
     def __post_init__(self) -> None:
         m = self.num_microbatches
+        if not self.microbatches_per_step:
+            self.microbatches_per_step = m // max(1, self.windows)
         if not self.pipe_of_microbatch:
             self.pipe_of_microbatch = (0,) * m
         if not self.update_of_microbatch:

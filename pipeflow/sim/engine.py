@@ -29,7 +29,7 @@ backward, or (double_buffer) the previous version once it has been updated; sync
 and bounded keep the live version only. ``optimizer_bytes`` is what model state adds
 to the weights (``cost.model_state_bytes - cost.param_bytes`` per replica), held only
 by the owner device of each stage (:func:`pipeflow.schedules.zero.zero_owners`) when
-the schedule's ``meta["zero"]`` is set.
+the schedule's ``zero`` is set.
 
 Branched models (``graph.branch`` labels, e.g. a concurrent-branch model's "vision",
 "text" and "head" stages) get a multi-branch view: ``DeviceStats.busy_by_branch`` splits
@@ -663,10 +663,9 @@ def _simulate(cs: CompiledSchedule, cost, topology, record: bool) -> SimResult:
         staleness=summarize(versions),
         branches=tuple(labels),
     )
-    meta = sched.meta or {}
-    if meta.get("microbatches_per_step") is not None:
-        result.microbatches_per_step = int(meta["microbatches_per_step"])
-        result.windows = int(meta.get("windows", 1))
+    if sched.policy != WeightPolicy.SYNC:
+        result.microbatches_per_step = sched.microbatches_per_step
+        result.windows = sched.windows
         result.updates = len(set(sched.update_of_microbatch))
     if record:
         result.waits = waits = _waits(cs, start, end, issue_time, transfers or [], makespan)
@@ -1045,7 +1044,7 @@ def _weight_memory(cs: CompiledSchedule, cost) -> list[tuple[int, float, float]]
         return v
 
     state_of = getattr(cost, "model_state_bytes", None)
-    owners = zero_owners(placement) if (sched.meta or {}).get("zero") else None
+    owners = zero_owners(placement) if sched.zero else None
     out = []
     for d in range(cs.num_devices):
         reps = placement.stages_on(d)
