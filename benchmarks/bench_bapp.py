@@ -31,11 +31,10 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 from omegaconf import OmegaConf  # noqa: E402
 
 from pipeflow.config import compose, prepare_training  # noqa: E402
-from pipeflow.models.cbm import cbm_shape, cbm_stage_graph  # noqa: E402
+from pipeflow.models.cbm import cbm_shape, cbm_stage_counts, cbm_stage_graph  # noqa: E402
 from pipeflow.planning.branched_cost import BranchedAnalyticCost  # noqa: E402
-from pipeflow.runtime.adapters import cbm_stage_counts  # noqa: E402
 from pipeflow.runtime.launch import TrainJob, launch  # noqa: E402
-from pipeflow.schedules.coordinator import coordinate  # noqa: E402
+from pipeflow.planning.coordinator import coordinate  # noqa: E402
 from pipeflow.schedules.registry import build_schedule  # noqa: E402
 from pipeflow.sim import simulate  # noqa: E402
 from pipeflow.topology.presets import get_topology  # noqa: E402

@@ -43,7 +43,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 from omegaconf import OmegaConf  # noqa: E402
 
 from pipeflow.config import compose, prepare_simulation, prepare_training  # noqa: E402
-from pipeflow.runtime.calibrate import calibrate  # noqa: E402
+from pipeflow.calibrate import calibrate  # noqa: E402
 from pipeflow.runtime.launch import TrainJob, launch  # noqa: E402
 from pipeflow.sim.timeline import Timeline  # noqa: E402
 from pipeflow.sim import simulate  # noqa: E402

@@ -16,7 +16,7 @@ from pipeflow.models.cbm import cbm_stage_graph
 from pipeflow.planning.branched_cost import BranchedAnalyticCost
 from pipeflow.schedules.bapp import UNCOORDINATED, BappPolicy, bapp, branch_chains
 from pipeflow.schedules.common import ScheduleConfigError
-from pipeflow.schedules.coordinator import coordinate, policies
+from pipeflow.planning.coordinator import coordinate, policies
 from pipeflow.schedules.registry import build_schedule
 from pipeflow.schedules.validate import validate
 from pipeflow.sim.engine import simulate

@@ -15,7 +15,7 @@ import pytest
 
 import pipeline_runs
 from pipeflow.config import ConfigError, compose, prepare_simulation
-from pipeflow.runtime.calibrate import calibrate
+from pipeflow.calibrate import calibrate
 from pipeflow.sim import simulate
 
 TINY = [o for o in pipeline_runs.GPT_SMALL if not o.startswith("trainer.timeline_step")] + ["model.n_layer=4"]

@@ -495,3 +495,18 @@ def cbm_loss(head_out: Tensor, batch: Mapping[str, Tensor], norm: CBMNormalizer,
         mlm.reshape(-1, mlm.size(-1)).float(), mlm_labels.reshape(-1), ignore_index=-100, reduction="sum"
     )
     return itm_loss / norm.pairs + mlm_loss / norm.masked_tokens
+
+
+def cbm_stage_counts(shape, num_devices: int) -> tuple[int, int]:
+    """Stages per branch for a run over ``num_devices``: the fewest that put a boundary
+    before every interaction, more (alternating branches) while the graph has fewer
+    stages than devices."""
+    vs = ts = 1 + len(shape.interaction_layers)
+    while vs + ts + 1 < num_devices and (vs < shape.vision.n_layer or ts < shape.text.n_layer):
+        if vs <= ts and vs < shape.vision.n_layer:
+            vs += 1
+        elif ts < shape.text.n_layer:
+            ts += 1
+        else:
+            vs += 1
+    return vs, ts

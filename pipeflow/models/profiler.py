@@ -13,12 +13,11 @@ the AdamW step over its parameters, the bytes autograd saved in the forward for 
 backward (``torch.autograd.graph.saved_tensors_hooks``; each storage counted once, the
 unit's own parameters not counted), and its parameter bytes.
 
-    python -m pipeflow.models.profiler --out profile.json model.vocab_size=8192
+    python -m pipeflow.profile --out profile.json model.vocab_size=8192
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from typing import Callable, Mapping
@@ -165,27 +164,3 @@ def profile_model(
         threads=torch.get_num_threads() if threads is None else int(threads),
         meta={"warmup": warmup, "repeats": repeats, "torch": torch.__version__},
     )
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="profile.json", help="where to write the profile")
-    parser.add_argument("--microbatch-size", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("overrides", nargs="*", help="train config overrides, e.g. model=gpt_small model.n_layer=8")
-    args = parser.parse_args(argv)
-    from omegaconf import OmegaConf
-
-    from pipeflow.config import compose
-
-    cfg = compose("train", args.overrides)
-    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
-    prof = profile_model(model_cfg, args.microbatch_size, seed=int(cfg.seed), threads=args.threads)
-    print(f"wrote {prof.save(args.out)}")
-    for u in prof.units:
-        print(f"{u.name:<12} F {u.forward_s * 1e3:8.3f} ms  B {u.backward_s * 1e3:8.3f} ms  "
-              f"act {u.activation_bytes / 2**20:8.2f} MiB  params {u.param_bytes / 2**20:7.2f} MiB")
-
-
-if __name__ == "__main__":
-    main()

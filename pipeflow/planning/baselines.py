@@ -24,7 +24,7 @@ from __future__ import annotations
 import statistics
 
 from ..topology.topology import Topology
-from .planner import Plan, StageModel, _bisect_cut, evaluate, uniform_cut
+from .plans import Plan, StageModel, _bisect_cut, evaluate, uniform_cut
 from .transformer import TransformerSpec
 
 

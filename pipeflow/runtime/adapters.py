@@ -137,7 +137,7 @@ class CBMAdapter:
         shape = cbm.cbm_shape(model_cfg)
         self.seq_len = shape.seq_len
         # stages per branch: given (bapp: pipeline.stages each), or the grouping's choice
-        vs, ts = stage_counts or cbm_stage_counts(shape, num_devices)
+        vs, ts = stage_counts or cbm.cbm_stage_counts(shape, num_devices)
         self.graph, self.specs = cbm.cbm_stage_graph(model_cfg, vs, ts)
         self.tied_stages: tuple[int, ...] = ()  # the MLM head is not tied to the embedding
 
@@ -164,18 +164,3 @@ class CBMAdapter:
     def normalizer(self, batch):
         """Pairs (matching loss) and masked tokens (MLM loss) of the global batch."""
         return self._cbm.normalizer(batch)
-
-
-def cbm_stage_counts(shape, num_devices: int) -> tuple[int, int]:
-    """Stages per branch for a run over ``num_devices``: the fewest that put a boundary
-    before every interaction, more (alternating branches) while the graph has fewer
-    stages than devices."""
-    vs = ts = 1 + len(shape.interaction_layers)
-    while vs + ts + 1 < num_devices and (vs < shape.vision.n_layer or ts < shape.text.n_layer):
-        if vs <= ts and vs < shape.vision.n_layer:
-            vs += 1
-        elif ts < shape.text.n_layer:
-            ts += 1
-        else:
-            vs += 1
-    return vs, ts

@@ -1,6 +1,6 @@
 """Calibrate the simulator to this machine: what a real step of a configuration costs.
 
-``python -m pipeflow.runtime.calibrate --out calibration.json <train overrides>`` starts
+``python -m pipeflow.calibrate --out calibration.json <train overrides>`` starts
 the configuration's ranks, as ``pipeflow-train`` would, and measures with the
 runtime's own code (the executor's forward, backward, I/W split, hooks and optimizer):
 
@@ -40,7 +40,6 @@ another schedule over the same stages still prices it, less faithfully).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -438,46 +437,15 @@ def _combine(cfg: dict, setup, per_rank: list[dict], world: int) -> dict:
     return out
 
 
-def calibrate(cfg, out: str | Path | None = None) -> dict:
-    """Calibrate a composed train config (a DictConfig or a resolved dict); write ``out``."""
-    from omegaconf import DictConfig, OmegaConf
-
-    from ..config import prepare_training
+def calibrate(cfg: dict, world: int, out: str | Path | None = None) -> dict:
+    """Calibrate a resolved, checked train config on ``world`` ranks; write ``out``.
+    (:func:`pipeflow.calibrate.calibrate` takes a composed config and checks it first.)"""
     from .launch import TrainJob, launch
 
-    if isinstance(cfg, DictConfig):
-        inputs = prepare_training(cfg)
-        resolved = OmegaConf.to_container(cfg, resolve=True)
-        world = inputs.world_size
-    else:
-        resolved = cfg
-        world = int(cfg["pipeline"]["stages"])
     with tempfile.TemporaryDirectory(prefix="pipeflow-calibrate-") as tmp:
-        launch(TrainJob(resolved, tmp, world, entry="pipeflow.runtime.calibrate:run_rank"))
+        launch(TrainJob(cfg, tmp, world, entry="pipeflow.runtime.calibrate:run_rank"))
         result = json.loads(Path(tmp, "calibration.json").read_text())
     if out is not None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(result, indent=1) + "\n")
     return result
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="calibration.json", help="where to write the calibration")
-    parser.add_argument("overrides", nargs="*", help="pipeflow-train overrides, e.g. schedule=1f1b pipeline.stages=4")
-    args = parser.parse_args(argv)
-    from ..config import compose
-
-    cfg = compose("train", list(args.overrides) + ["logger=none"])
-    result = calibrate(cfg, args.out)
-    print(f"wrote {args.out}")
-    host = result["host"]
-    print(f"host: {host['cores']} cores, contention {host['contention']:.3f}, message "
-          f"{host['latency'] * 1e6:.0f} us + bytes / {host['bandwidth'] / 1e9:.2f} GB/s, "
-          f"sync {result['sync_s'] * 1e3:.2f} ms")
-    for key, v in sorted(result["times"].items(), key=lambda kv: (int(kv[0].split('|')[1]), kv[0])):
-        print(f"  {key:<10} {v * 1e3:8.3f} ms")
-
-
-if __name__ == "__main__":
-    main()

@@ -150,7 +150,7 @@ class RankSetup:
 
 def build_rank(cfg: dict, rank: int, device: torch.device, on_grads=None) -> RankSetup:
     """Build this rank's share of the job. Needs the process group (it creates groups)."""
-    from ..config import branched_schedule, planned_schedule, schedule_options, schedule_spec, segment_lengths
+    from ..config.assembly import branched_schedule, planned_schedule, schedule_options, schedule_spec, segment_lengths
 
     pipe_cfg, optim = cfg["pipeline"], cfg["optim"]
     mbs, seed = int(pipe_cfg["microbatch_size"]), int(cfg["seed"])

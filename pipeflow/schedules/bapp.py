@@ -23,7 +23,7 @@ free device runs one of its ready actions, chosen by the policy:
   the text (``text_end``) branch.
 
 The order is then fixed; the simulator times it under any cost and topology, and
-:mod:`pipeflow.schedules.coordinator` searches the policies for the fastest one.
+:mod:`pipeflow.planning.coordinator` searches the policies for the fastest one.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def bapp_from_options(stages: int, microbatches: int, graph: StageGraph | None =
 
 
 # coordinate (default true in its YAML): the configuration layer lets
-# pipeflow.schedules.coordinator choose the policy by simulation, within memory_limit_gb
+# pipeflow.planning.coordinator choose the policy by simulation, within memory_limit_gb
 SPEC = ScheduleSpec("bapp", bapp_from_options, "a branched model's branches as pipelines in opposite directions",
                     config_keys={"coordinate": bool, "memory_limit_gb": float})
 

@@ -17,10 +17,10 @@ import time
 from dataclasses import dataclass, field
 
 from ..sim.engine import simulate
-from .bapp import BRANCHES, HEADS, PRIORITIES, UNCOORDINATED, BappPolicy, bapp, bapp_placement
-from .common import ScheduleConfigError
-from .ir import Schedule, StageGraph
-from .validate import validate
+from ..schedules.bapp import BRANCHES, HEADS, PRIORITIES, UNCOORDINATED, BappPolicy, bapp, bapp_placement
+from ..schedules.common import ScheduleConfigError
+from ..schedules.ir import Schedule, StageGraph
+from ..schedules.validate import validate
 
 
 @dataclass

@@ -1,0 +1,293 @@
+"""Config -> what it names: the schedule (through its spec), the model's shape, segment
+lengths, the cost model and the topology. The runtime's ranks build their share from
+these too, so a rank and the up-front check always agree.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from pipeflow.planning.cost import CalibratedCost, CostModel, build_cost_model
+from pipeflow.planning.seqsplit import split_sequence
+from pipeflow.planning.transformer import TransformerSpec
+from pipeflow.schedules.common import ScheduleConfigError
+from pipeflow.schedules.ir import Schedule
+from pipeflow.schedules.registry import build_schedule, get_spec, load_spec, register, specs
+from pipeflow.schedules.spec import ScheduleSpec
+from pipeflow.topology.presets import build_topology
+from pipeflow.topology.topology import Topology
+
+from .derive import schedule_schema
+from .values import ConfigError, _naming_key
+
+
+# schedule=planned: the topology-aware planner's plan (pipeflow.planning.planner) as the
+# schedule (1F1B over the planned devices, replicas reduced) and its cut as the partition.
+# It needs the run's model and topology, so the configuration layer assembles it.
+PLANNED = "planned"
+
+
+def _assemble_planned(cfg: Any) -> Schedule:
+    return planned_schedule(cfg)[0]
+
+
+PLANNED_SPEC = register(ScheduleSpec(
+    PLANNED, None, "the topology-aware planner's partition, device mapping and 1F1B (pipeflow-plan)",
+    # plan: a plan.json written by pipeflow-plan (null: plan at start-up for the run's model,
+    # topology and microbatches); memory_limit_gb: per device, for that planning
+    config_keys={"plan": str, "memory_limit_gb": float}, assemble=_assemble_planned, supports={}), replace=True)
+
+
+def runtime_schedules() -> list[str]:
+    """The schedules pipeflow-train runs: every registered one whose spec says so."""
+    return [spec.name for spec in specs() if spec.runtime]
+
+
+def devices_needed_for(cfg: DictConfig) -> str:
+    """Why the schedule needs its device count, for the topology's too-small error."""
+    return f"schedule.name={cfg.schedule.name} with pipeline.stages={cfg.pipeline.stages}"
+
+
+def schedule_spec(schedule_cfg: Any) -> ScheduleSpec:
+    """The spec of ``schedule.name``; a user's schedule (``schedule.generator``, the
+    import path of its generator) is loaded and registered first. Raises ConfigError."""
+    name, generator = schedule_cfg["name"], schedule_cfg.get("generator")
+    try:
+        return load_spec(str(generator), name) if generator else get_spec(name)
+    except ScheduleConfigError as err:
+        raise ConfigError(str(err)) from None
+
+
+def schedule_options(schedule_cfg: Any) -> dict:
+    """The generator's options as the config gives them (null ones left to the generator's
+    defaults), each key checked against the schedule's schema: a key it does not have, or
+    a value of the wrong type, raises ConfigError naming the key and the allowed ones.
+    ``schedule_cfg`` composed or a plain dict (the ranks call it too)."""
+    spec = schedule_spec(schedule_cfg)
+    plain = schedule_cfg if isinstance(schedule_cfg, dict) else OmegaConf.to_container(schedule_cfg, resolve=True)
+    allowed = spec.keys()
+    for key, value in plain.items():
+        if key not in ("name", "generator") and key not in allowed:
+            raise ConfigError(f"schedule.{key}={value}: schedule '{spec.name}' has no option '{key}'; "
+                              + (f"its options: {', '.join(allowed)}" if allowed else "it takes none"))
+    try:
+        OmegaConf.merge(OmegaConf.structured(schedule_schema(spec)), plain)
+    except Exception as err:  # noqa: BLE001 - OmegaConf's validation errors name the key
+        key = getattr(err, "full_key", None) or getattr(err, "key", None) or "?"
+        value = plain.get(str(key).rsplit(".", 1)[-1], "?")
+        want = spec.options.get(str(key).rsplit(".", 1)[-1])
+        kind = (("an " if want.type.__name__[0] in "aeiou" else "a ") + want.type.__name__) if want \
+            else "a value of the option's type"
+        raise ConfigError(f"schedule.{key}={value}: schedule '{spec.name}' takes {kind} here") from None
+    return {k: v for k, v in plain.items() if k in spec.options and v is not None}
+
+
+def planned_schedule(cfg: Any):
+    """schedule=planned: (schedule, plan) from the plan.json in schedule.plan, or from a
+    plan made now for the run's model, topology and microbatches. ``cfg`` composed or
+    plain dicts (the ranks of pipeflow-train call it too: the planner is deterministic)."""
+    from pipeflow.planning.planner import Plan, build_plan_schedule
+    from pipeflow.planning.planner import plan as make_plan
+
+    cfg = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg)
+    pipe, path = cfg.pipeline, cfg.schedule.get("plan")
+    limit = cfg.schedule.get("memory_limit_gb")
+    if "partition" in cfg and cfg.partition.name not in ("uniform", "planner"):
+        raise ConfigError(f"partition.name={cfg.partition.name}: schedule=planned cuts the model as its plan says; "
+                          f"allowed values: planner (or the default uniform, which the plan replaces)")
+    if path:
+        try:
+            p = Plan.from_json(Path(str(path)).expanduser().read_text())
+        except (OSError, ValueError, TypeError, KeyError) as err:
+            raise ConfigError(f"schedule.plan={path}: not a plan.json written by pipeflow-plan ({err})") from None
+    else:
+        spec = TransformerSpec.from_config(cfg.model)
+        topology = build_topology(cfg.topology, pipe.stages, needed_for=devices_needed_for(cfg))
+        try:
+            p = make_plan(spec, topology, pipe.microbatches, pipe.microbatch_size,
+                          memory_limit_bytes=None if limit is None else float(limit) * 1e9)
+        except ValueError as err:
+            raise ConfigError(str(err).replace("plan.memory_limit_gb", "schedule.memory_limit_gb")) from None
+    used = sorted({d for row in p.pipelines for d in row})
+    if used[-1] >= pipe.stages:
+        raise ConfigError(f"pipeline.stages={pipe.stages}: the plan places stages on devices {used}; "
+                          f"run it with pipeline.stages={used[-1] + 1} devices")
+    if sum(p.layers_per_stage) != cfg.model.n_layer:
+        raise ConfigError(f"schedule.plan={path}: the plan cuts {sum(p.layers_per_stage)} layers, "
+                          f"model.n_layer={cfg.model.n_layer}; plan this model (pipeflow-plan model={cfg.model.name})")
+    try:
+        schedule = build_plan_schedule(p.device_of_stage, pipe.stages, pipe.microbatches, p.replica_devices)
+    except ValueError as err:
+        raise ConfigError(f"schedule.plan={path}: {err}") from None
+    schedule.name = PLANNED
+    schedule.meta["plan"] = p.to_dict()
+    return schedule, p
+
+
+def _generate_schedule(cfg: DictConfig) -> Schedule:
+    """The schedule the config names, generated but not validated."""
+    pipe = cfg.pipeline
+    options = schedule_options(cfg.schedule)
+    spec = schedule_spec(cfg.schedule)
+    if spec.assemble is not None:
+        return spec.assemble(cfg)
+    # The schedule's own size rules (even stages for Chimera, ...) live with the
+    # generators; generating is cheap, validating is not needed to learn the sizes.
+    try:
+        return build_schedule(
+            cfg.schedule.name, pipe.stages, pipe.microbatches, pipe.virtual_stages, pipe.segments, check=False,
+            **options,
+        )
+    except ScheduleConfigError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _model_spec(cfg: DictConfig, schedule: Schedule) -> TransformerSpec:
+    """The model's shape, checked against the number of stages the schedule cuts it into."""
+    pipe = cfg.pipeline
+    try:
+        spec = TransformerSpec.from_config(cfg.model)
+    except ValueError as err:
+        raise _naming_key("model", cfg.model.name, err) from None
+    if schedule.num_stages > spec.n_layer:
+        # each stage needs at least one layer; interleaving puts several stages on a device
+        per_device = max(1, schedule.num_stages // pipe.stages)
+        via = f" ({pipe.stages} x pipeline.virtual_stages={per_device})" if per_device > 1 else ""
+        raise ConfigError(
+            f"pipeline.stages={pipe.stages}: the schedule splits the model into {schedule.num_stages} stages{via}, "
+            f"but model '{cfg.model.name}' has only {spec.n_layer} layers (model.n_layer); "
+            f"allowed values: 1..{spec.n_layer // per_device}"
+        )
+    return spec
+
+
+def segment_lengths(cfg: Any) -> list[int] | None:
+    """Tokens per sequence segment, first to last, for a segmented schedule (seq1f1b,
+    seq1f1b_interleaved): ``pipeline.segments`` segments of ``model.seq_len`` tokens cut
+    by ``schedule.split`` (uniform, the default, or compute; :mod:`pipeflow.planning.seqsplit`).
+    None for every other schedule. ``cfg`` is the composed config or the same as plain
+    dicts (``cfg["schedule"]``, ``cfg["pipeline"]``, ``cfg["model"]``). Raises ConfigError
+    naming the key."""
+    schedule, pipe, model = cfg["schedule"], cfg["pipeline"], cfg["model"]
+    if not schedule_spec(schedule).segments:
+        return None
+    try:
+        spec = TransformerSpec.from_config(model)
+    except ValueError as err:
+        raise _naming_key("model", model.get("name"), err) from None
+    split = schedule.get("split")
+    try:
+        return split_sequence("uniform" if split is None else split, spec.seq_len, pipe.get("segments", 1), spec)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _simulation_segments(cfg: DictConfig, schedule: Schedule) -> list[int] | None:
+    """The segment lengths the cost model prices (None: whole sequences), checked
+    against the cost group: analytic takes them as cost.segment_lengths (an explicit
+    list there wins, if it has one length per segment), unit prices every segment
+    alike, profiled measured whole sequences only."""
+    lengths = segment_lengths(cfg)
+    if lengths is None:
+        return None
+    name = cfg.cost.get("name")
+    if name == "profiled" and schedule.num_segments > 1:
+        raise ConfigError(
+            f"pipeline.segments={schedule.num_segments}: cost model 'profiled' measures whole sequences; "
+            f"use cost=analytic (or unit) with sequence segments"
+        )
+    given = cfg.cost.get("segment_lengths")
+    if given is not None:
+        given = list(given)
+        if len(given) != schedule.num_segments:
+            raise ConfigError(
+                f"cost.segment_lengths={given}: {len(given)} lengths for pipeline.segments={schedule.num_segments}; "
+                f"give one per segment, or null for schedule.split's"
+            )
+        return given
+    return lengths
+
+
+def _build_topology(cfg: DictConfig, schedule: Schedule, cost: CostModel | None = None) -> Topology:
+    topo_cfg = cfg.topology
+    if isinstance(cost, CalibratedCost) and cfg.topology.name == "local_cpu":
+        # the calibrated host: its cores, their contention, and a gloo message's cost
+        topo_cfg = {**OmegaConf.to_container(cfg.topology, resolve=True), **cost.host}
+    try:
+        return build_topology(topo_cfg, schedule.num_devices, needed_for=devices_needed_for(cfg))
+    except ValueError as err:
+        raise _naming_key("topology", cfg.topology.name, err) from None
+
+
+def _branched_schedule(cfg: DictConfig) -> tuple[Schedule, list]:
+    """A concurrent-branch model's stage graph (cut at the interaction layers), grouped
+    onto the schedule's chain of devices; generated, not validated. Building the graph
+    imports the model module (and so torch): only configs of this family pay for it."""
+    from pipeflow.models.cbm import cbm_shape, cbm_stage_counts, cbm_stage_graph
+
+    plain = OmegaConf.to_container(cfg.model, resolve=True)
+    sched_spec = schedule_spec(cfg.schedule)
+    bapp = sched_spec.branch_aware
+    try:
+        shape = cbm_shape(plain)
+        # bapp cuts each branch into pipeline.stages stages; chain schedules group the graph
+        counts = (cfg.pipeline.stages, cfg.pipeline.stages) if bapp else cbm_stage_counts(shape, cfg.pipeline.stages)
+        graph, specs = cbm_stage_graph(plain, *counts)
+    except ValueError as err:
+        raise _naming_key("model", cfg.model.name, err) from None
+    pipe = cfg.pipeline
+    options = schedule_options(cfg.schedule)
+    try:
+        if "coordinate" in sched_spec.config_keys and cfg.schedule.get("coordinate", True) is not False:
+            if options:
+                raise ConfigError(f"schedule.{next(iter(options))}={next(iter(options.values()))}: the coordinator "
+                                  f"chooses bapp's policy; set schedule.coordinate=false to give it yourself")
+            from pipeflow.planning.coordinator import coordinate
+
+            cost = _branched_cost(cfg, specs) if "cost" in cfg else _default_branched_cost(cfg, specs)
+            topology = build_topology(cfg.topology, pipe.stages, needed_for=devices_needed_for(cfg))
+            limit = cfg.schedule.get("memory_limit_gb")
+            schedule = coordinate(pipe.stages, pipe.microbatches, graph, cost, topology,
+                                  memory_limit=None if limit is None else float(limit) * 1e9).schedule
+        else:
+            schedule = build_schedule(cfg.schedule.name, pipe.stages, pipe.microbatches, pipe.virtual_stages,
+                                      pipe.segments, check=False, graph=graph, **options)
+    except (ScheduleConfigError, ValueError) as err:
+        raise ConfigError(str(err)) from None
+    return schedule, specs
+
+
+def branched_schedule(cfg: Any) -> tuple[Schedule, list]:
+    """The schedule a concurrent-branch config runs (what pipeflow-train's ranks build):
+    ``cfg`` composed or plain dicts."""
+    return _branched_schedule(cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg))
+
+
+def _default_branched_cost(cfg: DictConfig, specs: list) -> CostModel:
+    """Training configs carry no cost group: the coordinator orders by FLOPs (analytic defaults)."""
+    from pipeflow.planning.branched_cost import BranchedAnalyticCost
+
+    return BranchedAnalyticCost(OmegaConf.to_container(cfg.model, resolve=True),
+                                [(s.branch, s.lo, s.hi) for s in specs], cfg.pipeline.microbatch_size)
+
+
+def _branched_cost(cfg: DictConfig, specs: list) -> CostModel:
+    from pipeflow.planning.branched_cost import BranchedAnalyticCost
+
+    params = {k: v for k, v in OmegaConf.to_container(cfg.cost, resolve=True).items() if v is not None}
+    name = params.pop("name")
+    try:
+        if name in ("unit", "calibrated"):
+            return build_cost_model(cfg.cost, len(specs), None, cfg.pipeline.microbatch_size)
+        if name == "analytic":
+            params.pop("layers_per_stage", None)
+            params.pop("segment_lengths", None)
+            return BranchedAnalyticCost(OmegaConf.to_container(cfg.model, resolve=True),
+                                        [(s.branch, s.lo, s.hi) for s in specs], cfg.pipeline.microbatch_size, **params)
+    except (TypeError, ValueError) as err:
+        raise _naming_key("cost", name, err) from None
+    raise ConfigError(f"cost.name={name}: a concurrent-branch model is priced by analytic, unit or calibrated; "
+                      f"allowed values: analytic, unit, calibrated")

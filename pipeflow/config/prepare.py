@@ -1,0 +1,203 @@
+"""prepare_simulation and prepare_training: check a composed config and build what it
+names, before any work starts (for training: before any rank is spawned).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import DictConfig, OmegaConf
+
+from pipeflow.planning.cost import CostModel, build_cost_model
+from pipeflow.planning.partition import PARTITIONERS
+from pipeflow.planning.transformer import TransformerSpec
+from pipeflow.schedules.export import check_exportable
+from pipeflow.schedules.ir import Schedule
+from pipeflow.schedules.registry import specs
+from pipeflow.schedules.validate import validate
+from pipeflow.topology.topology import Topology
+
+from .assembly import PLANNED, _branched_cost, _branched_schedule, _build_topology, _generate_schedule, _model_spec, _simulation_segments, runtime_schedules, schedule_spec, segment_lengths
+from .checks import _check_data_files, _check_optim, _check_pipeline, _check_profiled_partition, _check_resume, _check_runtime, _check_trainer, _resolve_auto_data, check_logger
+from .values import ConfigError, DATA_FAMILY, DATA_VOCAB, EXPORT_FORMATS, TRAIN_FAMILIES, _naming_key, _number
+
+
+@dataclass
+class SimulationInputs:
+    """What a simulate config composes into; built once by :func:`prepare_simulation`."""
+
+    schedule: Schedule  # generated, not yet validated
+    spec: TransformerSpec
+    cost: CostModel
+    topology: Topology
+    segment_lengths: list[int] | None = None  # tokens per sequence segment (segmented schedules)
+
+
+def prepare_simulation(cfg: DictConfig) -> SimulationInputs:
+    """Build the schedule, model shape, cost model and topology a config names, or raise
+    ConfigError, one sentence naming the key and the allowed values. Nothing is
+    simulated or written, so a bad config fails before any work."""
+    if cfg.export is not None and cfg.export not in EXPORT_FORMATS:
+        raise ConfigError(f"export={cfg.export}: unknown format; allowed values: null, {', '.join(EXPORT_FORMATS)}")
+    _check_pipeline(cfg)
+    if cfg.model.get("family") == "cbm":
+        schedule, specs = _branched_schedule(cfg)
+        spec, lengths = None, None
+        cost = _branched_cost(cfg, specs)
+    else:
+        schedule = _generate_schedule(cfg)
+        spec = _model_spec(cfg, schedule)
+        lengths = _simulation_segments(cfg, schedule)
+        cost_cfg = cfg.cost
+        if schedule.name == PLANNED and cfg.cost.name == "analytic":
+            cost_cfg = {**OmegaConf.to_container(cfg.cost, resolve=True),
+                        "layers_per_stage": list(schedule.meta["plan"]["layers_per_stage"])}
+        if lengths is not None and cfg.cost.name == "analytic":
+            # the split drives the analytic cost: unequal segments, unequal times and memory
+            cost_cfg = {**OmegaConf.to_container(cfg.cost, resolve=True), "segment_lengths": lengths}
+        try:
+            cost = build_cost_model(cost_cfg, schedule.num_stages, spec, cfg.pipeline.microbatch_size)
+        except ValueError as err:
+            raise _naming_key("cost", cfg.cost.name, err) from None
+    topology = _build_topology(cfg, schedule, cost)
+    if cfg.export == "torch_csv":
+        try:
+            check_exportable(schedule)
+        except ValueError as err:
+            raise ConfigError(f"export=torch_csv: {err}") from None
+    return SimulationInputs(schedule, spec, cost, topology, lengths)
+
+
+# ---------------------------------------------------------------------------- training
+
+
+@dataclass
+class TrainingInputs:
+    """What a train config composes into; built once by :func:`prepare_training`."""
+
+    schedule: Schedule  # generated and validated
+    spec: TransformerSpec | None  # None for a concurrent-branch model (two branches, no one spec)
+    topology: Topology
+
+    @property
+    def world_size(self) -> int:
+        """One rank per device of the schedule."""
+        return self.schedule.num_devices
+
+
+def prepare_training(cfg: DictConfig) -> TrainingInputs:
+    """Check a train config and build (and validate) its schedule, or raise ConfigError,
+    one sentence naming the key and the allowed values. Nothing is spawned, loaded or
+    written, so a bad config fails before any rank starts."""
+    _check_pipeline(cfg)
+    _resolve_auto_data(cfg)
+    name, pipe = cfg.schedule.name, cfg.pipeline
+    if not schedule_spec(cfg.schedule).runtime:
+        raise ConfigError(
+            f"schedule.name={name}: the runtime does not execute this schedule yet (pipeflow-simulate does); "
+            f"allowed values: {', '.join(runtime_schedules())}"
+        )
+    if name == "chimera" and pipe.stages == 1:
+        # pipeline.stages=1 is the single-process reference run; Chimera's two opposite
+        # pipelines need two devices at least, so there is nothing to mean here.
+        raise ConfigError(
+            "pipeline.stages=1: schedule 'chimera' needs an even number of stages (2, 4, ...); "
+            "for single-process reference training use schedule=1f1b"
+        )
+    model = cfg.model
+    if model.get("family") == "cbm":
+        return _prepare_branched(cfg)
+    schedule = _generate_schedule(cfg)
+    spec = _model_spec(cfg, schedule)
+    topology = _build_topology(cfg, schedule)
+
+    if model.family not in TRAIN_FAMILIES:
+        raise ConfigError(
+            f"model.family={model.family}: the runtime cannot train this family; allowed values: "
+            f"{', '.join(TRAIN_FAMILIES)} (e.g. model=gpt_tiny or model=bert_tiny)"
+        )
+    _number("model.dropout", model.dropout, "a probability; use a number in [0, 1)", 0 <= model.dropout < 1)
+    if pipe.segments > 1 and model.family != "gpt":
+        raise ConfigError(
+            f"pipeline.segments={pipe.segments}: sequence segments attend causally across segments, which the "
+            f"runtime implements for model.family=gpt; model.family={model.family} trains with pipeline.segments=1"
+        )
+    segment_lengths(cfg)  # a split the sequence cannot take fails here, naming its key
+    feeds = DATA_FAMILY.get(cfg.data.name)
+    if feeds is not None and feeds != model.family:
+        fits = [d for d, f in DATA_FAMILY.items() if f == model.family]
+        raise ConfigError(
+            f"data.name={cfg.data.name}: it feeds {feeds} models, not model.family={model.family} "
+            f"(model={model.name}); allowed values: {', '.join(fits) or 'a data set made for ' + model.family}"
+        )
+    need = DATA_VOCAB.get(cfg.data.name)
+    if need is not None and model.vocab_size < need:
+        raise ConfigError(
+            f"model.vocab_size={model.vocab_size}: data '{cfg.data.name}' feeds token ids 0..{need - 1}; "
+            f"use model.vocab_size >= {need}"
+        )
+    if cfg.partition.name == "planner" and cfg.schedule.name != PLANNED:
+        raise ConfigError(f"partition.name=planner: the planner's cut comes with its device mapping; "
+                          f"use it with schedule={PLANNED}")
+    if cfg.partition.name not in (*PARTITIONERS, "planner"):
+        raise ConfigError(
+            f"partition.name={cfg.partition.name}: the runtime cannot split a model this way; "
+            f"allowed values: {', '.join(PARTITIONERS)}, planner"
+        )
+    if schedule.name == PLANNED:
+        used = {d for row in schedule.placement.table for d in row}
+        if len(used) != schedule.num_devices:
+            idle = sorted(set(range(schedule.num_devices)) - used)
+            raise ConfigError(f"pipeline.stages={cfg.pipeline.stages}: the plan leaves devices {idle} without a "
+                              f"stage, and every rank needs one; plan for {len(used)} devices or give a plan that "
+                              f"uses all {schedule.num_devices}")
+    if cfg.partition.name == "profiled":
+        _check_profiled_partition(cfg.partition, spec, schedule.num_stages)
+    _check_trainer(cfg.trainer)
+    _check_optim(cfg.optim)
+    _check_runtime(cfg.runtime, schedule.num_devices)
+    check_logger(cfg.logger)
+    _check_data_files(cfg.data)
+    _check_resume(cfg.resume)
+
+    # Generators are tested to be valid, but the runtime would deadlock on a schedule that
+    # is not, so one validation here (milliseconds at training sizes) is cheap insurance.
+    validate(schedule)
+    return TrainingInputs(schedule, spec, topology)
+
+
+def _prepare_branched(cfg: DictConfig) -> TrainingInputs:
+    """A concurrent-branch model: its stage DAG grouped onto the schedule's chain of devices."""
+    schedule, _ = _branched_schedule(cfg)
+    if cfg.data.name != "image_text":
+        raise ConfigError(
+            f"data.name={cfg.data.name}: model.family=cbm trains on image-text pairs; allowed values: image_text"
+        )
+    if cfg.partition.name != "uniform":
+        raise ConfigError(
+            f"partition.name={cfg.partition.name}: a concurrent-branch model's stages are cut at its "
+            f"interaction layers (pipeflow.models.cbm.cbm_stage_graph); allowed values: uniform"
+        )
+    _number("model.dropout", cfg.model.dropout, "a probability; use a number in [0, 1)", 0 <= cfg.model.dropout < 1)
+    topology = _build_topology(cfg, schedule)
+    _check_trainer(cfg.trainer)
+    _check_optim(cfg.optim)
+    _check_runtime(cfg.runtime, schedule.num_devices)
+    check_logger(cfg.logger)
+    _check_data_files(cfg.data)
+    if cfg.data.get("files"):
+        # the user's own image-text files: missing columns or mixed image sizes must stop
+        # the run here, not in every rank after start-up
+        import datasets
+
+        from pipeflow.data.image_text import build_image_text_data
+
+        datasets.disable_progress_bars()  # a config check prints its verdict, nothing else
+        try:
+            build_image_text_data(OmegaConf.to_container(cfg.data, resolve=True),
+                                  OmegaConf.to_container(cfg.model, resolve=True), int(cfg.seed))
+        except ValueError as err:
+            raise ConfigError(str(err).strip().splitlines()[0]) from None
+    _check_resume(cfg.resume)
+    validate(schedule)
+    return TrainingInputs(schedule, None, topology)

@@ -1,0 +1,361 @@
+"""A plan of the topology-aware planner and its pricing (the planner's search is
+:mod:`pipeflow.planning.planner`; the baselines it is compared with,
+:mod:`pipeflow.planning.baselines`, build plans with the same pieces).
+
+- :class:`Plan`: layers per stage, the device of each stage, data-parallel replicas,
+  and what the simulator predicts for it; :func:`evaluate` makes one by simulation;
+- :func:`build_plan_schedule`: the plan as a schedule (1F1B per pipeline, replicas reduced);
+- :class:`StageModel` and :func:`estimate`: the closed-form pre-filter of a candidate
+  cut (its 1F1B iteration time and memory overshoot) before any simulation;
+- cuts of L layers into p stages: uniform, greedy and by bisection on a stage bound.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Iterable, Sequence
+
+from ..schedules.common import finish_sync, warmup_alternate_drain
+from ..schedules.ir import Action, Kind, Placement, Schedule, StageGraph
+from ..schedules.one_f_one_b import one_f_one_b_order
+from ..sim.engine import SimResult, simulate
+from ..topology.topology import Topology
+from .cost import AnalyticCost
+from .transformer import (
+    TransformerSpec,
+    embedding_params,
+    head_forward_flops,
+    head_params,
+    layer_forward_flops,
+    layer_params,
+)
+
+GB = 1e9  # plan.memory_limit_gb is in GB of 1e9 bytes, as schedule.memory_limit_gb
+
+# ------------------------------------------------------------------------- the plan
+
+
+@dataclass
+class Plan:
+    """A pipeline plan: stage s holds ``layers_per_stage[s]`` consecutive blocks and runs on
+    device ``device_of_stage[s]``; microbatches flow in the 1F1B order."""
+
+    layers_per_stage: list[int]
+    device_of_stage: list[int]
+    microbatches: int
+    microbatch_size: int = 1
+    # data-parallel replicas of the whole pipeline beyond the first: replica_devices[k][s]
+    # holds stage s of pipeline k + 1; microbatch i runs on pipeline i mod (replicas), and
+    # each stage's gradients are all-reduced across its replicas at the end (empty: none)
+    replica_devices: list[list[int]] = field(default_factory=list)
+    schedule: str = "1f1b"
+    predicted_iteration_time: float = math.nan
+    # per stage: peak activations + model state on its device (bytes; the largest over
+    # its replicas), and the forward + backward time of one microbatch on it (seconds)
+    stage_memory_bytes: list[float] = field(default_factory=list)
+    stage_compute_time: list[float] = field(default_factory=list)
+    memory_limit_bytes: float | None = None
+    model: str = ""
+    topology: str = ""
+    method: str = "planner"
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.layers_per_stage)
+
+    @property
+    def replicas(self) -> int:
+        """Pipelines running side by side (1: no replication)."""
+        return 1 + len(self.replica_devices)
+
+    @property
+    def pipelines(self) -> list[list[int]]:
+        """Device of each stage, per pipeline: ``pipelines[k][s]``."""
+        return [list(self.device_of_stage)] + [list(r) for r in self.replica_devices]
+
+    @property
+    def num_devices_used(self) -> int:
+        return self.num_stages * self.replicas
+
+    @property
+    def peak_memory_bytes(self) -> float:
+        return max(self.stage_memory_bytes, default=0.0)
+
+    def memory_per_device(self) -> dict[int, float]:
+        """Device -> memory of the stage it holds (the stage's largest over its replicas)."""
+        return {d: m for row in self.pipelines for d, m in zip(row, self.stage_memory_bytes)}
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    @staticmethod
+    def from_dict(data: dict) -> "Plan":
+        known = {f for f in Plan.__dataclass_fields__}
+        return Plan(**{k: v for k, v in data.items() if k in known})
+
+    @staticmethod
+    def from_json(text: str) -> "Plan":
+        return Plan.from_dict(json.loads(text))
+
+
+# ------------------------------------------------------------- schedule and scoring
+
+
+def build_plan_schedule(device_of_stage: Sequence[int], num_devices: int, microbatches: int,
+                        replica_devices: Sequence[Sequence[int]] = ()) -> Schedule:
+    """1F1B over ``len(device_of_stage)`` stages placed on arbitrary distinct devices; with
+    ``replica_devices``, that many more pipelines (one per row) share the microbatches
+    round robin, and each stage's gradients are all-reduced across its replicas."""
+    table = [list(device_of_stage)] + [list(r) for r in replica_devices]
+    p, d = len(table[0]), len(table)
+    flat = [x for row in table for x in row]
+    if len(set(flat)) != len(flat) or any(len(row) != p for row in table):
+        raise ValueError(f"device tables {table}: every stage of every pipeline needs its own device")
+    if d > microbatches:
+        raise ValueError(f"{d} pipeline replicas need at least {d} microbatches, got {microbatches}")
+    orders: list[list] = [[] for _ in range(num_devices)]
+    if d == 1:
+        for s, dev in enumerate(table[0]):
+            orders[dev] = one_f_one_b_order(s, p, microbatches)
+        return finish_sync("1f1b", StageGraph.chain(p), Placement.single(table[0], num_devices), orders,
+                           microbatches)
+    pipe_of = tuple(mb % d for mb in range(microbatches))
+    for k, row in enumerate(table):
+        mbs = [mb for mb in range(microbatches) if pipe_of[mb] == k]
+        for s, dev in enumerate(row):
+            orders[dev] = warmup_alternate_drain(
+                len(mbs), p - s - 1,
+                lambda i, s=s, k=k, mbs=mbs: Action(Kind.F, s, mbs[i], k),
+                lambda i, s=s, k=k, mbs=mbs: Action(Kind.B, s, mbs[i], k),
+            )
+    placement = Placement(num_devices, tuple(tuple(row) for row in table))
+    return finish_sync("1f1b", StageGraph.chain(p), placement, orders, microbatches, pipe_of_microbatch=pipe_of)
+
+
+def device_limits(topology: Topology, memory_limit_bytes: float | None) -> list[float]:
+    """Per device: the memory a plan may use there."""
+    return [
+        d.memory_bytes if memory_limit_bytes is None else min(float(memory_limit_bytes), d.memory_bytes)
+        for d in topology.devices
+    ]
+
+
+def evaluate(
+    spec: TransformerSpec,
+    topology: Topology,
+    layers_per_stage: Sequence[int],
+    device_of_stage: Sequence[int],
+    microbatches: int,
+    microbatch_size: int = 1,
+    memory_limit_bytes: float | None = None,
+    efficiency: float = 0.5,
+    dtype_bytes: int = 2,
+    method: str = "planner",
+    record: bool = False,
+    replica_devices: Sequence[Sequence[int]] = (),
+) -> tuple[Plan, SimResult]:
+    """Simulate one candidate; the Plan carries its iteration time and per-stage memory."""
+    layers, devs = list(layers_per_stage), list(device_of_stage)
+    reps = [list(r) for r in replica_devices]
+    table = [devs] + reps
+    cost = AnalyticCost(
+        spec, len(layers), microbatch_size=microbatch_size, efficiency=efficiency,
+        dtype_bytes=dtype_bytes, layers_per_stage=layers,
+    )
+    sched = build_plan_schedule(devs, topology.num_devices, microbatches, reps)
+    res = simulate(sched, cost, topology, record=record)
+    mem = [max(res.per_device[row[s]].peak_activation_bytes for row in table) + cost.model_state_bytes(s)
+           for s in range(len(devs))]
+    comp = [
+        max(cost.compute_time("F", s, 0, topology.devices[row[s]]) + cost.compute_time("B", s, 0, topology.devices[row[s]])
+            for row in table)
+        for s in range(len(devs))
+    ]
+    plan = Plan(
+        layers_per_stage=layers,
+        device_of_stage=devs,
+        microbatches=microbatches,
+        microbatch_size=microbatch_size,
+        replica_devices=reps,
+        predicted_iteration_time=res.makespan,
+        stage_memory_bytes=mem,
+        stage_compute_time=comp,
+        memory_limit_bytes=memory_limit_bytes,
+        model=spec.name,
+        topology=topology.name,
+        method=method,
+    )
+    return plan, res
+
+
+def fits(plan: Plan, topology: Topology, memory_limit_bytes: float | None) -> bool:
+    limits = device_limits(topology, memory_limit_bytes)
+    return all(m <= limits[d] * (1 + 1e-9) for d, m in plan.memory_per_device().items())
+
+
+def overshoot(plan: Plan, topology: Topology, memory_limit_bytes: float | None) -> float:
+    """Bytes by which the plan's worst device exceeds its limit (<= 0: fits)."""
+    limits = device_limits(topology, memory_limit_bytes)
+    return max(m - limits[d] for d, m in plan.memory_per_device().items())
+
+
+# ------------------------------------------------------------- closed-form estimates
+
+
+class StageModel:
+    """Per-layer constants of the analytic cost (whole sequences, no segments), so the
+    search can price any cut on any device without building a cost model. Mirrors
+    :class:`~pipeflow.planning.cost.AnalyticCost` exactly (a test checks it)."""
+
+    def __init__(self, spec: TransformerSpec, microbatch_size: int = 1, efficiency: float = 0.5,
+                 dtype_bytes: int = 2) -> None:
+        self.spec, self.b, self.eff, self.dt = spec, microbatch_size, efficiency, dtype_bytes
+        S, b, dt = spec.seq_len, microbatch_size, dtype_bytes
+        H, Fw, V, h = spec.n_embd, spec.ffn_width, spec.vocab_size, spec.n_head
+        self.L = spec.n_layer
+        self.f_layer = layer_forward_flops(spec, S, S) * b
+        self.f_head = head_forward_flops(spec, S) * b
+        self.a_layer = float(S * b * ((8 * H + 2 * Fw) * dt + 2 * H) + h * S * S * b * (2 * dt + 1))
+        self.a_first = float(S * b * H)
+        self.a_last = float(2 * S * b * H * dt + 4 * S * b * V)
+        self.p_layer = layer_params(spec)
+        self.p_first = embedding_params(spec)
+        self.p_last = head_params(spec)
+        self.state_per_param = dt + 4 + (12 if dt < 4 else 8)
+        self.step_per_param = 28 + (dt if dt < 4 else 0)
+        self.msg_bytes = float(b * S * H * dt)
+
+    def params(self, n: int, first: bool, last: bool) -> float:
+        x = n * self.p_layer + (self.p_first if first else 0) + (self.p_last if last else 0)
+        if first and last:
+            x -= self.spec.vocab_size * self.spec.n_embd
+        return float(x)
+
+    def fb_time(self, n: int, last: bool, device) -> float:
+        """Forward + backward (3x forward FLOPs) of one microbatch through n layers."""
+        return 3 * (n * self.f_layer + (self.f_head if last else 0.0)) / (device.peak_flops * self.eff)
+
+    def step_time(self, n: int, first: bool, last: bool, device) -> float:
+        if device.memory_bandwidth <= 0:
+            return 0.0
+        return self.params(n, first, last) * self.step_per_param / device.memory_bandwidth
+
+    def memory(self, n: int, first: bool, last: bool, in_flight: int) -> float:
+        act = n * self.a_layer + (self.a_first if first else 0.0) + (self.a_last if last else 0.0)
+        return in_flight * act + self.params(n, first, last) * self.state_per_param
+
+
+def _edge_times(topology: Topology, chain: Sequence[int], nbytes: float) -> list[float]:
+    return [
+        max(topology.transfer_time(a, b, nbytes), topology.transfer_time(b, a, nbytes))
+        for a, b in zip(chain, chain[1:])
+    ]
+
+
+def estimate(model: StageModel, topology: Topology, layers: Sequence[int], chain: Sequence[int],
+             microbatches: int, limits: Sequence[float],
+             replicas: Sequence[Sequence[int]] = ()) -> tuple[float, float]:
+    """(estimated 1F1B iteration time, estimated worst memory overshoot in bytes).
+
+    With ``replicas`` (more pipelines), each runs ceil(m / replicas) microbatches, a
+    stage's time is its slowest replica's, and each stage's gradient all-reduce adds
+    what the backwards of the stages before it cannot hide."""
+    table = [list(chain)] + [list(r) for r in replicas]
+    p, d = len(layers), len(table)
+    m = -(-microbatches // d)
+    devs = topology.devices
+    t = [max(model.fb_time(n, s == p - 1, devs[row[s]]) for row in table) for s, n in enumerate(layers)]
+    c = [max(e) for e in zip(*(_edge_times(topology, row, model.msg_bytes) for row in table))] if p > 1 else []
+    step = max(model.step_time(n, s == 0, s == p - 1, devs[row[s]])
+               for s, n in enumerate(layers) for row in table)
+    est = sum(t) + 2 * sum(c) + (m - 1) * max(max(t), max(c, default=0.0)) + step
+    if d > 1:
+        hidden = 0.0
+        tail = 0.0
+        for s, n in enumerate(layers):
+            ar = topology.allreduce_time([row[s] for row in table], model.params(n, s == 0, s == p - 1) * model.dt)
+            tail = max(tail, ar - hidden)
+            hidden += 2 * t[s] / 3
+        est += tail
+    over = max(
+        model.memory(n, s == 0, s == p - 1, min(p - s, m)) - limits[row[s]]
+        for s, n in enumerate(layers) for row in table
+    )
+    return est, over
+
+
+# ------------------------------------------------------------------------ cuts
+
+
+def _greedy_cut(cap, p: int, L: int, reverse: bool = False) -> list[int] | None:
+    """Pack stages in order (from the back with ``reverse``), each taking as many layers as
+    ``cap(s, n)`` allows while leaving one per remaining stage; None if infeasible.
+    ``cap(s, n)`` is True when stage s may hold n layers."""
+    out = [0] * p
+    left = L
+    order = range(p - 1, -1, -1) if reverse else range(p)
+    for k, s in enumerate(order):
+        remaining = p - 1 - k
+        hi = left - remaining
+        if hi < 1:
+            return None
+        if k == p - 1:
+            if not cap(s, left):
+                return None
+            out[s] = left
+            left = 0
+            break
+        # the largest n in 1..hi with cap(s, n): cap is monotone (true then false)
+        if not cap(s, 1):
+            return None
+        lo_n, hi_n = 1, hi
+        while lo_n < hi_n:
+            mid = (lo_n + hi_n + 1) // 2
+            if cap(s, mid):
+                lo_n = mid
+            else:
+                hi_n = mid - 1
+        out[s] = lo_n
+        left -= lo_n
+    return out if left == 0 else None
+
+
+def _bisect_cut(value, p: int, L: int, reverse: bool, extra_cap=None, iters: int = 40) -> list[int] | None:
+    """The cut minimising max_s value(s, n_s) (monotone in n), subject to extra_cap."""
+    def cap_for(T):
+        def cap(s, n):
+            return value(s, n) <= T and (extra_cap is None or extra_cap(s, n))
+        return cap
+
+    hi = max(value(s, L - p + 1) for s in range(p))
+    lo = 0.0
+    best = _greedy_cut(cap_for(hi), p, L, reverse)
+    if best is None:
+        return None
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        cut = _greedy_cut(cap_for(mid), p, L, reverse)
+        if cut is None:
+            lo = mid
+        else:
+            hi, best = mid, cut
+        if hi - lo <= 1e-9 * hi:
+            break
+    return best
+
+
+def _compositions(L: int, p: int) -> Iterable[tuple[int, ...]]:
+    for bars in itertools.combinations(range(1, L), p - 1):
+        edges = (0, *bars, L)
+        yield tuple(edges[i + 1] - edges[i] for i in range(p))
+
+
+def uniform_cut(L: int, p: int) -> list[int]:
+    base, extra = divmod(L, p)
+    return [base + (1 if s < extra else 0) for s in range(p)]
