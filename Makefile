@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: all install run simulate sweep compare test bench reproduce clean distclean
+.PHONY: all install run simulate sweep compare test test-fast bench reproduce clean distclean
 
 all: test
 
@@ -47,6 +47,10 @@ compare: $(STAMP)
 # pytest exits 5 when it collects no tests; that is not a failure here.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS) || { rc=$$?; [ $$rc -eq 5 ] || exit $$rc; }
+
+# The torch-free and unit tests (no ranks, no subprocesses, no large searches): under a minute.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS) || { rc=$$?; [ $$rc -eq 5 ] || exit $$rc; }
 
 # Performance lives here, not in the tests: each benchmark measures side by side in one run.
 bench: $(STAMP)

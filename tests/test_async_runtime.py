@@ -20,6 +20,8 @@ from pipeflow.runtime.async_executor import ReplicaVersions, weight_version
 from pipeflow.schedules.ir import WeightPolicy
 from pipeflow.schedules.versions import weight_versions
 
+pytestmark = pytest.mark.slow  # starts ranks or subprocesses: make test-fast leaves it out
+
 SMALL = [*pipeline_runs.GPT_SMALL, "trainer.timeline_step=null"]
 TIED = pipeline_runs.GPT_TIED
 

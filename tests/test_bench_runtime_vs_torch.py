@@ -9,6 +9,8 @@ import pytest
 
 from benchmarks import bench_runtime_vs_torch as bench
 
+pytestmark = pytest.mark.slow  # starts ranks or subprocesses: make test-fast leaves it out
+
 STEPS = 3
 
 

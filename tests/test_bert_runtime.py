@@ -16,6 +16,8 @@ import torch
 
 import pipeline_runs
 
+pytestmark = pytest.mark.slow  # starts ranks or subprocesses: make test-fast leaves it out
+
 # bert_tiny's 4 layers (one per stage at 4 stages), narrower and shorter for CI
 SMALL = [
     "model=bert_tiny",

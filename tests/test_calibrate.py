@@ -18,6 +18,8 @@ from pipeflow.config import ConfigError, compose, prepare_simulation
 from pipeflow.calibrate import calibrate
 from pipeflow.sim import simulate
 
+pytestmark = pytest.mark.slow  # starts ranks or subprocesses: make test-fast leaves it out
+
 TINY = [o for o in pipeline_runs.GPT_SMALL if not o.startswith("trainer.timeline_step")] + ["model.n_layer=4"]
 
 

@@ -16,6 +16,8 @@ import torch
 
 import pipeline_runs
 
+pytestmark = pytest.mark.slow  # starts ranks or subprocesses: make test-fast leaves it out
+
 SMALL = [
     "model=cbm_tiny",
     "data=image_text",

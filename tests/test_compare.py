@@ -21,6 +21,8 @@ from pipeflow.config import compose
 from pipeflow.runtime.launch import JobFailed
 from pipeflow.simulate import run_simulation
 
+pytestmark = pytest.mark.slow  # starts ranks or subprocesses: make test-fast leaves it out
+
 PNG = b"\x89PNG\r\n\x1a\n"
 TINY = ["model.n_layer=4", "model.n_embd=32", "model.n_head=2", "model.seq_len=32", "pipeline.microbatches=4",
         "pipeline.microbatch_size=2", "trainer.steps=6", "trainer.val_every=3", "trainer.val_batches=1",

@@ -18,6 +18,8 @@ from pipeflow.compare.table import (SIM_TOLERANCE_FEW_RANKS, SIM_TOLERANCE_MANY_
 
 MODEL = "gpt_tiny"
 
+pytestmark = pytest.mark.slow  # simulates and compares whole run folders
+
 
 def measured(root: Path, name: str, *, schedule: str = "1f1b", stages: int = 2, step_time: float = 0.5,
              seed: int = 1, world_size: int | None = None, finished: bool = True) -> Path:

@@ -33,6 +33,8 @@ from pipeflow.schedules.export import to_torch_csv, write_torch_csv
 from pipeflow.schedules.ir import Kind, StageGraph, WeightPolicy, parse_orders
 from pipeflow.schedules.registry import build_schedule
 
+pytestmark = pytest.mark.slow  # starts ranks or subprocesses: make test-fast leaves it out
+
 COMPUTE = {
     _ComputationType.FORWARD,
     _ComputationType.FULL_BACKWARD,

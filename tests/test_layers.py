@@ -135,6 +135,7 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     assert got == {"pipeflow.runtime.worker"} and _layer("pipeflow.runtime.worker") > _layer("pipeflow.schedules.bad")
 
 
+@pytest.mark.slow  # a subprocess or a large search
 @pytest.mark.parametrize("module", TORCH_FREE)
 def test_torch_free_layers_import_without_torch(module):
     code = f"import sys, {module}; print(sorted(m for m in ('torch', 'datasets', 'transformers') if m in sys.modules))"

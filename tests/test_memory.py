@@ -6,10 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 import pipeline_runs
 from pipeflow.runtime.memory import SavedBytes
+
+pytestmark = pytest.mark.slow  # starts ranks or subprocesses: make test-fast leaves it out
 
 
 def test_saved_tensors_are_counted_once_and_released_by_backward():

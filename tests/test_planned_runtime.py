@@ -15,6 +15,8 @@ from pipeflow.planning.planner import plan
 from pipeflow.planning.transformer import TransformerSpec
 from pipeflow.topology.presets import get_topology
 
+pytestmark = pytest.mark.slow  # starts ranks or subprocesses: make test-fast leaves it out
+
 SMALL = [*pipeline_runs.GPT_SMALL, "trainer.timeline_step=null", "trainer.steps=3", "runtime.dump_grads=true"]
 TIED = pipeline_runs.GPT_TIED
 

@@ -36,6 +36,7 @@ def small_spec(n_layer: int, vocab: int = 50257) -> TransformerSpec:
 GAPS: dict[str, list[float]] = {"one pipeline": [], "with replicas": []}
 
 
+@pytest.mark.slow  # a subprocess or a large search
 @pytest.mark.parametrize("replicas", ["one pipeline", "with replicas"])
 @pytest.mark.parametrize("m", [4, 8])
 @pytest.mark.parametrize("topo", sorted(SMALL_TOPOLOGIES))
@@ -66,6 +67,7 @@ def test_planner_near_exhaustive_and_beats_uniform(n_layer, topo, m, replicas):
         assert best.replicas == 1
 
 
+@pytest.mark.slow  # a subprocess or a large search
 def test_replicas_keep_the_all_reduce_inside_a_node():
     """Two DGX nodes on InfiniBand: a replicated plan puts each stage's replicas on one
     node's NVSwitch (the large all-reduce), and the pipeline edge across the NICs."""
@@ -119,6 +121,7 @@ def test_stage_model_matches_analytic_cost():
     assert model.msg_bytes == cost.message_bytes(0, 1, 0)
 
 
+@pytest.mark.slow  # a subprocess or a large search
 @pytest.mark.parametrize("limit_gb", [4.2, 4.6])
 def test_memory_limit_respected_and_matches_exhaustive(limit_gb):
     """A limit that rules out the fastest plans: the plan still fits (by simulation), and
@@ -146,6 +149,7 @@ def test_device_memory_is_a_limit_too():
         assert mem <= topo.devices[d].memory_bytes
 
 
+@pytest.mark.slow  # a subprocess or a large search
 def test_too_big_model_says_by_how_much():
     spec = small_spec(8)
     topo = get_topology("pcie_8", switches=2, gpus_per_switch=2)
@@ -190,6 +194,7 @@ def test_plan_json_round_trip(tmp_path, replicas):
     assert Plan.from_json((tmp_path / "plan.json").read_text()) == best
 
 
+@pytest.mark.slow  # a subprocess or a large search
 def test_96_layers_on_64_devices_plans_in_seconds():
     spec = TransformerSpec("gpt_96", 96, 32, 2048, 50257, 1024)
     topo = get_topology("cluster", nodes=8)
@@ -228,6 +233,7 @@ def test_app_too_big_is_one_sentence(tmp_path):
         run_plan(cfg, tmp_path)
 
 
+@pytest.mark.slow  # a subprocess or a large search
 def test_app_console_script_end_to_end(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run(

@@ -13,6 +13,8 @@ from pipeflow.planning.cost import ProfiledCost, build_cost_model
 from pipeflow.planning.partition import partition_layers
 from pipeflow.planning.profile import LayerProfile, ModelProfile, partition_profile, stage_costs
 
+pytestmark = pytest.mark.slow  # starts ranks or subprocesses: make test-fast leaves it out
+
 
 def make_profile(block_times, emb=(1, 0, 0), head=(1, 0, 0), acts=None, params=None, n_embd=8, seq_len=16):
     """A hand-made profile: integer times (so float comparisons are exact), F = B = time / 2."""

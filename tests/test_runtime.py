@@ -22,14 +22,17 @@ import torch
 
 import pipeline_runs
 from pipeflow.runtime.launch import JobFailed
+from pipeflow.schedules.registry import specs
+
+pytestmark = pytest.mark.slow  # starts ranks or subprocesses: make test-fast leaves it out
 
 SMALL = pipeline_runs.GPT_SMALL
 
-CASES = [
-    (name, p)
-    for p in (2, 4)
-    for name in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "chimera")
-]
+# every registered synchronous chain schedule the runtime runs from its generator (the
+# segmented ones: test_seq_runtime; asynchronous: test_async_runtime; bapp: test_cbm_runtime)
+SPECS = {s.name: s for s in specs() if s.runtime and s.generator is not None and not s.asynchronous
+         and not s.segments and not s.branch_aware}
+CASES = [(name, p) for p in (2, 4) for name in SPECS]
 
 
 def train(run_dir: Path, *overrides: str) -> dict:
@@ -43,7 +46,7 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize("name,p", CASES)
 def test_gradients_and_losses_match_single_device(name, p, reference, tmp_path):
-    extra = ["pipeline.virtual_stages=2"] if name == "interleaved_1f1b" else []
+    extra = ["pipeline.virtual_stages=2"] if SPECS[name].virtual_stages else []
     run = train(tmp_path, f"schedule={name}", f"pipeline.stages={p}", "trainer.steps=5", "runtime.dump_grads=true", *extra)
     ref = reference["grads"]
     assert set(run["grads"]) == set(ref)

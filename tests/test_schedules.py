@@ -5,7 +5,7 @@ import pytest
 from pipeflow.schedules import Action, Kind, validate
 from pipeflow.schedules.common import ScheduleConfigError
 from pipeflow.schedules.ir import Placement, StageGraph, parse_orders
-from pipeflow.schedules.registry import build_schedule, schedule_names
+from pipeflow.schedules.registry import build_schedule, schedule_names, specs
 
 P_GRID = [2, 3, 4, 6, 8]
 
@@ -37,6 +37,40 @@ def test_generator_passes_validator(name, p, m):
         per_mb_stage = 3 if s.uses_split_backward() else 2
         assert len(computes) == s.num_stages * m * per_mb_stage
         assert len(set(computes)) == len(computes)
+
+
+def _chain_specs():
+    """Every registered schedule a chain of stages runs from its generator alone."""
+    return [s for s in specs() if s.generator is not None and not s.branch_aware]
+
+
+@pytest.mark.parametrize("spec", _chain_specs(), ids=lambda s: s.name)
+def test_every_registered_schedule_over_a_grid(spec):
+    """Grows with the registry: each schedule, over stages 2..6 and microbatches 1..2p
+    (2 chunks where it interleaves, 2 segments where it splits sequences), either refuses
+    the sizes with a config-key error or generates a schedule the validator accepts;
+    some sizes must be accepted, and it exports to torch exactly when its spec says so."""
+    from pipeflow.schedules.export import check_exportable
+
+    tried = accepted = 0
+    for p in (2, 3, 4, 6):
+        for m in range(1, 2 * p + 1):
+            tried += 1
+            try:
+                s = build_schedule(spec.name, p, m, virtual_stages=2 if spec.virtual_stages else 1,
+                                   segments=2 if spec.segments else 1, check=False)
+            except ScheduleConfigError as err:
+                assert str(err).startswith(("pipeline.", "schedule.")), err
+                continue
+            accepted += 1
+            validate(s)
+            try:
+                check_exportable(s)
+                exports = True
+            except ValueError:
+                exports = False
+            assert exports == spec.exportable, (spec.name, p, m)
+    assert accepted >= 4, f"{spec.name} accepted {accepted} of {tried} sizes"
 
 
 def test_registry_names():

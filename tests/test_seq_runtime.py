@@ -13,6 +13,8 @@ import torch
 
 import pipeline_runs
 
+pytestmark = pytest.mark.slow  # starts ranks or subprocesses: make test-fast leaves it out
+
 SMALL = [*pipeline_runs.GPT_SMALL, "trainer.timeline_step=null", "model.seq_len=48", "trainer.steps=5",
          "runtime.dump_grads=true"]
 TIED = pipeline_runs.GPT_TIED

@@ -233,6 +233,7 @@ def _run(args: list[str], cwd: Path, cli: list[str] | None = None) -> subprocess
     )
 
 
+@pytest.mark.slow  # a subprocess or a large search
 def test_console_script_from_another_directory(tmp_path):
     run_dir = tmp_path / "run"
     proc = _run(["cost=unit", "export=torch_csv", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
@@ -246,6 +247,7 @@ def test_console_script_from_another_directory(tmp_path):
         assert (run_dir / name).exists(), name
 
 
+@pytest.mark.slow  # a subprocess or a large search
 def test_module_entry_point_reports_a_bad_config_in_one_line(tmp_path):
     proc = _run(["schedule=chimera", "pipeline.stages=3", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path,
                 cli=[sys.executable, "-m", "pipeflow.simulate"])
@@ -256,6 +258,7 @@ def test_module_entry_point_reports_a_bad_config_in_one_line(tmp_path):
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
+@pytest.mark.slow  # a subprocess or a large search
 def test_multirun_writes_one_summary_per_job(tmp_path):
     sweep = tmp_path / "multi"
     proc = _run(["-m", "schedule=gpipe,1f1b", *UNIT, f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
@@ -264,6 +267,7 @@ def test_multirun_writes_one_summary_per_job(tmp_path):
     assert sorted(s["schedule"] for s in summaries) == ["1f1b", "gpipe"]
 
 
+@pytest.mark.slow  # a subprocess or a large search
 def test_sweep_config_file(tmp_path):
     sweep = tmp_path / "multi"
     proc = _run(

@@ -27,6 +27,8 @@ from pipeflow.plan import compose_plan, prepare_plan, register_plan_configs, run
 from pipeflow.tracking.labels import logger_labels
 from test_tracking import of_type, offline_run_file, wandb_records
 
+pytestmark = pytest.mark.slow  # starts ranks or subprocesses: make test-fast leaves it out
+
 SWEEPS = CONF_DIR.parent / "sweeps"
 SWEEP_FILES = sorted(SWEEPS.glob("*.yaml"))
 # the keys pipeflow-compare reads from a simulated run's summary.json

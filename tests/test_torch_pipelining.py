@@ -21,6 +21,8 @@ from omegaconf import OmegaConf
 from pipeflow.config import compose, prepare_training
 from pipeflow.runtime.launch import TrainJob, free_port, launch, rank_context
 
+pytestmark = pytest.mark.slow  # starts ranks or subprocesses: make test-fast leaves it out
+
 # tests/test_runtime.py's small model with 4 layers: 2 per stage
 OVERRIDES = [
     "model.n_layer=4",

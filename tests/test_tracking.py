@@ -19,6 +19,8 @@ from pipeflow.sim.timeline import Event, Timeline
 from pipeflow.tracking import MetricsSink, Progress, flat_scalars, read_metrics, resolve_wandb_mode
 from pipeflow.tracking.sink import wandb_credentials
 
+pytestmark = pytest.mark.slow  # starts ranks or subprocesses: make test-fast leaves it out
+
 PNG = b"\x89PNG\r\n\x1a\n"
 NO_WANDB = {"name": "none"}
 

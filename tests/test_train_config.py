@@ -435,6 +435,7 @@ def test_a_bad_config_stops_the_app_in_one_line(tmp_path):
     assert not any(run_dir.glob("*.json*")) and not (run_dir / "wandb").exists()  # no rank ever started
 
 
+@pytest.mark.slow  # a subprocess or a large search
 def test_the_check_does_not_load_torch():
     """Checking a config imports neither torch nor wandb nor datasets, so a bad one is refused at once."""
     code = ("import sys; from pipeflow.config import compose, prepare_training; import pipeflow.train; "
@@ -445,6 +446,7 @@ def test_the_check_does_not_load_torch():
     assert proc.stdout.strip() == "[]"
 
 
+@pytest.mark.slow  # a subprocess or a large search
 def test_a_bad_combination_stops_the_app_in_one_line_before_any_rank(tmp_path):
     run_dir = tmp_path / "run"
     proc = _run(["schedule=chimera", "pipeline.stages=3", "logger=none", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
@@ -455,6 +457,7 @@ def test_a_bad_combination_stops_the_app_in_one_line_before_any_rank(tmp_path):
     assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "summary.json").exists()
 
 
+@pytest.mark.slow  # a subprocess or a large search
 def test_a_bad_multirun_job_does_not_stop_the_others(tmp_path):
     sweep = tmp_path / "multi"
     proc = _run(["-m", "schedule.name=nope,chimera", "pipeline.stages=3", f"hydra.sweep.dir={sweep}"], cwd=tmp_path)

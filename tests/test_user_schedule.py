@@ -18,6 +18,8 @@ import torch
 import pipeline_runs
 from pipeflow.config import ConfigError, compose, prepare_simulation, schedule_options
 
+pytestmark = pytest.mark.slow  # starts ranks or subprocesses: make test-fast leaves it out
+
 GENERATOR = '''
 """1F1B with twice the warm-up: more microbatches in flight, the same bubble."""
 from pipeflow.schedules.common import check_basic, finish_sync, warmup_alternate_drain

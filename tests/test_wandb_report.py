@@ -30,6 +30,8 @@ from pipeflow.compare.wandb_report import (
     sync_offline_runs,
 )
 
+pytestmark = pytest.mark.slow  # starts ranks or subprocesses: make test-fast leaves it out
+
 TABLE = "| schedule | mean_tokens_per_s |\n|---|---|\n| 1f1b | 1234.5 |\n| gpipe | 987.6 |"
 GROUPS = ["train-2026-11-21_10-00-00", "train-2026-11-21_11-30-00"]
 

@@ -38,7 +38,7 @@ PLANNED_SPEC = register(ScheduleSpec(
     PLANNED, None, "the topology-aware planner's partition, device mapping and 1F1B (pipeflow-plan)",
     # plan: a plan.json written by pipeflow-plan (null: plan at start-up for the run's model,
     # topology and microbatches); memory_limit_gb: per device, for that planning
-    config_keys={"plan": str, "memory_limit_gb": float}, assemble=_assemble_planned, supports={}), replace=True)
+    config_keys={"plan": str, "memory_limit_gb": float}, assemble=_assemble_planned, single_pipeline=False), replace=True)
 
 
 def runtime_schedules() -> list[str]:

@@ -43,3 +43,23 @@ def check_group_choices(args: Sequence[str], config_dir: Path = CONF_DIR) -> Non
         for value in values:
             if value not in options:
                 raise ConfigError(f"{group}={value}: unknown {group}; allowed values: {', '.join(options)}")
+
+
+def schedule_table() -> str:
+    """Every registered schedule as a markdown table, from its spec: what the docs and the
+    README show (a test keeps them equal to this)."""
+    from .assembly import PLANNED_SPEC  # noqa: F401 - schedule=planned is registered there
+    from pipeflow.schedules.registry import specs
+
+    def mark(flag: bool) -> str:
+        return "yes" if flag else ""
+
+    rows = ["| schedule | what it does | weights | chunks | segments | branched model | train | torch export "
+            "| options |", "|---|---|---|---|---|---|---|---|---|"]
+    for spec in specs():
+        d = spec.describe()
+        options = ", ".join(f"`{k}`" for k in d["options"])
+        rows.append(f"| `{d['name']}` | {d['summary']} | {'asynchronous' if d['asynchronous'] else 'flush'} "
+                    f"| {mark(d['virtual_stages'])} | {mark(d['segments'])} | {d['branched']} "
+                    f"| {mark(d['runtime'])} | {mark(d['export'])} | {options} |")
+    return "\n".join(rows)

@@ -1,4 +1,4 @@
-"""Planning: cost models, and (elsewhere in this package) partitioners, mapping and planners (torch-free)."""
+"""Planning (torch-free): cost models, partitioners, the topology-aware planner, BAPP's coordinator."""
 
 from .cost import AnalyticCost, CostModel, UnitCost, build_cost_model
 from .transformer import (

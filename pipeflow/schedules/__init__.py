@@ -1,4 +1,4 @@
-"""Schedule IR, validator and generators (torch-free)."""
+"""Schedule IR, specs, registry, validator and generators (torch-free)."""
 
 from .ir import Action, Kind, Placement, Schedule, StageGraph, WeightPolicy
 from .validate import ScheduleError, validate

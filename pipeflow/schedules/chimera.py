@@ -82,4 +82,5 @@ def chimera(stages: int, microbatches: int) -> Schedule:
     )
 
 
-SPEC = ScheduleSpec("chimera", chimera, "two pipelines in opposite directions over the same devices", groupable=True)
+SPEC = ScheduleSpec("chimera", chimera, "two pipelines in opposite directions over the same devices", groupable=True,
+                    single_pipeline=False)

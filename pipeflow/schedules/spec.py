@@ -73,6 +73,7 @@ class ScheduleSpec:
     asynchronous: bool = False  # weights update without a flush; a run covers schedule.windows steps
     groupable: bool = False  # a chain schedule that also runs a branched model, stages grouped onto a chain
     runtime: bool = True  # pipeflow-train executes it (otherwise pipeflow-simulate only)
+    single_pipeline: bool = True  # one pipeline replica (Chimera places two; a plan may replicate stages)
     # schedule.* keys the configuration layer reads itself (bapp's coordinator, the planner's
     # plan file): name -> scalar type; null by default
     config_keys: Mapping[str, type] = field(default_factory=dict)
@@ -112,8 +113,8 @@ class ScheduleSpec:
 
     @property
     def exportable(self) -> bool:
-        """torch's CSV format can carry it: synchronous, whole sequences, a chain."""
-        return not (self.asynchronous or self.segments or self.branch_aware)
+        """torch's CSV format can carry it: one pipeline, synchronous, whole sequences, a chain."""
+        return self.single_pipeline and not (self.asynchronous or self.segments or self.branch_aware)
 
     @property
     def options(self) -> dict[str, Option]:
