@@ -39,7 +39,6 @@ need a world collective at every update, which is a flush.
 from __future__ import annotations
 
 import math
-import time
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -52,7 +51,6 @@ from ..schedules.ir import Action, Kind, Schedule, WeightPolicy
 from ..schedules.validate import dry_run
 from ..schedules.versions import forward_version
 from ..schedules.zero import zero_owners
-from ..sim.timeline import Event
 from .executor import Executor, Groups, StageState
 
 KEEP = (WeightPolicy.STASH, WeightPolicy.DOUBLE_BUFFER)  # backward uses the forward's version
@@ -233,10 +231,6 @@ class AsyncExecutor(Executor):
         before the chunk; ``base_mb``: the run's id of the chunk's first microbatch."""
         if len(batches) != self.windows:
             raise ValueError(f"chunk of {len(batches)} steps for a schedule of {self.windows} windows")
-        outbox: dict = {}
-        inbox: dict = {}
-        local: dict = {}
-        sends: list = []
         upd = self.schedule.update_of_microbatch
         losses = torch.zeros(self.windows, dtype=torch.float64)
         sq_norms = torch.zeros(len(self.updates), dtype=torch.float64)
@@ -247,68 +241,58 @@ class AsyncExecutor(Executor):
         fwd_v: dict[tuple[int, int, int], int] = {}
         applied: dict[tuple[int, int, int], int] = {}
         records: list[dict] = []
-        busy = 0.0
-        events: list[Event] = []
-        t0 = time.perf_counter() if t0 is None else t0
         tied_copies = {k: st for k, st in self.stages.items() if st.tied}
         for (pipe, stage), st in self.stages.items():
             if st.versions.live != base_update:
                 st.versions.live = base_update  # a resumed run: its stash is gone, versions restart
                 st.versions.stash.clear()
-        for pos, (posts, a) in enumerate(self.plan):
-            self._flush(posts, outbox, inbox, sends)
-            self._await_inputs(a, inbox)
-            start = time.perf_counter()
-            st = self.stages.get((a.pipe, a.stage))
-            if a.kind == Kind.F:
-                u = base_update + upd[a.microbatch]
-                v = forward_version(self.policy, st.versions.live, u)
-                if v != st.versions.live and v not in st.versions.stash:
-                    v = st.versions.live  # 2BW after a resume: the previous version is gone
-                fwd_v[(a.pipe, a.stage, a.microbatch)] = v
-                if self.policy in KEEP:
-                    st.versions.refs[v] += 1
-                loss = self._versioned_forward(a, st, v, batches, normalizers, inbox, local, outbox)
-                losses[a.microbatch // self.m] += loss
-            elif a.kind == Kind.B:
-                key = (a.pipe, a.stage, a.microbatch)
-                self._backward(a, inbox, local, outbox, full=True)
-                f = fwd_v.pop(key)
-                b = f if self.policy in KEEP else st.versions.live
-                if self.policy in KEEP:
-                    st.versions.release(f)
-                records.append({"pipe": a.pipe, "stage": a.stage, "microbatch": base_mb + a.microbatch,
-                                "update": base_update + upd[a.microbatch], "forward": f, "backward": b})
-            elif a.kind == Kind.REDUCE:
-                reduces[(a.pipe, a.stage, a.version)] = self._reduce_async(a, taken)
-            elif a.kind == Kind.STEP:
-                applied[(a.pipe, a.stage, base_update + a.version)] = st.versions.live
-                self._step(a, st, taken, reduces, tied_work, lrs, base_update, sq_norms)
-            else:
-                raise NotImplementedError(f"{a}: asynchronous schedules run F, B, REDUCE and STEP")
-            for key in self.take_after.get(pos, ()):
+
+        def forward(a: Action, io) -> None:
+            st = self.stages[(a.pipe, a.stage)]
+            u = base_update + upd[a.microbatch]
+            v = forward_version(self.policy, st.versions.live, u)
+            if v != st.versions.live and v not in st.versions.stash:
+                v = st.versions.live  # 2BW after a resume: the previous version is gone
+            fwd_v[(a.pipe, a.stage, a.microbatch)] = v
+            if self.policy in KEEP:
+                st.versions.refs[v] += 1
+            self._fwd_version = v  # the version _hooks swaps in for this forward
+            losses[a.microbatch // self.m] += self._forward(a, batches, normalizers, io.inbox, io.local, io.outbox)
+
+        def backward(a: Action, io) -> None:
+            st = self.stages[(a.pipe, a.stage)]
+            self._backward(a, io.inbox, io.local, io.outbox, full=True)
+            f = fwd_v.pop((a.pipe, a.stage, a.microbatch))
+            b = f if self.policy in KEEP else st.versions.live
+            if self.policy in KEEP:
+                st.versions.release(f)
+            records.append({"pipe": a.pipe, "stage": a.stage, "microbatch": base_mb + a.microbatch,
+                            "update": base_update + upd[a.microbatch], "forward": f, "backward": b})
+
+        def reduce(a: Action, io) -> None:
+            reduces[(a.pipe, a.stage, a.version)] = self._reduce_async(a, taken)
+
+        def step(a: Action, io) -> None:
+            st = self.stages[(a.pipe, a.stage)]
+            applied[(a.pipe, a.stage, base_update + a.version)] = st.versions.live
+            self._step(a, st, taken, reduces, tied_work, lrs, base_update, sq_norms)
+
+        def after(a: Action, pos: int) -> None:
+            for key in self.take_after.get(pos, ()):  # a replica's gradient of an update is complete
                 self._take_grads(key, taken, tied_local, tied_work, tied_copies, base_update)
-            end = time.perf_counter()
-            if a.kind != Kind.REDUCE:
-                busy += end - start
-            if record:
-                events.append(Event(self.rank, str(a), a.kind, a.stage, a.microbatch, a.pipe, a.segment,
-                                    start - t0, end - t0, "collective" if a.kind == Kind.REDUCE else "compute"))
-        self._flush(self.tail, outbox, inbox, sends)
+
+        handlers = {Kind.F: forward, Kind.B: backward, Kind.REDUCE: reduce, Kind.STEP: step}
+        busy, events, io = self._walk(self.plan, self.tail, handlers, record, t0, after=after)
         # tied updates no STEP of this chunk could take: apply them now, in order
         for (pipe, stage, w), us in sorted(self.tied_plan.items(), key=lambda kv: kv[0][2] < 0):
             if w == -1:
                 st = self.stages[(pipe, stage)]
                 for u in us:
                     self._apply_tied(st, u, tied_work, lrs, base_update, sq_norms, stage_first=st.first and pipe == 0)
-        for work, _tensor in sends:
-            work.wait()
         for r in reduces.values():
             if r is not None:
                 r[0].wait()
-        if inbox or outbox or local:
-            raise RuntimeError(f"rank {self.rank}: messages left over after the chunk: "
-                               f"{sorted(list(inbox) + list(outbox) + list(local))[:6]}")
+        self._finish(io, "chunk")
         for rec in records:
             rec["applied"] = applied.get((rec["pipe"], rec["stage"], rec["update"]), rec["forward"])
             rec["mismatch"] = rec["backward"] - rec["forward"]
@@ -325,10 +309,6 @@ class AsyncExecutor(Executor):
         return ChunkStats(step_losses, grad_norms, busy, records, events)
 
     # ---- forward with a weight version -------------------------------------------------
-    def _versioned_forward(self, a: Action, st: StageState, version: int, batches, normalizers, inbox, local, outbox):
-        self._fwd_version = version
-        return self._forward(a, batches, normalizers, inbox, local, outbox)
-
     def _hooks(self, st: StageState):
         return weight_version(st.versions, self._fwd_version, self.meter)
 

@@ -67,6 +67,18 @@ class StepStats:
     events: list  # timeline events of this rank when recorded
 
 
+@dataclass
+class Messages:
+    """The messages of one walk: received or being received (``inbox``: buffer and its
+    pending work), produced for another rank (``outbox``) or for a stage on this rank
+    (``local``), and the sends in flight (with their tensors, alive until sent)."""
+
+    inbox: dict = field(default_factory=dict)
+    outbox: dict = field(default_factory=dict)
+    local: dict = field(default_factory=dict)
+    sends: list = field(default_factory=list)
+
+
 class Groups:
     """Process groups every rank creates in the same order: one per replicated stage
     (so their all-reduces never interfere, whatever order ranks issue them in), and one
@@ -171,43 +183,32 @@ class Executor:
         else:
             outbox[key] = tensor
 
-    # ---- one iteration ----------------------------------------------------------------
-    def train_step(self, batch, normalizer: float, lr: float, record: bool = False, t0: float | None = None) -> StepStats:
-        """Run this rank's actions for one iteration; ``busy`` in the result is this
-        rank's compute time (the caller reduces it across ranks if it wants the total)."""
-        outbox: dict = {}
-        inbox: dict = {}
-        local: dict = {}
-        sends: list = []
-        reduces: list = []
-        loss_sum = torch.zeros((), dtype=torch.float64)
+    # ---- the walk ---------------------------------------------------------------------
+    def _walk(self, plan, tail, handlers: dict, record: bool = False, t0: float | None = None,
+              before: Callable | None = None, after: Callable | None = None) -> tuple[float, list, "Messages"]:
+        """Walk a lowered action list once: post each step's messages, wait for the
+        action's inputs (idle time, not compute), run its kind's handler ``handler(a, io)``
+        (then ``after(a, pos)``, still timed), and record it. ``before(a)`` runs ahead of the
+        wait, untimed (the synchronous step's world all-reduce). Every executor (a
+        synchronous step, an asynchronous chunk, an evaluation) is this walk with its own
+        handlers. Returns (busy seconds, events, the messages), the tail's messages posted;
+        :meth:`_finish` completes them."""
+        io = Messages()
         busy = 0.0
         events: list[Event] = []
         t0 = time.perf_counter() if t0 is None else t0
-        synced: tuple[float, float] | None = None
-        for posts, a in self.plan:
-            self._flush(posts, outbox, inbox, sends)
-            if a.kind == Kind.STEP and synced is None:
-                # the world all-reduce for the clip norm and the loss: not compute, not busy
-                synced = self._synchronise(reduces, loss_sum)
-            self._await_inputs(a, inbox)  # waiting for a message is idle time, not compute
+        for pos, (posts, a) in enumerate(plan):
+            self._flush(posts, io.outbox, io.inbox, io.sends)
+            if before is not None:
+                before(a)
+            self._await_inputs(a, io.inbox)
+            handler = handlers.get(a.kind)
+            if handler is None:
+                raise NotImplementedError(f"{a}: {type(self).__name__} runs {', '.join(map(str, handlers))} actions")
             start = time.perf_counter()
-            if a.kind == Kind.F:
-                loss_sum += self._forward(a, batch, normalizer, inbox, local, outbox)
-            elif a.kind == Kind.B:
-                self._backward(a, inbox, local, outbox, full=True)
-            elif a.kind == Kind.I:
-                self._backward(a, inbox, local, outbox, full=False)
-            elif a.kind == Kind.W:
-                self._weight(a)
-            elif a.kind == Kind.REDUCE:
-                reduces.append(self._reduce(a))
-            elif a.kind == Kind.STEP:
-                st = self.stages[(a.pipe, a.stage)]
-                for group in st.optimizer.param_groups:
-                    group["lr"] = lr
-                st.optimizer.step()
-                st.optimizer.zero_grad(set_to_none=True)
+            handler(a, io)
+            if after is not None:
+                after(a, pos)
             end = time.perf_counter()
             if a.kind != Kind.REDUCE:  # REDUCE only issues an asynchronous all-reduce
                 busy += end - start
@@ -216,17 +217,55 @@ class Executor:
                     Event(self.rank, str(a), a.kind, a.stage, a.microbatch, a.pipe, a.segment, start - t0, end - t0,
                           "collective" if a.kind == Kind.REDUCE else "compute")
                 )
-        self._flush(self.tail, outbox, inbox, sends)
-        for work, _tensor in sends:
+        self._flush(tail, io.outbox, io.inbox, io.sends)
+        return busy, events, io
+
+    def _finish(self, io: "Messages", what: str) -> None:
+        """Wait for the walk's sends; nothing may be left unconsumed."""
+        for work, _tensor in io.sends:
             work.wait()
-        if synced is None:
-            raise RuntimeError(f"schedule {self.schedule.name!r} has no STEP on rank {self.rank}; nothing was updated")
-        if inbox or outbox or local:
+        if io.inbox or io.outbox or io.local:
             raise RuntimeError(
-                f"rank {self.rank}: messages left over after the iteration: "
-                f"{sorted(list(inbox) + list(outbox) + list(local))[:6]}"
+                f"rank {self.rank}: messages left over after the {what}: "
+                f"{sorted(list(io.inbox) + list(io.outbox) + list(io.local))[:6]}"
             )
-        grad_norm, loss = synced
+
+    def _compute_handlers(self, batch, normalizer, loss_sum: torch.Tensor) -> dict:
+        """F, B, I and W: the handlers both executors share (the forward adds its loss to ``loss_sum``)."""
+        return {
+            Kind.F: lambda a, io: loss_sum.add_(self._forward(a, batch, normalizer, io.inbox, io.local, io.outbox)),
+            Kind.B: lambda a, io: self._backward(a, io.inbox, io.local, io.outbox, full=True),
+            Kind.I: lambda a, io: self._backward(a, io.inbox, io.local, io.outbox, full=False),
+            Kind.W: lambda a, io: self._weight(a),
+        }
+
+    # ---- one iteration ----------------------------------------------------------------
+    def train_step(self, batch, normalizer: float, lr: float, record: bool = False, t0: float | None = None) -> StepStats:
+        """Run this rank's actions for one iteration; ``busy`` in the result is this
+        rank's compute time (the caller reduces it across ranks if it wants the total)."""
+        reduces: list = []
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        synced: list[tuple[float, float]] = []
+
+        def before(a: Action) -> None:
+            if a.kind == Kind.STEP and not synced:
+                # the world all-reduce for the clip norm and the loss: not compute, not busy
+                synced.append(self._synchronise(reduces, loss_sum))
+
+        def step(a: Action, io) -> None:
+            st = self.stages[(a.pipe, a.stage)]
+            for group in st.optimizer.param_groups:
+                group["lr"] = lr
+            st.optimizer.step()
+            st.optimizer.zero_grad(set_to_none=True)
+
+        handlers = {**self._compute_handlers(batch, normalizer, loss_sum),
+                    Kind.REDUCE: lambda a, io: reduces.append(self._reduce(a)), Kind.STEP: step}
+        busy, events, io = self._walk(self.plan, self.tail, handlers, record, t0, before=before)
+        self._finish(io, "iteration")
+        if not synced:
+            raise RuntimeError(f"schedule {self.schedule.name!r} has no STEP on rank {self.rank}; nothing was updated")
+        grad_norm, loss = synced[0]
         return StepStats(loss, grad_norm, busy, events)
 
     def _forward(self, a: Action, batch, normalizer, inbox, local, outbox) -> torch.Tensor:
@@ -420,21 +459,19 @@ class Executor:
     # ---- evaluation -------------------------------------------------------------------
     @torch.no_grad()
     def eval_loss(self, batch, normalizer: float) -> float:
-        outbox: dict = {}
-        inbox: dict = {}
-        local: dict = {}
-        sends: list = []
+        """The loss of a forward-only walk (the forwards and their messages)."""
         loss_sum = torch.zeros((), dtype=torch.float64)
-        for posts, a in self.eval_plan:
-            self._flush(posts, outbox, inbox, sends)
-            loss_sum += self._forward(a, batch, normalizer, inbox, local, outbox)
+        forward = self._compute_handlers(batch, normalizer, loss_sum)[Kind.F]
+
+        def evaluate(a: Action, io) -> None:
+            forward(a, io)
             st = self.stages[(a.pipe, a.stage)]
             st.saved.pop((a.microbatch, a.segment), None)
             if self.segmented and a.segment + 1 == self.schedule.num_segments:
                 st.kv.pop(a.microbatch, None)  # the microbatch's last segment: its K/V are done
-        self._flush(self.eval_tail, outbox, inbox, sends)
-        for work, _tensor in sends:
-            work.wait()
+
+        _, _, io = self._walk(self.eval_plan, self.eval_tail, {Kind.F: evaluate})
+        self._finish(io, "evaluation")
         vec = loss_sum.reshape(1).clone()
         dist.all_reduce(vec)
         return vec.item()
