@@ -14,7 +14,7 @@ import resource
 import signal
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -30,7 +30,7 @@ from ..schedules.zero import zero_owners
 from ..sim.timeline import Timeline
 from . import checkpoint
 from .adapters import CBMAdapter, make_adapter
-from .async_executor import AsyncExecutor
+from .async_executor import AsyncExecutor, ChunkStats
 from .executor import Executor, Groups, StageState
 from .launch import TrainJob
 
@@ -147,6 +147,40 @@ class RankSetup:
             self.chunk_executors[windows] = self.make_chunk(windows)
         return self.chunk_executors[windows]
 
+    @property
+    def steps_per_chunk(self) -> int:
+        """The most steps one chunk runs without a flush: a synchronous step is a chunk of one."""
+        return self.schedule.windows if self.is_async else 1
+
+    @property
+    def evaluator(self) -> Executor:
+        return self.eval_executor or self.executor
+
+    def run_chunk(self, batches: list, normalizers: list, lrs: list, first: int, record: bool, t0: float):
+        """Run steps ``first`` .. ``first + len(batches) - 1`` without a flush between them:
+        (the executor that ran them, its ChunkStats)."""
+        if not self.is_async:
+            ex = self.executor
+            ex.meter.reset_step()
+            st = ex.train_step(batches[0], normalizers[0], lrs[0], record=record, t0=t0)
+            return ex, ChunkStats([st.loss], [st.grad_norm], st.busy, [], st.events)
+        ex = self.chunk_executor(len(batches))
+        ex.meter.reset_step()
+        m = self.schedule.microbatches_per_step
+        return ex, ex.train_chunk(batches, normalizers, lrs, base_update=(first - 1) * ex.updates_per_step,
+                                  base_mb=(first - 1) * m, record=record, t0=t0)
+
+
+@dataclass
+class RunState:
+    """Rank 0's account of the run so far (the other ranks keep it too, unread)."""
+
+    step: int  # the last step done
+    train_time: float  # seconds in training steps (validation and checkpoints left out)
+    history: list = field(default_factory=list)  # the metrics of every step
+    val_losses: list = field(default_factory=list)
+    staleness: list = field(default_factory=list)  # asynchronous: every microbatch's weight versions
+
 
 def build_rank(cfg: dict, rank: int, device: torch.device, on_grads=None) -> RankSetup:
     """Build this rank's share of the job. Needs the process group (it creates groups)."""
@@ -223,8 +257,7 @@ def build_rank(cfg: dict, rank: int, device: torch.device, on_grads=None) -> Ran
 
 def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
     cfg = job.cfg
-    pipe_cfg, trainer, optim, runtime = cfg["pipeline"], cfg["trainer"], cfg["optim"], cfg["runtime"]
-    seed = int(cfg["seed"])
+    pipe_cfg, trainer, runtime = cfg["pipeline"], cfg["trainer"], cfg["runtime"]
     dump_dir = Path(job.run_dir) / "grads"
     dumped = []
 
@@ -242,10 +275,9 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
         torch.save(grads, dump_dir / f"rank{rank}.pt")
 
     setup = build_rank(cfg, rank, device, on_grads=dump_grads if runtime.get("dump_grads") else None)
-    schedule, layers, stages, executor = setup.schedule, setup.layers_per_stage, setup.stages, setup.executor
-    seq_len = setup.adapter.seq_len
+    schedule, layers, stages = setup.schedule, setup.layers_per_stage, setup.stages
     mbs = setup.adapter.mbs
-    m = schedule.num_microbatches
+    m = int(pipe_cfg["microbatches"])  # per step (an asynchronous schedule's IR spans schedule.windows steps)
 
     # the data set is built (and cached) by rank 0 first so ranks do not race on the cache
     if rank != 0:
@@ -280,72 +312,11 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
     one_host = len(set(hosts)) == 1
     steps = int(trainer["steps"])
     batch_size = m * mbs
-    tokens = batch_size * seq_len
-    history: list[dict] = []
-    val_losses: list[float] = []
     t_start = time.perf_counter()
-    staleness: list[dict] = []
-    # seconds spent in training steps so far (validation and checkpoints left out); a
-    # resumed run goes on from the time its metrics recorded at the checkpoint
-    clock = [_train_time_at(job.run_dir, start_step) if rank == 0 and start_step else 0.0]
-    if setup.is_async:
-        _run_async(rank, job, setup, data, sink, progress, start_step, one_host, history, val_losses, staleness, meta,
-                   clock)
-    for step in [] if setup.is_async else range(start_step + 1, steps + 1):
-        if runtime.get("fail_at_step") == step and (runtime.get("fail_rank") or 0) == rank:
-            if runtime.get("fail_mode", "raise") == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            raise RuntimeError(f"injected failure on rank {rank} at step {step} (runtime.fail_at_step)")
-        torch.manual_seed(seed * 1_000_003 + step)  # dropout (if any) is a function of the step
-        batch = data.train_batch(step, batch_size)
-        normalizer = setup.adapter.normalizer(batch)  # microbatch losses add up to the batch mean
-        lr = lr_at(step, optim, steps)
-        record = step == trainer.get("timeline_step")
-        t0 = _start_clock(record and one_host)
-        executor.meter.reset_step()
-        stats = executor.train_step(batch, normalizer, lr, record=record, t0=t0)
-        step_time = time.perf_counter() - t0
-        busy, saved = _busy_and_saved(stats.busy, executor.meter, job.world_size)
-        clock[0] += step_time
-        metrics = {
-            "loss": stats.loss,
-            "lr": lr,
-            "grad_norm": stats.grad_norm,
-            "step_time": step_time,
-            "train_time": clock[0],
-            "tokens_per_s": tokens / step_time,
-            "samples": step * batch_size,
-            "updates": step,  # one optimizer update per synchronous step
-            "bubble": max(0.0, 1.0 - busy / (job.world_size * step_time)),
-            **saved,
-        }
-        val_every = int(trainer.get("val_every") or 0)
-        if (val_every and step % val_every == 0) or step == steps:
-            vl = [executor.eval_loss(b, setup.adapter.normalizer(b))
-                  for b in data.val_batches(batch_size, int(trainer["val_batches"]))]
-            if vl:
-                metrics["val_loss"] = sum(vl) / len(vl)
-                val_losses.append(metrics["val_loss"])
-        if record:
-            gathered = [None] * job.world_size if rank == 0 else None
-            dist.gather_object(stats.events, gathered, dst=0)
-            if rank == 0:
-                events = [e for evs in gathered for e in evs]
-                timeline = Timeline(
-                    events, job.world_size, time_unit="s", source="measured",
-                    meta={"schedule": schedule.name, "step": step, "num_stages": schedule.num_stages,
-                          **({"branch": list(schedule.graph.branch)} if schedule.graph.branch else {}),
-                          "num_microbatches": m},
-                )
-                sink.log_timeline(timeline, step)
-        save_every = int(trainer.get("save_every") or 0)
-        if (save_every and step % save_every == 0) or step == steps:  # always a final checkpoint
-            checkpoint.save(job.run_dir, step, rank, stages, meta)
-        if rank == 0:
-            history.append(metrics)
-            if step % int(trainer.get("log_every") or 1) == 0 or "val_loss" in metrics:
-                sink.log(step, metrics)
-            progress.update(step, stats.loss, metrics["tokens_per_s"])
+    # a resumed run goes on from the training time its metrics recorded at the checkpoint
+    state = RunState(start_step, _train_time_at(job.run_dir, start_step) if rank == 0 and start_step else 0.0)
+    while state.step < steps:
+        _train_chunk(rank, job, setup, data, sink, progress, state, one_host, meta)
 
     peaks = [None] * job.world_size if rank == 0 else None
     dist.gather_object(_peak_memory(device), peaks, dst=0)
@@ -358,6 +329,7 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
     if rank != 0:
         return None
     progress.close()
+    history, val_losses = state.history, state.val_losses
     steady = history[len(history) // 2 :] or history  # skip the warm-up half for rates
     summary = {
         "kind": "measured",
@@ -371,7 +343,7 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
         "segment_lengths": getattr(setup.adapter, "segment_lengths", None),
         "steps": steps,
         "samples": steps * batch_size,
-        "train_time": clock[0],
+        "train_time": state.train_time,
         "resumed_from": start_step or None,
         "final_loss": history[-1]["loss"] if history else None,
         "best_loss": min(h["loss"] for h in history) if history else None,
@@ -388,7 +360,7 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
         "weight_policy": schedule.policy.value,
         "peak_weight_versions": versions,  # per rank: the most versions one replica held at once
         "updates": steps,  # synchronous: one per step; an asynchronous run's count replaces it
-        **_staleness_summary(job.run_dir, staleness, setup),
+        **_staleness_summary(job.run_dir, state.staleness, setup),
         "wall_time": time.perf_counter() - t_start,
     }
     sink.finish(summary)
@@ -440,99 +412,103 @@ def _train_time_at(run_dir: str, step: int) -> float:
     return float(rows[-1].get("train_time", 0.0)) if rows else 0.0
 
 
-def _run_async(rank, job, setup: RankSetup, data, sink, progress, start_step: int, one_host: bool,
-               history: list, val_losses: list, staleness: list, meta: dict, clock: list) -> None:
-    """Train with an asynchronous schedule: chunks of steps without a flush. A chunk ends
-    at schedule.windows steps, or earlier where validation, a checkpoint or the end of
-    the run needs every update applied (a flush)."""
+def _chunk_end(first: int, steps: int, cap: int, val_every: int, save_every: int) -> int:
+    """The last step of the chunk starting at ``first``: at most ``cap`` steps, ending
+    where validation, a checkpoint or the end of the run needs every update applied."""
+    end = min(steps, first + cap - 1)
+    for every in (val_every, save_every):
+        if every:
+            end = min(end, ((first - 1) // every + 1) * every)
+    return end
+
+
+def _train_chunk(rank, job, setup: RankSetup, data, sink, progress, state: RunState, one_host: bool,
+                 meta: dict) -> None:
+    """One chunk of steps without a flush (a synchronous step is a chunk of one): failure
+    injection, data, the executor, metrics, validation, timeline, checkpoint and logging."""
     cfg = job.cfg
     pipe_cfg, trainer, optim, runtime = cfg["pipeline"], cfg["trainer"], cfg["optim"], cfg["runtime"]
     seed, steps = int(cfg["seed"]), int(trainer["steps"])
     m, mbs = int(pipe_cfg["microbatches"]), setup.adapter.mbs
     batch_size = m * mbs
     tokens = batch_size * setup.adapter.seq_len
-    cap = setup.schedule.windows
-    ups = setup.executor.updates_per_step
     val_every, save_every = int(trainer.get("val_every") or 0), int(trainer.get("save_every") or 0)
-    step = start_step + 1
-    while step <= steps:
-        end = min(steps, step + cap - 1)
-        for every in (val_every, save_every):
-            if every:
-                end = min(end, ((step - 1) // every + 1) * every)
-        fail = runtime.get("fail_at_step")
-        if fail is not None and step <= fail <= end and (runtime.get("fail_rank") or 0) == rank:
-            if runtime.get("fail_mode", "raise") == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            raise RuntimeError(f"injected failure on rank {rank} at step {fail} (runtime.fail_at_step)")
-        ex = setup.chunk_executor(end - step + 1)
-        torch.manual_seed(seed * 1_000_003 + step)
-        span = range(step, end + 1)
-        batches = [data.train_batch(s, batch_size) for s in span]
-        normalizers = [setup.adapter.normalizer(b) for b in batches]
-        lrs = [lr_at(s, optim, steps) for s in span]
-        tl = trainer.get("timeline_step")
-        record = tl is not None and step <= tl <= end
-        t0 = _start_clock(record and one_host)
-        ex.meter.reset_step()
-        stats = ex.train_chunk(batches, normalizers, lrs, base_update=(step - 1) * ups, base_mb=(step - 1) * m,
-                               record=record, t0=t0)
-        chunk_time = time.perf_counter() - t0
-        busy, saved = _busy_and_saved(stats.busy, ex.meter, job.world_size)
-        gathered = [None] * job.world_size if rank == 0 else None
+    first = state.step + 1
+    end = _chunk_end(first, steps, setup.steps_per_chunk, val_every, save_every)
+    fail = runtime.get("fail_at_step")
+    if fail is not None and first <= fail <= end and (runtime.get("fail_rank") or 0) == rank:
+        if runtime.get("fail_mode", "raise") == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError(f"injected failure on rank {rank} at step {fail} (runtime.fail_at_step)")
+    torch.manual_seed(seed * 1_000_003 + first)  # dropout (if any) is a function of the step
+    span = range(first, end + 1)
+    batches = [data.train_batch(s, batch_size) for s in span]
+    normalizers = [setup.adapter.normalizer(b) for b in batches]  # microbatch losses add up to the batch mean
+    lrs = [lr_at(s, optim, steps) for s in span]
+    tl = trainer.get("timeline_step")
+    record = tl is not None and first <= tl <= end
+    t0 = _start_clock(record and one_host)
+    ex, stats = setup.run_chunk(batches, normalizers, lrs, first, record, t0)
+    chunk_time = time.perf_counter() - t0
+    busy, saved = _busy_and_saved(stats.busy, ex.meter, job.world_size)
+    gathered = [None] * job.world_size if rank == 0 else None
+    if setup.is_async:
         dist.gather_object(stats.records, gathered, dst=0)
-        if runtime.get("dump_grads") and step == 1:
+        if runtime.get("dump_grads") and first == 1:
             dump_dir = Path(job.run_dir) / "grads"
             dump_dir.mkdir(parents=True, exist_ok=True)
             torch.save(ex.first_grads, dump_dir / f"rank{rank}.pt")
-        metrics_of = []
+    per_update = setup.executor.updates_per_step if setup.is_async else 1
+    metrics_of = []
+    if rank == 0:
+        recs = sorted((r for rs in gathered for r in rs), key=lambda r: (r["microbatch"], r["pipe"], r["stage"])) \
+            if setup.is_async else []
+        state.staleness.extend(recs)
+        for w, s in enumerate(span):
+            state.train_time += chunk_time / len(span)
+            metrics = {
+                "loss": stats.losses[w],
+                "lr": lrs[w],
+                "grad_norm": stats.grad_norms[w],
+                "step_time": chunk_time / len(span),  # steps of a chunk overlap: their mean
+                "train_time": state.train_time,
+                "tokens_per_s": tokens * len(span) / chunk_time,
+                "samples": s * batch_size,
+                "updates": s * per_update,
+                "bubble": max(0.0, 1.0 - busy / (job.world_size * chunk_time)),
+                **saved,
+            }
+            if setup.is_async:
+                st = summarize([r for r in recs if (s - 1) * m <= r["microbatch"] < s * m])
+                metrics.update({k: st[k] for k in ("max_staleness", "mean_staleness", "max_mismatch")})
+            metrics_of.append(metrics)
+    if (val_every and end % val_every == 0) or end == steps:
+        vl = [setup.evaluator.eval_loss(b, setup.adapter.normalizer(b))
+              for b in data.val_batches(batch_size, int(trainer["val_batches"]))]
+        if vl and rank == 0:
+            metrics_of[-1]["val_loss"] = sum(vl) / len(vl)
+            state.val_losses.append(metrics_of[-1]["val_loss"])
+    timeline = None
+    if record:
+        events = [None] * job.world_size if rank == 0 else None
+        dist.gather_object(stats.events, events, dst=0)
         if rank == 0:
-            recs = sorted((r for rs in gathered for r in rs), key=lambda r: (r["microbatch"], r["pipe"], r["stage"]))
-            staleness.extend(recs)
-            for w, s in enumerate(span):
-                mine = [r for r in recs if (s - 1) * m <= r["microbatch"] < s * m]
-                st = summarize(mine)
-                clock[0] += chunk_time / len(span)
-                metrics_of.append({
-                    "loss": stats.losses[w],
-                    "lr": lrs[w],
-                    "grad_norm": stats.grad_norms[w],
-                    "step_time": chunk_time / len(span),  # steps of a chunk overlap: their mean
-                    "train_time": clock[0],
-                    "tokens_per_s": tokens * len(span) / chunk_time,
-                    "samples": s * batch_size,
-                    "updates": s * ups,
-                    "bubble": max(0.0, 1.0 - busy / (job.world_size * chunk_time)),
-                    **saved,
-                    "max_staleness": st["max_staleness"],
-                    "mean_staleness": st["mean_staleness"],
-                    "max_mismatch": st["max_mismatch"],
-                })
-        if (val_every and end % val_every == 0) or end == steps:
-            vl = [setup.eval_executor.eval_loss(b, setup.adapter.normalizer(b))
-                  for b in data.val_batches(batch_size, int(trainer["val_batches"]))]
-            if vl and rank == 0:
-                metrics_of[-1]["val_loss"] = sum(vl) / len(vl)
-                val_losses.append(metrics_of[-1]["val_loss"])
-        timeline = None
-        if record:
-            events = [None] * job.world_size if rank == 0 else None
-            dist.gather_object(stats.events, events, dst=0)
-            if rank == 0:
-                timeline = Timeline(
-                    [e for evs in events for e in evs], job.world_size, time_unit="s", source="measured",
-                    meta={"schedule": setup.schedule.name, "steps": [step, end],
-                          "num_stages": setup.schedule.num_stages, "num_microbatches": m * len(span)},
-                )
-        if (save_every and end % save_every == 0) or end == steps:
-            checkpoint.save(job.run_dir, end, rank, setup.stages, meta)
-        if rank == 0:
-            for s, metrics in zip(span, metrics_of):
-                history.append(metrics)
-                if s % int(trainer.get("log_every") or 1) == 0 or "val_loss" in metrics:
-                    sink.log(s, metrics)
-                progress.update(s, metrics["loss"], metrics["tokens_per_s"])
-            if timeline is not None:
-                # after the chunk's rows: W&B drops rows logged at a step below one it has seen
-                sink.log_timeline(timeline, tl)
-        step = end + 1
+            schedule = setup.schedule
+            timeline = Timeline(
+                [e for evs in events for e in evs], job.world_size, time_unit="s", source="measured",
+                meta={"schedule": schedule.name, "step": tl, **({"steps": [first, end]} if end > first else {}),
+                      "num_stages": schedule.num_stages, "num_microbatches": m * len(span),
+                      **({"branch": list(schedule.graph.branch)} if schedule.graph.branch else {})},
+            )
+    if (save_every and end % save_every == 0) or end == steps:  # always a final checkpoint
+        checkpoint.save(job.run_dir, end, rank, setup.stages, meta)
+    if rank == 0:
+        for s, metrics in zip(span, metrics_of):
+            state.history.append(metrics)
+            if s % int(trainer.get("log_every") or 1) == 0 or "val_loss" in metrics:
+                sink.log(s, metrics)
+            progress.update(s, metrics["loss"], metrics["tokens_per_s"])
+        if timeline is not None:
+            # after the chunk's rows: W&B drops rows logged at a step below one it has seen
+            sink.log_timeline(timeline, tl)
+    state.step = end
