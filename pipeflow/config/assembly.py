@@ -10,7 +10,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipeflow.planning.cost import CalibratedCost, CostModel, build_cost_model
+from pipeflow.planning.cost import CostModel
+from pipeflow.planning.costs import build_cost_model
+from pipeflow.planning.machine_cost import CalibratedCost
 from pipeflow.planning.seqsplit import split_sequence
 from pipeflow.planning.transformer import TransformerSpec
 from pipeflow.schedules.common import ScheduleConfigError

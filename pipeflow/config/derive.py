@@ -13,7 +13,7 @@ from typing import Any, List, Optional, Sequence
 
 from omegaconf import OmegaConf
 
-from pipeflow.planning.cost import COST_MODELS, build_cost_model, cost_params
+from pipeflow.planning.costs import COST_MODELS, cost_params
 from pipeflow.schedules.ir import Schedule
 from pipeflow.schedules.spec import ScheduleSpec
 from pipeflow.topology.presets import PRESETS, build_topology

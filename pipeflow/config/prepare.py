@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipeflow.planning.cost import CostModel, build_cost_model
+from pipeflow.planning.cost import CostModel
+from pipeflow.planning.costs import build_cost_model
 from pipeflow.planning.partition import PARTITIONERS
 from pipeflow.planning.transformer import TransformerSpec
 from pipeflow.schedules.export import check_exportable

@@ -14,7 +14,7 @@ from typing import Any, List, Optional, Sequence
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
-from pipeflow.planning.cost import COST_MODELS
+from pipeflow.planning.costs import COST_MODELS
 from pipeflow.schedules.registry import specs
 from pipeflow.topology.presets import PRESETS
 

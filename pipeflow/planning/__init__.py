@@ -1,6 +1,7 @@
 """Planning (torch-free): cost models, partitioners, the topology-aware planner, BAPP's coordinator."""
 
-from .cost import AnalyticCost, CostModel, UnitCost, build_cost_model
+from .cost import AnalyticCost, CostModel, UnitCost
+from .costs import build_cost_model
 from .transformer import (
     TransformerSpec,
     embedding_params,

@@ -1,0 +1,65 @@
+"""The cost models by name (``cost=<name>``) and the one place a ``cost`` config group
+becomes a cost model (:func:`build_cost_model`)."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Mapping
+
+from .cost import AnalyticCost, CostModel, UnitCost
+from .machine_cost import CalibratedCost, ProfiledCost
+from .transformer import TransformerSpec
+
+COST_MODELS = {"unit": UnitCost, "analytic": AnalyticCost, "profiled": ProfiledCost,
+               "calibrated": CalibratedCost}
+# filled from the run, not from the cost config
+_FROM_RUN = {"num_stages", "spec", "microbatch_size"}
+
+
+def cost_params(name: str) -> list[str]:
+    """Keys the ``cost`` config group may set for this model."""
+    sig = inspect.signature(COST_MODELS[name].__init__)
+    return [p for p in sig.parameters if p != "self" and p not in _FROM_RUN]
+
+
+def build_cost_model(
+    cfg: Mapping, num_stages: int, spec: TransformerSpec | None, microbatch_size: int
+) -> CostModel:
+    """The cost model the ``cost`` config group names; its other keys are that model's parameters.
+
+    A key set to null keeps the parameter's default, except where the default itself is
+    None (e.g. ``cost.comm`` for unit costs), where null is a value of its own."""
+    raw = dict(cfg)
+    name = raw.get("name")
+    nullable = set()
+    if name in COST_MODELS:
+        sig = inspect.signature(COST_MODELS[name].__init__)
+        nullable = {k for k, prm in sig.parameters.items() if prm.default is not inspect.Parameter.empty and "None" in str(prm.annotation)}
+    params = {k: v for k, v in raw.items() if v is not None or k in nullable}
+    params.pop("name", None)
+    if name not in COST_MODELS:
+        raise ValueError(f"cost.name={name}: unknown cost model; allowed values: {', '.join(COST_MODELS)}")
+    allowed = cost_params(name)
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        raise ValueError(
+            f"cost.{unknown[0]}: unknown key for cost model '{name}' "
+            f"(unknown: {', '.join(unknown)}); allowed keys: {', '.join(allowed)}"
+        )
+    if name == "unit":
+        return UnitCost(num_stages, **params)
+    if name == "calibrated":
+        return CalibratedCost(num_stages, **params)
+    if name == "profiled":
+        if params.get("layers_per_stage") is not None:
+            params["layers_per_stage"] = list(params["layers_per_stage"])  # a ListConfig becomes a list
+        return ProfiledCost(num_stages, spec, microbatch_size, **params)
+    if spec is None:
+        raise ValueError(
+            "cost.name=analytic needs the model's shape (model.n_layer, n_head, n_embd, vocab_size, seq_len); "
+            "pick a model config, or use cost.name=unit"
+        )
+    for key in ("layers_per_stage", "segment_lengths"):
+        if key in params and hasattr(params[key], "__iter__") and not isinstance(params[key], str):
+            params[key] = list(params[key])  # an OmegaConf ListConfig becomes a plain list of ints
+    return AnalyticCost(spec, num_stages, microbatch_size=microbatch_size, **params)
