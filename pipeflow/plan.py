@@ -31,6 +31,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from pipeflow.config import CONF_DIR, ConfigError, check_logger, register_configs
+from pipeflow.config.values import _at_least
 from pipeflow.planning.baselines import BASELINES
 from pipeflow.planning.planner import GB, Plan, evaluate, fits, plan
 from pipeflow.planning.transformer import TransformerSpec
@@ -88,11 +89,6 @@ def compose_plan(overrides=()) -> DictConfig:
         return compose("plan", overrides=list(overrides))
 
 
-def _whole(key: str, value, low: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"{key}={value}: must be a whole number >= {low}")
-
-
 @dataclass
 class PlanInputs:
     """What a plan config composes into; built once by :func:`prepare_plan`."""
@@ -107,8 +103,8 @@ def prepare_plan(cfg: DictConfig) -> PlanInputs:
     """Check a plan config and build the model shape and topology it names, or raise
     ConfigError, one sentence naming the key. Nothing is planned or written."""
     pipe, opts = cfg.pipeline, cfg.plan
-    _whole("pipeline.microbatches", pipe.microbatches)
-    _whole("pipeline.microbatch_size", pipe.microbatch_size)
+    _at_least("pipeline.microbatches", pipe.microbatches, 1)
+    _at_least("pipeline.microbatch_size", pipe.microbatch_size, 1)
     if cfg.model.get("family") not in (None, "gpt", "bert"):
         raise ConfigError(f"model.family={cfg.model.get('family')}: pipeflow-plan plans GPT and BERT models")
     try:

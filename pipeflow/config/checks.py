@@ -11,17 +11,31 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from pipeflow.checks import is_whole
 from pipeflow.planning.transformer import TransformerSpec
 
 from .schema import CONF_DIR
-from .values import BACKENDS, ConfigError, DATA_FAMILY, DATA_FOR_FAMILY, FAIL_MODES, LOGGERS, LOGGER_MODES, OPTIMIZERS, RUNTIME_DEVICES, _at_least, _naming_key, _number, _whole
+from .values import (
+    BACKENDS,
+    DATA_FAMILY,
+    DATA_FOR_FAMILY,
+    FAIL_MODES,
+    LOGGER_MODES,
+    LOGGERS,
+    OPTIMIZERS,
+    RUNTIME_DEVICES,
+    ConfigError,
+    _at_least,
+    _naming_key,
+    _number,
+)
 
 
 def _check_pipeline(cfg: DictConfig) -> None:
     pipe = cfg.pipeline
     for key in ("stages", "microbatches", "virtual_stages", "segments", "microbatch_size"):
         value = pipe[key]
-        if not _whole(value) or value < 1:
+        if not is_whole(value) or value < 1:
             raise ConfigError(f"pipeline.{key}={value}: must be a whole number >= 1")
 
 
@@ -79,13 +93,13 @@ def _check_runtime(rt: DictConfig, world_size: int) -> None:
     _at_least("runtime.threads_per_rank", rt.threads_per_rank, 1)
     if rt.master_port is not None:
         _number("runtime.master_port", rt.master_port, "must be null (a free port) or in 1..65535",
-                _whole(rt.master_port) and 1 <= rt.master_port <= 65535)
+                is_whole(rt.master_port) and 1 <= rt.master_port <= 65535)
     if (rt.fail_at_step is None) != (rt.fail_rank is None):
         unset = "runtime.fail_rank" if rt.fail_rank is None else "runtime.fail_at_step"
         raise ConfigError(f"{unset}=null: the failure test hook needs both runtime.fail_rank and runtime.fail_at_step")
     if rt.fail_rank is not None:
         _number("runtime.fail_rank", rt.fail_rank, f"must be a rank in 0..{world_size - 1}",
-                _whole(rt.fail_rank) and 0 <= rt.fail_rank < world_size)
+                is_whole(rt.fail_rank) and 0 <= rt.fail_rank < world_size)
         _at_least("runtime.fail_at_step", rt.fail_at_step, 1)
         if rt.fail_mode not in FAIL_MODES:
             raise ConfigError(f"runtime.fail_mode={rt.fail_mode}: allowed values: {', '.join(FAIL_MODES)}")

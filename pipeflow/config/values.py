@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from pipeflow.checks import is_whole
+
 
 EXPORT_FORMATS = ("torch_csv",)
 
@@ -46,14 +48,10 @@ def _naming_key(key: str, value: Any, err: Exception) -> ConfigError:
     return ConfigError(f"{key}={value}: {msg}")
 
 
-def _whole(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _number(key: str, value: Any, rule: str, ok: bool) -> None:
     if not ok:
         raise ConfigError(f"{key}={value}: {rule}")
 
 
 def _at_least(key: str, value: Any, low: int) -> None:
-    _number(key, value, f"must be a whole number >= {low}", _whole(value) and value >= low)
+    _number(key, value, f"must be a whole number >= {low}", is_whole(value) and value >= low)

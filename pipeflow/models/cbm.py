@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pipeflow.checks import whole
 from pipeflow.models.common import seeded_normal_  # the per-name seeded draw every stage model uses
 from pipeflow.schedules.ir import StageGraph
 
@@ -73,12 +74,6 @@ class CBMShape:
         return (self.image_size // self.patch_size) ** 2
 
 
-def _whole(value, key: str, low: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{key}={value!r}: must be a whole number >= {low}")
-    return value
-
-
 def cbm_shape(model_cfg: Mapping) -> CBMShape:
     """Read and check the ``model`` group of a CBM; errors name the offending key."""
     family = model_cfg.get("family")
@@ -89,20 +84,20 @@ def cbm_shape(model_cfg: Mapping) -> CBMShape:
         sub = model_cfg.get(b)
         if sub is None:
             raise ValueError(f"model.{b} is missing: a CBM needs model.{b} with n_layer, n_embd, n_head")
-        n_layer = _whole(sub.get("n_layer"), f"model.{b}.n_layer")
-        n_embd = _whole(sub.get("n_embd"), f"model.{b}.n_embd")
-        n_head = _whole(sub.get("n_head"), f"model.{b}.n_head")
+        n_layer = whole(f"model.{b}.n_layer", sub.get("n_layer"))
+        n_embd = whole(f"model.{b}.n_embd", sub.get("n_embd"))
+        n_head = whole(f"model.{b}.n_head", sub.get("n_head"))
         if n_embd % n_head:
             raise ValueError(f"model.{b}.n_head={n_head}: must divide model.{b}.n_embd={n_embd}")
         branches[b] = BranchShape(n_layer, n_embd, n_head)
     vis, txt = model_cfg["vision"], model_cfg["text"]
-    image_size = _whole(vis.get("image_size"), "model.vision.image_size")
-    patch_size = _whole(vis.get("patch_size"), "model.vision.patch_size")
+    image_size = whole("model.vision.image_size", vis.get("image_size"))
+    patch_size = whole("model.vision.patch_size", vis.get("patch_size"))
     if image_size % patch_size:
         raise ValueError(f"model.vision.patch_size={patch_size}: must divide model.vision.image_size={image_size}")
-    channels = _whole(vis.get("channels", 1), "model.vision.channels")
-    vocab_size = _whole(txt.get("vocab_size"), "model.text.vocab_size")
-    seq_len = _whole(txt.get("seq_len"), "model.text.seq_len")
+    channels = whole("model.vision.channels", vis.get("channels", 1))
+    vocab_size = whole("model.text.vocab_size", txt.get("vocab_size"))
+    seq_len = whole("model.text.seq_len", txt.get("seq_len"))
 
     depths = model_cfg.get("interaction_layers") or []
     top = min(branches["vision"].n_layer, branches["text"].n_layer)
@@ -332,8 +327,8 @@ def cbm_stage_graph(model_cfg: Mapping, vision_stages: int, text_stages: int) ->
     order (a text stage feeds a vision stage with a smaller index): run stages in
     ``graph.topological_order()``."""
     shape = cbm_shape(model_cfg)
-    vs = _whole(vision_stages, "pipeline.stages (vision stages)")
-    ts = _whole(text_stages, "pipeline.stages (text stages)")
+    vs = whole("pipeline.stages (vision stages)", vision_stages)
+    ts = whole("pipeline.stages (text stages)", text_stages)
     cuts = [k - 1 for k in shape.interaction_layers]  # a stage must end at depth k-1
     ranges = {
         "vision": _split_branch(shape.vision.n_layer, cuts, vs, "vision"),
