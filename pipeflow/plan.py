@@ -32,6 +32,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from pipeflow.config import CONF_DIR, ConfigError, check_logger, register_configs
 from pipeflow.config.values import _at_least
+from pipeflow.families import FAMILIES, family_of
 from pipeflow.planning.baselines import BASELINES
 from pipeflow.planning.planner import GB, Plan, evaluate, fits, plan
 from pipeflow.planning.transformer import TransformerSpec
@@ -105,8 +106,14 @@ def prepare_plan(cfg: DictConfig) -> PlanInputs:
     pipe, opts = cfg.pipeline, cfg.plan
     _at_least("pipeline.microbatches", pipe.microbatches, 1)
     _at_least("pipeline.microbatch_size", pipe.microbatch_size, 1)
-    if cfg.model.get("family") not in (None, "gpt", "bert"):
-        raise ConfigError(f"model.family={cfg.model.get('family')}: pipeflow-plan plans GPT and BERT models")
+    try:
+        family = family_of(cfg.model)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if not family.transformer:
+        shaped = ", ".join(f.name for f in FAMILIES.values() if f.transformer)
+        raise ConfigError(f"model.family={family.name}: pipeflow-plan plans one transformer stack; "
+                          f"allowed values: {shaped}")
     try:
         spec = TransformerSpec.from_config(cfg.model)
     except ValueError as err:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
+from pipeflow.families import FAMILIES, family_of
 from pipeflow.planning.cost import CostModel
 from pipeflow.planning.costs import build_cost_model
 from pipeflow.planning.partition import PARTITIONERS
@@ -18,9 +19,39 @@ from pipeflow.schedules.registry import specs
 from pipeflow.schedules.validate import validate
 from pipeflow.topology.topology import Topology
 
-from .assembly import PLANNED, _branched_cost, _branched_schedule, _build_topology, _generate_schedule, _model_spec, _simulation_segments, runtime_schedules, schedule_spec, segment_lengths
-from .checks import _check_data_files, _check_optim, _check_pipeline, _check_profiled_partition, _check_resume, _check_runtime, _check_trainer, _resolve_auto_data, check_logger
+from .assembly import (
+    PLANNED,
+    _branched_cost,
+    _branched_schedule,
+    _build_topology,
+    _generate_schedule,
+    _model_spec,
+    _simulation_segments,
+    runtime_schedules,
+    schedule_spec,
+    segment_lengths,
+)
+from .checks import (
+    _check_data_files,
+    _check_optim,
+    _check_pipeline,
+    _check_profiled_partition,
+    _check_resume,
+    _check_runtime,
+    _check_trainer,
+    _resolve_auto_data,
+    check_logger,
+)
 from .values import ConfigError, DATA_FAMILY, DATA_VOCAB, EXPORT_FORMATS, TRAIN_FAMILIES, _naming_key, _number
+
+
+
+def _family(cfg: DictConfig):
+    """The spec of model.family (pipeflow.families), or ConfigError naming the key."""
+    try:
+        return family_of(cfg.model)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 @dataclass
@@ -41,7 +72,7 @@ def prepare_simulation(cfg: DictConfig) -> SimulationInputs:
     if cfg.export is not None and cfg.export not in EXPORT_FORMATS:
         raise ConfigError(f"export={cfg.export}: unknown format; allowed values: null, {', '.join(EXPORT_FORMATS)}")
     _check_pipeline(cfg)
-    if cfg.model.get("family") == "cbm":
+    if _family(cfg).branched:
         schedule, specs = _branched_schedule(cfg)
         spec, lengths = None, None
         cost = _branched_cost(cfg, specs)
@@ -106,7 +137,7 @@ def prepare_training(cfg: DictConfig) -> TrainingInputs:
             "for single-process reference training use schedule=1f1b"
         )
     model = cfg.model
-    if model.get("family") == "cbm":
+    if _family(cfg).branched:
         return _prepare_branched(cfg)
     schedule = _generate_schedule(cfg)
     spec = _model_spec(cfg, schedule)
@@ -118,10 +149,11 @@ def prepare_training(cfg: DictConfig) -> TrainingInputs:
             f"{', '.join(TRAIN_FAMILIES)} (e.g. model=gpt_tiny or model=bert_tiny)"
         )
     _number("model.dropout", model.dropout, "a probability; use a number in [0, 1)", 0 <= model.dropout < 1)
-    if pipe.segments > 1 and model.family != "gpt":
+    if pipe.segments > 1 and not _family(cfg).causal:
         raise ConfigError(
             f"pipeline.segments={pipe.segments}: sequence segments attend causally across segments, which the "
-            f"runtime implements for model.family=gpt; model.family={model.family} trains with pipeline.segments=1"
+            f"runtime implements for causal families ({', '.join(f.name for f in FAMILIES.values() if f.causal)}); "
+            f"model.family={model.family} trains with pipeline.segments=1"
         )
     segment_lengths(cfg)  # a split the sequence cannot take fails here, naming its key
     feeds = DATA_FAMILY.get(cfg.data.name)
@@ -170,9 +202,10 @@ def prepare_training(cfg: DictConfig) -> TrainingInputs:
 def _prepare_branched(cfg: DictConfig) -> TrainingInputs:
     """A concurrent-branch model: its stage DAG grouped onto the schedule's chain of devices."""
     schedule, _ = _branched_schedule(cfg)
-    if cfg.data.name != "image_text":
+    if cfg.data.name != _family(cfg).data:
         raise ConfigError(
-            f"data.name={cfg.data.name}: model.family=cbm trains on image-text pairs; allowed values: image_text"
+            f"data.name={cfg.data.name}: model.family={cfg.model.family} trains on {_family(cfg).data}; "
+            f"allowed values: {_family(cfg).data}"
         )
     if cfg.partition.name != "uniform":
         raise ConfigError(

@@ -41,7 +41,7 @@ class PipelineConfig:
 @dataclass
 class ModelConfig:
     name: str = MISSING
-    family: str = "gpt"  # gpt | bert
+    family: str = "gpt"  # one of pipeflow.families.FAMILIES: gpt, bert, cbm
     n_layer: int = MISSING
     n_head: int = MISSING
     n_embd: int = MISSING

@@ -7,6 +7,7 @@ import re
 from typing import Any
 
 from pipeflow.checks import is_whole
+from pipeflow.families import BYTE_VOCAB, FAMILIES, MLM_VOCAB, data_family  # noqa: F401 - re-exported
 
 
 EXPORT_FORMATS = ("torch_csv",)
@@ -17,19 +18,12 @@ RUNTIME_DEVICES = ("auto", "cpu", "cuda")
 LOGGERS = ("wandb", "none")
 LOGGER_MODES = ("auto", "offline", "online", "disabled")
 FAIL_MODES = ("raise", "kill")
-# The runtime's stage models (pipeflow.models.gpt, pipeflow.models.bert).
-TRAIN_FAMILIES = ("gpt", "bert", "cbm")
-# The family whose objective a data set feeds: next-token text for GPT, masked text for
-# BERT. A batch of one is meaningless to the other's loss, so the pair is refused early.
-DATA_FAMILY = {"text_corpus": "gpt", "mlm_corpus": "bert", "image_text": "cbm"}
-# data=auto (the default) picks the data set the model's family trains on
-DATA_FOR_FAMILY = {family: data for data, family in DATA_FAMILY.items()}
-# text_corpus feeds UTF-8 bytes as tokens (pipeflow.data.text.ByteTokenizer), mlm_corpus
-# bytes plus four special ids (pipeflow.data.mlm.MLM_VOCAB); a test keeps these equal to
-# the data package's (importing it here would cost torch and datasets)
-BYTE_VOCAB = 256
-MLM_VOCAB = 260
-DATA_VOCAB = {"text_corpus": BYTE_VOCAB, "mlm_corpus": MLM_VOCAB}
+# The model families (pipeflow.families): each trains on its own data set, and a batch
+# of one is meaningless to another's loss, so a mismatched pair is refused early.
+TRAIN_FAMILIES = tuple(FAMILIES)
+DATA_FAMILY = data_family()  # data set -> the family it feeds
+DATA_FOR_FAMILY = {f.name: f.data for f in FAMILIES.values()}  # data=auto picks the family's own
+DATA_VOCAB = {f.data: f.vocab for f in FAMILIES.values() if f.vocab}  # token ids a data set feeds
 
 
 class ConfigError(ValueError):

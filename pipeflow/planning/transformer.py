@@ -28,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+from ..families import FAMILIES, family_of
+
 
 @dataclass(frozen=True)
 class TransformerSpec:
@@ -74,13 +76,16 @@ class TransformerSpec:
     def from_config(cfg: Mapping) -> "TransformerSpec":
         """Read the ``model`` config group; unknown keys (dropout, init, ...) are ignored.
 
-        ``seq_len`` falls back to ``n_positions`` when absent; ``family`` ('gpt' or
-        'bert', default 'gpt') decides causal attention.
+        ``seq_len`` falls back to ``n_positions`` when absent; the family
+        (:mod:`pipeflow.families`, default gpt) decides causal attention.
         """
         get = cfg.get
-        family = get("family", "gpt")
-        if family not in ("gpt", "bert"):
-            raise ValueError(f"model.family={family}: unknown model family; allowed values: gpt, bert")
+        fam = family_of(cfg)
+        if not fam.transformer:
+            shaped = ", ".join(f.name for f in FAMILIES.values() if f.transformer)
+            raise ValueError(f"model.family={fam.name}: not one transformer stack (its cost is per branch); "
+                             f"allowed values: {shaped}")
+        family = fam.name
         for key in ("n_layer", "n_head", "n_embd", "vocab_size"):
             if get(key) is None:
                 raise ValueError(f"model.{key} is missing: the cost model needs it (a whole number >= 1)")
@@ -100,7 +105,7 @@ class TransformerSpec:
             seq_len=seq_len,
             n_inner=get("n_inner"),
             n_positions=get("n_positions"),
-            causal=family == "gpt",
+            causal=fam.causal,
         )
 
 

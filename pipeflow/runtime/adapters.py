@@ -10,6 +10,7 @@ import torch
 
 from ..data.mlm import IGNORE_INDEX, build_mlm_data
 from ..data.text import build_text_data
+from ..families import FAMILIES, family_of
 from ..models import bert
 from ..models.gpt import build_stage, hidden_shape, lm_loss
 
@@ -106,18 +107,20 @@ class BertAdapter(GPTAdapter):
         return float((batch[1] != IGNORE_INDEX).sum())
 
 
-ADAPTERS = {"gpt": GPTAdapter, "bert": BertAdapter}
 
 
 def make_adapter(model_cfg: Mapping, layers_per_stage: Sequence[int], microbatch_size: int, seq_len: int,
                  seed: int, device: torch.device, segment_lengths: Sequence[int] | None = None):
-    family = model_cfg.get("family", "gpt")
-    if family not in ADAPTERS:
-        raise ValueError(f"model.family={family}: the runtime trains {', '.join(ADAPTERS)}")
-    if segment_lengths and family != "gpt":
-        raise ValueError(f"model.family={family}: sequence segments need causal attention (model.family=gpt)")
+    """The adapter of a chain-shaped family (pipeflow.families names it)."""
+    family = family_of(model_cfg)
+    if family.branched:
+        raise ValueError(f"model.family={family.name}: a branched model's adapter is built from its stage graph "
+                         f"(CBMAdapter)")
+    if segment_lengths and not family.causal:
+        causal = ", ".join(f.name for f in FAMILIES.values() if f.causal)
+        raise ValueError(f"model.family={family.name}: sequence segments need causal attention (model.family={causal})")
     extra = {"segment_lengths": segment_lengths} if segment_lengths else {}
-    return ADAPTERS[family](model_cfg, layers_per_stage, microbatch_size, seq_len, seed, device, **extra)
+    return family.load_adapter()(model_cfg, layers_per_stage, microbatch_size, seq_len, seed, device, **extra)
 
 
 class CBMAdapter:

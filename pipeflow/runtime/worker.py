@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..families import family_of
 from ..planning.partition import partition_layers
 from ..planning.transformer import TransformerSpec
 from ..schedules.ir import Schedule, WeightPolicy
@@ -192,7 +193,7 @@ def build_rank(cfg: dict, rank: int, device: torch.device, on_grads=None) -> Ran
              pipe_cfg["segments"])
     options = schedule_options(cfg["schedule"])
     sched_spec = schedule_spec(cfg["schedule"])  # a user's schedule is loaded here, in the rank, too
-    if cfg["model"].get("family") == "cbm":
+    if family_of(cfg["model"]).branched:
         # a branched model: its stage DAG, grouped onto the schedule's chain of devices
         if sched_spec.branch_aware:
             # every rank runs the coordinator on the same inputs, so all get the same schedule

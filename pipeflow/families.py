@@ -1,0 +1,63 @@
+"""Model family specs: what each layer needs to know about a family, declared once.
+
+A family (``model.family``) is its stage models (``pipeflow/models/<family>.py``), a
+runtime adapter, the data set it trains on, and what it supports. The configuration
+checks, the runtime, the analytic cost model and the planner read these specs instead
+of comparing family names. Torch-free: the adapter is named by import path and loaded
+by the runtime alone.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    name: str
+    summary: str
+    data: str  # the data set it trains on (data=auto picks it): conf/data/<data>.yaml
+    adapter: str  # "module:Class" of its runtime adapter (pipeflow.runtime.adapters)
+    causal: bool = False  # causal attention: sequence segments (Seq1F1B) can split its sequences
+    branched: bool = False  # its stages form a DAG of branches (the concurrent-branch model)
+    vocab: int | None = None  # token ids its data set feeds (model.vocab_size must cover them)
+    # its shape reads as a TransformerSpec (pipeflow.planning.transformer): the analytic cost
+    # model and the planner price it; a branched family is priced per branch instead
+    transformer: bool = True
+
+    def load_adapter(self):
+        module, _, cls = self.adapter.partition(":")
+        return getattr(importlib.import_module(module), cls)
+
+
+# token ids the byte-level data sets feed: UTF-8 bytes (text_corpus), bytes plus four
+# special ids (mlm_corpus); a test keeps these equal to the data package's
+BYTE_VOCAB = 256
+MLM_VOCAB = 260
+
+FAMILIES: dict[str, FamilySpec] = {
+    f.name: f
+    for f in (
+        FamilySpec("gpt", "decoder-only transformer, next-token loss", "text_corpus",
+                   "pipeflow.runtime.adapters:GPTAdapter", causal=True, vocab=BYTE_VOCAB),
+        FamilySpec("bert", "encoder-only transformer, masked-LM loss", "mlm_corpus",
+                   "pipeflow.runtime.adapters:BertAdapter", vocab=MLM_VOCAB),
+        FamilySpec("cbm", "vision + text branches with co-attention, image-text matching and masked LM",
+                   "image_text", "pipeflow.runtime.adapters:CBMAdapter", branched=True, transformer=False),
+    )
+}
+
+
+def family_of(model_cfg) -> FamilySpec:
+    """The spec of ``model.family`` (default gpt); ValueError naming the key and the families."""
+    name = model_cfg.get("family", "gpt") or "gpt"
+    spec = FAMILIES.get(name)
+    if spec is None:
+        raise ValueError(f"model.family={name}: unknown model family; allowed values: {', '.join(FAMILIES)}")
+    return spec
+
+
+def data_family() -> dict[str, str]:
+    """Data set -> the family it feeds."""
+    return {f.data: f.name for f in FAMILIES.values()}
