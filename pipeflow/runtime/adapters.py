@@ -4,7 +4,7 @@ buffers before the data arrives)."""
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Mapping, Protocol, Sequence
 
 import torch
 
@@ -13,6 +13,28 @@ from ..data.text import build_text_data
 from ..families import FAMILIES, family_of
 from ..models import bert
 from ..models.gpt import build_stage, hidden_shape, lm_loss
+
+
+class Adapter(Protocol):
+    """What the runtime asks of a model family; one signature for every family (a chain
+    family ignores ``stage`` in ``stage_input``, a family without segments ``segment``)."""
+
+    mbs: int  # sequences per microbatch
+    seq_len: int
+    device: torch.device
+    tied_stages: tuple[int, ...]  # stages holding copies of one tied weight
+
+    def build_stage(self, stage: int) -> torch.nn.Module: ...
+
+    def stage_input(self, batch, mb: int, stage: int = 0, segment: int = 0) -> torch.Tensor: ...
+
+    def loss(self, out: torch.Tensor, batch, mb: int, normalizer, segment: int = 0) -> torch.Tensor: ...
+
+    def message_spec(self, src_stage: int, dst_stage: int, segment: int = 0) -> tuple[tuple[int, ...], torch.dtype]: ...
+
+    def build_data(self, data_cfg: Mapping): ...
+
+    def normalizer(self, batch): ...
 
 
 class GPTAdapter:
@@ -58,7 +80,7 @@ class GPTAdapter:
     def segment_offset(self, segment: int) -> int:
         return self.segment_starts[segment]
 
-    def stage_input(self, batch, mb: int, segment: int = 0) -> torch.Tensor:
+    def stage_input(self, batch, mb: int, stage: int = 0, segment: int = 0) -> torch.Tensor:
         return self._segment(self._rows(batch[0], mb), segment)
 
     def loss(self, logits: torch.Tensor, batch, mb: int, normalizer: float, segment: int = 0) -> torch.Tensor:
@@ -93,7 +115,7 @@ class BertAdapter(GPTAdapter):
     def build_stage(self, stage: int) -> torch.nn.Module:
         return bert.build_stage(self.model_cfg, self.layers_per_stage, stage, self.seed).to(self.device)
 
-    def loss(self, logits: torch.Tensor, batch, mb: int, normalizer: float) -> torch.Tensor:
+    def loss(self, logits: torch.Tensor, batch, mb: int, normalizer: float, segment: int = 0) -> torch.Tensor:
         return bert.mlm_loss(logits, self._rows(batch[1], mb), normalizer)
 
     def build_data(self, data_cfg: Mapping):
@@ -150,13 +172,13 @@ class CBMAdapter:
     def _rows(self, mb: int) -> slice:
         return slice(mb * self.mbs, (mb + 1) * self.mbs)
 
-    def stage_input(self, batch, mb: int, stage: int) -> torch.Tensor:
+    def stage_input(self, batch, mb: int, stage: int = 0, segment: int = 0) -> torch.Tensor:
         return self._cbm.source_input(self.specs[stage], batch)[self._rows(mb)].to(self.device)
 
-    def loss(self, out: torch.Tensor, batch, mb: int, normalizer) -> torch.Tensor:
+    def loss(self, out: torch.Tensor, batch, mb: int, normalizer, segment: int = 0) -> torch.Tensor:
         return self._cbm.cbm_loss(out, batch, normalizer, rows=self._rows(mb))
 
-    def message_spec(self, src_stage: int, dst_stage: int) -> tuple[tuple[int, ...], torch.dtype]:
+    def message_spec(self, src_stage: int, dst_stage: int, segment: int = 0) -> tuple[tuple[int, ...], torch.dtype]:
         return tuple(self._cbm.message_shape(self.model_cfg, self.specs[src_stage], self.mbs)), torch.float32
 
     def build_data(self, data_cfg: Mapping):

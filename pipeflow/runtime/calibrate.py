@@ -78,11 +78,11 @@ class _Bench:
         ad = self.ex.adapter
         if grad:
             for t in self.graph.succs[st.stage]:
-                shape, dtype = ad.message_spec(st.stage, t, seg) if self.ex.segmented else ad.message_spec(st.stage, t)
+                shape, dtype = ad.message_spec(st.stage, t, seg)
                 local[(True, st.stage, t, 0, st.pipe, seg)] = torch.randn(shape).to(dtype)
         else:
             for p in self.graph.preds[st.stage]:
-                shape, dtype = ad.message_spec(p, st.stage, seg) if self.ex.segmented else ad.message_spec(p, st.stage)
+                shape, dtype = ad.message_spec(p, st.stage, seg)
                 local[(False, p, st.stage, 0, st.pipe, seg)] = torch.randn(shape).to(dtype)
 
     def _timed(self, fn) -> float:
@@ -210,7 +210,7 @@ class _Bench:
 
     def _message(self, src: int, dst: int, seg: int) -> torch.Tensor:
         ad = self.ex.adapter
-        shape, dtype = ad.message_spec(src, dst, seg) if self.ex.segmented else ad.message_spec(src, dst)
+        shape, dtype = ad.message_spec(src, dst, seg)
         return torch.randn(shape).to(dtype)
 
     def round(self, st, record: dict | None) -> None:
@@ -382,7 +382,7 @@ def _message_specs(setup, ex) -> dict:
     for s in range(setup.schedule.num_stages):
         for t in graph.succs[s]:
             for g in range(max(1, setup.schedule.num_segments)):
-                shape, _ = ad.message_spec(s, t, g) if ex.segmented else ad.message_spec(s, t)
+                shape, _ = ad.message_spec(s, t, g)
                 out[(s, t, g)] = tuple(shape)
     return out
 

@@ -144,8 +144,7 @@ class Executor:
                 # autograd may hand back a strided view; the wire needs contiguous memory
                 ops.append(dist.P2POp(dist.isend, outbox.pop(self._key(c)).contiguous(), c.peer, tag=c.tag))
             else:
-                shape, dtype = (self.adapter.message_spec(c.src_stage, c.dst_stage, c.segment) if self.segmented
-                                else self.adapter.message_spec(c.src_stage, c.dst_stage))
+                shape, dtype = self.adapter.message_spec(c.src_stage, c.dst_stage, c.segment)
                 buf = torch.empty(shape, dtype=dtype, device=self.adapter.device)
                 ops.append(dist.P2POp(dist.irecv, buf, c.peer, tag=c.tag))
         for c, op, work in zip(comms, ops, dist.batch_isend_irecv(ops)):
@@ -287,8 +286,7 @@ class Executor:
         with self._hooks(st):
             out = self._run_module(st, a, x)
         if st.last:
-            loss = (self.adapter.loss(out, batch, mb, normalizer, a.segment) if self.segmented
-                    else self.adapter.loss(out, batch, mb, normalizer))
+            loss = self.adapter.loss(out, batch, mb, normalizer, a.segment)
             st.saved[key] = (leaves, loss)
             return loss.detach().double()
         st.saved[key] = (leaves, out)
@@ -351,12 +349,7 @@ class Executor:
         return batch, a.microbatch, normalizer
 
     def _source_input(self, batch, a: Action, mb: int):
-        # models with one input stage take (batch, mb); branched ones also name the stage
-        if self.segmented:
-            return self.adapter.stage_input(batch, mb, a.segment)
-        if len(self.graph.sources) == 1:
-            return self.adapter.stage_input(batch, mb)
-        return self.adapter.stage_input(batch, mb, a.stage)
+        return self.adapter.stage_input(batch, mb, a.stage, a.segment)
 
     def _output_grad(self, a: Action, st: StageState, inbox, local):
         if st.last:
