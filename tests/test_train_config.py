@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -507,3 +508,40 @@ def test_an_empty_file_list_stops_before_any_rank(model):
 def test_asynchronous_schedule_options_are_checked_before_start(args, message):
     with pytest.raises(ConfigError, match=message):
         prepare(*args)
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("+trainer.precision=bf16", r"^trainer\.precision=bf16: unknown key; trainer has steps, log_every, "),
+        ("++trainer.stepz=5", r"^trainer\.stepz=5: unknown key; trainer has steps, "),
+        ("+pipeline.data_parallel=2", r"^pipeline\.data_parallel=2: unknown key; pipeline has stages, microbatches, "),
+        ("+runtime.dtype=bf16", r"^runtime\.dtype=bf16: unknown key; runtime has name, backend, "),
+        ("+foo=1", r"^foo=1: unknown key; the config has pipeline, schedule, "),
+    ],
+)
+def test_a_forced_key_no_schema_has_is_refused(override, message):
+    """Hydra adds a key forced with + or ++ to a typed group without complaint; nothing
+    would read it, so the check refuses it, naming the key and the group's keys."""
+    with pytest.raises(ConfigError, match=message):
+        prepare("trainer.steps=5", override)
+
+
+@pytest.mark.parametrize("override,key", [("+pipeline.data_parallel=2", "pipeline.data_parallel=2"),
+                                          ("++cost.efficiency_typo=0.5", "cost.efficiency_typo=0.5"),
+                                          ("+foo=1", "foo=1")])
+def test_simulate_refuses_a_forced_unknown_key(override, key):
+    from pipeflow.config import prepare_simulation
+
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: unknown key; "):
+        prepare_simulation(compose("simulate", [override]))
+
+
+@pytest.mark.slow  # a subprocess
+def test_a_forced_unknown_key_stops_the_app_in_one_line(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _run(["+trainer.precision=bf16", "trainer.steps=5", "logger=none", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert proc.returncode == 1
+    err = proc.stderr.strip()
+    assert err.startswith("trainer.precision=bf16: unknown key; trainer has steps,") and len(err.splitlines()) == 1
+    assert not (run_dir / "metrics.jsonl").exists()

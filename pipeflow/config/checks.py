@@ -4,6 +4,7 @@ cannot express, each refused with one sentence naming the key and the allowed va
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 from pathlib import Path
@@ -29,6 +30,29 @@ from .values import (
     _naming_key,
     _number,
 )
+
+
+def check_known_keys(cfg: DictConfig) -> None:
+    """Refuse a key no schema has, however it was written (``+trainer.stepz=5``,
+    ``++pipeline.data_parallel=2``, or in a YAML): Hydra adds a forced key to a typed
+    group without complaint, and nothing would read it. Untyped groups (data, partition,
+    a user's schedule) check their own keys."""
+
+    def walk(node: DictConfig, path: str) -> None:
+        kind = OmegaConf.get_type(node)
+        if dataclasses.is_dataclass(kind):
+            fields = [f.name for f in dataclasses.fields(kind)]
+            for key in node.keys():
+                if key not in fields:
+                    where = path.rstrip(".") or "the config"
+                    value = node.get(key)
+                    raise ConfigError(f"{path}{key}={value}: unknown key; {where} has {', '.join(fields)}")
+        for key in node.keys():
+            child = node._get_node(key)
+            if isinstance(child, DictConfig):
+                walk(child, f"{path}{key}.")
+
+    walk(cfg, "")
 
 
 def _check_pipeline(cfg: DictConfig) -> None:

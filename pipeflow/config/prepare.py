@@ -32,6 +32,7 @@ from .assembly import (
     segment_lengths,
 )
 from .checks import (
+    check_known_keys,
     _check_data_files,
     _check_optim,
     _check_pipeline,
@@ -71,6 +72,7 @@ def prepare_simulation(cfg: DictConfig) -> SimulationInputs:
     simulated or written, so a bad config fails before any work."""
     if cfg.export is not None and cfg.export not in EXPORT_FORMATS:
         raise ConfigError(f"export={cfg.export}: unknown format; allowed values: null, {', '.join(EXPORT_FORMATS)}")
+    check_known_keys(cfg)
     _check_pipeline(cfg)
     if _family(cfg).branched:
         schedule, specs = _branched_schedule(cfg)
@@ -121,6 +123,7 @@ def prepare_training(cfg: DictConfig) -> TrainingInputs:
     """Check a train config and build (and validate) its schedule, or raise ConfigError,
     one sentence naming the key and the allowed values. Nothing is spawned, loaded or
     written, so a bad config fails before any rank starts."""
+    check_known_keys(cfg)
     _check_pipeline(cfg)
     _resolve_auto_data(cfg)
     name, pipe = cfg.schedule.name, cfg.pipeline
