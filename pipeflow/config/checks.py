@@ -49,7 +49,7 @@ def check_known_keys(cfg: DictConfig) -> None:
                     raise ConfigError(f"{path}{key}={value}: unknown key; {where} has {', '.join(fields)}")
         for key in node.keys():
             child = node._get_node(key)
-            if isinstance(child, DictConfig):
+            if isinstance(child, DictConfig) and f"{path}{key}" != "schedule":
                 walk(child, f"{path}{key}.")
 
     walk(cfg, "")
