@@ -36,7 +36,8 @@ def check_known_keys(cfg: DictConfig) -> None:
     """Refuse a key no schema has, however it was written (``+trainer.stepz=5``,
     ``++pipeline.data_parallel=2``, or in a YAML): Hydra adds a forced key to a typed
     group without complaint, and nothing would read it. Untyped groups (data, partition,
-    a user's schedule) check their own keys."""
+    a user's schedule) check their own keys, and so does the schedule: its sentence lists
+    the schedule's own options (:func:`pipeflow.config.assembly.schedule_options`)."""
 
     def walk(node: DictConfig, path: str) -> None:
         kind = OmegaConf.get_type(node)
