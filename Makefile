@@ -64,6 +64,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_planner
 	$(BIN)/python -m benchmarks.bench_closed_forms
 	$(BIN)/python -m benchmarks.bench_fidelity
+	$(BIN)/python -m benchmarks.bench_split
 
 # One table of every comparison with a published figure: pipeflow's figure beside the
 # paper's, with the command for each row. ARGS: --quick (a minute or two), --out DIR.

@@ -262,3 +262,13 @@ def test_input_pass_keeps_the_graph_for_autograds_fallback():
     assert pending.roots and pending.planned
     backward_weight(pending, params)
     assert all(p.grad is not None for p in params)
+
+
+def test_free_graph_false_keeps_the_graph_until_w():
+    """The comparison bench_split makes: with free_graph=False, I leaves the graph whole."""
+    module, run = _case("gpt_last")
+    params = list(module.parameters())
+    leaves, out, g = run()
+    _, pending = backward_input(out, g, leaves, params, free_graph=False)
+    torch.autograd.grad(out, leaves, grad_outputs=g, retain_graph=True)  # still there: no error
+    backward_weight(pending, params)

@@ -121,12 +121,15 @@ def accumulators(params: list[torch.Tensor]) -> frozenset:
 
 
 def backward_input(out: torch.Tensor, grad: torch.Tensor | None, leaves: list[torch.Tensor],
-                   params: list[torch.Tensor], param_nodes: frozenset | None = None) -> tuple[list, PendingWeight]:
+                   params: list[torch.Tensor], param_nodes: frozenset | None = None,
+                   free_graph: bool = True) -> tuple[list, PendingWeight]:
     """I: the gradients of ``leaves`` (None where unused), and what W needs.
 
-    ``grad`` is the gradient of ``out`` (None when ``out`` is the loss). The graph is
-    kept for W; W frees it. ``param_nodes``: ``accumulators(params)``, held by the
-    caller across calls (computed here when not given).
+    ``grad`` is the gradient of ``out`` (None when ``out`` is the loss). Where W needs
+    nothing of the graph but the operands its plans hold, I frees the graph as it goes
+    (``free_graph=False`` keeps it until W, as before: ``benchmarks/bench_split.py``
+    compares the two); otherwise W frees it. ``param_nodes``: ``accumulators(params)``,
+    held by the caller across calls (computed here when not given).
     """
     pending = PendingWeight()
     if out.grad_fn is None:
@@ -149,7 +152,7 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, leaves: list[to
     # as a full backward does (a graph kept whole until W held every saved activation:
     # fresh memory for each later kernel, I + W 20% over B on gpt_tiny's last stage)
     plans = [_plan_by_hand(node, [e for e in b if e.node not in skip]) for node, b in boundary]
-    keep = any(plan is None for plan in plans)
+    keep = not free_graph or any(plan is None for plan in plans)
     # the gradients arriving at the boundary nodes come back from the same call: an
     # edge (node, i) asked for as an input yields the gradient of the node's i-th output
     edges = [[GradientEdge(node, i) for i in range(len(node._input_metadata))] for node, _ in boundary]
