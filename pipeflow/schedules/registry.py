@@ -24,6 +24,7 @@ from .spec import ScheduleSpec, spec_from_function
 from .validate import validate
 
 _SPECS: dict[str, ScheduleSpec] = {}
+_USER: set[str] = set()  # names load_spec registered (a user's schedules): only these may be loaded again
 
 
 def register(spec: ScheduleSpec, replace: bool = False) -> ScheduleSpec:
@@ -98,6 +99,8 @@ def load_spec(generator: str, name: str) -> ScheduleSpec:
     """Register and return the schedule at import path ``generator`` under ``name``:
     a :class:`ScheduleSpec` or a bare generator function (its spec read from its
     signature). A built-in name cannot be taken over."""
+    if name in _SPECS and name not in _USER:
+        raise ScheduleConfigError(f"schedule.name={name}: a built-in schedule; give your own schedule another name")
     target = _import_target(generator)
     if isinstance(target, ScheduleSpec):
         if target.name != name:
@@ -111,8 +114,7 @@ def load_spec(generator: str, name: str) -> ScheduleSpec:
             raise ScheduleConfigError(f"schedule.generator={generator}: {err}") from None
     else:
         raise ScheduleConfigError(f"schedule.generator={generator}: not a function or a ScheduleSpec")
-    if name in BUILTIN:
-        raise ScheduleConfigError(f"schedule.name={name}: a built-in schedule; give your own schedule another name")
+    _USER.add(name)
     return register(spec, replace=True)
 
 

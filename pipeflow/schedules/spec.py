@@ -80,8 +80,6 @@ class ScheduleSpec:
     # the run's whole configuration -> the schedule, for schedules that need the model and
     # topology (schedule=planned); the configuration layer calls it instead of the generator
     assemble: Callable[[Any], Schedule] | None = None
-    # structural support when there is no generator to read it from (assembled schedules)
-    supports: Mapping[str, bool] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.generator is None and self.assemble is None:
@@ -94,7 +92,7 @@ class ScheduleSpec:
         return inspect.signature(self.generator).parameters if self.generator is not None else {}
 
     def _takes(self, name: str) -> bool:
-        return name in self._parameters or bool(self.supports.get(name))
+        return name in self._parameters
 
     @property
     def virtual_stages(self) -> bool:
