@@ -13,6 +13,8 @@ Hydra run directory.
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -90,6 +92,59 @@ def format_summary(summary: dict, run_dir: str) -> str:
     return "\n".join(lines)
 
 
+CLAIM = ".pipeflow-run"  # in a run folder while a pipeflow-train writes there: its pid
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def claim_run_dir(run_dir: str) -> Path:
+    """Make ``run_dir`` this run's alone, or say why it cannot be: another pipeflow-train
+    writing there now (two started in the same second share Hydra's default folder), or
+    a finished run's metrics already there (two runs' steps would interleave). The claim
+    is a file created exclusively, so of two racing runs exactly one gets the folder."""
+    path = Path(run_dir) / CLAIM
+    if (Path(run_dir) / "metrics.jsonl").exists():
+        raise ConfigError(f"hydra.run.dir={run_dir}: holds another run's metrics.jsonl; give a new folder "
+                          f"(or resume=<that folder> with a new hydra.run.dir to continue it)")
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                pid = int(path.read_text().strip() or 0)
+            except (OSError, ValueError):
+                pid = 0
+            if pid and pid != os.getpid() and _alive(pid):
+                raise ConfigError(f"hydra.run.dir={run_dir}: another pipeflow-train (pid {pid}) is writing there; "
+                                  f"give this run its own folder (hydra.run.dir=...)") from None
+            path.unlink(missing_ok=True)  # a claim left by a run that died: take the folder
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{os.getpid()}\n")
+        return path
+    raise ConfigError(f"hydra.run.dir={run_dir}: could not claim the folder (another run took it just now)")
+
+
+def _drop_empty_run_dir(run_dir: str) -> None:
+    """A refused config leaves no run folder: remove it when it holds nothing but
+    Hydra's own files (.hydra/ and an empty log)."""
+    folder = Path(run_dir)
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return
+    if all(e.name == ".hydra" or (e.suffix == ".log" and e.is_file() and e.stat().st_size == 0) for e in entries):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def _stop(message: str, hydra_cfg: DictConfig) -> None:
     # A single run ends here: the sentence on stderr, exit status 1, no traceback. A
     # multirun job raises instead, so the sweep's other jobs still run.
@@ -105,11 +160,23 @@ def _stop(message: str, hydra_cfg: DictConfig) -> None:
 def train_app(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     run_dir = str(Path(hydra_cfg.runtime.output_dir).resolve())
+    # under torchrun every process is a rank writing into rank 0's folder: none claims it
+    torchrun = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
     try:
         inputs = prepare_training(cfg)
+        claim = None if torchrun else claim_run_dir(run_dir)
     except ConfigError as err:
+        _drop_empty_run_dir(run_dir)
         _stop(str(err), hydra_cfg)
+    try:
+        _train(cfg, hydra_cfg, run_dir, inputs)
+    finally:
+        if claim is not None:
+            claim.unlink(missing_ok=True)
 
+
+def _train(cfg: DictConfig, hydra_cfg, run_dir: str, inputs) -> None:
+    """Launch the checked job in its claimed folder and print its summary."""
     # The runtime imports torch; a config error above never pays for that.
     from pipeflow.runtime.launch import JobFailed, TrainJob, launch
 

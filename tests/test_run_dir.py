@@ -1,0 +1,80 @@
+"""A run folder is one run's (issue 16, items 3 and 7): a second pipeflow-train aimed at a
+folder another one is writing into, or one that holds a finished run's metrics, is
+refused in one line before any rank starts; a refused config leaves no run folder."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeflow.config import ConfigError
+from pipeflow.train import CLAIM, claim_run_dir
+
+pytestmark = pytest.mark.slow  # subprocesses of the real app
+
+SMALL = ["model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.seq_len=32", "pipeline.microbatches=2",
+         "pipeline.microbatch_size=2", "trainer.val_every=0", "trainer.val_batches=1", "trainer.timeline_step=null",
+         "logger=none"]
+
+
+def _app(args: list[str], cwd: Path, **kw):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "WANDB_"))}
+    return subprocess.Popen([sys.executable, "-m", "pipeflow.train", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_two_runs_into_one_folder_one_is_refused(tmp_path):
+    """Two runs started at once into the same folder (as two started in the same second
+    share Hydra's default one): exactly one trains, the other stops in one line."""
+    run_dir = tmp_path / "same"
+    args = [*SMALL, "trainer.steps=30", f"hydra.run.dir={run_dir}"]
+    first, second = _app(args, tmp_path), _app(args, tmp_path)
+    outs = [p.communicate(timeout=300) for p in (first, second)]
+    codes = sorted(p.returncode for p in (first, second))
+    assert codes == [0, 1], outs
+    refused = next(err for (out, err), p in zip(outs, (first, second)) if p.returncode == 1).strip()
+    assert refused.startswith(f"hydra.run.dir={run_dir}: ") and len(refused.splitlines()) == 1, refused
+    assert "another pipeflow-train (pid" in refused or "holds another run's metrics.jsonl" in refused
+    steps = [line for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == 30  # one run's steps, not two interleaved
+    assert not (run_dir / CLAIM).exists()  # the claim goes with its run
+
+
+def test_a_folder_with_a_finished_run_is_refused(tmp_path):
+    run_dir = tmp_path / "done"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    proc = _app([*SMALL, "trainer.steps=2", f"hydra.run.dir={run_dir}"], tmp_path)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert err.strip().startswith(f"hydra.run.dir={run_dir}: holds another run's metrics.jsonl")
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'  # untouched
+
+
+def test_a_claim_left_by_a_dead_run_is_taken_over(tmp_path):
+    """A run killed before it could remove its claim does not lock the folder for ever."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / CLAIM).write_text(f"{dead.pid}\n")
+    claim = claim_run_dir(str(tmp_path))
+    assert claim.read_text().strip() == str(os.getpid())
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        claim.write_text(f"{live.pid}\n")
+        with pytest.raises(ConfigError, match=rf"another pipeflow-train \(pid {live.pid}\)"):
+            claim_run_dir(str(tmp_path))
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_a_refused_config_leaves_no_run_folder(tmp_path):
+    run_dir = tmp_path / "refused"
+    proc = _app(["schedule=chimera", "pipeline.stages=3", "logger=none", f"hydra.run.dir={run_dir}"], tmp_path)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "pipeline.stages=3" in err
+    assert not run_dir.exists()
