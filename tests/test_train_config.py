@@ -58,7 +58,7 @@ def test_auto_data_follows_the_model_family_and_keeps_overrides(model, data, tmp
     cfg = train_cfg(f"model={model}", "pipeline.stages=2")
     prepare_training(cfg)
     assert cfg.data.name == data and cfg.data.val_fraction > 0  # the data set's own defaults
-    (tmp_path / "a.txt").write_text("some text " * 50)
+    (tmp_path / "a.txt").write_text("some text " * 300)  # two windows of gpt_small's 1024 + 1 bytes
     if data != "image_text":
         cfg = train_cfg(f"model={model}", f"data.files=[{tmp_path / 'a.txt'}]", "data.val_fraction=0.5")
         prepare_training(cfg)
@@ -145,8 +145,8 @@ def test_misspelt_keys_and_wrong_types_fail_at_composition(override):
 
 
 def test_data_files_that_exist_pass(tmp_path):
-    (tmp_path / "a.txt").write_text("hello")
-    (tmp_path / "b.txt").write_text("world")
+    (tmp_path / "a.txt").write_text("hello " * 50)  # each enough for a training and a validation window
+    (tmp_path / "b.txt").write_text("world " * 50)
     prepare(f"data.files=[{tmp_path / 'a.txt'}]")
     prepare(f"data.files={tmp_path / 'b.txt'}")
     prepare(f"data.files=[{tmp_path / '*.txt'}]")
@@ -545,3 +545,38 @@ def test_a_forced_unknown_key_stops_the_app_in_one_line(tmp_path):
     err = proc.stderr.strip()
     assert err.startswith("trainer.precision=bf16: unknown key; trainer has steps,") and len(err.splitlines()) == 1
     assert not (run_dir / "metrics.jsonl").exists()
+
+
+def _text_file(tmp_path: Path, name: str, content: bytes) -> str:
+    path = tmp_path / name
+    path.write_bytes(content)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "make,extra,message",
+    [
+        (lambda d: _text_file(d, "empty.txt", b""), [], r"^data\.files: .*empty\.txt is empty; list files that hold text$"),
+        (lambda d: _text_file(d, "blob.bin", bytes(range(256)) * 64), [],
+         r"^data\.files: .*blob\.bin is not UTF-8 text \(byte 128 cannot be decoded\); list text files$"),
+        (lambda d: _text_file(d, "latin1.txt", "caf\u00e9 ".encode("latin-1") * 200), [],
+         r"^data\.files: .*latin1\.txt is not UTF-8 text"),
+        (lambda d: _text_file(d, "short.txt", b"too short"), [],
+         r"^data\.files=.*short\.txt: too little text, about 10 bytes for windows of seq_len\+1=129 bytes"),
+        (None, ["data.max_bytes=10"], r"^data\.max_bytes=10: too little text, about 10 bytes .*give at least 258 bytes$"),
+        (None, ["data.val_fraction=1.5"], r"^data\.val_fraction=1\.5: the held-out share of the text"),
+        (None, ["data.max_bytes=0"], r"^data\.max_bytes=0: must be a whole number >= 1$"),
+    ],
+)
+def test_data_that_would_fail_in_the_ranks_is_refused_up_front(tmp_path, make, extra, message):
+    """What the ranks used to find 20-36 s after starting (issue 16, item 5), in one sentence
+    naming the key and the file, before any rank starts: real files, the default model."""
+    files = [f"data.files={make(tmp_path)}"] if make else []
+    with pytest.raises(ConfigError, match=message):
+        prepare(*files, *extra)
+
+
+def test_enough_utf8_text_passes_and_a_character_cut_by_max_bytes_is_fine(tmp_path):
+    path = _text_file(tmp_path, "ok.txt", ("\u00e9t\u00e9 " * 400).encode("utf-8"))
+    prepare(f"data.files={path}")
+    prepare(f"data.files={path}", "data.max_bytes=301")  # ends inside a two-byte character

@@ -184,6 +184,52 @@ def _check_data_files(data: DictConfig) -> None:
     data_file_list(files)
 
 
+def check_text_data(data: DictConfig, seq_len: int) -> None:
+    """A byte-level text data set (one with ``max_bytes`` and ``val_fraction``), checked
+    here as the ranks would find it: the held-out share in [0, 1), ``max_bytes`` a whole
+    number, and the user's files non-empty UTF-8 text that (with ``max_bytes``) makes at
+    least one training window of seq_len + 1 bytes and, when a share is held out, one
+    validation window. Reads the leading files up to ``max_bytes``, as the ranks do."""
+    if "val_fraction" not in data or "max_bytes" not in data:
+        return
+    frac, cap = data.get("val_fraction"), data.get("max_bytes")
+    _number("data.val_fraction", frac, "the held-out share of the text; use a number in [0, 1)",
+            isinstance(frac, (int, float)) and not isinstance(frac, bool) and 0 <= frac < 1)
+    if cap is not None:
+        _at_least("data.max_bytes", cap, 1)
+    files = data_file_list(data.get("files"))
+    total = 0
+    for f in files or ():
+        size = os.path.getsize(f)
+        if size == 0:
+            raise ConfigError(f"data.files: {f} is empty; list files that hold text")
+        try:
+            with open(f, "rb") as handle:
+                head = handle.read(cap - total if cap is not None else -1)
+            head.decode("utf-8")  # a cut in the middle of a character is tolerated below
+        except UnicodeDecodeError as err:
+            if err.start < len(head) - 3:  # not just a character cut by max_bytes
+                raise ConfigError(f"data.files: {f} is not UTF-8 text (byte {err.start} cannot be decoded); "
+                                  f"list text files") from None
+        except OSError as err:
+            raise ConfigError(f"data.files: {f} cannot be read ({err.strerror})") from None
+        total += size + 1  # each document ends in one separator
+        if cap is not None and total >= cap:
+            break
+    if files is None and cap is None:
+        return  # the default corpus, whole: megabytes
+    tokens = min(total, cap) if files else cap
+    windows = tokens // (seq_len + 1)
+    held = 0 if frac == 0 else max(1, round(windows * frac))
+    if windows - held < 1:
+        key = "data.max_bytes" if cap is not None and (not files or cap < total) else "data.files"
+        value = cap if key == "data.max_bytes" else ",".join(files)
+        need = (seq_len + 1) * (2 if frac else 1)
+        raise ConfigError(f"{key}={value}: too little text, about {tokens} bytes for windows of seq_len+1={seq_len + 1} "
+                          f"bytes, and training{' and validation' if frac else ''} need one each; "
+                          f"give at least {need} bytes")
+
+
 def _check_resume(resume: str | None) -> None:
     if resume is None:
         return

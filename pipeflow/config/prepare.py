@@ -33,6 +33,7 @@ from .assembly import (
 )
 from .checks import (
     check_known_keys,
+    check_text_data,
     _check_data_files,
     _check_optim,
     _check_pipeline,
@@ -194,6 +195,7 @@ def prepare_training(cfg: DictConfig) -> TrainingInputs:
     _check_runtime(cfg.runtime, schedule.num_devices)
     check_logger(cfg.logger)
     _check_data_files(cfg.data)
+    check_text_data(cfg.data, spec.seq_len)
     _check_resume(cfg.resume)
 
     # Generators are tested to be valid, but the runtime would deadlock on a schedule that
