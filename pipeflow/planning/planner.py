@@ -62,9 +62,19 @@ from ..sim.engine import simulate
 from ..topology.topology import Topology
 from .transformer import TransformerSpec
 from .baselines import dapple_plan_layout, pipedream_plan_layout, uniform_layout
-from .plans import (  # noqa: F401 - the plan's pieces, importable from here as before
-    GB, Plan, StageModel, _bisect_cut, _compositions, _edge_times, _greedy_cut, build_plan_schedule,
-    device_limits, estimate, evaluate, fits, overshoot, uniform_cut,
+from .plans import (  # GB, Plan, StageModel, build_plan_schedule, evaluate, fits: importable from here too
+    GB,
+    Plan,
+    StageModel,
+    _bisect_cut,
+    _compositions,
+    build_plan_schedule,
+    device_limits,
+    estimate,
+    evaluate,
+    fits,
+    overshoot,
+    uniform_cut,
 )
 
 
