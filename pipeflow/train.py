@@ -13,8 +13,10 @@ Hydra run directory.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -36,6 +38,9 @@ from pipeflow.tracking.labels import logger_labels
 
 # Hydra composes against these schemas, so they must be in the ConfigStore before main().
 register_configs()
+
+# Hydra sends it to the console (plain) and to the run folder's train.log (time-stamped)
+log = logging.getLogger("pipeflow.train")
 
 
 class JobError(CompactHydraException):
@@ -111,9 +116,10 @@ def claim_run_dir(run_dir: str) -> Path:
     a finished run's metrics already there (two runs' steps would interleave). The claim
     is a file created exclusively, so of two racing runs exactly one gets the folder."""
     path = Path(run_dir) / CLAIM
-    if (Path(run_dir) / "metrics.jsonl").exists():
-        raise ConfigError(f"hydra.run.dir={run_dir}: holds another run's metrics.jsonl; give a new folder "
-                          f"(or resume=<that folder> with a new hydra.run.dir to continue it)")
+    for earlier in ("metrics.jsonl", "summary.json"):
+        if (Path(run_dir) / earlier).exists():
+            raise ConfigError(f"hydra.run.dir={run_dir}: holds another run's {earlier}; give a new folder "
+                              f"(or resume=<that folder> with a new hydra.run.dir to continue it)")
     for _ in range(2):
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -178,7 +184,7 @@ def train_app(cfg: DictConfig) -> None:
 def _train(cfg: DictConfig, hydra_cfg, run_dir: str, inputs) -> None:
     """Launch the checked job in its claimed folder and print its summary."""
     # The runtime imports torch; a config error above never pays for that.
-    from pipeflow.runtime.launch import JobFailed, TrainJob, launch
+    from pipeflow.runtime.launch import JobFailed, JobStopped, TrainJob, launch
 
     plain = job_config(cfg, hydra_cfg)
     if plain["partition"]["name"] == "profiled" and plain["partition"].get("profile") is None:
@@ -187,11 +193,21 @@ def _train(cfg: DictConfig, hydra_cfg, run_dir: str, inputs) -> None:
         except ValueError as err:
             _stop(str(err), hydra_cfg)
     job = TrainJob(cfg=plain, run_dir=run_dir, world_size=inputs.world_size)
+    pipe = plain["pipeline"]
+    log.info(f"training {plain['model']['name']} with {plain['schedule']['name']}: p={pipe['stages']}, "
+             f"m={pipe['microbatches']}, {plain['trainer']['steps']} steps on {inputs.world_size} ranks; "
+             f"run folder {run_dir}")
     try:
-        summary = launch(job)
+        summary = launch(job, on_start=lambda rank, pid: log.info(f"rank {rank}: pid {pid}"))
+    except JobStopped as stopped:
+        last = stopped.summary.get("last_step", 0)
+        log.info(f"stopped by {stopped.signal} after step {last} of {plain['trainer']['steps']}; "
+                 f"summary.json (status: interrupted) and the metrics so far are in {run_dir}")
+        raise SystemExit(128 + stopped.signum) from None
     except JobFailed as err:
+        log.info(str(err).splitlines()[0])
         _stop(str(err), hydra_cfg)
-    print(format_summary(summary, run_dir))
+    log.info(format_summary(summary, run_dir))
 
 
 def main() -> None:
@@ -201,7 +217,11 @@ def main() -> None:
         check_group_choices(sys.argv[1:])
     except ConfigError as err:
         raise SystemExit(str(err)) from None
-    train_app()
+    try:
+        train_app()
+    except KeyboardInterrupt:  # Ctrl-C before the ranks started (composing, checking, profiling)
+        sys.stderr.write("stopped by SIGINT before training started\n")
+        raise SystemExit(128 + signal.SIGINT) from None
 
 
 if __name__ == "__main__":

@@ -265,13 +265,27 @@ def test_an_explicit_mode_wins_over_the_environment(wandb_home, monkeypatch):
 # ---------------------------------------------------------------------------- progress
 
 
-def test_disabled_progress_is_a_no_op(capsys):
-    bar = Progress(10, enabled=False)
-    bar.update(1, 5.0, 1000.0)
-    bar.update(2, 4.0, 1200.0)
+def test_without_a_terminal_progress_prints_a_plain_line_at_the_first_and_last_step(capsys, tmp_path):
+    """Issue 16, item 7: `make run > log` shows the run is alive, without a redrawn bar."""
+    bar = Progress(10, enabled=False, every=1e9, log=tmp_path / "train.log")
+    for step in range(1, 11):
+        bar.update(step, 5.0 - step / 10, 1000.0 * step)
     bar.close()
     bar.close()
-    assert capsys.readouterr() == ("", "")
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert out == ""
+    assert [line.split()[1] for line in lines] == ["1/10", "10/10"]
+    assert "loss 4.0000" in lines[1] and "10,000 tok/s" in lines[1]
+    logged = (tmp_path / "train.log").read_text().splitlines()
+    assert len(logged) == 2 and logged[0].startswith("[") and logged[1].endswith(lines[1])
+
+
+def test_without_a_terminal_progress_prints_a_line_when_the_interval_has_passed(capsys):
+    bar = Progress(100, enabled=False, every=0.0)  # every update is due
+    for step in range(1, 4):
+        bar.update(step, 3.0, 100.0)
+    assert [line.split()[1] for line in capsys.readouterr().err.splitlines()] == ["1/100", "2/100", "3/100"]
 
 
 def test_progress_is_off_when_stderr_is_not_a_terminal(capsys):

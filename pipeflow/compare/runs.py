@@ -13,6 +13,8 @@ A *multirun directory* holds run directories (one per job, at any depth). Every 
 found is kept, whatever state it is in; :attr:`Run.status` says which:
 
 - ``finished``: summary.json is there;
+- ``interrupted``: summary.json says the run was stopped (a signal, its launcher gone)
+  at its ``last_step``; its metrics up to there are kept;
 - ``crashed``: failure.json names the rank that failed (metrics up to the crash are kept);
 - ``incomplete``: metrics but no summary and no recorded failure (killed from outside,
   or still running);
@@ -56,7 +58,7 @@ class Run:
 
     path: Path
     kind: str  # "measured" | "simulated"
-    status: str  # "finished" | "crashed" | "incomplete" | "empty"
+    status: str  # "finished" | "interrupted" | "crashed" | "incomplete" | "empty"
     config: dict
     summary: dict | None = None
     rows: list[dict] = field(default_factory=list)
@@ -133,7 +135,9 @@ def read_run(path: Path) -> Run:
     kind = "simulated" if simulated else "measured"
     if simulated and not config:  # simulated in-process (no Hydra files): its summary names the configuration
         config = _config_of_simulation(summary)
-    if summary is not None:
+    if summary is not None and summary.get("status") == "interrupted":
+        status, error = "interrupted", f"stopped by {summary.get('stopped_by')} after step {summary.get('last_step')}"
+    elif summary is not None:
         status, error = "finished", None
     elif failure is not None:
         status, error = "crashed", str(failure.get("error") or "a rank failed")

@@ -115,6 +115,7 @@ def _check_runtime(rt: DictConfig, world_size: int) -> None:
                 f"use fewer pipeline.stages or runtime.device=cpu"
             )
     _number("runtime.timeout_s", rt.timeout_s, "must be > 0 seconds", rt.timeout_s > 0)
+    _number("runtime.hang_timeout_s", rt.hang_timeout_s, "must be >= 0 seconds (0: never)", rt.hang_timeout_s >= 0)
     _at_least("runtime.threads_per_rank", rt.threads_per_rank, 1)
     if rt.master_port is not None:
         _number("runtime.master_port", rt.master_port, "must be null (a free port) or in 1..65535",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Union
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
@@ -19,6 +19,7 @@ from pipeflow.schedules.registry import specs
 from pipeflow.topology.presets import PRESETS
 
 from .assembly import PLANNED_SPEC  # noqa: F401 - registers schedule=planned before the schemas are derived
+from .apphelp import register_help
 from .derive import _cost_schema, _topology_schema, schedule_schema
 
 
@@ -61,7 +62,7 @@ class SimulateConfig:
     topology: Any = MISSING
     cost: Any = MISSING
     export: Optional[str] = None  # torch_csv: also write schedule.csv
-    draw: bool = True  # write timeline.png
+    draw: Union[bool, str] = "auto"  # timeline.png: auto (when it can be read), true (always), false (never)
     logger: Any = MISSING  # logger/none (simulate.yaml's default) or logger/wandb: one W&B run per job
 
 
@@ -94,6 +95,7 @@ class LocalRuntimeConfig:
     backend: str = "auto"  # auto: nccl when CUDA is available, else gloo
     device: str = "auto"  # auto | cpu | cuda
     timeout_s: float = 60.0  # a collective or P2P op that takes longer fails the run
+    hang_timeout_s: float = 30.0  # a rank silent this long (stopped, stuck) fails the run, named; 0: never
     master_port: Optional[int] = None  # null: a free port
     threads_per_rank: int = 1  # torch intra-op threads of each rank
     fail_at_step: Optional[int] = None  # test hook: rank fail_rank fails at this step
@@ -158,7 +160,9 @@ SCHEMAS: dict[str, type] = {
 
 
 def register_configs() -> None:
-    """Put the schemas in Hydra's ConfigStore; call before composing (idempotent)."""
+    """Put the schemas in Hydra's ConfigStore and the help page's resolvers in OmegaConf;
+    call before composing (idempotent)."""
+    register_help()
     cs = ConfigStore.instance()
     for path, node in SCHEMAS.items():
         group, name = path.rsplit("/", 1)

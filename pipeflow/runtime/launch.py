@@ -4,11 +4,20 @@ Locally the trainer spawns ``world_size`` ranks itself. Under ``torchrun`` (RANK
 WORLD_SIZE, MASTER_ADDR and MASTER_PORT already set) it adopts the environment and runs
 the one rank this process is, so multi-node jobs use the same code path.
 
-Failure handling is the point of this module: a rank that raises reports its
-traceback through a queue and exits non-zero; the parent notices within a fraction of
-a second, terminates every other rank (which may be blocked in a receive that will
-never complete), and raises :class:`JobFailed` carrying that rank's error. A rank killed
-by a signal is reported by its exit status. Nothing is left running.
+How a job ends is the point of this module:
+
+- a rank that raises reports its traceback through a queue and exits non-zero; the
+  launcher notices within a fraction of a second, stops every other rank (which may be
+  blocked in a receive that will never complete) and raises :class:`JobFailed` carrying
+  that rank's error; a rank killed by a signal is reported by its exit status;
+- a rank that stops answering (stopped by SIGSTOP, or stuck without releasing the
+  interpreter) is found by its heartbeat and named, rather than the peer that timed out
+  waiting for it;
+- SIGINT, SIGTERM or SIGHUP to the launcher (Ctrl-C, a scheduler's cancel, a closed
+  terminal) asks every rank to stop: rank 0 writes ``summary.json`` with ``status:
+  interrupted`` and finishes its W&B run, and :class:`JobStopped` is raised;
+- a rank whose launcher is gone (SIGKILL, a lost session) stops by itself within a
+  second, the same way. Nothing is left running.
 """
 
 from __future__ import annotations
@@ -19,11 +28,17 @@ import re
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch.multiprocessing as mp
+
+STOPPED = 3  # a rank's exit status when it stopped because it was asked to, not from an error
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+BEAT = 0.5  # seconds between a rank's heartbeats
 
 
 @dataclass
@@ -50,6 +65,22 @@ class JobFailed(RuntimeError):
         self.message = message
 
 
+class JobStopped(RuntimeError):
+    """The job stopped because the launcher was asked to (``signum``); ``summary`` is
+    what rank 0 wrote (``status: interrupted``, ``last_step``)."""
+
+    def __init__(self, signum: int, summary: dict):
+        self.signum = signum
+        self.signal = signal.Signals(signum).name
+        self.summary = summary
+        super().__init__(f"stopped by {self.signal} after step {summary.get('last_step', 0)}")
+
+
+class Stopped(BaseException):
+    """Raised in a rank by a stop signal, or when its launcher is gone: not an error, so
+    it is a BaseException that ``except Exception`` blocks let through."""
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -74,7 +105,89 @@ def rank_context():
     return mp.get_context("spawn")
 
 
-def _rank_entry(rank: int, job: TrainJob, port: int, errors, env: dict) -> None:
+# ---------------------------------------------------------------------- in a rank
+
+_stop_reason: list[str] = []  # in a rank: why it was asked to stop (set once)
+_pending: list[str] = []  # the watchdog's reason, read by the handler it signals
+
+
+def stop_reason() -> str | None:
+    """In a rank: why it was asked to stop (a signal's name, or that its launcher is
+    gone), or None while it runs on."""
+    return _stop_reason[0] if _stop_reason else None
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs: a zombie (dead, its parent has not yet reaped it) does not."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # no /proc (not Linux): signal 0 reached it
+
+
+def _on_stop_signal(signum, _frame) -> None:
+    if _stop_reason:
+        return  # one stop: the launcher forwarding a Ctrl-C the rank also got changes nothing
+    _stop_reason.append(_pending[0] if _pending else signal.Signals(signum).name)
+    raise Stopped(_stop_reason[0])
+
+
+def _watch(rank: int, launcher: int, beats) -> None:
+    """A rank's watchdog thread: beat every BEAT seconds (a stopped or stuck rank falls
+    silent, a rank waiting in a receive does not), and stop this rank when the launcher
+    is gone: its fork server exits with it, and the rank is re-parented."""
+    parent = os.getppid()
+    while True:
+        if beats is not None:
+            beats[rank] = time.monotonic()
+        if not _stop_reason and (os.getppid() != parent or not _alive(launcher)):
+            _pending.append("the launcher ended")
+            os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(BEAT)
+
+
+def stop_behind(err: BaseException) -> str | None:
+    """Why this rank is stopping, given the error that ended its training: a stop asked
+    for, or an error that says a peer went away (a Ctrl-C reaches every rank, and the
+    first to stop closes its connections before the others' signals land: give this
+    rank's own a second to arrive). None: a real failure."""
+    if not _stop_reason and _CONSEQUENCE.search((str(err).strip().splitlines() or [""])[-1]):
+        try:
+            time.sleep(1.0)
+        except Stopped:
+            pass
+    return stop_reason()
+
+
+def check_stop() -> None:
+    """Raise Stopped if this rank was asked to stop: for the places a signal's own
+    Stopped cannot come from (it was raised inside a destructor, which swallows it)."""
+    if _stop_reason:
+        raise Stopped(_stop_reason[0])
+
+
+def _quiet_stops(unraisable) -> None:
+    if not isinstance(unraisable.exc_value, Stopped):
+        sys.__unraisablehook__(unraisable)
+
+
+def _rank_entry(rank: int, job: TrainJob, port: int, errors, env: dict, launcher: int = 0, beats=None) -> None:
+    try:
+        _rank_main(rank, job, port, errors, env, launcher, beats)
+    except Stopped:  # the stop landed while the rank was reporting an error: the stop wins
+        raise SystemExit(STOPPED) from None
+
+
+def _rank_main(rank: int, job: TrainJob, port: int, errors, env: dict, launcher: int, beats) -> None:
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _on_stop_signal)
+    sys.unraisablehook = _quiet_stops  # a stop that lands in a destructor: check_stop() raises it again
     # a forked rank inherits the server's environment, not the launcher's: restore the latter
     os.environ.clear()
     os.environ.update(env)
@@ -82,42 +195,119 @@ def _rank_entry(rank: int, job: TrainJob, port: int, errors, env: dict) -> None:
     os.environ["MASTER_PORT"] = str(port)
     os.environ["RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(job.world_size)
+    threading.Thread(target=_watch, args=(rank, launcher or os.getppid(), beats), daemon=True).start()
     try:
         job.target()(rank, job)
     except BaseException as err:  # noqa: BLE001 - every failure must reach the parent
+        if stop_behind(err):
+            # asked to stop: this error is the stop itself, or a peer that stopped first.
+            # SystemExit, not os._exit: multiprocessing's finalizers release the rank's
+            # semaphores, which the resource tracker would otherwise report as leaked
+            raise SystemExit(STOPPED) from None
         text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
         try:
             errors.put((rank, text))
         finally:
             sys.stderr.write(f"[rank {rank}] {text}")
             sys.stderr.flush()
-            os._exit(1)
+        raise SystemExit(1) from None
+
+
+# ---------------------------------------------------------------------- in the launcher
+
+def _signal(p, sig) -> None:
+    """Send ``sig`` to rank process ``p`` by pid: its exit status may be unknown (a dead
+    fork server reports 255 for ranks that still run)."""
+    if p.pid is not None:
+        try:
+            os.kill(p.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _gone(p) -> bool:
+    return p.pid is None or (p.exitcode is not None and not _alive(p.pid))
 
 
 def _stop(procs, grace: float = 3.0) -> None:
     procs = [p for p in procs if p.pid is not None]  # a rank that never started has nothing to stop
     for p in procs:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + grace
+        if not _gone(p):
+            _signal(p, signal.SIGTERM)
+    _wait(procs, grace)
+    for p in procs:
+        if not _gone(p):
+            _signal(p, signal.SIGKILL)
+    _wait(procs, 5.0)
+
+
+def _wait(procs, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
+    while any(not _gone(p) for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 # what a rank says when a *peer* died: a consequence, not a cause
 _CONSEQUENCE = re.compile(r"Connection (closed|reset)|Broken pipe|timed out|Timeout|NCCL communicator was aborted", re.I)
 
 
-def _failure(procs, errors) -> JobFailed:
+def _state(pid: int) -> str:
+    """The kernel's word for a process's state (Linux), or '' where it cannot be read."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return ""
+    return {"T": "stopped by a signal", "t": "stopped by a debugger", "D": "waiting on a device",
+            "Z": "a zombie"}.get(fields[0], "")
+
+
+class _Hearing:
+    """The launcher's view of the ranks' heartbeats: when each last changed, as the
+    launcher saw it. A launcher that was itself suspended (Ctrl-Z) starts over rather
+    than blaming ranks that were suspended with it."""
+
+    def __init__(self, beats, world: int):
+        self.beats = beats
+        self.seen = [None] * world
+        self.changed = [time.monotonic()] * world
+        self.tick = time.monotonic()
+
+    def silent(self) -> list[tuple[int, float]]:
+        now = time.monotonic()
+        if now - self.tick > 2.0:  # this process did not run for a while: no evidence
+            self.changed = [now] * len(self.changed)
+        self.tick = now
+        if self.beats is None:
+            return []
+        out = []
+        for r in range(len(self.seen)):
+            beat = self.beats[r]
+            if beat != self.seen[r]:
+                self.seen[r], self.changed[r] = beat, now
+            elif beat:  # a rank that has not beaten yet is still starting
+                out.append((r, now - self.changed[r]))
+        return out
+
+
+def _hung(procs, hearing: _Hearing, after: float | None) -> JobFailed | None:
+    for r, quiet in hearing.silent():  # read every time, so that _failure has it current
+        if after and quiet > after and not _gone(procs[r]):
+            state = _state(procs[r].pid)
+            how = f" (process {procs[r].pid} is {state})" if state else f" (process {procs[r].pid})"
+            return JobFailed(r, f"stopped answering: no heartbeat for {quiet:.0f} s{how}; "
+                                f"the other ranks were waiting for it (runtime.hang_timeout_s={after:g})")
+    return None
+
+
+def _failure(procs, errors, hearing: _Hearing | None = None) -> JobFailed:
     """Blame the right rank. Read the evidence before stopping anyone: once one rank
     dies its peers fail too (their receives lose the connection) and may report first;
     ranks are children of the fork server, so a killed rank's exit status can arrive
     after its peers' reports. Wait (briefly) for a killed rank or a report that is not
-    a lost connection; once we stop the others they all die by signal."""
+    a lost connection; once we stop the others they all die by signal. A peer that
+    timed out waiting for a rank that fell silent blames the silent one."""
     reported: list[tuple[int, str]] = []
     deadline = time.monotonic() + 2.0
     while True:
@@ -129,6 +319,14 @@ def _failure(procs, errors) -> JobFailed:
         if killed or causes or time.monotonic() > deadline:
             break
         time.sleep(0.05)
+    silent = [(r, q) for r, q in (hearing.silent() if hearing else []) if q > 3 * BEAT + 1.0 and not _gone(procs[r])]
+    if not killed and not causes and silent:
+        r, quiet = max(silent, key=lambda rq: rq[1])
+        state = _state(procs[r].pid) if procs[r].pid else ""
+        _stop(procs)
+        waited = "".join(f"\n(rank {o} timed out waiting: {t.strip().splitlines()[-1]})" for o, t in reported)
+        return JobFailed(r, f"stopped answering: no heartbeat for {quiet:.0f} s"
+                            + (f" (process {procs[r].pid} is {state})" if state else "") + waited)
     _stop(procs)
     if killed:
         r, code = killed[0]
@@ -139,7 +337,22 @@ def _failure(procs, errors) -> JobFailed:
         r, text = (causes or reported)[0]
         return JobFailed(r, text.strip().splitlines()[-1] + "\n" + text)
     r, code = next(((r, c) for r, c in codes if c not in (None, 0)), (0, None))
+    if code == 255 and all(p.exitcode == 255 for p in procs):
+        return JobFailed(r, "the process that started the ranks (multiprocessing's fork server) ended; "
+                            "the ranks were stopped")
     return JobFailed(r, f"the process ended with exit status {code} and no Python error")
+
+
+def write_json(path: Path, record: dict) -> None:
+    """Write ``record`` whole or not at all: a full disk leaves no empty or cut-short
+    file behind (the text goes to a temporary file renamed into place)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _record_failure(run_dir: str, failed: JobFailed) -> None:
@@ -149,15 +362,40 @@ def _record_failure(run_dir: str, failed: JobFailed) -> None:
     record = {"rank": failed.rank, "error": message.splitlines()[0], "detail": message}
     try:
         os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "failure.json"), "w") as f:
-            json.dump(record, f, indent=2)
-            f.write("\n")
-    except OSError:
-        pass  # the failure itself is what the caller must hear about
+        write_json(Path(run_dir) / "failure.json", record)
+    except OSError as err:  # the failure itself is what the caller must hear about
+        sys.stderr.write(f"could not write {Path(run_dir) / 'failure.json'}: {err.strerror or err}\n")
 
 
-def launch(job: TrainJob) -> dict:
-    """Run the job on all ranks; return rank 0's summary. Raises JobFailed."""
+def _last_step(run_dir: str) -> int:
+    from ..tracking.sink import read_metrics
+
+    rows = read_metrics(run_dir) if (Path(run_dir) / "metrics.jsonl").exists() else []
+    return int(rows[-1]["step"]) if rows else 0
+
+
+def _stopped_summary(job: TrainJob, signum: int) -> dict:
+    """What rank 0 wrote when it stopped; when it could not (it had not started
+    training), the launcher's own account: the last step metrics.jsonl holds."""
+    path = Path(job.run_dir) / "summary.json"
+    try:
+        summary = json.loads(path.read_text())
+        if summary.get("status") == "interrupted":
+            return summary
+    except (OSError, ValueError):
+        pass
+    summary = {"kind": "measured", "status": "interrupted", "stopped_by": signal.Signals(signum).name,
+               "steps": int(job.cfg.get("trainer", {}).get("steps", 0)), "last_step": _last_step(job.run_dir)}
+    try:
+        write_json(path, summary)
+    except OSError as err:
+        sys.stderr.write(f"could not write {path}: {err.strerror or err}\n")
+    return summary
+
+
+def launch(job: TrainJob, on_start=None) -> dict:
+    """Run the job on all ranks; return rank 0's summary. Raises JobFailed, or
+    JobStopped after a stop signal. ``on_start(rank, pid)`` hears of each rank started."""
     rank = _adopted_rank()
     if rank is not None:
         world = int(os.environ["WORLD_SIZE"])
@@ -169,37 +407,57 @@ def launch(job: TrainJob) -> dict:
             )
         return job.target()(rank, job) or {}
 
-    port = job.cfg.get("runtime", {}).get("master_port") or free_port()
+    runtime = job.cfg.get("runtime", {})
+    port = runtime.get("master_port") or free_port()
+    hang_after = float(runtime.get("hang_timeout_s") or 0) or None
     stale = os.path.join(job.run_dir, "failure.json")
     if os.path.exists(stale):  # from an earlier attempt in the same directory
         os.remove(stale)
     ctx = rank_context()
     errors = ctx.SimpleQueue()
+    beats = ctx.Array("d", job.world_size, lock=False)
     env = dict(os.environ)
-    procs = [ctx.Process(target=_rank_entry, args=(r, job, port, errors, env), daemon=False) for r in range(job.world_size)]
-    # a SIGTERM to the parent (a scheduler cancelling the job) must not leave ranks behind
-    def on_term(*_):
-        _stop(procs)
-        sys.exit(143)
+    procs = [ctx.Process(target=_rank_entry, args=(r, job, port, errors, env, os.getpid(), beats), daemon=False)
+             for r in range(job.world_size)]
+    stop: list[int] = []
 
-    previous = signal.getsignal(signal.SIGTERM)
-    signal.signal(signal.SIGTERM, on_term)
-    try:
+    def on_stop(signum, _frame):
+        stop.append(signum)
+        # the first, passed on as it came: rank 0 writes the summary (naming it) and
+        # finishes W&B, the others just end; a second (Ctrl-C pressed again): end them now
         for p in procs:
+            if not _gone(p):
+                _signal(p, signum if len(stop) == 1 else signal.SIGKILL)
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, on_stop) for sig in STOP_SIGNALS} if main_thread else {}
+    try:
+        for r, p in enumerate(procs):
+            if stop:
+                break
             p.start()
+            if on_start is not None:
+                on_start(r, p.pid)
+        hearing = _Hearing(beats, job.world_size)
         while True:
+            if stop:
+                _wait(procs, 30.0)  # W&B's final flush takes a few seconds
+                raise JobStopped(stop[0], _stopped_summary(job, stop[0]))
             if any(p.exitcode not in (None, 0) for p in procs):
-                failed = _failure(procs, errors)
+                failed = _failure(procs, errors, hearing)
                 _record_failure(job.run_dir, failed)
                 raise failed
             if all(p.exitcode == 0 for p in procs):
                 break
+            hung = _hung(procs, hearing, hang_after)
+            if hung is not None:
+                _stop(procs)
+                _record_failure(job.run_dir, hung)
+                raise hung
             time.sleep(0.1)
-    except KeyboardInterrupt:
-        _stop(procs)
-        raise
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         _stop(procs)
     summary_path = os.path.join(job.run_dir, "summary.json")
     if os.path.exists(summary_path):

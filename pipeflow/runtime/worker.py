@@ -33,7 +33,7 @@ from . import checkpoint
 from .adapters import CBMAdapter, make_adapter
 from .async_executor import AsyncExecutor, ChunkStats
 from .executor import Executor, Groups, StageState
-from .launch import TrainJob
+from .launch import TrainJob, check_stop, stop_behind
 
 
 def lr_at(step: int, optim: dict, steps: int) -> float:
@@ -277,8 +277,6 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
 
     setup = build_rank(cfg, rank, device, on_grads=dump_grads if runtime.get("dump_grads") else None)
     schedule, layers, stages = setup.schedule, setup.layers_per_stage, setup.stages
-    mbs = setup.adapter.mbs
-    m = int(pipe_cfg["microbatches"])  # per step (an asynchronous schedule's IR spans schedule.windows steps)
 
     # the data set is built (and cached) by rank 0 first so ranks do not race on the cache
     if rank != 0:
@@ -304,18 +302,57 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
         from ..tracking.sink import MetricsSink
 
         sink = MetricsSink(job.run_dir, cfg, cfg["logger"], resume_step=start_step)
-        progress = Progress(int(trainer["steps"]), initial=start_step)
+        progress = Progress(int(trainer["steps"]), initial=start_step, log=Path(job.run_dir) / "train.log")
         # the resolved config beside the metrics: pipeflow-compare labels runs by it
         (Path(job.run_dir) / "config.json").write_text(json.dumps(cfg, indent=2, default=str) + "\n")
 
-    hosts = [None] * job.world_size
-    dist.all_gather_object(hosts, socket.gethostname())
-    one_host = len(set(hosts)) == 1
-    steps = int(trainer["steps"])
-    batch_size = m * mbs
-    t_start = time.perf_counter()
     # a resumed run goes on from the training time its metrics recorded at the checkpoint
     state = RunState(start_step, _train_time_at(job.run_dir, start_step) if rank == 0 and start_step else 0.0)
+    try:
+        hosts = [None] * job.world_size
+        dist.all_gather_object(hosts, socket.gethostname())
+        return _train_steps(rank, job, device, setup, data, sink, progress, state, len(set(hosts)) == 1, meta,
+                            time.perf_counter())
+    except BaseException as err:
+        if sink is not None:
+            _close_unfinished(sink, progress, job, setup, state, start_step, stop_behind(err))
+        raise
+
+
+def _close_unfinished(sink, progress, job: TrainJob, setup: RankSetup, state: RunState, start_step: int,
+                      reason: str | None) -> None:
+    """Rank 0, when training ends early. Asked to stop (a signal, or the launcher gone):
+    summary.json says ``status: interrupted`` and the last step, and the W&B run is
+    finished so that it syncs. Failed: the W&B run is closed as failed, with no summary
+    (the launcher writes failure.json)."""
+    progress.close()
+    if reason is None:
+        sink.close(exit_code=1)
+        return
+    history, cfg = state.history, job.cfg
+    sink.finish({
+        "kind": "measured",
+        "status": "interrupted",
+        "stopped_by": reason,
+        "schedule": setup.schedule.name,
+        "stages": cfg["pipeline"]["stages"],
+        "microbatches": int(cfg["pipeline"]["microbatches"]),
+        "steps": int(cfg["trainer"]["steps"]),
+        "last_step": state.step,
+        "train_time": state.train_time,
+        "resumed_from": start_step or None,
+        "final_loss": history[-1]["loss"] if history else None,
+        "final_val_loss": state.val_losses[-1] if state.val_losses else None,
+    }, exit_code=1)
+
+
+def _train_steps(rank, job, device, setup: RankSetup, data, sink, progress, state: RunState, one_host: bool,
+                 meta: dict, t_start: float) -> dict | None:
+    """Every chunk to the last step, then rank 0's summary."""
+    cfg, stages, schedule = job.cfg, setup.stages, setup.schedule
+    pipe_cfg, steps, mbs = cfg["pipeline"], int(cfg["trainer"]["steps"]), setup.adapter.mbs
+    batch_size = int(pipe_cfg["microbatches"]) * mbs
+    start_step = state.step
     while state.step < steps:
         _train_chunk(rank, job, setup, data, sink, progress, state, one_host, meta)
 
@@ -334,15 +371,17 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
     steady = history[len(history) // 2 :] or history  # skip the warm-up half for rates
     summary = {
         "kind": "measured",
+        "status": "finished",
         "schedule": schedule.name,
         "stages": pipe_cfg["stages"],
         # per step, as configured (an asynchronous schedule's IR spans schedule.windows steps)
         "microbatches": int(pipe_cfg["microbatches"]),
         "microbatch_size": mbs,
         "world_size": job.world_size,
-        "layers_per_stage": layers,
+        "layers_per_stage": setup.layers_per_stage,
         "segment_lengths": getattr(setup.adapter, "segment_lengths", None),
         "steps": steps,
+        "last_step": steps,
         "samples": steps * batch_size,
         "train_time": state.train_time,
         "resumed_from": start_step or None,
@@ -434,6 +473,7 @@ def _train_chunk(rank, job, setup: RankSetup, data, sink, progress, state: RunSt
     batch_size = m * mbs
     tokens = batch_size * setup.adapter.seq_len
     val_every, save_every = int(trainer.get("val_every") or 0), int(trainer.get("save_every") or 0)
+    check_stop()  # a stop that arrived in a destructor was swallowed there
     first = state.step + 1
     end = _chunk_end(first, steps, setup.steps_per_chunk, val_every, save_every)
     fail = runtime.get("fail_at_step")

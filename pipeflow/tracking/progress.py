@@ -1,34 +1,70 @@
-"""The console progress bar of a training run (rank 0): step, loss, tokens per second."""
+"""Rank 0's account of a training run as it goes: step, loss, tokens per second.
+
+On a terminal it is a tqdm bar. Without one (``make run > log``, a batch job, CI) it is
+a plain line at the first step, then at most every ``every`` seconds, and at the last
+step, so a log shows the run is alive without a redrawn bar's noise. The same lines,
+time-stamped, go to the run folder's ``train.log`` either way.
+"""
 
 from __future__ import annotations
 
 import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+
+def stamp() -> str:
+    """The time stamp of a train.log line (the launcher's lines use the same)."""
+    return datetime.now().strftime("%Y-%m-%d %H:%M:%S")
 
 
 class Progress:
-    """A tqdm bar over ``total`` steps, starting at ``initial`` (a resumed run's step).
+    """Progress over ``total`` steps, starting at ``initial`` (a resumed run's step).
 
-    ``enabled=None`` shows it only when stderr is a terminal: in logs and CI a bar
-    redrawn every step is noise, and metrics.jsonl already holds every number.
+    ``enabled=None`` draws the bar only when stderr is a terminal and prints plain lines
+    otherwise; ``log`` is the file the lines are appended to (None: none).
     """
 
-    def __init__(self, total: int, initial: int = 0, enabled: bool | None = None) -> None:
+    def __init__(self, total: int, initial: int = 0, enabled: bool | None = None, log: str | Path | None = None,
+                 every: float = 10.0) -> None:
         if enabled is None:
             enabled = sys.stderr.isatty()
         self.enabled = bool(enabled)
+        self.total, self.every = int(total), float(every)
+        self.log = Path(log) if log is not None else None
         self._bar = None
+        self._start = time.monotonic()
+        self._last_line = None  # when the last plain line was printed
         if self.enabled:
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr)
 
+    def line(self, step: int, loss: float, tokens_per_s: float) -> str:
+        elapsed = time.monotonic() - self._start
+        return f"step {step}/{self.total}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s  {elapsed:.0f} s"
+
     def update(self, step: int, loss: float, tokens_per_s: float) -> None:
-        """Move the bar to ``step`` steps done (1 after the first step) and show the
-        latest loss and throughput."""
-        if self._bar is None:
-            return
-        self._bar.set_postfix_str(f"loss {loss:.4f}, {tokens_per_s:,.0f} tok/s", refresh=False)
-        self._bar.update(step - self._bar.n)
+        """Move to ``step`` steps done (1 after the first step) and show the latest loss
+        and throughput."""
+        now = time.monotonic()
+        due = self._last_line is None or now - self._last_line >= self.every or step >= self.total
+        if due:
+            self._last_line = now
+            text = self.line(step, loss, tokens_per_s)
+            if self.log is not None:
+                try:
+                    with open(self.log, "a", encoding="utf-8") as f:
+                        f.write(f"[{stamp()}] {text}\n")
+                except OSError:
+                    self.log = None  # the run goes on; its metrics.jsonl has every number
+            if self._bar is None:
+                sys.stderr.write(text + "\n")
+                sys.stderr.flush()
+        if self._bar is not None:
+            self._bar.set_postfix_str(f"loss {loss:.4f}, {tokens_per_s:,.0f} tok/s", refresh=False)
+            self._bar.update(step - self._bar.n)
 
     def close(self) -> None:
         if self._bar is not None:

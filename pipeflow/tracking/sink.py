@@ -208,14 +208,25 @@ class MetricsSink:
             # W&B drops rows logged at a step lower than one already logged
             self.wandb_run.log({key: wandb.Image(str(path), caption=caption)}, step=max(int(step), self._last_step))
 
-    def finish(self, summary: dict) -> None:
-        """Write run_dir/summary.json, put its scalars in the W&B run summary, close."""
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=_json_default) + "\n")
+    def finish(self, summary: dict, exit_code: int = 0) -> None:
+        """Write run_dir/summary.json, put its scalars in the W&B run summary, close
+        (``exit_code`` non-zero: W&B marks the run failed; an interrupted run's is 1)."""
+        path = self.run_dir / "summary.json"
+        tmp = path.with_name("summary.json.tmp")  # whole or not at all, on a full disk too
+        try:
+            tmp.write_text(json.dumps(summary, indent=2, default=_json_default) + "\n")
+            os.replace(tmp, path)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            self.close(exit_code=1)
+            raise
         if self.wandb_run is not None:
             self.wandb_run.summary.update(flat_scalars(summary))
-        self._close(exit_code=0)
+        self.close(exit_code=exit_code)
 
-    def _close(self, exit_code: int) -> None:
+    def close(self, exit_code: int) -> None:
+        """Close metrics.jsonl and finish the W&B run (its files flushed so that
+        ``wandb sync`` has the whole run); a second call does nothing."""
         if self._finished:
             return
         self._finished = True
@@ -237,7 +248,7 @@ class MetricsSink:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self._close(exit_code=0 if exc_type is None else 1)
+        self.close(exit_code=0 if exc_type is None else 1)
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
