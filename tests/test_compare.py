@@ -78,7 +78,7 @@ def test_sweep_then_compare_writes_the_report_with_a_row_per_run(sweep, tmp_path
         assert float(row["best_loss"]) == pytest.approx(min(losses), rel=1e-5)
         summary = json.loads((job / "summary.json").read_text())
         assert float(row["tokens_per_s"]) == pytest.approx(summary["mean_tokens_per_s"], rel=1e-5)
-        assert f"<td>{schedule}</td>" in page
+        assert f'<td class="text label">{schedule}<span class="folder">' in page  # its folder under it
     # gpipe and 1f1b compute the same gradients: the same losses, hence the same row numbers
     assert rows[0]["final_loss"] == rows[1]["final_loss"]
 

@@ -91,7 +91,8 @@ def test_a_pair_within_the_target_gets_its_deviation_and_no_flag(tmp_path, capsy
     assert float(next(r for r in rows_of(out, "configurations.csv") if r["kind"] == "measured")["sim_error"]) \
         == pytest.approx(0.04, abs=1e-9)
     page = (out / "report.html").read_text()
-    assert "<th>sim_error</th>" in page and "<td>+4%</td>" in page
+    assert "<th>simulated vs measured</th>" in page and "<td>+4%</td>" in page
+    assert '<td class="text">within target</td>' in page
     assert "Caution" not in page and 'class="flag"' not in page
     assert "sim error" in said and "+4%" in said and "caution:" not in said
 
@@ -108,10 +109,15 @@ def test_a_pair_beyond_the_target_is_flagged_in_the_tables_the_page_and_the_cons
     console_row = next(line for line in said.splitlines() if line.startswith("1f1b") and "-23%" in line)
     assert "beyond ±10%" in console_row
     page = (out / "report.html").read_text()
-    assert ("<b>Caution:</b> Simulated step time deviates from measured beyond the target for: "
-            + caution) in page
+    # what the simulator predicts against what was measured, and why they can differ
+    assert "<li>1f1b (p=2): simulated 0.385 s per step, measured 0.500 s (-23%, target ±10%)</li>" in page
+    assert "cost=analytic prices each action" in page and "topology=local_cpu" in page
     assert page.index("Caution") < page.index("<h2>")  # at the top, before the figures and tables
-    assert '<td class="flag">beyond ±10%</td>' in page and '<td class="flag">-23%</td>' in page
+    # and again where the two stand side by side: before the step-time figure and its table
+    section = page[page.index("<h2>Step time</h2>"):]
+    assert section.index('<p class="caution"><b>Caution:</b>') < section.index('<img alt="step_time"')
+    assert '<td class="text flag">beyond ±10%</td>' in page and '<td class="flag">-23%</td>' in page
+    assert "predicts shorter steps than were measured (measured 1.3× the prediction)" in said
     run = next(r for r in rows_of(out, "runs.csv") if r["kind"] == "measured")
     assert float(run["sim_error"]) == pytest.approx(-0.23, abs=1e-9) and run["sim_flag"] == "beyond ±10%"
     group = next(r for r in rows_of(out, "configurations.csv") if r["kind"] == "measured")
@@ -142,7 +148,8 @@ def test_on_four_ranks_12_percent_is_within_the_target_on_two_it_is_not(tmp_path
     # the two configurations differ only by depth, which their labels say: no "(p=...)" added
     assert report.cautions == ["stages=2: +12% (target ±10%)"]
     page = report.html.read_text()
-    assert "stages=2: +12% (target ±10%)" in page and "stages=4: +12%" not in page
+    assert "stages=2: simulated 1.12 s per step, measured 1.00 s (+12%, target ±10%)" in page
+    assert "stages=4: simulated" not in page
 
 
 def test_the_ranks_are_what_the_measured_run_ran_on(tmp_path):
@@ -176,7 +183,8 @@ def test_a_unit_cost_simulation_has_no_deviation(tmp_path, capsys):
     assert next(g for g in group_table(runs, table) if g["kind"] == "measured")["sim_error"] is None
     assert report.cautions == []
     page = (out / "report.html").read_text()
-    assert "<th>sim_step_time</th>" in page and "<th>sim_error</th>" not in page and "Caution" not in page
+    assert "<th>simulated step time (unit times)</th>" in page and "Caution" not in page
+    assert "<th>simulated vs measured</th>" not in page
     assert "sim error" not in said and "caution:" not in said
     assert next(r for r in rows_of(out, "runs.csv") if r["kind"] == "measured")["sim_error"] == ""
 
@@ -203,7 +211,7 @@ def test_a_measured_run_without_a_simulation_gets_no_fidelity_columns(tmp_path):
     runs, table, report = compare([str(root)], CompareConfig(out=str(tmp_path / "out")))
     row = next(r for r in table if r["kind"] == "measured")
     assert row["sim_step_time"] is None and row["sim_error"] is None and row["sim_flag"] is None
-    assert report.cautions == [] and "<th>sim_error</th>" not in report.html.read_text()
+    assert report.cautions == [] and "<th>simulated vs measured</th>" not in report.html.read_text()
 
 
 def test_sim_tolerance_setting_is_checked(tmp_path):

@@ -4,15 +4,16 @@
     pipeflow-compare RUN_DIR OTHER_RUN_DIR outputs/multirun/simulate/... out=reports/sched
     pipeflow-compare outputs/multirun/train/... report=wandb     # also a W&B report when online
 
-Arguments are run or multirun directories (any mix, any number) and ``key=value``
-settings (:class:`CompareConfig`). Writes into ``out`` (default
-``outputs/compare/<date>/<time>``): ``report.html`` (self-contained, figures embedded),
-the figures as PNGs, ``runs.csv`` (one row per run) and ``configurations.csv`` (one row
-per configuration, means over seeds). Runs that crashed or stopped early are reported
-as such, with what they logged before stopping. A measured run with a simulated run of
-its configuration gets the simulator's deviation (``sim_error``), flagged beyond the
-fidelity target: 10% on up to 2 ranks, 15% on more (``sim_tolerance=FRACTION`` for
-another).
+Arguments are run or multirun directories (any mix, any number) and key=value settings
+(below). Writes into out (default outputs/compare/<date>/<time>): report.html
+(self-contained, figures embedded, its tables fit a 1400 px window), the figures as
+PNGs, runs.csv (one row per run, every column) and configurations.csv (one row per
+configuration, means over seeds). Runs that crashed or stopped early are reported as
+such, with what they logged before stopping. A measured run with a simulated run of its
+configuration gets the simulator's deviation (sim_error), flagged beyond the fidelity
+target: 10% on up to 2 ranks, 15% on more (sim_tolerance=FRACTION for another); the
+report then says, in a caution, what was simulated, what was measured and why they can
+differ.
 """
 
 from __future__ import annotations
@@ -27,9 +28,11 @@ from typing import Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from .caution import console_caution
+from .fmt import cell, header
 from .report import Report, write_report
 from .runs import CompareInputError, Run, find_runs
-from .table import group_table, percent, run_table, target_loss
+from .table import group_table, run_table, target_loss
 
 __all__ = ["CompareConfig", "WandbReportConfig", "compare", "parse_args", "main", "REPORTS"]
 
@@ -111,29 +114,18 @@ def compare(paths: list[str], cfg: CompareConfig) -> tuple[list[Run], list[dict]
     return runs, table, report
 
 
-_PERCENT = ("sim_error",)  # fractions a reader wants as percentages
-
-
-def _cell(value, key: str = "") -> str:
-    """A number as a reader wants it in a table: thousands grouped, else 4 digits; a
-    deviation as a signed percentage."""
-    if key in _PERCENT and isinstance(value, (int, float)):
-        return percent(value)
-    if isinstance(value, float):
-        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
-    return "" if value is None else str(value)
+_CONSOLE = ["label", "seed", "status", "final_loss", "tokens_per_s", "step_time_s", "bubble", "time_to_target_s",
+            "sim_step_time", "sim_error", "sim_flag"]
 
 
 def format_table(table: list[dict]) -> str:
-    """The console summary: a line per run."""
-    cols = [("configuration", "label"), ("seed", "seed"), ("status", "status"), ("final loss", "final_loss"), ("tokens/s", "tokens_per_s"),
-            ("bubble", "bubble"), ("to target (s)", "time_to_target_s"), ("sim step", "sim_step_time"),
-            ("sim error", "sim_error"), ("sim flag", "sim_flag")]
-    cols = [c for c in cols if c[0] in ("configuration", "status") or any(r.get(c[1]) is not None for r in table)]
-
-    rows = [[_cell(r.get(k), k) for _, k in cols] for r in table]
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, (h, _) in enumerate(cols)]
-    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, ((h, _), w) in enumerate(zip(cols, widths)))]
+    """The console summary: a line per run, the columns named and rounded as on the page."""
+    cols = [c for c in _CONSOLE if c in ("label", "status") or any(r.get(c) is not None for r in table)]
+    heads = ["sim step (s)" if c == "sim_step_time" else "sim error" if c == "sim_error" else
+             "sim flag" if c == "sim_flag" else header(c) for c in cols]
+    rows = [[cell(r.get(k), k) for k in cols] for r in table]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(heads)]
+    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(heads, widths)))]
     lines += ["  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths)))
               for row in rows]
     return "\n".join(lines)
@@ -172,15 +164,15 @@ def markdown_table(table: list[dict]) -> str:
             "sim_step_time", "sim_error", "sim_flag"]
     cols = [c for c in cols if any(r.get(c) is not None for r in table)]
 
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(_cell(r.get(c), c).replace("|", "/") for c in cols) + " |" for r in table]
+    lines = ["| " + " | ".join(header(c) for c in cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(cell(r.get(c), c).replace("|", "/") for c in cols) + " |" for r in table]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip() + "\n\n" + _USAGE)
+        print(__doc__.strip() + "\n\n" + _USAGE)  # plain text, no markup: it is the help
         return 0 if argv else 2
     try:
         paths, cfg = parse_args(argv)
@@ -192,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     if report.cautions:
         print("\ncaution: simulated step time deviates from measured beyond the target for: "
               + "; ".join(report.cautions))
+        print(console_caution(report.disagreements))
     unfinished = [r for r in table if r["status"] != "finished"]
     if unfinished:
         print(f"\n{len(unfinished)} of {len(table)} runs did not finish: "

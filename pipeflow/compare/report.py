@@ -15,18 +15,18 @@ Figures (each written only when the runs have what it draws):
   and "beyond ±N%" when that is beyond the fidelity target), and the simulated bubble
   ratio.
 
-When a measured and a simulated run of one configuration are among the inputs, the
-page opens with a caution naming every configuration whose simulated step time deviates
-from the measured one beyond the target (``sim_flag``), and the tables mark those cells.
+Every figure is at most :data:`WIDTH_IN` inches wide at :data:`DPI` (1375 px), and grows
+in height with the number of configurations. Byte counts read in KiB, MiB, GiB.
+
+The CSV files hold every column at full precision; the page (:mod:`.page`) shows the
+columns a reader compares, in words and rounded, and the caution where simulated and
+measured step times disagree beyond the fidelity target.
 """
 
 from __future__ import annotations
 
-import base64
 import csv
-import html
 import statistics
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -35,15 +35,19 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from matplotlib.ticker import FuncFormatter, PercentFormatter  # noqa: E402
+
+from .fmt import MIB, human_bytes, percent, significant  # noqa: E402
+from .page import render_page  # noqa: E402
 from .runs import Run  # noqa: E402
-from .table import (FEW_RANKS, GROUP_COLUMNS, RUN_COLUMNS, SIM_TOLERANCE_FEW_RANKS,  # noqa: E402
-                    SIM_TOLERANCE_MANY_RANKS, X_AXES, by_label, percent, series, sim_cautions, sim_in_seconds,
-                    smoothed)
+from .table import (GROUP_COLUMNS, RUN_COLUMNS, X_AXES, by_label, series, sim_cautions, sim_disagreements,  # noqa: E402
+                    sim_in_seconds, smoothed)
 
-__all__ = ["write_report", "Report"]
+__all__ = ["write_report", "Report", "WIDTH_IN", "DPI"]
 
-_MIB = 2**20
-_UNFINISHED = ("crashed", "incomplete")
+WIDTH_IN = 12.5  # every figure's width in inches: 1375 px at DPI, within a 1400 px page
+DPI = 110
+_UNFINISHED = ("crashed", "interrupted", "incomplete")  # drawn dashed, ending in a cross
 
 
 class Report:
@@ -57,6 +61,7 @@ class Report:
         self.figures: dict[str, Path] = {}
         self.files: list[Path] = []
         self.cautions: list[str] = []
+        self.disagreements: list[dict] = []  # their group rows (:func:`pipeflow.compare.table.sim_disagreements`)
 
     @property
     def html(self) -> Path:
@@ -101,7 +106,7 @@ def _convergence(runs: list[Run], colours: dict, window: int, path: Path) -> Pat
     measured = [r for r in runs if r.kind == "measured" and any("loss" in row for row in r.rows)]
     if not measured:
         return None
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
+    fig, axes = plt.subplots(2, 2, figsize=(WIDTH_IN, 8.5))
     for ax, x in zip(axes.flat, X_AXES):
         for label, members in by_label(measured).items():
             colour = colours[label]
@@ -131,34 +136,36 @@ def _convergence(runs: list[Run], colours: dict, window: int, path: Path) -> Pat
     fig.suptitle("Convergence")
     rows = -(-len(names) // 3)
     fig.tight_layout(rect=(0, min(0.3, 0.02 + 0.03 * rows), 1, 1))
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=DPI)
     plt.close(fig)
     return path
 
 
-def _bars(ax, labels: list[str], values: list[list[float]], colours: dict, title: str, xlabel: str) -> None:
+def _bars(ax, labels: list[str], values: list[list[float]], colours: dict, title: str, xlabel: str, *,
+          share: bool = False) -> None:
     """One horizontal bar per label (labels read along the y axis, however long): the
-    mean of its values, whiskers from the lowest to the highest."""
+    mean of its values, whiskers from the lowest to the highest. ``share``: the values
+    are fractions, read as percentages."""
     means = [statistics.fmean(v) if v else 0.0 for v in values]
     err = [[m - min(v) if v else 0 for m, v in zip(means, values)],
            [max(v) - m if v else 0 for m, v in zip(means, values)]]
     pos = list(range(len(labels)))
     ax.barh(pos, means, color=[colours[label] for label in labels], xerr=err, capsize=3)
     for p, v, m, up in zip(pos, values, means, err[1]):
-        ax.text(m + up, p, f"  {_short(m)}" if v else " n/a", ha="left", va="center", fontsize=8)
+        text = (percent(m, sign=False) if share else significant(m, 3)) if v else "n/a"
+        ax.text(m + up, p, f"  {text}", ha="left", va="center", fontsize=8)
     ax.set_yticks(pos, labels, fontsize=8)
     ax.invert_yaxis()  # first configuration on top, as in the tables
     ax.set_title(title)
     ax.set_xlabel(xlabel)
+    if share:
+        ax.xaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
     ax.margins(x=0.15)
     ax.grid(axis="x", alpha=0.3)
 
 
-def _short(value: float) -> str:
-    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
-
-
 def _height(n: int) -> float:
+    """Inches of a panel of ``n`` horizontal bars."""
     return max(3.0, 1.2 + 0.45 * n)
 
 
@@ -171,14 +178,17 @@ def _throughput(table: list[dict], colours: dict, path: Path) -> Path | None:
     tps = _values(table, labels, "tokens_per_s")
     if not any(tps):
         return None
-    fig, (a, b) = plt.subplots(1, 2, figsize=(13, _height(len(labels))))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(WIDTH_IN, _height(len(labels))))
     _bars(a, labels, tps, colours, "Throughput", "tokens / s (steady half of the run)")
     _bars(b, labels, _values(table, labels, "bubble"), colours, "Measured bubble ratio",
-          "1 - busy / (ranks x step time)")
+          "1 - busy / (ranks x step time)", share=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=DPI)
     plt.close(fig)
     return path
+
+
+_BYTES = FuncFormatter(lambda mib, _: human_bytes(mib * MIB, trim=True))  # an axis in MiB, read as bytes
 
 
 def _per_rank(ax, series_of: dict[str, list[float]], colours: dict, title: str, xlabel: str) -> None:
@@ -190,10 +200,11 @@ def _per_rank(ax, series_of: dict[str, list[float]], colours: dict, title: str, 
                color=colours[label], label=label)
     ax.set_xticks(range(max(len(v) for v in series_of.values())))
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("MiB")
-    ax.set_title(title)
+    ax.yaxis.set_major_formatter(_BYTES)
+    ax.set_title(title, fontsize=11)
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), frameon=False)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), frameon=False,
+              ncol=min(3, len(labels)))
 
 
 def _memory(runs: list[Run], colours: dict, path: Path) -> Path | None:
@@ -203,7 +214,7 @@ def _memory(runs: list[Run], colours: dict, path: Path) -> Path | None:
             lists = [source(m) if source else (m.summary or {}).get(key) for m in members]
             lists = [v for v in lists if v]
             if lists:  # the mean over seeds, rank by rank
-                out[label] = [statistics.fmean(col) / _MIB for col in zip(*lists)]
+                out[label] = [statistics.fmean(col) / MIB for col in zip(*lists)]
         return out
 
     panels = [
@@ -216,30 +227,43 @@ def _memory(runs: list[Run], colours: dict, path: Path) -> Path | None:
     panels = [p for p in panels if p[0]]
     if not panels:
         return None
-    n = max(len(p[0]) for p in panels)
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2 + 0.22 * n), squeeze=False)
-    for ax, (data, title, xlabel) in zip(axes[0], panels):
+    # two panels a row, so the figure keeps its width however many there are
+    cols = min(2, len(panels))
+    rows = -(-len(panels) // cols)
+    legend_rows = max(-(-len(p[0]) // 3) for p in panels)
+    fig, axes = plt.subplots(rows, cols, figsize=(WIDTH_IN, rows * (3.6 + 0.2 * legend_rows)), squeeze=False)
+    for ax, (data, title, xlabel) in zip(axes.flat, panels):
         _per_rank(ax, data, colours, title, xlabel)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=DPI)
     plt.close(fig)
     return path
 
 
+def _sim_source(runs: list[Run]) -> str:
+    """The cost models and topologies of the simulated runs, e.g. "cost=analytic, local_cpu"."""
+    pairs = dict.fromkeys(f"cost={((r.summary or {}).get('cost') or {}).get('name')}, "
+                          f"{((r.summary or {}).get('topology') or {}).get('name')}"
+                          for r in runs if r.kind == "simulated" and r.status == "finished")
+    return "; ".join(pairs)
+
+
 def _step_time(runs: list[Run], table: list[dict], groups: list[dict], colours: dict, path: Path) -> Path | None:
-    """Measured against simulated step time for the configurations that have both, then
-    the simulated runs' iteration time and bubble ratio."""
-    paired = [r for r in table if r["kind"] == "measured" and r.get("sim_step_time") is not None
-              and r.get("step_time_s") is not None]
+    """Measured against simulated step time for the configurations that have both (in
+    seconds) across the top, then the simulated runs' iteration time and bubble ratio."""
+    paired = [r for r in table if r["kind"] == "measured" and r.get("sim_error") is not None]
     sims = [r for r in table if r["kind"] == "simulated" and r.get("sim_step_time") is not None]
-    panels = int(bool(paired)) + 2 * int(bool(sims))
-    if not panels:
+    if not paired and not sims:
         return None
-    n = max(len({r["label"] for r in paired}), len({r["label"] for r in sims}))
-    fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, _height(n)), squeeze=False)
-    axes = list(axes[0])
+    n_paired = len({r["label"] for r in paired})
+    n_sims = len({r["label"] for r in sims})
+    heights = ([_height(n_paired)] if paired else []) + ([_height(n_sims)] if sims else [])
+    fig = plt.figure(figsize=(WIDTH_IN, sum(heights)))
+    grid = fig.add_gridspec(len(heights), 2, height_ratios=heights)
     if paired:
-        ax = axes.pop(0)
+        ax = fig.add_subplot(grid[0, :])
         labels = list(dict.fromkeys(r["label"] for r in paired))
         measured = [statistics.fmean(v) for v in _values(paired, labels, "step_time_s")]
         simulated = [statistics.fmean(v) for v in _values(paired, labels, "sim_step_time")]
@@ -247,34 +271,31 @@ def _step_time(runs: list[Run], table: list[dict], groups: list[dict], colours: 
         ax.barh([p - 0.2 for p in pos], measured, 0.4, color=[colours[label] for label in labels], label="measured")
         ax.barh([p + 0.2 for p in pos], simulated, 0.4, color=[colours[label] for label in labels], alpha=0.45,
                 hatch="//", label="simulated")
-        for p, label, sim in zip(pos, labels, simulated):
-            errors = _values(paired, [label], "sim_error")[0]
-            if not errors:  # simulated in unit times: no deviation to mark
-                continue
-            flagged = any(r.get("sim_flag") for r in groups if r["kind"] == "measured" and r["label"] == label)
-            limit = next((r["sim_tolerance"] for r in groups if r["kind"] == "measured" and r["label"] == label
-                          and r.get("sim_tolerance") is not None), None)
-            text = f"  {percent(statistics.fmean(errors))}"
-            if flagged and limit is not None:
-                text += f" (beyond ±{percent(limit, sign=False)})"
+        for p, label, sim, meas in zip(pos, labels, simulated, measured):
+            group = next((g for g in groups if g["kind"] == "measured" and g["label"] == label), {})
+            flagged = bool(group.get("sim_flag"))
+            ax.text(meas, p - 0.2, f"  {significant(meas)} s", ha="left", va="center", fontsize=8)
+            text = f"  {significant(sim)} s  {percent(statistics.fmean(_values(paired, [label], 'sim_error')[0]))}"
+            if flagged and group.get("sim_tolerance") is not None:
+                text += f" (beyond ±{percent(group['sim_tolerance'], sign=False)})"
             ax.text(sim, p + 0.2, text, ha="left", va="center", fontsize=8,
                     color="#b00000" if flagged else "#333333", fontweight="bold" if flagged else "normal")
-        ax.margins(x=0.25)
+        ax.margins(x=0.3)
         ax.set_yticks(pos, labels, fontsize=8)
         ax.invert_yaxis()
-        ax.set_title("Step time: measured vs simulated")
+        ax.set_title(f"Step time: measured vs simulated ({_sim_source(runs)})")
         ax.set_xlabel("seconds per step")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="lower right")
         ax.grid(axis="x", alpha=0.3)
     if sims:
+        row = len(heights) - 1
         labels = list(dict.fromkeys(r["label"] for r in sims))
-        unit = _sim_unit(runs)
-        _bars(axes[0], labels, _values(sims, labels, "sim_step_time"), colours, "Simulated iteration time per step",
-              unit)
-        _bars(axes[1], labels, _values(sims, labels, "sim_bubble"), colours, "Simulated bubble ratio",
-              "idle / (devices x makespan)")
+        _bars(fig.add_subplot(grid[row, 0]), labels, _values(sims, labels, "sim_step_time"), colours,
+              "Simulated iteration time per step", _sim_unit(runs))
+        _bars(fig.add_subplot(grid[row, 1]), labels, _values(sims, labels, "sim_bubble"), colours,
+              "Simulated bubble ratio", "idle / (devices x makespan)", share=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=DPI)
     plt.close(fig)
     return path
 
@@ -287,7 +308,7 @@ def _sim_unit(runs: list[Run]) -> str:
     return "seconds (the cost model's prediction)"
 
 
-def _cell(value: Any) -> str:
+def _csv_cell(value: Any) -> str:
     if value is None:
         return ""
     if isinstance(value, float):
@@ -300,46 +321,18 @@ def write_csv(rows: list[dict], columns: list[str], path: Path) -> Path:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         for row in rows:
-            writer.writerow({c: _cell(row.get(c)) for c in columns})
+            writer.writerow({c: _csv_cell(row.get(c)) for c in columns})
     return path
 
 
-# shown as percentages on the page (the CSV files keep the fractions)
-_PERCENT = {"sim_error": True, "sim_tolerance": False}  # column: with a sign
-# the cells marked when the simulated step time is beyond the fidelity target
-_FLAGGED = ("sim_step_time", "sim_error", "sim_flag")
-
-
-def _html_cell(row: dict, column: str) -> str:
-    value = row.get(column)
-    text = percent(value, sign=_PERCENT[column]) if column in _PERCENT and value is not None else _cell(value)
-    cls = ' class="flag"' if row.get("sim_flag") and column in _FLAGGED else ""
-    return f"<td{cls}>{html.escape(text)}</td>"
-
-
-def _html_table(rows: list[dict], columns: list[str]) -> str:
-    present = [c for c in columns if any(r.get(c) not in (None, "") for r in rows)]
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in present)
-    body = []
-    for r in rows:
-        cls = f' class="{r["status"]}"' if r.get("status") in _UNFINISHED + ("empty",) else ""
-        cells = "".join(_html_cell(r, c) for c in present)
-        body.append(f"<tr{cls}>{cells}</tr>")
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
-
-
-_CSS = """
-body { font-family: system-ui, sans-serif; margin: 2em; color: #222; }
-table { border-collapse: collapse; font-size: 12px; margin: 1em 0; }
-th, td { border: 1px solid #ccc; padding: 3px 6px; text-align: right; }
-th { background: #f0f0f0; }
-td:first-child, td:nth-child(2) { text-align: left; }
-tr.crashed td { background: #fde2e2; } tr.incomplete td { background: #fff4d6; } tr.empty td { background: #eee; }
-img { max-width: 100%; border: 1px solid #ddd; margin: 0.5em 0; }
-.note { color: #555; font-size: 13px; }
-td.flag { background: #fde2e2; color: #a00000; font-weight: bold; }
-.caution { background: #fde2e2; border-left: 4px solid #a00000; padding: 0.5em 0.8em; }
-"""
+_CAPTIONS = {
+    "convergence": "Loss against step, samples, optimizer updates and training time. Asynchronous "
+                   "schedules apply several updates per step; samples and updates are what each run logged.",
+    "throughput": "Throughput and measured bubble ratio over the steady (second) half of each run.",
+    "memory": "Peak memory per rank.",
+    "step_time": "Measured step time beside the simulated one for the same configuration, each simulated "
+                 "bar marked with its deviation (simulated - measured) / measured; below, the simulated runs.",
+}
 
 
 def write_report(runs: list[Run], table: list[dict], groups: list[dict], out_dir: Path, *, title: str,
@@ -360,49 +353,10 @@ def write_report(runs: list[Run], table: list[dict], groups: list[dict], out_dir
     report.files += list(report.figures.values())
     report.files.append(write_csv(table, RUN_COLUMNS, out_dir / "runs.csv"))
     report.files.append(write_csv(groups, GROUP_COLUMNS, out_dir / "configurations.csv"))
-
-    problems = [r for r in table if r["status"] != "finished"]
-    parts = [
-        f"<h1>{html.escape(title)}</h1>",
-        f'<p class="note">{len(runs)} runs from {", ".join(html.escape(i) for i in inputs)}; written '
-        f"{datetime.now():%Y-%m-%d %H:%M}.</p>",
-    ]
     report.cautions = sim_cautions(groups, table)
-    if report.cautions:
-        parts.append('<p class="caution"><b>Caution:</b> Simulated step time deviates from measured beyond the '
-                     f"target for: {html.escape('; '.join(report.cautions))}</p>")
-    if problems:
-        parts.append("<p><b>Not finished:</b></p><ul>" + "".join(
-            f"<li>{html.escape(r['run'])}: {html.escape(r['status'])}"
-            f"{' after step ' + str(r['steps']) if r.get('steps') else ''}: {html.escape(r['note'] or '')}</li>"
-            for r in problems) + "</ul>")
-    if target is not None:
-        parts.append(f'<p class="note">Target loss for time-to-target: {target:.4g} (the training loss, '
-                     f"mean of the last {window} logged steps). Curves use the same trailing mean.</p>")
-    captions = {
-        "convergence": "Loss against step, samples, optimizer updates and training time. Asynchronous "
-                       "schedules apply several updates per step; samples and updates are what each run logged.",
-        "throughput": "Throughput and measured bubble ratio over the steady (second) half of each run.",
-        "memory": "Peak memory per rank.",
-        "step_time": "Measured step time beside the simulated one for the same configuration, each simulated "
-                     "bar marked with its deviation (simulated - measured) / measured.",
-    }
-    for name, path in report.figures.items():
-        data = base64.b64encode(path.read_bytes()).decode("ascii")
-        parts.append(f"<h2>{name.replace('_', ' ').capitalize()}</h2><p class='note'>{captions[name]}</p>"
-                     f'<img alt="{name}" src="data:image/png;base64,{data}">')
-    parts.append("<h2>Runs</h2>")
-    if any(r.get("sim_error") is not None for r in table):
-        parts.append("<p class='note'>sim_error: (simulated - measured step time) / measured, where a simulated "
-                     "run of the same configuration is in seconds; the fidelity target (sim_tolerance) is ±"
-                     f"{percent(SIM_TOLERANCE_FEW_RANKS, sign=False)} on up to {FEW_RANKS} ranks, ±"
-                     f"{percent(SIM_TOLERANCE_MANY_RANKS, sign=False)} on more, unless set with "
-                     "sim_tolerance=FRACTION; sim_flag marks a deviation beyond it.</p>")
-    parts.append(_html_table(table, RUN_COLUMNS))
-    parts.append("<h2>Configurations</h2><p class='note'>Means over the runs of each configuration "
-                 "(its seeds).</p>" + _html_table(groups, GROUP_COLUMNS))
-    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-            f"<style>{_CSS}</style></head><body>{''.join(parts)}</body></html>\n")
+    report.disagreements = sim_disagreements(groups, table)
+    page = render_page(title=title, runs=runs, table=table, groups=groups, figures=report.figures,
+                       captions=_CAPTIONS, inputs=inputs, target=target, window=window)
     report.html.write_text(page, encoding="utf-8")
     report.files.append(report.html)
     return report

@@ -135,12 +135,14 @@ def read_run(path: Path) -> Run:
     kind = "simulated" if simulated else "measured"
     if simulated and not config:  # simulated in-process (no Hydra files): its summary names the configuration
         config = _config_of_simulation(summary)
-    if summary is not None and summary.get("status") == "interrupted":
+    interrupted = summary is not None and summary.get("status") == "interrupted"
+    if failure is not None and (summary is None or interrupted):
+        # a rank failed: the launcher stopped the others, whose summary says interrupted
+        status, error = "crashed", str(failure.get("error") or "a rank failed")
+    elif interrupted:
         status, error = "interrupted", f"stopped by {summary.get('stopped_by')} after step {summary.get('last_step')}"
     elif summary is not None:
         status, error = "finished", None
-    elif failure is not None:
-        status, error = "crashed", str(failure.get("error") or "a rank failed")
     elif rows:
         status, error = "incomplete", "no summary.json: the run was stopped or is still running"
     else:

@@ -29,11 +29,12 @@ import math
 import statistics
 from typing import Any, Iterable
 
+from .fmt import percent
 from .runs import Run
 
 __all__ = ["X_AXES", "series", "smoothed", "run_table", "group_table", "target_loss", "by_label", "RUN_COLUMNS",
            "GROUP_COLUMNS", "SIM_TOLERANCE_FEW_RANKS", "SIM_TOLERANCE_MANY_RANKS", "FEW_RANKS", "sim_tolerance",
-           "sim_in_seconds", "sim_cautions", "percent"]
+           "sim_in_seconds", "sim_cautions", "sim_disagreements", "percent"]
 
 X_AXES = {
     "step": "step",
@@ -48,7 +49,7 @@ RUN_COLUMNS = [
     "steps_to_target", "samples_to_target", "time_to_target_s", "tokens_per_s", "step_time_s", "bubble",
     "peak_memory_mib", "peak_saved_mib", "max_staleness", "max_mismatch",
     "sim_step_time", "sim_bubble", "sim_peak_activation_mib", "sim_over_measured", "sim_error", "sim_tolerance",
-    "sim_flag", "sim_run",
+    "sim_flag", "sim_run", "sim_cost", "sim_topology",
 ]
 # sim_step_time: the simulated iteration time per step (an asynchronous simulation's
 # makespan over its windows), in the simulator's time unit (seconds for cost=analytic
@@ -57,12 +58,13 @@ RUN_COLUMNS = [
 # simulator predicts 23% less time than was measured), only when the simulated time is
 # in seconds (not for cost=unit); sim_tolerance: the largest |sim_error| within the
 # fidelity target for this run; sim_flag: "beyond ±10%" when |sim_error| exceeds it,
-# else empty
+# else empty; sim_cost, sim_topology: the simulated run's cost model and topology
 
 GROUP_COLUMNS = [
     "label", "kind", "runs", "finished", "final_loss_mean", "final_loss_std", "best_loss_mean",
     "time_to_target_s_mean", "samples_to_target_mean", "tokens_per_s_mean", "bubble_mean", "step_time_s_mean",
-    "peak_memory_mib_max", "sim_step_time", "sim_bubble", "sim_error", "sim_tolerance", "sim_flag",
+    "peak_memory_mib_max", "sim_step_time", "sim_bubble", "sim_error", "sim_tolerance", "sim_flag", "sim_cost",
+    "sim_topology",
 ]
 # sim_error: the mean of the sim_error of the configuration's measured runs; sim_flag:
 # set when that mean is beyond sim_tolerance
@@ -209,15 +211,6 @@ def sim_tolerance(world_size: int | None, override: float | None = None) -> floa
     return SIM_TOLERANCE_MANY_RANKS
 
 
-def percent(fraction: float, sign: bool = True) -> str:
-    """A fraction as a percentage to one decimal, ".0" left out: -0.23 -> "-23%",
-    0.104 -> "+10.4%"."""
-    text = f"{100 * fraction:{'+' if sign else ''}.1f}".removesuffix(".0")
-    if text == "-0":  # a deviation that rounds to nothing is not negative
-        text = "+0" if sign else "0"
-    return text + "%"
-
-
 def _beyond(error: float, tolerance: float) -> bool:
     return abs(error) > tolerance + 1e-12  # exactly at the target is within it (1.1 / 1.0 - 1 is 0.1000...09)
 
@@ -252,6 +245,8 @@ def _sim_columns(sim: Run) -> dict[str, Any]:
         "sim_bubble": s.get("bubble_ratio"),
         "sim_peak_activation_mib": peak / _MIB if peak is not None else None,
         "sim_run": sim.name,
+        "sim_cost": (s.get("cost") or {}).get("name"),
+        "sim_topology": (s.get("topology") or {}).get("name"),
     }
 
 
@@ -367,6 +362,8 @@ def group_table(runs: list[Run], table: list[dict]) -> list[dict[str, Any]]:
             "sim_step_time": _mean(r["sim_step_time"] for r in rows),
             "sim_bubble": _mean(r["sim_bubble"] for r in rows),
             **_group_fidelity(rows),
+            "sim_cost": next((r["sim_cost"] for r in rows if r.get("sim_cost")), None),
+            "sim_topology": next((r["sim_topology"] for r in rows if r.get("sim_topology")), None),
         })
     return out
 
@@ -382,16 +379,23 @@ def _group_fidelity(rows: list[dict]) -> dict[str, Any]:
     return {"sim_error": error, "sim_tolerance": limit, "sim_flag": _flag(error, limit)}
 
 
+def _where(label: str, table: list[dict]) -> str:
+    """`` (p=N)`` after a measured configuration's label that does not say its depth."""
+    stages = next((r.get("stages") for r in table
+                   if r["kind"] == "measured" and r["label"] == label and r.get("stages") is not None), None)
+    return f" (p={stages})" if stages is not None and "stages=" not in label else ""
+
+
+def sim_disagreements(groups: list[dict], table: list[dict]) -> list[dict]:
+    """The measured configurations whose simulated step time deviates from the measured
+    one beyond the target: their group rows, each with ``name`` (the label, and the
+    depth when the label does not say it)."""
+    return [{**g, "name": g["label"] + _where(g["label"], table)} for g in groups
+            if g.get("kind") == "measured" and g.get("sim_flag")]
+
+
 def sim_cautions(groups: list[dict], table: list[dict]) -> list[str]:
     """One entry per configuration whose simulated step time deviates from the measured
     one beyond the target, e.g. ``"1f1b (p=2): -23% (target ±10%)"``."""
-    out = []
-    for g in groups:
-        if g.get("kind") != "measured" or not g.get("sim_flag"):
-            continue
-        label = g["label"]
-        stages = next((r.get("stages") for r in table
-                       if r["kind"] == "measured" and r["label"] == label and r.get("stages") is not None), None)
-        where = f" (p={stages})" if stages is not None and "stages=" not in label else ""
-        out.append(f"{label}{where}: {percent(g['sim_error'])} (target ±{percent(g['sim_tolerance'], sign=False)})")
-    return out
+    return [f"{g['name']}: {percent(g['sim_error'])} (target ±{percent(g['sim_tolerance'], sign=False)})"
+            for g in sim_disagreements(groups, table)]
