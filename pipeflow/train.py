@@ -30,6 +30,8 @@ from pipeflow.config import (
     CONF_DIR,
     ConfigError,
     check_group_choices,
+    check_overrides,
+    check_run_dir,
     data_file_list,
     prepare_training,
     register_configs,
@@ -215,6 +217,8 @@ def main() -> None:
     refused in one line, as every other config error is, before Hydra composes."""
     try:
         check_group_choices(sys.argv[1:])
+        check_overrides("train", sys.argv[1:])
+        check_run_dir(sys.argv[1:])
     except ConfigError as err:
         raise SystemExit(str(err)) from None
     try:

@@ -179,12 +179,17 @@ def test_amdp_zero_sharding_changes_memory_not_the_math(tmp_path):
 
 @pytest.mark.parametrize("name,extra", [("pipedream_2bw", []), ("amdp", ["schedule.zero=true"])])
 def test_asynchronous_resume_continues_exactly(name, extra, tmp_path):
-    """A checkpoint comes at a flush and keeps the weight versions still needed after it
-    (2BW computes the next window on the previous version), so resuming changes nothing."""
-    common = (f"schedule={name}", "pipeline.stages=4", "trainer.steps=6", "trainer.save_every=3", *extra)
-    full = train(tmp_path / "full", *common)
-    at3 = tmp_path / "full" / "checkpoints" / "step_0000003"
-    resumed = train(tmp_path / "resumed", *common, f"resume={at3}")
+    """Issue 16, item 6. Chunks of schedule.windows=8 steps lie on a fixed grid, so
+    checkpoints (save_every=2) change no loss; a 3-step run ends inside a chunk, and
+    resumed to 6 steps it restarts that chunk and replays steps 1-3 unlogged: its steps
+    4-6 are the uninterrupted run's, weight versions included (2BW computes on the
+    previous version)."""
+    common = (f"schedule={name}", "pipeline.stages=4", *extra)
+    full = train(tmp_path / "full", *common, "trainer.steps=6", "trainer.save_every=2")
+    short = train(tmp_path / "short", *common, "trainer.steps=3")
+    assert short["losses"] == pytest.approx(full["losses"][:3], rel=1e-6)  # checkpoints at 2 changed nothing
+    resumed = train(tmp_path / "resumed", *common, "trainer.steps=6", f"resume={tmp_path / 'short'}")
     assert resumed["losses"] == pytest.approx(full["losses"][3:], rel=1e-6)
+    assert resumed["summary"]["resumed_from"] == 3
     late = [r for r in _records(tmp_path / "full") if r["microbatch"] >= 3 * 4]
     assert sorted(_records(tmp_path / "resumed"), key=str) == sorted(late, key=str)

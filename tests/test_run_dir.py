@@ -4,6 +4,7 @@ refused in one line before any rank starts; a refused config leaves no run folde
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -78,3 +79,54 @@ def test_a_refused_config_leaves_no_run_folder(tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 1 and "pipeline.stages=3" in err
     assert not run_dir.exists()
+
+
+# --------------------------------------------------- command lines refused in one line
+
+
+@pytest.mark.parametrize("override,start", [
+    ("trainer.stepz=5", "trainer.stepz=5: unknown key; trainer has steps, "),
+    ("+trainer.precision=bf16", "trainer.precision=bf16: unknown key; trainer has steps, "),
+    ("++pipeline.data_parallel=2", "pipeline.data_parallel=2: unknown key; pipeline has stages, "),
+    ("trainer.steps=abc", "trainer.steps=abc: Value 'abc' of type 'str' could not be converted to Integer"),
+])
+def test_an_unknown_key_is_refused_however_it_is_written(override, start, tmp_path):
+    """Issue 16, item 1: a misspelt key does nothing silently, and the refusal does not
+    tell the user to force it in with '+'."""
+    proc = _app([override, "logger=none", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert err.strip().startswith(start) and len(err.strip().splitlines()) == 1, err
+    assert "+" not in err.split(":", 1)[1]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_folder_that_cannot_be_written_is_refused_in_one_line(tmp_path):
+    proc = _app(["logger=none", "hydra.run.dir=/proc/pipeflow-x"], tmp_path)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert err.strip() == "hydra.run.dir=/proc/pipeflow-x: cannot write there (No such file or directory); " \
+                          "give a folder you can write", err
+    (tmp_path / "file").write_text("")
+    proc = _app(["logger=none", f"hydra.run.dir={tmp_path / 'file' / 'run'}"], tmp_path)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and err.strip().endswith(f"{tmp_path / 'file'} is a file, not a folder"), err
+
+
+def test_a_full_disk_names_the_file_and_leaves_a_whole_failure_record(tmp_path):
+    """Issue 16, item 5: the checkpoint goes to a file on a full device (/dev/full
+    answers every write with ENOSPC): the job fails naming the file and the reason, and
+    failure.json is whole."""
+    run_dir = tmp_path / "run"
+    folder = run_dir / "checkpoints" / "step_0000002"
+    folder.mkdir(parents=True)
+    (folder / "rank0.pt.tmp").symlink_to("/dev/full")
+    proc = _app([*SMALL, "trainer.steps=2", f"hydra.run.dir={run_dir}"], tmp_path)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1
+    first = next(line for line in err.splitlines() if line.startswith("rank "))
+    assert first == f"rank 0 failed: pipeflow.runtime.checkpoint.CheckpointError: could not write the checkpoint " \
+                    f"file {folder / 'rank0.pt'}: No space left on device", err
+    record = json.loads((run_dir / "failure.json").read_text())
+    assert record["rank"] == 0 and "No space left on device" in record["error"]
+    assert not (run_dir / "summary.json").exists()

@@ -100,6 +100,9 @@ def test_a_failing_rank_ends_the_job(mode, tmp_path):
     assert time.monotonic() - t0 < 60
     assert e.value.rank == 2
     assert ("injected failure on rank 2 at step 3" if mode == "raise" else "SIGKILL") in str(e.value)
+    # the ranks the launcher stopped are no interruption: failure.json, and no summary
+    assert json.loads((tmp_path / "failure.json").read_text())["rank"] == 2
+    assert not (tmp_path / "summary.json").exists()
     assert multiprocessing.active_children() == [] or all(
         "forkserver" in (c.name or "") for c in multiprocessing.active_children()
     )
@@ -150,4 +153,4 @@ def test_torchrun_adopts_its_ranks(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 2
-    assert sorted(p.name for p in (tmp_path / "checkpoints" / "step_0000002").iterdir()) == ["rank0.pt", "rank1.pt"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints" / "step_0000002").iterdir()) == ["meta.json", "rank0.pt", "rank1.pt"]

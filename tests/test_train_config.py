@@ -152,11 +152,62 @@ def test_data_files_that_exist_pass(tmp_path):
     prepare(f"data.files=[{tmp_path / '*.txt'}]")
 
 
+def fake_checkpoint(run_dir, step: int = 10, stages: int = 2, sizes=(100, 120), chunk_start=None) -> None:
+    """A checkpoint folder as pipeflow-train writes it: rank files, meta.json (the step,
+    the pipeline it was written for, each file's size), and latest."""
+    folder = run_dir / "checkpoints" / f"step_{step:07d}"
+    folder.mkdir(parents=True)
+    for r, size in enumerate(sizes):
+        (folder / f"rank{r}.pt").write_bytes(b"x" * size)
+    meta = {"schedule": "1f1b", "stages": stages, "world_size": stages,
+            "placement": [list(range(stages))]}
+    (folder / "meta.json").write_text(json.dumps({
+        "step": step, "chunk_start": step if chunk_start is None else chunk_start, "world_size": len(sizes),
+        "meta": meta, "files": {f"rank{r}.pt": size for r, size in enumerate(sizes)}}))
+    (run_dir / "checkpoints" / "latest").write_text(f"{step}\n")  # written once every rank has saved
+
+
 def test_resume_from_a_run_with_checkpoints_passes(tmp_path):
-    (tmp_path / "checkpoints" / "step_0000010").mkdir(parents=True)
-    (tmp_path / "checkpoints" / "latest").write_text("10\n")  # written once every rank has saved
+    fake_checkpoint(tmp_path)
     prepare(f"resume={tmp_path}")
     prepare(f"resume={tmp_path / 'checkpoints' / 'step_0000010'}")  # or one checkpoint of it
+
+
+def test_resume_from_a_cut_short_checkpoint_is_refused_before_any_rank(tmp_path):
+    """Issue 16, item 5: a truncated rank file is found by its recorded size."""
+    fake_checkpoint(tmp_path)
+    rank1 = tmp_path / "checkpoints" / "step_0000010" / "rank1.pt"
+    rank1.write_bytes(b"x" * 50)
+    with pytest.raises(ConfigError, match=rf"^resume=.*: {rank1} has 50 bytes where 120 were written"):
+        prepare(f"resume={tmp_path}")
+    rank1.unlink()
+    with pytest.raises(ConfigError, match=rf"^resume=.*: {rank1} is missing; the checkpoint is incomplete"):
+        prepare(f"resume={tmp_path}")
+
+
+def test_resume_from_a_checkpoint_without_its_record_is_refused(tmp_path):
+    fake_checkpoint(tmp_path)
+    (tmp_path / "checkpoints" / "step_0000010" / "meta.json").unlink()  # the run stopped while saving
+    with pytest.raises(ConfigError, match=r"^resume=.*step_0000010 is incomplete \(no meta.json"):
+        prepare(f"resume={tmp_path}")
+
+
+def test_resume_with_another_number_of_stages_is_refused(tmp_path):
+    fake_checkpoint(tmp_path, stages=4, sizes=(10, 10, 10, 10))
+    with pytest.raises(ConfigError, match=r"^resume=.*written with stages=4, this run has stages=2"):
+        prepare(f"resume={tmp_path}", "pipeline.stages=2")
+    prepare(f"resume={tmp_path}", "pipeline.stages=4")
+
+
+def test_resume_from_a_run_that_ended_inside_a_chunk_needs_the_chunk_start(tmp_path):
+    """An asynchronous run that ended inside a chunk is resumed from the chunk's start:
+    that checkpoint must be whole too."""
+    fake_checkpoint(tmp_path, step=10, chunk_start=8)
+    with pytest.raises(ConfigError, match=r"^resume=.*ended inside a chunk.*step_0000008 is missing"):
+        prepare(f"resume={tmp_path}")
+    fake_checkpoint(tmp_path, step=8)
+    (tmp_path / "checkpoints" / "latest").write_text("10\n")
+    prepare(f"resume={tmp_path}")
 
 
 # --------------------------------------------------------------------------- refused

@@ -231,7 +231,9 @@ def check_text_data(data: DictConfig, seq_len: int) -> None:
                           f"give at least {need} bytes")
 
 
-def _check_resume(resume: str | None) -> None:
+def _check_resume(resume: str | None, expect: dict | None = None) -> None:
+    """``resume`` names a whole checkpoint (every rank's file there, at the size written)
+    written for this pipeline (``expect``: schedule, stages, world_size, placement)."""
     if resume is None:
         return
     if not Path(resume).expanduser().is_dir():
@@ -240,11 +242,11 @@ def _check_resume(resume: str | None) -> None:
             f"or one of its checkpoints/step_N folders"
         )
     # The runtime's own reading of `resume` (run dir -> latest checkpoint), torch-free
-    from pipeflow.runtime.checkpoint import resolve
+    from pipeflow.runtime.checkpoint import verify
 
     try:
-        resolve(str(Path(resume).expanduser()))
-    except (OSError, ValueError) as err:
+        verify(str(Path(resume).expanduser()), expect or {})
+    except (OSError, ValueError, KeyError, TypeError) as err:
         raise _naming_key("resume", resume, err) from None
 
 

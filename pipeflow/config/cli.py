@@ -1,10 +1,14 @@
-"""Command-line helpers of the apps: a group choice that names no option file is refused
-before Hydra composes.
+"""Command-line helpers of the apps, refusing before Hydra composes: a group choice that
+names no option file, a key no schema has or a value of the wrong type, and an output
+folder that cannot be written.
 """
 
 from __future__ import annotations
 
+import difflib
 import glob
+import os
+import re
 from pathlib import Path
 from typing import Sequence
 
@@ -63,3 +67,88 @@ def schedule_table() -> str:
                     f"| {mark(d['virtual_stages'])} | {mark(d['segments'])} | {d['branched']} "
                     f"| {mark(d['runtime'])} | {mark(d['export'])} | {options} |")
     return "\n".join(rows)
+
+
+def check_overrides(config_name: str, args: Sequence[str]) -> None:
+    """Refuse a plain override of a key no schema has (``trainer.stepz=5``) or with a
+    value of the wrong type (``trainer.steps=abc``) in one sentence naming the key and
+    what its group has, before Hydra composes: Hydra's own refusal suggests forcing the
+    key in with ``+``, which :func:`pipeflow.config.checks.check_known_keys` refuses too.
+
+    One trial composition of the command line's overrides (a fraction of a second);
+    multiruns, extra config directories and Hydra's own keys are left to Hydra."""
+    if any(a in ("-m", "--multirun") or a.startswith(("-cd", "--config-dir", "-cp", "--config-path")) for a in args):
+        return
+    overrides = [a for a in args if "=" in a and not a.startswith(("-", "hydra.", "hydra/", "~"))]
+    if not overrides:
+        return
+    from hydra.errors import ConfigCompositionException
+    from omegaconf import OmegaConf
+
+    from .schema import compose
+
+    try:
+        compose(config_name, overrides)
+    except ConfigCompositionException as err:
+        cause = err.__cause__
+        full_key = re.search(r"full_key: (\S+)", str(cause or ""))
+        if full_key is None:
+            return  # not about one key: Hydra's report stands
+        key = full_key.group(1)
+        value = next((a.split("=", 1)[1] for a in overrides if a.lstrip("+").split("=", 1)[0] == key), "")
+        if "not in" not in str(cause).splitlines()[0]:
+            raise ConfigError(f"{key}={value}: {str(cause).splitlines()[0]}") from None
+        parent, _, name = key.rpartition(".")
+        try:
+            node = compose(config_name, [a for a in overrides if a.split("=", 1)[0] != key])
+            keys = list(OmegaConf.select(node, parent).keys()) if parent else list(node.keys())
+        except Exception:  # noqa: BLE001 - the rest of the line has its own problem: Hydra reports it
+            return
+        near = difflib.get_close_matches(name, keys, n=1)
+        hint = f" (did you mean {parent + '.' if parent else ''}{near[0]}?)" if near else ""
+        raise ConfigError(f"{key}={value}: unknown key; {parent or 'the config'} has {', '.join(keys)}{hint}") from None
+
+
+def check_output_dir(key: str, path: str | os.PathLike) -> None:
+    """Refuse a folder the app could not create or write (``hydra.run.dir=/proc/x``, a
+    read-only disk) in one sentence naming the key, the path and the reason. Creates
+    nothing that is left behind."""
+    target = Path(path).expanduser().absolute()
+    missing, probe = [], target
+    while not probe.exists():
+        missing.append(probe)
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"{key}={path}: {probe} is a file, not a folder")
+    made = []
+    try:
+        for folder in reversed(missing):
+            folder.mkdir()
+            made.append(folder)
+        with open(target / ".pipeflow-write-check", "w"):
+            pass
+        (target / ".pipeflow-write-check").unlink()
+    except OSError as err:
+        raise ConfigError(f"{key}={path}: cannot write there ({err.strerror or err}); give a folder you can write") \
+            from None
+    finally:
+        for folder in reversed(made):
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
+
+
+def check_run_dir(args: Sequence[str]) -> None:
+    """The run folder an app will create (``hydra.run.dir=...`` on the command line, or
+    the default under the current folder) can be written."""
+    if any(a in ("-m", "--multirun") for a in args):
+        given = [a.split("=", 1) for a in args if a.startswith("hydra.sweep.dir=")]
+    else:
+        given = [a.split("=", 1) for a in args if a.startswith("hydra.run.dir=")]
+    if given:
+        key, path = given[-1]
+        if "${" not in path:
+            check_output_dir(key, path)
+        return
+    check_output_dir("hydra.run.dir", Path.cwd() / "outputs")  # the default's root

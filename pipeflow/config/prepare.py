@@ -196,12 +196,18 @@ def prepare_training(cfg: DictConfig) -> TrainingInputs:
     check_logger(cfg.logger)
     _check_data_files(cfg.data)
     check_text_data(cfg.data, spec.seq_len)
-    _check_resume(cfg.resume)
+    _check_resume(cfg.resume, _resume_expect(cfg, schedule))
 
     # Generators are tested to be valid, but the runtime would deadlock on a schedule that
     # is not, so one validation here (milliseconds at training sizes) is cheap insurance.
     validate(schedule)
     return TrainingInputs(schedule, spec, topology)
+
+
+def _resume_expect(cfg: DictConfig, schedule) -> dict:
+    """What a checkpoint to resume from must have been written for (as the ranks record it)."""
+    return {"schedule": schedule.name, "stages": cfg.pipeline.stages, "world_size": schedule.num_devices,
+            "placement": schedule.placement.as_lists()}
 
 
 def _prepare_branched(cfg: DictConfig) -> TrainingInputs:
@@ -237,6 +243,6 @@ def _prepare_branched(cfg: DictConfig) -> TrainingInputs:
                                   OmegaConf.to_container(cfg.model, resolve=True), int(cfg.seed))
         except ValueError as err:
             raise ConfigError(str(err).strip().splitlines()[0]) from None
-    _check_resume(cfg.resume)
+    _check_resume(cfg.resume, _resume_expect(cfg, schedule))
     validate(schedule)
     return TrainingInputs(schedule, None, topology)

@@ -38,6 +38,10 @@ import torch.multiprocessing as mp
 
 STOPPED = 3  # a rank's exit status when it stopped because it was asked to, not from an error
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# what the launcher sends the ranks left when one failed: stop, but this is no
+# interruption (rank 0 writes no summary; the launcher writes failure.json)
+PEER_FAILED = signal.SIGUSR1
+PEER_FAILED_REASON = "another rank failed"
 BEAT = 0.5  # seconds between a rank's heartbeats
 
 
@@ -134,7 +138,8 @@ def _alive(pid: int) -> bool:
 def _on_stop_signal(signum, _frame) -> None:
     if _stop_reason:
         return  # one stop: the launcher forwarding a Ctrl-C the rank also got changes nothing
-    _stop_reason.append(_pending[0] if _pending else signal.Signals(signum).name)
+    _stop_reason.append(PEER_FAILED_REASON if signum == PEER_FAILED else
+                        _pending[0] if _pending else signal.Signals(signum).name)
     raise Stopped(_stop_reason[0])
 
 
@@ -185,7 +190,7 @@ def _rank_entry(rank: int, job: TrainJob, port: int, errors, env: dict, launcher
 
 
 def _rank_main(rank: int, job: TrainJob, port: int, errors, env: dict, launcher: int, beats) -> None:
-    for sig in STOP_SIGNALS:
+    for sig in (*STOP_SIGNALS, PEER_FAILED):
         signal.signal(sig, _on_stop_signal)
     sys.unraisablehook = _quiet_stops  # a stop that lands in a destructor: check_stop() raises it again
     # a forked rank inherits the server's environment, not the launcher's: restore the latter
@@ -230,10 +235,12 @@ def _gone(p) -> bool:
 
 
 def _stop(procs, grace: float = 3.0) -> None:
+    """End every rank still running: PEER_FAILED first (a rank closes its W&B run and
+    ends), SIGKILL after ``grace`` seconds."""
     procs = [p for p in procs if p.pid is not None]  # a rank that never started has nothing to stop
     for p in procs:
         if not _gone(p):
-            _signal(p, signal.SIGTERM)
+            _signal(p, PEER_FAILED)
     _wait(procs, grace)
     for p in procs:
         if not _gone(p):

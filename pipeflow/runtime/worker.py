@@ -181,6 +181,7 @@ class RunState:
     history: list = field(default_factory=list)  # the metrics of every step
     val_losses: list = field(default_factory=list)
     staleness: list = field(default_factory=list)  # asynchronous: every microbatch's weight versions
+    replay_to: int = 0  # resumed inside a chunk: the steps up to here are run again, unlogged
 
 
 def build_rank(cfg: dict, rank: int, device: torch.device, on_grads=None) -> RankSetup:
@@ -292,9 +293,19 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
         "layers_per_stage": layers,
         "placement": schedule.placement.as_lists(),
     }
-    start_step = 0
+    start_step = restart = 0
     if cfg.get("resume"):
-        start_step = checkpoint.load(cfg["resume"], rank, stages, meta)
+        _, record = checkpoint.verify(cfg["resume"], {})
+        start_step = restart = int(record["step"])
+        chunk_start = int(record.get("chunk_start", start_step))
+        if chunk_start < start_step < int(trainer["steps"]):
+            # it ended inside a chunk: restart that chunk (from the initial weights when it
+            # was the first) and replay up to the checkpoint, as the longer run computed it
+            restart = chunk_start
+            if chunk_start > 0:
+                checkpoint.load(cfg["resume"], rank, stages, meta, step=chunk_start)
+        else:
+            checkpoint.load(cfg["resume"], rank, stages, meta)
 
     sink = progress = None
     if rank == 0:
@@ -307,7 +318,8 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
         (Path(job.run_dir) / "config.json").write_text(json.dumps(cfg, indent=2, default=str) + "\n")
 
     # a resumed run goes on from the training time its metrics recorded at the checkpoint
-    state = RunState(start_step, _train_time_at(job.run_dir, start_step) if rank == 0 and start_step else 0.0)
+    state = RunState(restart, _train_time_at(job.run_dir, start_step) if rank == 0 and start_step else 0.0,
+                     replay_to=start_step)
     try:
         hosts = [None] * job.world_size
         dist.all_gather_object(hosts, socket.gethostname())
@@ -325,8 +337,10 @@ def _close_unfinished(sink, progress, job: TrainJob, setup: RankSetup, state: Ru
     summary.json says ``status: interrupted`` and the last step, and the W&B run is
     finished so that it syncs. Failed: the W&B run is closed as failed, with no summary
     (the launcher writes failure.json)."""
+    from .launch import PEER_FAILED_REASON
+
     progress.close()
-    if reason is None:
+    if reason is None or reason == PEER_FAILED_REASON:
         sink.close(exit_code=1)
         return
     history, cfg = state.history, job.cfg
@@ -352,7 +366,7 @@ def _train_steps(rank, job, device, setup: RankSetup, data, sink, progress, stat
     cfg, stages, schedule = job.cfg, setup.stages, setup.schedule
     pipe_cfg, steps, mbs = cfg["pipeline"], int(cfg["trainer"]["steps"]), setup.adapter.mbs
     batch_size = int(pipe_cfg["microbatches"]) * mbs
-    start_step = state.step
+    start_step = state.replay_to
     while state.step < steps:
         _train_chunk(rank, job, setup, data, sink, progress, state, one_host, meta)
 
@@ -452,14 +466,16 @@ def _train_time_at(run_dir: str, step: int) -> float:
     return float(rows[-1].get("train_time", 0.0)) if rows else 0.0
 
 
-def _chunk_end(first: int, steps: int, cap: int, val_every: int, save_every: int) -> int:
-    """The last step of the chunk starting at ``first``: at most ``cap`` steps, ending
-    where validation, a checkpoint or the end of the run needs every update applied."""
-    end = min(steps, first + cap - 1)
-    for every in (val_every, save_every):
-        if every:
-            end = min(end, ((first - 1) // every + 1) * every)
-    return end
+def _chunk_end(first: int, steps: int, cap: int) -> int:
+    """The last step of the chunk holding step ``first``: chunks lie on a fixed grid of
+    ``cap`` steps (1..cap, cap+1..2cap, ...) cut only by the run's last step, so where
+    validation and checkpoints fall never changes where the schedule flushes."""
+    return min(steps, ((first - 1) // cap + 1) * cap)
+
+
+def _falls_in(every: int, first: int, end: int) -> bool:
+    """Whether a multiple of ``every`` (0: never) lies in steps first..end."""
+    return bool(every) and end // every > (first - 1) // every
 
 
 def _train_chunk(rank, job, setup: RankSetup, data, sink, progress, state: RunState, one_host: bool,
@@ -475,9 +491,11 @@ def _train_chunk(rank, job, setup: RankSetup, data, sink, progress, state: RunSt
     val_every, save_every = int(trainer.get("val_every") or 0), int(trainer.get("save_every") or 0)
     check_stop()  # a stop that arrived in a destructor was swallowed there
     first = state.step + 1
-    end = _chunk_end(first, steps, setup.steps_per_chunk, val_every, save_every)
+    cap = setup.steps_per_chunk
+    end = _chunk_end(first, steps, cap)
+    quiet = state.replay_to  # steps up to here were run before the checkpoint: replayed, not logged
     fail = runtime.get("fail_at_step")
-    if fail is not None and first <= fail <= end and (runtime.get("fail_rank") or 0) == rank:
+    if fail is not None and max(first, quiet + 1) <= fail <= end and (runtime.get("fail_rank") or 0) == rank:
         if runtime.get("fail_mode", "raise") == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError(f"injected failure on rank {rank} at step {fail} (runtime.fail_at_step)")
@@ -487,7 +505,7 @@ def _train_chunk(rank, job, setup: RankSetup, data, sink, progress, state: RunSt
     normalizers = [setup.adapter.normalizer(b) for b in batches]  # microbatch losses add up to the batch mean
     lrs = [lr_at(s, optim, steps) for s in span]
     tl = trainer.get("timeline_step")
-    record = tl is not None and first <= tl <= end
+    record = tl is not None and max(first, quiet + 1) <= tl <= end
     t0 = _start_clock(record and one_host)
     ex, stats = setup.run_chunk(batches, normalizers, lrs, first, record, t0)
     chunk_time = time.perf_counter() - t0
@@ -504,9 +522,10 @@ def _train_chunk(rank, job, setup: RankSetup, data, sink, progress, state: RunSt
     if rank == 0:
         recs = sorted((r for rs in gathered for r in rs), key=lambda r: (r["microbatch"], r["pipe"], r["stage"])) \
             if setup.is_async else []
-        state.staleness.extend(recs)
+        state.staleness.extend(r for r in recs if r["microbatch"] >= quiet * m)
         for w, s in enumerate(span):
-            state.train_time += chunk_time / len(span)
+            if s > quiet:
+                state.train_time += chunk_time / len(span)
             metrics = {
                 "loss": stats.losses[w],
                 "lr": lrs[w],
@@ -523,7 +542,7 @@ def _train_chunk(rank, job, setup: RankSetup, data, sink, progress, state: RunSt
                 st = summarize([r for r in recs if (s - 1) * m <= r["microbatch"] < s * m])
                 metrics.update({k: st[k] for k in ("max_staleness", "mean_staleness", "max_mismatch")})
             metrics_of.append(metrics)
-    if (val_every and end % val_every == 0) or end == steps:
+    if _falls_in(val_every, first, end) or end == steps:
         vl = [setup.evaluator.eval_loss(b, setup.adapter.normalizer(b))
               for b in data.val_batches(batch_size, int(trainer["val_batches"]))]
         if vl and rank == 0:
@@ -541,10 +560,16 @@ def _train_chunk(rank, job, setup: RankSetup, data, sink, progress, state: RunSt
                       "num_stages": schedule.num_stages, "num_microbatches": m * len(span),
                       **({"branch": list(schedule.graph.branch)} if schedule.graph.branch else {})},
             )
-    if (save_every and end % save_every == 0) or end == steps:  # always a final checkpoint
-        checkpoint.save(job.run_dir, end, rank, setup.stages, meta)
+    # Checkpoints where a chunk ends: where a multiple of save_every falls in it, at the
+    # end of the run, and before a last chunk the run's end cuts short (a run resumed
+    # from that end restarts the chunk from here: see pipeflow.runtime.checkpoint)
+    cut_next = end < steps < end + cap and cap > 1
+    if _falls_in(save_every, first, end) or end == steps or cut_next:
+        checkpoint.save(job.run_dir, end, rank, setup.stages, meta, chunk_start=end if end % cap == 0 else first - 1)
     if rank == 0:
         for s, metrics in zip(span, metrics_of):
+            if s <= quiet:
+                continue
             state.history.append(metrics)
             if s % int(trainer.get("log_every") or 1) == 0 or "val_loss" in metrics:
                 sink.log(s, metrics)

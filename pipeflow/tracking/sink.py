@@ -176,11 +176,14 @@ class MetricsSink:
     def log(self, step: int, metrics: dict) -> None:
         """One line ``{"step": step, **metrics}`` in metrics.jsonl, and the same to W&B."""
         row = {"step": int(step), **{k: _plain(v) for k, v in metrics.items()}}
-        if self._file is None:
-            self._file = open(self.metrics_path, "a", encoding="utf-8")
-        self._file.write(json.dumps(row, default=_json_default) + "\n")
-        # flushed line by line: a crashed run keeps every step it logged
-        self._file.flush()
+        try:
+            if self._file is None:
+                self._file = open(self.metrics_path, "a", encoding="utf-8")
+            self._file.write(json.dumps(row, default=_json_default) + "\n")
+            # flushed line by line: a crashed run keeps every step it logged
+            self._file.flush()
+        except OSError as err:  # a full disk, a folder gone: name the file
+            raise OSError(err.errno, f"could not write {self.metrics_path}: {err.strerror or err}") from None
         self._last_step = max(self._last_step, int(step))
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in row.items() if k != "step"}, step=int(step))
