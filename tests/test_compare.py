@@ -301,3 +301,13 @@ def test_a_plan_sweep_feeds_the_report_by_method_and_topology(tmp_path):
     for run, row in zip(runs, table):
         assert row["kind"] == "simulated"
         assert row["sim_step_time"] == pytest.approx(run.summary["makespan"])
+
+
+def test_an_output_folder_that_cannot_be_written_is_refused_in_one_line(tmp_path, capsys):
+    """Issue 16, item 5: out=/proc/x names the key, the path and the reason; no traceback."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    assert main([str(tmp_path / "run"), "out=/proc/pipeflow-x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "pipeflow-compare: out=/proc/pipeflow-x: cannot write there (No such file or directory); " \
+                  "give a folder you can write"

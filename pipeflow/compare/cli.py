@@ -96,6 +96,14 @@ def parse_args(argv: list[str]) -> tuple[list[str], CompareConfig]:
         raise CompareConfigError(f"sim_tolerance={conf.sim_tolerance}: must be a fraction above 0 (0.1: within 10%)")
     if not paths:
         raise CompareConfigError("no run directory given\n" + _USAGE)
+    if conf.out:
+        from pipeflow.config.cli import check_output_dir
+        from pipeflow.config.values import ConfigError
+
+        try:  # before any run is read: a folder that cannot be written is refused in one line
+            check_output_dir("out", conf.out)
+        except ConfigError as err:
+            raise CompareConfigError(str(err)) from None
     return paths, conf
 
 
