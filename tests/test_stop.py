@@ -181,3 +181,14 @@ def test_a_stopped_run_reads_as_interrupted_in_a_comparison(tmp_path):
     run = read_run(tmp_path)
     assert run.status == "interrupted" and run.error == "stopped by SIGINT after step 2"
     assert len(run.rows) == 2
+
+
+@slow
+def test_a_signal_to_one_rank_stops_the_whole_job(tmp_path):
+    """`kill <pid of rank 0>` (SIGTERM to one rank): that rank stops as it would on
+    Ctrl-C, and the launcher stops the others: an interruption, not a failure."""
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, "logger=none")
+    pids = _running(run_dir, proc)
+    os.kill(pids[0], signal.SIGTERM)
+    _assert_clean_stop(run_dir, proc, signal.SIGTERM, pids)

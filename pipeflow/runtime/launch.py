@@ -75,7 +75,8 @@ class JobStopped(RuntimeError):
 
     def __init__(self, signum: int, summary: dict):
         self.signum = signum
-        self.signal = signal.Signals(signum).name
+        # a signal to one rank (kill <pid>) stops the job too: rank 0's summary names it
+        self.signal = summary.get("stopped_by") or signal.Signals(signum).name
         self.summary = summary
         super().__init__(f"stopped by {self.signal} after step {summary.get('last_step', 0)}")
 
@@ -450,6 +451,10 @@ def launch(job: TrainJob, on_start=None) -> dict:
             if stop:
                 _wait(procs, 30.0)  # W&B's final flush takes a few seconds
                 raise JobStopped(stop[0], _stopped_summary(job, stop[0]))
+            if any(p.exitcode == STOPPED for p in procs):
+                # a rank was sent a stop signal itself (kill <pid>): the whole job stops
+                on_stop(signal.SIGTERM, None)
+                continue
             if any(p.exitcode not in (None, 0) for p in procs):
                 failed = _failure(procs, errors, hearing)
                 _record_failure(job.run_dir, failed)
