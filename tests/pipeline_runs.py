@@ -33,6 +33,11 @@ GPT_SMALL = [
 GPT_TIED = {"lm_head.weight": "wte.weight"}
 
 
+def metrics(run_dir: Path) -> list[dict]:
+    """The rows of a run's metrics.jsonl."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def train(run_dir: Path, overrides: list[str], tied: dict[str, str] | None = None) -> dict:
     """Train ``compose("train", overrides)``; ``tied`` files a tied copy's gradient
     under the name of the parameter it mirrors (e.g. lm_head.weight -> wte.weight)."""

@@ -25,6 +25,7 @@ from .values import (
     LOGGERS,
     OPTIMIZERS,
     RUNTIME_DEVICES,
+    PRECISIONS,
     ConfigError,
     _at_least,
     _naming_key,
@@ -100,6 +101,9 @@ def _check_runtime(rt: DictConfig, world_size: int) -> None:
         raise ConfigError(f"runtime.backend={rt.backend}: unknown backend; allowed values: {', '.join(BACKENDS)}")
     if rt.device not in RUNTIME_DEVICES:
         raise ConfigError(f"runtime.device={rt.device}: unknown device; allowed values: {', '.join(RUNTIME_DEVICES)}")
+    if rt.precision not in PRECISIONS:
+        raise ConfigError(f"runtime.precision={rt.precision}: unknown precision; allowed values: {', '.join(PRECISIONS)}")
+    _number("runtime.loss_scale", rt.loss_scale, "must be > 0", rt.loss_scale > 0)
     if rt.backend == "nccl" and rt.device == "cpu":
         raise ConfigError("runtime.backend=nccl: NCCL moves CUDA tensors only; use runtime.backend=gloo (or auto) "
                           "with runtime.device=cpu")

@@ -14,7 +14,7 @@ from pipeflow.planning.costs import build_cost_model
 from pipeflow.planning.partition import PARTITIONERS
 from pipeflow.planning.transformer import TransformerSpec
 from pipeflow.schedules.export import check_exportable
-from pipeflow.schedules.ir import Schedule
+from pipeflow.schedules.ir import Schedule, WeightPolicy
 from pipeflow.schedules.registry import specs
 from pipeflow.schedules.validate import validate
 from pipeflow.topology.topology import Topology
@@ -193,6 +193,7 @@ def prepare_training(cfg: DictConfig) -> TrainingInputs:
     _check_trainer(cfg.trainer)
     _check_optim(cfg.optim)
     _check_runtime(cfg.runtime, schedule.num_devices)
+    _check_precision(cfg, schedule)
     check_logger(cfg.logger)
     _check_data_files(cfg.data)
     check_text_data(cfg.data, spec.seq_len)
@@ -202,6 +203,15 @@ def prepare_training(cfg: DictConfig) -> TrainingInputs:
     # is not, so one validation here (milliseconds at training sizes) is cheap insurance.
     validate(schedule)
     return TrainingInputs(schedule, spec, topology)
+
+
+def _check_precision(cfg: DictConfig, schedule) -> None:
+    """fp16's loss scaling skips an overflowing step on every rank at once, at the
+    synchronous step's flush; an asynchronous schedule updates stage by stage without one."""
+    if cfg.runtime.precision == "fp16" and schedule.policy != WeightPolicy.SYNC:
+        raise ConfigError(f"runtime.precision=fp16: loss scaling skips an overflowing step on every rank at a flush, "
+                          f"which asynchronous schedules (schedule={cfg.schedule.name}) do not have; use "
+                          f"runtime.precision=bf16 (no scaling needed)")
 
 
 def _resume_expect(cfg: DictConfig, schedule) -> dict:
@@ -228,6 +238,7 @@ def _prepare_branched(cfg: DictConfig) -> TrainingInputs:
     _check_trainer(cfg.trainer)
     _check_optim(cfg.optim)
     _check_runtime(cfg.runtime, schedule.num_devices)
+    _check_precision(cfg, schedule)
     check_logger(cfg.logger)
     _check_data_files(cfg.data)
     if cfg.data.get("files"):

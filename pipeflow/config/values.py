@@ -15,6 +15,7 @@ EXPORT_FORMATS = ("torch_csv",)
 OPTIMIZERS = ("adamw",)
 BACKENDS = ("auto", "gloo", "nccl")
 RUNTIME_DEVICES = ("auto", "cpu", "cuda")
+PRECISIONS = ("fp32", "bf16", "fp16")  # runtime.precision: the compute dtype under autocast
 LOGGERS = ("wandb", "none")
 LOGGER_MODES = ("auto", "offline", "online", "disabled")
 FAIL_MODES = ("raise", "kill")

@@ -141,16 +141,18 @@ class ChunkStats:
     busy: float
     records: list[dict]  # staleness records of this rank
     events: list = field(default_factory=list)
+    loss_scale: float | None = None  # fp16 (synchronous steps): the scale the step's backward ran with
+    skipped: bool = False  # fp16: the step's gradients overflowed and no update was applied
 
 
 class AsyncExecutor(Executor):
     def __init__(self, schedule: Schedule, rank: int, stages: dict[tuple[int, int], StageState], adapter,
-                 groups: Groups, grad_clip: float | None, on_grads=None):
+                 groups: Groups, grad_clip: float | None, on_grads=None, precision=None):
         if schedule.policy == WeightPolicy.SYNC:
             raise ValueError(f"schedule {schedule.name!r} is synchronous; use Executor")
         if schedule.uses_split_backward():
             raise NotImplementedError("asynchronous schedules run full backwards (B), not I/W splits")
-        super().__init__(schedule, rank, stages, adapter, groups, grad_clip, on_grads)
+        super().__init__(schedule, rank, stages, adapter, groups, grad_clip, on_grads, precision)
         self.policy = schedule.policy
         self.m = schedule.microbatches_per_step
         self.windows = schedule.windows

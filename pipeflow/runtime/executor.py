@@ -38,6 +38,7 @@ from ..schedules.lowering import Comm, lower
 from ..sim.timeline import Event
 from .backward import accumulators, backward_input, backward_weight
 from .memory import SavedBytes
+from .precision import LossScaler, Precision
 
 
 @dataclass
@@ -65,6 +66,8 @@ class StepStats:
     grad_norm: float  # before clipping
     busy: float  # seconds of compute on this rank
     events: list  # timeline events of this rank when recorded
+    loss_scale: float | None = None  # fp16: the scale this step's backward ran with
+    skipped: bool = False  # fp16: the gradients overflowed, so no update was applied
 
 
 @dataclass
@@ -106,7 +109,12 @@ class Executor:
         groups: Groups,
         grad_clip: float | None,
         on_grads: Callable[[dict[tuple[int, int], StageState]], None] | None = None,
+        precision: Precision | None = None,
     ):
+        self.precision = precision or Precision("fp32", adapter.device.type)
+        self.scaler = LossScaler(self.precision.loss_scale) if self.precision.name == "fp16" else None
+        self._skip = False  # fp16: this step's gradients overflowed
+        self.sent_bytes = 0  # bytes this rank sent to other ranks (activations and gradients)
         self.segmented = schedule.num_segments > 1
         if self.segmented and schedule.uses_split_backward():
             raise NotImplementedError("sequence segments run full backwards (B), not I/W splits")
@@ -142,10 +150,12 @@ class Executor:
         for c in comms:
             if c.op == "send":
                 # autograd may hand back a strided view; the wire needs contiguous memory
-                ops.append(dist.P2POp(dist.isend, outbox.pop(self._key(c)).contiguous(), c.peer, tag=c.tag))
+                tensor = outbox.pop(self._key(c)).contiguous()
+                self.sent_bytes += tensor.numel() * tensor.element_size()
+                ops.append(dist.P2POp(dist.isend, tensor, c.peer, tag=c.tag))
             else:
                 shape, dtype = self.adapter.message_spec(c.src_stage, c.dst_stage, c.segment)
-                buf = torch.empty(shape, dtype=dtype, device=self.adapter.device)
+                buf = torch.empty(shape, dtype=self.precision.wire_dtype(dtype), device=self.adapter.device)
                 ops.append(dist.P2POp(dist.irecv, buf, c.peer, tag=c.tag))
         for c, op, work in zip(comms, ops, dist.batch_isend_irecv(ops)):
             if c.op == "send":
@@ -177,6 +187,8 @@ class Executor:
         return buf
 
     def _emit(self, key: tuple, tensor: torch.Tensor, outbox: dict, local: dict, dst_device: int) -> None:
+        # a stage boundary is one whether or not it crosses ranks: the same dtype either way
+        tensor = self.precision.wire(tensor)
         if dst_device == self.rank:
             local[key] = tensor
         else:
@@ -253,9 +265,10 @@ class Executor:
 
         def step(a: Action, io) -> None:
             st = self.stages[(a.pipe, a.stage)]
-            for group in st.optimizer.param_groups:
-                group["lr"] = lr
-            st.optimizer.step()
+            if not self._skip:  # fp16: a step whose gradients overflowed is skipped
+                for group in st.optimizer.param_groups:
+                    group["lr"] = lr
+                st.optimizer.step()
             st.optimizer.zero_grad(set_to_none=True)
 
         handlers = {**self._compute_handlers(batch, normalizer, loss_sum),
@@ -264,8 +277,8 @@ class Executor:
         self._finish(io, "iteration")
         if not synced:
             raise RuntimeError(f"schedule {self.schedule.name!r} has no STEP on rank {self.rank}; nothing was updated")
-        grad_norm, loss = synced[0]
-        return StepStats(loss, grad_norm, busy, events)
+        grad_norm, loss, scale = synced[0]
+        return StepStats(loss, grad_norm, busy, events, loss_scale=scale, skipped=self._skip)
 
     def _forward(self, a: Action, batch, normalizer, inbox, local, outbox) -> torch.Tensor:
         """Run a stage forward. A source stage reads the batch; any other stage gets its
@@ -283,11 +296,13 @@ class Executor:
                 t = self._take((False, p, a.stage, a.microbatch, a.pipe, a.segment), inbox, local)
                 leaves[p] = t.detach().requires_grad_(True)
             x = leaves[preds[0]] if len(preds) == 1 else leaves
-        with self._hooks(st):
+        with self._hooks(st), self.precision.autocast():
             out = self._run_module(st, a, x)
         if st.last:
-            loss = self.adapter.loss(out, batch, mb, normalizer, a.segment)
-            st.saved[key] = (leaves, loss)
+            with self.precision.autocast():
+                loss = self.adapter.loss(out, batch, mb, normalizer, a.segment)
+            # fp16: the backward runs on the scaled loss (see LossScaler)
+            st.saved[key] = (leaves, loss if self.scaler is None else loss * self.scaler.scale)
             return loss.detach().double()
         st.saved[key] = (leaves, out)
         for succ in self.graph.succs[a.stage]:
@@ -372,15 +387,16 @@ class Executor:
         st = self.stages[(a.pipe, a.stage)]
         key = (a.microbatch, a.segment)
         g = self._output_grad(a, st, inbox, local)
+        leaves, out = st.saved.pop(key)
+        if g is not None and g.dtype != out.dtype:  # it travelled in the compute dtype
+            g = g.to(out.dtype)
         if full:
-            leaves, out = st.saved.pop(key)
             if self.segmented:
                 self._segment_backward(a, st, out, g)
             else:
                 torch.autograd.backward(out, grad_tensors=g)
             self._send_input_grads(a, leaves, [leaf.grad for leaf in leaves.values()], outbox, local)
             return
-        leaves, out = st.saved.pop(key)
         if st.accumulators is None:
             st.accumulators = accumulators(st.params)
         grads, st.pending_w[key] = backward_input(out, g, list(leaves.values()), st.params, st.accumulators)
@@ -404,7 +420,7 @@ class Executor:
         work = dist.all_reduce(flat, group=group, async_op=True)
         return (work, flat, params, grads)
 
-    def _synchronise(self, reduces, loss_sum: torch.Tensor) -> tuple[float, float]:
+    def _synchronise(self, reduces, loss_sum: torch.Tensor) -> tuple[float, float, float | None]:
         for r in reduces:
             if r is None:
                 continue
@@ -413,6 +429,12 @@ class Executor:
             for p, g in zip(params, _unflatten_dense_tensors(flat, grads)):
                 p.grad = g.view_as(p).clone()
         self._sync_tied()
+        scale = None if self.scaler is None else self.scaler.scale
+        if scale is not None:  # fp16: back to the true gradients (an overflow stays inf)
+            for st in self.stages.values():
+                for p in st.params:
+                    if p.grad is not None:
+                        p.grad.mul_(1.0 / scale)
         if self.on_grads is not None:
             self.on_grads(self.stages)
         # one world all-reduce: the squared gradient norm (each parameter counted once:
@@ -426,14 +448,16 @@ class Executor:
         vec = torch.stack([sq, loss_sum.double()])
         dist.all_reduce(vec)
         norm = math.sqrt(vec[0].item())
-        if self.grad_clip:
+        # every rank sees the same norm, so every rank skips the same steps
+        self._skip = self.scaler is not None and not self.scaler.update(math.isfinite(norm))
+        if self.grad_clip and not self._skip:
             coef = self.grad_clip / (norm + 1e-6)
             if coef < 1.0:
                 for st in self.stages.values():
                     for p in st.params:
                         if p.grad is not None:
                             p.grad.mul_(coef)
-        return norm, vec[1].item()
+        return norm, vec[1].item(), scale
 
     def _sync_tied(self) -> None:
         """Every copy of the tied embedding gets the sum of all copies' gradients."""

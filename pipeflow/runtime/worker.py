@@ -33,6 +33,7 @@ from . import checkpoint
 from .adapters import CBMAdapter, make_adapter
 from .async_executor import AsyncExecutor, ChunkStats
 from .executor import Executor, Groups, StageState
+from .precision import Precision
 from .launch import TrainJob, check_stop, stop_behind
 
 
@@ -163,10 +164,12 @@ class RankSetup:
         if not self.is_async:
             ex = self.executor
             ex.meter.reset_step()
+            ex.sent_bytes = 0
             st = ex.train_step(batches[0], normalizers[0], lrs[0], record=record, t0=t0)
-            return ex, ChunkStats([st.loss], [st.grad_norm], st.busy, [], st.events)
+            return ex, ChunkStats([st.loss], [st.grad_norm], st.busy, [], st.events, st.loss_scale, st.skipped)
         ex = self.chunk_executor(len(batches))
         ex.meter.reset_step()
+        ex.sent_bytes = 0
         m = self.schedule.microbatches_per_step
         return ex, ex.train_chunk(batches, normalizers, lrs, base_update=(first - 1) * ex.updates_per_step,
                                   base_mb=(first - 1) * m, record=record, t0=t0)
@@ -190,6 +193,8 @@ def build_rank(cfg: dict, rank: int, device: torch.device, on_grads=None) -> Ran
 
     pipe_cfg, optim = cfg["pipeline"], cfg["optim"]
     mbs, seed = int(pipe_cfg["microbatch_size"]), int(cfg["seed"])
+    precision = Precision(cfg["runtime"].get("precision", "fp32"), device.type,
+                          float(cfg["runtime"].get("loss_scale", 2.0**16)))
     sizes = (cfg["schedule"]["name"], pipe_cfg["stages"], pipe_cfg["microbatches"], pipe_cfg["virtual_stages"],
              pipe_cfg["segments"])
     options = schedule_options(cfg["schedule"])
@@ -236,23 +241,24 @@ def build_rank(cfg: dict, rank: int, device: torch.device, on_grads=None) -> Ran
     groups = Groups(schedule, adapter.tied_stages)
     clip = optim.get("grad_clip")
     if schedule.policy == WeightPolicy.SYNC:
-        executor = Executor(schedule, rank, stages, adapter, groups, grad_clip=clip, on_grads=on_grads)
+        executor = Executor(schedule, rank, stages, adapter, groups, grad_clip=clip, on_grads=on_grads,
+                            precision=precision)
         return RankSetup(schedule, layers, adapter, stages, executor)
 
     def make_chunk(windows: int) -> AsyncExecutor:
         opts = dict(options, windows=windows)
         sched = build_schedule(*sizes, **opts) if adapter.__class__ is not CBMAdapter else \
             build_schedule(*sizes, graph=adapter.graph, **opts)
-        return AsyncExecutor(sched, rank, stages, adapter, groups, grad_clip=clip)
+        return AsyncExecutor(sched, rank, stages, adapter, groups, grad_clip=clip, precision=precision)
 
-    executor = AsyncExecutor(schedule, rank, stages, adapter, groups, grad_clip=clip)
+    executor = AsyncExecutor(schedule, rank, stages, adapter, groups, grad_clip=clip, precision=precision)
     # evaluation after a flush: every mirror replica holds the same weights, so pipe 0's
     # replicas (stage i on device i for every asynchronous placement) run a forward-only 1F1B
     eval_schedule = build_schedule("1f1b", pipe_cfg["stages"], pipe_cfg["microbatches"])
     eval_stages = {(0, s): st for (pipe, s), st in stages.items() if pipe == 0}
     if eval_schedule.placement.table[0] != schedule.placement.table[0]:
         raise ValueError(f"schedule {schedule.name!r}: pipe 0 must place stage i on device i for evaluation")
-    eval_executor = Executor(eval_schedule, rank, eval_stages, adapter, groups, grad_clip=None)
+    eval_executor = Executor(eval_schedule, rank, eval_stages, adapter, groups, grad_clip=None, precision=precision)
     return RankSetup(schedule, layers, adapter, stages, executor, eval_executor,
                      {schedule.windows: executor}, make_chunk)
 
@@ -406,6 +412,11 @@ def _train_steps(rank, job, device, setup: RankSetup, data, sink, progress, stat
         "mean_tokens_per_s": sum(h["tokens_per_s"] for h in steady) / len(steady) if steady else None,
         "mean_step_time": sum(h["step_time"] for h in steady) / len(steady) if steady else None,
         "measured_bubble_ratio": sum(h["bubble"] for h in steady) / len(steady) if steady else None,
+        "precision": cfg["runtime"].get("precision", "fp32"),
+        # bytes sent between ranks per step (activations and their gradients, all ranks)
+        "p2p_bytes": sum(h["p2p_bytes"] for h in history) / len(history) if history else None,
+        **({"skipped_steps": sum(h["skipped"] for h in history), "loss_scale": history[-1]["loss_scale"]}
+           if history and "loss_scale" in history[-1] else {}),
         "peak_memory_bytes": peaks,
         # per rank: bytes autograd kept for backward at the peak (Seq1F1B's K/V cache
         # included), and the K/V cache's own peak
@@ -421,13 +432,14 @@ def _train_steps(rank, job, device, setup: RankSetup, data, sink, progress, stat
     return summary
 
 
-def _busy_and_saved(busy: float, meter, world_size: int) -> tuple[float, dict]:
-    """Sum the ranks' compute time and collect each rank's peak of saved bytes this step."""
-    mine = torch.tensor([busy, float(meter.step_peak)], dtype=torch.float64)
-    every = [torch.zeros(2, dtype=torch.float64) for _ in range(world_size)]
+def _busy_and_saved(busy: float, ex, world_size: int) -> tuple[float, dict, float]:
+    """Sum the ranks' compute time and bytes sent to other ranks, and collect each rank's
+    peak of saved bytes this chunk: (busy seconds, saved MiB by rank, bytes sent)."""
+    mine = torch.tensor([busy, float(ex.meter.step_peak), float(ex.sent_bytes)], dtype=torch.float64)
+    every = [torch.zeros(3, dtype=torch.float64) for _ in range(world_size)]
     dist.all_gather(every, mine)
     saved = {f"saved_mib/rank{r}": t[1].item() / 2**20 for r, t in enumerate(every)}
-    return sum(t[0].item() for t in every), saved
+    return sum(t[0].item() for t in every), saved, sum(t[2].item() for t in every)
 
 
 def _start_clock(shared: bool) -> float:
@@ -509,7 +521,7 @@ def _train_chunk(rank, job, setup: RankSetup, data, sink, progress, state: RunSt
     t0 = _start_clock(record and one_host)
     ex, stats = setup.run_chunk(batches, normalizers, lrs, first, record, t0)
     chunk_time = time.perf_counter() - t0
-    busy, saved = _busy_and_saved(stats.busy, ex.meter, job.world_size)
+    busy, saved, sent = _busy_and_saved(stats.busy, ex, job.world_size)
     gathered = [None] * job.world_size if rank == 0 else None
     if setup.is_async:
         dist.gather_object(stats.records, gathered, dst=0)
@@ -536,8 +548,11 @@ def _train_chunk(rank, job, setup: RankSetup, data, sink, progress, state: RunSt
                 "samples": s * batch_size,
                 "updates": s * per_update,
                 "bubble": max(0.0, 1.0 - busy / (job.world_size * chunk_time)),
+                "p2p_bytes": sent / len(span),  # between ranks, all ranks together: activations and gradients
                 **saved,
             }
+            if stats.loss_scale is not None:  # fp16
+                metrics.update(loss_scale=stats.loss_scale, skipped=int(stats.skipped))
             if setup.is_async:
                 st = summarize([r for r in recs if (s - 1) * m <= r["microbatch"] < s * m])
                 metrics.update({k: st[k] for k in ("max_staleness", "mean_staleness", "max_mismatch")})
