@@ -44,7 +44,7 @@ from .checks import (
     _resolve_auto_data,
     check_logger,
 )
-from .values import ConfigError, DATA_FAMILY, DATA_VOCAB, EXPORT_FORMATS, TRAIN_FAMILIES, _naming_key, _number
+from .values import RECOMPUTE, ConfigError, DATA_FAMILY, DATA_VOCAB, EXPORT_FORMATS, TRAIN_FAMILIES, _naming_key, _number
 
 
 
@@ -194,6 +194,7 @@ def prepare_training(cfg: DictConfig) -> TrainingInputs:
     _check_optim(cfg.optim)
     _check_runtime(cfg.runtime, schedule.num_devices)
     _check_precision(cfg, schedule)
+    _check_recompute(cfg.model)
     check_logger(cfg.logger)
     _check_data_files(cfg.data)
     check_text_data(cfg.data, spec.seq_len)
@@ -203,6 +204,12 @@ def prepare_training(cfg: DictConfig) -> TrainingInputs:
     # is not, so one validation here (milliseconds at training sizes) is cheap insurance.
     validate(schedule)
     return TrainingInputs(schedule, spec, topology)
+
+
+def _check_recompute(model: DictConfig) -> None:
+    mode = model.get("recompute") or "none"
+    if mode not in RECOMPUTE:
+        raise ConfigError(f"model.recompute={mode}: unknown recomputation; allowed values: {', '.join(RECOMPUTE)}")
 
 
 def _check_precision(cfg: DictConfig, schedule) -> None:
@@ -239,6 +246,7 @@ def _prepare_branched(cfg: DictConfig) -> TrainingInputs:
     _check_optim(cfg.optim)
     _check_runtime(cfg.runtime, schedule.num_devices)
     _check_precision(cfg, schedule)
+    _check_recompute(cfg.model)
     check_logger(cfg.logger)
     _check_data_files(cfg.data)
     if cfg.data.get("files"):

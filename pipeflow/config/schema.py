@@ -51,6 +51,7 @@ class ModelConfig:
     n_positions: int = MISSING
     seq_len: int = MISSING
     dropout: float = 0.0  # read by pipeflow.models; the cost model ignores it
+    recompute: str = "none"  # activation recomputation: none | full | selective (pipeflow.models.recompute)
 
 
 @dataclass

@@ -16,6 +16,7 @@ OPTIMIZERS = ("adamw",)
 BACKENDS = ("auto", "gloo", "nccl")
 RUNTIME_DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("fp32", "bf16", "fp16")  # runtime.precision: the compute dtype under autocast
+RECOMPUTE = ("none", "full", "selective")  # model.recompute (pipeflow.models.recompute.MODES, torch-free here)
 LOGGERS = ("wandb", "none")
 LOGGER_MODES = ("auto", "offline", "online", "disabled")
 FAIL_MODES = ("raise", "kill")

@@ -30,6 +30,7 @@ from transformers import BertConfig
 from transformers.models.bert.modeling_bert import BertEmbeddings, BertLayer, BertPredictionHeadTransform
 
 from pipeflow.models.common import family_spec, layer_bounds, seeded_normal_
+from pipeflow.models.recompute import apply_recompute
 
 INIT_STD = 0.02  # BERT's initializer_range
 IGNORE_INDEX = -100  # labels of positions that are not scored (not masked)
@@ -144,7 +145,8 @@ def build_stage(model_cfg: Mapping, layers_per_stage: Sequence[int], stage: int,
     """Stage ``stage`` of the split ``layers_per_stage`` (see pipeflow.planning.partition)."""
     config = bert_config(model_cfg)
     lo, hi = layer_bounds(config.num_hidden_layers, layers_per_stage, stage)
-    return BertStage(config, lo, hi, first=stage == 0, last=stage == len(layers_per_stage) - 1, seed=seed)
+    module = BertStage(config, lo, hi, first=stage == 0, last=stage == len(layers_per_stage) - 1, seed=seed)
+    return apply_recompute(module, model_cfg.get("recompute") or "none", (BertLayer,))
 
 
 def build_model(model_cfg: Mapping, seed: int) -> BertStage:

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from pipeflow.checks import whole
 from pipeflow.models.common import seeded_normal_  # the per-name seeded draw every stage model uses
+from pipeflow.models.recompute import apply_recompute
 from pipeflow.schedules.ir import StageGraph
 
 INIT_STD = 0.02
@@ -165,14 +166,21 @@ class Block(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: Tensor, other: Tensor | None = None) -> Tensor:
-        h = self.ln_1(x)
-        x = x + self.drop(self.attn(h, h, h, need_weights=False)[0])
+        x = x + self.drop(self.self_attend(self.ln_1(x)))
         if self.cross:
             if other is None:
                 raise ValueError("an interaction block needs the other branch's hidden state")
-            q, kv = self.ln_cross(x), self.ln_cross_kv(other)
-            x = x + self.drop(self.cross_attn(q, kv, kv, need_weights=False)[0])
+            x = x + self.drop(self.cross_attend(self.ln_cross(x), self.ln_cross_kv(other)))
         return x + self.mlp(self.ln_2(x))
+
+    # the attention sub-layers, as methods of one tensor each: what selective
+    # recomputation recomputes (pipeflow.models.recompute); inside, the query, key and
+    # value stay one object, so MultiheadAttention keeps its packed projection
+    def self_attend(self, h: Tensor) -> Tensor:
+        return self.attn(h, h, h, need_weights=False)[0]
+
+    def cross_attend(self, q: Tensor, kv: Tensor) -> Tensor:
+        return self.cross_attn(q, kv, kv, need_weights=False)[0]
 
 
 class Branch(nn.Module):
@@ -432,7 +440,7 @@ def build_cbm_stage(model_cfg: Mapping, stage_specs: Sequence[CBMStageSpec], sta
     shape = cbm_shape(model_cfg)
     if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < len(stage_specs):
         raise ValueError(f"stage={stage!r}: allowed values: 0 to {len(stage_specs) - 1} (pipeline.stages)")
-    return CBMStage(shape, stage_specs[stage], seed)
+    return apply_recompute(CBMStage(shape, stage_specs[stage], seed), model_cfg.get("recompute") or "none", (Block,))
 
 
 def build_cbm_model(model_cfg: Mapping, seed: int) -> CBMModel:

@@ -31,6 +31,7 @@ from transformers import GPT2Config
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 from pipeflow.models.common import family_spec, layer_bounds, seeded_normal_
+from pipeflow.models.recompute import apply_recompute, recomputed
 
 INIT_STD = 0.02  # GPT-2's initializer_range
 
@@ -159,8 +160,12 @@ class GPTStage(nn.Module):
         mask = torch.full((T, offset + T), torch.finfo(x.dtype).min, dtype=x.dtype, device=x.device)
         mask = mask.triu(offset + 1)[None, None]
         kvs: list[tuple[Tensor, Tensor]] = []
+        # the segment path computes each block itself: recomputation is applied here
+        mode = getattr(self, "recompute", "none")
+        segment = recomputed(_block_segment) if mode == "full" else _block_segment
+        attend = recomputed(_segment_attention) if mode == "selective" else _segment_attention
         for i, block in enumerate(self.h.values()):
-            x, kv = _block_segment(block, x, prefix[i] if prefix else None, mask)
+            x, kv = segment(block, x, prefix[i] if prefix else None, mask, attend)
             kvs.append(kv)
         if self.last:
             x = self.ln_f(x)
@@ -169,9 +174,20 @@ class GPTStage(nn.Module):
         return x, kvs
 
 
-def _block_segment(block: GPT2Block, x: Tensor, past: tuple[Tensor, Tensor] | None, mask: Tensor):
+def _block_segment(block: GPT2Block, x: Tensor, past: tuple[Tensor, Tensor] | None, mask: Tensor,
+                   attend=None):
     """GPT2Block's computation (pre-LN attention + MLP, eager softmax attention, as
-    transformers writes it) with the keys/values of earlier segments prepended."""
+    transformers writes it) with the keys/values of earlier segments prepended.
+    ``attend`` computes the attention sub-layer (recomputed under selective recomputation)."""
+    delta, kv = (attend or _segment_attention)(block, x, past, mask)
+    x = x + delta
+    x = x + block.mlp(block.ln_2(x))
+    return x, kv
+
+
+def _segment_attention(block: GPT2Block, x: Tensor, past: tuple[Tensor, Tensor] | None, mask: Tensor):
+    """The attention sub-layer of :func:`_block_segment`: what it adds to the residual
+    stream, and this segment's own keys and values."""
     attn = block.attn
     B, T, H = x.shape
     q, k, v = attn.c_attn(block.ln_1(x)).split(attn.split_size, dim=2)
@@ -185,16 +201,15 @@ def _block_segment(block: GPT2Block, x: Tensor, past: tuple[Tensor, Tensor] | No
     w = F.softmax(w, dim=-1).type(values.dtype)
     w = attn.attn_dropout(w)
     out = torch.matmul(w, values).transpose(1, 2).reshape(B, T, H)
-    x = x + attn.resid_dropout(attn.c_proj(out))
-    x = x + block.mlp(block.ln_2(x))
-    return x, (k, v)
+    return attn.resid_dropout(attn.c_proj(out)), (k, v)
 
 
 def build_stage(model_cfg: Mapping, layers_per_stage: Sequence[int], stage: int, seed: int) -> GPTStage:
     """Stage ``stage`` of the split ``layers_per_stage`` (see pipeflow.planning.partition)."""
     config = gpt2_config(model_cfg)
     lo, hi = layer_bounds(config.n_layer, layers_per_stage, stage)
-    return GPTStage(config, lo, hi, first=stage == 0, last=stage == len(layers_per_stage) - 1, seed=seed)
+    module = GPTStage(config, lo, hi, first=stage == 0, last=stage == len(layers_per_stage) - 1, seed=seed)
+    return apply_recompute(module, model_cfg.get("recompute") or "none", (GPT2Block,))
 
 
 def build_model(model_cfg: Mapping, seed: int) -> GPTStage:
