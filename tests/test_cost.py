@@ -169,6 +169,32 @@ def test_activation_memory_matches_korthikanti_and_zero_bubble():
         assert 0 < c.weight_residual_bytes(s, 0) < c.activation_bytes(s, 0)
 
 
+def test_recomputation_trades_backward_flops_for_activation_memory():
+    """model.recompute, priced: full keeps each layer's input (2sbh bytes at 16 bits) and
+    its backward reruns the layers' forward; selective drops the attention sub-layer's
+    tensors (Korthikanti: 9sbh of its 11sbh, and the 5as^2b score terms) and reruns its
+    projections and scores."""
+    import dataclasses
+
+    b, S, H, h = 2, GPT.seq_len, GPT.n_embd, GPT.n_head
+    plain, full, sel = (AnalyticCost(dataclasses.replace(GPT, recompute=r), 4, microbatch_size=b)
+                        for r in ("none", "full", "selective"))
+    assert full.activation_bytes(1, 0) == pytest.approx(2 * 2 * S * b * H)  # 2 layers, input only
+    assert sel.activation_bytes(1, 0) == pytest.approx(2 * (34 - 9) * S * b * H)
+    assert full.activation_bytes(1, 0) < sel.activation_bytes(1, 0) < plain.activation_bytes(1, 0)
+    f = plain.flops("F", 1, 0)
+    assert full.flops("F", 1, 0) == sel.flops("F", 1, 0) == f  # the forward is the forward
+    assert full.flops("B", 1, 0) == pytest.approx(3 * f)  # B = 2F + the recomputed F
+    assert plain.flops("B", 1, 0) < sel.flops("B", 1, 0) < full.flops("B", 1, 0)
+    # the recomputation happens in I (the first to need the region's tensors), not in W
+    assert full.flops("W", 1, 0) == plain.flops("W", 1, 0)
+    assert full.flops("I", 1, 0) + full.flops("W", 1, 0) == pytest.approx(full.flops("B", 1, 0))
+    # the head is not recomputed: the last stage adds the same head forward to each
+    assert full.flops("B", 3, 0) - plain.flops("B", 3, 0) == pytest.approx(full.flops("F", 1, 0))
+    with pytest.raises(ValueError, match="model.recompute=some"):
+        dataclasses.replace(GPT, recompute="some")
+
+
 def test_segments_keep_their_kv_gradient_on_top_of_activations():
     whole = AnalyticCost(GPT, 4)  # b = 1, 2 layers per middle stage
     split = AnalyticCost(GPT, 4, segment_lengths=[256, 256])

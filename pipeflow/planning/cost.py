@@ -25,6 +25,7 @@ from typing import Sequence
 from ..topology.topology import Device
 from .transformer import (
     TransformerSpec,
+    attention_score_flops,
     embedding_params,
     head_forward_flops,
     head_params,
@@ -282,9 +283,9 @@ class AnalyticCost(CostModel):
         H, Fw, V, h = spec.n_embd, spec.ffn_width, spec.vocab_size, spec.n_head
         last = self.num_stages - 1
         split = self.num_segments > 1
-        fwd, wgt, act, res = [], [], [], []
+        fwd, wgt, act, res, extra = [], [], [], [], []
         for s, n in enumerate(self.layers_per_stage):
-            f_row, w_row, a_row, r_row = [], [], [], []
+            f_row, w_row, a_row, r_row, e_row = [], [], [], [], []
             for x, P in zip(self.segment_lengths, self.prefixes):
                 f = n * layer_forward_flops(spec, x, P)
                 w = n * layer_linear_flops(spec, x)
@@ -293,6 +294,17 @@ class AnalyticCost(CostModel):
                 # dropout masks 2H per token, and per head and query-key pair the softmax output,
                 # its dropout mask and output. At 2 bytes and Fw = 4H: 34*x*b*H + 5*b*h*x*P.
                 a = n * (x * b * ((8 * H + 2 * Fw) * dt + 2 * H) + h * x * P * b * (2 * dt + 1))
+                e = 0.0  # FLOPs the backward spends recomputing (model.recompute)
+                if spec.recompute == "full":
+                    # each block keeps only its input; the backward reruns the block's forward
+                    a = n * x * b * H * dt
+                    e = f
+                elif spec.recompute == "selective":
+                    # the attention sub-layer keeps only its input (the QKV input, kept
+                    # anyway): Q, K, V, the projection input, the dropout mask and every
+                    # score term go; its forward (projections and scores) runs again
+                    a -= n * (x * b * (4 * H * dt + H) + h * x * P * b * (2 * dt + 1))
+                    e = n * (attention_score_flops(spec, x, P) + 8 * x * H * spec.n_head * spec.head_dim)
                 # what W still needs after I: each weight matmul's input and output gradient,
                 # (3H + Fw) + (5H + Fw) per token — the zero-bubble paper's 32*b*s*H at 2 bytes
                 r = n * (8 * H + 2 * Fw) * x * b * dt
@@ -311,18 +323,21 @@ class AnalyticCost(CostModel):
                     a += 2 * x * b * H * dt + 4 * x * b * V
                     r += (H + V) * x * b * dt
                 f_row.append(f * b)
+                e_row.append(e * b)
                 w_row.append(w * b)
                 a_row.append(float(a))
                 r_row.append(float(r))
             fwd.append(f_row)
+            extra.append(e_row)
             wgt.append(w_row)
             act.append(a_row)
             res.append(r_row)
+        # recomputation runs in B, or in I (the first to unpack what the region saved)
         self._flops = {
             "F": fwd,
-            "B": [[2 * f for f in row] for row in fwd],
+            "B": [[2 * f + e for f, e in zip(fr, er)] for fr, er in zip(fwd, extra)],
             "W": wgt,
-            "I": [[2 * f - w for f, w in zip(fr, wr)] for fr, wr in zip(fwd, wgt)],
+            "I": [[2 * f - w + e for f, w, e in zip(fr, wr, er)] for fr, wr, er in zip(fwd, wgt, extra)],
         }
         self._activation = act
         self._residual = res

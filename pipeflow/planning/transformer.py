@@ -42,8 +42,11 @@ class TransformerSpec:
     n_inner: int | None = None  # FFN width, default 4*n_embd
     n_positions: int | None = None  # learned position table size, default seq_len
     causal: bool = True  # GPT causal, BERT not
+    recompute: str = "none"  # model.recompute: none | full | selective (the analytic cost prices it)
 
     def __post_init__(self) -> None:
+        if self.recompute not in ("none", "full", "selective"):
+            raise ValueError(f"model.recompute={self.recompute}: allowed values: none, full, selective")
         for key in ("n_layer", "n_head", "n_embd", "vocab_size", "seq_len"):
             _positive_int(key, getattr(self, key))
         for key in ("n_inner", "n_positions"):
@@ -106,6 +109,7 @@ class TransformerSpec:
             n_inner=get("n_inner"),
             n_positions=get("n_positions"),
             causal=fam.causal,
+            recompute=str(get("recompute") or "none"),
         )
 
 
