@@ -375,6 +375,21 @@ def _record_failure(run_dir: str, failed: JobFailed) -> None:
         sys.stderr.write(f"could not write {Path(run_dir) / 'failure.json'}: {err.strerror or err}\n")
 
 
+def _record_adopted_failure(job: TrainJob, rank: int, err: BaseException) -> None:
+    """Under torchrun there is no launcher of ours to watch the ranks: the rank that
+    fails writes failure.json into the run folder itself (rank 0's, which every rank
+    learnt at start-up). A rank that only lost a peer ("connection closed", a timeout)
+    writes it only if, after a moment, the rank that caused it has not."""
+    text = "".join(traceback.format_exception(type(err), err, err.__traceback__)).strip()
+    last = text.splitlines()[-1] if text else type(err).__name__
+    path = Path(job.run_dir) / "failure.json"
+    if _CONSEQUENCE.search(last):
+        time.sleep(2.0)
+        if path.exists():
+            return
+    _record_failure(job.run_dir, JobFailed(rank, last + "\n" + text))
+
+
 def _last_step(run_dir: str) -> int:
     from ..tracking.sink import read_metrics
 
@@ -413,7 +428,11 @@ def launch(job: TrainJob, on_start=None) -> dict:
                 f"the launcher started {world} processes but the schedule needs {job.world_size} "
                 f"(one per device); start torchrun with --nproc-per-node/--nnodes to match",
             )
-        return job.target()(rank, job) or {}
+        try:
+            return job.target()(rank, job) or {}
+        except BaseException as err:  # noqa: BLE001 - recorded, then raised on
+            _record_adopted_failure(job, rank, err)
+            raise
 
     runtime = job.cfg.get("runtime", {})
     port = runtime.get("master_port") or free_port()

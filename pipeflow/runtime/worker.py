@@ -117,7 +117,7 @@ def run_worker(rank: int, job: TrainJob) -> dict | None:
     # clock may differ by a second between them: everyone writes where rank 0 writes.
     where = [job.run_dir]
     dist.broadcast_object_list(where, src=0)
-    job = TrainJob(job.cfg, where[0], job.world_size)
+    job.run_dir = where[0]  # the caller's job too: under torchrun a failure is recorded there
     # No teardown on failure: closing this rank's connections first would make its peers
     # fail and report before it does. The launcher stops every rank anyway.
     result = _train(rank, job, device)

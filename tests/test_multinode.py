@@ -1,0 +1,67 @@
+"""Two torchrun "nodes" on this machine (c10d rendezvous on localhost, one rank each),
+as a multi-node job runs (issue 18): the same losses as the local launcher, and a rank
+that fails on one node ends both, with failure.json in the run folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeflow.runtime.launch import free_port
+
+pytestmark = pytest.mark.slow  # subprocesses of the real app
+
+SMALL = ["model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.seq_len=32", "pipeline.microbatches=2",
+         "pipeline.microbatch_size=2", "trainer.val_every=0", "trainer.val_batches=1", "trainer.timeline_step=null",
+         "logger=none"]
+TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+
+
+def _env() -> dict:
+    return {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "WANDB_"))}
+
+
+def _two_nodes(tmp_path: Path, *args: str) -> list[subprocess.CompletedProcess]:
+    port = free_port()
+    cmd = [TORCHRUN, "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{port}",
+           f"--rdzv-id=pipeflow-{port}", "-m", "pipeflow.train", *SMALL, *args]
+    nodes = [subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    out = []
+    for node in nodes:
+        stdout, stderr = node.communicate(timeout=300)
+        out.append(subprocess.CompletedProcess(cmd, node.returncode, stdout, stderr))
+    return out
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.skipif(TORCHRUN is None, reason="torchrun is not installed beside this Python")
+def test_two_torchrun_nodes_train_as_the_local_launcher_does(tmp_path):
+    nodes = _two_nodes(tmp_path, "trainer.steps=4", f"hydra.run.dir={tmp_path / 'nodes'}")
+    assert [n.returncode for n in nodes] == [0, 0], [n.stderr[-2000:] for n in nodes]
+    local = subprocess.run([sys.executable, "-m", "pipeflow.train", *SMALL, "trainer.steps=4",
+                            f"hydra.run.dir={tmp_path / 'local'}"], cwd=tmp_path, env=_env(), capture_output=True,
+                           text=True, timeout=300)
+    assert local.returncode == 0, local.stderr[-2000:]
+    assert _losses(tmp_path / "nodes") == _losses(tmp_path / "local")
+    assert json.loads((tmp_path / "nodes" / "summary.json").read_text())["world_size"] == 2
+
+
+@pytest.mark.skipif(TORCHRUN is None, reason="torchrun is not installed beside this Python")
+def test_a_rank_failing_on_one_node_ends_both_with_failure_json(tmp_path):
+    run_dir = tmp_path / "run"
+    nodes = _two_nodes(tmp_path, "trainer.steps=200", "runtime.fail_at_step=3", "runtime.fail_rank=1",
+                       f"hydra.run.dir={run_dir}")
+    assert [n.returncode for n in nodes] == [1, 1]
+    record = json.loads((run_dir / "failure.json").read_text())
+    assert record["rank"] == 1 and "injected failure on rank 1 at step 3" in record["error"]
+    assert not (run_dir / "summary.json").exists()
