@@ -36,6 +36,7 @@ from pipeflow.config import (
     prepare_training,
     register_configs,
 )
+from pipeflow.runtime.cluster import adopt_launcher_env
 from pipeflow.tracking.labels import logger_labels
 
 # Hydra composes against these schemas, so they must be in the ConfigStore before main().
@@ -169,7 +170,7 @@ def train_app(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     run_dir = str(Path(hydra_cfg.runtime.output_dir).resolve())
     # under torchrun every process is a rank writing into rank 0's folder: none claims it
-    torchrun = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    torchrun = adopt_launcher_env()  # torchrun's variables, or srun's translated into them
     try:
         inputs = prepare_training(cfg)
         claim = None if torchrun else claim_run_dir(run_dir)

@@ -65,3 +65,24 @@ def test_a_rank_failing_on_one_node_ends_both_with_failure_json(tmp_path):
     record = json.loads((run_dir / "failure.json").read_text())
     assert record["rank"] == 1 and "injected failure on rank 1 at step 3" in record["error"]
     assert not (run_dir / "summary.json").exists()
+
+
+def test_two_slurm_tasks_take_their_ranks_from_slurm_and_train_as_the_local_launcher_does(tmp_path):
+    """srun starts one task per rank and sets SLURM_PROCID, SLURM_STEP_NUM_TASKS, ... but
+    none of torchrun's variables: each task adopts its rank from Slurm's (set here by the
+    test, as srun would)."""
+    port = free_port()
+    tasks = []
+    for r in range(2):
+        env = dict(_env(), SLURM_JOB_ID="4242", SLURM_STEP_ID="0", SLURM_PROCID=str(r), SLURM_LOCALID=str(r),
+                   SLURM_STEP_NUM_TASKS="2", SLURM_STEP_NODELIST="localhost", MASTER_PORT=str(port))
+        tasks.append(subprocess.Popen([sys.executable, "-m", "pipeflow.train", *SMALL, "trainer.steps=4",
+                                       f"hydra.run.dir={tmp_path / 'slurm'}"], cwd=tmp_path, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = [t.communicate(timeout=300) for t in tasks]
+    assert [t.returncode for t in tasks] == [0, 0], [err[-2000:] for _, err in results]
+    local = subprocess.run([sys.executable, "-m", "pipeflow.train", *SMALL, "trainer.steps=4",
+                            f"hydra.run.dir={tmp_path / 'local'}"], cwd=tmp_path, env=_env(), capture_output=True,
+                           text=True, timeout=300)
+    assert local.returncode == 0, local.stderr[-2000:]
+    assert _losses(tmp_path / "slurm") == _losses(tmp_path / "local")

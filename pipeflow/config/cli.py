@@ -36,7 +36,8 @@ def check_group_choices(args: Sequence[str], config_dir: Path = CONF_DIR) -> Non
         return
     for override in overrides:
         group = override.key_or_group
-        if override.package is not None or override.is_delete() or not (config_dir / group).is_dir():
+        if (override.package is not None or override.is_delete() or not (config_dir / group).is_dir()
+                or group.startswith("hydra/")):  # Hydra's groups have options of their own and plugins'
             continue
         try:
             values = (list(override.sweep_string_iterator()) if override.is_sweep_override()

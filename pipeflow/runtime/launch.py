@@ -93,10 +93,10 @@ def free_port() -> int:
 
 
 def _adopted_rank() -> int | None:
-    """This process's rank when a launcher such as torchrun already set up the job."""
-    if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
-        return int(os.environ["RANK"])
-    return None
+    """This process's rank when a launcher (torchrun, Slurm's srun) already set up the job."""
+    from .cluster import adopt_launcher_env
+
+    return int(os.environ["RANK"]) if adopt_launcher_env() else None
 
 
 def rank_context():
