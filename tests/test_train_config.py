@@ -566,7 +566,7 @@ def test_asynchronous_schedule_options_are_checked_before_start(args, message):
     [
         ("+trainer.precision=bf16", r"^trainer\.precision=bf16: unknown key; trainer has steps, log_every, "),
         ("++trainer.stepz=5", r"^trainer\.stepz=5: unknown key; trainer has steps, "),
-        ("+pipeline.data_parallel=2", r"^pipeline\.data_parallel=2: unknown key; pipeline has stages, microbatches, "),
+        ("+pipeline.tensor_parallel=2", r"^pipeline\.tensor_parallel=2: unknown key; pipeline has stages, microbatches, "),
         ("+runtime.dtype=bf16", r"^runtime\.dtype=bf16: unknown key; runtime has name, backend, "),
         ("+foo=1", r"^foo=1: unknown key; the config has pipeline, schedule, "),
     ],
@@ -578,7 +578,7 @@ def test_a_forced_key_no_schema_has_is_refused(override, message):
         prepare("trainer.steps=5", override)
 
 
-@pytest.mark.parametrize("override,key", [("+pipeline.data_parallel=2", "pipeline.data_parallel=2"),
+@pytest.mark.parametrize("override,key", [("+pipeline.tensor_parallel=2", "pipeline.tensor_parallel=2"),
                                           ("++cost.efficiency_typo=0.5", "cost.efficiency_typo=0.5"),
                                           ("+foo=1", "foo=1")])
 def test_simulate_refuses_a_forced_unknown_key(override, key):

@@ -135,13 +135,16 @@ def _generate_schedule(cfg: DictConfig) -> Schedule:
     options = schedule_options(cfg.schedule)
     spec = schedule_spec(cfg.schedule)
     if spec.assemble is not None:
+        if pipe.get("data_parallel", 1) != 1:
+            raise ConfigError(f"pipeline.data_parallel={pipe.data_parallel}: schedule '{spec.name}' is assembled "
+                              f"whole (the planner places its own replicas); use pipeline.data_parallel=1")
         return spec.assemble(cfg)
     # The schedule's own size rules (even stages for Chimera, ...) live with the
     # generators; generating is cheap, validating is not needed to learn the sizes.
     try:
         return build_schedule(
             cfg.schedule.name, pipe.stages, pipe.microbatches, pipe.virtual_stages, pipe.segments, check=False,
-            **options,
+            data_parallel=pipe.get("data_parallel", 1), **options,
         )
     except ScheduleConfigError as err:
         raise ConfigError(str(err)) from None
@@ -230,6 +233,9 @@ def _branched_schedule(cfg: DictConfig) -> tuple[Schedule, list]:
     imports the model module (and so torch): only configs of this family pay for it."""
     from pipeflow.models.cbm import cbm_shape, cbm_stage_counts, cbm_stage_graph
 
+    if cfg.pipeline.get("data_parallel", 1) != 1:
+        raise ConfigError(f"pipeline.data_parallel={cfg.pipeline.data_parallel}: a branched model's stages are "
+                          f"placed by its own graph; data parallelism wraps chain models (use pipeline.data_parallel=1)")
     plain = OmegaConf.to_container(cfg.model, resolve=True)
     sched_spec = schedule_spec(cfg.schedule)
     bapp = sched_spec.branch_aware
@@ -256,7 +262,8 @@ def _branched_schedule(cfg: DictConfig) -> tuple[Schedule, list]:
                                   memory_limit=None if limit is None else float(limit) * 1e9).schedule
         else:
             schedule = build_schedule(cfg.schedule.name, pipe.stages, pipe.microbatches, pipe.virtual_stages,
-                                      pipe.segments, check=False, graph=graph, **options)
+                                      pipe.segments, check=False, graph=graph,
+                                      data_parallel=pipe.get("data_parallel", 1), **options)
     except (ScheduleConfigError, ValueError) as err:
         raise ConfigError(str(err)) from None
     return schedule, specs

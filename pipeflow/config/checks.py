@@ -59,7 +59,7 @@ def check_known_keys(cfg: DictConfig) -> None:
 
 def _check_pipeline(cfg: DictConfig) -> None:
     pipe = cfg.pipeline
-    for key in ("stages", "microbatches", "virtual_stages", "segments", "microbatch_size"):
+    for key in ("stages", "microbatches", "virtual_stages", "segments", "microbatch_size", "data_parallel"):
         value = pipe[key]
         if not is_whole(value) or value < 1:
             raise ConfigError(f"pipeline.{key}={value}: must be a whole number >= 1")

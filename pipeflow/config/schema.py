@@ -37,6 +37,7 @@ class PipelineConfig:
     virtual_stages: int = 1  # model chunks per device (interleaved_1f1b)
     segments: int = 1  # sequence segments per microbatch (Seq1F1B)
     microbatch_size: int = 1  # sequences per microbatch
+    data_parallel: int = 1  # replicas of the whole pipeline (n x stages devices); microbatches is per replica
 
 
 @dataclass

@@ -197,6 +197,7 @@ def build_rank(cfg: dict, rank: int, device: torch.device, on_grads=None) -> Ran
                           float(cfg["runtime"].get("loss_scale", 2.0**16)))
     sizes = (cfg["schedule"]["name"], pipe_cfg["stages"], pipe_cfg["microbatches"], pipe_cfg["virtual_stages"],
              pipe_cfg["segments"])
+    dp = int(pipe_cfg.get("data_parallel", 1))
     options = schedule_options(cfg["schedule"])
     sched_spec = schedule_spec(cfg["schedule"])  # a user's schedule is loaded here, in the rank, too
     if family_of(cfg["model"]).branched:
@@ -217,7 +218,7 @@ def build_rank(cfg: dict, rank: int, device: torch.device, on_grads=None) -> Ran
         layers = list(the_plan.layers_per_stage)
         adapter = make_adapter(cfg["model"], layers, mbs, spec.seq_len, seed, device)
     else:
-        schedule = build_schedule(*sizes, **options)
+        schedule = build_schedule(*sizes, data_parallel=dp, **options)
         spec = TransformerSpec.from_config(cfg["model"])
         layers = partition_layers(cfg["partition"]["name"], spec, schedule.num_stages, cfg["partition"])
         adapter = make_adapter(cfg["model"], layers, mbs, spec.seq_len, seed, device,
@@ -371,7 +372,7 @@ def _train_steps(rank, job, device, setup: RankSetup, data, sink, progress, stat
     """Every chunk to the last step, then rank 0's summary."""
     cfg, stages, schedule = job.cfg, setup.stages, setup.schedule
     pipe_cfg, steps, mbs = cfg["pipeline"], int(cfg["trainer"]["steps"]), setup.adapter.mbs
-    batch_size = int(pipe_cfg["microbatches"]) * mbs
+    batch_size = setup.schedule.microbatches_per_step * mbs  # data_parallel x microbatches per replica
     start_step = state.replay_to
     while state.step < steps:
         _train_chunk(rank, job, setup, data, sink, progress, state, one_host, meta)
@@ -396,6 +397,7 @@ def _train_steps(rank, job, device, setup: RankSetup, data, sink, progress, stat
         "stages": pipe_cfg["stages"],
         # per step, as configured (an asynchronous schedule's IR spans schedule.windows steps)
         "microbatches": int(pipe_cfg["microbatches"]),
+        "data_parallel": int(pipe_cfg.get("data_parallel", 1)),  # replicas: world_size = data_parallel x devices
         "microbatch_size": mbs,
         "world_size": job.world_size,
         "layers_per_stage": setup.layers_per_stage,
@@ -498,7 +500,7 @@ def _train_chunk(rank, job, setup: RankSetup, data, sink, progress, state: RunSt
     pipe_cfg, trainer, optim, runtime = cfg["pipeline"], cfg["trainer"], cfg["optim"], cfg["runtime"]
     seed, steps = int(cfg["seed"]), int(trainer["steps"])
     m, mbs = int(pipe_cfg["microbatches"]), setup.adapter.mbs
-    batch_size = m * mbs
+    batch_size = setup.schedule.microbatches_per_step * mbs  # the global batch: every data-parallel replica's
     tokens = batch_size * setup.adapter.seq_len
     val_every, save_every = int(trainer.get("val_every") or 0), int(trainer.get("save_every") or 0)
     check_stop()  # a stop that arrived in a destructor was swallowed there
@@ -572,7 +574,7 @@ def _train_chunk(rank, job, setup: RankSetup, data, sink, progress, state: RunSt
             timeline = Timeline(
                 [e for evs in events for e in evs], job.world_size, time_unit="s", source="measured",
                 meta={"schedule": schedule.name, "step": tl, **({"steps": [first, end]} if end > first else {}),
-                      "num_stages": schedule.num_stages, "num_microbatches": m * len(span),
+                      "num_stages": schedule.num_stages, "num_microbatches": schedule.microbatches_per_step * len(span),
                       **({"branch": list(schedule.graph.branch)} if schedule.graph.branch else {})},
             )
     # Checkpoints where a chunk ends: where a multiple of save_every falls in it, at the

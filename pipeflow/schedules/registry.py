@@ -127,11 +127,19 @@ def build_schedule(
     check: bool = True,
     graph: StageGraph | None = None,
     groups: Sequence[Sequence[int]] | None = None,
+    data_parallel: int = 1,
     **params,
 ) -> Schedule:
     """Generate (and by default validate) the named schedule. With ``graph`` (a branched
-    model's stage DAG) the chain schedule runs over contiguous groups of its stages."""
+    model's stage DAG) the chain schedule runs over contiguous groups of its stages; with
+    ``data_parallel`` n > 1, n replicas of it run side by side (pipeflow.schedules.data_parallel)."""
     spec = get_spec(name)
+    if data_parallel != 1 and (spec.asynchronous or spec.branch_aware or graph is not None):
+        raise ScheduleConfigError(
+            f"pipeline.data_parallel={data_parallel}: schedule '{name}' "
+            + ("is asynchronous" if spec.asynchronous else "places a branched model's stages itself"
+               if spec.branch_aware or graph is not None else "")
+            + "; data parallelism wraps synchronous chain schedules (use pipeline.data_parallel=1)")
     if virtual_stages != 1 and not spec.virtual_stages:
         chunked = ", ".join(s.name for s in specs() if s.virtual_stages)
         raise ScheduleConfigError(
@@ -166,6 +174,10 @@ def build_schedule(
                 f"(its stages grouped onto a chain of pipeline.stages={stages} devices)"
             )
         sched = place_graph(sched, graph, groups)
+    if data_parallel != 1:
+        from .data_parallel import replicate
+
+        sched = replicate(sched, data_parallel)
     if check:
         validate(sched)
     return sched
