@@ -26,6 +26,7 @@ from .values import (
     OPTIMIZERS,
     RUNTIME_DEVICES,
     PRECISIONS,
+    P2P_MODES,
     ConfigError,
     _at_least,
     _naming_key,
@@ -104,6 +105,8 @@ def _check_runtime(rt: DictConfig, world_size: int) -> None:
     if rt.precision not in PRECISIONS:
         raise ConfigError(f"runtime.precision={rt.precision}: unknown precision; allowed values: {', '.join(PRECISIONS)}")
     _number("runtime.loss_scale", rt.loss_scale, "must be > 0", rt.loss_scale > 0)
+    if rt.p2p not in P2P_MODES:
+        raise ConfigError(f"runtime.p2p={rt.p2p}: unknown matching; allowed values: {', '.join(P2P_MODES)}")
     if rt.backend == "nccl" and rt.device == "cpu":
         raise ConfigError("runtime.backend=nccl: NCCL moves CUDA tensors only; use runtime.backend=gloo (or auto) "
                           "with runtime.device=cpu")

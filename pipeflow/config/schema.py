@@ -98,6 +98,7 @@ class LocalRuntimeConfig:
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "fp32"  # fp32 | bf16 | fp16: autocast dtype; fp32 master weights and optimizer state
     loss_scale: float = 65536.0  # fp16: the initial dynamic loss scale
+    p2p: str = "tagged"  # tagged | ordered: point-to-point messages matched by tag, or per pair in order (NCCL)
     timeout_s: float = 60.0  # a collective or P2P op that takes longer fails the run
     hang_timeout_s: float = 30.0  # a rank silent this long (stopped, stuck) fails the run, named; 0: never
     master_port: Optional[int] = None  # null: a free port

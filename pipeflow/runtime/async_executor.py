@@ -147,12 +147,12 @@ class ChunkStats:
 
 class AsyncExecutor(Executor):
     def __init__(self, schedule: Schedule, rank: int, stages: dict[tuple[int, int], StageState], adapter,
-                 groups: Groups, grad_clip: float | None, on_grads=None, precision=None):
+                 groups: Groups, grad_clip: float | None, on_grads=None, precision=None, p2p: str = "tagged"):
         if schedule.policy == WeightPolicy.SYNC:
             raise ValueError(f"schedule {schedule.name!r} is synchronous; use Executor")
         if schedule.uses_split_backward():
             raise NotImplementedError("asynchronous schedules run full backwards (B), not I/W splits")
-        super().__init__(schedule, rank, stages, adapter, groups, grad_clip, on_grads, precision)
+        super().__init__(schedule, rank, stages, adapter, groups, grad_clip, on_grads, precision, p2p)
         self.policy = schedule.policy
         self.m = schedule.microbatches_per_step
         self.windows = schedule.windows

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..schedules.ir import Action, Kind, Schedule
-from ..schedules.lowering import Comm, lower
+from ..schedules.lowering import Comm, check_pair_order, lower, order_pairs
 from ..sim.timeline import Event
 from .backward import accumulators, backward_input, backward_weight
 from .memory import SavedBytes
@@ -110,6 +110,7 @@ class Executor:
         grad_clip: float | None,
         on_grads: Callable[[dict[tuple[int, int], StageState]], None] | None = None,
         precision: Precision | None = None,
+        p2p: str = "tagged",
     ):
         self.precision = precision or Precision("fp32", adapter.device.type)
         self.scaler = LossScaler(self.precision.loss_scale) if self.precision.name == "fp16" else None
@@ -125,7 +126,14 @@ class Executor:
         self.groups = groups
         self.grad_clip = grad_clip
         self.on_grads = on_grads
-        items = lower(schedule)[rank]
+        # "ordered": no tags; every pair's receives posted in the order its sender sends,
+        # so the messages pair up as NCCL (which ignores tags) pairs them
+        self.ordered = p2p == "ordered"
+        lowered = lower(schedule)
+        if self.ordered:
+            lowered = order_pairs(lowered)
+            check_pair_order(lowered)  # every rank checks the whole job's pairs
+        items = lowered[rank]
         self.placement = schedule.placement
         self.graph = schedule.graph
         self.plan, self.tail = _post_ahead(items)
@@ -152,11 +160,11 @@ class Executor:
                 # autograd may hand back a strided view; the wire needs contiguous memory
                 tensor = outbox.pop(self._key(c)).contiguous()
                 self.sent_bytes += tensor.numel() * tensor.element_size()
-                ops.append(dist.P2POp(dist.isend, tensor, c.peer, tag=c.tag))
+                ops.append(dist.P2POp(dist.isend, tensor, c.peer, tag=0 if self.ordered else c.tag))
             else:
                 shape, dtype = self.adapter.message_spec(c.src_stage, c.dst_stage, c.segment)
                 buf = torch.empty(shape, dtype=self.precision.wire_dtype(dtype), device=self.adapter.device)
-                ops.append(dist.P2POp(dist.irecv, buf, c.peer, tag=c.tag))
+                ops.append(dist.P2POp(dist.irecv, buf, c.peer, tag=0 if self.ordered else c.tag))
         for c, op, work in zip(comms, ops, dist.batch_isend_irecv(ops)):
             if c.op == "send":
                 sends.append((work, op.tensor))  # the tensor must live until the send completes

@@ -195,6 +195,8 @@ def build_rank(cfg: dict, rank: int, device: torch.device, on_grads=None) -> Ran
     mbs, seed = int(pipe_cfg["microbatch_size"]), int(cfg["seed"])
     precision = Precision(cfg["runtime"].get("precision", "fp32"), device.type,
                           float(cfg["runtime"].get("loss_scale", 2.0**16)))
+    # NCCL (CUDA) matches a pair's messages in order whatever their tags
+    p2p = "ordered" if device.type == "cuda" else cfg["runtime"].get("p2p", "tagged")
     sizes = (cfg["schedule"]["name"], pipe_cfg["stages"], pipe_cfg["microbatches"], pipe_cfg["virtual_stages"],
              pipe_cfg["segments"])
     dp = int(pipe_cfg.get("data_parallel", 1))
@@ -243,23 +245,24 @@ def build_rank(cfg: dict, rank: int, device: torch.device, on_grads=None) -> Ran
     clip = optim.get("grad_clip")
     if schedule.policy == WeightPolicy.SYNC:
         executor = Executor(schedule, rank, stages, adapter, groups, grad_clip=clip, on_grads=on_grads,
-                            precision=precision)
+                            precision=precision, p2p=p2p)
         return RankSetup(schedule, layers, adapter, stages, executor)
 
     def make_chunk(windows: int) -> AsyncExecutor:
         opts = dict(options, windows=windows)
         sched = build_schedule(*sizes, **opts) if adapter.__class__ is not CBMAdapter else \
             build_schedule(*sizes, graph=adapter.graph, **opts)
-        return AsyncExecutor(sched, rank, stages, adapter, groups, grad_clip=clip, precision=precision)
+        return AsyncExecutor(sched, rank, stages, adapter, groups, grad_clip=clip, precision=precision, p2p=p2p)
 
-    executor = AsyncExecutor(schedule, rank, stages, adapter, groups, grad_clip=clip, precision=precision)
+    executor = AsyncExecutor(schedule, rank, stages, adapter, groups, grad_clip=clip, precision=precision, p2p=p2p)
     # evaluation after a flush: every mirror replica holds the same weights, so pipe 0's
     # replicas (stage i on device i for every asynchronous placement) run a forward-only 1F1B
     eval_schedule = build_schedule("1f1b", pipe_cfg["stages"], pipe_cfg["microbatches"])
     eval_stages = {(0, s): st for (pipe, s), st in stages.items() if pipe == 0}
     if eval_schedule.placement.table[0] != schedule.placement.table[0]:
         raise ValueError(f"schedule {schedule.name!r}: pipe 0 must place stage i on device i for evaluation")
-    eval_executor = Executor(eval_schedule, rank, eval_stages, adapter, groups, grad_clip=None, precision=precision)
+    eval_executor = Executor(eval_schedule, rank, eval_stages, adapter, groups, grad_clip=None, precision=precision,
+                             p2p=p2p)
     return RankSetup(schedule, layers, adapter, stages, executor, eval_executor,
                      {schedule.windows: executor}, make_chunk)
 

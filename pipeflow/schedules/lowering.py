@@ -85,3 +85,65 @@ def lower(schedule: Schedule, resolver: DepResolver | None = None) -> list[list[
 
 def message_count(lowered: list[list[Item]]) -> int:
     return sum(1 for items in lowered for x in items if isinstance(x, Comm) and x.op == "send")
+
+
+def order_pairs(lowered: list[list[Item]]) -> list[list[Item]]:
+    """The same lists with every device's receives reordered so that, from each sender,
+    they come in the order that sender sends: what a transport needs that matches the
+    messages of a pair of ranks in order and ignores tags (NCCL's point-to-point does).
+
+    A receive that the sender's order puts earlier moves up to just before the receive
+    that needed it. A receive is only ever posted earlier, and posting it never blocks,
+    so this adds no wait. The sends keep their order, which defines each pair's sequence.
+    """
+    sequence: dict[tuple[int, int], list[int]] = {}  # (sender, receiver) -> tags in send order
+    for dev, items in enumerate(lowered):
+        for x in items:
+            if isinstance(x, Comm) and x.op == "send":
+                sequence.setdefault((dev, x.peer), []).append(x.tag)
+    out: list[list[Item]] = []
+    for dev, items in enumerate(lowered):
+        recv_of = {x.tag: x for x in items if isinstance(x, Comm) and x.op == "recv"}
+        done: set[int] = set()
+        cursor: dict[int, int] = {}  # sender -> position in its sequence to this device
+        new: list[Item] = []
+        for x in items:
+            if not (isinstance(x, Comm) and x.op == "recv"):
+                new.append(x)
+                continue
+            if x.tag in done:
+                continue  # posted earlier, in its sender's order
+            seq = sequence[(x.peer, dev)]
+            at = cursor.get(x.peer, 0)
+            while True:
+                tag = seq[at]
+                at += 1
+                if tag not in done:
+                    new.append(recv_of[tag])
+                    done.add(tag)
+                if tag == x.tag:
+                    break
+            cursor[x.peer] = at
+        out.append(new)
+    return out
+
+
+def check_pair_order(lowered: list[list[Item]]) -> None:
+    """Raise ValueError naming the first pair of devices whose receiver posts its
+    receives from the sender in another order than the sender sends them."""
+    sends: dict[tuple[int, int], list[int]] = {}
+    recvs: dict[tuple[int, int], list[int]] = {}
+    for dev, items in enumerate(lowered):
+        for x in items:
+            if isinstance(x, Comm):
+                pair = (dev, x.peer) if x.op == "send" else (x.peer, dev)
+                (sends if x.op == "send" else recvs).setdefault(pair, []).append(x.tag)
+    for pair in sorted(set(sends) | set(recvs)):
+        s, r = sends.get(pair, []), recvs.get(pair, [])
+        if s != r:
+            first = next(i for i, (a, b) in enumerate(zip(s + [None], r + [None])) if a != b)
+            raise ValueError(
+                f"devices {pair[0]} -> {pair[1]}: message {first} is sent as tag {s[first] if first < len(s) else None}"
+                f" but received as tag {r[first] if first < len(r) else None}; a transport that matches a pair's "
+                f"messages in order (NCCL) would pair them wrongly (order the receives with order_pairs)"
+            )
