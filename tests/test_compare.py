@@ -311,3 +311,20 @@ def test_an_output_folder_that_cannot_be_written_is_refused_in_one_line(tmp_path
     err = capsys.readouterr().err.strip()
     assert err == "pipeflow-compare: out=/proc/pipeflow-x: cannot write there (No such file or directory); " \
                   "give a folder you can write"
+
+
+def test_stages_and_data_parallel_are_reported_apart(tmp_path):
+    """Issue 18: two runs that differ only in pipeline.data_parallel are two
+    configurations, labelled by it, with stages and data_parallel in separate columns."""
+    for dp in (1, 2):
+        run = tmp_path / f"dp{dp}"
+        run.mkdir()
+        config = {"schedule": {"name": "1f1b"}, "seed": 1,
+                  "pipeline": {"stages": 2, "microbatches": 4, "data_parallel": dp}}
+        (run / "config.json").write_text(json.dumps(config))
+        (run / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.0}\n')
+    runs = find_runs([str(tmp_path)])
+    rows = {r["run"].split("/")[-1]: r for r in run_table(runs, None, 1)}
+    assert rows["dp2"]["data_parallel"] == 2 and rows["dp1"]["data_parallel"] == 1
+    assert rows["dp2"]["stages"] == rows["dp1"]["stages"] == 2
+    assert "data_parallel=2" in rows["dp2"]["label"] and rows["dp1"]["label"] != rows["dp2"]["label"]

@@ -29,6 +29,7 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "schedule": ("schedule", "text"),
     "seed": ("seed", "id"),
     "stages": ("stages", "count"),
+    "data_parallel": ("data parallel", "count"),
     "microbatches": ("microbatches", "count"),
     "steps": ("steps", "count"),
     "steps_planned": ("steps planned", "count"),

@@ -152,7 +152,7 @@ def read_run(path: Path) -> Run:
 
 
 def _config_of_simulation(summary: dict) -> dict:
-    pipe_keys = ("stages", "microbatches", "virtual_stages", "segments", "microbatch_size")
+    pipe_keys = ("stages", "microbatches", "virtual_stages", "segments", "microbatch_size", "data_parallel")
     return {
         "schedule": {"name": summary.get("schedule")},
         "pipeline": {k: summary[k] for k in pipe_keys if k in summary},

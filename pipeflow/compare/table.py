@@ -44,7 +44,8 @@ X_AXES = {
 }
 
 RUN_COLUMNS = [
-    "run", "label", "kind", "status", "note", "schedule", "seed", "stages", "microbatches", "steps", "steps_planned",
+    "run", "label", "kind", "status", "note", "schedule", "seed", "stages", "data_parallel", "microbatches", "steps",
+    "steps_planned",
     "samples", "updates", "final_loss", "best_loss", "final_val_loss", "best_val_loss", "target_loss",
     "steps_to_target", "samples_to_target", "time_to_target_s", "tokens_per_s", "step_time_s", "bubble",
     "peak_memory_mib", "peak_saved_mib", "max_staleness", "max_mismatch",
@@ -188,11 +189,12 @@ def sim_key(run: Run) -> tuple:
     if run.kind == "simulated":  # the simulator's summary names its whole configuration
         s = run.summary or {}
         return (s.get("schedule"), s.get("stages"), s.get("microbatches"), s.get("virtual_stages", 1),
-                s.get("segments", 1), s.get("microbatch_size"), (s.get("model") or {}).get("name"))
+                s.get("segments", 1), s.get("microbatch_size"), (s.get("model") or {}).get("name"),
+                s.get("data_parallel", 1))
     pipe = run.config.get("pipeline") or {}
     model = run.config.get("model") or {}
     return (run.schedule, pipe.get("stages"), pipe.get("microbatches"), pipe.get("virtual_stages", 1),
-            pipe.get("segments", 1), pipe.get("microbatch_size"), model.get("name"))
+            pipe.get("segments", 1), pipe.get("microbatch_size"), model.get("name"), pipe.get("data_parallel", 1))
 
 
 def sim_in_seconds(sim: Run) -> bool:
@@ -271,6 +273,8 @@ def run_table(runs: list[Run], target: float | None, window: int,
             "schedule": run.schedule,
             "seed": run.seed,
             "stages": pipe.get("stages", summary.get("stages")),
+            # replicas of the pipeline: world size = data_parallel x the schedule's devices
+            "data_parallel": pipe.get("data_parallel", summary.get("data_parallel", 1)),
             "microbatches": pipe.get("microbatches", summary.get("microbatches")),
         }
         if run.kind == "simulated":
