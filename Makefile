@@ -55,6 +55,7 @@ test-fast: $(STAMP)
 # Performance lives here, not in the tests: each benchmark measures side by side in one run.
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_simulator
+	$(BIN)/python -m benchmarks.bench_simulate_cli
 	$(BIN)/python -m benchmarks.bench_runtime_vs_torch
 	$(BIN)/python -m benchmarks.bench_predicted_vs_measured
 	$(BIN)/python -m benchmarks.bench_partition

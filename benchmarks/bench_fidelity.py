@@ -45,7 +45,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from pipeflow.config import compose, prepare_simulation, prepare_training  # noqa: E402
 from pipeflow.calibrate import calibrate  # noqa: E402
 from pipeflow.runtime.launch import TrainJob, launch  # noqa: E402
-from pipeflow.sim.timeline import Timeline  # noqa: E402
+from pipeflow.sim.timeline import Timeline, timeline_file  # noqa: E402
 from pipeflow.sim import simulate  # noqa: E402
 
 TARGETS = {2: 0.10}  # world size -> allowed |error|; larger worlds: TARGET_MANY
@@ -102,8 +102,11 @@ def measure(overrides: list[str], run_dir: Path, steps: int) -> tuple[float, dic
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steady = rows[len(rows) // 2:]
     actions: dict = {}
-    path = run_dir / "timeline.json"
-    if path.exists():
+    try:
+        path = timeline_file(run_dir)  # timeline.json, or timeline.json.gz when saved gzipped
+    except FileNotFoundError:
+        path = None
+    if path is not None:
         for e in Timeline.load(path).events:
             if e.stream == "compute" and e.kind in ("F", "B", "I", "W"):
                 actions.setdefault(f"{e.stage}{e.kind}", []).append(e.end - e.start)

@@ -80,7 +80,7 @@ def run_once(schedule: str, run_dir: Path, steps: int, timeline_step: int) -> di
     launch(TrainJob(OmegaConf.to_container(cfg, resolve=True), str(run_dir), inputs.world_size))
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     step_time = {m_["step"]: m_["step_time"] for m_ in metrics}
-    timeline = Timeline.load(run_dir / "timeline.json")
+    timeline = Timeline.load(run_dir / "timeline.json")  # or timeline.json.gz, when saved gzipped
     spec = inputs.spec
     mbs = int(cfg.pipeline.microbatch_size)
     act_bytes = mbs * spec.seq_len * spec.n_embd * 4  # one fp32 activation message

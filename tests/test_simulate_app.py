@@ -24,7 +24,11 @@ from pipeflow.config import CONF_DIR, SCHEMAS, ConfigError, prepare_simulation, 
 from pipeflow.schedules.export import to_torch_csv
 from pipeflow.schedules.ir import parse_orders
 from pipeflow.schedules.registry import build_schedule
-from pipeflow.sim.timeline import Timeline
+from pipeflow.schedules.validate import ScheduleError
+from pipeflow.sim import engine as sim_engine
+from pipeflow.sim import gantt
+from pipeflow.sim import trace as trace_module
+from pipeflow.sim.timeline import Event, Timeline
 from pipeflow.simulate import format_report, run_simulation
 
 REPO = CONF_DIR.parent
@@ -164,6 +168,135 @@ def test_yaml_values_match_the_code_defaults(group):
         assert composed == pytest.approx(defaults), option
 
 
+# ------------------------------------------------------------------- outputs at scale
+BIG = ["pipeline.stages=4", "pipeline.microbatches=400", "cost=unit"]  # 801 boxes on a row of ~1230 pixels
+
+
+def _simulated_timeline(*overrides: str) -> Timeline:
+    inputs = prepare_simulation(compose("simulate", overrides))
+    return sim_engine.simulate(inputs.schedule, inputs.cost, inputs.topology, record=True).timeline
+
+
+def test_timeline_file_loads_back_equal_to_the_simulation(tmp_path):
+    over = ["schedule=zb_h1", "pipeline.stages=4", "pipeline.microbatches=6", "cost=unit", "draw=false"]
+    s = simulate(tmp_path, *over)
+    assert s["files"] == ["summary.json", "timeline.json"]
+    expected = _simulated_timeline(*over)
+    back = Timeline.load(tmp_path / "timeline.json")
+    assert back.events == expected.events and back.meta == expected.meta and back.time_unit == "units"
+
+
+def test_timeline_over_the_threshold_is_gzipped(tmp_path, monkeypatch):
+    over = ["pipeline.stages=4", "pipeline.microbatches=16", "cost=unit", "draw=false"]
+    monkeypatch.setattr(trace_module, "COMPRESS_ABOVE", 10_000)  # this run's trace is ~40 kB
+    s = simulate(tmp_path, *over)
+    assert s["files"] == ["summary.json", "timeline.json.gz"]
+    assert json.loads((tmp_path / "summary.json").read_text())["files"] == s["files"]
+    assert not (tmp_path / "timeline.json").exists()
+    assert (tmp_path / "timeline.json.gz").read_bytes()[:2] == b"\x1f\x8b"
+    back = Timeline.load(tmp_path / "timeline.json")  # the plain name finds the gzipped file
+    expected = _simulated_timeline(*over)
+    assert back.events == expected.events and back.meta == expected.meta
+
+
+def test_unreadable_picture_is_skipped_and_drawn_when_forced(tmp_path):
+    notes: list[str] = []
+    forced = run_simulation(compose("simulate", [*BIG, "draw=true"]), tmp_path, notes)
+    assert "timeline.png" in forced["files"] and (tmp_path / "timeline.png").exists() and notes == []
+
+    s = run_simulation(compose("simulate", BIG), tmp_path, notes)  # draw=auto, the default
+    assert "timeline.png" not in s["files"]
+    assert not (tmp_path / "timeline.png").exists(), "the forced run's picture is not this run's"
+    (note,) = notes
+    assert note.startswith("timeline.png not drawn: 801 boxes on device") and "draw=true" in note
+    assert gantt.unreadable(_simulated_timeline(*BIG)) in note
+
+    small: list[str] = []
+    s = run_simulation(compose("simulate", ["cost=unit"]), tmp_path / "small", small)
+    assert "timeline.png" in s["files"] and small == []  # the default run's picture can be read
+
+
+def test_unreadable_counts_rows_too():
+    events = [Event(d, f"{d}F0", "F", 0, 0, 0, 0, 0.0, 1.0) for d in range(2000)]
+    assert "device rows" in gantt.unreadable(Timeline(events, 2000))
+    assert gantt.unreadable(Timeline(events[:8], 8)) is None
+
+
+def test_schedule_is_checked_once_and_bad_ones_still_named(tmp_path, monkeypatch):
+    import pipeflow.simulate as app
+
+    real = app.prepare_simulation
+    # the validator's dry run is not repeated on a schedule the simulator ran to the end
+    monkeypatch.setattr(app, "validate", lambda schedule: pytest.fail("validated twice"))
+    simulate(tmp_path / "ok", "cost=unit", "draw=false")
+    monkeypatch.undo()
+
+    def broken(change):
+        def prepare(cfg):
+            inputs = real(cfg)
+            change(inputs.schedule.orders)
+            return inputs
+        return prepare
+
+    def swap_first_two(orders):  # the last device runs a backward before its forward
+        orders[-1][0], orders[-1][1] = orders[-1][1], orders[-1][0]
+
+    monkeypatch.setattr(app, "prepare_simulation", broken(swap_first_two))
+    with pytest.raises(ScheduleError, match="deadlocks"):
+        simulate(tmp_path / "deadlock", "cost=unit")
+    monkeypatch.setattr(app, "prepare_simulation", broken(lambda orders: orders[0].pop()))
+    with pytest.raises(ScheduleError, match="missing"):
+        simulate(tmp_path / "missing", "cost=unit")
+    assert not (tmp_path / "deadlock").exists() and not (tmp_path / "missing").exists()
+
+
+
+def test_check_beside_the_simulation_gives_its_verdict_here():
+    import threading
+    import time
+
+    import pipeflow.simulate as app
+
+    schedule = build_schedule("1f1b", 2, 2)
+    # a thread another test left running makes it check here, at once, instead
+    forks = sys.platform.startswith("linux") and threading.active_count() == 1
+    calls = []
+
+    def fails(sched):
+        calls.append(os.getpid())
+        raise ScheduleError("schedule 'x': missing actions: 0B1", [sched.orders[0][0]])
+
+    with pytest.raises(ScheduleError, match="missing actions: 0B1") as info:
+        app._CheckInChild(fails, schedule)()
+    assert info.value.actions == [schedule.orders[0][0]]  # the actions at fault come across
+    assert calls == ([] if forks else [os.getpid()])  # in a child where it can fork
+
+    def breaks(sched):
+        raise KeyError("a bug in the check")
+
+    with pytest.raises(KeyError, match="a bug in the check"):  # raised again here, by running it here
+        app._CheckInChild(breaks, schedule)()
+    app._CheckInChild(lambda sched: None, schedule)()  # a schedule that passes: nothing raised
+
+    # with other threads running, fork is not safe: the check runs here, at once
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        calls.clear()
+        with pytest.raises(ScheduleError):
+            app._CheckInChild(fails, schedule)
+        assert calls == [os.getpid()]
+    finally:
+        stop.set()
+        other.join()
+
+    if forks:
+        started = app._CheckInChild(lambda sched: time.sleep(60), schedule)
+        t = time.perf_counter()
+        started.release()  # the simulation failed: the child is stopped and reaped at once
+        assert started.pid is None and time.perf_counter() - t < 30
+
 @pytest.mark.parametrize(
     "overrides,key",
     [
@@ -179,6 +312,7 @@ def test_yaml_values_match_the_code_defaults(group):
         (["cost=unit", "cost.weight=5"], "cost.weight=5"),
         (["schedule=chimera", "export=torch_csv"], "export=torch_csv"),
         (["export=csv"], "export=csv"),
+        (["draw=sometimes"], "draw=sometimes"),
     ],
 )
 def test_bad_configs_fail_first_with_one_sentence(tmp_path, overrides, key):

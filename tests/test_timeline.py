@@ -1,6 +1,10 @@
 """The timeline format: Chrome-trace export, lossless round trip, foreign traces, PNG."""
 
+import dataclasses
+import gzip
 import json
+import math
+import random
 import struct
 
 import pytest
@@ -11,6 +15,8 @@ from pipeflow.schedules.ir import F, I, W, Placement, StageGraph
 from pipeflow.schedules.registry import build_schedule
 from pipeflow.schedules.validate import validate
 from pipeflow.sim import Event, Timeline, draw_timeline, simulate
+from pipeflow.sim.timeline import STREAMS, timeline_file
+from pipeflow.sim.trace import FIELDS
 from pipeflow.topology import get_topology
 
 
@@ -66,16 +72,25 @@ def test_chrome_trace_shape():
         assert x["ts"] == pytest.approx(e.start * 1e6)
         assert x["dur"] == pytest.approx((e.end - e.start) * 1e6)
         assert threads[(x["pid"], x["tid"])].split(" ")[0] == e.stream
-        for key in ("kind", "stage", "microbatch", "pipe", "segment"):
-            assert x["args"][key] == getattr(e, key)
-    # no two events overlap on one Chrome thread (viewers cannot draw that)
+        args = x["args"]
+        # a compute event's kind is its category; fields at their default are left out
+        assert args.get("kind", x["cat"]) == e.kind
+        assert (x["cat"] == e.kind) if e.stream == "compute" else (x["cat"] == e.stream and args["kind"] == e.kind)
+        assert (args["stage"], args["microbatch"]) == (e.stage, e.microbatch)
+        for key, default in (("pipe", 0), ("segment", 0), ("src", -1), ("dst", -1), ("nbytes", 0.0), ("version", -1)):
+            assert args.get(key, default) == getattr(e, key)
+            assert (key in args) == (getattr(e, key) != default)
+        assert "start" not in args and "end" not in args  # exact in otherData's columns
+    # no two events overlap on one Chrome thread (viewers cannot draw that), in the
+    # whole nanoseconds the viewers count
     lanes: dict = {}
     for x in xs:
-        lanes.setdefault((x["pid"], x["tid"]), []).append((x["ts"], x["ts"] + x["dur"]))
+        ns = round(x["ts"] * 1000)
+        lanes.setdefault((x["pid"], x["tid"]), []).append((ns, ns + round(x["dur"] * 1000)))
     for spans in lanes.values():
         spans.sort()
         for (_, end), (start, _) in zip(spans, spans[1:]):
-            assert start >= end - 1e-6
+            assert start >= end
 
 
 def test_overlapping_events_get_separate_lanes():
@@ -145,6 +160,166 @@ def test_merge_concatenates_ranks():
     assert [e.device for e in m.events] == [0, 1] and m.num_devices == 2 and m.meta == {"a": 1, "b": 2}
     with pytest.raises(ValueError, match="different time units"):
         Timeline.merge([a, Timeline([], 1, time_unit="ms")])
+
+
+def _greedy_tids(events):
+    """The lane rule written out plainly: events in (start, position) order take the first
+    lane of their (device, stream) free by their start; tids count the streams of a
+    device in STREAMS order, then their lanes."""
+    lanes, lane_of = {}, {}
+    for i in sorted(range(len(events)), key=lambda i: (events[i].start, i)):
+        e = events[i]
+        ends = lanes.setdefault((e.device, e.stream), [])
+        k = next((k for k, t in enumerate(ends) if t <= e.start), len(ends))
+        ends[k:k + 1] = [e.end]
+        lane_of[i] = k
+    rank = {s: r for r, s in enumerate(STREAMS)}
+    first, nxt = {}, {}
+    for (d, s), ends in sorted(lanes.items(), key=lambda kv: (kv[0][0], rank.get(kv[0][1], 99), kv[0][1])):
+        first[(d, s)] = nxt.get(d, 0)
+        nxt[d] = first[(d, s)] + len(ends)
+    return [first[(e.device, e.stream)] + lane_of[i] for i, e in enumerate(events)]
+
+
+def test_lanes_match_the_plain_greedy_rule():
+    rng = random.Random(7)
+    events = []
+    for i in range(400):
+        start = rng.choice([rng.uniform(0, 50), float(rng.randint(0, 50))])  # ties included
+        stream = rng.choice(["compute", "comm", "comm", "collective", "wait", "custom"])
+        events.append(Event(rng.randrange(3), f"e{i}", "F", 0, i, 0, 0, start, start + rng.choice([0.0, 0.5, 3.0]),
+                            stream))
+    # and one stream that never overlaps, listed in time order (one lane)
+    events += [Event(3, f"c{i}", "F", 0, i, 0, 0, float(i), i + 1.0) for i in range(20)]
+    xs = [x for x in Timeline(events, 4).to_chrome_trace()["traceEvents"] if x["ph"] == "X"]
+    assert [x["tid"] for x in xs] == _greedy_tids(events)
+    assert {x["tid"] for x in xs if x["pid"] == 3} == {0}
+
+
+def test_back_to_back_events_never_overlap_in_the_viewers_nanoseconds():
+    """ts and dur are cut to whole nanoseconds on one grid: an event that starts where
+    the previous one ends starts at or after its displayed end (rounding the start and
+    the duration each on their own would put about one in eight a nanosecond early)."""
+    rng = random.Random(3)
+    bounds = sorted(rng.uniform(0, 0.5) for _ in range(2001))
+    events = [Event(0, f"0F{i}", "F", 0, i, 0, 0, a, b) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+    xs = [x for x in Timeline(events, 1).to_chrome_trace()["traceEvents"] if x["ph"] == "X"]
+    assert {x["tid"] for x in xs} == {0}  # one lane: they never overlap
+    ends = [round(x["ts"] * 1000) + round(x["dur"] * 1000) for x in xs]
+    starts = [round(x["ts"] * 1000) for x in xs]
+    assert all(start >= end for end, start in zip(ends, starts[1:]))
+    assert all(0 <= e.start * 1e6 - x["ts"] < 0.0011 for x, e in zip(xs, events))
+
+
+def test_written_text_is_strict_json_and_compact(tmp_path):
+    tl = rich_timeline()
+    path = tl.save(tmp_path / "t.json")
+
+    def no_constants(name):
+        raise AssertionError(f"{name} is not JSON")
+
+    trace = json.loads(open(path).read(), parse_constant=no_constants)
+    assert trace == tl.to_chrome_trace()
+    # the viewers read displayTimeUnit and otherData first; exactTimes, last, they skip
+    assert list(trace) == ["displayTimeUnit", "otherData", "traceEvents", "exactTimes"]
+    assert trace["exactTimes"]["encoding"] == "base64 float64 little-endian shuffled"
+    compute = [x for x in trace["traceEvents"] if x["ph"] == "X" and x["cat"] in "FBIWS"]
+    # nothing at its default: a compute event's args are its stage and microbatch (and version)
+    assert compute and all(set(x["args"]) <= {"stage", "microbatch", "version", "pipe"} for x in compute)
+
+
+def test_save_gzipped_loads_back_equal_under_either_name(tmp_path):
+    tl = rich_timeline()
+    tl.meta["note"] = "gzipped"
+    path = tl.save(tmp_path / "timeline.json", compress=True)
+    assert path == str(tmp_path / "timeline.json.gz")
+    assert open(path, "rb").read(2) == b"\x1f\x8b" and not (tmp_path / "timeline.json").exists()
+    assert json.loads(gzip.decompress(open(path, "rb").read())) == tl.to_chrome_trace()  # gunzip gives the trace
+    for name in ("timeline.json", "timeline.json.gz"):
+        back = Timeline.load(tmp_path / name)
+        assert back.events == tl.events and back.meta == tl.meta
+    assert Timeline.load(tmp_path).events == tl.events  # a run folder
+    assert timeline_file(tmp_path) == tmp_path / "timeline.json.gz"
+    # saving the plain form removes the gzipped one, and the other way round
+    tl.save(tmp_path / "timeline.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["timeline.json"]
+    tl.save(tmp_path / "timeline.json.gz")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["timeline.json.gz"]
+
+
+def test_compress_none_gzips_only_above_the_threshold(tmp_path, monkeypatch):
+    from pipeflow.sim import trace as trace_module
+
+    tl = simulated().timeline
+    size = len("".join(tl._trace_pieces()))
+    monkeypatch.setattr(trace_module, "COMPRESS_ABOVE", size)
+    assert tl.save(tmp_path / "a" / "timeline.json", compress=None).endswith("timeline.json")
+    monkeypatch.setattr(trace_module, "COMPRESS_ABOVE", size - 1)
+    path = tl.save(tmp_path / "b" / "timeline.json", compress=None)
+    assert path.endswith("timeline.json.gz")
+    assert Timeline.load(path).events == tl.events
+    with pytest.raises(FileNotFoundError, match="neither timeline.json nor timeline.json.gz"):
+        timeline_file(tmp_path)
+
+
+def test_awkward_events_round_trip(tmp_path):
+    events = [
+        Event(0, 'quote " back\\slash é', "F", 0, 0, 0, 0, 0.1, 0.30000000000000004),
+        Event(1, "to infinity", "B", 1, 2, 3, 4, 1.0, math.inf, "comm", 1, 0, 12.5, 7, extra={"a": [1, 2]}),
+        Event(0, "wait 0F1", "F", 0, 1, 0, 0, 0.5, 0.75, "wait", 1, 0,
+              extra={"cause_kind": "chain", "pipe": 9, "start": -1.0}),  # keys that name event fields
+        Event(2, "odd stream", "W", 2, 0, 0, 0, 2.0, 2.5, "prefetch"),
+    ]
+    tl = Timeline(events, num_devices=3, time_unit="ms", source="measured", meta={"ünï": "cödé"})
+    for compress in (False, True):
+        back = Timeline.load(tl.save(tmp_path / f"t{compress}.json", compress=compress))
+        assert back.events == events and back.meta == tl.meta and back.time_unit == "ms"
+    wait = [x for x in tl.to_chrome_trace()["traceEvents"] if x.get("name") == "wait 0F1"][0]
+    assert wait["args"]["cause_kind"] == "chain" and "pipe" not in wait["args"]  # shown, never over a field
+
+
+def test_traces_of_earlier_versions_load(tmp_path):
+    """Every field and the exact times in each event's args, no exactTimes."""
+    trace = {
+        "traceEvents": [
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": 1, "args": {"name": "comm"}},
+            {"name": "0F0->1F0", "cat": "comm", "ph": "X", "pid": 0, "tid": 1, "ts": 100000.0, "dur": 200000.0,
+             "args": {"kind": "F", "stage": 0, "microbatch": 0, "pipe": 0, "segment": 0, "stream": "comm",
+                      "src": 0, "dst": 1, "nbytes": 8.0, "version": -1, "start": 0.1, "end": 0.30000000000000004}},
+        ],
+        "otherData": {"format": "pipeflow.timeline/1", "num_devices": 2, "time_unit": "s", "source": "simulated",
+                      "meta": {}},
+    }
+    (tmp_path / "timeline.json").write_text(json.dumps(trace))
+    (e,) = Timeline.load(tmp_path / "timeline.json").events
+    assert e == Event(0, "0F0->1F0", "F", 0, 0, 0, 0, 0.1, 0.30000000000000004, "comm", 0, 1, 8.0)
+
+
+def test_simulated_timeline_is_written_from_its_columns():
+    """The simulator's timeline keeps its events as columns until they are read: the
+    trace is the same before and after, and so are the events to a rebuilt timeline."""
+    tl = rich_timeline()
+    assert tl._columns is not None
+    text = "".join(tl._trace_pieces())
+    assert tl.column("stream").count("comm") == 4 and tl._columns is not None  # still not made
+    events = tl.events
+    assert tl._columns is None and tl.events is events
+    assert "".join(tl._trace_pieces()) == text
+    plain = Timeline(list(events), tl.num_devices, tl.time_unit, tl.source, tl.meta)
+    assert plain == tl and "".join(plain._trace_pieces()) == text
+    events[0].name = "renamed"  # a change to the events shows in what is written
+    assert '"name":"renamed"' in "".join(tl._trace_pieces())
+    moved = dataclasses.replace(tl, meta={"moved": True})
+    assert moved.events == events and moved.meta == {"moved": True}
+    with pytest.raises(ValueError, match="columns of different lengths"):
+        Timeline.from_columns({**{f: [] for f in FIELDS}, "name": ["x"]}, 1)
+
+
+def test_bad_gzip_is_explained(tmp_path):
+    bad = tmp_path / "timeline.json.gz"
+    bad.write_bytes(b"\x1f\x8b" + b"not really gzip")
+    with pytest.raises(ValueError, match="is not a JSON timeline"):
+        Timeline.load(bad)
 
 
 # --------------------------------------------------------------------- PNG

@@ -92,21 +92,22 @@ __all__ = [
 
 # --------------------------------------------------------------------------- simulate
 def simulate(
-    schedule: Schedule | CompiledSchedule, cost, topology, record: bool = True
+    schedule: Schedule | CompiledSchedule, cost, topology, record: bool = True, waits: bool = True
 ) -> SimResult:
     """Run ``schedule`` on ``topology`` with durations and sizes from ``cost``.
 
     ``schedule`` may be compiled already (:func:`compile_schedule`) to price one
     schedule under many cost models or topologies. ``record=False`` skips building the
     timeline and the idle-gap analysis (``waits``, ``DeviceStats.idle_by_cause``); every
-    other metric is still exact.
+    other metric is still exact. ``waits=False`` skips only the idle-gap analysis where
+    neither the timeline nor the summary shows it (graphs without branch labels).
     """
     with _gc_paused():
         cs = schedule if isinstance(schedule, CompiledSchedule) else _compile(schedule)
-        return _simulate(cs, cost, topology, record)
+        return _simulate(cs, cost, topology, record, waits)
 
 
-def _simulate(cs: CompiledSchedule, cost, topology, record: bool) -> SimResult:
+def _simulate(cs: CompiledSchedule, cost, topology, record: bool, want_waits: bool = True) -> SimResult:
     sched = cs.schedule
     ndev = cs.num_devices
     if topology.num_devices < ndev:
@@ -310,12 +311,13 @@ def _simulate(cs: CompiledSchedule, cost, topology, record: bool) -> SimResult:
         result.microbatches_per_step = sched.microbatches_per_step
         result.windows = sched.windows
         result.updates = len(set(sched.update_of_microbatch))
-    if record:
+    if record and (want_waits or labels):  # a branched model's timeline and summary show the waits
         result.waits = waits = _waits(cs, start, end, issue_time, transfers or [], makespan)
         for st in per_device:
             st.idle_by_cause = dict.fromkeys(WAIT_KINDS, 0.0)
         for w in waits:
             per_device[w.device].idle_by_cause[w.kind] += w.end - w.start
+    if record:
         result.timeline = _timeline(cs, start, end, issue_time, gbytes, transfers or [], result,
                                     getattr(cost, "time_unit", "s"))
     return result

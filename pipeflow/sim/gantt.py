@@ -27,6 +27,12 @@ from .timeline import Timeline
 DETAIL_LIMIT = 3000
 # past this many, do not even try to write microbatch numbers
 LABEL_LIMIT = 1500
+# The chart can be read while a device's row gives its boxes this many pixels each on
+# average, and each row this many pixels of height (see :func:`unreadable`)
+MIN_BOX_PX = 2.0
+MIN_ROW_PX = 4.0
+WIDTH_IN = 14.0
+AXES_SHARE = 0.8  # of the figure's width (and about that of its height) the axes take
 
 _KIND_LABELS = {
     "F": "forward (F)",
@@ -66,8 +72,36 @@ def _shade(rgb, kind: str):
     return (r, g, b)
 
 
+def _height_in(ndev: int) -> float:
+    return min(3.0 + 0.32 * ndev, 40.0)
+
+
+def unreadable(timeline: Timeline, dpi: int = 110) -> str | None:
+    """Why :func:`draw_timeline`'s picture of ``timeline`` could not be read, or None
+    when it can: the busiest device's row must give each of its compute boxes
+    MIN_BOX_PX pixels of width on average, and every row MIN_ROW_PX pixels of height.
+    Counting is all it does (no matplotlib), so it costs little at any size."""
+    devices = timeline.column("device")
+    ndev = max(timeline.num_devices, max(devices, default=0) + 1)
+    boxes = [0] * ndev
+    for d, stream in zip(devices, timeline.column("stream")):
+        if stream == "compute":
+            boxes[d] += 1
+    most = max(boxes, default=0)
+    width_px = WIDTH_IN * dpi * AXES_SHARE
+    row_px = _height_in(ndev) * dpi * AXES_SHARE / ndev
+    if most * MIN_BOX_PX > width_px:
+        busiest = boxes.index(most)
+        return (f"{most} boxes on device {busiest}'s row of {width_px:.0f} pixels "
+                f"(at most {int(width_px // MIN_BOX_PX)} can be told apart)")
+    if row_px < MIN_ROW_PX:
+        return f"{ndev} device rows of {row_px:.1f} pixels each (at least {MIN_ROW_PX:g} are needed)"
+    return None
+
+
 def draw_timeline(timeline: Timeline, path: str | os.PathLike, title: str | None = None, dpi: int = 110) -> str:
-    """Draw ``timeline`` to the PNG file ``path``; returns the path."""
+    """Draw ``timeline`` to the PNG file ``path``; returns the path. It draws every box
+    whatever the size; :func:`unreadable` says when the picture would be a smear."""
     import numpy as np
     from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -91,8 +125,8 @@ def draw_timeline(timeline: Timeline, path: str | os.PathLike, title: str | None
     if span <= 0:
         span = 1.0
 
-    width_in = 14.0
-    height_in = min(3.0 + 0.32 * ndev, 40.0)
+    width_in = WIDTH_IN
+    height_in = _height_in(ndev)
     fig = Figure(figsize=(width_in, height_in), dpi=dpi)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
@@ -168,7 +202,7 @@ def draw_timeline(timeline: Timeline, path: str | os.PathLike, title: str | None
 
     # microbatch numbers, where a bar is wide enough to hold them
     if len(compute) <= LABEL_LIMIT:
-        axes_px = width_in * dpi * 0.8
+        axes_px = width_in * dpi * AXES_SHARE
         px_per_unit = axes_px / span
         fontsize = 7 if ndev <= 16 else 5
         need_px = fontsize * 1.6
@@ -179,10 +213,15 @@ def draw_timeline(timeline: Timeline, path: str | os.PathLike, title: str | None
             # a sequence segment's action reads "<microbatch>.<segment>"
             label = f"{e.microbatch}.{e.segment}" if segmented else str(e.microbatch)
             if (e.end - e.start) * px_per_unit >= need_px * max(1, len(label) * 0.6):
-                colour = "white" if e.kind in ("B", "I") else "black"
+                # on a hatched bar the number sits on a light patch, dark, so the hatch lines
+                # do not cross it; unhatched B and I bars are dark enough for white text
+                hatched = detailed and e.kind in _HATCH
+                colour = "black" if hatched or e.kind not in ("B", "I") else "white"
+                patch = dict(boxstyle="round,pad=0.15", facecolor="white", edgecolor="none", alpha=0.85) \
+                    if hatched else None
                 ax.text(
                     (e.start + e.end) / 2 - t0, e.device + (row_top - 0.4) / 2, label, ha="center", va="center",
-                    fontsize=fontsize, color=colour, clip_on=True,
+                    fontsize=fontsize, color=colour, clip_on=True, bbox=patch,
                 )
 
     ax.set_xlim(0, span * 1.005)

@@ -19,10 +19,13 @@ An :class:`Event` is one interval on one stream of one device:
   ``cause_kind`` (interaction, head, chain, reduce, stream, drain), ``cause`` (the
   action that resolved last), ``cause_device`` and ``message``.
 
-The Chrome-trace export is lossless: every field of every event is kept in the event's
-``args`` and the timeline's own fields in ``otherData``, so ``Timeline.load`` reads back
-exactly what ``save`` wrote (times are stored as exact floats, not only as the rounded
-microsecond ``ts``/``dur`` the viewers use).
+The Chrome-trace export (:mod:`pipeflow.sim.trace`) is lossless: every field of every
+event that differs from its default is kept in the event's ``args`` (the stream is the
+name of the event's thread, a compute event's kind its ``cat``), the timeline's own
+fields in ``otherData`` and every event's exact start and end in ``exactTimes``, so
+``Timeline.load`` reads back exactly what ``save`` wrote (not only the microsecond
+``ts``/``dur``, cut to whole nanoseconds, that the viewers use). A large trace can be
+saved gzipped (``timeline.json.gz``); ``load`` reads either form.
 """
 
 from __future__ import annotations
@@ -30,14 +33,13 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Iterable, Iterator
 
-FORMAT = "pipeflow.timeline/1"
-STREAMS = ("compute", "wait", "collective", "comm")
+from .trace import FIELDS, FORMAT, STREAMS, US_PER_UNIT, exact_times, read_trace, trace_pieces, write_trace
+from .trace import timeline_file  # noqa: F401 - the readers' way to a run folder's timeline, plain or gzipped
+
 SOURCES = ("simulated", "measured")
-# Chrome traces count in microseconds; this converts one timeline unit into them.
-# "units" are a unit-cost model's abstract time; traces show one unit as one second
-_US_PER_UNIT = {"s": 1e6, "ms": 1e3, "us": 1.0, "units": 1e6}
 
 
 @dataclass(slots=True)
@@ -86,11 +88,7 @@ class Event:
         return d
 
 
-# The names of Event's fields that travel in a Chrome event's "args".
-_ARG_FIELDS = ("kind", "stage", "microbatch", "pipe", "segment", "stream", "src", "dst", "nbytes", "version")
-
-
-@dataclass
+@dataclass(eq=False)
 class Timeline:
     """Events of one run (one iteration, or whatever the producer recorded).
 
@@ -106,12 +104,30 @@ class Timeline:
     meta: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.time_unit not in _US_PER_UNIT:
+        if self.time_unit not in US_PER_UNIT:
             raise ValueError(
-                f"timeline time_unit={self.time_unit!r} is not supported; use one of {', '.join(_US_PER_UNIT)}"
+                f"timeline time_unit={self.time_unit!r} is not supported; use one of {', '.join(US_PER_UNIT)}"
             )
         if self.source not in SOURCES:
             raise ValueError(f"timeline source={self.source!r} is not supported; use one of {', '.join(SOURCES)}")
+
+    @classmethod
+    def from_columns(cls, columns: dict[str, list], num_devices: int, time_unit: str = "s",
+                     source: str = "simulated", meta: dict | None = None) -> "Timeline":
+        """A timeline of the events in ``columns`` (one list per Event field, all of one
+        length), whose Event objects are made when something first reads ``events``:
+        :meth:`save` and :meth:`column` read the columns themselves, so a producer that
+        holds its events as columns (the simulator) writes a quarter of a million of
+        them without one object each."""
+        return _ColumnTimeline(None, num_devices, time_unit, source, {} if meta is None else meta, columns=columns)
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Timeline):
+            return NotImplemented
+        return (self.events, self.num_devices, self.time_unit, self.source, self.meta) == (
+            other.events, other.num_devices, other.time_unit, other.source, other.meta)
+
+    __hash__ = None  # mutable, compared by value
 
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
@@ -148,88 +164,34 @@ class Timeline:
         """(device, name) -> event; the key for matching predicted and measured runs."""
         return {(e.device, e.name): e for e in self.events if e.stream == stream}
 
+    def column(self, name: str) -> list:
+        """One field of every event, in order (``name`` one of Event's fields)."""
+        return list(map(attrgetter(name), self.events))
+
     # ------------------------------------------------------------ chrome trace
     def to_chrome_trace(self) -> dict:
-        """Chrome trace / Perfetto JSON (object form).
+        """Chrome trace / Perfetto JSON (object form): what :meth:`save` writes, parsed.
 
-        One process per device ("device N"); one thread per stream lane. Compute and
-        collective streams never overlap themselves in a simulation, but transfers
-        (and measured events) can, and the viewers nest "X" events of one thread, so
-        partial overlaps would be drawn wrong: each stream is split greedily into as
-        many lanes as it needs ("comm", "comm 2", ...).
+        One process per device ("device N"); one thread per stream lane, named after the
+        stream. Compute and collective streams never overlap themselves in a simulation,
+        but transfers (and measured events) can, and the viewers nest "X" events of one
+        thread, so partial overlaps would be drawn wrong: each stream is split greedily
+        into as many lanes as it needs ("comm", "comm 2", ...). The layout is
+        :mod:`pipeflow.sim.trace`'s.
         """
-        scale = _US_PER_UNIT[self.time_unit]
-        trace: list[dict] = []
-        devices = sorted({e.device for e in self.events} | set(range(self.num_devices)))
-        for d in devices:
-            trace.append({"name": "process_name", "ph": "M", "pid": d, "tid": 0, "args": {"name": f"device {d}"}})
-            trace.append({"name": "process_sort_index", "ph": "M", "pid": d, "tid": 0, "args": {"sort_index": d}})
+        return json.loads("".join(self._trace_pieces()))
 
-        # lanes[(device, stream)] = end time of the last event in each lane
-        lanes: dict[tuple[int, str], list[float]] = {}
-        order = sorted(range(len(self.events)), key=lambda i: (self.events[i].start, i))
-        lane_of = [0] * len(self.events)
-        for i in order:
-            e = self.events[i]
-            ends = lanes.setdefault((e.device, e.stream), [])
-            for k, last in enumerate(ends):
-                if last <= e.start:
-                    ends[k] = e.end
-                    lane_of[i] = k
-                    break
-            else:
-                ends.append(e.end)
-                lane_of[i] = len(ends) - 1
+    def _trace_pieces(self) -> Iterator[str]:
+        return trace_pieces(self._field_columns(), self.num_devices, self.time_unit, self.source, self.meta)
 
-        # tids: the streams in a fixed order (compute on top), then lanes within a stream
-        tid_of: dict[tuple[int, str, int], int] = {}
-        next_tid: dict[int, int] = {}
-        rank = {s: r for r, s in enumerate(STREAMS)}
-        for (d, stream), ends in sorted(lanes.items(), key=lambda kv: (kv[0][0], rank.get(kv[0][1], 99), kv[0][1])):
-            for k in range(len(ends)):
-                tid = next_tid.get(d, 0)
-                next_tid[d] = tid + 1
-                tid_of[(d, stream, k)] = tid
-                label = stream if k == 0 else f"{stream} {k + 1}"
-                trace.append({"name": "thread_name", "ph": "M", "pid": d, "tid": tid, "args": {"name": label}})
-                trace.append({"name": "thread_sort_index", "ph": "M", "pid": d, "tid": tid, "args": {"sort_index": tid}})
-
-        for i, e in enumerate(self.events):
-            args = {f: getattr(e, f) for f in _ARG_FIELDS}
-            args["start"] = e.start  # exact, for a lossless round trip
-            args["end"] = e.end
-            if e.extra:
-                args["extra"] = e.extra
-                if e.stream == "wait":  # the cause at the top of args, where the viewers show it
-                    for k, v in e.extra.items():
-                        args.setdefault(k, v)
-            trace.append(
-                {
-                    "name": e.name,
-                    "cat": e.stream if e.stream != "compute" else e.kind,
-                    "ph": "X",
-                    "pid": e.device,
-                    "tid": tid_of[(e.device, e.stream, lane_of[i])],
-                    "ts": e.start * scale,
-                    "dur": (e.end - e.start) * scale,
-                    "args": args,
-                }
-            )
-        return {
-            "traceEvents": trace,
-            "displayTimeUnit": "ms",
-            "otherData": {
-                "format": FORMAT,
-                "num_devices": self.num_devices,
-                "time_unit": self.time_unit,
-                "source": self.source,
-                "meta": self.meta,
-            },
-        }
+    def _field_columns(self) -> dict[str, list]:
+        """Every field of every event, one list per name of FIELDS, for reading only."""
+        return {name: self.column(name) for name in FIELDS}
 
     @classmethod
     def from_chrome_trace(cls, trace: dict) -> "Timeline":
-        """Inverse of :meth:`to_chrome_trace`.
+        """Inverse of :meth:`to_chrome_trace` (and of the traces earlier versions wrote,
+        with every field and the exact times in each event's ``args``).
 
         A trace written by another tool is read as well as it can be: each "X" event
         becomes an event on device ``pid`` with its thread's name as the stream (when
@@ -242,18 +204,24 @@ class Timeline:
         other = trace.get("otherData") or {}
         ours = other.get("format") == FORMAT
         unit = other.get("time_unit", "s") if ours else "us"
-        scale = _US_PER_UNIT.get(unit, 1.0)
+        scale = US_PER_UNIT.get(unit, 1.0)
         thread_names: dict[tuple[int, int], str] = {}
         for ev in trace["traceEvents"]:
             if ev.get("ph") == "M" and ev.get("name") == "thread_name":
                 thread_names[(ev.get("pid", 0), ev.get("tid", 0))] = ev.get("args", {}).get("name", "")
+        xs = [ev for ev in trace["traceEvents"] if ev.get("ph") == "X"]
+        # exact times: the trace's exactTimes (what save writes), else each event's args
+        # (what earlier versions wrote), else ts and dur
+        exact = exact_times(trace) if ours else None
+        if exact is not None and not len(exact[0]) == len(exact[1]) == len(xs):
+            exact = None
         events: list[Event] = []
-        for ev in trace["traceEvents"]:
-            if ev.get("ph") != "X":
-                continue
+        for i, ev in enumerate(xs):
             args = ev.get("args") or {}
             device = int(ev.get("pid", 0))
-            if "start" in args and "end" in args:
+            if exact is not None:
+                start, end = exact[0][i], exact[1][i]
+            elif "start" in args and "end" in args:
                 start, end = float(args["start"]), float(args["end"])
             else:
                 start = float(ev.get("ts", 0.0)) / scale
@@ -290,24 +258,26 @@ class Timeline:
             meta=dict(other.get("meta") or {}),
         )
 
-    def save(self, path: str | os.PathLike) -> str:
-        """Write the Chrome-trace JSON (open it in https://ui.perfetto.dev)."""
-        path = os.fspath(path)
-        parent = os.path.dirname(path)
-        if parent:
-            os.makedirs(parent, exist_ok=True)
-        with open(path, "w") as fh:
-            json.dump(self.to_chrome_trace(), fh, separators=(",", ":"))
-        return path
+    def save(self, path: str | os.PathLike, compress: bool | None = False) -> str:
+        """Write the Chrome-trace JSON (open it in https://ui.perfetto.dev); return the path.
+
+        ``compress``: False writes plain JSON at ``path``; True writes it gzipped at
+        ``path`` + ".gz"; None gzips only a trace whose text is longer than
+        :data:`pipeflow.sim.trace.COMPRESS_ABOVE`. A path that ends in ".gz" is always
+        gzipped. The other form, if an earlier save left it beside, is removed, so that
+        :meth:`load` of either name never reads a stale file. Perfetto opens the gzipped
+        file as it is.
+        """
+        return write_trace(path, self._trace_pieces(), compress)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Timeline":
-        with open(path) as fh:
-            try:
-                data = json.load(fh)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{os.fspath(path)} is not a JSON timeline ({exc})") from exc
-        return cls.from_chrome_trace(data)
+        """Read what :meth:`save` wrote (or another tool's Chrome trace), plain or gzipped.
+
+        ``path`` may name the plain file when only the gzipped one exists
+        ("timeline.json" finds "timeline.json.gz"), or a run folder (its timeline file,
+        :func:`timeline_file`)."""
+        return cls.from_chrome_trace(read_trace(path))
 
     @classmethod
     def merge(cls, timelines: Iterable["Timeline"]) -> "Timeline":
@@ -328,3 +298,41 @@ class Timeline:
             source=tls[0].source,
             meta=meta,
         )
+
+
+class _ColumnTimeline(Timeline):
+    """A :class:`Timeline` held as columns until its events are first read
+    (:meth:`Timeline.from_columns`); from then on it is an ordinary one."""
+
+    def __init__(self, events: list[Event] | None = None, num_devices: int = 0, time_unit: str = "s",
+                 source: str = "simulated", meta: dict | None = None, columns: dict[str, list] | None = None):
+        # Timeline's own arguments first, so that dataclasses.replace makes one (of events)
+        if events is None and columns is None:
+            events = []
+        if columns is not None and len({len(columns[name]) for name in FIELDS}) != 1:
+            lengths = sorted({len(columns[name]) for name in FIELDS})
+            raise ValueError(f"timeline columns of different lengths: {lengths}")
+        self._columns: dict[str, list] | None = columns if events is None else None
+        self._events: list[Event] | None = None
+        super().__init__(events, num_devices, time_unit, source, {} if meta is None else meta)
+
+    @property
+    def events(self) -> list[Event]:
+        if self._events is None:
+            c = self._columns
+            self._events = list(map(Event, *(c[name] for name in FIELDS)))
+            self._columns = None  # the events are the truth now: whoever holds them may change them
+        return self._events
+
+    @events.setter
+    def events(self, events: list[Event] | None) -> None:
+        if events is not None:
+            self._events, self._columns = events, None
+
+    def column(self, name: str) -> list:
+        if self._columns is None:
+            return super().column(name)
+        return list(self._columns[name])
+
+    def _field_columns(self) -> dict[str, list]:
+        return super()._field_columns() if self._columns is None else self._columns

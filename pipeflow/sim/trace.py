@@ -1,0 +1,338 @@
+"""The Chrome trace of a timeline, as text, written fast; read back from either form.
+
+:class:`pipeflow.sim.timeline.Timeline` saves and loads through this module. The text is
+made column by column (one list per field of every event) with string formatting, not
+through json's encoder, which spends seconds on a quarter of a million events (64
+devices x 1024 microbatches): a column is read from the events in C (``attrgetter``),
+each distinct value of a repeating field is written once and looked up, and each
+record is one ``%`` of a template.
+
+The layout, a valid Chrome trace (JSON object form) that Perfetto and chrome://tracing
+open:
+
+- ``displayTimeUnit`` and ``otherData`` (the timeline's own fields) first, where every
+  version of Perfetto's importer reads them;
+- ``traceEvents``: one process per device ("device N") and one thread per stream lane,
+  named after the stream ("compute", "comm", "comm 2", ...), since the viewers nest the
+  events of a thread and so must never see two overlap; then one "X" record per event:
+  ``name``, ``cat`` (a compute event's kind, else its stream), ``pid``/``tid``,
+  ``ts``/``dur`` in microseconds cut to whole nanoseconds, and in ``args`` its stage and
+  microbatch and every other field that differs from its default (a wait event's
+  ``extra`` also at the top of ``args``, where the viewers show it);
+- ``exactTimes`` last: every event's exact start and end, as float64 (little-endian,
+  their bytes shuffled: all first bytes, then all second bytes, ..., which gzip packs
+  well) in base64, so a load gives back the very floats (their ``repr`` would cost a
+  second at that size). The viewers skip a key they do not know.
+
+A trace whose text is over :data:`COMPRESS_ABOVE` can be written gzipped, at gzip's
+fastest level; :func:`read_trace` takes either form.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import json
+import math
+import os
+import re
+import sys
+import zlib
+from array import array
+from itertools import chain, groupby, repeat
+from json.encoder import encode_basestring_ascii as _quote
+from operator import add, and_, itemgetter, le, mul, ne, or_, sub, truediv
+from pathlib import Path
+from typing import Iterable, Iterator
+
+FORMAT = "pipeflow.timeline/1"
+STREAMS = ("compute", "wait", "collective", "comm")
+# Chrome traces count in microseconds; this converts one timeline unit into them.
+# "units" are a unit-cost model's abstract time; traces show one unit as one second
+US_PER_UNIT = {"s": 1e6, "ms": 1e3, "us": 1.0, "units": 1e6}
+# Event's fields, in its constructor's order: the columns a trace is made from
+FIELDS = ("device", "name", "kind", "stage", "microbatch", "pipe", "segment", "start", "end", "stream", "src", "dst",
+          "nbytes", "version", "extra")
+# the names in an X record's args that are an event's fields (those written and the
+# defaults left out) or its times: a wait event's extra keys never go over them
+ARG_NAMES = frozenset(FIELDS[2:])
+
+# save(compress=None) gzips a trace whose JSON text is longer than this (a 64 x 1024
+# simulation writes 45 MB of text, 9 MB gzipped); below it the plain file is written
+COMPRESS_ABOVE = 16 * 2**20
+GZIP_LEVEL = 1  # gzip's fastest: 45 MB in 0.2 s; level 6 takes nearly three times as long
+_GZIP_MAGIC = b"\x1f\x8b"
+_NEEDS_ESCAPE = re.compile(r'["\\\x00-\x1f\x7f-\U0010ffff]').search  # what json escapes (to ASCII)
+_TIMES = "base64 float64 little-endian shuffled"  # see the module's docstring
+
+
+# --------------------------------------------------------------------------- writing
+def trace_pieces(columns: dict[str, list], num_devices: int, time_unit: str, source: str, meta: dict,
+                 chunk: int = 8192) -> Iterator[str]:
+    """The Chrome trace of the events in ``columns`` (one list per name of FIELDS) as
+    JSON text, in pieces of ``chunk`` events: join them, or write them as they come."""
+    scale = US_PER_UNIT[time_unit]
+    starts, ends = array("d", columns["start"]), array("d", columns["end"])
+    devices, streams, kinds = columns["device"], columns["stream"], columns["kind"]
+    tids, threads = lanes(devices, streams, starts, ends)
+    q = _quote
+    meta_records = []
+    for d in sorted(set(devices) | set(range(num_devices))):
+        meta_records += ['{"name":"process_name","ph":"M","pid":%d,"tid":0,"args":{"name":"device %d"}}' % (d, d),
+                         '{"name":"process_sort_index","ph":"M","pid":%d,"tid":0,"args":{"sort_index":%d}}' % (d, d)]
+    for d, label, tid in threads:
+        meta_records += ['{"name":"thread_name","ph":"M","pid":%d,"tid":%d,"args":{"name":%s}}' % (d, tid, q(label)),
+                         '{"name":"thread_sort_index","ph":"M","pid":%d,"tid":%d,"args":{"sort_index":%d}}'
+                         % (d, tid, tid)]
+    other = {"format": FORMAT, "num_devices": num_devices, "time_unit": time_unit, "source": source, "meta": meta}
+    yield '{"displayTimeUnit":"ms","otherData":' + _json(other) + ',"traceEvents":[' + ",".join(meta_records)
+
+    finite = all(map(math.isfinite, starts)) and all(map(math.isfinite, ends))
+    names = columns["name"]
+    # Texts that repeat are written once per distinct value and looked up: the category
+    # (a compute event's kind, else its stream), and the tail of args, every field that
+    # differs from an Event's default (a stream in STREAMS is its thread's name)
+    cats = _column([k if s == "compute" else s for s, k in zip(streams, kinds)], q)
+    tail = _column(zip(streams, kinds, columns["pipe"], columns["segment"], columns["src"], columns["dst"],
+                       columns["nbytes"], columns["version"]), _tail)
+    cols = [
+        # quoted as json quotes them; action names need nothing escaped, which one search tells
+        ['"%s"' % n for n in names] if not _NEEDS_ESCAPE("".join(names)) else list(map(q, names)),
+        cats,
+        devices,
+        tids,
+        *_viewer_times(starts, ends, scale, finite),
+        columns["stage"],
+        columns["microbatch"],
+        tail,
+    ]
+    extras = columns["extra"]
+    if any(extras):
+        cols.append(["" if not x else _extra_args(s, x) for s, x in zip(streams, extras)])
+    us = "%.3f" if finite else "%s"
+    record = ('{"name":%s,"cat":%s,"ph":"X","pid":%d,"tid":%d,"ts":' + us + ',"dur":' + us +
+              ',"args":{"stage":%d,"microbatch":%d%s' + "%s" * (len(cols) - 9) + "}}").__mod__
+    for lo in range(0, len(starts), chunk):
+        text = ",".join(map(record, zip(*[c[lo:lo + chunk] for c in cols])))
+        yield "," + text if lo or meta_records else text
+    yield '],"exactTimes":' + _json({"encoding": _TIMES, "start": _pack(starts), "end": _pack(ends)}) + "}"
+
+
+def lanes(devices: list[int], streams: list[str], starts: array, ends: array) -> tuple[list[int], list[tuple]]:
+    """The Chrome thread of every event, and the threads as (device, label, tid).
+
+    A (device, stream) whose events, in list order, start in order and never overlap
+    (every stream of a simulation) is one lane; any other is split greedily in (start,
+    position) order: each event takes the first lane that is free by its start. Tids
+    follow the streams in STREAMS order (compute on top), then their lanes. Grouping
+    and the overlap test run in C (sorted, itemgetter, map)."""
+    stream_id = {s: i for i, s in enumerate(dict.fromkeys(streams))}
+    width, name_of = len(stream_id), list(stream_id)
+    # one int per (device, stream); a stable sort keeps each group in list order
+    codes = list(map(add, map(mul, devices, repeat(width)), map(stream_id.__getitem__, streams)))
+    order = sorted(range(len(codes)), key=codes.__getitem__)
+    lane_of = [0] * len(codes)
+    num_lanes = dict.fromkeys(sorted(set(codes)), 1)
+    if len(order) > 1:
+        c, s, e = (itemgetter(*order)(col) for col in (codes, starts, ends))
+        # where the next event is of the same group, it starts at or after this one's start and end
+        one_lane = all(map(or_, map(ne, c, c[1:]), map(and_, map(le, s, s[1:]), map(le, e, s[1:]))))
+        for code, members in () if one_lane else groupby(order, key=codes.__getitem__):
+            free_at: list[float] = []  # per lane, the end of its last event
+            for i in sorted(members, key=starts.__getitem__):  # stable: ties stay in list order
+                start = starts[i]
+                for k, t in enumerate(free_at):
+                    if t <= start:
+                        free_at[k] = ends[i]
+                        lane_of[i] = k
+                        break
+                else:
+                    lane_of[i] = len(free_at)
+                    free_at.append(ends[i])
+            num_lanes[code] = len(free_at)
+    rank = {s: r for r, s in enumerate(STREAMS)}
+    threads: list[tuple[int, str, int]] = []
+    first_tid = [0] * (max(codes, default=-1) + 1)
+    next_tid: dict[int, int] = {}
+    by_device = sorted(num_lanes, key=lambda code: (code // width, rank.get(name_of[code % width], 99),
+                                                    name_of[code % width]))
+    for code in by_device:
+        d, stream, n = code // width, name_of[code % width], num_lanes[code]
+        tid = first_tid[code] = next_tid.get(d, 0)
+        next_tid[d] = tid + n
+        threads += [(d, stream if k == 0 else f"{stream} {k + 1}", tid + k) for k in range(n)]
+    return list(map(add, map(first_tid.__getitem__, codes), lane_of)), threads
+
+
+def write_trace(path: str | os.PathLike, pieces: Iterable[str], compress: bool | None = False) -> str:
+    """Write the text ``pieces`` to ``path``; return the path written.
+
+    ``compress``: False writes plain JSON at ``path``; True writes it gzipped at ``path``
+    + ".gz"; None gzips only a text longer than :data:`COMPRESS_ABOVE`. A path that ends
+    in ".gz" is always gzipped. The other form, if an earlier save left it beside, is
+    removed, so that a load of either name never reads a stale file."""
+    path = os.fspath(path)
+    plain = path[:-3] if path.endswith(".gz") else path
+    if path.endswith(".gz"):
+        compress = True
+    pieces = iter(pieces)
+    held: list[str] = []  # with compress=None, the text until its size decides
+    if compress is None:
+        size = 0
+        for piece in pieces:
+            held.append(piece)
+            size += len(piece)
+            if size > COMPRESS_ABOVE:
+                break
+        compress = size > COMPRESS_ABOVE
+    path = plain + ".gz" if compress else plain
+    parent = os.path.dirname(path)
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    with open(path, "wb") as fh:
+        if compress:
+            _write_gzipped(fh, chain(held, pieces))
+        else:
+            for piece in chain(held, pieces):
+                fh.write(piece.encode("ascii"))  # every string in it is escaped to ASCII
+    stale = plain + ".gz" if path == plain else plain
+    if os.path.exists(stale):
+        os.remove(stale)
+    return path
+
+
+def _write_gzipped(fh, pieces: Iterable[str]) -> None:
+    """Write ``pieces`` to the binary file ``fh`` as one gzip stream, piece by piece (a
+    second thread compressing beside the one making the text gained nothing on a
+    shared 2-core host: the handing over cost what the overlap saved)."""
+    deflate = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, 31)  # 31: with gzip's header and trailer
+    for piece in pieces:
+        fh.write(deflate.compress(piece.encode("ascii")))
+    fh.write(deflate.flush())
+
+
+def _viewer_times(starts: array, ends: array, scale: float, finite: bool) -> tuple[list, list]:
+    """``ts`` and ``dur`` in microseconds on one nanosecond grid: the start and the end
+    are each cut to whole nanoseconds (``int``, which keeps their order) and ``dur`` is
+    the difference, so an event that starts where another ends never overlaps it in
+    the viewers (which would misnest them). Numbers for "%.3f", or JSON text (NaN,
+    Infinity) when some time is not finite."""
+    if not finite:
+        return ([_microseconds(s * scale) for s in starts],
+                [_microseconds((t - s) * scale) for s, t in zip(starts, ends)])
+    per_ns = repeat(scale * 1000)
+    begin = list(map(int, map(mul, starts, per_ns)))
+    finish = map(int, map(mul, ends, per_ns))
+    thousand = repeat(1000)
+    return list(map(truediv, begin, thousand)), list(map(truediv, map(sub, finish, begin), thousand))
+
+
+def _column(values: Iterable, write) -> list[str]:
+    """``write(value)`` for every value, each distinct one written once and looked up."""
+    values = list(values)
+    text = {v: write(v) for v in set(values)}
+    return list(map(text.__getitem__, values))
+
+
+def _tail(key: tuple) -> str:
+    """The args of an X record after its stage and microbatch: the fields not at their
+    defaults (the exact times are in exactTimes)."""
+    stream, kind, pipe, segment, src, dst, nbytes, version = key
+    out = "" if stream == "compute" else ',"kind":' + _quote(kind)
+    if stream not in STREAMS:
+        out += ',"stream":' + _quote(stream)
+    for name, value, default in (("pipe", pipe, 0), ("segment", segment, 0), ("src", src, -1), ("dst", dst, -1)):
+        if value != default:
+            out += ',"%s":%d' % (name, value)
+    if nbytes != 0:
+        out += ',"nbytes":' + _number(float(nbytes))
+    if version != -1:
+        out += ',"version":%d' % version
+    return out
+
+
+def _extra_args(stream: str, extra: dict) -> str:
+    """An event's extra in its args; a wait event's keys also at the top, where the
+    viewers show them (never over a field of the event)."""
+    top = "".join(f",{_quote(str(k))}:{_json(v)}" for k, v in extra.items() if k not in ARG_NAMES) \
+        if stream == "wait" else ""
+    return top + ',"extra":' + _json(extra)
+
+
+def _json(value) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+def _number(x: float) -> str:
+    """A float as JSON, the way json.dumps writes it (NaN and Infinity included)."""
+    return float.__repr__(x) if math.isfinite(x) else json.dumps(x)
+
+
+def _microseconds(x: float) -> str:
+    return "%.3f" % x if math.isfinite(x) else json.dumps(x)
+
+
+def _pack(col: array) -> str:
+    """float64 values as base64 of their little-endian bytes, shuffled (byte 0 of every
+    value, then byte 1, ...): sign, exponent and high mantissa bytes repeat."""
+    if sys.byteorder != "little":
+        col = array("d", col)
+        col.byteswap()
+    raw = col.tobytes()
+    return base64.b64encode(b"".join(raw[i::8] for i in range(8))).decode("ascii")
+
+
+def _unpack(text: str) -> array:
+    planes = base64.b64decode(text)
+    n = len(planes) // 8
+    raw = bytearray(len(planes))
+    for i in range(8):
+        raw[i::8] = planes[i * n:(i + 1) * n]
+    col = array("d")
+    col.frombytes(bytes(raw))
+    if sys.byteorder != "little":
+        col.byteswap()
+    return col
+
+
+# --------------------------------------------------------------------------- reading
+def exact_times(trace: dict) -> tuple[array, array] | None:
+    """The exact (starts, ends) of a trace's events, in the order of its X records, or
+    None (a trace of an earlier version, with them in each event's args, or of another
+    tool)."""
+    times = trace.get("exactTimes")
+    if not isinstance(times, dict) or times.get("encoding") != _TIMES:
+        return None
+    return _unpack(times["start"]), _unpack(times["end"])
+
+
+def read_trace(path: str | os.PathLike) -> dict:
+    """The parsed JSON of a trace file, plain or gzipped, found as :meth:`Timeline.load`
+    describes; ValueError naming the file when it is not JSON."""
+    path = timeline_file(path) if os.path.isdir(path) else _existing_form(os.fspath(path))
+    with open(path, "rb") as fh:
+        data = fh.read()
+    try:
+        if data[:2] == _GZIP_MAGIC:
+            data = gzip.decompress(data)
+        return json.loads(data)
+    except (OSError, EOFError, ValueError) as exc:  # a bad gzip stream, bad JSON, bad UTF-8
+        raise ValueError(f"{os.fspath(path)} is not a JSON timeline ({exc})") from exc
+
+
+def _existing_form(path: str) -> str:
+    """``path``, or its gzipped (or plain) twin when only that one exists."""
+    if os.path.exists(path):
+        return path
+    twin = path[:-3] if path.endswith(".gz") else path + ".gz"
+    return twin if os.path.exists(twin) else path
+
+
+def timeline_file(run_dir: str | os.PathLike, name: str = "timeline.json") -> Path:
+    """The timeline a run folder holds: ``name``, or ``name`` + ".gz" when it was saved
+    gzipped. FileNotFoundError names both when neither exists."""
+    plain = Path(run_dir) / name
+    for path in (plain, plain.with_name(plain.name + ".gz")):
+        if path.exists():
+            return path
+    raise FileNotFoundError(f"{run_dir} holds no timeline: neither {name} nor {name}.gz")
