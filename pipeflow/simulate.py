@@ -17,11 +17,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
-import pickle
-import signal
-import sys
-import threading
 from pathlib import Path
 
 import hydra
@@ -30,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeflow.config import CONF_DIR, ConfigError, check_logger, prepare_simulation, register_configs
 from pipeflow.schedules.export import write_torch_csv
-from pipeflow.schedules.validate import ScheduleError, check_complete, validate
+from pipeflow.schedules.validate import check_complete, validate
 from pipeflow.sim.engine import SimulationError, simulate
 from pipeflow.sim.gantt import draw_timeline, unreadable
 
@@ -127,81 +122,19 @@ def _run_simulation(cfg: DictConfig, out_dir: str | Path, notes: list[str] | Non
 def _simulate_checked(schedule, cost, topology):
     """Simulate ``schedule`` and check it once.
 
-    The validator's completeness check runs beside the simulation (:class:`_CheckInChild`): it
-    reads the schedule only, as the simulator does. Its dependency and deadlock checks
-    are a dry run of the same dependencies the simulator resolves, and the simulator
-    stops on a missing dependency or a deadlock itself, so they run only when it
-    stopped, for the validator's naming of every action at fault (ScheduleError). The
-    idle-gap analysis runs only where the summary or the timeline shows it (branched
-    models).
+    The validator's completeness check runs first (:func:`check_complete`: set arithmetic
+    for a schedule that passes). Its dependency and deadlock checks are a dry run of the
+    same dependencies the simulator resolves, and the simulator stops on a missing
+    dependency or a deadlock itself, so they run only when it stopped, for the
+    validator's naming of every action at fault (ScheduleError). The idle-gap analysis
+    runs only where the summary or the timeline shows it (branched models).
     """
-    complete = _CheckInChild(check_complete, schedule)
+    check_complete(schedule)
     try:
-        result = simulate(schedule, cost, topology, record=True, waits=False)
+        return simulate(schedule, cost, topology, record=True, waits=False)
     except SimulationError:
-        complete()  # what the completeness check found comes first, as when it ran first
         validate(schedule)  # raises ScheduleError naming the actions at fault
         raise  # the schedule is valid: the cost model or the topology is at fault
-    except BaseException:
-        complete.release()
-        raise
-    complete()
-    return result
-
-
-class _CheckInChild:
-    """``check(schedule)`` in a forked child while this process goes on; calling the
-    object waits for it and raises the ScheduleError it raised (or, for anything else it
-    raised, runs the check here to raise that). Where fork is not safe to use (not
-    Linux, or other threads running) the check runs here at once. The child shares
-    nothing but the schedule it reads, and leaves by os._exit: no atexit, no flushes.
-    On the 64 x 1024 run this takes the 0.25 s check off the command's time on a host
-    with a second core free."""
-
-    def __init__(self, check, schedule):
-        self.check, self.schedule, self.pid, self.outcome = check, schedule, None, None
-        if not sys.platform.startswith("linux") or threading.active_count() > 1:
-            check(schedule)
-            return
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: () when the check passed, (message, actions) when it failed
-            try:
-                os.close(read)
-                try:
-                    check(schedule)
-                    verdict = ()
-                except ScheduleError as err:
-                    verdict = (str(err), err.actions)
-                with os.fdopen(write, "wb") as fh:
-                    pickle.dump(verdict, fh)
-            finally:
-                os._exit(0)  # anything else raised leaves nothing written: the parent checks again
-        os.close(write)
-        self.pid, self.read = pid, read
-
-    def __call__(self) -> None:
-        if self.pid is not None:
-            with os.fdopen(self.read, "rb") as fh:
-                payload = fh.read()
-            os.waitpid(self.pid, 0)
-            self.pid = None
-            self.outcome = pickle.loads(payload) if payload else None
-        if self.outcome is None:
-            self.check(self.schedule)  # the child failed otherwise than with a ScheduleError
-            self.outcome = ()
-        elif self.outcome:
-            message, actions = self.outcome
-            raise ScheduleError(message, actions)
-
-    def release(self) -> None:
-        """Stop and reap the child, if there is one, without its verdict (the
-        simulation failed otherwise than on the schedule)."""
-        if self.pid is not None:
-            os.kill(self.pid, signal.SIGKILL)
-            os.waitpid(self.pid, 0)
-            os.close(self.read)
-            self.pid = None
 
 
 def timeline_title(schedule: str, stages: int, microbatches: int, model: str, topology: str) -> str:

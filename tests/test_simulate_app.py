@@ -251,51 +251,40 @@ def test_schedule_is_checked_once_and_bad_ones_still_named(tmp_path, monkeypatch
 
 
 
-def test_check_beside_the_simulation_gives_its_verdict_here():
-    import threading
-    import time
+def test_the_fast_completeness_verdict_agrees_with_the_walk_by_action():
+    """check_complete confirms a good schedule by set arithmetic and walks a bad one
+    action by action: every schedule here passes both ways, and each damage the walk
+    names is also refused by the fast verdict (so it reaches the walk)."""
+    from pipeflow.schedules.ir import Action, Kind
+    from pipeflow.schedules.validate import _check_complete_by_action, _complete
 
-    import pipeflow.simulate as app
+    good = [build_schedule(n, 4, 8) for n in ("gpipe", "1f1b", "zb_h1", "chimera", "amdp")]
+    good += [build_schedule("interleaved_1f1b", 2, 4, 2), build_schedule("seq1f1b", 2, 4, 1, 3),
+             build_schedule("1f1b", 2, 4, data_parallel=2)]
+    for sched in good:
+        assert _complete(sched), sched.name
+        _check_complete_by_action(sched)  # does not raise
 
-    schedule = build_schedule("1f1b", 2, 2)
-    # a thread another test left running makes it check here, at once, instead
-    forks = sys.platform.startswith("linux") and threading.active_count() == 1
-    calls = []
+    def damaged(change):
+        sched = build_schedule("1f1b", 2, 4)
+        orders = [list(o) for o in sched.orders]
+        change(orders)
+        return dataclasses.replace(sched, orders=orders)
 
-    def fails(sched):
-        calls.append(os.getpid())
-        raise ScheduleError("schedule 'x': missing actions: 0B1", [sched.orders[0][0]])
-
-    with pytest.raises(ScheduleError, match="missing actions: 0B1") as info:
-        app._CheckInChild(fails, schedule)()
-    assert info.value.actions == [schedule.orders[0][0]]  # the actions at fault come across
-    assert calls == ([] if forks else [os.getpid()])  # in a child where it can fork
-
-    def breaks(sched):
-        raise KeyError("a bug in the check")
-
-    with pytest.raises(KeyError, match="a bug in the check"):  # raised again here, by running it here
-        app._CheckInChild(breaks, schedule)()
-    app._CheckInChild(lambda sched: None, schedule)()  # a schedule that passes: nothing raised
-
-    # with other threads running, fork is not safe: the check runs here, at once
-    stop = threading.Event()
-    other = threading.Thread(target=stop.wait)
-    other.start()
-    try:
-        calls.clear()
+    damages = [
+        lambda o: o[0].pop(0),  # an F missing
+        lambda o: o[0].append(o[0][0]),  # an F twice
+        lambda o: o[1].append(o[0][0]),  # on the wrong device
+        lambda o: o[0].append(Action(Kind.F, 0, 9, 0, 0)),  # a microbatch out of range
+        lambda o: o[1].append(Action(Kind.I, 1, 0, 0, 0)),  # B and I for one microbatch
+        lambda o: o[0].remove(next(a for a in o[0] if a.kind == Kind.STEP)),  # a step missing
+    ]
+    for change in damages:
+        bad = damaged(change)
+        assert not _complete(bad)
         with pytest.raises(ScheduleError):
-            app._CheckInChild(fails, schedule)
-        assert calls == [os.getpid()]
-    finally:
-        stop.set()
-        other.join()
+            _check_complete_by_action(bad)
 
-    if forks:
-        started = app._CheckInChild(lambda sched: time.sleep(60), schedule)
-        t = time.perf_counter()
-        started.release()  # the simulation failed: the child is stopped and reaped at once
-        assert started.pid is None and time.perf_counter() - t < 30
 
 @pytest.mark.parametrize(
     "overrides,key",
