@@ -30,7 +30,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from pipeflow.config import CONF_DIR, ConfigError, check_logger, register_configs
+from pipeflow.config import CONF_DIR, ConfigError, check_logger, register_configs, run_app
 from pipeflow.config.checks import check_known_keys
 from pipeflow.config.values import _at_least
 from pipeflow.families import FAMILIES, family_of
@@ -287,7 +287,7 @@ def _table(cols, rows) -> list[str]:
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="plan", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def plan_app(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     out_dir = hydra_cfg.runtime.output_dir
     try:
@@ -302,6 +302,12 @@ def main(cfg: DictConfig) -> None:
 
         log_simulated_run(cfg, hydra_cfg, out_dir, summary["summary"],
                           timeline_title(summary["plan"], summary["summary"]["topology"]["name"]))
+
+
+def main() -> None:
+    """The console script: the command line checked before Hydra composes (one line for a
+    bad group choice, key or output folder), then the app."""
+    run_app(plan_app, "plan")
 
 
 if __name__ == "__main__":

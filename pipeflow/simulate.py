@@ -23,7 +23,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from pipeflow.config import CONF_DIR, ConfigError, check_logger, prepare_simulation, register_configs
+from pipeflow.config import CONF_DIR, ConfigError, check_logger, prepare_simulation, register_configs, run_app
 from pipeflow.schedules.export import write_torch_csv
 from pipeflow.schedules.validate import check_complete, validate
 from pipeflow.sim.engine import SimulationError, simulate
@@ -219,7 +219,7 @@ def _branch_table(per_device: list[dict]) -> list[str]:
 # An absolute config path: a relative one ("../conf") is resolved as a Python package
 # when the app starts from its console script, and conf/ is a folder, not a package.
 @hydra.main(config_path=str(CONF_DIR), config_name="simulate", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def simulate_app(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     out_dir = hydra_cfg.runtime.output_dir
     notes: list[str] = []
@@ -239,6 +239,12 @@ def main(cfg: DictConfig) -> None:
         title = timeline_title(summary["schedule"], summary["stages"], summary["microbatches"],
                                summary["model"]["name"], summary["topology"]["name"])
         log_simulated_run(cfg, hydra_cfg, out_dir, summary, title)
+
+
+def main() -> None:
+    """The console script: the command line checked before Hydra composes (one line for a
+    bad group choice, key or output folder), then the app."""
+    run_app(simulate_app, "simulate")
 
 
 if __name__ == "__main__":

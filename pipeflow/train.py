@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import signal
 import sys
 from pathlib import Path
 
@@ -29,9 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from pipeflow.config import (
     CONF_DIR,
     ConfigError,
-    check_group_choices,
-    check_overrides,
-    check_run_dir,
+    run_app,
     data_file_list,
     prepare_training,
     register_configs,
@@ -214,19 +211,10 @@ def _train(cfg: DictConfig, hydra_cfg, run_dir: str, inputs) -> None:
 
 
 def main() -> None:
-    """The console script: a group choice with no option file (``schedule=nope``) is
-    refused in one line, as every other config error is, before Hydra composes."""
-    try:
-        check_group_choices(sys.argv[1:])
-        check_overrides("train", sys.argv[1:])
-        check_run_dir(sys.argv[1:])
-    except ConfigError as err:
-        raise SystemExit(str(err)) from None
-    try:
-        train_app()
-    except KeyboardInterrupt:  # Ctrl-C before the ranks started (composing, checking, profiling)
-        sys.stderr.write("stopped by SIGINT before training started\n")
-        raise SystemExit(128 + signal.SIGINT) from None
+    """The console script: the command line checked before Hydra composes (a group choice
+    with no option file, a misspelt key, a run folder that cannot be written: one line
+    each); Ctrl-C before the ranks start ends in one line too."""
+    run_app(train_app, "train")
 
 
 if __name__ == "__main__":

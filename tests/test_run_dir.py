@@ -130,3 +130,16 @@ def test_a_full_disk_names_the_file_and_leaves_a_whole_failure_record(tmp_path):
     record = json.loads((run_dir / "failure.json").read_text())
     assert record["rank"] == 0 and "No space left on device" in record["error"]
     assert not (run_dir / "summary.json").exists()
+
+
+@pytest.mark.parametrize("module,override,start", [
+    ("pipeflow.simulate", "pipeline.stagez=3", "pipeline.stagez=3: unknown key; pipeline has stages, "),
+    ("pipeflow.plan", "trainer.steps=3", "trainer.steps=3: unknown key; the config has pipeline, plan, "),
+])
+def test_every_app_refuses_an_unknown_key_in_one_line(module, override, start, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "WANDB_"))}
+    proc = subprocess.run([sys.executable, "-m", module, override, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().startswith(start) and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "run").exists()

@@ -22,7 +22,7 @@ from .assembly import (
     segment_lengths,
 )
 from .checks import check_known_keys, check_logger, data_file_list
-from .cli import check_group_choices, check_output_dir, check_overrides, check_run_dir
+from .cli import check_group_choices, check_output_dir, check_overrides, check_run_dir, run_app
 from .derive import schedule_schema
 from .prepare import SimulationInputs, TrainingInputs, prepare_simulation, prepare_training
 from .schema import CONF_DIR, SCHEMAS, compose, register_configs
@@ -30,7 +30,7 @@ from .values import BYTE_VOCAB, DATA_FAMILY, MLM_VOCAB, TRAIN_FAMILIES, ConfigEr
 
 __all__ = [
     "BYTE_VOCAB", "CONF_DIR", "DATA_FAMILY", "MLM_VOCAB", "PLANNED", "SCHEMAS", "TRAIN_FAMILIES", "ConfigError",
-    "SimulationInputs", "TrainingInputs", "branched_schedule", "check_group_choices", "check_output_dir", "check_overrides", "check_run_dir", "check_logger", "compose",
+    "SimulationInputs", "TrainingInputs", "branched_schedule", "check_group_choices", "check_output_dir", "check_overrides", "check_run_dir", "run_app", "check_logger", "compose",
     "check_known_keys", "data_file_list", "devices_needed_for", "planned_schedule", "prepare_simulation", "prepare_training",
     "register_configs", "runtime_schedules", "schedule_options", "schedule_schema", "schedule_spec", "segment_lengths",
 ]

@@ -96,18 +96,24 @@ def check_overrides(config_name: str, args: Sequence[str]) -> None:
         if full_key is None:
             return  # not about one key: Hydra's report stands
         key = full_key.group(1)
-        value = next((a.split("=", 1)[1] for a in overrides if a.lstrip("+").split("=", 1)[0] == key), "")
+
+        def names(arg: str) -> bool:  # the override of this key, or of a key under it
+            written = arg.lstrip("+").split("=", 1)[0]
+            return written == key or written.startswith(key + ".")
+
+        given = next((a.lstrip("+").split("=", 1) for a in overrides if names(a)), [key, ""])
         if "not in" not in str(cause).splitlines()[0]:
-            raise ConfigError(f"{key}={value}: {str(cause).splitlines()[0]}") from None
+            raise ConfigError(f"{given[0]}={given[1]}: {str(cause).splitlines()[0]}") from None
         parent, _, name = key.rpartition(".")
         try:
-            node = compose(config_name, [a for a in overrides if a.split("=", 1)[0] != key])
+            node = compose(config_name, [a for a in overrides if not names(a)])
             keys = list(OmegaConf.select(node, parent).keys()) if parent else list(node.keys())
         except Exception:  # noqa: BLE001 - the rest of the line has its own problem: Hydra reports it
             return
         near = difflib.get_close_matches(name, keys, n=1)
         hint = f" (did you mean {parent + '.' if parent else ''}{near[0]}?)" if near else ""
-        raise ConfigError(f"{key}={value}: unknown key; {parent or 'the config'} has {', '.join(keys)}{hint}") from None
+        raise ConfigError(f"{given[0]}={given[1]}: unknown key; {parent or 'the config'} has {', '.join(keys)}{hint}") \
+            from None
 
 
 def check_output_dir(key: str, path: str | os.PathLike) -> None:
@@ -153,3 +159,24 @@ def check_run_dir(args: Sequence[str]) -> None:
             check_output_dir(key, path)
         return
     check_output_dir("hydra.run.dir", Path.cwd() / "outputs")  # the default's root
+
+
+def run_app(app, config_name: str, argv: Sequence[str] | None = None) -> None:
+    """A console script's front: the command line checked as the checks above do (one
+    sentence on stderr and exit status 1 for a bad one, before Hydra composes), then the
+    Hydra app ``app``; Ctrl-C before the app's own handling ends in one line too."""
+    import signal
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        check_group_choices(args)
+        check_overrides(config_name, args)
+        check_run_dir(args)
+    except ConfigError as err:
+        raise SystemExit(str(err)) from None
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.stderr.write(f"pipeflow-{config_name}: stopped by SIGINT\n")
+        raise SystemExit(128 + signal.SIGINT) from None
