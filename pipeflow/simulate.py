@@ -84,10 +84,12 @@ def _run_simulation(cfg: DictConfig, out_dir: str | Path, notes: list[str] | Non
         write_torch_csv(schedule, out / "schedule.csv")
         files.append("schedule.csv")
 
+    memory = memory_fit(schedule, cost, topology, sim_summary["per_device"])
     summary = {
         "kind": "simulated",  # predicted by the simulator; pipeflow-train's summaries are measured
         "schedule": schedule.name,
         "stages": pipe.stages,
+        "data_parallel": pipe.get("data_parallel", 1),  # replicas of the pipeline: devices = data_parallel x stages
         "microbatches": pipe.microbatches,
         "virtual_stages": pipe.virtual_stages,
         "segments": pipe.segments,
@@ -99,6 +101,8 @@ def _run_simulation(cfg: DictConfig, out_dir: str | Path, notes: list[str] | Non
         "makespan": result.makespan,
         "bubble_ratio": result.bubble_ratio,
         "peak_activation_bytes": result.peak_activation_bytes,
+        # model state + peak activations against each device's memory (null: not modelled)
+        **memory,
         "p2p_bytes": result.p2p_bytes,
         "collective_bytes": result.collective_bytes,
         # weight versions (pipeflow.schedules.versions): all 0 for synchronous schedules
@@ -117,6 +121,47 @@ def _run_simulation(cfg: DictConfig, out_dir: str | Path, notes: list[str] | Non
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def memory_fit(schedule, cost, topology, per_device: list[dict]) -> dict:
+    """Whether every device holds what the run asks of it: the model state of the stages
+    it holds for the whole run (weights, gradients, optimizer state:
+    ``cost.model_state_bytes``) plus its peak of saved activations, against its memory.
+    Adds ``model_state_bytes``, ``peak_memory_bytes`` and ``memory_bytes`` to each device's
+    entry; returns ``fits`` and ``out_of_memory_devices`` (``fits`` null when the cost
+    model has no bytes, as cost=unit)."""
+    if cost.name == "unit":
+        return {"fits": None, "out_of_memory_devices": []}
+    short = []
+    for d in per_device:
+        dev = d["device"]
+        d["model_state_bytes"] = sum(cost.model_state_bytes(s) for _, s in schedule.placement.stages_on(dev))
+        d["peak_memory_bytes"] = d["model_state_bytes"] + d["peak_activation_bytes"]
+        d["memory_bytes"] = topology.devices[dev].memory_bytes
+        if d["peak_memory_bytes"] > d["memory_bytes"]:
+            short.append(dev)
+    return {"fits": not short, "out_of_memory_devices": short}
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def memory_line(s: dict) -> str | None:
+    """The console's memory verdict: the fullest device against its memory."""
+    if s.get("fits") is None or not s.get("per_device"):
+        return None
+    worst = max(s["per_device"], key=lambda d: d["peak_memory_bytes"] / max(d["memory_bytes"], 1))
+    need = f"device {worst['device']} needs {_bytes(worst['peak_memory_bytes'])} of {_bytes(worst['memory_bytes'])}"
+    if s["fits"]:
+        return f"memory        fits: at most {need.split(' needs ', 1)[1]} (device {worst['device']})"
+    hint = "" if (s.get("model") or {}).get("recompute", "none") == "full" else \
+        "; model.recompute=selective or full keeps fewer activations"
+    return f"memory        OUT OF MEMORY on {len(s['out_of_memory_devices'])} of {len(s['per_device'])} devices: " \
+           f"{need}{hint}"
 
 
 def _simulate_checked(schedule, cost, topology):
@@ -155,6 +200,8 @@ def format_report(summary: dict) -> str:
         f"makespan      {s['makespan']:.6g}",
         f"bubble ratio  {s['bubble_ratio']:.4f}",
     ]
+    if memory_line(s):
+        head.append(memory_line(s))
     is_async = "microbatches_per_step" in s
     if is_async:
         st = s.get("staleness") or {}

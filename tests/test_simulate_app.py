@@ -404,3 +404,22 @@ def test_sweep_config_file(tmp_path):
     runs = {(s["schedule"], s["microbatches"]) for s in
             (json.loads(p.read_text()) for p in sweep.glob("*/summary.json"))}
     assert runs == {(name, m) for name in ("gpipe", "1f1b", "zb_h1", "chimera") for m in (4, 8, 16)}
+
+
+def test_recomputation_makes_a_long_sequence_fit(tmp_path):
+    """Issue 18: gpt_7b at 32k tokens on 8 A100s is out of memory without recomputation
+    (the attention scores alone) and fits with full recomputation; the summary says so
+    per device, and the console names the fullest device."""
+    base = ["model=gpt_7b", "model.seq_len=32768", "model.n_positions=32768", "pipeline.stages=8",
+            "pipeline.microbatches=16", "topology=dgx_a100_8", "draw=false"]
+    runs = {r: simulate(tmp_path / r, *base, f"model.recompute={r}") for r in ("none", "full")}
+    assert runs["none"]["fits"] is False and runs["none"]["out_of_memory_devices"] == list(range(8))
+    assert runs["full"]["fits"] is True and runs["full"]["out_of_memory_devices"] == []
+    for d in runs["full"]["per_device"]:
+        assert d["model_state_bytes"] > 0 and d["peak_memory_bytes"] == d["model_state_bytes"] + d["peak_activation_bytes"]
+        assert d["peak_memory_bytes"] <= d["memory_bytes"]
+    assert runs["full"]["makespan"] > runs["none"]["makespan"]  # the backward reruns the forward
+    assert "OUT OF MEMORY on 8 of 8 devices" in format_report(runs["none"])
+    assert "memory        fits: at most" in format_report(runs["full"])
+    assert runs["full"]["data_parallel"] == 1
+    assert simulate(tmp_path / "unit", "cost=unit", "draw=false")["fits"] is None  # unit costs have no bytes
