@@ -280,3 +280,14 @@ def test_unit_comm_null_means_links_but_null_elsewhere_keeps_default():
     assert links.message_time is None and links.forward == 1.0 and links.message == 8.0
     fixed = build_cost_model({"name": "unit", "comm": 0.5}, 2, None, 1)
     assert fixed.message_time == 0.5
+
+
+def test_a_device_computes_fp32_at_its_own_rate():
+    from pipeflow.topology.presets import DEVICES
+
+    a100 = DEVICES["a100-80g"]
+    assert a100.flops(2) == 312e12 and a100.flops(4) == 156e12  # TF32 tensor cores: half the bf16 peak
+    plain = Device("x", 1e12, 1e9)
+    assert plain.flops(4) == plain.flops(2) == 1e12  # no fp32 rate given: the peak
+    fp32, bf16 = (AnalyticCost(GPT, 4, dtype_bytes=b) for b in (4, 2))
+    assert fp32.compute_time("F", 1, 0, a100) == pytest.approx(2 * bf16.compute_time("F", 1, 0, a100))

@@ -423,3 +423,19 @@ def test_recomputation_makes_a_long_sequence_fit(tmp_path):
     assert "memory        fits: at most" in format_report(runs["full"])
     assert runs["full"]["data_parallel"] == 1
     assert simulate(tmp_path / "unit", "cost=unit", "draw=false")["fits"] is None  # unit costs have no bytes
+
+
+def test_the_simulated_costs_follow_the_precision(tmp_path):
+    """Issue 18: precision=fp32 prices 4-byte elements (twice the message and activation
+    bytes of bf16) at the devices' fp32 rate (an A100's TF32 tensor cores: half its bf16
+    peak); bf16 and fp16 price 2-byte elements at the 16-bit peak."""
+    base = ["model=gpt_1.5b", "topology=dgx_a100_8", "pipeline.stages=4", "draw=false"]
+    bf16, fp16, fp32 = (simulate(tmp_path / p, *base, f"precision={p}") for p in ("bf16", "fp16", "fp32"))
+    assert (bf16["cost"]["dtype_bytes"], fp32["cost"]["dtype_bytes"]) == (2, 4)
+    assert fp32["p2p_bytes"] == 2 * bf16["p2p_bytes"] and fp16["makespan"] == bf16["makespan"]
+    assert fp32["peak_activation_bytes"] > bf16["peak_activation_bytes"]
+    assert fp32["makespan"] > 1.9 * bf16["makespan"]  # half the FLOP/s, and twice the bytes to send
+    # an explicit cost.dtype_bytes stands
+    assert simulate(tmp_path / "explicit", *base, "precision=fp32", "cost.dtype_bytes=2")["cost"]["dtype_bytes"] == 2
+    with pytest.raises(ConfigError, match=r"^precision=fp8: unknown precision; allowed values: fp32, bf16, fp16"):
+        simulate(tmp_path / "bad", *base, "precision=fp8")

@@ -44,7 +44,7 @@ from .checks import (
     _resolve_auto_data,
     check_logger,
 )
-from .values import RECOMPUTE, ConfigError, DATA_FAMILY, DATA_VOCAB, EXPORT_FORMATS, TRAIN_FAMILIES, _naming_key, _number
+from .values import PRECISIONS, RECOMPUTE, ConfigError, DATA_FAMILY, DATA_VOCAB, EXPORT_FORMATS, TRAIN_FAMILIES, _naming_key, _number
 
 
 
@@ -84,12 +84,18 @@ def prepare_simulation(cfg: DictConfig) -> SimulationInputs:
         spec = _model_spec(cfg, schedule)
         lengths = _simulation_segments(cfg, schedule)
         cost_cfg = cfg.cost
-        if schedule.name == PLANNED and cfg.cost.name == "analytic":
+        if cfg.get("precision", "bf16") not in PRECISIONS:
+            raise ConfigError(f"precision={cfg.precision}: unknown precision; allowed values: {', '.join(PRECISIONS)}")
+        if cfg.cost.name == "analytic" and cfg.cost.get("dtype_bytes") is None:
+            # the precision the run would train in sets the bytes per element
             cost_cfg = {**OmegaConf.to_container(cfg.cost, resolve=True),
+                        "dtype_bytes": 4 if cfg.get("precision", "bf16") == "fp32" else 2}
+        if schedule.name == PLANNED and cfg.cost.name == "analytic":
+            cost_cfg = {**OmegaConf.to_container(cfg.cost, resolve=True), **cost_cfg,
                         "layers_per_stage": list(schedule.meta["plan"]["layers_per_stage"])}
         if lengths is not None and cfg.cost.name == "analytic":
             # the split drives the analytic cost: unequal segments, unequal times and memory
-            cost_cfg = {**OmegaConf.to_container(cfg.cost, resolve=True), "segment_lengths": lengths}
+            cost_cfg = {**OmegaConf.to_container(cfg.cost, resolve=True), **cost_cfg, "segment_lengths": lengths}
         try:
             cost = build_cost_model(cost_cfg, schedule.num_stages, spec, cfg.pipeline.microbatch_size)
         except ValueError as err:

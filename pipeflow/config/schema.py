@@ -65,6 +65,7 @@ class SimulateConfig:
     cost: Any = MISSING
     export: Optional[str] = None  # torch_csv: also write schedule.csv
     draw: Union[bool, str] = "auto"  # timeline.png: auto (when it can be read), true (always), false (never)
+    precision: str = "bf16"  # fp32 | bf16 | fp16: bytes per element and the devices' peak for it (analytic cost)
     logger: Any = MISSING  # logger/none (simulate.yaml's default) or logger/wandb: one W&B run per job
 
 

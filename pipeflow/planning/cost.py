@@ -213,10 +213,11 @@ class AnalyticCost(CostModel):
         num_stages: int,
         microbatch_size: int = 1,
         efficiency: float = 0.5,
-        dtype_bytes: int = 2,
+        dtype_bytes: int | None = None,  # None: 2 (bf16/fp16); pipeflow-simulate sets it from its precision
         layers_per_stage: Sequence[int] | None = None,
         segment_lengths: Sequence[int] | None = None,
     ) -> None:
+        dtype_bytes = 2 if dtype_bytes is None else dtype_bytes
         self.spec = spec
         self.num_stages = _check_int("pipeline.stages", num_stages)
         self.microbatch_size = _check_int("microbatch_size", microbatch_size)
@@ -368,7 +369,8 @@ class AnalyticCost(CostModel):
                 return 0.0
             per_param = 28 + (self.dtype_bytes if self.dtype_bytes < 4 else 0)
             return self._params[stage] * per_param / device.memory_bandwidth
-        return self.flops(kind, stage, segment) / (device.peak_flops * self.efficiency)
+        # the device's peak for this precision (fp32: its fp32 or TF32 rate)
+        return self.flops(kind, stage, segment) / (device.flops(self.dtype_bytes) * self.efficiency)
 
     def message_bytes(self, src_stage: int, dst_stage: int, segment: int) -> float:
         x = self.segment_lengths[self._seg(segment)]

@@ -12,6 +12,7 @@ resources, comes out as the parameter.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 from typing import Callable, Mapping
@@ -22,14 +23,14 @@ GiB = 2**30
 
 # Dense FLOP/s at the 16-bit training dtype, memory and memory bandwidth, from the vendors' datasheets.
 DEVICES: dict[str, Device] = {
-    # NVIDIA A100 80GB SXM: 312 TFLOPS bf16 dense, 80 GB HBM2e at 2,039 GB/s
-    "a100-80g": Device("a100-80g", 312e12, 80 * GiB, 2.039e12),
+    # NVIDIA A100 80GB SXM: 312 TFLOPS bf16 dense (156 TF32), 80 GB HBM2e at 2,039 GB/s
+    "a100-80g": Device("a100-80g", 312e12, 80 * GiB, 2.039e12, fp32_flops=156e12),
     # NVIDIA A100 80GB PCIe: same tensor cores, 1,935 GB/s HBM2e
-    "a100-80g-pcie": Device("a100-80g-pcie", 312e12, 80 * GiB, 1.935e12),
-    # NVIDIA V100 32GB SXM2: 125 TFLOPS fp16 tensor, 900 GB/s HBM2
-    "v100-32g": Device("v100-32g", 125e12, 32 * GiB, 900e9),
-    # NVIDIA H100 80GB SXM: 989 TFLOPS bf16 dense, 3.35 TB/s HBM3
-    "h100-80g": Device("h100-80g", 989e12, 80 * GiB, 3.35e12),
+    "a100-80g-pcie": Device("a100-80g-pcie", 312e12, 80 * GiB, 1.935e12, fp32_flops=156e12),
+    # NVIDIA V100 32GB SXM2: 125 TFLOPS fp16 tensor (15.7 fp32, no TF32), 900 GB/s HBM2
+    "v100-32g": Device("v100-32g", 125e12, 32 * GiB, 900e9, fp32_flops=15.7e12),
+    # NVIDIA H100 80GB SXM: 989 TFLOPS bf16 dense (495 TF32), 3.35 TB/s HBM3
+    "h100-80g": Device("h100-80g", 989e12, 80 * GiB, 3.35e12, fp32_flops=495e12),
     # one CPU rank of a laptop/workstation: a few cores of AVX2 FMA; a share of DDR bandwidth
     "cpu": Device("cpu", 1e11, 8 * GiB, 2e10),
 }
@@ -85,7 +86,7 @@ def _switched_nodes(
     node_gpus: list[list[int]] = []
     for n, (dev, count, *_rest) in enumerate(nodes):
         node_gpus.append(list(range(len(devices), len(devices) + count)))
-        on_node = Device(dev.name, dev.peak_flops, dev.memory_bytes, dev.memory_bandwidth, node=n)
+        on_node = dataclasses.replace(dev, node=n)
         devices.extend([on_node] * count)
     b = TopologyBuilder(name, devices)
     one_nic_per_gpu = all(k == len(g) for k, g in zip(nics_per_node, node_gpus))

@@ -21,10 +21,15 @@ from typing import Mapping, Sequence
 @dataclass(frozen=True)
 class Device:
     name: str  # "a100-80g", "v100-32g", "cpu"
-    peak_flops: float  # dense FLOP/s at the training dtype
+    peak_flops: float  # dense FLOP/s at the 16-bit training dtype (bf16/fp16)
     memory_bytes: float
     memory_bandwidth: float = 0.0  # bytes/s (used for optimizer-step time)
     node: int = 0
+    fp32_flops: float = 0.0  # dense FLOP/s in fp32 (A100/H100: TF32 tensor cores); 0: as peak_flops
+
+    def flops(self, dtype_bytes: int = 2) -> float:
+        """Dense FLOP/s for elements of ``dtype_bytes`` (4: fp32; otherwise 16-bit)."""
+        return (self.fp32_flops or self.peak_flops) if dtype_bytes >= 4 else self.peak_flops
 
 
 @dataclass(frozen=True)
