@@ -57,13 +57,19 @@ def test_two_torchrun_nodes_train_as_the_local_launcher_does(tmp_path):
 
 
 @pytest.mark.skipif(TORCHRUN is None, reason="torchrun is not installed beside this Python")
-def test_a_rank_failing_on_one_node_ends_both_with_failure_json(tmp_path):
+@pytest.mark.parametrize("mode", ["raise", "kill"])
+def test_a_rank_failing_on_one_node_ends_both_with_failure_json(mode, tmp_path):
+    """A Python error on node 1's rank is recorded by that rank; a rank killed outright
+    (SIGKILL) writes nothing, so its peer on the other node records that it lost it."""
     run_dir = tmp_path / "run"
     nodes = _two_nodes(tmp_path, "trainer.steps=200", "runtime.fail_at_step=3", "runtime.fail_rank=1",
-                       f"hydra.run.dir={run_dir}")
+                       f"runtime.fail_mode={mode}", f"hydra.run.dir={run_dir}")
     assert [n.returncode for n in nodes] == [1, 1]
     record = json.loads((run_dir / "failure.json").read_text())
-    assert record["rank"] == 1 and "injected failure on rank 1 at step 3" in record["error"]
+    if mode == "raise":
+        assert record["rank"] == 1 and "injected failure on rank 1 at step 3" in record["error"]
+    else:
+        assert record["rank"] == 0 and "lost its connection to another rank" in record["error"]
     assert not (run_dir / "summary.json").exists()
 
 

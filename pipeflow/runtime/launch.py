@@ -379,15 +379,26 @@ def _record_adopted_failure(job: TrainJob, rank: int, err: BaseException) -> Non
     """Under torchrun there is no launcher of ours to watch the ranks: the rank that
     fails writes failure.json into the run folder itself (rank 0's, which every rank
     learnt at start-up). A rank that only lost a peer ("connection closed", a timeout)
-    writes it only if, after a moment, the rank that caused it has not."""
+    writes one only where there is none, and the cause's record replaces it."""
     text = "".join(traceback.format_exception(type(err), err, err.__traceback__)).strip()
     last = text.splitlines()[-1] if text else type(err).__name__
     path = Path(job.run_dir) / "failure.json"
-    if _CONSEQUENCE.search(last):
-        time.sleep(2.0)
-        if path.exists():
-            return
-    _record_failure(job.run_dir, JobFailed(rank, last + "\n" + text))
+    if not isinstance(err, Stopped) and not _CONSEQUENCE.search(last):
+        _record_failure(job.run_dir, JobFailed(rank, last + "\n" + text))  # the cause: over any other record
+        return
+    # a lost peer: recorded at once (torchrun may end this rank any moment now), but only
+    # where no record is, so the rank that caused it, writing after, replaces this one
+    last = ("lost its connection to another rank, which ended without a Python error (killed by a signal, or "
+            f"its node failed; that node's torchrun log says which): {last}")
+    message = str(JobFailed(rank, last))
+    record = {"rank": rank, "error": message, "detail": message + "\n" + text}
+    try:
+        with open(path, "x") as f:
+            f.write(json.dumps(record, indent=2) + "\n")
+    except FileExistsError:
+        pass
+    except OSError as err:
+        sys.stderr.write(f"could not write {path}: {err.strerror or err}\n")
 
 
 def _last_step(run_dir: str) -> int:
@@ -428,11 +439,21 @@ def launch(job: TrainJob, on_start=None) -> dict:
                 f"the launcher started {world} processes but the schedule needs {job.world_size} "
                 f"(one per device); start torchrun with --nproc-per-node/--nnodes to match",
             )
+        def ended_by_launcher(signum, _frame):
+            # torchrun ends every rank with SIGTERM when one fails or a node leaves
+            raise Stopped(f"ended by {signal.Signals(signum).name} from its launcher (torchrun ends every rank "
+                          f"when one fails or a node leaves)")
+
+        main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, ended_by_launcher) if main_thread else None
         try:
             return job.target()(rank, job) or {}
         except BaseException as err:  # noqa: BLE001 - recorded, then raised on
             _record_adopted_failure(job, rank, err)
             raise
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
 
     runtime = job.cfg.get("runtime", {})
     port = runtime.get("master_port") or free_port()
