@@ -33,7 +33,7 @@ from pipeflow.config import (
     prepare_training,
     register_configs,
 )
-from pipeflow.runtime.cluster import adopt_launcher_env
+from pipeflow.runtime.cluster import adopt_launcher_env, alive
 from pipeflow.tracking.labels import logger_labels
 
 # Hydra composes against these schemas, so they must be in the ConfigStore before main().
@@ -100,16 +100,6 @@ def format_summary(summary: dict, run_dir: str) -> str:
 CLAIM = ".pipeflow-run"  # in a run folder while a pipeflow-train writes there: its pid
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def claim_run_dir(run_dir: str) -> Path:
     """Make ``run_dir`` this run's alone, or say why it cannot be: another pipeflow-train
     writing there now (two started in the same second share Hydra's default folder), or
@@ -128,7 +118,7 @@ def claim_run_dir(run_dir: str) -> Path:
                 pid = int(path.read_text().strip() or 0)
             except (OSError, ValueError):
                 pid = 0
-            if pid and pid != os.getpid() and _alive(pid):
+            if pid and pid != os.getpid() and alive(pid):
                 raise ConfigError(f"hydra.run.dir={run_dir}: another pipeflow-train (pid {pid}) is writing there; "
                                   f"give this run its own folder (hydra.run.dir=...)") from None
             path.unlink(missing_ok=True)  # a claim left by a run that died: take the folder

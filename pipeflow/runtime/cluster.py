@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 from typing import MutableMapping
 
 TORCHRUN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -45,3 +46,18 @@ def adopt_launcher_env(env: MutableMapping[str, str] | None = None) -> bool:
     job = int(env.get("SLURM_JOB_ID", "0")) * 16 + int(env["SLURM_STEP_ID"] or 0)
     env.setdefault("MASTER_PORT", str(20000 + job % 20000))
     return True
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs: a zombie (dead, its parent has not yet reaped it)
+    does not. The launcher's watchdogs and the run-folder claim ask this."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # no /proc (not Linux): signal 0 reached it

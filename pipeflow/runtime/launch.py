@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
+from .cluster import alive
+
 STOPPED = 3  # a rank's exit status when it stopped because it was asked to, not from an error
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # what the launcher sends the ranks left when one failed: stop, but this is no
@@ -122,20 +124,6 @@ def stop_reason() -> str | None:
     return _stop_reason[0] if _stop_reason else None
 
 
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs: a zombie (dead, its parent has not yet reaped it) does not."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True  # no /proc (not Linux): signal 0 reached it
-
-
 def _on_stop_signal(signum, _frame) -> None:
     if _stop_reason:
         return  # one stop: the launcher forwarding a Ctrl-C the rank also got changes nothing
@@ -152,7 +140,7 @@ def _watch(rank: int, launcher: int, beats) -> None:
     while True:
         if beats is not None:
             beats[rank] = time.monotonic()
-        if not _stop_reason and (os.getppid() != parent or not _alive(launcher)):
+        if not _stop_reason and (os.getppid() != parent or not alive(launcher)):
             _pending.append("the launcher ended")
             os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(BEAT)
@@ -232,7 +220,7 @@ def _signal(p, sig) -> None:
 
 
 def _gone(p) -> bool:
-    return p.pid is None or (p.exitcode is not None and not _alive(p.pid))
+    return p.pid is None or (p.exitcode is not None and not alive(p.pid))
 
 
 def _stop(procs, grace: float = 3.0) -> None:
