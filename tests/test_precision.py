@@ -135,3 +135,19 @@ def test_fp16_scales_the_loss_skips_overflowing_steps_and_logs_the_scale(tmp_pat
     assert all(math.isfinite(r["loss"]) for r in rows)
     kept = [r["loss"] for r, s in zip(rows, skipped) if s == 0]
     assert len(kept) >= 2 and kept[-1] < rows[0]["loss"]  # the steps taken trained the model
+
+
+@slow
+def test_an_fp16_run_resumed_goes_on_with_its_loss_scale(tmp_path):
+    """The checkpoint keeps the loss scaler: a run resumed after overflows starts from
+    the scale the uninterrupted run had, so its losses and scales are that run's."""
+    common = ["schedule=1f1b", "pipeline.stages=2", "runtime.precision=fp16", "runtime.loss_scale=4194304",
+              "model.n_layer=2", "model.seq_len=32"]
+    full = train(tmp_path / "full", *common, "trainer.steps=8")
+    train(tmp_path / "short", *common, "trainer.steps=4")
+    resumed = train(tmp_path / "resumed", *common, "trainer.steps=8", f"resume={tmp_path / 'short'}")
+    want = pipeline_runs.metrics(tmp_path / "full")[4:]
+    got = pipeline_runs.metrics(tmp_path / "resumed")
+    assert [r["loss_scale"] for r in got] == [r["loss_scale"] for r in want]
+    assert want[0]["loss_scale"] < 4194304  # the scale had come down before the checkpoint
+    assert resumed["losses"] == pytest.approx(full["losses"][4:], rel=1e-6)

@@ -49,9 +49,11 @@ def _write(path: Path, write) -> None:
         raise CheckpointError(f"could not write the checkpoint file {path}: {err.strerror or err}") from None
 
 
-def save(run_dir: str, step: int, rank: int, stages: dict, meta: dict, chunk_start: int | None = None) -> None:
+def save(run_dir: str, step: int, rank: int, stages: dict, meta: dict, chunk_start: int | None = None,
+         scaler=None) -> None:
     """Save this rank's state at ``step``; ``chunk_start``: the step the chunk that ended
-    here began after, when that is not ``step`` itself (a run that ended inside a chunk)."""
+    here began after, when that is not ``step`` itself (a run that ended inside a chunk);
+    ``scaler``: fp16's loss scaler, whose scale a resumed run goes on with."""
     import torch
     import torch.distributed as dist
 
@@ -74,6 +76,8 @@ def save(run_dir: str, step: int, rank: int, stages: dict, meta: dict, chunk_sta
                 for (pipe, stage), st in stages.items() if getattr(st, "versions", None) is not None}
     if versions:
         state["versions"] = versions
+    if scaler is not None:
+        state["loss_scaler"] = scaler.state_dict()
     path = d / f"rank{rank}.pt"
     _write(path, lambda f: torch.save(state, f))
     sizes = [None] * dist.get_world_size() if rank == 0 else None
@@ -152,9 +156,9 @@ def verify(resume: str, expect: dict) -> tuple[Path, dict]:
     return folder, record
 
 
-def load(resume: str, rank: int, stages: dict, meta: dict, step: int | None = None) -> int:
+def load(resume: str, rank: int, stages: dict, meta: dict, step: int | None = None, scaler=None) -> int:
     """Load this rank's state from the checkpoint ``resume`` names (or, given ``step``,
-    from the same run's checkpoint at that step); return its step."""
+    from the same run's checkpoint at that step), fp16's loss scale into ``scaler``; return its step."""
     import torch
 
     folder, found = resolve(resume)
@@ -176,4 +180,6 @@ def load(resume: str, rank: int, stages: dict, meta: dict, step: int | None = No
         if saved_versions is not None and getattr(st, "versions", None) is not None:
             st.versions.live = saved_versions["live"]
             st.versions.stash = dict(saved_versions["stash"])
+    if scaler is not None and "loss_scaler" in state:
+        scaler.load_state_dict(state["loss_scaler"])
     return found

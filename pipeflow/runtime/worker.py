@@ -195,8 +195,7 @@ def build_rank(cfg: dict, rank: int, device: torch.device, on_grads=None) -> Ran
     mbs, seed = int(pipe_cfg["microbatch_size"]), int(cfg["seed"])
     precision = Precision(cfg["runtime"].get("precision", "fp32"), device.type,
                           float(cfg["runtime"].get("loss_scale", 2.0**16)))
-    # NCCL (CUDA) matches a pair's messages in order whatever their tags
-    p2p = "ordered" if device.type == "cuda" else cfg["runtime"].get("p2p", "tagged")
+    p2p = "ordered" if device.type == "cuda" else cfg["runtime"].get("p2p", "tagged")  # NCCL ignores tags
     sizes = (cfg["schedule"]["name"], pipe_cfg["stages"], pipe_cfg["microbatches"], pipe_cfg["virtual_stages"],
              pipe_cfg["segments"])
     dp = int(pipe_cfg.get("data_parallel", 1))
@@ -313,9 +312,9 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
             # was the first) and replay up to the checkpoint, as the longer run computed it
             restart = chunk_start
             if chunk_start > 0:
-                checkpoint.load(cfg["resume"], rank, stages, meta, step=chunk_start)
+                checkpoint.load(cfg["resume"], rank, stages, meta, step=chunk_start, scaler=setup.executor.scaler)
         else:
-            checkpoint.load(cfg["resume"], rank, stages, meta)
+            checkpoint.load(cfg["resume"], rank, stages, meta, scaler=setup.executor.scaler)
 
     sink = progress = None
     if rank == 0:
@@ -585,7 +584,8 @@ def _train_chunk(rank, job, setup: RankSetup, data, sink, progress, state: RunSt
     # from that end restarts the chunk from here: see pipeflow.runtime.checkpoint)
     cut_next = end < steps < end + cap and cap > 1
     if _falls_in(save_every, first, end) or end == steps or cut_next:
-        checkpoint.save(job.run_dir, end, rank, setup.stages, meta, chunk_start=end if end % cap == 0 else first - 1)
+        checkpoint.save(job.run_dir, end, rank, setup.stages, meta, chunk_start=end if end % cap == 0 else first - 1,
+                        scaler=setup.executor.scaler)
     if rank == 0:
         for s, metrics in zip(span, metrics_of):
             if s <= quiet:
