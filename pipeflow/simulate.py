@@ -24,6 +24,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from pipeflow.config import CONF_DIR, ConfigError, check_logger, prepare_simulation, register_configs, run_app
+from pipeflow.schedules.data_parallel import pipeline_shape
 from pipeflow.schedules.export import write_torch_csv
 from pipeflow.schedules.validate import check_complete, validate
 from pipeflow.sim.engine import SimulationError, simulate
@@ -88,8 +89,8 @@ def _run_simulation(cfg: DictConfig, out_dir: str | Path, notes: list[str] | Non
     summary = {
         "kind": "simulated",  # predicted by the simulator; pipeflow-train's summaries are measured
         "schedule": schedule.name,
-        "stages": pipe.stages,
-        "data_parallel": pipe.get("data_parallel", 1),  # replicas of the pipeline: devices = data_parallel x stages
+        # stages, and data_parallel replicas of the pipeline (a plan's own): devices = data_parallel x stages
+        **pipeline_shape(schedule, pipe.stages),
         "microbatches": pipe.microbatches,
         "virtual_stages": pipe.virtual_stages,
         "segments": pipe.segments,

@@ -11,7 +11,8 @@ import torch
 
 import pipeline_runs
 from pipeflow.config import ConfigError, compose, prepare_simulation, prepare_training
-from pipeflow.schedules.data_parallel import replicate
+from pipeflow.planning.plans import build_plan_schedule
+from pipeflow.schedules.data_parallel import pipeline_shape, replicate, replicate_onto
 from pipeflow.schedules.ir import Kind
 from pipeflow.schedules.registry import build_schedule
 from pipeflow.schedules.validate import validate
@@ -88,3 +89,56 @@ def test_two_replicas_of_two_stages_match_one_device_on_the_global_batch(name, e
         for got in run["grads"][pname]:  # every replica holds the reduced gradient
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6 * float(want.abs().max()), msg=pname)
     assert run["losses"] == pytest.approx(reference["losses"], rel=1e-4)
+
+
+@pytest.mark.parametrize("name,v", [("1f1b", 1), ("chimera", 1), ("interleaved_1f1b", 2)])
+def test_replicas_onto_any_devices_and_microbatches(name, v):
+    """replicate_onto: replica r's device d on devices[r][d], its microbatch i on
+    microbatch_ids[r][i]; validated, and the same actions as the schedule it replicates."""
+    base = build_schedule(name, 2, 4, v)
+    rows, ids = [[5, 1], [0, 3]], [[0, 2, 4, 6], [1, 3, 5, 7]]
+    dp = replicate_onto([base, base], rows, 6, ids)
+    validate(dp)
+    assert dp.meta["data_parallel"] == 2 and dp.orders[2] == [] and dp.orders[4] == []
+    for r in range(2):
+        for d in range(2):
+            got = [(a.kind, a.stage, a.microbatch) for a in dp.orders[rows[r][d]] if a.kind not in (Kind.REDUCE, Kind.STEP)]
+            assert got == [(a.kind, a.stage, ids[r][a.microbatch]) for a in base.orders[d]
+                           if a.kind not in (Kind.REDUCE, Kind.STEP)]
+        for i, mb in enumerate(ids[r]):
+            assert dp.pipe_of_microbatch[mb] == r * base.placement.num_pipes + base.pipe_of_microbatch[i]
+    with pytest.raises(ValueError, match="every replica needs its own devices"):
+        replicate_onto([base, base], [[0, 1], [1, 2]], 6, ids)
+    with pytest.raises(ValueError, match="exactly one replica"):
+        replicate_onto([base, base], rows, 6, [[0, 1, 2, 3], [3, 4, 5, 6]])
+
+
+def test_the_planners_replicas_are_pipeline_data_parallel():
+    """A plan with replicas on consecutive devices is pipeline.data_parallel's 1F1B, its
+    microbatches dealt round robin instead of in blocks; an uneven deal runs too."""
+    dp = replicate(build_schedule("1f1b", 3, 2), 2)
+    planned = build_plan_schedule([0, 1, 2], 6, 4, [[3, 4, 5]])
+    block_to_robin = {r * 2 + i: i * 2 + r for r in range(2) for i in range(2)}
+    assert planned.placement == dp.placement and planned.meta["data_parallel"] == 2
+    assert planned.orders == [[a._replace(microbatch=block_to_robin.get(a.microbatch, a.microbatch)) for a in order]
+                              for order in dp.orders]
+    uneven = build_plan_schedule([0, 2], 4, 5, [[3, 1]])
+    validate(uneven)
+    assert uneven.pipe_of_microbatch == (0, 1, 0, 1, 0)
+    assert pipeline_shape(dp, 3) == {"stages": 3, "data_parallel": 2}
+
+
+def test_a_simulated_plan_says_its_stages_and_replicas(tmp_path):
+    """schedule=planned from a plan.json with replicas: the summary says the plan's stages
+    and data_parallel, not pipeline.stages (the devices)."""
+    from pipeflow.planning.planner import plan
+    from pipeflow.planning.transformer import TransformerSpec
+    from pipeflow.simulate import run_simulation
+    from pipeflow.topology.presets import get_topology
+
+    cfg = compose("simulate", ["pipeline.stages=4", "pipeline.microbatches=4"])
+    p = plan(TransformerSpec.from_config(cfg.model), get_topology("local_cpu", 4), 4, 2, num_stages=2, replicas=2)
+    (tmp_path / "plan.json").write_text(p.to_json())
+    s = run_simulation(compose("simulate", ["schedule=planned", f"schedule.plan={tmp_path / 'plan.json'}",
+                                            "pipeline.stages=4", "pipeline.microbatches=4", "draw=false"]), tmp_path)
+    assert (s["stages"], s["data_parallel"], s["num_devices"]) == (2, 2, 4)

@@ -54,6 +54,8 @@ def test_a_plan_file_with_replicas_trains_like_one_device(reference, tmp_path):
     path.write_text(p.to_json())
     run = train(tmp_path / "run", "schedule=planned", f"schedule.plan={path}", "pipeline.stages=4")
     assert run["schedule"].placement.num_pipes == 2
+    # the summary (and so pipeflow-compare) says the plan's stages and replicas apart
+    assert (run["summary"]["stages"], run["summary"]["data_parallel"], run["summary"]["world_size"]) == (2, 2, 4)
     assert len(run["grads"]["h.0.attn.c_attn.weight"]) == 2  # both replicas report the reduced gradient
     _same_gradients(run, reference)
 

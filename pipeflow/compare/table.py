@@ -193,8 +193,18 @@ def sim_key(run: Run) -> tuple:
                 s.get("data_parallel", 1))
     pipe = run.config.get("pipeline") or {}
     model = run.config.get("model") or {}
-    return (run.schedule, pipe.get("stages"), pipe.get("microbatches"), pipe.get("virtual_stages", 1),
-            pipe.get("segments", 1), pipe.get("microbatch_size"), model.get("name"), pipe.get("data_parallel", 1))
+    stages, dp = shape(run)
+    return (run.schedule, stages, pipe.get("microbatches"), pipe.get("virtual_stages", 1),
+            pipe.get("segments", 1), pipe.get("microbatch_size"), model.get("name"), dp)
+
+
+def shape(run: Run) -> tuple:
+    """(stages, data_parallel) of a run: its summary's (a plan's own stages and replicas),
+    else its config's (a run that ended before writing a summary)."""
+    pipe = run.config.get("pipeline") or {}
+    summary = run.summary or {}
+    return (summary.get("stages", pipe.get("stages")),
+            summary.get("data_parallel", pipe.get("data_parallel", 1)))
 
 
 def sim_in_seconds(sim: Run) -> bool:
@@ -272,9 +282,8 @@ def run_table(runs: list[Run], target: float | None, window: int,
             "note": run.error or "",
             "schedule": run.schedule,
             "seed": run.seed,
-            "stages": pipe.get("stages", summary.get("stages")),
-            # replicas of the pipeline: world size = data_parallel x the schedule's devices
-            "data_parallel": pipe.get("data_parallel", summary.get("data_parallel", 1)),
+            # stages, and replicas of the pipeline: world size = data_parallel x the schedule's devices
+            **dict(zip(("stages", "data_parallel"), shape(run))),
             "microbatches": pipe.get("microbatches", summary.get("microbatches")),
         }
         if run.kind == "simulated":

@@ -18,9 +18,9 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Sequence
 
-from ..schedules.common import finish_sync, warmup_alternate_drain
-from ..schedules.ir import Action, Kind, Placement, Schedule, StageGraph
-from ..schedules.one_f_one_b import one_f_one_b_order
+from ..schedules.data_parallel import replicate_onto, round_robin
+from ..schedules.ir import Schedule
+from ..schedules.one_f_one_b import one_f_one_b
 from ..sim.engine import SimResult, simulate
 from ..topology.topology import Topology
 from .cost import AnalyticCost
@@ -111,7 +111,9 @@ def build_plan_schedule(device_of_stage: Sequence[int], num_devices: int, microb
                         replica_devices: Sequence[Sequence[int]] = ()) -> Schedule:
     """1F1B over ``len(device_of_stage)`` stages placed on arbitrary distinct devices; with
     ``replica_devices``, that many more pipelines (one per row) share the microbatches
-    round robin, and each stage's gradients are all-reduced across its replicas."""
+    round robin, and each stage's gradients are all-reduced across its replicas: the
+    same data parallelism as ``pipeline.data_parallel``
+    (:func:`pipeflow.schedules.data_parallel.replicate_onto`), on the plan's devices."""
     table = [list(device_of_stage)] + [list(r) for r in replica_devices]
     p, d = len(table[0]), len(table)
     flat = [x for row in table for x in row]
@@ -119,23 +121,8 @@ def build_plan_schedule(device_of_stage: Sequence[int], num_devices: int, microb
         raise ValueError(f"device tables {table}: every stage of every pipeline needs its own device")
     if d > microbatches:
         raise ValueError(f"{d} pipeline replicas need at least {d} microbatches, got {microbatches}")
-    orders: list[list] = [[] for _ in range(num_devices)]
-    if d == 1:
-        for s, dev in enumerate(table[0]):
-            orders[dev] = one_f_one_b_order(s, p, microbatches)
-        return finish_sync("1f1b", StageGraph.chain(p), Placement.single(table[0], num_devices), orders,
-                           microbatches)
-    pipe_of = tuple(mb % d for mb in range(microbatches))
-    for k, row in enumerate(table):
-        mbs = [mb for mb in range(microbatches) if pipe_of[mb] == k]
-        for s, dev in enumerate(row):
-            orders[dev] = warmup_alternate_drain(
-                len(mbs), p - s - 1,
-                lambda i, s=s, k=k, mbs=mbs: Action(Kind.F, s, mbs[i], k),
-                lambda i, s=s, k=k, mbs=mbs: Action(Kind.B, s, mbs[i], k),
-            )
-    placement = Placement(num_devices, tuple(tuple(row) for row in table))
-    return finish_sync("1f1b", StageGraph.chain(p), placement, orders, microbatches, pipe_of_microbatch=pipe_of)
+    ids = round_robin([len(range(k, microbatches, d)) for k in range(d)])
+    return replicate_onto([one_f_one_b(p, len(x)) for x in ids], table, num_devices, ids)
 
 
 def device_limits(topology: Topology, memory_limit_bytes: float | None) -> list[float]:

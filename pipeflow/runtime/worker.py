@@ -24,6 +24,7 @@ import torch.distributed as dist
 from ..families import family_of
 from ..planning.partition import partition_layers
 from ..planning.transformer import TransformerSpec
+from ..schedules.data_parallel import pipeline_shape
 from ..schedules.ir import Schedule, WeightPolicy
 from ..schedules.registry import build_schedule
 from ..schedules.versions import summarize, weight_versions
@@ -396,10 +397,9 @@ def _train_steps(rank, job, device, setup: RankSetup, data, sink, progress, stat
         "kind": "measured",
         "status": "finished",
         "schedule": schedule.name,
-        "stages": pipe_cfg["stages"],
+        **pipeline_shape(schedule, pipe_cfg["stages"]),  # stages; data_parallel replicas (a plan's own)
         # per step, as configured (an asynchronous schedule's IR spans schedule.windows steps)
         "microbatches": int(pipe_cfg["microbatches"]),
-        "data_parallel": int(pipe_cfg.get("data_parallel", 1)),  # replicas: world_size = data_parallel x devices
         "microbatch_size": mbs,
         "world_size": job.world_size,
         "layers_per_stage": setup.layers_per_stage,

@@ -1,38 +1,100 @@
-"""Data parallelism around any synchronous schedule: ``pipeline.data_parallel = n``
-replicas of the whole pipeline over n x p devices.
+"""Data parallelism around any synchronous schedule: replicas of the whole pipeline on
+disjoint devices, each stage's gradients all-reduced across its replicas.
 
-Replica r runs the schedule as generated for p devices on devices ``r*p .. r*p+p-1``,
-on microbatches ``r*m .. r*m+m-1`` of the global batch (n x m microbatches a step; each
-replica's pipes are pipes ``r*P .. r*P+P-1`` of the result). Every stage then has n (for
-Chimera 2n) replicas, and the synchronous closing that Chimera already uses
-(:func:`pipeflow.schedules.common.finish_sync`) all-reduces each stage's gradients across
-them right after the stage's last weight-gradient action on a device, so the reduction
-overlaps the rest of that device's backward, and then steps. The runtime, the validator
-and the simulator need nothing new: replicas on distinct devices are pipes of the IR.
+``pipeline.data_parallel = n`` (:func:`replicate`) runs replica r of a p-device schedule
+on devices ``r*p .. r*p+p-1`` and on microbatches ``r*m .. r*m+m-1`` of the global batch
+(n x m microbatches a step). The topology-aware planner's replicas
+(:func:`pipeflow.planning.plans.build_plan_schedule`) are the same mechanism with
+arbitrary device rows and the microbatches dealt round robin: both go through
+:func:`replicate_onto`. Replica r's pipes are pipes ``r*P .. r*P+P-1`` of the result, so
+every stage has n (for Chimera 2n) replicas, and the synchronous closing that Chimera
+already uses (:func:`pipeflow.schedules.common.finish_sync`) all-reduces each stage's
+gradients across them right after the stage's last weight-gradient action on a device,
+so the reduction overlaps the rest of that device's backward, and then steps. The
+runtime, the validator and the simulator need nothing new: replicas on distinct devices
+are pipes of the IR.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 from .common import finish_sync
 from .ir import Kind, Placement, Schedule, WeightPolicy
 
 
 def replicate(schedule: Schedule, n: int) -> Schedule:
-    """``schedule`` (synchronous, one step) run by ``n`` data-parallel replicas."""
+    """``schedule`` (synchronous, one step) run by ``n`` data-parallel replicas on
+    consecutive blocks of devices, each on a contiguous share of the microbatches."""
     if n == 1:
         return schedule
-    if schedule.policy != WeightPolicy.SYNC:
-        raise ValueError(f"pipeline.data_parallel={n}: schedule '{schedule.name}' is asynchronous; data "
-                         f"parallelism wraps synchronous schedules (use pipeline.data_parallel=1)")
-    p, m, pipes = schedule.num_devices, schedule.num_microbatches, schedule.placement.num_pipes
-    table = tuple(tuple(d + r * p for d in row) for r in range(n) for row in schedule.placement.table)
-    pipe_of = tuple(r * pipes + schedule.pipe_of_microbatch[mb] for r in range(n) for mb in range(m))
-    orders = [
-        [a._replace(microbatch=a.microbatch + r * m, pipe=a.pipe + r * pipes)
-         for a in schedule.orders[d] if a.kind not in (Kind.REDUCE, Kind.STEP)]
-        for r in range(n) for d in range(p)
-    ]
-    meta = {**schedule.meta, "data_parallel": n}
-    return finish_sync(schedule.name, schedule.graph, Placement(n * p, table), orders, n * m,
-                       pipe_of_microbatch=pipe_of, num_segments=schedule.num_segments, meta=meta)
+    p, m = schedule.num_devices, schedule.num_microbatches
+    return replicate_onto([schedule] * n, [range(r * p, (r + 1) * p) for r in range(n)], n * p,
+                          [range(r * m, (r + 1) * m) for r in range(n)])
 
+
+def round_robin(counts: Sequence[int]) -> list[list[int]]:
+    """Global microbatch ids when replica r's i-th microbatch is global ``i*n + r``
+    (``counts`` must be what dealing ``sum(counts)`` microbatches round robin gives)."""
+    n, m = len(counts), sum(counts)
+    ids = [list(range(r, m, n)) for r in range(n)]
+    if [len(x) for x in ids] != list(counts):
+        raise ValueError(f"microbatch counts {list(counts)} are not a round-robin deal of {m}")
+    return ids
+
+
+def replicate_onto(replicas: Sequence[Schedule], devices: Sequence[Sequence[int]], num_devices: int,
+                   microbatch_ids: Sequence[Sequence[int]]) -> Schedule:
+    """One synchronous step of several pipeline replicas side by side.
+
+    ``replicas[r]`` is a schedule over its own devices 0..p-1 and microbatches; its
+    device d runs on global device ``devices[r][d]`` and its microbatch i is global
+    microbatch ``microbatch_ids[r][i]``. The replicas must share one stage graph; their
+    microbatch counts may differ (a plan dealing 7 microbatches to 2 pipelines)."""
+    if not replicas or not (len(replicas) == len(devices) == len(microbatch_ids)):
+        raise ValueError("replicate_onto: one device row and one microbatch list per replica")
+    first = replicas[0]
+    for s in replicas:
+        if s.policy != WeightPolicy.SYNC:
+            raise ValueError(f"pipeline.data_parallel={len(replicas)}: schedule '{s.name}' is asynchronous; "
+                             f"data parallelism wraps synchronous schedules (use pipeline.data_parallel=1)")
+        if s.graph != first.graph or s.placement.num_pipes != first.placement.num_pipes:
+            raise ValueError("replicate_onto: the replicas must run the same stages in the same pipes")
+    flat = [g for row in devices for g in row]
+    if len(set(flat)) != len(flat) or any(not 0 <= g < num_devices for g in flat):
+        raise ValueError(f"device rows {[list(r) for r in devices]}: every replica needs its own devices "
+                         f"among 0..{num_devices - 1}")
+    ids = [list(x) for x in microbatch_ids]
+    total = sum(len(x) for x in ids)
+    if sorted(i for x in ids for i in x) != list(range(total)):
+        raise ValueError(f"microbatch ids {ids}: each of 0..{total - 1} must belong to exactly one replica")
+    pipes = first.placement.num_pipes
+    table: list[tuple[int, ...]] = []
+    pipe_of = [0] * total
+    orders: list[list] = [[] for _ in range(num_devices)]
+    for r, (s, row, mbs) in enumerate(zip(replicas, devices, ids)):
+        row = list(row)
+        if len(row) != s.num_devices or len(mbs) != s.num_microbatches:
+            raise ValueError(f"replica {r}: {s.num_devices} devices and {s.num_microbatches} microbatches, "
+                             f"given {len(row)} devices and {len(mbs)} microbatch ids")
+        table.extend(tuple(row[d] for d in prow) for prow in s.placement.table)
+        for i, g in enumerate(mbs):
+            pipe_of[g] = r * pipes + s.pipe_of_microbatch[i]
+        for d, order in enumerate(s.orders):
+            orders[row[d]] = [a._replace(microbatch=mbs[a.microbatch] if a.microbatch >= 0 else a.microbatch,
+                                         pipe=a.pipe + r * pipes)
+                              for a in order if a.kind not in (Kind.REDUCE, Kind.STEP)]
+    n = len(replicas)
+    meta = {**first.meta, "data_parallel": n} if n > 1 else dict(first.meta)
+    return finish_sync(first.name, first.graph, Placement(num_devices, tuple(table)), orders, total,
+                       pipe_of_microbatch=tuple(pipe_of),
+                       num_segments=first.num_segments, meta=meta)
+
+
+def pipeline_shape(schedule: Schedule, stages: int) -> dict:
+    """What a run's summary says of its shape: ``stages`` (``pipeline.stages``, or a plan's
+    own stage count) and ``data_parallel`` (the replicas of the pipeline, from
+    ``pipeline.data_parallel`` or the plan), so that ``pipeflow-compare`` tells them apart."""
+    planned = "plan" in schedule.meta
+    return {"stages": schedule.num_stages if planned else int(stages),
+            "data_parallel": int(schedule.meta.get("data_parallel", 1))}
