@@ -191,8 +191,30 @@ def test_recomputation_trades_backward_flops_for_activation_memory():
     assert full.flops("I", 1, 0) + full.flops("W", 1, 0) == pytest.approx(full.flops("B", 1, 0))
     # the head is not recomputed: the last stage adds the same head forward to each
     assert full.flops("B", 3, 0) - plain.flops("B", 3, 0) == pytest.approx(full.flops("F", 1, 0))
+    # while a backward runs it holds the one layer (full) or attention sub-layer
+    # (selective) it rebuilt: a layer's worth of what 'none' saves, or of what selective drops
+    assert plain.transient_bytes(1, 0) == 0
+    assert full.transient_bytes(1, 0) == pytest.approx(plain.activation_bytes(1, 0) / 2)
+    assert sel.transient_bytes(1, 0) == pytest.approx((plain.activation_bytes(1, 0) - sel.activation_bytes(1, 0)) / 2)
     with pytest.raises(ValueError, match="model.recompute=some"):
         dataclasses.replace(GPT, recompute="some")
+
+
+def test_the_simulated_peak_holds_the_recomputed_layer_during_a_backward():
+    """GPipe keeps every microbatch's saved activations until the first backward, which
+    rebuilds one layer on top of them: peak = m x saved + one layer (full recomputation)."""
+    import dataclasses
+
+    from pipeflow.schedules.registry import build_schedule
+    from pipeflow.sim.engine import simulate
+    from pipeflow.topology.presets import get_topology
+
+    m = 4
+    sched, topo = build_schedule("gpipe", 4, m), get_topology("local_cpu", 4)
+    for r in ("none", "full", "selective"):
+        cost = AnalyticCost(dataclasses.replace(GPT, recompute=r), 4)
+        peak = simulate(sched, cost, topo).per_device[1].peak_activation_bytes
+        assert peak == pytest.approx(m * cost.activation_bytes(1, 0) + cost.transient_bytes(1, 0)), r
 
 
 def test_segments_keep_their_kv_gradient_on_top_of_activations():

@@ -62,6 +62,11 @@ class CostModel(ABC):
     def weight_residual_bytes(self, stage: int, segment: int) -> float:
         """Of that, what stays alive after I until W (zero-bubble split)."""
 
+    def transient_bytes(self, stage: int, segment: int) -> float:
+        """What a backward (B or I) holds on top of the saved activations while it runs:
+        with recomputation, the one layer it has rebuilt (0 if not modelled)."""
+        return 0.0
+
     @abstractmethod
     def param_bytes(self, stage: int) -> float:
         """Gradient bytes a REDUCE all-reduces."""
@@ -284,9 +289,9 @@ class AnalyticCost(CostModel):
         H, Fw, V, h = spec.n_embd, spec.ffn_width, spec.vocab_size, spec.n_head
         last = self.num_stages - 1
         split = self.num_segments > 1
-        fwd, wgt, act, res, extra = [], [], [], [], []
+        fwd, wgt, act, res, extra, trans = [], [], [], [], [], []
         for s, n in enumerate(self.layers_per_stage):
-            f_row, w_row, a_row, r_row, e_row = [], [], [], [], []
+            f_row, w_row, a_row, r_row, e_row, t_row = [], [], [], [], [], []
             for x, P in zip(self.segment_lengths, self.prefixes):
                 f = n * layer_forward_flops(spec, x, P)
                 w = n * layer_linear_flops(spec, x)
@@ -296,15 +301,18 @@ class AnalyticCost(CostModel):
                 # its dropout mask and output. At 2 bytes and Fw = 4H: 34*x*b*H + 5*b*h*x*P.
                 a = n * (x * b * ((8 * H + 2 * Fw) * dt + 2 * H) + h * x * P * b * (2 * dt + 1))
                 e = 0.0  # FLOPs the backward spends recomputing (model.recompute)
+                t = 0.0  # what the backward rebuilds at a time: one layer's (one region's) tensors
                 if spec.recompute == "full":
                     # each block keeps only its input; the backward reruns the block's forward
+                    t = a / n if n else 0.0
                     a = n * x * b * H * dt
                     e = f
                 elif spec.recompute == "selective":
                     # the attention sub-layer keeps only its input (the QKV input, kept
                     # anyway): Q, K, V, the projection input, the dropout mask and every
                     # score term go; its forward (projections and scores) runs again
-                    a -= n * (x * b * (4 * H * dt + H) + h * x * P * b * (2 * dt + 1))
+                    t = x * b * (4 * H * dt + H) + h * x * P * b * (2 * dt + 1) if n else 0.0
+                    a -= n * t
                     e = n * (attention_score_flops(spec, x, P) + 8 * x * H * spec.n_head * spec.head_dim)
                 # what W still needs after I: each weight matmul's input and output gradient,
                 # (3H + Fw) + (5H + Fw) per token — the zero-bubble paper's 32*b*s*H at 2 bytes
@@ -328,7 +336,9 @@ class AnalyticCost(CostModel):
                 w_row.append(w * b)
                 a_row.append(float(a))
                 r_row.append(float(r))
+                t_row.append(float(t))
             fwd.append(f_row)
+            trans.append(t_row)
             extra.append(e_row)
             wgt.append(w_row)
             act.append(a_row)
@@ -342,6 +352,7 @@ class AnalyticCost(CostModel):
         }
         self._activation = act
         self._residual = res
+        self._transient = trans
         self._params = [self.stage_params(s) for s in range(self.num_stages)]
 
     # ---------------------------------------------------------------- queries
@@ -381,6 +392,12 @@ class AnalyticCost(CostModel):
 
     def weight_residual_bytes(self, stage: int, segment: int) -> float:
         return self._residual[stage][self._seg(segment)]
+
+    def transient_bytes(self, stage: int, segment: int) -> float:
+        """model.recompute: the backward rebuilds one layer at a time (full: the whole
+        layer's tensors; selective: its attention sub-layer's), and holds it on top of
+        what the forwards saved (Korthikanti et al. count the same one layer)."""
+        return self._transient[stage][self._seg(segment)]
 
     def param_bytes(self, stage: int) -> float:
         return float(self._params[stage] * self.dtype_bytes)

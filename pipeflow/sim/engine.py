@@ -243,6 +243,7 @@ def _simulate(cs: CompiledSchedule, cost, topology, record: bool, want_waits: bo
                 sizes = act_cache[key] = (
                     float(cost.activation_bytes(*key)),
                     float(cost.weight_residual_bytes(*key)),
+                    float(cost.transient_bytes(*key)),
                 )
             if k == Kind.F:
                 t, delta, dlive = start[i], sizes[0], 1
@@ -260,6 +261,10 @@ def _simulate(cs: CompiledSchedule, cost, topology, record: bool, want_waits: bo
                 if live > peak_live:
                     peak_live = live
                 last = t
+            if sizes[2] and k in (Kind.B, Kind.I):
+                # while it runs, the backward holds the layer it recomputed on top of the
+                # level before its free (nothing else allocates on this device meanwhile)
+                peak = max(peak, cur + sizes[2])
             cur += delta
             live += dlive
         peak = max(peak, cur)
