@@ -43,6 +43,9 @@ FAMILIES: dict[str, FamilySpec] = {
                    "pipeflow.runtime.adapters:GPTAdapter", causal=True, vocab=BYTE_VOCAB),
         FamilySpec("bert", "encoder-only transformer, masked-LM loss", "mlm_corpus",
                    "pipeflow.runtime.adapters:BertAdapter", vocab=MLM_VOCAB),
+        FamilySpec("hf_causal", "a Hugging Face decoder (Llama, Qwen2, Mistral, GPT-NeoX, GPT-2) from its config.json, "
+                   "next-token loss", "text_corpus", "pipeflow.runtime.adapters:HFCausalAdapter", causal=True,
+                   vocab=BYTE_VOCAB),
         FamilySpec("cbm", "vision + text branches with co-attention, image-text matching and masked LM",
                    "image_text", "pipeflow.runtime.adapters:CBMAdapter", branched=True, transformer=False),
     )
@@ -58,6 +61,9 @@ def family_of(model_cfg) -> FamilySpec:
     return spec
 
 
-def data_family() -> dict[str, str]:
-    """Data set -> the family it feeds."""
-    return {f.data: f.name for f in FAMILIES.values()}
+def data_family() -> dict[str, tuple[str, ...]]:
+    """Data set -> the families it feeds (text_corpus: gpt and hf_causal)."""
+    feeds: dict[str, tuple[str, ...]] = {}
+    for f in FAMILIES.values():
+        feeds[f.data] = (*feeds.get(f.data, ()), f.name)
+    return feeds

@@ -31,7 +31,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from pipeflow.config import CONF_DIR, ConfigError, check_logger, register_configs, run_app
-from pipeflow.config.checks import check_known_keys
+from pipeflow.config.checks import check_known_keys, resolve_model
 from pipeflow.config.values import _at_least
 from pipeflow.families import FAMILIES, family_of
 from pipeflow.planning.baselines import BASELINES
@@ -105,6 +105,7 @@ def prepare_plan(cfg: DictConfig) -> PlanInputs:
     """Check a plan config and build the model shape and topology it names, or raise
     ConfigError, one sentence naming the key. Nothing is planned or written."""
     check_known_keys(cfg)
+    resolve_model(cfg)
     pipe, opts = cfg.pipeline, cfg.plan
     _at_least("pipeline.microbatches", pipe.microbatches, 1)
     _at_least("pipeline.microbatch_size", pipe.microbatch_size, 1)

@@ -13,6 +13,7 @@ import argparse
 from omegaconf import OmegaConf
 
 from pipeflow.config import compose
+from pipeflow.config.checks import resolve_model
 from pipeflow.models.profiler import profile_model
 
 
@@ -24,6 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="train config overrides, e.g. model=gpt_small model.n_layer=8")
     args = parser.parse_args(argv)
     cfg = compose("train", args.overrides)
+    resolve_model(cfg)  # an hf_causal model's shape keys, from its config
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     prof = profile_model(model_cfg, args.microbatch_size, seed=int(cfg.seed), threads=args.threads)
     print(f"wrote {prof.save(args.out)}")

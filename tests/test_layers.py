@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1] / "pipeflow"
 
 # lowest first; a module belongs to the longest prefix that names it
 LAYERS: list[tuple[str, ...]] = [
-    ("pipeflow.checks", "pipeflow.families", "pipeflow.schedules", "pipeflow.topology"),  # checks, family specs, the IR, the hardware
+    ("pipeflow.checks", "pipeflow.families", "pipeflow.hf", "pipeflow.schedules", "pipeflow.topology"),  # checks, family specs (HF configs), the IR, the hardware
     ("pipeflow.sim",),  # the discrete-event simulator
     ("pipeflow.planning", "pipeflow.tracking"),  # costs, partitions, planner, coordinator; metrics and W&B
     ("pipeflow.models", "pipeflow.data"),  # torch from here on

@@ -141,11 +141,15 @@ def test_every_topology_config_runs_with_analytic_cost(tmp_path, topology):
 @pytest.mark.parametrize("model", options("model"))
 def test_every_model_config_composes(model):
     cfg = compose("simulate", [f"model={model}"])
+    if model == "hf_causal":  # the family's entry point: any decoder, from the config.json it is given
+        with pytest.raises(ConfigError, match=r"^model\.config: model\.family=hf_causal needs a config\.json"):
+            prepare_simulation(cfg)
+        return
     # a family name (gpt, bert, cbm) selects that family's tiny preset
     assert cfg.model.name == (f"{model}_tiny" if model in ("gpt", "bert", "cbm") else model)
+    prepare_simulation(cfg)  # an hf_causal preset's shape keys come from its HF config here
     if cfg.model.family != "cbm":
         assert cfg.model.n_embd % cfg.model.n_head == 0
-    prepare_simulation(cfg)
 
 
 def test_model_sizes_from_the_papers():

@@ -298,3 +298,19 @@ def _resolve_auto_data(cfg: DictConfig) -> None:
         chosen[key] = value
     with open_dict(cfg):
         cfg.data = chosen
+
+
+def resolve_model(cfg: DictConfig) -> None:
+    """model.family=hf_causal: read the Hugging Face config (model.config, model.hf) and
+    fill the model group's shape keys from it (pipeflow.hf), so every later check, the
+    cost model and the planner read a Llama as they read a GPT. Other families: nothing."""
+    if cfg.get("model") is None or cfg.model.get("family") != "hf_causal":
+        return
+    from pipeflow.hf import resolve
+
+    try:
+        keys = resolve(cfg.model)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    for key, value in keys.items():
+        cfg.model[key] = value

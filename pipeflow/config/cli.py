@@ -161,6 +161,17 @@ def check_run_dir(args: Sequence[str]) -> None:
     check_output_dir("hydra.run.dir", Path.cwd() / "outputs")  # the default's root
 
 
+# groups whose keys are another library's, not a schema's: model.hf holds any transformers
+# config field (rope_theta, sliding_window, ...), set or added alike
+FREE_FORM = ("model.hf.",)
+
+
+def free_form(args: list[str]) -> list[str]:
+    """``model.hf.rope_theta=1e4`` as ``++model.hf.rope_theta=1e4``: Hydra adds a key only
+    when told to, and a transformers config field is the user's to add."""
+    return [f"++{a}" if a.startswith(FREE_FORM) and "=" in a else a for a in args]
+
+
 def run_app(app, config_name: str, argv: Sequence[str] | None = None) -> None:
     """A console script's front: the command line checked as the checks above do (one
     sentence on stderr and exit status 1 for a bad one, before Hydra composes), then the
@@ -168,7 +179,9 @@ def run_app(app, config_name: str, argv: Sequence[str] | None = None) -> None:
     import signal
     import sys
 
-    args = list(sys.argv[1:] if argv is None else argv)
+    args = free_form(list(sys.argv[1:] if argv is None else argv))
+    if argv is None:
+        sys.argv[1:] = args  # what Hydra parses
     try:
         check_group_choices(args)
         check_overrides(config_name, args)

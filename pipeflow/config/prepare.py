@@ -33,6 +33,7 @@ from .assembly import (
 )
 from .checks import (
     check_known_keys,
+    resolve_model,
     check_text_data,
     _check_data_files,
     _check_optim,
@@ -74,6 +75,7 @@ def prepare_simulation(cfg: DictConfig) -> SimulationInputs:
     if cfg.export is not None and cfg.export not in EXPORT_FORMATS:
         raise ConfigError(f"export={cfg.export}: unknown format; allowed values: null, {', '.join(EXPORT_FORMATS)}")
     check_known_keys(cfg)
+    resolve_model(cfg)
     _check_pipeline(cfg)
     if _family(cfg).branched:
         schedule, specs = _branched_schedule(cfg)
@@ -131,6 +133,7 @@ def prepare_training(cfg: DictConfig) -> TrainingInputs:
     one sentence naming the key and the allowed values. Nothing is spawned, loaded or
     written, so a bad config fails before any rank starts."""
     check_known_keys(cfg)
+    resolve_model(cfg)
     _check_pipeline(cfg)
     _resolve_auto_data(cfg)
     name, pipe = cfg.schedule.name, cfg.pipeline
@@ -167,16 +170,24 @@ def prepare_training(cfg: DictConfig) -> TrainingInputs:
         )
     segment_lengths(cfg)  # a split the sequence cannot take fails here, naming its key
     feeds = DATA_FAMILY.get(cfg.data.name)
-    if feeds is not None and feeds != model.family:
-        fits = [d for d, f in DATA_FAMILY.items() if f == model.family]
+    if feeds is not None and model.family not in feeds:
+        fits = [d for d, f in DATA_FAMILY.items() if model.family in f]
         raise ConfigError(
-            f"data.name={cfg.data.name}: it feeds {feeds} models, not model.family={model.family} "
+            f"data.name={cfg.data.name}: it feeds {' and '.join(feeds)} models, not model.family={model.family} "
             f"(model={model.name}); allowed values: {', '.join(fits) or 'a data set made for ' + model.family}"
         )
     need = DATA_VOCAB.get(cfg.data.name)
+    if cfg.data.get("tokenizer"):
+        from pipeflow.data.text import load_tokenizer
+
+        try:
+            need = len(load_tokenizer(cfg.data.tokenizer))
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     if need is not None and model.vocab_size < need:
+        feeds = f"tokenizer {cfg.data.tokenizer}" if cfg.data.get("tokenizer") else f"data '{cfg.data.name}'"
         raise ConfigError(
-            f"model.vocab_size={model.vocab_size}: data '{cfg.data.name}' feeds token ids 0..{need - 1}; "
+            f"model.vocab_size={model.vocab_size}: {feeds} feeds token ids 0..{need - 1}; "
             f"use model.vocab_size >= {need}"
         )
     if cfg.partition.name == "planner" and cfg.schedule.name != PLANNED:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
@@ -53,6 +53,36 @@ class ModelConfig:
     seq_len: int = MISSING
     dropout: float = 0.0  # read by pipeflow.models; the cost model ignores it
     recompute: str = "none"  # activation recomputation: none | full | selective (pipeflow.models.recompute)
+
+
+@dataclass
+class HFModelConfig:
+    """model.family=hf_causal: a Hugging Face decoder from its config (pipeflow.hf)."""
+
+    name: str = MISSING
+    family: str = "hf_causal"
+    config: Optional[str] = None  # a config.json, or a local model folder holding one (never a hub id)
+    hf: Dict[str, Any] = field(default_factory=dict)  # transformers config fields, over the file's (model_type, ...)
+    weights: Optional[str] = None  # a local folder of *.safetensors to start from; null: seeded initialisation
+    seq_len: int = MISSING  # tokens per training sequence
+    recompute: str = "none"  # activation recomputation: none | full | selective (pipeflow.models.recompute)
+    # read from the HF config before any rank starts (pipeflow.hf.resolve); leave them unset
+    n_layer: Optional[int] = None
+    n_head: Optional[int] = None
+    n_embd: Optional[int] = None
+    n_inner: Optional[int] = None
+    vocab_size: Optional[int] = None
+    n_positions: Optional[int] = None
+    n_kv_head: Optional[int] = None  # grouped-query attention: key/value heads
+    head_dim: Optional[int] = None
+    mlp: Optional[str] = None  # gated (gate, up, down: SwiGLU) | gelu (two matrices)
+    norm: Optional[str] = None  # rmsnorm | layernorm
+    qkv_bias: Optional[bool] = None
+    o_bias: Optional[bool] = None
+    mlp_bias: Optional[bool] = None
+    tied: Optional[bool] = None  # the LM head shares the token embedding
+    positions: Optional[str] = None  # rotary | learned
+    dropout: Optional[float] = None  # the HF config's largest dropout probability
 
 
 @dataclass
@@ -160,6 +190,7 @@ SCHEMAS: dict[str, type] = {
     "schema/logger/none": NoLoggerConfig,
     **{f"schema/schedule/{spec.name}": schedule_schema(spec) for spec in specs()},
     "schema/model": ModelConfig,
+    "schema/model_hf": HFModelConfig,
     **{f"schema/cost/{name}": _cost_schema(name) for name in COST_MODELS},
     **{f"schema/topology/{preset}": _topology_schema(preset) for preset in PRESETS},
 }

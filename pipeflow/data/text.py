@@ -60,12 +60,42 @@ def _default_cache_dir() -> str:
     return os.path.join(tempfile.gettempdir(), "pipeflow-datasets")
 
 
-def load_corpus_tokens(files: Sequence[str], max_bytes: int | None = None, cache_dir: str | None = None) -> np.ndarray:
-    """The files' text as bytes (uint8), in file order, each document followed by EOT.
+def load_tokenizer(folder: str):
+    """``data.tokenizer``: a tokenizer saved in a local folder (``AutoTokenizer``, local
+    files only: nothing is downloaded)."""
+    from transformers import AutoTokenizer
+
+    path = os.path.expanduser(str(folder))
+    if not os.path.isdir(path):
+        raise ValueError(f"data.tokenizer={folder}: not a folder (a tokenizer saved with save_pretrained); "
+                         f"null tokenises bytes")
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"data.tokenizer={folder}: no tokenizer there ({err}); null tokenises bytes") from None
+
+
+def tokenize_documents(texts: Sequence[str], tokenizer) -> np.ndarray:
+    """Each document's token ids followed by the tokenizer's end-of-text id (its eos, else
+    its sep, else 0), in order."""
+    end = tokenizer.eos_token_id
+    if end is None:
+        end = tokenizer.sep_token_id if tokenizer.sep_token_id is not None else 0
+    ids: list[int] = []
+    for text in texts:
+        ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids.append(int(end))
+    return np.asarray(ids, dtype=np.int64)
+
+
+def load_corpus_tokens(files: Sequence[str], max_bytes: int | None = None, cache_dir: str | None = None,
+                       tokenizer: str | None = None) -> np.ndarray:
+    """The files' text as bytes (uint8), in file order, each document followed by EOT;
+    with ``tokenizer`` (a local folder), as that tokenizer's ids (int64) instead.
 
     Reads through ``datasets.load_dataset("text", sample_by="document")`` (one row per
     file, cached as Arrow). Text mode turns "\\r\\n" into "\\n". With ``max_bytes`` only
-    the leading files that reach it are read, and the result is cut to that length."""
+    the leading files that reach it are read, and the text is cut to that many bytes."""
     files = [os.fspath(f) for f in files]
     if not files:
         raise ValueError("data.files is empty: list at least one text file, or set data.files=null for the default corpus")
@@ -103,6 +133,9 @@ def load_corpus_tokens(files: Sequence[str], max_bytes: int | None = None, cache
     data = b"".join(t.encode("utf-8") + sep for t in texts)
     if max_bytes is not None:
         data = data[:max_bytes]
+    if tokenizer is not None:
+        docs = data.decode("utf-8", errors="ignore").split(chr(EOT))
+        return tokenize_documents([d for d in docs if d], load_tokenizer(tokenizer))
     return np.frombuffer(data, dtype=np.uint8).copy()
 
 
@@ -177,11 +210,13 @@ class PackedText:
 
 def build_text_data(data_cfg: Mapping, seq_len: int, seed: int) -> PackedText:
     """The ``data`` config group (text_corpus): files (null -> the default corpus),
-    max_bytes, val_fraction, cache_dir (null -> a folder under the temp dir)."""
+    max_bytes, val_fraction, cache_dir (null -> a folder under the temp dir), tokenizer
+    (null -> bytes; a local tokenizer folder)."""
     files = data_cfg.get("files")
     if files is None:
         files = default_corpus_files()
     elif isinstance(files, (str, os.PathLike)):
         files = [files]
-    tokens = load_corpus_tokens(list(files), max_bytes=data_cfg.get("max_bytes"), cache_dir=data_cfg.get("cache_dir"))
+    tokens = load_corpus_tokens(list(files), max_bytes=data_cfg.get("max_bytes"), cache_dir=data_cfg.get("cache_dir"),
+                                tokenizer=data_cfg.get("tokenizer"))
     return PackedText(tokens, seq_len, val_fraction=data_cfg.get("val_fraction", 0.05), seed=seed)

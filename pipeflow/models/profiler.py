@@ -48,8 +48,10 @@ def _median_time(fn: Callable[[], None], device: torch.device, warmup: int, repe
     return statistics.median(times)
 
 
-def _units(model_cfg: Mapping, seed: int) -> list[tuple[str, str, GPTStage]]:
+def _units(model_cfg: Mapping, seed: int) -> list[tuple[str, str, nn.Module]]:
     """(name, kind, module) for the embedding, each block and the head, cut as the runtime cuts."""
+    if model_cfg.get("family") == "hf_causal":
+        return _hf_units(model_cfg, seed)
     config = gpt2_config(model_cfg)
     n = config.n_layer
     # a one-block first stage minus its block is the embedding alone; its forward is GPTStage's own
@@ -64,6 +66,26 @@ def _units(model_cfg: Mapping, seed: int) -> list[tuple[str, str, GPTStage]]:
     return units
 
 
+def _hf_units(model_cfg: Mapping, seed: int) -> list[tuple[str, str, nn.Module]]:
+    """The same units of a Hugging Face decoder (model.family=hf_causal): its stage model
+    holding one layer, or none (the embedding; the final norm and head)."""
+    from .hf_causal import HFCausalStage, load_hf_config
+
+    config = load_hf_config(model_cfg)
+    n = config.num_hidden_layers
+
+    def bare(stage: HFCausalStage) -> HFCausalStage:
+        setattr(stage._base, stage.arch.layers, nn.ModuleDict())
+        return stage
+
+    units: list[tuple[str, str, nn.Module]] = [
+        ("embedding", "embedding", bare(HFCausalStage(config, 0, 1, first=True, last=False, seed=seed)))]
+    for i in range(n):
+        units.append((f"block.{i}", "block", HFCausalStage(config, i, i + 1, first=False, last=False, seed=seed)))
+    units.append(("head", "head", bare(HFCausalStage(config, n - 1, n, first=False, last=True, seed=seed))))
+    return units
+
+
 def profile_model(
     model_cfg: Mapping,
     microbatch_size: int,
@@ -74,7 +96,7 @@ def profile_model(
     warmup: int = 2,
     repeats: int = 5,
 ) -> ModelProfile:
-    """Profile every unit of the configured GPT for one microbatch of ``microbatch_size``
+    """Profile every unit of the configured GPT (or hf_causal decoder) for one microbatch of ``microbatch_size``
     sequences of ``seq_len`` tokens (default: model.seq_len), with ``threads`` intra-op
     threads (the runtime's runtime.threads_per_rank; None: leave torch's setting)."""
     device = torch.device(device)

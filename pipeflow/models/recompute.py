@@ -74,7 +74,8 @@ def _regions(block: nn.Module, mode: str) -> list[tuple[object, str]]:
     # tensor each (self_attend, cross_attend); GPT-2's and BERT's are modules
     if hasattr(block, "self_attend"):
         return [(block, name) for name in ("self_attend", "cross_attend")]
-    return [(getattr(block, name), "forward") for name in ("attn", "attention") if hasattr(block, name)]
+    # (transformers' Llama, Qwen2 and Mistral layers call theirs self_attn)
+    return [(getattr(block, name), "forward") for name in ("attn", "attention", "self_attn") if hasattr(block, name)]
 
 
 def apply_recompute(stage: nn.Module, mode: str, block_types: tuple[type, ...]) -> nn.Module:

@@ -129,6 +129,20 @@ class BertAdapter(GPTAdapter):
         return float((batch[1] != IGNORE_INDEX).sum())
 
 
+class HFCausalAdapter(GPTAdapter):
+    """A Hugging Face decoder (model.family=hf_causal) split into a chain of stages; it
+    feeds and scores like the GPT (next-token loss on the text corpus, bytes or a local
+    tokenizer's ids). Its head is tied to the embedding only when its config ties them."""
+
+    def __init__(self, model_cfg: Mapping, layers_per_stage: Sequence[int], *args, **kwargs):
+        super().__init__(model_cfg, layers_per_stage, *args, **kwargs)
+        if not model_cfg.get("tied", False):
+            self.tied_stages = ()
+
+    def build_stage(self, stage: int) -> torch.nn.Module:
+        from ..models import hf_causal
+
+        return hf_causal.build_stage(self.model_cfg, self.layers_per_stage, stage, self.seed).to(self.device)
 
 
 def make_adapter(model_cfg: Mapping, layers_per_stage: Sequence[int], microbatch_size: int, seq_len: int,

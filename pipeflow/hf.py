@@ -1,0 +1,183 @@
+"""The ``hf_causal`` family's configuration side: a Hugging Face decoder read from a
+``config.json`` (or a local model folder) and the ``model.hf`` fields, never from a hub.
+
+:func:`load_hf_config` builds the transformers config (``AutoConfig`` for the file's
+``model_type``); :func:`shape_keys` reads it as the shape keys every other layer of
+pipeflow reads (``n_layer``, ``n_embd``, ``n_kv_head``, ``mlp``, ``norm``, ...), so the
+analytic cost model, the planner and the configuration checks price and check a Llama
+the way they do a GPT. :func:`resolve` fills those keys into the ``model`` group before
+any rank starts; the ranks build the model from the same config
+(:mod:`pipeflow.models.hf_causal`).
+
+Importing transformers' configs imports torch (seconds), so nothing here runs unless
+the family is ``hf_causal``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """Where a decoder's parts live in transformers' module tree, and how its layers are shaped."""
+
+    model_type: str
+    base: str  # the decoder stack's attribute on the *ForCausalLM model
+    embed: str  # token embedding, on the base
+    layers: str  # the decoder layers (a ModuleList), on the base
+    norm: str  # final norm, on the base
+    head: str  # LM head, on the *ForCausalLM model
+    cache_kw: str  # the keyword a decoder layer takes its key/value cache by
+    rotary: str | None = None  # rotary table module, on the base (None: learned positions)
+    positions: str | None = None  # learned position embedding, on the base
+    dropout: str | None = None  # embedding dropout, on the base
+    mlp: str = "gated"  # gated: gate, up, down (SwiGLU); gelu: two matrices
+    norm_kind: str = "rmsnorm"
+    attention: str = "self_attn"  # the layer's attention sub-module (selective recomputation)
+    grouped_kv: bool = True  # reads num_key_value_heads (grouped-query attention)
+
+
+_LLAMA = dict(base="model", embed="embed_tokens", layers="layers", norm="norm", head="lm_head",
+              cache_kw="past_key_values", rotary="rotary_emb")
+ARCHITECTURES: dict[str, Architecture] = {
+    a.model_type: a
+    for a in (
+        Architecture("llama", **_LLAMA),
+        Architecture("qwen2", **_LLAMA),
+        Architecture("mistral", **_LLAMA),
+        Architecture("gpt_neox", base="gpt_neox", embed="embed_in", layers="layers", norm="final_layer_norm",
+                     head="lm_head", cache_kw="layer_past", rotary="rotary_emb", dropout="emb_dropout",
+                     mlp="gelu", norm_kind="layernorm", attention="attention", grouped_kv=False),
+        Architecture("gpt2", base="transformer", embed="wte", layers="h", norm="ln_f", head="lm_head",
+                     cache_kw="past_key_values", positions="wpe", dropout="drop", mlp="gelu",
+                     norm_kind="layernorm", attention="attn", grouped_kv=False),
+    )
+}
+
+# what resolve() writes into the model group; set by the HF config, not by hand
+SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "n_inner", "vocab_size", "n_positions", "n_kv_head", "head_dim",
+              "mlp", "norm", "qkv_bias", "o_bias", "mlp_bias", "tied", "positions", "dropout")
+
+
+def architecture(model_type: str) -> Architecture:
+    arch = ARCHITECTURES.get(model_type)
+    if arch is None:
+        raise ValueError(f"model_type '{model_type}' is not supported by model.family=hf_causal; "
+                         f"supported model types: {', '.join(ARCHITECTURES)}")
+    return arch
+
+
+def _read_config_file(path: str) -> dict:
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise ValueError(f"model.config={path}: no such file (a config.json, or a local model folder holding "
+                         f"one; nothing is downloaded)")
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"model.config={path}: not a readable config.json ({err})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"model.config={path}: not a config.json (a JSON object with a model_type)")
+    return data
+
+
+def hf_fields(model_cfg: Mapping) -> dict:
+    """The transformers config fields: ``model.config``'s file, then ``model.hf`` over it."""
+    fields: dict[str, Any] = {}
+    if model_cfg.get("config"):
+        fields.update(_read_config_file(str(model_cfg["config"])))
+    hf = model_cfg.get("hf") or {}
+    fields.update({str(k): (dict(v) if isinstance(v, Mapping) else v) for k, v in dict(hf).items()})
+    if "model_type" not in fields:
+        raise ValueError("model.config: model.family=hf_causal needs a config.json (model.config=<file or local "
+                         "folder>) or model.hf.model_type; supported model types: " + ", ".join(ARCHITECTURES))
+    try:
+        architecture(str(fields["model_type"]))
+    except ValueError as err:
+        where = f"model.hf.model_type={hf['model_type']}" if "model_type" in hf \
+            else f"model.config={model_cfg.get('config')}"
+        raise ValueError(f"{where}: {err}") from None
+    return fields
+
+
+def load_hf_config(model_cfg: Mapping):
+    """The transformers config of an ``hf_causal`` model (eager attention, no cache)."""
+    from transformers import AutoConfig
+
+    fields = hf_fields(model_cfg)
+    model_type = str(fields.pop("model_type"))
+    for key in ("architectures", "transformers_version", "torch_dtype", "dtype", "_name_or_path"):
+        fields.pop(key, None)
+    try:
+        config = AutoConfig.for_model(model_type, **fields)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"model.hf: not a valid {model_type} config ({err})") from None
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # GPT-2's 50256 means nothing to a byte vocabulary
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not 0 <= value < config.vocab_size:
+            setattr(config, key, None)
+    config.use_cache = False
+    config._attn_implementation = "eager"  # the additive masks below, exactly as written, on every device
+    return config
+
+
+def _dropout(config) -> float:
+    names = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop")
+    return max([float(getattr(config, n, 0.0) or 0.0) for n in names])
+
+
+def shape_keys(config) -> dict:
+    """pipeflow's shape keys of a transformers config (:data:`SHAPE_KEYS`)."""
+    t = config.model_type
+    arch = architecture(t)
+    H, h = int(config.hidden_size), int(config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or H // h
+    if t == "gpt2":
+        inner = config.n_inner or 4 * H
+    else:
+        inner = int(config.intermediate_size)
+    if t in ("llama", "mistral"):
+        qkv = o = bool(getattr(config, "attention_bias", False))
+        mlp_bias = bool(getattr(config, "mlp_bias", False))
+    elif t == "qwen2":
+        qkv, o, mlp_bias = True, False, False  # Qwen2: biases on Q, K, V only
+    else:  # GPT-NeoX and GPT-2: every linear has a bias
+        qkv = o = bool(getattr(config, "attention_bias", True))
+        mlp_bias = True
+    return {
+        "n_layer": int(config.num_hidden_layers),
+        "n_head": h,
+        "n_embd": H,
+        "n_inner": int(inner),
+        "vocab_size": int(config.vocab_size),
+        "n_positions": int(config.max_position_embeddings),
+        # grouped-query attention: Llama, Qwen2 and Mistral (GPT-NeoX and GPT-2 ignore the field)
+        "n_kv_head": int(getattr(config, "num_key_value_heads", None) or h) if arch.grouped_kv else h,
+        "head_dim": int(head_dim),
+        "mlp": arch.mlp,
+        "norm": arch.norm_kind,
+        "qkv_bias": qkv,
+        "o_bias": o,
+        "mlp_bias": mlp_bias,
+        "tied": bool(getattr(config, "tie_word_embeddings", False)),
+        "positions": "learned" if arch.positions else "rotary",
+        "dropout": _dropout(config),
+    }
+
+
+def resolve(model_cfg) -> dict:
+    """The shape keys of an ``hf_causal`` model config, checked against what a user set by
+    hand: a key given both ways must agree (the HF config is the source)."""
+    keys = shape_keys(load_hf_config(model_cfg))
+    for key, value in keys.items():
+        given = model_cfg.get(key)
+        if given is not None and key != "dropout" and given != value:
+            raise ValueError(f"model.{key}={given}: the HF config says {value}; set it there "
+                             f"(model.hf.<field>) or leave model.{key} unset")
+    return keys
