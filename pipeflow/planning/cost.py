@@ -6,10 +6,10 @@ gradient sizes; the topology turns bytes into transfer and all-reduce times.
 
 - :class:`UnitCost`: fixed times, the textbook setting (F = 1, B = 2) in which bubble
   formulas are stated; what schedule tests and pictures use.
-- :class:`AnalyticCost`: times from a FLOP count of a GPT/BERT transformer
-  (:mod:`pipeflow.planning.transformer`) at a fraction of the device's peak, and memory
-  from Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
-  Transformer Models").
+- :class:`AnalyticCost`: times from a FLOP count of a transformer (GPT, BERT, or a
+  Hugging Face decoder's shape: :mod:`pipeflow.planning.transformer`) at a fraction of
+  the device's peak, and memory from Korthikanti et al. 2022 ("Reducing Activation
+  Recomputation in Large Transformer Models"); docs/planning.md writes them out.
 - :class:`ProfiledCost`: times, activation and parameter bytes summed from a measured
   profile (:mod:`pipeflow.planning.profile`) over the units each stage holds.
 - :class:`CalibratedCost`: a configuration's real step measured on this machine by
@@ -20,18 +20,24 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Sequence
 
 from ..topology.topology import Device
 from .transformer import (
     TransformerSpec,
+    attention_activation_widths,
+    attention_linear_flops,
     attention_score_flops,
     embedding_params,
     head_forward_flops,
     head_params,
+    layer_activation_widths,
     layer_forward_flops,
     layer_linear_flops,
     layer_params,
+    shared_head_params,
+    weight_residual_width,
 )
 
 KINDS = ("F", "B", "I", "W", "S")
@@ -189,6 +195,53 @@ class UnitCost(CostModel):
         }
 
 
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer's share of an action, for the last ``tokens`` tokens of a ``prefix``:
+    FLOPs for one sequence, bytes for the whole microbatch (see :func:`layer_cost`)."""
+
+    forward: float  # forward FLOPs
+    weight: float  # of which weight matmuls (the W part of the backward)
+    recompute: float  # FLOPs the backward reruns (model.recompute)
+    saved: int  # bytes the forward keeps for the backward
+    transient: float  # bytes a backward rebuilds and holds while it runs (recomputation)
+    residual: int  # bytes kept from I until W (zero-bubble split)
+
+
+def layer_cost(spec: TransformerSpec, tokens: int, prefix: int, microbatch_size: int = 1,
+               dtype_bytes: int = 2) -> LayerCost:
+    """One layer's FLOPs and bytes (Korthikanti et al. 2022, generalised to the shapes of
+    :mod:`pipeflow.planning.transformer`; docs/planning.md), with model.recompute applied.
+    :class:`AnalyticCost` and the planner's closed form both price layers with it."""
+    x, P, b, dt = tokens, prefix, microbatch_size, dtype_bytes
+    f = layer_forward_flops(spec, x, P)
+    # no recomputation: 16-bit tensors (norm inputs, matmul inputs, Q, K, V, the MLP's inner
+    # tensors), 1-byte dropout masks if the model keeps them, and per head and query-key
+    # pair the softmax output (with dropout also its mask and output). GPT at 2 bytes,
+    # Fw = 4H: 34*x*b*H + 5*b*h*x*P.
+    tok, pair = layer_activation_widths(spec, dt)
+    a = x * b * tok + x * P * b * pair
+    e, t = 0.0, 0.0
+    if spec.recompute == "full":
+        # the block keeps only its input; the backward reruns the block's forward
+        t = float(a)
+        a = x * b * spec.n_embd * dt
+        e = f
+    elif spec.recompute == "selective":
+        # the attention sub-layer keeps only its input (the QKV input, kept anyway): Q, K, V,
+        # the projection input, its dropout mask and every score term go; its forward
+        # (projections and scores) runs again
+        attn_tok, attn_pair = attention_activation_widths(spec, dt)
+        dropped = x * b * attn_tok + x * P * b * attn_pair
+        t = float(dropped)
+        a -= dropped
+        e = attention_score_flops(spec, x, P) + attention_linear_flops(spec, x)
+    # what W still needs after I: each weight matmul's input and output gradient,
+    # GPT (3H + Fw) + (5H + Fw) per token — the zero-bubble paper's 32*b*s*H at 2 bytes
+    r = weight_residual_width(spec) * x * b * dt
+    return LayerCost(f, layer_linear_flops(spec, x), e, a, t, r)
+
+
 def uniform_layers(n_layer: int, num_stages: int) -> list[int]:
     """Layers per stage as even as possible; the first stages take the remainder
     (the last stage already carries the LM head)."""
@@ -200,7 +253,7 @@ class AnalyticCost(CostModel):
     """Times from transformer FLOPs, memory from Korthikanti et al. 2022.
 
     Stage s holds ``layers_per_stage[s]`` blocks; the embedding sits on stage 0, the
-    final LayerNorm and the LM head on the last stage. A microbatch of
+    final norm and the LM head on the last stage. A microbatch of
     ``microbatch_size`` sequences may be cut into sequence segments (Seq1F1B):
     segment i has ``segment_lengths[i]`` tokens and a prefix ending with it.
 
@@ -286,43 +339,28 @@ class AnalyticCost(CostModel):
     def _build_tables(self) -> None:
         """FLOPs and bytes per (stage, segment), computed once: the simulator asks per action."""
         spec, b, dt = self.spec, self.microbatch_size, self.dtype_bytes
-        H, Fw, V, h = spec.n_embd, spec.ffn_width, spec.vocab_size, spec.n_head
+        H, V = spec.n_embd, spec.vocab_size
+        kv_width = spec.kv_heads * spec.head_dim
         last = self.num_stages - 1
         split = self.num_segments > 1
         fwd, wgt, act, res, extra, trans = [], [], [], [], [], []
         for s, n in enumerate(self.layers_per_stage):
             f_row, w_row, a_row, r_row, e_row, t_row = [], [], [], [], [], []
             for x, P in zip(self.segment_lengths, self.prefixes):
-                f = n * layer_forward_flops(spec, x, P)
-                w = n * layer_linear_flops(spec, x)
-                # Korthikanti et al., per layer, no recomputation: 16-bit tensors
-                # (LayerNorm, QKV, Q/K/V, projection and FFN inputs) 8H + 2Fw per token, 1-byte
-                # dropout masks 2H per token, and per head and query-key pair the softmax output,
-                # its dropout mask and output. At 2 bytes and Fw = 4H: 34*x*b*H + 5*b*h*x*P.
-                a = n * (x * b * ((8 * H + 2 * Fw) * dt + 2 * H) + h * x * P * b * (2 * dt + 1))
-                e = 0.0  # FLOPs the backward spends recomputing (model.recompute)
-                t = 0.0  # what the backward rebuilds at a time: one layer's (one region's) tensors
-                if spec.recompute == "full":
-                    # each block keeps only its input; the backward reruns the block's forward
-                    t = a / n if n else 0.0
-                    a = n * x * b * H * dt
-                    e = f
-                elif spec.recompute == "selective":
-                    # the attention sub-layer keeps only its input (the QKV input, kept
-                    # anyway): Q, K, V, the projection input, the dropout mask and every
-                    # score term go; its forward (projections and scores) runs again
-                    t = x * b * (4 * H * dt + H) + h * x * P * b * (2 * dt + 1) if n else 0.0
-                    a -= n * t
-                    e = n * (attention_score_flops(spec, x, P) + 8 * x * H * spec.n_head * spec.head_dim)
-                # what W still needs after I: each weight matmul's input and output gradient,
-                # (3H + Fw) + (5H + Fw) per token — the zero-bubble paper's 32*b*s*H at 2 bytes
-                r = n * (8 * H + 2 * Fw) * x * b * dt
+                one = layer_cost(spec, x, P, b, dt)
+                f = n * one.forward
+                w = n * one.weight
+                e = n * one.recompute  # FLOPs the backward spends recomputing (model.recompute)
+                a = n * one.saved
+                t = one.transient  # what the backward rebuilds at a time: one layer's (one region's) tensors
+                r = n * one.residual
                 if split:
                     # the gradient of this segment's K and V that later segments' backwards
                     # accumulate until this segment's own backward runs (Seq1F1B)
-                    a += n * 2 * x * b * H * dt
+                    a += n * 2 * x * b * kv_width * dt
                 if s == 0:
-                    a += x * b * H  # embedding dropout mask
+                    if spec.dropout_masks:
+                        a += x * b * H  # embedding dropout mask
                     r += x * b * H * dt  # the embedding's gradient needs its output gradient
                 if s == last:
                     hf = head_forward_flops(spec, x)
@@ -364,8 +402,8 @@ class AnalyticCost(CostModel):
             n += embedding_params(spec)
         if stage == self.num_stages - 1:
             n += head_params(spec)
-            if stage == 0:  # one stage: the tied head is the embedding itself
-                n -= spec.vocab_size * spec.n_embd
+            if stage == 0:  # one stage: a tied head is the embedding itself
+                n -= shared_head_params(spec)
         return n
 
     def flops(self, kind: str, stage: int, segment: int) -> float:

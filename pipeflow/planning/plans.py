@@ -23,14 +23,14 @@ from ..schedules.ir import Schedule
 from ..schedules.one_f_one_b import one_f_one_b
 from ..sim.engine import SimResult, simulate
 from ..topology.topology import Topology
-from .cost import AnalyticCost
+from .cost import AnalyticCost, layer_cost
 from .transformer import (
     TransformerSpec,
     embedding_params,
     head_forward_flops,
     head_params,
-    layer_forward_flops,
     layer_params,
+    shared_head_params,
 )
 
 GB = 1e9  # plan.memory_limit_gb is in GB of 1e9 bytes, as schedule.memory_limit_gb
@@ -204,12 +204,15 @@ class StageModel:
                  dtype_bytes: int = 2) -> None:
         self.spec, self.b, self.eff, self.dt = spec, microbatch_size, efficiency, dtype_bytes
         S, b, dt = spec.seq_len, microbatch_size, dtype_bytes
-        H, Fw, V, h = spec.n_embd, spec.ffn_width, spec.vocab_size, spec.n_head
+        H, V = spec.n_embd, spec.vocab_size
+        one = layer_cost(spec, S, S, b, dt)  # one layer, with model.recompute applied
         self.L = spec.n_layer
-        self.f_layer = layer_forward_flops(spec, S, S) * b
+        self.f_layer = one.forward * b
+        self.e_layer = one.recompute * b  # FLOPs a backward reruns per layer
         self.f_head = head_forward_flops(spec, S) * b
-        self.a_layer = float(S * b * ((8 * H + 2 * Fw) * dt + 2 * H) + h * S * S * b * (2 * dt + 1))
-        self.a_first = float(S * b * H)
+        self.a_layer = float(one.saved)
+        self.t_layer = one.transient  # the layer (or region) a backward rebuilds and holds
+        self.a_first = float(S * b * H) if spec.dropout_masks else 0.0  # the embedding's dropout mask
         self.a_last = float(2 * S * b * H * dt + 4 * S * b * V)
         self.p_layer = layer_params(spec)
         self.p_first = embedding_params(spec)
@@ -221,12 +224,14 @@ class StageModel:
     def params(self, n: int, first: bool, last: bool) -> float:
         x = n * self.p_layer + (self.p_first if first else 0) + (self.p_last if last else 0)
         if first and last:
-            x -= self.spec.vocab_size * self.spec.n_embd
+            x -= shared_head_params(self.spec)  # one stage: a tied head is the embedding itself
         return float(x)
 
     def fb_time(self, n: int, last: bool, device) -> float:
-        """Forward + backward (3x forward FLOPs) of one microbatch through n layers."""
-        return 3 * (n * self.f_layer + (self.f_head if last else 0.0)) / (device.peak_flops * self.eff)
+        """Forward + backward (3x forward FLOPs, plus what recomputation reruns) of one
+        microbatch through n layers."""
+        flops = 3 * (n * self.f_layer + (self.f_head if last else 0.0)) + n * self.e_layer
+        return flops / (device.peak_flops * self.eff)
 
     def step_time(self, n: int, first: bool, last: bool, device) -> float:
         if device.memory_bandwidth <= 0:
@@ -235,7 +240,7 @@ class StageModel:
 
     def memory(self, n: int, first: bool, last: bool, in_flight: int) -> float:
         act = n * self.a_layer + (self.a_first if first else 0.0) + (self.a_last if last else 0.0)
-        return in_flight * act + self.params(n, first, last) * self.state_per_param
+        return in_flight * act + self.t_layer + self.params(n, first, last) * self.state_per_param
 
 
 def _edge_times(topology: Topology, chain: Sequence[int], nbytes: float) -> list[float]:

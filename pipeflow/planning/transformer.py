@@ -1,26 +1,34 @@
-"""FLOP and parameter counts of a GPT/BERT-style transformer, for the analytic cost model.
+"""FLOP, parameter and activation-width counts of a decoder or encoder transformer, for the
+analytic cost model. The shape covers GPT-2/BERT blocks and Hugging Face decoders (Llama,
+Qwen2, Mistral, GPT-NeoX): grouped-query attention, a gated (SwiGLU) MLP, RMSNorm, optional
+biases, rotary positions and an untied head. docs/planning.md ("What a stage costs")
+derives every count.
 
-Notation: H hidden size (n_embd), h heads, d = H/h head dim, Fw FFN width (n_inner,
-default 4H), V vocabulary, S sequence length, x tokens of a segment, P its prefix
-length (the segment's own tokens included).
+Notation: H hidden size (n_embd), h query heads, kv key/value heads (n_kv_head, default
+h), d head dim (default H/h), I MLP width (n_inner, default 4H; Fw in older notes), V
+vocabulary, S sequence length, x tokens of a segment, P its prefix length (the segment's
+own tokens included), m MLP matrices (3 gated: gate, up, down; 2 gelu).
 
 FLOP model, one layer, one sequence (a multiply-add is 2 FLOPs), forward of the LAST x
-tokens of a prefix of length P — the per-layer model of the Seq1F1B paper:
+tokens of a prefix of length P — the per-layer model of the Seq1F1B paper, generalised:
 
-    causal:      x*P*h*(4d+3) - x^2*h*(4d+3)/2 + 8*x*H*h*d + 4*x*H*Fw
-    non-causal:  x*P*h*(4d+3)                   + 8*x*H*h*d + 4*x*H*Fw
+    linear:      2*x*(H*h*d + 2*H*kv*d + h*d*H) + 2*x*m*H*I
+    causal:      x*P*h*(4d+3) - x^2*h*(4d+3)/2 + linear
+    non-causal:  x*P*h*(4d+3)                   + linear
 
-8xHhd is the Q, K, V and output projections, 4xHFw the two FFN matmuls: these are the
-weight matmuls. The x*P*h*(4d+3) term is attention: Q K^T and A V (2d multiply-adds
-per query-key pair, 4d FLOPs) plus about 3 FLOPs per pair for scale, mask and
-softmax; causal attention only visits the keys at or before each query, which the
-x^2/2 term removes (the continuous count, so segment FLOPs add up exactly to the
-whole sequence's). With x = P = S, non-causal, Fw = 4H and the +3 dropped, this is
-Megatron's 24*S*H^2 + 4*S^2*H.
+The linear part is the weight matmuls: Q (H -> h*d), K and V (H -> kv*d each), the output
+projection (h*d -> H) and the MLP. The x*P*h*(4d+3) term is attention, per query head:
+Q K^T and A V (2d multiply-adds per query-key pair, 4d FLOPs) plus about 3 FLOPs per pair
+for scale, mask and softmax (with grouped-query attention each query head still visits
+every key, so the count is per query head); causal attention only visits the keys at or
+before each query, which the x^2/2 term removes (the continuous count, so segment FLOPs
+add up exactly to the whole sequence's). For GPT (kv = h, d = H/h, m = 2) the linear part
+is 8*x*H*h*d + 4*x*H*I; with x = P = S, non-causal, I = 4H and the +3 dropped, this is
+Megatron's 24*S*H^2 + 4*S^2*H. Biases, norms and activations are not counted.
 
-LM head forward: 2*x*H*V (its matmul). Backward = 2 x forward; its weight-gradient
-part (W, zero-bubble split) equals the forward FLOPs of the weight matmuls, and the
-input-gradient part I = backward - W.
+LM head forward: 2*x*H*V (its matmul), tied or not. Backward = 2 x forward; its
+weight-gradient part (W, zero-bubble split) equals the forward FLOPs of the weight
+matmuls, and the input-gradient part I = backward - W.
 """
 
 from __future__ import annotations
@@ -29,6 +37,10 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from ..families import FAMILIES, family_of
+
+MLPS = ("gelu", "gated")
+NORMS = ("layernorm", "rmsnorm")
+POSITIONS = ("learned", "rotary")
 
 
 @dataclass(frozen=True)
@@ -39,23 +51,46 @@ class TransformerSpec:
     n_embd: int
     vocab_size: int
     seq_len: int
-    n_inner: int | None = None  # FFN width, default 4*n_embd
-    n_positions: int | None = None  # learned position table size, default seq_len
+    n_inner: int | None = None  # MLP width, default 4*n_embd
+    n_positions: int | None = None  # position table size (model.n_positions), default seq_len
     causal: bool = True  # GPT causal, BERT not
     recompute: str = "none"  # model.recompute: none | full | selective (the analytic cost prices it)
+    n_kv_head: int | None = None  # key/value heads (grouped-query attention); None: n_head
+    head_dim_override: int | None = None  # model.head_dim; None: n_embd // n_head
+    mlp: str = "gelu"  # gelu: two matrices; gated: gate, up and down (SwiGLU)
+    norm: str = "layernorm"  # layernorm: weight and bias; rmsnorm: weight only
+    qkv_bias: bool = True
+    o_bias: bool = True
+    mlp_bias: bool = True
+    tied: bool = True  # the LM head shares the token embedding
+    position_embedding: str = "learned"  # model.positions: learned (a table) | rotary (no parameters)
+    dropout_masks: bool = True  # whether the forward keeps 1-byte dropout masks
 
     def __post_init__(self) -> None:
         if self.recompute not in ("none", "full", "selective"):
             raise ValueError(f"model.recompute={self.recompute}: allowed values: none, full, selective")
+        for key, value, allowed in (("mlp", self.mlp, MLPS), ("norm", self.norm, NORMS),
+                                    ("positions", self.position_embedding, POSITIONS)):
+            if value not in allowed:
+                raise ValueError(f"model.{key}={value}: allowed values: {', '.join(allowed)}")
+        for key in ("qkv_bias", "o_bias", "mlp_bias", "tied", "dropout_masks"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"model.{key}={getattr(self, key)!r}: allowed values: true, false")
         for key in ("n_layer", "n_head", "n_embd", "vocab_size", "seq_len"):
             _positive_int(key, getattr(self, key))
-        for key in ("n_inner", "n_positions"):
-            if getattr(self, key) is not None:
-                _positive_int(key, getattr(self, key))
-        if self.n_embd % self.n_head:
+        for key, value in (("n_inner", self.n_inner), ("n_positions", self.n_positions),
+                           ("n_kv_head", self.n_kv_head), ("head_dim", self.head_dim_override)):
+            if value is not None:
+                _positive_int(key, value)
+        if self.head_dim_override is None and self.n_embd % self.n_head:
             raise ValueError(
                 f"model.n_embd={self.n_embd}: must be a multiple of model.n_head={self.n_head} "
-                f"(each head gets n_embd/n_head dimensions)"
+                f"(each head gets n_embd/n_head dimensions), or set model.head_dim"
+            )
+        if self.n_kv_head is not None and self.n_head % self.n_kv_head:
+            raise ValueError(
+                f"model.n_kv_head={self.n_kv_head}: must divide model.n_head={self.n_head} "
+                f"(each key/value head serves a whole group of query heads)"
             )
         if self.n_positions is not None and self.seq_len > self.n_positions:
             raise ValueError(
@@ -65,7 +100,13 @@ class TransformerSpec:
 
     @property
     def head_dim(self) -> int:
+        if self.head_dim_override is not None:
+            return self.head_dim_override
         return self.n_embd // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head if self.n_kv_head is not None else self.n_head
 
     @property
     def ffn_width(self) -> int:
@@ -73,14 +114,23 @@ class TransformerSpec:
 
     @property
     def positions(self) -> int:
+        """Position table size (rows of the learned table; the context length when rotary)."""
         return self.n_positions if self.n_positions is not None else self.seq_len
+
+    @property
+    def mlp_matrices(self) -> int:
+        return 3 if self.mlp == "gated" else 2
 
     @staticmethod
     def from_config(cfg: Mapping) -> "TransformerSpec":
-        """Read the ``model`` config group; unknown keys (dropout, init, ...) are ignored.
+        """Read the ``model`` config group; unknown keys (init, ...) are ignored.
 
         ``seq_len`` falls back to ``n_positions`` when absent; the family
-        (:mod:`pipeflow.families`, default gpt) decides causal attention.
+        (:mod:`pipeflow.families`, default gpt) decides causal attention. The shape keys
+        of a Hugging Face decoder (n_kv_head, head_dim, mlp, norm, the biases, tied,
+        positions: :mod:`pipeflow.hf`) are read when set; absent or null they take the
+        GPT/BERT values. Dropout masks are kept by GPT and BERT, and by an ``hf_causal``
+        model only when ``model.dropout`` > 0.
         """
         get = cfg.get
         fam = family_of(cfg)
@@ -99,6 +149,14 @@ class TransformerSpec:
             raise ValueError(
                 "model.seq_len is missing (and no model.n_positions to default to): set a whole number >= 1"
             )
+        shape = {}
+        for key, field in (("n_kv_head", "n_kv_head"), ("head_dim", "head_dim_override"), ("mlp", "mlp"),
+                           ("norm", "norm"), ("qkv_bias", "qkv_bias"), ("o_bias", "o_bias"),
+                           ("mlp_bias", "mlp_bias"), ("tied", "tied"), ("positions", "position_embedding")):
+            if get(key) is not None:
+                shape[field] = get(key)
+        if family == "hf_causal":
+            shape["dropout_masks"] = float(get("dropout") or 0.0) > 0
         return TransformerSpec(
             name=str(get("name") or family),
             n_layer=get("n_layer"),
@@ -110,6 +168,7 @@ class TransformerSpec:
             n_positions=get("n_positions"),
             causal=fam.causal,
             recompute=str(get("recompute") or "none"),
+            **shape,
         )
 
 
@@ -122,7 +181,7 @@ def _positive_int(key: str, value) -> None:
 
 
 def attention_score_flops(spec: TransformerSpec, tokens: int, prefix: int) -> float:
-    """The part of a layer's forward that has no weights: Q K^T, softmax, A V."""
+    """The part of a layer's forward that has no weights: Q K^T, softmax, A V (per query head)."""
     x, P = float(tokens), float(prefix)
     per_pair = spec.n_head * (4 * spec.head_dim + 3)
     if spec.causal:
@@ -130,10 +189,16 @@ def attention_score_flops(spec: TransformerSpec, tokens: int, prefix: int) -> fl
     return x * P * per_pair
 
 
+def attention_linear_flops(spec: TransformerSpec, tokens: int) -> float:
+    """Forward FLOPs of the attention's weight matmuls: Q, K, V and the output projection."""
+    x, H, q, kv = float(tokens), spec.n_embd, spec.n_head * spec.head_dim, spec.kv_heads * spec.head_dim
+    return 2 * x * H * (2 * q + 2 * kv)
+
+
 def layer_linear_flops(spec: TransformerSpec, tokens: int) -> float:
-    """Forward FLOPs of one layer's weight matmuls (QKV, output projection, FFN) for ``tokens`` tokens."""
-    x, H = float(tokens), spec.n_embd
-    return 8 * x * H * spec.n_head * spec.head_dim + 4 * x * H * spec.ffn_width
+    """Forward FLOPs of one layer's weight matmuls (Q, K, V, output projection, MLP) for ``tokens`` tokens."""
+    x = float(tokens)
+    return attention_linear_flops(spec, tokens) + 2 * x * spec.mlp_matrices * spec.n_embd * spec.ffn_width
 
 
 def layer_forward_flops(spec: TransformerSpec, tokens: int, prefix: int) -> float:
@@ -152,32 +217,99 @@ def head_forward_flops(spec: TransformerSpec, tokens: int) -> float:
 # ---------------------------------------------------------------- parameters
 
 
+def norm_params(spec: TransformerSpec) -> int:
+    """One norm: a weight (RMSNorm), or a weight and a bias (LayerNorm)."""
+    return spec.n_embd * (1 if spec.norm == "rmsnorm" else 2)
+
+
 def layer_params(spec: TransformerSpec) -> int:
-    """One GPT-2/BERT block: QKV and output projection, two FFN matmuls (all with
-    biases) and two LayerNorms: 4H^2 + 2H*Fw + 9H + Fw."""
-    H, Fw = spec.n_embd, spec.ffn_width
-    attn = 3 * H * H + 3 * H + H * H + H
-    ffn = H * Fw + Fw + Fw * H + H
-    norms = 4 * H
-    return attn + ffn + norms
+    """One block: Q, K, V and output projections, the MLP matrices, their biases where the
+    shape has them, and two norms. GPT-2/BERT (every bias, LayerNorm): 4H^2 + 2H*I + 9H + I."""
+    H, I = spec.n_embd, spec.ffn_width
+    q, kv = spec.n_head * spec.head_dim, spec.kv_heads * spec.head_dim
+    attn = H * q + 2 * H * kv + q * H
+    if spec.qkv_bias:
+        attn += q + 2 * kv
+    if spec.o_bias:
+        attn += H
+    mlp = spec.mlp_matrices * H * I
+    if spec.mlp_bias:
+        mlp += (spec.mlp_matrices - 1) * I + H  # gate and up (or FC1) biases of width I, down (FC2) of H
+    return attn + mlp + 2 * norm_params(spec)
 
 
 def embedding_params(spec: TransformerSpec) -> int:
-    """Token embedding plus learned position embedding."""
-    return spec.vocab_size * spec.n_embd + spec.positions * spec.n_embd
+    """Token embedding, plus the learned position table (none with rotary positions)."""
+    n = spec.vocab_size * spec.n_embd
+    if spec.position_embedding == "learned":
+        n += spec.positions * spec.n_embd
+    return n
 
 
 def head_params(spec: TransformerSpec) -> int:
-    """Final LayerNorm plus the LM head matrix.
+    """Final norm plus the LM head matrix (V*H, no bias): what the last stage holds
+    beyond its blocks.
 
-    The head is tied to the token embedding (GPT-2, BERT), so it adds nothing to the
-    model's unique count; but when the last stage is not the first, the last stage
-    keeps its own copy of the tied matrix (and its gradient, which is reduced with
-    the embedding's), so per stage it is counted where the copy lives.
+    An untied head is its own matrix. A tied head (GPT-2, BERT, Qwen2 small) shares the
+    token embedding, so it adds nothing to the model's unique count; but when the last
+    stage is not the first, the last stage keeps its own copy of the tied matrix (and its
+    gradient, which is reduced with the embedding's), so per stage it is counted where
+    the copy lives (a one-stage pipeline subtracts it again: see :func:`shared_head_params`).
     """
-    return 2 * spec.n_embd + spec.vocab_size * spec.n_embd
+    return norm_params(spec) + spec.vocab_size * spec.n_embd
+
+
+def shared_head_params(spec: TransformerSpec) -> int:
+    """What a stage holding both the embedding and the head counts twice: the tied matrix
+    V*H (0 when untied)."""
+    return spec.vocab_size * spec.n_embd if spec.tied else 0
 
 
 def total_params(spec: TransformerSpec) -> int:
-    """Unique parameters of the whole model (tied head counted once)."""
-    return spec.n_layer * layer_params(spec) + embedding_params(spec) + 2 * spec.n_embd
+    """Unique parameters of the whole model (a tied head counted once)."""
+    return spec.n_layer * layer_params(spec) + embedding_params(spec) + head_params(spec) - shared_head_params(spec)
+
+
+# ------------------------------------------------------- activation widths
+
+
+def layer_activation_widths(spec: TransformerSpec, dtype_bytes: int) -> tuple[int, int]:
+    """Bytes one layer's forward keeps for its backward (no recomputation), as
+    (per token, per query-key pair) — Korthikanti et al. 2022, generalised.
+
+    Per token, 16-bit (dtype_bytes) tensors: both norms' inputs (2H), the Q/K/V and MLP
+    matmul inputs (2H), Q (h*d), K and V (2*kv*d), the output projection's input (h*d) and
+    the MLP's inner tensors (gelu: 2I, the GeLU input and FC2 input; gated: 3I, the gate
+    and up outputs and the down projection's input); plus 1-byte dropout masks after the
+    attention and the MLP (2H) when the model keeps them. Per query head and pair: the
+    softmax output (dtype_bytes), and with dropout its mask (1) and output (dtype_bytes).
+    GPT at 2 bytes, I = 4H: 34H per token and 5h per pair."""
+    H, q, kv = spec.n_embd, spec.n_head * spec.head_dim, spec.kv_heads * spec.head_dim
+    tensors = 4 * H + 2 * q + 2 * kv + spec.mlp_matrices * spec.ffn_width
+    masks = 2 * H if spec.dropout_masks else 0
+    return tensors * dtype_bytes + masks, attention_pair_bytes(spec, dtype_bytes)
+
+
+def attention_pair_bytes(spec: TransformerSpec, dtype_bytes: int) -> int:
+    """Score bytes kept per query-key pair, all query heads: h*(2*dt + 1) with dropout
+    (softmax output, mask, dropout output), h*dt without (the softmax output only)."""
+    return spec.n_head * (2 * dtype_bytes + 1 if spec.dropout_masks else dtype_bytes)
+
+
+def attention_activation_widths(spec: TransformerSpec, dtype_bytes: int) -> tuple[int, int]:
+    """What selective recomputation drops from a layer, as (per token, per pair): the
+    attention sub-layer keeps only its input (the Q/K/V matmul input, kept anyway), so Q,
+    K, V, the output projection's input, its dropout mask (if kept) and every score term go."""
+    H, q, kv = spec.n_embd, spec.n_head * spec.head_dim, spec.kv_heads * spec.head_dim
+    per_token = (2 * q + 2 * kv) * dtype_bytes + (H if spec.dropout_masks else 0)
+    return per_token, attention_pair_bytes(spec, dtype_bytes)
+
+
+def weight_residual_width(spec: TransformerSpec) -> int:
+    """Elements per token one layer keeps from I until W (zero-bubble split): each weight
+    matmul's input and output gradient. Inputs: the Q/K/V input H (one tensor for the
+    three), the projection's input h*d, the MLP input H (shared by gate and up), the down
+    projection's (FC2's) input I. Output gradients: Q h*d, K and V 2*kv*d, the projection
+    H, gate and up 2I (FC1: I), down H. Sum: 4H + 2*h*d + 2*kv*d + m*I; GPT: 8H + 2I."""
+    H, q, kv = spec.n_embd, spec.n_head * spec.head_dim, spec.kv_heads * spec.head_dim
+    return 4 * H + 2 * q + 2 * kv + spec.mlp_matrices * spec.ffn_width

@@ -1,0 +1,285 @@
+"""The analytic cost model and the planner read a Hugging Face decoder's shape exactly:
+grouped-query attention, the gated MLP, RMSNorm, optional biases, rotary positions, an
+untied head and dropout masks only when there is dropout. Parameter counts are checked
+against transformers' own models (built on the meta device, no memory), FLOPs and
+activation bytes against hand-computed closed forms, and GPT/BERT against the closed
+forms they had before these shapes existed."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from omegaconf import OmegaConf
+
+from pipeflow.config import compose
+from pipeflow.config.checks import resolve_model
+from pipeflow.planning.cost import AnalyticCost
+from pipeflow.planning.plans import StageModel
+from pipeflow.planning.transformer import (
+    TransformerSpec,
+    attention_score_flops,
+    embedding_params,
+    head_params,
+    layer_forward_flops,
+    layer_linear_flops,
+    layer_params,
+    total_params,
+)
+from pipeflow.topology import Device
+from pipeflow.topology.presets import get_topology
+
+DEV = Device("test", peak_flops=1e14, memory_bytes=8e10, memory_bandwidth=1e12)
+PRESETS = ["llama_tiny", "qwen2_tiny", "llama3_8b", "llama3_70b", "qwen2_7b", "mistral_7b"]
+# HF configs given as the whole model.hf dict (a Hydra dict override merges into the
+# preset's dict, so the test replaces it after composing)
+NEOX = {"model_type": "gpt_neox", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "intermediate_size": 256, "vocab_size": 256, "max_position_embeddings": 128}
+GPT2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_inner": 200, "vocab_size": 256,
+        "n_positions": 128}
+
+
+def _model_cfg(preset: str, hf: dict | None = None, overrides: tuple[str, ...] = ()):
+    cfg = compose("simulate", [f"model={preset}", *overrides])
+    if hf is not None:
+        cfg.model.hf = hf
+    resolve_model(cfg)  # fills the shape keys from the HF config, as prepare_simulation does
+    return cfg.model
+
+
+def _spec(preset: str, hf: dict | None = None, overrides: tuple[str, ...] = ()) -> TransformerSpec:
+    return TransformerSpec.from_config(_model_cfg(preset, hf, overrides))
+
+
+def _hf_count(model_cfg) -> int:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from pipeflow.hf import load_hf_config
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(load_hf_config(model_cfg))
+    return model.num_parameters()
+
+
+CASES = [(p, None) for p in PRESETS] + [("llama_tiny", NEOX), ("llama_tiny", GPT2)]
+IDS = PRESETS + ["gpt_neox", "gpt2"]
+
+
+# --------------------------------------------------------------- parameters
+
+
+@pytest.mark.parametrize("preset,hf", CASES, ids=IDS)
+def test_total_params_equal_transformers_count(preset, hf):
+    model_cfg = _model_cfg(preset, hf, () if hf is None else ("model.seq_len=64",))
+    spec = TransformerSpec.from_config(model_cfg)
+    assert total_params(spec) == _hf_count(model_cfg)
+
+
+def test_llama3_8b_has_its_published_size():
+    spec = _spec("llama3_8b")
+    assert (spec.kv_heads, spec.head_dim, spec.mlp, spec.norm, spec.tied) == (8, 128, "gated", "rmsnorm", False)
+    assert round(total_params(spec) / 1e9, 2) == 8.03
+    assert total_params(spec) == 8_030_261_248
+
+
+@pytest.mark.parametrize("preset,hf", CASES, ids=IDS)
+@pytest.mark.parametrize("stages", [1, 2])
+def test_stage_params_cover_the_model(preset, hf, stages):
+    """Untied: the stages hold the model once. Tied: the last stage keeps a copy of the
+    embedding matrix when it is not the first stage."""
+    spec = _spec(preset, hf, () if hf is None else ("model.seq_len=64",))
+    cost = AnalyticCost(spec, stages)
+    copy = spec.vocab_size * spec.n_embd if spec.tied and stages > 1 else 0
+    assert sum(cost.stage_params(s) for s in range(stages)) == total_params(spec) + copy
+    if stages > 1:
+        assert cost.stage_params(stages - 1) - cost.stage_params(0) == head_params(spec) - embedding_params(spec)
+
+
+def test_layer_params_by_hand():
+    """llama_tiny: H=128, h=4, kv=2, d=32, I=344; no biases; RMSNorm; rotary; untied.
+    qwen2_tiny: biases on Q, K, V; I=320; tied."""
+    llama, qwen = _spec("llama_tiny"), _spec("qwen2_tiny")
+    assert layer_params(llama) == 128 * 128 + 2 * 128 * 64 + 128 * 128 + 3 * 128 * 344 + 2 * 128
+    assert embedding_params(llama) == 256 * 128  # no position table
+    assert total_params(llama) == 4 * layer_params(llama) + 256 * 128 + 128 + 256 * 128
+    assert layer_params(qwen) == (128 * 128 + 2 * 128 * 64 + 128 * 128 + (128 + 2 * 64) + 3 * 128 * 320
+                                  + 2 * 128)
+    assert total_params(qwen) == 4 * layer_params(qwen) + 256 * 128 + 128  # head shares the embedding
+
+
+def test_head_dim_and_biases_change_the_count_as_written():
+    base = TransformerSpec("t", 2, 4, 64, 100, 16, n_kv_head=2, head_dim_override=24, mlp="gated", norm="rmsnorm",
+                           qkv_bias=False, o_bias=False, mlp_bias=False, tied=False, position_embedding="rotary")
+    H, q, kv, I = 64, 4 * 24, 2 * 24, 256
+    assert layer_params(base) == H * q + 2 * H * kv + q * H + 3 * H * I + 2 * H
+    biased = dataclasses.replace(base, qkv_bias=True, o_bias=True, mlp_bias=True, norm="layernorm")
+    assert layer_params(biased) - layer_params(base) == (q + 2 * kv) + H + (2 * I + H) + 2 * H
+    gelu = dataclasses.replace(biased, mlp="gelu")
+    assert layer_params(biased) - layer_params(gelu) == H * I + I
+
+
+# --------------------------------------------------------------- FLOPs
+
+
+def test_llama_layer_flops_by_hand():
+    spec = _spec("llama_tiny")  # H=128, h=4, kv=2, d=32, I=344
+    x, P = 48, 128
+    linear = 2 * x * (128 * 128 + 2 * 128 * 64 + 128 * 128) + 2 * x * 3 * 128 * 344
+    assert layer_linear_flops(spec, x) == linear
+    per_pair = 4 * (4 * 32 + 3)  # per query head, not per key/value head
+    assert attention_score_flops(spec, x, P) == x * P * per_pair - x * x * per_pair / 2
+    assert layer_forward_flops(spec, x, P) == linear + x * P * per_pair - x * x * per_pair / 2
+
+
+@pytest.mark.parametrize("preset", ["gpt_small", "gpt_7b", "bert_large"])
+def test_gpt_and_bert_presets_keep_their_closed_forms(preset):
+    """GPT/BERT read through the generalised formulas: kv = h, d = H/h, two MLP matrices,
+    LayerNorm, every bias, tied head, learned positions, dropout masks."""
+    cfg = _model_cfg(preset)
+    spec = TransformerSpec.from_config(cfg)
+    L, h, H, V, S, Pn = cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.vocab_size, cfg.seq_len, cfg.n_positions
+    Fw = cfg.n_inner or 4 * H
+    assert Fw == 4 * H
+    d, b = H // h, 2
+    c = AnalyticCost(spec, 4, microbatch_size=b)
+    n = L // 4
+    attn = h * (4 * d + 3) * S * S * (0.5 if spec.causal else 1.0)
+    layer = 8 * S * H * h * d + 4 * S * H * Fw + attn
+    assert c.flops("F", 1, 0) == pytest.approx(b * n * layer, rel=1e-12)
+    assert c.flops("F", 3, 0) == pytest.approx(b * (n * layer + 2 * S * H * V), rel=1e-12)
+    assert c.flops("W", 1, 0) == pytest.approx(b * n * 24 * S * H * H, rel=1e-12)
+    assert c.activation_bytes(1, 0) == n * (34 * S * b * H + 5 * h * S * S * b)
+    assert c.activation_bytes(0, 0) == n * (34 * S * b * H + 5 * h * S * S * b) + S * b * H
+    assert c.weight_residual_bytes(1, 0) == n * 32 * b * S * H
+    per_layer = 4 * H * H + 2 * H * Fw + 9 * H + Fw
+    assert c.stage_params(1) == n * per_layer
+    assert c.stage_params(0) == n * per_layer + V * H + Pn * H
+    assert c.stage_params(3) == n * per_layer + 2 * H + V * H
+    assert total_params(spec) == L * per_layer + V * H + Pn * H + 2 * H
+
+
+# ------------------------------------------------------- activation bytes
+
+
+def test_llama_activation_bytes_by_hand():
+    """llama_tiny, 4 stages of one layer, b = 2, 16-bit, no dropout: per token 4H (two norm
+    inputs, Q/K/V input, MLP input) + Q 128 + K,V 2*64 + projection input 128 + gate, up
+    and down input 3*344 elements; per query head and pair only the softmax output."""
+    spec = _spec("llama_tiny")
+    assert spec.dropout_masks is False
+    b, S, H, V, dt = 2, 128, 128, 256, 2
+    per_token = (4 * 128 + 128 + 2 * 64 + 128 + 3 * 344) * dt
+    per_pair = 4 * dt
+    layer = S * b * per_token + S * S * b * per_pair
+    c = AnalyticCost(spec, 4, microbatch_size=b)
+    assert c.activation_bytes(1, 0) == layer
+    assert c.activation_bytes(0, 0) == layer  # no embedding dropout mask
+    assert c.activation_bytes(3, 0) == layer + 2 * S * b * H * dt + 4 * S * b * V
+    # zero-bubble residual: matmul inputs (2H + 128 + 344) and output gradients (128 + 128 + H + 2*344 + H)
+    assert c.weight_residual_bytes(1, 0) == ((2 * H + 128 + 344) + (128 + 128 + H + 2 * 344 + H)) * S * b * dt
+    assert c.weight_residual_bytes(0, 0) == c.weight_residual_bytes(1, 0) + S * b * H * dt
+    assert c.message_bytes(1, 2, 0) == b * S * H * dt
+
+
+def test_llama_recomputation_by_hand():
+    spec = _spec("llama_tiny")
+    b, S, H, dt = 2, 128, 128, 2
+    plain, full, sel = (AnalyticCost(dataclasses.replace(spec, recompute=r), 4, microbatch_size=b)
+                        for r in ("none", "full", "selective"))
+    layer = plain.activation_bytes(1, 0)
+    dropped = S * b * (128 + 2 * 64 + 128) * dt + S * S * b * 4 * dt  # Q, K, V, projection input, scores
+    assert full.activation_bytes(1, 0) == S * b * H * dt
+    assert full.transient_bytes(1, 0) == layer
+    assert sel.activation_bytes(1, 0) == layer - dropped
+    assert sel.transient_bytes(1, 0) == dropped
+    attention = 2 * S * (128 * 128 + 2 * 128 * 64 + 128 * 128) + 4 * (4 * 32 + 3) * S * S / 2
+    assert sel.flops("B", 1, 0) == pytest.approx(2 * plain.flops("F", 1, 0) + b * attention, rel=1e-12)
+    assert full.flops("B", 1, 0) == pytest.approx(3 * plain.flops("F", 1, 0), rel=1e-12)
+
+
+def test_segments_keep_the_kv_gradient_of_the_kv_heads():
+    spec = _spec("llama_tiny")
+    whole, split = AnalyticCost(spec, 4), AnalyticCost(spec, 4, segment_lengths=[64, 64])
+    dt = 2
+    pairs_saved = 128 * 128 - (64 * 64 + 64 * 128)
+    kv = 2 * 128 * (2 * 32) * dt  # K and V gradients: kv heads x head dim each, not H
+    diff = sum(split.activation_bytes(1, i) for i in range(2)) - whole.activation_bytes(1, 0)
+    assert diff == kv - 4 * dt * pairs_saved
+
+
+def test_dropout_keeps_its_masks():
+    quiet = _spec("llama_tiny")
+    noisy = _spec("llama_tiny", overrides=("+model.hf.attention_dropout=0.1",))
+    assert (quiet.dropout_masks, noisy.dropout_masks) == (False, True)
+    b, S, H, h, dt = 1, 128, 128, 4, 2
+    a0, a1 = AnalyticCost(quiet, 4), AnalyticCost(noisy, 4)
+    per_layer = S * b * 2 * H + h * S * S * b * (dt + 1)  # residual-dropout masks; score mask and output
+    assert a1.activation_bytes(1, 0) - a0.activation_bytes(1, 0) == per_layer
+    assert a1.activation_bytes(0, 0) - a0.activation_bytes(0, 0) == per_layer + S * b * H
+    assert a1.flops("F", 1, 0) == a0.flops("F", 1, 0)
+
+
+# ------------------------------------------------------------- the spec
+
+
+def test_spec_reads_the_shape_keys():
+    cfg = _model_cfg("qwen2_tiny")
+    spec = TransformerSpec.from_config(cfg)
+    assert (spec.n_kv_head, spec.head_dim, spec.mlp, spec.norm) == (2, 32, "gated", "rmsnorm")
+    assert (spec.qkv_bias, spec.o_bias, spec.mlp_bias, spec.tied, spec.position_embedding) == (
+        True, False, False, True, "rotary")
+    gpt = TransformerSpec.from_config(_model_cfg("gpt_small"))
+    assert gpt == TransformerSpec("gpt_small", 12, 12, 768, 50257, 1024, n_positions=1024)
+    assert (gpt.kv_heads, gpt.head_dim, gpt.mlp, gpt.tied, gpt.dropout_masks) == (12, 64, "gelu", True, True)
+
+
+def test_spec_validation_names_the_key():
+    base = {"n_layer": 2, "n_head": 4, "n_embd": 64, "vocab_size": 50, "seq_len": 32}
+    with pytest.raises(ValueError, match=r"model.mlp=foo: allowed values: gelu, gated"):
+        TransformerSpec.from_config({**base, "mlp": "foo"})
+    with pytest.raises(ValueError, match=r"model.norm=batchnorm: allowed values: layernorm, rmsnorm"):
+        TransformerSpec.from_config({**base, "norm": "batchnorm"})
+    with pytest.raises(ValueError, match=r"model.positions=alibi: allowed values: learned, rotary"):
+        TransformerSpec.from_config({**base, "positions": "alibi"})
+    with pytest.raises(ValueError, match=r"model.tied='yes': allowed values: true, false"):
+        TransformerSpec.from_config({**base, "tied": "yes"})
+    with pytest.raises(ValueError, match=r"model.n_kv_head=3: must divide model.n_head=4"):
+        TransformerSpec.from_config({**base, "n_kv_head": 3})
+    with pytest.raises(ValueError, match=r"model.head_dim=0"):
+        TransformerSpec.from_config({**base, "head_dim": 0})
+    # an explicit head_dim lifts the n_embd % n_head rule
+    with pytest.raises(ValueError, match=r"model.n_embd=62: must be a multiple of model.n_head=4"):
+        TransformerSpec.from_config({**base, "n_embd": 62})
+    spec = TransformerSpec.from_config(OmegaConf.create({**base, "n_embd": 62, "head_dim": 16, "n_kv_head": None}))
+    assert spec.head_dim == 16 and spec.kv_heads == 4
+
+
+# ------------------------------------------------------------- the planner
+
+
+@pytest.mark.parametrize("preset", ["llama_tiny", "qwen2_tiny"])
+@pytest.mark.parametrize("recompute", ["none", "full", "selective"])
+def test_stage_model_matches_analytic_cost(preset, recompute):
+    """The planner's closed form prices a stage as the cost model does: untied or tied head,
+    no dropout masks, and recomputation's extra FLOPs and rebuilt layer."""
+    spec = dataclasses.replace(_spec(preset), recompute=recompute)
+    for layers in ([4], [2, 1, 1]):
+        p = len(layers)
+        cost = AnalyticCost(spec, p, microbatch_size=2, layers_per_stage=layers)
+        model = StageModel(spec, microbatch_size=2)
+        for s, n in enumerate(layers):
+            first, last = s == 0, s == p - 1
+            fb = cost.compute_time("F", s, 0, DEV) + cost.compute_time("B", s, 0, DEV)
+            assert model.fb_time(n, last, DEV) == pytest.approx(fb, rel=1e-12)
+            assert model.params(n, first, last) == cost.stage_params(s)
+            assert model.memory(n, first, last, 3) == pytest.approx(
+                3 * cost.activation_bytes(s, 0) + cost.transient_bytes(s, 0) + cost.model_state_bytes(s), rel=1e-12)
+
+
+def test_planner_plans_a_llama():
+    from pipeflow.planning.planner import plan
+
+    spec = _spec("llama_tiny")
+    best = plan(spec, get_topology("pcie_8", 4), 8, replicas=1)
+    assert sum(best.layers_per_stage) == spec.n_layer
+    assert best.predicted_iteration_time > 0
