@@ -9,6 +9,7 @@ file."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -168,8 +169,9 @@ def test_a_local_tokenizer_feeds_the_text_corpus(tmp_path):
     ids = load_corpus_tokens([str(text)], cache_dir=str(tmp_path / "cache"), tokenizer=str(tmp_path / "tok"))
     assert ids.dtype == "int64" and 0 <= ids.min() and ids.max() < size
     assert len(ids) < text.stat().st_size  # merges: fewer tokens than bytes
-    with pytest.raises(ConfigError, match=rf"^model\.vocab_size=256: tokenizer .* feeds token ids 0\.\.{size - 1}"):
-        prepare_training(compose("train", ["model=llama_tiny", f"+data.tokenizer={tmp_path / 'tok'}",
+    with pytest.raises(ConfigError, match=rf"^model\.hf\.vocab_size=256: tokenizer .* feeds token ids "
+                                          rf"0\.\.{size - 1}; use model\.hf\.vocab_size >= {size}"):
+        prepare_training(compose("train", ["model=llama_tiny", f"data.tokenizer={tmp_path / 'tok'}",
                                            "logger=none"]))
     prepare_training(compose("train", ["model=llama_tiny", "data=text_corpus", f"data.tokenizer={tmp_path / 'tok'}",
                                        f"model.hf.vocab_size={size}", "logger=none"]))
@@ -338,3 +340,14 @@ def test_only_grouped_query_architectures_read_key_value_heads():
     GPT-NeoX ignores it, and so does the shape the cost model reads."""
     assert resolved("model.hf.model_type=gpt_neox")["n_kv_head"] == 4
     assert resolved()["n_kv_head"] == 2
+
+
+@slow
+def test_ranks_train_on_a_local_tokenizers_ids(tmp_path):
+    size = _local_tokenizer(tmp_path / "tok")
+    run = pipeline_runs.train(tmp_path / "run", [*LLAMA_SMALL, "pipeline.stages=2", f"data.tokenizer={tmp_path / 'tok'}",
+                                                 f"model.hf.vocab_size={size}", "trainer.steps=2",
+                                                 "runtime.dump_grads=false"])
+    assert run["summary"]["status"] == "finished" and len(run["losses"]) == 2
+    # the first loss is about ln(vocabulary): the model starts uniform over the tokenizer's ids
+    assert abs(run["losses"][0] - math.log(size)) < 0.3

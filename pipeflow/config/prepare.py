@@ -186,9 +186,9 @@ def prepare_training(cfg: DictConfig) -> TrainingInputs:
             raise ConfigError(str(err)) from None
     if need is not None and model.vocab_size < need:
         feeds = f"tokenizer {cfg.data.tokenizer}" if cfg.data.get("tokenizer") else f"data '{cfg.data.name}'"
+        key = "model.hf.vocab_size" if model.family == "hf_causal" else "model.vocab_size"  # where it is set
         raise ConfigError(
-            f"model.vocab_size={model.vocab_size}: {feeds} feeds token ids 0..{need - 1}; "
-            f"use model.vocab_size >= {need}"
+            f"{key}={model.vocab_size}: {feeds} feeds token ids 0..{need - 1}; use {key} >= {need}"
         )
     if cfg.partition.name == "planner" and cfg.schedule.name != PLANNED:
         raise ConfigError(f"partition.name=planner: the planner's cut comes with its device mapping; "
