@@ -19,7 +19,7 @@ slow = pytest.mark.slow  # starts ranks: make test-fast leaves these out
 
 def _schedules():
     for s in specs():
-        if s.generator is None or s.branch_aware:
+        if s.generator is None or s.branch_aware or not s.sized:
             continue
         v = 2 if s.virtual_stages else 1
         seg = 4 if s.segments else 1

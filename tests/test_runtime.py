@@ -30,7 +30,7 @@ SMALL = pipeline_runs.GPT_SMALL
 
 # every registered synchronous chain schedule the runtime runs from its generator (the
 # segmented ones: test_seq_runtime; asynchronous: test_async_runtime; bapp: test_cbm_runtime)
-SPECS = {s.name: s for s in specs() if s.runtime and s.generator is not None and not s.asynchronous
+SPECS = {s.name: s for s in specs() if s.runtime and s.generator is not None and s.sized and not s.asynchronous
          and not s.segments and not s.branch_aware}
 CASES = [(name, p) for p in (2, 4) for name in SPECS]
 

@@ -43,7 +43,7 @@ class PipelineConfig:
 @dataclass
 class ModelConfig:
     name: str = MISSING
-    family: str = "gpt"  # one of pipeflow.families.FAMILIES: gpt, bert, cbm
+    family: str = "gpt"  # one of pipeflow.families.FAMILIES: gpt, bert (hf_causal: HFModelConfig; cbm: cbm_shape)
     n_layer: int = MISSING
     n_head: int = MISSING
     n_embd: int = MISSING
@@ -89,7 +89,7 @@ class HFModelConfig:
 class SimulateConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     schedule: Any = MISSING  # typed by the schedule's own schema (schedule_schema)
-    model: Any = MISSING  # GPT/BERT options compose /schema/model; a CBM is checked by cbm_shape
+    model: Any = MISSING  # GPT/BERT options compose /schema/model, HF decoders /schema/model_hf; a CBM: cbm_shape
     # Typed by the option's own schema (cost/unit and cost/analytic differ), hence Any.
     topology: Any = MISSING
     cost: Any = MISSING

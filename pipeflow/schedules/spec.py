@@ -74,6 +74,9 @@ class ScheduleSpec:
     groupable: bool = False  # a chain schedule that also runs a branched model, stages grouped onto a chain
     runtime: bool = True  # pipeflow-train executes it (otherwise pipeflow-simulate only)
     single_pipeline: bool = True  # one pipeline replica (Chimera places two; a plan may replicate stages)
+    # generates a schedule for the pipeline's sizes alone (schedule=file reads its own from a
+    # file: the grids of sizes the tests walk leave it out)
+    sized: bool = True
     # schedule.* keys the configuration layer reads itself (bapp's coordinator, the planner's
     # plan file): name -> scalar type; null by default
     config_keys: Mapping[str, type] = field(default_factory=dict)

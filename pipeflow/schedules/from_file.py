@@ -1,0 +1,136 @@
+"""``schedule=file``: a schedule read from a file, one device per line.
+
+Three ways of writing one are read:
+
+- torch's compute-only CSV (``_PipelineScheduleRuntime._dump_csv(..., "compute_only")``,
+  torchtitan's ``pipeline_parallel_schedule_csv``, :func:`pipeflow.schedules.export.to_torch_csv`):
+  cells ``<stage><F|I|W|B><microbatch>``, empty cells for idle slots;
+- torch's CSV with communication (``_dump_csv`` of a lowered schedule): the
+  ``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B``, ``UNSHARD``/``RESHARD`` and ``REDUCE_GRAD``
+  cells are skipped (pipeflow derives its own communication and reduction), and an
+  overlapped ``(F;B)OVERLAP_F_B`` cell runs its forward, then its backward;
+- pipeflow's notation, as :meth:`pipeflow.schedules.ir.Schedule.format` prints it
+  (``d0  | 0F0 0F1 0B0 ...``, whitespace between actions; ``s<k>`` for sequence
+  segments), so a printed schedule can be edited by hand and run. Its REDUCE and STEP
+  actions are dropped and the step is closed again as every synchronous schedule is.
+
+The stages form a chain ``0 .. S-1``; each must run on exactly one device, and the
+placement is read from where they run, so a V shape (ZB-V, DualPipeV: device d holds
+stages d and 2p-1-d) or any other mapping comes from the file. The result is validated
+like a generated schedule: a file that deadlocks or forgets a backward is refused with
+the validator's sentence.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import re
+
+from .common import ScheduleConfigError, finish_sync
+from .ir import Action, Kind, Placement, Schedule, StageGraph
+from .spec import ScheduleSpec
+
+_TORCH_COMPUTE = re.compile(r"(\d+)([FIWB])(\d+)")
+_TORCH_SKIPPED = re.compile(r"\d+(SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDUCE_GRAD)\d*")
+_OVERLAP = re.compile(r"\((.*)\)OVERLAP_F_B")
+_DEVICE_PREFIX = re.compile(r"^\s*d\d+\s*\|")
+
+
+def _cell(text: str, where: str) -> list[Action]:
+    """The compute actions one cell holds (none for a communication cell)."""
+    text = text.strip()
+    if not text or _TORCH_SKIPPED.fullmatch(text):
+        return []
+    m = _OVERLAP.fullmatch(text)
+    if m:
+        return [a for part in m.group(1).split(";") for a in _cell(part, where)]
+    m = _TORCH_COMPUTE.fullmatch(text)
+    if m:
+        return [Action(m.group(2), int(m.group(1)), int(m.group(3)))]
+    try:
+        a = Action.parse(text)
+    except ValueError as err:
+        raise ScheduleConfigError(f"{where}: {err}") from None
+    return [a] if a.kind in Kind.COMPUTE else []  # REDUCE and STEP: the closing is redone
+
+
+def read_orders(text: str, source: str = "the file") -> list[list[Action]]:
+    """Per-device compute orders of a schedule file's text (any of the three formats)."""
+    rows: list[list[str]] = []
+    for line in text.splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        if "," in line:
+            rows.append(next(csv.reader(io.StringIO(line))))
+        else:
+            rows.append(_DEVICE_PREFIX.sub("", line).split())
+    return [[a for k, cell in enumerate(row) for a in _cell(cell, f"{source}, device {d}, cell {k + 1}")]
+            for d, row in enumerate(rows)]
+
+
+def schedule_from_orders(orders: list[list[Action]], name: str = "file", source: str = "the file") -> Schedule:
+    """A synchronous schedule from per-device compute orders: the chain of the stages they
+    name, each on the device that runs it."""
+    if not orders or not any(orders):
+        raise ScheduleConfigError(f"schedule.path: {source} holds no compute actions (one device per line)")
+    where: dict[int, set[int]] = {}
+    for d, order in enumerate(orders):
+        for a in order:
+            if a.pipe != 0:
+                raise ScheduleConfigError(f"schedule.path: {source} names pipeline replica {a.pipe} ({a}); "
+                                          f"a schedule file holds one pipeline")
+            where.setdefault(a.stage, set()).add(d)
+    stages = sorted(where)
+    if stages != list(range(len(stages))):
+        missing = sorted(set(range(max(stages) + 1)) - set(stages))
+        raise ScheduleConfigError(f"schedule.path: {source} never runs stage(s) {missing}; the stages form a "
+                                  f"chain 0..{max(stages)}")
+    shared = {s: sorted(ds) for s, ds in where.items() if len(ds) > 1}
+    if shared:
+        s, ds = next(iter(shared.items()))
+        raise ScheduleConfigError(f"schedule.path: {source} runs stage {s} on devices {ds}; a stage lives on "
+                                  f"one device")
+    mbs = sorted({a.microbatch for order in orders for a in order})
+    if mbs != list(range(len(mbs))):
+        raise ScheduleConfigError(f"schedule.path: {source} numbers microbatches {mbs[:8]}...; they must be "
+                                  f"0..{len(mbs) - 1}")
+    segments = 1 + max(a.segment for order in orders for a in order)
+    device_of_stage = [next(iter(where[s])) for s in stages]
+    v = len(stages) / len(orders)
+    meta = {"virtual_stages": int(v)} if v == int(v) and v > 1 else {}
+    return finish_sync(name, StageGraph.chain(len(stages)), Placement.single(device_of_stage, len(orders)),
+                       [list(o) for o in orders], len(mbs), num_segments=segments, meta=meta)
+
+
+def from_file(stages: int, microbatches: int, virtual_stages: int = 1, segments: int = 1,
+              path: str | None = None) -> Schedule:
+    """A schedule read from a file (torch's CSV, with or without communication, or pipeflow's notation)."""
+    if not path:
+        raise ScheduleConfigError("schedule.path=null: schedule 'file' needs a file (torch's CSV or pipeflow's "
+                                  "notation, one device per line)")
+    file = os.path.expanduser(path)
+    try:
+        with open(file, newline="") as f:
+            text = f.read()
+    except OSError as err:
+        raise ScheduleConfigError(f"schedule.path={path}: cannot read it ({err.strerror or err})") from None
+    sched = schedule_from_orders(read_orders(text, path), source=path)
+    sched.meta["path"] = path
+    found = {"pipeline.stages": (stages, sched.num_devices, "devices (lines)"),
+             "pipeline.microbatches": (microbatches, sched.num_microbatches, "microbatches"),
+             "pipeline.virtual_stages": (virtual_stages, sched.num_stages // max(1, sched.num_devices),
+                                         "stages per device"),
+             "pipeline.segments": (segments, sched.num_segments, "sequence segments")}
+    for key, (given, there, what) in found.items():
+        if given != there:
+            raise ScheduleConfigError(f"{key}={given}: schedule.path={path} has {there} {what}; set {key}={there}")
+    if sched.num_stages % sched.num_devices:
+        raise ScheduleConfigError(f"schedule.path={path}: {sched.num_stages} stages on {sched.num_devices} devices; "
+                                  f"every device needs the same number of stages")
+    return sched
+
+
+SPEC = ScheduleSpec("file", from_file, "a schedule read from a file: torch's CSV or pipeflow's notation (schedule.path)",
+                    sized=False)
