@@ -58,8 +58,8 @@ def _cases():
             yield "gpipe", p, m, 1
             yield "1f1b", p, m, 1
             yield "zb_h1", p, m, 1
-        # Megatron's interleaving wants whole rounds of p microbatches
-        for m in (p, 2 * p):
+        # whole rounds of p microbatches (Megatron), and torch's flexible rounds (issue 17)
+        for m in (p, 2 * p, p - 1, p + 2, 2 * p + 2):
             yield "interleaved_1f1b", p, m, 2
 
 
@@ -221,3 +221,15 @@ def test_torch_executes_the_csv_and_gets_the_unpipelined_gradients(tmp_path, nam
     assert sorted(got) == list(range(sched.num_stages))
     for s, layer in enumerate(layers):
         torch.testing.assert_close(got[s], layer.weight.grad, msg=f"stage {s}")
+
+
+@pytest.mark.parametrize("p,m", [(4, 3), (4, 6), (4, 10), (2, 3), (8, 12), (4, 8)])
+def test_flexible_interleaving_is_torchs_action_for_action(p, m):
+    """interleaved_1f1b with m not a multiple of p: torch 2.13's ScheduleInterleaved1F1B
+    runs m // p rounds of m // rounds microbatches; pipeflow's orders are its orders."""
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    theirs = [[str(a) for a in row if a is not None] for row in get_schedule_ops("Interleaved1F1B", p, m, 2)]
+    ours = [[_cell(a) for a in order] for order in build_schedule("interleaved_1f1b", p, m, virtual_stages=2)
+            .compute_orders()]
+    assert ours == theirs

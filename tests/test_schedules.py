@@ -86,7 +86,6 @@ def test_registry_names():
     [
         ("chimera", 3, 6, {}, "pipeline.stages=3"),
         ("chimera", 4, 3, {}, "pipeline.microbatches=3"),
-        ("interleaved_1f1b", 4, 6, {"virtual_stages": 2}, "pipeline.microbatches=6"),
         ("interleaved_1f1b", 4, 8, {"virtual_stages": 0}, "pipeline.virtual_stages=0"),
         ("1f1b", 4, 8, {"virtual_stages": 2}, "pipeline.virtual_stages=2"),
         ("gpipe", 4, 8, {"segments": 2}, "pipeline.segments=2"),

@@ -216,15 +216,13 @@ def test_resume_from_a_run_that_ended_inside_a_chunk_needs_the_chunk_start(tmp_p
 @pytest.mark.parametrize(
     "overrides,key",
     [
-        # the issue's list: more stages than layers, Chimera on odd stages, interleaving
-        # with m not a multiple of p, an unknown schedule
+        # the issue's list: more stages than layers, Chimera on odd stages, an unknown
+        # schedule (interleaving with m not a multiple of p runs since issue 17)
         (["pipeline.stages=8"], "pipeline.stages=8"),  # gpt_tiny has 4 layers
         (["schedule=interleaved_1f1b", "pipeline.virtual_stages=4"], "pipeline.stages=2"),  # 8 stages > 4 layers
         (["schedule=chimera", "pipeline.stages=3"], "pipeline.stages=3"),
         (["schedule=chimera", "pipeline.stages=1"], "pipeline.stages=1"),
         (["schedule=chimera", "pipeline.microbatches=3"], "pipeline.microbatches=3"),
-        (["schedule=interleaved_1f1b", "pipeline.virtual_stages=2", "pipeline.microbatches=3"],
-         "pipeline.microbatches=3"),
         (["schedule.name=nope"], "schedule.name=nope"),
         (["schedule=1f1b", "pipeline.virtual_stages=2"], "pipeline.virtual_stages=2"),
         (["pipeline.microbatch_size=0"], "pipeline.microbatch_size=0"),

@@ -6,7 +6,9 @@ groups of p: device r's k-th forward is chunk (k // p) % v of microbatch
 (k // (p*v))*p + k % p, and its k-th backward walks the chunks in reverse. Warm-up is
 2*(p-r-1) + (v-1)*p forwards, then one forward / one backward, then the drain.
 Bubble ratio with equal stages: (p-1)/(v*m+p-1), v times smaller than 1F1B's,
-paid for with v times more point-to-point messages. m must be a multiple of p.
+paid for with v times more point-to-point messages. Any m runs: with m not a multiple
+of p the microbatches move in max(1, m // p) groups as even as can be (torch's flexible
+interleaving: 10 on 4 devices as 5 + 5, 3 as one group of 3; and 9 as 5 + 4).
 """
 
 from __future__ import annotations
@@ -22,14 +24,6 @@ def interleaved_1f1b(stages: int, microbatches: int, virtual_stages: int = 2) ->
     check_basic(name, stages, microbatches)
     p, m, v = stages, microbatches, virtual_stages
     require(isinstance(v, int) and v >= 1, "pipeline.virtual_stages", v, name, "a whole number of chunks per device >= 1")
-    require(
-        m % p == 0,
-        "pipeline.microbatches",
-        m,
-        name,
-        f"a multiple of pipeline.stages={p} (microbatches move through the chunks in groups of p): "
-        f"e.g. {p}, {2 * p}, {3 * p}",
-    )
     orders = interleaved_orders(p, m, v, 1)  # Seq1F1B-I's order with one segment per microbatch
     device_of_stage = [s % p for s in range(p * v)]
     return finish_sync(

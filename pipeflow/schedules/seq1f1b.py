@@ -93,33 +93,49 @@ def unit_group_size(stages: int, segments: int) -> int:
     return segments * -(-stages // segments)
 
 
+def interleaved_groups(p: int, m: int, s: int) -> list[int]:
+    """How many microbatches each group holds as the groups move through a device's
+    chunks: ``max(1, m*s // n)`` groups (n = :func:`unit_group_size`) sharing the m
+    microbatches as evenly as possible, larger first. With s = 1 and m a multiple of p
+    these are Megatron's groups of p; otherwise torch's flexible interleaving (m // p
+    rounds; 10 microbatches on 4 devices move as 5 + 5, 3 as one group of 3), extended to
+    any m (9 on 4: 5 + 4)."""
+    rounds = max(1, (m * s) // unit_group_size(p, s))
+    rounds = min(rounds, m)
+    return [m // rounds + (1 if g < m % rounds else 0) for g in range(rounds)]
+
+
 def interleaved_orders(p: int, m: int, v: int, s: int) -> list[list[Action]]:
     """Per-device orders of the interleaved (virtual-stage) schedule over m microbatches
-    of s segments: units (microbatch segments) move through a device's v chunks in groups
-    of :func:`unit_group_size`; chunk c of device r is stage c*p + r. With s = 1 this is
-    Megatron's interleaved 1F1B (groups of p microbatches)."""
-    n = unit_group_size(p, s)
-    total = m * s * v  # chunk-unit pairs per device
-
-    def chunk_unit(k: int, backward: bool) -> tuple[int, int]:
-        chunk = (k // n) % v
-        if backward:
-            chunk = v - 1 - chunk
-        return chunk, (k // (n * v)) * n + k % n
+    of s segments: the microbatches move through a device's v chunks in the groups of
+    :func:`interleaved_groups` (forward: each group through chunks 0..v-1, backward:
+    through v-1..0); chunk c of device r is stage c*p + r. The first group's units and
+    the hops to the last device set the warm-up. With s = 1 and m a multiple of p this is
+    Megatron's interleaved 1F1B."""
+    groups = interleaved_groups(p, m, s)
+    fwd_units: list[tuple[int, int]] = []  # (chunk, unit) in the order a device runs them
+    start = 0
+    for size in groups:
+        units = range(start * s, (start + size) * s)
+        fwd_units += [(c, u) for c in range(v) for u in units]
+        start += size
+    bwd_units = [(v - 1 - c, u) for c, u in fwd_units]
+    total = len(fwd_units)  # chunk-unit pairs per device
 
     orders: list[list[Action]] = []
     for r in range(p):
         def fwd(k: int, r: int = r) -> Action:
-            c, u = chunk_unit(k, False)
+            c, u = fwd_units[k]
             mb, seg = _forward_unit(u, s)
             return Action(Kind.F, c * p + r, mb, 0, seg)
 
         def bwd(k: int, r: int = r) -> Action:
-            c, u = chunk_unit(k, True)
+            c, u = bwd_units[k]
             mb, seg = _backward_unit(u, s)
             return Action(Kind.B, c * p + r, mb, 0, seg)
 
-        orders.append(warmup_alternate_drain(total, (v - 1) * n + 2 * (p - r - 1) + (s - 1), fwd, bwd))
+        warmup = (v - 1) * groups[0] * s + 2 * (p - r - 1) + (s - 1)
+        orders.append(warmup_alternate_drain(total, min(warmup, total), fwd, bwd))
     return orders
 
 
@@ -137,20 +153,6 @@ def seq1f1b_interleaved(
         name,
         "a whole number of chunks per device >= 1",
     )
-    n = unit_group_size(p, s)
-    units = m * s
-    if s == 1:
-        rule = (
-            f"a multiple of pipeline.stages={p} (microbatches move through the chunks in groups of p): "
-            f"e.g. {p}, {2 * p}, {3 * p}"
-        )
-    else:
-        step = n // math.gcd(n, s)
-        rule = (
-            f"pipeline.microbatches * pipeline.segments={s} to be a multiple of {n} (the microbatch segments "
-            f"move through the chunks in groups of {n}): e.g. {step}, {2 * step}, {3 * step}"
-        )
-    require(units % n == 0, "pipeline.microbatches", m, name, rule)
     orders = interleaved_orders(p, m, v, s)
     device_of_stage = [st % p for st in range(p * v)]
     return finish_sync(
