@@ -61,6 +61,9 @@ def _cases():
         # whole rounds of p microbatches (Megatron), and torch's flexible rounds (issue 17)
         for m in (p, 2 * p, p - 1, p + 2, 2 * p + 2):
             yield "interleaved_1f1b", p, m, 2
+        for m in (p, 2 * p):  # issue 17: a V (device d holds stages d and 2p-1-d), breadth first
+            yield "zb_v", p, m, 2
+            yield "looped_bfs", p, m, 2
 
 
 CASES = list(_cases())
@@ -107,8 +110,10 @@ def test_torch_runtime_loads_validates_and_simulates(tmp_path, fake_group, name,
     sends = sum(
         a.computation_type in (_ComputationType.SEND_F, _ComputationType.SEND_B) for r in lowered.values() for a in r
     )
-    # one activation and one gradient message per microbatch per pipeline edge
-    assert sends == 2 * m * (sched.num_stages - 1)
+    # one activation and one gradient message per microbatch per pipeline edge between
+    # two ranks (a V's turn, stages p-1 and p, stays on one rank)
+    edges = sum(sched.placement.device(0, s) != sched.placement.device(0, s + 1) for s in range(sched.num_stages - 1))
+    assert sends == 2 * m * edges
 
     to_simulate = {r: [a for a in acts if a.computation_type in SIMULATED] for r, acts in lowered.items()}
     expected = {r: sorted(map(str, acts)) for r, acts in to_simulate.items()}

@@ -77,7 +77,7 @@ def test_registry_names():
     from pipeflow.schedules.registry import BUILTIN
 
     assert BUILTIN == ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "chimera", "pipedream", "pipedream_2bw", "amdp",
-                       "bapp", "seq1f1b", "seq1f1b_interleaved", "file")
+                       "bapp", "seq1f1b", "seq1f1b_interleaved", "zb_v", "looped_bfs", "file")
     assert set(BUILTIN) <= set(schedule_names())
 
 

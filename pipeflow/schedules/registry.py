@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Sequence
 
-from . import asynchronous, bapp, chimera, from_file, gpipe, interleaved, one_f_one_b, seq1f1b, zero_bubble
+from . import asynchronous, bapp, chimera, from_file, gpipe, interleaved, looped, one_f_one_b, seq1f1b, v_shape, zero_bubble
 from .common import ScheduleConfigError
 from .grouping import place_graph
 from .ir import Schedule, StageGraph
@@ -37,7 +37,7 @@ def register(spec: ScheduleSpec, replace: bool = False) -> ScheduleSpec:
 
 for _spec in (gpipe.SPEC, one_f_one_b.SPEC, interleaved.SPEC, zero_bubble.SPEC, chimera.SPEC,
               asynchronous.PIPEDREAM, asynchronous.PIPEDREAM_2BW, asynchronous.AMDP, bapp.SPEC,
-              seq1f1b.SEQ1F1B, seq1f1b.SEQ1F1B_INTERLEAVED, from_file.SPEC):
+              seq1f1b.SEQ1F1B, seq1f1b.SEQ1F1B_INTERLEAVED, v_shape.ZB_V, looped.SPEC, from_file.SPEC):
     register(_spec)
 BUILTIN = tuple(_SPECS)
 

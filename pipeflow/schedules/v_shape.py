@@ -1,0 +1,117 @@
+"""V-shaped schedules: two chunks per device, placed as a V.
+
+Device d of p holds stage d (on the way down) and stage 2p-1-d (on the way back up), so
+the first and the last stage share device 0 and the turn of the V (stages p-1 and p)
+is on device p-1, with no message between them. Every device then does the same work
+per microbatch, the loss is computed where the input was embedded, and the warm-up can
+be filled from both halves.
+
+ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, section 6) runs the
+backward split into I and W on this placement. Device d, with its down stage ``d`` and
+its up stage ``2p-1-d``:
+
+1. 2(p-d)-1 forwards of the down stage (device 0 runs the most: 2p-1, the V's length);
+2. d times: a forward of the up stage, a forward of the down stage;
+3. p-d times: a forward, I and W of the up stage (the first backwards start here, at
+   the bottom of the V, where the loss is);
+4. steady state, until every forward is done: a forward (while any remain), I and W of
+   the down stage, then a forward, I and W of the up stage;
+5. cool-down: d times an I of each stage, their W held back; then p-d times an I of
+   the down stage and one held-back W of it; then the held-back W of the up stage, then
+   the rest of the down stage's.
+
+With F = I = W the steady state has no bubble, and the activation memory peaks at p
+microbatches' worth of layers per device, 1F1B's (2p-1 down-stage forwards are half a
+device's layers each). The construction fills the V with 2p-1 microbatches; with fewer,
+the missing microbatches' actions are left out (the schedule then idles where they
+were).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from .common import check_basic, finish_sync, require
+from .ir import Action, Kind, Placement, Schedule, StageGraph
+from .spec import ScheduleSpec
+
+
+def v_placement(p: int) -> Placement:
+    """Stage s on device s for the first half, 2p-1-s for the second."""
+    return Placement.single([s if s < p else 2 * p - 1 - s for s in range(2 * p)], p)
+
+
+class _Device:
+    """One device's order being written: counters per (kind, stage) and the I whose W
+    is held back, per stage."""
+
+    def __init__(self) -> None:
+        self.order: list[Action] = []
+        self.count: dict[tuple[str, int], int] = {}
+        self.held: dict[int, deque[int]] = {}
+
+    def run(self, kind: str, stage: int) -> int:
+        mb = self.count.get((kind, stage), 0)
+        self.count[(kind, stage)] = mb + 1
+        self.order.append(Action(kind, stage, mb))
+        return mb
+
+    def done(self, kind: str, stage: int) -> int:
+        return self.count.get((kind, stage), 0)
+
+    def backward(self, stage: int, weight: bool = True) -> None:
+        """I of the next microbatch of ``stage``; its W now, or held back."""
+        mb = self.run(Kind.I, stage)
+        if weight:
+            self.order.append(Action(Kind.W, stage, mb))
+        else:
+            self.held.setdefault(stage, deque()).append(mb)
+
+    def release(self, stage: int) -> None:
+        """The oldest held-back W of ``stage``."""
+        self.order.append(Action(Kind.W, stage, self.held[stage].popleft()))
+
+
+def zb_v_order(p: int, m: int, d: int) -> list[Action]:
+    """Device ``d``'s ZB-V order (see the module docstring), microbatches >= m left out."""
+    n = max(m, 2 * p - 1)
+    down, up = d, 2 * p - 1 - d
+    dev = _Device()
+    for _ in range(2 * (p - d) - 1):
+        dev.run(Kind.F, down)
+    for _ in range(d):
+        dev.run(Kind.F, up)
+        dev.run(Kind.F, down)
+    for _ in range(p - d):
+        dev.run(Kind.F, up)
+        dev.backward(up)
+    while dev.done(Kind.F, up) < dev.done(Kind.F, down) or dev.done(Kind.F, down) < n:
+        if dev.done(Kind.F, down) < n:
+            dev.run(Kind.F, down)
+        dev.backward(down)
+        dev.run(Kind.F, up)
+        dev.backward(up)
+    for _ in range(d):
+        dev.backward(down, weight=False)
+        dev.backward(up, weight=False)
+    for _ in range(p - d):
+        dev.backward(down, weight=False)
+        dev.release(down)
+    while dev.held.get(up):
+        dev.release(up)
+    while dev.held.get(down):
+        dev.release(down)
+    return [a for a in dev.order if a.microbatch < m]
+
+
+def zb_v(stages: int, microbatches: int, virtual_stages: int = 2) -> Schedule:
+    check_basic("zb_v", stages, microbatches)
+    require(virtual_stages == 2, "pipeline.virtual_stages", virtual_stages, "zb_v",
+            "exactly two chunks per device (the V's down and up stage): pipeline.virtual_stages=2")
+    p, m = stages, microbatches
+    orders = [zb_v_order(p, m, d) for d in range(p)]
+    return finish_sync("zb_v", StageGraph.chain(2 * p), v_placement(p), orders, m, meta={"virtual_stages": 2})
+
+
+ZB_V = ScheduleSpec("zb_v", zb_v, "zero bubble on a V: two chunks per device (d and 2p-1-d), "
+                    "1F1B's activation memory (ZB-V)")

@@ -1,0 +1,73 @@
+"""Issue 17's schedules against torch 2.13's own and against their closed forms.
+
+torch's orders come from ``_schedule_visualizer.get_schedule_ops`` (its schedule classes,
+run on a mock stage); "the same unit-time bubble" is checked by simulating torch's
+orders, read through schedule=file, beside pipeflow's generator."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeflow.planning.cost import UnitCost
+from pipeflow.schedules.from_file import read_orders, schedule_from_orders
+from pipeflow.schedules.registry import build_schedule
+from pipeflow.sim.engine import simulate
+from pipeflow.topology.presets import get_topology
+
+SIZES = [(4, 8), (4, 16), (8, 16)]  # the issue's (p, m); v = 2 where it applies
+TORCH = {"zb_v": "ZBVZeroBubble", "looped_bfs": "LoopedBFS"}
+CHUNKS = {"zb_v": 2, "looped_bfs": 2}  # pipeline.virtual_stages each takes
+
+
+def torch_cells(name: str, p: int, m: int) -> list[list[str]]:
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    return [[str(a) for a in row if a is not None] for row in get_schedule_ops(TORCH[name], p, m, 2)]
+
+
+def cells(schedule) -> list[list[str]]:
+    return [[f"{a.stage}{a.kind}{a.microbatch}" for a in order] for order in schedule.compute_orders()]
+
+
+def unit(schedule):
+    return simulate(schedule, UnitCost(schedule.num_stages), get_topology("local_cpu", schedule.num_devices))
+
+
+@pytest.mark.parametrize("name", list(TORCH))
+@pytest.mark.parametrize("p,m", [*SIZES, (2, 1), (2, 4), (4, 3), (4, 5), (3, 7)])
+def test_orders_are_torchs_action_for_action(name, p, m):
+    assert cells(build_schedule(name, p, m, CHUNKS[name])) == torch_cells(name, p, m)
+
+
+@pytest.mark.parametrize("name", list(TORCH))
+@pytest.mark.parametrize("p,m", SIZES)
+def test_unit_time_bubble_equals_torchs_schedule_on_its_own_orders(name, p, m):
+    ours = unit(build_schedule(name, p, m, CHUNKS[name]))
+    theirs = unit(schedule_from_orders(read_orders("\n".join(",".join(r) for r in torch_cells(name, p, m)))))
+    assert ours.makespan == theirs.makespan and ours.bubble_ratio == pytest.approx(theirs.bubble_ratio)
+
+
+@pytest.mark.parametrize("p,m", [*SIZES, (2, 4), (4, 7), (3, 5)])
+def test_zb_v_closed_forms(p, m):
+    """F = I = W = 1 per stage (B = 2): with m >= 2p-1 a device works 6m and waits only
+    p-1 (the first forward's trip down the V), and holds at most 2p chunk activations:
+    p microbatches of its layers, 1F1B's peak."""
+    sched = build_schedule("zb_v", p, m, 2)
+    assert sched.placement.table[0] == tuple([*range(p), *reversed(range(p))])
+    res = unit(sched)
+    assert res.makespan == 6 * m + p - 1
+    assert res.bubble_ratio == pytest.approx((p - 1) / (6 * m + p - 1))
+    one_f_one_b = unit(build_schedule("1f1b", p, m))
+    for d in range(p):
+        # chunks are half a device's layers: 2p chunk activations = 1F1B's p stage activations
+        assert res.per_device[d].peak_activation_bytes == 2 * p == 2 * one_f_one_b.per_device[0].peak_activation_bytes
+
+
+@pytest.mark.parametrize("p,m,v", [(4, 8, 2), (4, 16, 2), (8, 16, 2), (2, 4, 3), (4, 4, 2)])
+def test_looped_bfs_closed_forms(p, m, v):
+    """With m >= p: (v*m + p - 1) slots of F + B, the interleaved bubble (p-1)/(v*m+p-1),
+    and every microbatch of every chunk alive at once (v*m chunk activations)."""
+    res = unit(build_schedule("looped_bfs", p, m, v))
+    assert res.makespan == 3 * (v * m + p - 1)
+    assert res.bubble_ratio == pytest.approx((p - 1) / (v * m + p - 1))
+    assert res.per_device[0].peak_activation_bytes == v * m
