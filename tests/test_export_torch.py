@@ -64,6 +64,8 @@ def _cases():
         for m in (p, 2 * p):  # issue 17: a V (device d holds stages d and 2p-1-d), breadth first
             yield "zb_v", p, m, 2
             yield "looped_bfs", p, m, 2
+            yield "interleaved_zb", p, m, 2
+            yield "zb_h2", p, m, 1
 
 
 CASES = list(_cases())

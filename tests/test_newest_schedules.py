@@ -15,8 +15,8 @@ from pipeflow.sim.engine import simulate
 from pipeflow.topology.presets import get_topology
 
 SIZES = [(4, 8), (4, 16), (8, 16)]  # the issue's (p, m); v = 2 where it applies
-TORCH = {"zb_v": "ZBVZeroBubble", "looped_bfs": "LoopedBFS"}
-CHUNKS = {"zb_v": 2, "looped_bfs": 2}  # pipeline.virtual_stages each takes
+TORCH = {"zb_v": "ZBVZeroBubble", "looped_bfs": "LoopedBFS", "interleaved_zb": "InterleavedZeroBubble"}
+CHUNKS = {"zb_v": 2, "looped_bfs": 2, "interleaved_zb": 2}  # pipeline.virtual_stages each takes
 
 
 def torch_cells(name: str, p: int, m: int) -> list[list[str]]:
@@ -33,8 +33,13 @@ def unit(schedule):
     return simulate(schedule, UnitCost(schedule.num_stages), get_topology("local_cpu", schedule.num_devices))
 
 
-@pytest.mark.parametrize("name", list(TORCH))
-@pytest.mark.parametrize("p,m", [*SIZES, (2, 1), (2, 4), (4, 3), (4, 5), (3, 7)])
+def _torch_runs(name: str, p: int, m: int) -> bool:
+    # torch's interleaved zero bubble refuses m not a multiple of its m // p rounds
+    return name != "interleaved_zb" or m % max(1, m // p) == 0
+
+
+@pytest.mark.parametrize("name,p,m", [(n, p, m) for n in TORCH for p, m in [*SIZES, (2, 1), (2, 4), (4, 3), (4, 5),
+                                                                            (3, 7), (4, 10)] if _torch_runs(n, p, m)])
 def test_orders_are_torchs_action_for_action(name, p, m):
     assert cells(build_schedule(name, p, m, CHUNKS[name])) == torch_cells(name, p, m)
 
@@ -71,3 +76,33 @@ def test_looped_bfs_closed_forms(p, m, v):
     assert res.makespan == 3 * (v * m + p - 1)
     assert res.bubble_ratio == pytest.approx((p - 1) / (v * m + p - 1))
     assert res.per_device[0].peak_activation_bytes == v * m
+
+
+@pytest.mark.parametrize("p,m", [(1, 3), (2, 3), (3, 7), (5, 9), (4, 13)])
+def test_interleaved_zb_runs_any_m(p, m):
+    """Where torch refuses (m not a multiple of its rounds) the groups are uneven; the
+    order still validates, every action once."""
+    from pipeflow.schedules.validate import validate
+
+    sched = build_schedule("interleaved_zb", p, m, 2)
+    validate(sched)
+    computes = [a for o in sched.orders for a in o if a.is_compute]
+    assert len(computes) == len(set(computes)) == 3 * 2 * p * m
+
+
+@pytest.mark.parametrize("p,m", [*SIZES, (2, 4), (4, 7), (3, 5)])
+def test_zb_h2_closed_forms(p, m):
+    """With m >= 2p-1 and a flush every iteration the only idle time is the parallelogram's
+    edge, the first forward's trip: (p-1)F per device, against ZB-H1's (p-1)(F+I-W) (the
+    paper's (p-1)(F+I-2W) counts iterations tiled without the optimizer's synchronisation).
+    Stage 0 holds up to 2p-1 microbatches before its first I, against 1F1B's p."""
+    for f, i, w in [(1, 1, 1), (1, 1, 0.5), (2, 1, 0.5)]:
+        cost = UnitCost(p, forward=f, backward=i + w, weight=w)
+        topo = get_topology("local_cpu", p)
+        h2 = simulate(build_schedule("zb_h2", p, m), cost, topo)
+        h1 = simulate(build_schedule("zb_h1", p, m), cost, topo)
+        assert h2.makespan == pytest.approx((p - 1) * f + m * (f + i + w))
+        assert h1.makespan == pytest.approx((p - 1) * max(f + i - w, f) + m * (f + i + w))
+        assert h2.makespan <= h1.makespan
+    res = unit(build_schedule("zb_h2", p, m))
+    assert [d.peak_activation_bytes for d in res.per_device] == [2 * (p - r) - 1 for r in range(p)]

@@ -407,7 +407,7 @@ def test_sweep_config_file(tmp_path):
     assert proc.returncode == 0, proc.stderr
     runs = {(s["schedule"], s["microbatches"]) for s in
             (json.loads(p.read_text()) for p in sweep.glob("*/summary.json"))}
-    assert runs == {(name, m) for name in ("gpipe", "1f1b", "zb_h1", "chimera") for m in (4, 8, 16)}
+    assert runs == {(name, m) for name in ("gpipe", "1f1b", "zb_h1", "zb_h2", "chimera") for m in (4, 8, 16)}
 
 
 def test_recomputation_makes_a_long_sequence_fit(tmp_path):
