@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from pipeflow.config import CONF_DIR, ConfigError, check_logger, prepare_simulation, register_configs, run_app
 from pipeflow.schedules.data_parallel import pipeline_shape
 from pipeflow.schedules.export import write_torch_csv
-from pipeflow.schedules.validate import check_complete, validate
+from pipeflow.schedules.validate import check_complete, check_overlaps, validate
 from pipeflow.sim.engine import SimulationError, simulate
 from pipeflow.sim.gantt import draw_timeline, unreadable
 
@@ -180,6 +180,7 @@ def _simulate_checked(schedule, cost, topology):
     runs only where the summary or the timeline shows it (branched models).
     """
     check_complete(schedule)
+    check_overlaps(schedule)
     try:
         return simulate(schedule, cost, topology, record=True, waits=False)
     except SimulationError:

@@ -29,7 +29,7 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from pipeflow.schedules.export import to_torch_csv, write_torch_csv
+from pipeflow.schedules.export import to_torch_csv, torch_csv_rows, write_torch_csv
 from pipeflow.schedules.ir import Kind, StageGraph, WeightPolicy, parse_orders
 from pipeflow.schedules.registry import build_schedule
 
@@ -40,6 +40,7 @@ COMPUTE = {
     _ComputationType.FULL_BACKWARD,
     _ComputationType.BACKWARD_INPUT,
     _ComputationType.BACKWARD_WEIGHT,
+    _ComputationType.OVERLAP_F_B,  # DualPipeV's overlapped pairs, one cell each
 }
 # torch's dry run models compute and point-to-point messages only; the FSDP
 # (UNSHARD/RESHARD) and data-parallel (REDUCE_GRAD) actions its lowering also adds
@@ -66,6 +67,8 @@ def _cases():
             yield "looped_bfs", p, m, 2
             yield "interleaved_zb", p, m, 2
             yield "zb_h2", p, m, 1
+        for m in (2 * p, 3 * p):  # DualPipeV needs two microbatches per stage of the V
+            yield "dualpipe_v", p, m, 2
 
 
 CASES = list(_cases())
@@ -105,10 +108,12 @@ def test_torch_runtime_loads_validates_and_simulates(tmp_path, fake_group, name,
     assert runtime.stage_index_to_group_rank == {s: sched.placement.device(0, s) for s in range(sched.num_stages)}
 
     lowered = runtime.pipeline_order_with_comms
+    paired = set(sched.overlap_partner()) | set(sched.overlap_partner().values())
     assert sorted(lowered) == list(range(sched.num_devices))
     for rank, order in enumerate(sched.compute_orders()):
         compute = [str(a) for a in lowered[rank] if a.computation_type in COMPUTE]
-        assert compute == [_cell(a) for a in order], f"rank {rank}: torch reordered or lost compute actions"
+        assert compute == torch_csv_rows(sched)[rank], f"rank {rank}: torch reordered or lost compute actions"
+        assert [c for c in compute if "OVERLAP" not in c] == [_cell(a) for a in order if a not in paired]
     sends = sum(
         a.computation_type in (_ComputationType.SEND_F, _ComputationType.SEND_B) for r in lowered.values() for a in r
     )
@@ -117,7 +122,9 @@ def test_torch_runtime_loads_validates_and_simulates(tmp_path, fake_group, name,
     edges = sum(sched.placement.device(0, s) != sched.placement.device(0, s + 1) for s in range(sched.num_stages - 1))
     assert sends == 2 * m * edges
 
-    to_simulate = {r: [a for a in acts if a.computation_type in SIMULATED] for r, acts in lowered.items()}
+    # torch's dry run knows no OVERLAP_F_B (its stage index is -1): it gets the pair's halves
+    to_simulate = {r: [x for a in acts if a.computation_type in SIMULATED for x in (a.sub_actions or (a,))]
+                   for r, acts in lowered.items()}
     expected = {r: sorted(map(str, acts)) for r, acts in to_simulate.items()}
     stage_to_rank = runtime.stage_index_to_group_rank
     timeline = _simulate_comms_compute(to_simulate, lambda s: stage_to_rank[s], sched.num_stages)
@@ -131,6 +138,12 @@ def test_csv_round_trips_through_our_parser(name, p, m, v):
     text = to_torch_csv(sched)
     rows = list(csv.reader(io.StringIO(text)))
     assert len(rows) == sched.num_devices
+    if sched.overlapped:  # (F;B)OVERLAP_F_B cells: schedule=file's reader takes them
+        from pipeflow.schedules.from_file import read_schedule_text
+
+        orders, pairs = read_schedule_text(text)
+        assert orders == sched.compute_orders() and set(pairs) == set(sched.overlapped)
+        return
     assert parse_orders(rows) == sched.compute_orders()
 
 

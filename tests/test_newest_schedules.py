@@ -15,26 +15,34 @@ from pipeflow.sim.engine import simulate
 from pipeflow.topology.presets import get_topology
 
 SIZES = [(4, 8), (4, 16), (8, 16)]  # the issue's (p, m); v = 2 where it applies
-TORCH = {"zb_v": "ZBVZeroBubble", "looped_bfs": "LoopedBFS", "interleaved_zb": "InterleavedZeroBubble"}
-CHUNKS = {"zb_v": 2, "looped_bfs": 2, "interleaved_zb": 2}  # pipeline.virtual_stages each takes
+TORCH = {"zb_v": "ZBVZeroBubble", "looped_bfs": "LoopedBFS", "interleaved_zb": "InterleavedZeroBubble",
+         "dualpipe_v": "DualPipeV"}
+CHUNKS = {"zb_v": 2, "looped_bfs": 2, "interleaved_zb": 2, "dualpipe_v": 2}  # pipeline.virtual_stages each takes
 
 
 def torch_cells(name: str, p: int, m: int) -> list[list[str]]:
+    """torch's cells, an overlapped pair written as pipeflow prints it: (0F3;3B1)."""
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
-    return [[str(a) for a in row if a is not None] for row in get_schedule_ops(TORCH[name], p, m, 2)]
+    return [[str(a).replace("OVERLAP_F_B", "") for a in row if a is not None]
+            for row in get_schedule_ops(TORCH[name], p, m, 2)]
 
 
 def cells(schedule) -> list[list[str]]:
-    return [[f"{a.stage}{a.kind}{a.microbatch}" for a in order] for order in schedule.compute_orders()]
+    return [[c for c in schedule.cells(d) if "@" not in c] for d in range(schedule.num_devices)]
 
 
-def unit(schedule):
-    return simulate(schedule, UnitCost(schedule.num_stages), get_topology("local_cpu", schedule.num_devices))
+def unit(schedule, overlap: float = 0.0):
+    cost = UnitCost(schedule.num_stages)
+    cost.overlap = overlap
+    return simulate(schedule, cost, get_topology("local_cpu", schedule.num_devices))
 
 
 def _torch_runs(name: str, p: int, m: int) -> bool:
-    # torch's interleaved zero bubble refuses m not a multiple of its m // p rounds
+    # torch's interleaved zero bubble refuses m not a multiple of its m // p rounds, and
+    # DualPipeV fewer than two microbatches per stage of the V
+    if name == "dualpipe_v":
+        return m >= 2 * p
     return name != "interleaved_zb" or m % max(1, m // p) == 0
 
 
@@ -46,9 +54,13 @@ def test_orders_are_torchs_action_for_action(name, p, m):
 
 @pytest.mark.parametrize("name", list(TORCH))
 @pytest.mark.parametrize("p,m", SIZES)
-def test_unit_time_bubble_equals_torchs_schedule_on_its_own_orders(name, p, m):
-    ours = unit(build_schedule(name, p, m, CHUNKS[name]))
-    theirs = unit(schedule_from_orders(read_orders("\n".join(",".join(r) for r in torch_cells(name, p, m)))))
+@pytest.mark.parametrize("overlap", [0.0, 1.0])
+def test_unit_time_bubble_equals_torchs_schedule_on_its_own_orders(name, p, m, overlap):
+    from pipeflow.schedules.from_file import read_schedule_text
+
+    orders, pairs = read_schedule_text("\n".join(",".join(r) for r in torch_cells(name, p, m)))
+    theirs = unit(schedule_from_orders(orders, overlapped=tuple(pairs)), overlap)
+    ours = unit(build_schedule(name, p, m, CHUNKS[name]), overlap)
     assert ours.makespan == theirs.makespan and ours.bubble_ratio == pytest.approx(theirs.bubble_ratio)
 
 
@@ -106,3 +118,40 @@ def test_zb_h2_closed_forms(p, m):
         assert h2.makespan <= h1.makespan
     res = unit(build_schedule("zb_h2", p, m))
     assert [d.peak_activation_bytes for d in res.per_device] == [2 * (p - r) - 1 for r in range(p)]
+
+
+@pytest.mark.parametrize("p,m", [*SIZES, (2, 4), (4, 12), (3, 6)])
+@pytest.mark.parametrize("overlap", [0.0, 0.5, 1.0])
+def test_dualpipe_v_closed_forms(p, m, overlap):
+    """The DualPipe paper's bubble for p devices (2p stages): (p-1)(F&B + B - 3W) on the
+    devices that wait longest, F&B the overlapped pair's time, max(F, B) + (1 - overlap) x
+    min(F, B) (F = 1, B = 2, W = 1 here); 2p+1 chunk activations per device (the paper's
+    PP+1 with PP = 2p stages)."""
+    res = unit(build_schedule("dualpipe_v", p, m, 2), overlap)
+    fb = 2 + (1 - overlap) * 1
+    assert max(res.makespan - d.busy for d in res.per_device) == pytest.approx((p - 1) * (fb + 2 - 3))
+    assert all(d.peak_activation_bytes == 2 * p + 1 for d in res.per_device)
+
+
+def test_an_overlapped_pair_is_checked_and_priced():
+    """The validator refuses a pair that is not a forward followed at once by a full
+    backward on one device; the simulator starts a pair when both halves are ready and
+    takes max + (1 - overlap) x min of them."""
+    import dataclasses
+
+    from pipeflow.schedules.ir import Kind
+    from pipeflow.schedules.validate import ScheduleError, validate
+
+    sched = build_schedule("dualpipe_v", 2, 4, 2)
+    assert sched.overlapped and all(f.kind == Kind.F and b.kind == Kind.B for f, b in sched.overlapped)
+    f, b = sched.overlapped[0]
+    with pytest.raises(ScheduleError, match=r"must be a forward \(F\) and a full backward \(B\)"):
+        validate(dataclasses.replace(sched, overlapped=((b, f),)))
+    other = next(a for a in sched.orders[0] if a.kind == Kind.B and a != b)
+    with pytest.raises(ScheduleError, match=r"must be adjacent on one device"):
+        validate(dataclasses.replace(sched, overlapped=((f, other),)))
+    plain = dataclasses.replace(sched, overlapped=())
+    # overlap 0 runs the halves one after the other, but a pair starts only when both are
+    # ready, so it can wait where its forward alone could have started (25 against 26 here)
+    assert unit(plain).makespan < unit(sched, 0.0).makespan
+    assert unit(sched, 1.0).makespan < unit(sched, 0.5).makespan < unit(sched, 0.0).makespan

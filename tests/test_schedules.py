@@ -77,8 +77,8 @@ def test_registry_names():
     from pipeflow.schedules.registry import BUILTIN
 
     assert BUILTIN == ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "chimera", "pipedream", "pipedream_2bw", "amdp",
-                       "bapp", "seq1f1b", "seq1f1b_interleaved", "zb_h2", "interleaved_zb", "zb_v", "looped_bfs",
-                       "file")
+                       "bapp", "seq1f1b", "seq1f1b_interleaved", "zb_h2", "interleaved_zb", "zb_v", "dualpipe_v",
+                       "looped_bfs", "file")
     assert set(BUILTIN) <= set(schedule_names())
 
 

@@ -369,7 +369,7 @@ def test_online_with_an_api_key_passes(no_wandb_credentials, monkeypatch):
     "args,message",
     [
         (["schedule=nope"],
-         "schedule=nope: unknown schedule; allowed values: 1f1b, amdp, bapp, chimera, file, gpipe, interleaved_1f1b, interleaved_zb, looped_bfs, pipedream, pipedream_2bw, planned, seq1f1b, seq1f1b_interleaved, zb_h1, zb_h2, zb_v"),
+         "schedule=nope: unknown schedule; allowed values: 1f1b, amdp, bapp, chimera, dualpipe_v, file, gpipe, interleaved_1f1b, interleaved_zb, looped_bfs, pipedream, pipedream_2bw, planned, seq1f1b, seq1f1b_interleaved, zb_h1, zb_h2, zb_v"),
         (["-m", "schedule=gpipe,nope,1f1b"], "schedule=nope: unknown schedule"),
         (["trainer.steps=3", "model=gpt_huge"], "model=gpt_huge: unknown model; allowed values: bert, bert_1b, "),
         (["logger=tensorboard"], "logger=tensorboard: unknown logger; allowed values: none, wandb"),
@@ -480,7 +480,7 @@ def test_a_bad_config_stops_the_app_in_one_line(tmp_path):
     proc = _run(["schedule=nope", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert proc.returncode == 1
     err = proc.stderr.strip()
-    assert err == "schedule=nope: unknown schedule; allowed values: 1f1b, amdp, bapp, chimera, file, gpipe, interleaved_1f1b, interleaved_zb, looped_bfs, pipedream, pipedream_2bw, planned, seq1f1b, seq1f1b_interleaved, zb_h1, zb_h2, zb_v"
+    assert err == "schedule=nope: unknown schedule; allowed values: 1f1b, amdp, bapp, chimera, dualpipe_v, file, gpipe, interleaved_1f1b, interleaved_zb, looped_bfs, pipedream, pipedream_2bw, planned, seq1f1b, seq1f1b_interleaved, zb_h1, zb_h2, zb_v"
     assert len(err.splitlines()) == 1 and "Traceback" not in err
     assert not any(run_dir.glob("*.json*")) and not (run_dir / "wandb").exists()  # no rank ever started
 

@@ -294,8 +294,11 @@ def _branched_cost(cfg: DictConfig, specs: list) -> CostModel:
         if name == "analytic":
             params.pop("layers_per_stage", None)
             params.pop("segment_lengths", None)
-            return BranchedAnalyticCost(OmegaConf.to_container(cfg.model, resolve=True),
+            overlap = params.pop("overlap", 0.0)
+            cost = BranchedAnalyticCost(OmegaConf.to_container(cfg.model, resolve=True),
                                         [(s.branch, s.lo, s.hi) for s in specs], cfg.pipeline.microbatch_size, **params)
+            cost.overlap = float(overlap)
+            return cost
     except (TypeError, ValueError) as err:
         raise _naming_key("cost", name, err) from None
     raise ConfigError(f"cost.name={name}: a concurrent-branch model is priced by analytic, unit or calibrated; "

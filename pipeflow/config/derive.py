@@ -54,7 +54,9 @@ def _cost_schema(name: str) -> type:
     microbatch size come from the run, not from this group."""
     init = COST_MODELS[name].__init__
     from_run = [p for p in inspect.signature(init).parameters if p not in cost_params(name)]
-    return _schema_from_signature(f"{_camel(name)}CostConfig", name, init, skip=from_run)
+    schema = _schema_from_signature(f"{_camel(name)}CostConfig", name, init, skip=from_run)
+    # every cost model prices an overlapped F&B pair (pipeflow.planning.cost.CostModel.overlap)
+    return make_dataclass(schema.__name__, [("overlap", float, 0.0)], bases=(schema,))
 
 
 def _camel(name: str) -> str:

@@ -51,6 +51,9 @@ class CostModel(ABC):
     # mix with them). None means messages are priced by the topology's links.
     message_time: float | None = None
     time_unit: str = "s"  # what compute_time returns
+    # cost.overlap: how much of the shorter half of an overlapped F&B pair (DualPipeV) the
+    # longer one hides, 0 (the halves run one after the other, as on CPU) to 1 (fully)
+    overlap: float = 0.0
 
     @abstractmethod
     def compute_time(self, kind: str, stage: int, segment: int, device: Device) -> float:

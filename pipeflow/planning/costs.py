@@ -17,9 +17,9 @@ _FROM_RUN = {"num_stages", "spec", "microbatch_size"}
 
 
 def cost_params(name: str) -> list[str]:
-    """Keys the ``cost`` config group may set for this model."""
+    """Keys the ``cost`` config group may set for this model (``overlap`` for every one)."""
     sig = inspect.signature(COST_MODELS[name].__init__)
-    return [p for p in sig.parameters if p != "self" and p not in _FROM_RUN]
+    return [p for p in sig.parameters if p != "self" and p not in _FROM_RUN] + ["overlap"]
 
 
 def build_cost_model(
@@ -46,6 +46,16 @@ def build_cost_model(
             f"cost.{unknown[0]}: unknown key for cost model '{name}' "
             f"(unknown: {', '.join(unknown)}); allowed keys: {', '.join(allowed)}"
         )
+    overlap = params.pop("overlap", 0.0)
+    if isinstance(overlap, bool) or not isinstance(overlap, (int, float)) or not 0 <= overlap <= 1:
+        raise ValueError(f"cost.overlap={overlap!r}: the hidden share of an overlapped F&B pair's shorter half; "
+                         f"a number in [0, 1] (0: one after the other)")
+    model = _build(name, params, num_stages, spec, microbatch_size)
+    model.overlap = float(overlap)
+    return model
+
+
+def _build(name: str, params: dict, num_stages: int, spec: TransformerSpec | None, microbatch_size: int) -> CostModel:
     if name == "unit":
         return UnitCost(num_stages, **params)
     if name == "calibrated":

@@ -137,6 +137,9 @@ class Executor:
         self.placement = schedule.placement
         self.graph = schedule.graph
         self.plan, self.tail = _post_ahead(items)
+        # an overlapped F&B pair starts once both halves' inputs are in (the backward's
+        # receives are posted before the forward runs); on CPU the halves then run in turn
+        self.partner = schedule.overlap_partner()
         # bytes autograd saves for backward (and Seq1F1B's K/V cache), parameters excluded
         self.meter = SavedBytes({p.untyped_storage().data_ptr() for st in stages.values() for p in st.module.parameters()})
         # forward-only walk for evaluation: the forwards and the activation messages, in
@@ -221,6 +224,8 @@ class Executor:
             if before is not None:
                 before(a)
             self._await_inputs(a, io.inbox)
+            if a in self.partner:
+                self._await_inputs(self.partner[a], io.inbox)
             handler = handlers.get(a.kind)
             if handler is None:
                 raise NotImplementedError(f"{a}: {type(self).__name__} runs {', '.join(map(str, handlers))} actions")

@@ -50,6 +50,7 @@ def finish_sync(
     pipe_of_microbatch: tuple[int, ...] = (),
     num_segments: int = 1,
     meta: dict | None = None,
+    overlapped: tuple = (),
 ) -> Schedule:
     """Close a synchronous iteration: after the last weight-gradient action of each
     replicated stage on a device, issue its REDUCE (so the all-reduce overlaps the
@@ -86,4 +87,5 @@ def finish_sync(
         policy=WeightPolicy.SYNC,
         pipe_of_microbatch=pipe_of_microbatch,
         meta=dict(meta or {}),
+        overlapped=tuple(overlapped),
     )

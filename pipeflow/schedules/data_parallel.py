@@ -72,7 +72,13 @@ def replicate_onto(replicas: Sequence[Schedule], devices: Sequence[Sequence[int]
     table: list[tuple[int, ...]] = []
     pipe_of = [0] * total
     orders: list[list] = [[] for _ in range(num_devices)]
+    overlapped: list = []
     for r, (s, row, mbs) in enumerate(zip(replicas, devices, ids)):
+        def moved(a, r=r, mbs=mbs):
+            return a._replace(microbatch=mbs[a.microbatch] if a.microbatch >= 0 else a.microbatch,
+                              pipe=a.pipe + r * pipes)
+
+        overlapped += [(moved(f), moved(b)) for f, b in s.overlapped]
         row = list(row)
         if len(row) != s.num_devices or len(mbs) != s.num_microbatches:
             raise ValueError(f"replica {r}: {s.num_devices} devices and {s.num_microbatches} microbatches, "
@@ -81,14 +87,12 @@ def replicate_onto(replicas: Sequence[Schedule], devices: Sequence[Sequence[int]
         for i, g in enumerate(mbs):
             pipe_of[g] = r * pipes + s.pipe_of_microbatch[i]
         for d, order in enumerate(s.orders):
-            orders[row[d]] = [a._replace(microbatch=mbs[a.microbatch] if a.microbatch >= 0 else a.microbatch,
-                                         pipe=a.pipe + r * pipes)
-                              for a in order if a.kind not in (Kind.REDUCE, Kind.STEP)]
+            orders[row[d]] = [moved(a) for a in order if a.kind not in (Kind.REDUCE, Kind.STEP)]
     n = len(replicas)
     meta = {**first.meta, "data_parallel": n} if n > 1 else dict(first.meta)
     return finish_sync(first.name, first.graph, Placement(num_devices, tuple(table)), orders, total,
                        pipe_of_microbatch=tuple(pipe_of),
-                       num_segments=first.num_segments, meta=meta)
+                       num_segments=first.num_segments, meta=meta, overlapped=tuple(overlapped))
 
 
 def pipeline_shape(schedule: Schedule, stages: int) -> dict:

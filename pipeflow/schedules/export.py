@@ -48,10 +48,18 @@ def check_exportable(schedule: Schedule) -> None:
 
 
 def torch_csv_rows(schedule: Schedule) -> list[list[str]]:
-    """The per-rank cells of the CSV, compute actions only, in device order."""
+    """The per-rank cells of the CSV, compute actions only, in device order; an
+    overlapped F&B pair is one ``(F;B)OVERLAP_F_B`` cell, as torch writes DualPipeV's."""
     check_exportable(schedule)
+    partner = schedule.overlap_partner()
+    paired = set(partner.values())
+
+    def cell(a) -> str:
+        return f"{a.stage}{a.kind}{a.microbatch}"
+
     return [
-        [f"{a.stage}{a.kind}{a.microbatch}" for a in order if a.kind in Kind.COMPUTE]
+        [f"({cell(a)};{cell(partner[a])})OVERLAP_F_B" if a in partner else cell(a)
+         for a in order if a.kind in Kind.COMPUTE and a not in paired]
         for order in schedule.orders
     ]
 

@@ -8,10 +8,11 @@ Three ways of writing one are read:
 - torch's CSV with communication (``_dump_csv`` of a lowered schedule): the
   ``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B``, ``UNSHARD``/``RESHARD`` and ``REDUCE_GRAD``
   cells are skipped (pipeflow derives its own communication and reduction), and an
-  overlapped ``(F;B)OVERLAP_F_B`` cell runs its forward, then its backward;
+  ``(F;B)OVERLAP_F_B`` cell is an overlapped pair (:attr:`Schedule.overlapped`);
 - pipeflow's notation, as :meth:`pipeflow.schedules.ir.Schedule.format` prints it
   (``d0  | 0F0 0F1 0B0 ...``, whitespace between actions; ``s<k>`` for sequence
-  segments), so a printed schedule can be edited by hand and run. Its REDUCE and STEP
+  segments; ``(0F3;3B1)`` for an overlapped pair), so a printed schedule can be edited
+  by hand and run. Its REDUCE and STEP
   actions are dropped and the step is closed again as every synchronous schedule is.
 
 The stages form a chain ``0 .. S-1``; each must run on exactly one device, and the
@@ -34,18 +35,25 @@ from .spec import ScheduleSpec
 
 _TORCH_COMPUTE = re.compile(r"(\d+)([FIWB])(\d+)")
 _TORCH_SKIPPED = re.compile(r"\d+(SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDUCE_GRAD)\d*")
-_OVERLAP = re.compile(r"\((.*)\)OVERLAP_F_B")
+_OVERLAP = re.compile(r"\((.*)\)(?:OVERLAP_F_B)?")
 _DEVICE_PREFIX = re.compile(r"^\s*d\d+\s*\|")
 
 
-def _cell(text: str, where: str) -> list[Action]:
-    """The compute actions one cell holds (none for a communication cell)."""
+def _cell(text: str, where: str, pairs: list | None = None) -> list[Action]:
+    """The compute actions one cell holds (none for a communication cell); an overlapped
+    ``(F;B)`` cell adds its pair to ``pairs``."""
     text = text.strip()
     if not text or _TORCH_SKIPPED.fullmatch(text):
         return []
     m = _OVERLAP.fullmatch(text)
     if m:
-        return [a for part in m.group(1).split(";") for a in _cell(part, where)]
+        parts = [a for part in m.group(1).split(";") for a in _cell(part, where)]
+        if len(parts) != 2 or parts[0].kind != Kind.F or parts[1].kind != Kind.B:
+            raise ScheduleConfigError(f"{where}: an overlapped cell holds a forward and a full backward, "
+                                      f"e.g. (0F3;3B1)OVERLAP_F_B; got {text!r}")
+        if pairs is not None:
+            pairs.append((parts[0], parts[1]))
+        return parts
     m = _TORCH_COMPUTE.fullmatch(text)
     if m:
         return [Action(m.group(2), int(m.group(1)), int(m.group(3)))]
@@ -58,6 +66,12 @@ def _cell(text: str, where: str) -> list[Action]:
 
 def read_orders(text: str, source: str = "the file") -> list[list[Action]]:
     """Per-device compute orders of a schedule file's text (any of the three formats)."""
+    return read_schedule_text(text, source)[0]
+
+
+def read_schedule_text(text: str, source: str = "the file") -> tuple[list[list[Action]], list[tuple[Action, Action]]]:
+    """Per-device compute orders and the overlapped (F, B) pairs of a schedule file's text."""
+    pairs: list[tuple[Action, Action]] = []
     rows: list[list[str]] = []
     for line in text.splitlines():
         if not line.strip() or line.lstrip().startswith("#"):
@@ -66,11 +80,13 @@ def read_orders(text: str, source: str = "the file") -> list[list[Action]]:
             rows.append(next(csv.reader(io.StringIO(line))))
         else:
             rows.append(_DEVICE_PREFIX.sub("", line).split())
-    return [[a for k, cell in enumerate(row) for a in _cell(cell, f"{source}, device {d}, cell {k + 1}")]
-            for d, row in enumerate(rows)]
+    orders = [[a for k, cell in enumerate(row) for a in _cell(cell, f"{source}, device {d}, cell {k + 1}", pairs)]
+              for d, row in enumerate(rows)]
+    return orders, pairs
 
 
-def schedule_from_orders(orders: list[list[Action]], name: str = "file", source: str = "the file") -> Schedule:
+def schedule_from_orders(orders: list[list[Action]], name: str = "file", source: str = "the file",
+                         overlapped: tuple = ()) -> Schedule:
     """A synchronous schedule from per-device compute orders: the chain of the stages they
     name, each on the device that runs it."""
     if not orders or not any(orders):
@@ -101,7 +117,8 @@ def schedule_from_orders(orders: list[list[Action]], name: str = "file", source:
     v = len(stages) / len(orders)
     meta = {"virtual_stages": int(v)} if v == int(v) and v > 1 else {}
     return finish_sync(name, StageGraph.chain(len(stages)), Placement.single(device_of_stage, len(orders)),
-                       [list(o) for o in orders], len(mbs), num_segments=segments, meta=meta)
+                       [list(o) for o in orders], len(mbs), num_segments=segments, meta=meta,
+                       overlapped=tuple(overlapped))
 
 
 def from_file(stages: int, microbatches: int, virtual_stages: int = 1, segments: int = 1,
@@ -116,7 +133,8 @@ def from_file(stages: int, microbatches: int, virtual_stages: int = 1, segments:
             text = f.read()
     except OSError as err:
         raise ScheduleConfigError(f"schedule.path={path}: cannot read it ({err.strerror or err})") from None
-    sched = schedule_from_orders(read_orders(text, path), source=path)
+    orders, pairs = read_schedule_text(text, path)
+    sched = schedule_from_orders(orders, source=path, overlapped=tuple(pairs))
     sched.meta["path"] = path
     found = {"pipeline.stages": (stages, sched.num_devices, "devices (lines)"),
              "pipeline.microbatches": (microbatches, sched.num_microbatches, "microbatches"),

@@ -278,6 +278,11 @@ class Schedule:
     microbatches_per_step: int = 0  # 0: num_microbatches / windows
     zero: bool = False
     meta: dict = field(default_factory=dict)  # descriptive only (policy chosen, plan, groups, ...)
+    # (forward, backward) pairs run as one overlapped unit (DualPipeV's overlapped F&B): the
+    # backward right after its forward on one device, the pair starting once both are
+    # ready; the simulator prices it as max + (1 - cost.overlap) x min of the two, the
+    # runtime runs the forward, then the backward (on CPU), with both inputs received first
+    overlapped: tuple[tuple[Action, Action], ...] = ()
 
     def __post_init__(self) -> None:
         m = self.num_microbatches
@@ -317,11 +322,21 @@ class Schedule:
     def uses_split_backward(self) -> bool:
         return any(a.kind == Kind.I for order in self.orders for a in order)
 
+    def overlap_partner(self) -> dict[Action, Action]:
+        """Forward -> the backward it overlaps with (:attr:`overlapped`)."""
+        return dict(self.overlapped)
+
+    def cells(self, dev: int) -> list[str]:
+        """Device ``dev``'s actions as printed, an overlapped pair as one ``(F;B)`` cell."""
+        partner = self.overlap_partner()
+        paired = set(partner.values())
+        return [f"({a};{partner[a]})" if a in partner else str(a) for a in self.orders[dev] if a not in paired]
+
     def format(self, width: int = 6) -> str:
         """Human-readable grid, one row per device."""
         lines = []
-        for dev, order in enumerate(self.orders):
-            cells = " ".join(f"{str(a):<{width}}" for a in order)
+        for dev in range(len(self.orders)):
+            cells = " ".join(f"{c:<{width}}" for c in self.cells(dev))
             lines.append(f"d{dev:<3}| {cells}")
         return "\n".join(lines)
 

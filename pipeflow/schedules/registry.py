@@ -37,7 +37,7 @@ def register(spec: ScheduleSpec, replace: bool = False) -> ScheduleSpec:
 
 for _spec in (gpipe.SPEC, one_f_one_b.SPEC, interleaved.SPEC, zero_bubble.SPEC, chimera.SPEC,
               asynchronous.PIPEDREAM, asynchronous.PIPEDREAM_2BW, asynchronous.AMDP, bapp.SPEC,
-              seq1f1b.SEQ1F1B, seq1f1b.SEQ1F1B_INTERLEAVED, zero_bubble.ZB_H2, zero_bubble.INTERLEAVED_ZB, v_shape.ZB_V, looped.SPEC,
+              seq1f1b.SEQ1F1B, seq1f1b.SEQ1F1B_INTERLEAVED, zero_bubble.ZB_H2, zero_bubble.INTERLEAVED_ZB, v_shape.ZB_V, v_shape.DUALPIPE_V, looped.SPEC,
               from_file.SPEC):
     register(_spec)
 BUILTIN = tuple(_SPECS)

@@ -113,5 +113,102 @@ def zb_v(stages: int, microbatches: int, virtual_stages: int = 2) -> Schedule:
     return finish_sync("zb_v", StageGraph.chain(2 * p), v_placement(p), orders, m, meta={"virtual_stages": 2})
 
 
+class _DualDevice(_Device):
+    """A DualPipeV device: B and I of a stage share one backward count, the I leave their
+    W in one queue (oldest first), and overlapped F&B pairs are recorded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queue: deque[Action] = deque()
+        self.pairs: list[tuple[Action, Action]] = []
+
+    def back(self, stage: int, split: bool = False) -> Action:
+        mb = self.count.get(("back", stage), 0)
+        self.count[("back", stage)] = mb + 1
+        a = Action(Kind.I if split else Kind.B, stage, mb)
+        self.order.append(a)
+        if split:
+            self.queue.append(Action(Kind.W, stage, mb))
+        return a
+
+    def weight(self) -> None:
+        if self.queue:
+            self.order.append(self.queue.popleft())
+
+    def overlapped(self, forward_stage: int, backward_stage: int) -> None:
+        self.run(Kind.F, forward_stage)
+        f = self.order[-1]
+        self.pairs.append((f, self.back(backward_stage)))
+
+
+def dualpipe_v_order(p: int, m: int, d: int) -> tuple[list[Action], list[tuple[Action, Action]]]:
+    """Device ``d``'s DualPipeV order and its overlapped pairs (see :func:`dualpipe_v`)."""
+    down, up = d, 2 * p - 1 - d
+    dev = _DualDevice()
+    for _ in range(2 * (p - d - 1)):  # 1. the down stage fills the V
+        dev.run(Kind.F, down)
+    for _ in range(d + 1):  # 2. both halves
+        dev.run(Kind.F, down)
+        dev.run(Kind.F, up)
+    for _ in range(p - d - 1):  # 3. the up stage's first backwards, split, their W in the gaps
+        dev.back(up, split=True)
+        dev.weight()
+        dev.run(Kind.F, up)
+    for i in range(m - 2 * p + d + 1):  # 4. steady: every forward overlapped with a backward
+        if i == 0 and d == p - 1:  # the turn of the V: its first up backward needs this forward
+            dev.run(Kind.F, down)
+            dev.back(up)
+        else:
+            dev.overlapped(down, up)
+        dev.overlapped(up, down)
+    for _ in range(p - d - 1):  # 5. the down stage's forwards are done
+        dev.back(up)
+        dev.overlapped(up, down)
+    split = False
+    for i in range(d + 1):  # 6. both halves' last backwards, split from the middle on
+        if i == (d + 1) // 2 and d % 2 == 1:
+            split = True
+        dev.back(up, split)
+        if i == (d + 1) // 2 and d % 2 == 0:
+            split = True
+        dev.back(down, split)
+    for _ in range(p - d - 1):  # 7. the down stage's last backwards, W in between
+        dev.weight()
+        dev.back(down, split)
+    for _ in range(d + 1):  # 8. the W still queued
+        dev.weight()
+    return dev.order, dev.pairs
+
+
+def dualpipe_v(stages: int, microbatches: int, virtual_stages: int = 2) -> Schedule:
+    """DualPipeV (DeepSeek-V3's DualPipe folded onto a V; torch's ScheduleDualPipeV).
+
+    Two chunks per device on the V placement. Device d fills the V with 2(p-d-1) forwards
+    of its down stage, runs d+1 forwards of both, starts its up stage's backwards (split
+    into I and W, the W filling gaps), and then, in the steady state, runs every forward
+    overlapped with a backward of its other stage: (F down; B up), (F up; B down). The
+    overlapped pairs (:attr:`Schedule.overlapped`) hide one half's time behind the other
+    where two streams run them together (``cost.overlap``; the CPU runtime runs them in
+    turn). The cool-down splits the last backwards into I and W from its middle on, so
+    the W fill the drain. Needs m >= 2p (two microbatches per stage of the V)."""
+    name = "dualpipe_v"
+    check_basic(name, stages, microbatches)
+    require(virtual_stages == 2, "pipeline.virtual_stages", virtual_stages, name,
+            "exactly two chunks per device (the V's down and up stage): pipeline.virtual_stages=2")
+    p, m = stages, microbatches
+    require(m >= 2 * p, "pipeline.microbatches", m, name,
+            f"at least two per stage of the V: pipeline.microbatches >= 2 x pipeline.stages = {2 * p}")
+    orders, pairs = [], []
+    for d in range(p):
+        order, own = dualpipe_v_order(p, m, d)
+        orders.append(order)
+        pairs += own
+    return finish_sync(name, StageGraph.chain(2 * p), v_placement(p), orders, m, meta={"virtual_stages": 2},
+                       overlapped=tuple(pairs))
+
+
+DUALPIPE_V = ScheduleSpec("dualpipe_v", dualpipe_v, "DualPipeV: a V of two chunks per device, every steady-state "
+                          "forward overlapped with a backward of the other chunk (cost.overlap)")
+
 ZB_V = ScheduleSpec("zb_v", zb_v, "zero bubble on a V: two chunks per device (d and 2p-1-d), "
                     "1F1B's activation memory (ZB-V)")

@@ -186,6 +186,13 @@ def dry_run(schedule: Schedule, resolver: DepResolver | None = None) -> list[Act
         for pos, a in enumerate(order):
             where[a] = (dev, pos)
     deps_cache: list[list[list[Action]]] = [[[d.action for d in res.deps(a)] for a in order] for order in orders]
+    # an overlapped pair starts when both halves are ready: its forward waits for what its
+    # backward needs too (a backward that needs its own forward's result cannot overlap it)
+    for f, b in schedule.overlapped:
+        if f in where and b in where:
+            fdev, fpos = where[f]
+            bdev, bpos = where[b]
+            deps_cache[fdev][fpos] = deps_cache[fdev][fpos] + [d for d in deps_cache[bdev][bpos] if d != f]
     for dev, order in enumerate(orders):
         for pos, a in enumerate(order):
             for d in deps_cache[dev][pos]:
@@ -254,8 +261,34 @@ def dry_run(schedule: Schedule, resolver: DepResolver | None = None) -> list[Act
     )
 
 
+def check_overlaps(schedule: Schedule) -> None:
+    """Each overlapped pair is a forward followed at once by a full backward on the same
+    device (the unit the simulator prices and the runtime runs), each action in one pair."""
+    if not schedule.overlapped:
+        return
+    where = {a: (dev, pos) for dev, pos, a in schedule.actions()}
+    seen: set[Action] = set()
+    for f, b in schedule.overlapped:
+        pair = f"overlapped pair ({f};{b})"
+        if f.kind != Kind.F or b.kind != Kind.B:
+            raise ScheduleError(f"schedule {schedule.name!r}: {pair} must be a forward (F) and a full backward (B)",
+                                [f, b])
+        if f in seen or b in seen:
+            raise ScheduleError(f"schedule {schedule.name!r}: {pair} shares an action with another pair", [f, b])
+        seen |= {f, b}
+        if f not in where or b not in where:
+            raise ScheduleError(f"schedule {schedule.name!r}: {pair} names an action the schedule does not run",
+                                [f, b])
+        (fd, fp), (bd, bp) = where[f], where[b]
+        if fd != bd or bp != fp + 1:
+            raise ScheduleError(f"schedule {schedule.name!r}: {pair} must be adjacent on one device, the backward "
+                                f"right after the forward (they are at device {fd} position {fp} and device {bd} "
+                                f"position {bp})", [f, b])
+
+
 def validate(schedule: Schedule) -> Schedule:
     """Raise ScheduleError unless the schedule is complete and runs to completion."""
     check_complete(schedule)
+    check_overlaps(schedule)
     dry_run(schedule)
     return schedule

@@ -117,19 +117,30 @@ def _compile(schedule: Schedule) -> CompiledSchedule:
     local_out: list[list[int]] = [[] for _ in range(n)]
     msg_src: list[int] = []
     msg_dst: list[int] = []
+    msg_to: list[int] = []  # who waits for the message: its consumer, or the pair's forward
     num_waits = [0] * n
+    # an overlapped pair starts when both halves are ready: what its backward waits for,
+    # its forward waits for instead (the backward follows the forward on the stream)
+    waiter = list(range(n))
+    for f, b in schedule.overlapped:
+        if f in index and b in index:
+            waiter[index[b]] = index[f]
     c = -1
     try:
         for c, dep_list in enumerate(map(resolver.deps, actions)):
             dc = device[c]
-            num_waits[c] = len(dep_list)
+            w = waiter[c]
             for dep_action, carries in dep_list:
                 p = index[dep_action]
+                if p == w:
+                    continue  # a pair's backward does not wait for its own forward
+                num_waits[w] += 1
                 if carries and device[p] != dc:
                     msg_src.append(p)
                     msg_dst.append(c)
+                    msg_to.append(w)
                 else:
-                    local_out[p].append(c)
+                    local_out[p].append(w)
     except KeyError:
         missing = [str(d.action) for d in resolver.deps(actions[c]) if d.action not in index]
         if not missing:
@@ -155,7 +166,7 @@ def _compile(schedule: Schedule) -> CompiledSchedule:
     for mc, count in Counter(msg_class).items():
         message_counts[mc] = count
     tensor_out: list[list[tuple[int, int]]] = [[] for _ in range(n)]
-    for p, c, mc in zip(msg_src, msg_dst, msg_class):
+    for p, c, mc in zip(msg_src, msg_to, msg_class):
         tensor_out[p].append((c, mc))
 
     # The device predecessor is one more thing to wait for. A compute action frees the

@@ -157,6 +157,15 @@ def _simulate(cs: CompiledSchedule, cost, topology, record: bool, want_waits: bo
                 dur[a] += host
                 dur[c] += host
 
+    # ---- an overlapped F&B pair (DualPipeV) takes max + (1 - cost.overlap) x min of its
+    # halves: the shorter half gives up the part the longer one hides
+    overlap = float(getattr(cost, "overlap", 0.0) or 0.0)
+    if overlap > 0:
+        for fa, ba in sched.overlapped:
+            f, b = cs.index[fa], cs.index[ba]
+            shorter = f if dur[f] <= dur[b] else b
+            dur[shorter] -= overlap * dur[shorter]
+
     # ---- price every message class once: (transfer time, latency, resource slots, bytes)
     slot_of: dict = {}  # topology resource id -> index into ``free``
     specs: list[tuple[float, float, tuple[int, ...], float]] = []
