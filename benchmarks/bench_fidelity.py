@@ -1,7 +1,8 @@
 """Does the simulator predict what the runtime measures, for every schedule it executes?
 
 For each world size (2 and 4 CPU ranks by default) and each schedule the runtime runs
-(synchronous: gpipe, 1f1b, zb_h1, chimera, interleaved_1f1b; asynchronous: pipedream,
+(synchronous: gpipe, 1f1b, zb_h1, chimera, interleaved_1f1b, zb_h2, interleaved_zb, zb_v,
+dualpipe_v, looped_bfs; asynchronous: pipedream,
 pipedream_2bw, amdp; segmented: seq1f1b; planned; branched: bapp and chimera on the
 concurrent-branch model), with the same model and global batch (gpt_tiny, or cbm_tiny
 for the branched pair; 8 microbatches of 4; on 4 ranks gpt_tiny with 8 layers, two per
@@ -64,6 +65,12 @@ CASES: dict[str, list[str]] = {
     "zb_h1": ["schedule=zb_h1"],
     "chimera": ["schedule=chimera"],
     "interleaved_1f1b": ["schedule=interleaved_1f1b", "pipeline.virtual_stages=2"],
+    # issue 17's: zero bubble's H2 and interleaved forms, the V (ZB-V, DualPipeV), breadth first
+    "zb_h2": ["schedule=zb_h2"],
+    "interleaved_zb": ["schedule=interleaved_zb", "pipeline.virtual_stages=2"],
+    "zb_v": ["schedule=zb_v", "pipeline.virtual_stages=2"],
+    "dualpipe_v": ["schedule=dualpipe_v", "pipeline.virtual_stages=2"],
+    "looped_bfs": ["schedule=looped_bfs", "pipeline.virtual_stages=2"],
     "pipedream": ["schedule=pipedream"],
     "pipedream_2bw": ["schedule=pipedream_2bw"],
     "amdp": ["schedule=amdp"],
