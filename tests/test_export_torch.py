@@ -69,6 +69,10 @@ def _cases():
             yield "zb_h2", p, m, 1
         for m in (2 * p, 3 * p):  # DualPipeV needs two microbatches per stage of the V
             yield "dualpipe_v", p, m, 2
+    # issue 17's acceptance sizes for its new schedules
+    for p, m in ((4, 16), (8, 16)):
+        for name, v in (("zb_h2", 1), ("interleaved_zb", 2), ("zb_v", 2), ("dualpipe_v", 2), ("looped_bfs", 2)):
+            yield name, p, m, v
 
 
 CASES = list(_cases())
