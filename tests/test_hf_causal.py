@@ -177,9 +177,10 @@ def test_a_local_tokenizer_feeds_the_text_corpus(tmp_path):
                                        f"model.hf.vocab_size={size}", "logger=none"]))
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
-@pytest.mark.parametrize("split", [False, True], ids=["B", "I+W"])
-@pytest.mark.parametrize("segments", [False, True], ids=["whole", "segment"])
+@pytest.mark.parametrize("arch,split,segments", [("llama", False, False), ("llama", True, False), ("llama", False, True),
+                                                  ("llama", True, True), ("gpt_neox", True, True)],
+                         ids=["llama-B-whole", "llama-I+W-whole", "llama-B-segment", "llama-I+W-segment",
+                              "gpt_neox-I+W-segment"])
 def test_recomputation_gives_the_same_gradients_and_keeps_less(arch, split, segments):
     """model.recompute on transformers' layers: full wraps each decoder layer, selective
     its attention module; the gradients are none's (the zero-bubble split and a second

@@ -81,11 +81,28 @@ RUNS = [("gpipe", SMALL, []), ("1f1b", SMALL, []), ("interleaved_1f1b", SMALL, [
         ("amdp", SMALL, ["schedule.windows=1"]), ("bapp", CBM, [])]
 
 
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """One single-device run per model, shared by the schedules (trained on first use)."""
+    runs: dict[str, dict] = {}
+
+    def get(base: list[str]) -> dict:
+        key = "cbm" if base is CBM else "gpt"
+        if key not in runs:
+            tied = pipeline_runs.GPT_TIED if base is SMALL else None
+            runs[key] = pipeline_runs.train(tmp_path_factory.mktemp(f"ref-{key}"), [*base, "pipeline.stages=1"],
+                                            tied=tied)
+        return runs[key]
+
+    return get
+
+
 @slow
 @pytest.mark.parametrize("name,base,extra", RUNS, ids=[r[0] for r in RUNS])
-def test_every_runtime_schedule_trains_to_the_reference_with_ordered_messages(name, base, extra, tmp_path):
+def test_every_runtime_schedule_trains_to_the_reference_with_ordered_messages(name, base, extra, references,
+                                                                              tmp_path):
     tied = pipeline_runs.GPT_TIED if base is SMALL else None
-    ref = pipeline_runs.train(tmp_path / "ref", [*base, "pipeline.stages=1"], tied=tied)
+    ref = references(base)
     run = pipeline_runs.train(tmp_path / "run", [*base, *extra, f"schedule={name}", "pipeline.stages=2",
                                                  "runtime.p2p=ordered"], tied=tied)
     for pname, (want,) in ref["grads"].items():

@@ -22,6 +22,7 @@ How a job ends is the point of this module:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -124,12 +125,31 @@ def stop_reason() -> str | None:
     return _stop_reason[0] if _stop_reason else None
 
 
+_deferring: list[bool] = []  # inside deferred_stop(): a stop is recorded, raised when the block ends
+
+
 def _on_stop_signal(signum, _frame) -> None:
     if _stop_reason:
         return  # one stop: the launcher forwarding a Ctrl-C the rank also got changes nothing
     _stop_reason.append(PEER_FAILED_REASON if signum == PEER_FAILED else
                         _pending[0] if _pending else signal.Signals(signum).name)
+    if _deferring:
+        return  # deferred_stop raises it once its block is whole
     raise Stopped(_stop_reason[0])
+
+
+@contextlib.contextmanager
+def deferred_stop():
+    """A block a stop must not cut in two (rank 0 recording a step: metrics.jsonl, W&B
+    and the step count the summary reports): a stop signal that arrives inside it is
+    raised when it ends."""
+    _deferring.append(True)
+    try:
+        yield
+    finally:
+        _deferring.pop()
+    if _stop_reason and not _deferring:
+        raise Stopped(_stop_reason[0])
 
 
 def _watch(rank: int, launcher: int, beats) -> None:

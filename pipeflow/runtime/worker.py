@@ -35,7 +35,7 @@ from .adapters import CBMAdapter, make_adapter
 from .async_executor import AsyncExecutor, ChunkStats
 from .executor import Executor, Groups, StageState
 from .precision import Precision
-from .launch import TrainJob, check_stop, stop_behind
+from .launch import TrainJob, check_stop, deferred_stop, stop_behind
 
 
 def lr_at(step: int, optim: dict, steps: int) -> float:
@@ -586,15 +586,15 @@ def _train_chunk(rank, job, setup: RankSetup, data, sink, progress, state: RunSt
     if _falls_in(save_every, first, end) or end == steps or cut_next:
         checkpoint.save(job.run_dir, end, rank, setup.stages, meta, chunk_start=end if end % cap == 0 else first - 1,
                         scaler=setup.executor.scaler)
-    if rank == 0:
-        for s, metrics in zip(span, metrics_of):
-            if s <= quiet:
-                continue
-            state.history.append(metrics)
-            if s % int(trainer.get("log_every") or 1) == 0 or "val_loss" in metrics:
-                sink.log(s, metrics)
-            progress.update(s, metrics["loss"], metrics["tokens_per_s"])
-        if timeline is not None:
-            # after the chunk's rows: W&B drops rows logged at a step below one it has seen
-            sink.log_timeline(timeline, tl)
-    state.step = end
+    with deferred_stop():  # the rows, W&B and the summary's last step agree however a stop lands
+        if rank == 0:
+            for s, metrics in zip(span, metrics_of):
+                if s <= quiet:
+                    continue
+                state.history.append(metrics)
+                if s % int(trainer.get("log_every") or 1) == 0 or "val_loss" in metrics:
+                    sink.log(s, metrics)
+                progress.update(s, metrics["loss"], metrics["tokens_per_s"])
+        state.step = end
+    if rank == 0 and timeline is not None:  # after the chunk's rows: W&B drops rows below a step it saw
+        sink.log_timeline(timeline, tl)
