@@ -105,6 +105,20 @@ def interleaved_groups(p: int, m: int, s: int) -> list[int]:
     return [m // rounds + (1 if g < m % rounds else 0) for g in range(rounds)]
 
 
+def interleaved_units(p: int, m: int, v: int, s: int) -> tuple[list[int], list[tuple[int, int]],
+                                                               list[tuple[int, int]]]:
+    """The groups (:func:`interleaved_groups`) and the (chunk, unit) pairs a device runs
+    forward (each group through chunks 0..v-1) and backward (through v-1..0), in order;
+    a unit is a microbatch segment (the microbatch itself with s = 1)."""
+    groups = interleaved_groups(p, m, s)
+    fwd: list[tuple[int, int]] = []
+    start = 0
+    for size in groups:
+        fwd += [(c, u) for c in range(v) for u in range(start * s, (start + size) * s)]
+        start += size
+    return groups, fwd, [(v - 1 - c, u) for c, u in fwd]
+
+
 def interleaved_orders(p: int, m: int, v: int, s: int) -> list[list[Action]]:
     """Per-device orders of the interleaved (virtual-stage) schedule over m microbatches
     of s segments: the microbatches move through a device's v chunks in the groups of
@@ -112,14 +126,7 @@ def interleaved_orders(p: int, m: int, v: int, s: int) -> list[list[Action]]:
     through v-1..0); chunk c of device r is stage c*p + r. The first group's units and
     the hops to the last device set the warm-up. With s = 1 and m a multiple of p this is
     Megatron's interleaved 1F1B."""
-    groups = interleaved_groups(p, m, s)
-    fwd_units: list[tuple[int, int]] = []  # (chunk, unit) in the order a device runs them
-    start = 0
-    for size in groups:
-        units = range(start * s, (start + size) * s)
-        fwd_units += [(c, u) for c in range(v) for u in units]
-        start += size
-    bwd_units = [(v - 1 - c, u) for c, u in fwd_units]
+    groups, fwd_units, bwd_units = interleaved_units(p, m, v, s)
     total = len(fwd_units)  # chunk-unit pairs per device
 
     orders: list[list[Action]] = []

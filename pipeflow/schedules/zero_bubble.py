@@ -15,7 +15,7 @@ from collections import deque
 
 from .common import check_basic, finish_sync, require
 from .ir import Action, Kind, Placement, Schedule, StageGraph
-from .seq1f1b import interleaved_groups
+from .seq1f1b import interleaved_units
 from .spec import ScheduleSpec
 
 
@@ -64,13 +64,7 @@ def interleaved_zb(stages: int, microbatches: int, virtual_stages: int = 2) -> S
     p, m, v = stages, microbatches, virtual_stages
     require(isinstance(v, int) and not isinstance(v, bool) and v >= 1, "pipeline.virtual_stages", v, name,
             "a whole number of chunks per device >= 1")
-    groups = interleaved_groups(p, m, 1)
-    fwd_units: list[tuple[int, int]] = []  # (chunk, microbatch) in the order a device runs them
-    first = 0
-    for size in groups:
-        fwd_units += [(c, mb) for c in range(v) for mb in range(first, first + size)]
-        first += size
-    bwd_units = [(v - 1 - c, mb) for c, mb in fwd_units]
+    groups, fwd_units, bwd_units = interleaved_units(p, m, v, 1)  # (chunk, microbatch), interleaved 1F1B's order
     total = len(fwd_units)
     orders: list[list[Action]] = []
     for r in range(p):
