@@ -18,7 +18,7 @@ from pipeflow.config import CONF_DIR, register_configs
 from pipeflow.config.apphelp import config_groups, plain_text, usage
 
 MARKUP = re.compile(r"``|:(?:mod|class|func|meth|attr|data|ref):`")
-APPS = ("train", "simulate", "plan")
+APPS = ("train", "simulate", "plan", "search")
 
 
 def test_plain_text_drops_rest_markup():
@@ -61,7 +61,7 @@ def test_compare_help_is_plain(capsys):
     assert not MARKUP.search(said)
 
 
-@pytest.mark.slow  # three app processes
+@pytest.mark.slow  # four app processes
 @pytest.mark.parametrize("app", APPS)
 def test_help_of_each_app(app, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("HYDRA_")}
@@ -76,5 +76,6 @@ def test_help_of_each_app(app, tmp_path):
     assert re.search(r"^topology: .*\blocal_cpu\b", groups, re.M)
     assert not re.search(r"^schema", groups, re.M)
     assert not MARKUP.search(said)
-    assert "pipeline:" in said.split("== Config ==")[1]  # the composed config still follows
+    # the composed config still follows (the search's options are its own group of keys)
+    assert ("search:" if app == "search" else "pipeline:") in said.split("== Config ==")[1]
     assert not list(Path(tmp_path).iterdir())  # --help runs nothing, writes nothing

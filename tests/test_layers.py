@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pipeflow.runtime",),  # the torch.distributed executor
     ("pipeflow.config",),  # schemas, checks, preparation (the runtime's checkpoint reading, W&B credentials)
     ("pipeflow.compare",),
-    ("pipeflow.train", "pipeflow.simulate", "pipeflow.plan", "pipeflow.calibrate", "pipeflow.profile"),  # the apps
+    ("pipeflow.train", "pipeflow.simulate", "pipeflow.plan", "pipeflow.search", "pipeflow.calibrate", "pipeflow.profile"),  # the apps
 ]
 TORCH_FREE = ["pipeflow.schedules.registry", "pipeflow.topology.presets", "pipeflow.sim", "pipeflow.planning.planner",
               "pipeflow.planning.coordinator", "pipeflow.config", "pipeflow.tracking.sink"]

@@ -56,8 +56,28 @@ def sweep_jobs(path: Path) -> list[list[str]]:
 
 def compose_job(path: Path, overrides: list[str]):
     register_plan_configs()  # also the train and simulate schemas
+    extra = f",file://{searched()}" if path.stem == "search_top" else ""
     with initialize_config_dir(config_dir=str(SWEEPS), version_base="1.3"):
-        return compose(path.stem, overrides=[f"hydra.searchpath=[file://{CONF_DIR}]", *overrides])
+        return compose(path.stem, overrides=[f"hydra.searchpath=[file://{CONF_DIR}{extra}]", *overrides])
+
+
+_SEARCHED: list[Path] = []
+
+
+def searched() -> Path:
+    """A search's output folder (its candidate/c1..c8.yaml), for sweeps/search_top.yaml:
+    gpt_tiny over 4 CPU ranks, written once per session."""
+    if not _SEARCHED:
+        import tempfile
+
+        from pipeflow.search import compose_search, run_search
+
+        out = Path(tempfile.mkdtemp(prefix="pipeflow-search-"))
+        run_search(compose_search(["model=gpt_tiny", "topology=local_cpu", "search.devices=4", "precision=fp32",
+                                   "search.global_batch=8", "search.workers=1", "search.simulate=8", "draw=false"]),
+                   out)
+        _SEARCHED.append(out)
+    return _SEARCHED[0]
 
 
 PREPARE = {"train": prepare_training, "simulate": prepare_simulation, "plan": prepare_plan}

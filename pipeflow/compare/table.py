@@ -188,14 +188,23 @@ def sim_key(run: Run) -> tuple:
     """What makes a simulated run the prediction of a measured one."""
     if run.kind == "simulated":  # the simulator's summary names its whole configuration
         s = run.summary or {}
+        model = s.get("model") or {}
         return (s.get("schedule"), s.get("stages"), s.get("microbatches"), s.get("virtual_stages", 1),
-                s.get("segments", 1), s.get("microbatch_size"), (s.get("model") or {}).get("name"),
-                s.get("data_parallel", 1))
+                s.get("segments", 1), s.get("microbatch_size"), model.get("name"), s.get("data_parallel", 1),
+                model.get("recompute") or "none", s.get("partition") or "uniform")
     pipe = run.config.get("pipeline") or {}
     model = run.config.get("model") or {}
     stages, dp = shape(run)
     return (run.schedule, stages, pipe.get("microbatches"), pipe.get("virtual_stages", 1),
-            pipe.get("segments", 1), pipe.get("microbatch_size"), model.get("name"), dp)
+            pipe.get("segments", 1), pipe.get("microbatch_size"), model.get("name"), dp,
+            model.get("recompute") or "none", _partition(run.config))
+
+
+def _partition(config: dict) -> str:
+    """A measured run's partition as simulated summaries name it: the planner's cut is
+    schedule=planned's own (its summaries name no partition), so it counts as uniform."""
+    name = (config.get("partition") or {}).get("name") or "uniform"
+    return "uniform" if name == "planner" else name
 
 
 def shape(run: Run) -> tuple:

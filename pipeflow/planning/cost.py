@@ -395,6 +395,20 @@ class AnalyticCost(CostModel):
         self._residual = res
         self._transient = trans
         self._params = [self.stage_params(s) for s in range(self.num_stages)]
+        # what each action moves through memory for its stage's weights (the roofline's
+        # memory side): F and I read the matrices, a rebuilt forward reads them again, B
+        # and W read and write the fp32 gradient of every parameter (the embedding's too:
+        # its gradient is dense); W itself reads activations, not weights
+        dt = self.dtype_bytes
+        embedding = [embedding_params(spec) if s == 0 else 0 for s in range(self.num_stages)]
+        matrices = [p - e for p, e in zip(self._params, embedding)]
+        again = {"full": 1.0, "selective": 0.0}.get(spec.recompute, 0.0)
+        self._traffic = {
+            "F": [m * dt for m in matrices],
+            "I": [m * dt * (1 + again) for m in matrices],
+            "W": [8.0 * p for p in self._params],
+            "B": [m * dt * (2 + again) + 8.0 * p for m, p in zip(matrices, self._params)],
+        }
 
     # ---------------------------------------------------------------- queries
 
@@ -421,8 +435,20 @@ class AnalyticCost(CostModel):
                 return 0.0
             per_param = 28 + (self.dtype_bytes if self.dtype_bytes < 4 else 0)
             return self._params[stage] * per_param / device.memory_bandwidth
-        # the device's peak for this precision (fp32: its fp32 or TF32 rate)
-        return self.flops(kind, stage, segment) / (device.flops(self.dtype_bytes) * self.efficiency)
+        # the device's peak for this precision (fp32: its fp32 or TF32 rate), or the time
+        # to move the action's weight traffic, whichever is longer (a roofline)
+        compute = self.flops(kind, stage, segment) / (device.flops(self.dtype_bytes) * self.efficiency)
+        if device.memory_bandwidth <= 0:
+            return compute
+        return max(compute, self._traffic[kind][stage] / device.memory_bandwidth)
+
+    def weight_traffic_bytes(self, kind: str, stage: int) -> float:
+        """Bytes one action of ``kind`` moves for its stage's weights and their gradients,
+        whatever its tokens: what makes many small actions (tiny microbatches, many
+        sequence segments) cost more than their FLOPs."""
+        if kind not in self._traffic:
+            raise self._bad_kind(kind)
+        return self._traffic[kind][stage]
 
     def message_bytes(self, src_stage: int, dst_stage: int, segment: int) -> float:
         x = self.segment_lengths[self._seg(segment)]

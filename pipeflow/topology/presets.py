@@ -142,6 +142,7 @@ def local_cpu(
     cores: int | None = None,
     contention: float = 1.0,
     message_host: float = 0.0,
+    collective_bandwidth: float | None = None,
 ) -> Topology:
     """N CPU ranks on one host, gloo over shared memory / loopback.
 
@@ -154,7 +155,9 @@ def local_cpu(
     ``contention`` is the speed of each when every core is busy (shared memory bandwidth
     and cache); ``message_host``: the host time a message costs its sender and its
     receiver (gloo's calls and threads on the ranks' own cores);
-    ``pipeflow.runtime.calibrate`` measures all three.
+    ``pipeflow.runtime.calibrate`` measures all three. ``collective_bandwidth``: the most
+    bytes/s an all-reduce reaches (None: the loopback's; gloo reduces on the ranks' cores,
+    far below its point-to-point rate; the calibration's step synchronisation measures it).
     """
     n = _count("num_devices", num_devices)
     bw = _number("bandwidth", bandwidth)
@@ -175,7 +178,9 @@ def local_cpu(
     if cores is not None:
         cores = _count("cores", cores)
     return b.build(cores=cores, contention=_number("contention", contention),
-                   message_host=_number("message_host", message_host, strict=False))
+                   message_host=_number("message_host", message_host, strict=False),
+                   collective_bandwidth=None if collective_bandwidth is None
+                   else _number("collective_bandwidth", collective_bandwidth))
 
 
 def cluster(

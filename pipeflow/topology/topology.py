@@ -61,6 +61,7 @@ class Topology:
         cores: int | None = None,
         contention: float = 1.0,
         message_host: float = 0.0,
+        collective_bandwidth: float | None = None,
     ) -> None:
         self.name = name
         # Shared compute: the devices are processes on one host with ``cores`` cores
@@ -80,6 +81,13 @@ class Topology:
         if not 0 <= message_host < math.inf:
             raise ValueError(f"topology '{name}': message_host={message_host!r} must be a finite number of seconds >= 0")
         self.message_host = float(message_host)
+        # The most bytes/s a ring all-reduce's steps reach (None: what its links carry).
+        # gloo's all-reduce on CPU ranks reduces on the ranks' own cores and runs far below
+        # its point-to-point rate; pipeflow.runtime.calibrate's step synchronisation measures it.
+        if collective_bandwidth is not None and not 0 < collective_bandwidth < math.inf:
+            raise ValueError(f"topology '{name}': collective_bandwidth={collective_bandwidth!r} must be a number of "
+                             f"bytes/s > 0, or None")
+        self.collective_bandwidth = None if collective_bandwidth is None else float(collective_bandwidth)
         self.devices = tuple(devices)
         self.resource_names = tuple(resource_names)
         self.resource_bandwidth = tuple(float(b) for b in resource_bandwidth)
@@ -179,6 +187,8 @@ class Topology:
             for x in hop.resources:
                 uses[x] = uses.get(x, 0) + 1
         bw = min((self.resource_bandwidth[x] / k for x, k in uses.items()), default=math.inf)
+        if self.collective_bandwidth is not None and not math.isinf(bw):
+            bw = min(bw, self.collective_bandwidth)
         lat = max(hop.latency for hop in hops)
         if math.isinf(bw):  # every ring member is the same device
             return 0.0
@@ -210,6 +220,7 @@ class Topology:
             cores=self.cores,
             contention=self.contention,
             message_host=self.message_host,
+            collective_bandwidth=self.collective_bandwidth,
         )
 
     def to_dict(self) -> dict:
@@ -229,6 +240,7 @@ class Topology:
             ],
             **({"cores": self.cores, "contention": self.contention} if self.cores is not None else {}),
             **({"message_host": self.message_host} if self.message_host else {}),
+            **({"collective_bandwidth": self.collective_bandwidth} if self.collective_bandwidth else {}),
         }
 
     def __repr__(self) -> str:
@@ -259,6 +271,8 @@ class TopologyBuilder:
     def path(self, src: int, dst: int, resources: Sequence[int]) -> None:
         self.paths[(src, dst)] = list(resources)
 
-    def build(self, cores: int | None = None, contention: float = 1.0, message_host: float = 0.0) -> Topology:
+    def build(self, cores: int | None = None, contention: float = 1.0, message_host: float = 0.0,
+              collective_bandwidth: float | None = None) -> Topology:
         return Topology(self.name, self.devices, self.names, self.bandwidth, self.latency, self.paths,
-                        cores=cores, contention=contention, message_host=message_host)
+                        cores=cores, contention=contention, message_host=message_host,
+                        collective_bandwidth=collective_bandwidth)

@@ -1,0 +1,158 @@
+"""Which schedule should I use? Every schedule x stages x data parallelism x microbatches x
+chunks x segments x recomputation x partition, for one model on one topology within a
+memory limit per device (``pipeflow-search``; docs/planning.md).
+
+:func:`search` enumerates the candidates (:mod:`.space`), prices every one in closed form
+(:mod:`.closed_form`: the schedule's bubble formula, the memory exactly as simulated), and
+simulates the most promising ones that fit, the best of every schedule among them
+(:mod:`.price`); the simulator's order is the answer.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import re
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+
+from .price import CLOSED_FORM, SIMULATED, Priced, Pricer, pareto
+from .space import PARTITIONS, RECOMPUTE, SPLITS, Candidate, SearchSpace, candidates, default_schedules, searchable
+
+__all__ = ["CLOSED_FORM", "SIMULATED", "PARTITIONS", "RECOMPUTE", "SPLITS", "Candidate", "NothingFits", "Priced", "Pricer",
+           "SearchResult", "SearchSpace", "candidates", "default_schedules", "default_workers", "pareto", "search", "searchable"]
+
+GIB = 2**30
+
+
+class NothingFits(ValueError):
+    """No candidate fits the memory limit; the message names the smallest requirement found."""
+
+
+@dataclass
+class SearchResult:
+    considered: int  # candidates enumerated
+    refused: dict[str, int]  # a schedule's or the cost model's rule -> candidates it refused
+    closed: list[Priced]  # every priced candidate, closed form, fastest first
+    ranked: list[Priced]  # the simulated ones that fit, fastest first (ranked[0] is the pick)
+    out_of_memory: list[Priced]  # those that do not fit (simulated where simulated), least over first
+    seconds: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def best(self) -> Priced:
+        return self.ranked[0]
+
+    @property
+    def simulated(self) -> list[Priced]:
+        return self.ranked + [q for q in self.out_of_memory if q.how == SIMULATED]
+
+
+def _rule(c: Candidate, why: str) -> str:
+    """A refusal grouped by its rule: 'dualpipe_v: pipeline.microbatches: ... needs at least
+    two per stage of the V ...' (the sizes replaced by n)."""
+    key, _, rule = why.partition(": ")
+    return f"{c.schedule}: {key.split('=')[0]}: " + re.sub(r"\b\d+\b", "n", rule or key)
+
+
+_PRICER: Pricer | None = None  # the pricer a forked worker inherits
+
+
+def _closed_forms(batch: list[Candidate]) -> list[Priced | str]:
+    return [_PRICER.closed_form(c) for c in batch]
+
+
+def _simulate(batch: list[Candidate]) -> list[Priced]:
+    return [_PRICER.simulated(c) for c in batch]
+
+
+def _deal(items: list, workers: int, key) -> list[list]:
+    """Items into ``workers`` batches, whole groups (same ``key``) together, largest first
+    to the lightest batch, so each worker builds a schedule's structures once."""
+    groups: dict = {}
+    for it in items:
+        groups.setdefault(key(it), []).append(it)
+    batches: list[list] = [[] for _ in range(workers)]
+    for g in sorted(groups.values(), key=len, reverse=True):
+        min(batches, key=len).extend(g)
+    return [b for b in batches if b]
+
+
+def _map(fn, items: list, workers: int, key) -> list[tuple]:
+    """(item, result) pairs of fn over items, in ``workers`` forked processes when more
+    than one (each inherits the pricer; whole groups by ``key`` go to one)."""
+    if workers <= 1 or len(items) < 2 or "fork" not in multiprocessing.get_all_start_methods():
+        return list(zip(items, fn(items)))
+    batches = _deal(items, workers, key)
+    with ProcessPoolExecutor(len(batches), mp_context=multiprocessing.get_context("fork")) as pool:
+        return [pair for b, part in zip(batches, pool.map(fn, batches)) for pair in zip(b, part)]
+
+
+def default_workers() -> int:
+    """The processes a search prices in: the cores this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def search(space: SearchSpace, pricer: Pricer, simulate_top: int = 16, workers: int = 1) -> SearchResult:
+    """Search ``space``: price every candidate in closed form, simulate the
+    ``simulate_top`` fastest that fit plus the fastest of each schedule, rank by the
+    simulator; ``workers`` processes price and simulate side by side. Raises NothingFits
+    (naming the smallest requirement) when no candidate fits the limit, ValueError when no
+    candidate can be built at all."""
+    global _PRICER
+    t0 = time.perf_counter()
+    refused: dict[str, int] = {}
+    closed: list[Priced] = []
+    every = list(candidates(space))
+    n = len(every)
+    _PRICER = pricer
+    try:
+        for c, q in _map(_closed_forms, every, workers, lambda c: (c.schedule, c.stages)):
+            if isinstance(q, str):
+                rule = _rule(c, q)
+                refused[rule] = refused.get(rule, 0) + 1
+            else:
+                closed.append(q)
+    finally:
+        _PRICER = None
+    t1 = time.perf_counter()
+    if not closed:
+        reasons = "; ".join(sorted(refused)[:3]) or "no combination of the search's options adds up"
+        raise ValueError(f"search: none of the {n} candidates can run ({reasons})")
+    closed.sort(key=lambda q: q.step_time)
+    fitting = [q for q in closed if q.fits]
+    if not fitting:
+        least = min(closed, key=lambda q: q.over)
+        raise NothingFits(
+            f"no candidate fits {least.memory_limit / GIB:.3g} GiB per device (of {len(closed)} priced): the smallest "
+            f"requirement found is {least.peak_memory / GIB:.3g} GiB on device {least.device}, "
+            f"{least.candidate.label()}; raise the memory limit to at least that, or add devices")
+    chosen: dict[Candidate, Priced] = {}
+    for q in fitting[:simulate_top]:
+        chosen[q.candidate] = q
+    seen: set[str] = set()
+    for q in fitting:  # the fastest of every schedule, so each has a row to compare
+        if q.candidate.schedule not in seen:
+            seen.add(q.candidate.schedule)
+            chosen.setdefault(q.candidate, q)
+    _PRICER = pricer
+    try:
+        simulated = [q for _, q in _map(_simulate, list(chosen), workers, lambda c: c)]
+    finally:
+        _PRICER = None
+    t2 = time.perf_counter()
+    ranked = sorted((q for q in simulated if q.fits), key=lambda q: q.step_time)
+    sim_oom = [q for q in simulated if not q.fits]
+    done = {q.candidate for q in simulated}
+    oom = sorted(sim_oom + [q for q in closed if not q.fits and q.candidate not in done], key=lambda q: q.over)
+    if not ranked:  # every simulated one was over after all: the closest is what to report
+        least = min(sim_oom, key=lambda q: q.over)
+        raise NothingFits(
+            f"no simulated candidate fits {least.memory_limit / GIB:.3g} GiB per device: the smallest requirement "
+            f"found is {least.peak_memory / GIB:.3g} GiB, {least.candidate.label()}")
+    return SearchResult(n, refused, closed, ranked, oom, time.perf_counter() - t0,
+                        {"closed_form": t1 - t0, "simulation": t2 - t1, "structures": len(pricer.structures)})

@@ -1,0 +1,220 @@
+"""The search's pre-filter: a candidate priced in closed form, before any simulation.
+
+Two parts, both cheap enough for tens of thousands of candidates:
+
+- **Idle time** per device from the schedule's published bubble (docs/schedules.md,
+  ALGORITHMS.md), in the times of one unit of work (one chunk, one microbatch, one
+  sequence segment) on the slowest device: F, I and W (B = I + W), plus a message hop
+  ``c`` for each stage boundary the fill and the drain cross. :data:`IDLE` holds one
+  formula per built-in schedule; a schedule without one (a user's) is priced as 1F1B's
+  and its row says so.
+- **Peak memory** exactly as the simulator counts it, from the schedule's own order:
+  :class:`Structure` builds one replica of the schedule once per (schedule, stages,
+  microbatches, chunks, segments) and walks each device's order, keeping the
+  Pareto-maximal vectors of live activations and weight-gradient residuals per (stage,
+  segment) (and the layer a recomputing backward rebuilds). A candidate's peak is then
+  the largest dot product of those vectors with its own bytes per (stage, segment): the
+  level the simulator's walk reaches, for any cost.
+
+The structure also says whether the sizes are valid at all: it is built by the
+schedule's own generator, whose refusal names the rule.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from pipeflow.schedules.common import ScheduleConfigError
+from pipeflow.schedules.ir import Kind, Schedule, WeightPolicy
+from pipeflow.schedules.registry import build_schedule
+
+# idle(p, m, v, s, F, I, W, overlap) -> idle time per device, in the unit times' units
+IdleFormula = Callable[[int, int, int, int, float, float, float, float], float]
+
+
+def _one_f_one_b(p, m, v, s, F, I, W, o):  # noqa: E741 - the zero-bubble paper's names
+    return (p - 1) * (F + I + W)
+
+
+def _zero_bubble_h1(p, m, v, s, F, I, W, o):  # noqa: E741
+    return (p - 1) * max(F + I - W, 0.0)
+
+
+def _zero_bubble_h2(p, m, v, s, F, I, W, o):  # noqa: E741
+    # (p-1)F once m >= 2p-1; with fewer microbatches the warm-up cannot fill it
+    return (p - 1) * F if m >= 2 * p - 1 else (p - 1) * max(F + I - W, F)
+
+
+def _zero_bubble_v(p, m, v, s, F, I, W, o):  # noqa: E741
+    return (p - 1) * max(F + I - W, 0.0) * (1 if m >= 2 * p - 1 else 2)
+
+
+def _dualpipe_v(p, m, v, s, F, I, W, o):  # noqa: E741
+    B = I + W
+    pair = max(F, B) + (1 - o) * min(F, B)  # an overlapped F&B pair, as the simulator prices it
+    return (p - 1) * max(pair + B - 3 * W, 0.0)
+
+
+def _chimera(p, m, v, s, F, I, W, o):  # noqa: E741
+    # per basic unit of p microbatches (two opposite pipelines of p/2 each)
+    return math.ceil(m / p) * (p - 2) * (F + (I + W) / 2)
+
+
+def _asynchronous(p, m, v, s, F, I, W, o):  # noqa: E741
+    return 0.0  # no flush: the steady state has no bubble
+
+
+IDLE: dict[str, IdleFormula] = {
+    "gpipe": _one_f_one_b,
+    "1f1b": _one_f_one_b,
+    "interleaved_1f1b": _one_f_one_b,
+    "looped_bfs": _one_f_one_b,
+    "seq1f1b": _one_f_one_b,
+    "seq1f1b_interleaved": _one_f_one_b,
+    "zb_h1": _zero_bubble_h1,
+    "interleaved_zb": _zero_bubble_h1,
+    "zb_h2": _zero_bubble_h2,
+    "zb_v": _zero_bubble_v,
+    "dualpipe_v": _dualpipe_v,
+    "chimera": _chimera,
+    "pipedream": _asynchronous,
+    "pipedream_2bw": _asynchronous,
+    "amdp": _asynchronous,
+}
+
+
+def idle_formula(name: str) -> tuple[IdleFormula, bool]:
+    """(formula, whether it is the schedule's own; False: 1F1B's stands in)."""
+    own = IDLE.get(name)
+    return (own, True) if own is not None else (_one_f_one_b, False)
+
+
+@dataclass
+class DeviceMemory:
+    """One device of a structure: the (pipe, stage, segment) keys it holds and the
+    Pareto-maximal states of its walk, one row per state: live activations per key,
+    then live residuals per key, then the key a recomputing backward rebuilds (one-hot)."""
+
+    keys: list[tuple[int, int]]  # (stage, segment)
+    states: np.ndarray  # (n_states, 3 * len(keys))
+
+    def __post_init__(self) -> None:
+        self.stage_idx = np.array([k[0] for k in self.keys], dtype=int)
+        self.seg_idx = np.array([k[1] for k in self.keys], dtype=int)
+
+    def peak(self, act: np.ndarray, res: np.ndarray, trans: np.ndarray) -> float:
+        """The simulator's peak of saved activations, with bytes per (stage, segment) in the
+        tables act, res and trans (indexed [stage, segment])."""
+        if self.states.size == 0:
+            return 0.0
+        i, g = self.stage_idx, self.seg_idx
+        return float((self.states @ np.concatenate([act[i, g], res[i, g], trans[i, g]])).max())
+
+
+class Structure:
+    """One replica of a schedule at given sizes: its placement, its units of work per
+    device and its devices' memory states (see the module docstring). Raises
+    ScheduleConfigError when the schedule cannot be built at these sizes."""
+
+    def __init__(self, name: str, stages: int, microbatches: int, virtual_stages: int, segments: int,
+                 options: dict | None = None) -> None:
+        self.schedule: Schedule = build_schedule(name, stages, microbatches, virtual_stages=virtual_stages,
+                                                 segments=segments, check=False, **(options or {}))
+        sched = self.schedule
+        self.asynchronous = sched.policy != WeightPolicy.SYNC
+        self.devices = [_device_memory(order) for order in sched.orders]
+        # per device: the (stage, segment) keys it computes and how many F, B, I and W of
+        # each it runs, as index arrays (stages, segments) and a (4, keys) count matrix
+        self.counts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        row = {Kind.F: 0, Kind.B: 1, Kind.I: 2, Kind.W: 3}
+        for order in sched.orders:
+            n: dict[tuple[int, int], list[int]] = {}
+            for a in order:
+                r = row.get(a.kind)
+                if r is not None:
+                    n.setdefault((a.stage, a.segment), [0, 0, 0, 0])[r] += 1
+            self.counts.append((np.array([k[0] for k in n], dtype=int), np.array([k[1] for k in n], dtype=int),
+                                np.array(list(n.values()), dtype=float).reshape(len(n), 4).T))
+        # the stages each device holds (every pipe's), and each stage's replicas' devices
+        self.stages_on = [sorted({s for _, s in sched.placement.stages_on(d)}) for d in range(sched.num_devices)]
+        self.replica_devices = [tuple(d for _, d in sched.placement.replicas(s)) for s in range(sched.num_stages)]
+        self.overlapped = len(sched.overlapped)
+        self.microbatches_per_update = sched.microbatches_per_step or sched.num_microbatches
+        self.updates = max(1, sched.num_microbatches // self.microbatches_per_update) if self.asynchronous else 1
+
+
+def _device_memory(order) -> DeviceMemory:
+    """Walk one device's order as the simulator does (F allocates at its start; B frees,
+    I trades its activations for the residual W needs, W frees that, each at its end;
+    a recomputing B or I holds its rebuilt layer on top of the level before its free).
+    Only the levels after an allocation (F, I) and during a rebuild can be peaks."""
+    keys: dict[tuple[int, int], int] = {}
+    for a in order:
+        if a.kind in Kind.COMPUTE:
+            keys.setdefault((a.stage, a.segment), len(keys))
+    k = len(keys)
+    live = [0] * (2 * k)
+    seen: set[tuple] = set()  # (live counts, the key being rebuilt or -1)
+    F, B, I = Kind.F, Kind.B, Kind.I  # noqa: E741
+    for a in order:
+        kind = a.kind
+        if kind == F:
+            live[keys[(a.stage, a.segment)]] += 1
+            seen.add((tuple(live), -1))
+        elif kind == B:
+            i = keys[(a.stage, a.segment)]
+            seen.add((tuple(live), i))
+            live[i] -= 1
+        elif kind == I:
+            i = keys[(a.stage, a.segment)]
+            seen.add((tuple(live), i))
+            live[i] -= 1
+            live[k + i] += 1
+            seen.add((tuple(live), -1))
+        elif kind == Kind.W:
+            live[k + keys[(a.stage, a.segment)]] -= 1
+    rows = np.zeros((len(seen), 3 * k))
+    for r, (counts, rebuilt) in enumerate(seen):
+        rows[r, : 2 * k] = counts
+        if rebuilt >= 0:
+            rows[r, 2 * k + rebuilt] = 1
+    return DeviceMemory(list(keys), _pareto(rows))
+
+
+def _pareto(rows: np.ndarray) -> np.ndarray:
+    """The rows no other row dominates (every count at least as large): only they can be
+    the peak, whatever the bytes per key (all bytes are >= 0)."""
+    if len(rows) <= 1:
+        return rows
+    rows = rows[np.argsort(-rows.sum(axis=1), kind="stable")]
+    kept = [rows[0]]
+    for r in rows[1:]:
+        if not (np.asarray(kept) >= r).all(axis=1).any():
+            kept.append(r)
+    return np.asarray(kept)
+
+
+class StructureCache:
+    """Structures by (schedule, p, m, v, s), built once each; a refusal is cached too."""
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple, Structure | str] = {}
+
+    def get(self, name: str, p: int, m: int, v: int, s: int) -> Structure | str:
+        """The structure, or the generator's one-sentence refusal."""
+        key = (name, p, m, v, s)
+        got = self._cache.get(key)
+        if got is None:
+            try:
+                got = Structure(name, p, m, v, s)
+            except ScheduleConfigError as err:
+                got = str(err)
+            self._cache[key] = got
+        return got
+
+    def __len__(self) -> int:
+        return len(self._cache)

@@ -1,0 +1,328 @@
+"""Pricing a search candidate: in closed form (every candidate) and by the simulator (the
+most promising ones). Both use the analytic cost model of the candidate's own stages
+(its partition over stages x virtual_stages chunks, its microbatch size, its sequence
+segments, its recomputation) on the topology's devices, so they differ only in how the
+schedule's order is turned into time: a formula (:mod:`.closed_form`) or the
+discrete-event simulator, which also runs the data-parallel replicas' all-reduces and
+every message on the topology's links.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from pipeflow.schedules.data_parallel import replicate
+from pipeflow.sim.engine import simulate
+from pipeflow.topology.topology import Topology
+
+from ..cost import AnalyticCost
+from ..partition import partition_layers
+from ..seqsplit import split_sequence
+from ..transformer import TransformerSpec
+from .closed_form import Structure, StructureCache, idle_formula
+from .space import Candidate
+
+CLOSED_FORM, SIMULATED = "closed form", "simulated"
+
+
+@dataclass
+class Priced:
+    """A candidate's predicted step: time, where it goes, and its memory against the limit."""
+
+    candidate: Candidate
+    how: str  # CLOSED_FORM or SIMULATED
+    step_time: float  # seconds per update (an asynchronous schedule's: per update in its steady windows)
+    compute: float  # busy time of the busiest device (its F, B, I, W and optimizer step)
+    waits: float  # step_time - compute: bubble, messages, all-reduces the busiest device waits for
+    bubble: float  # idle share of all device time
+    peak_memory: float  # bytes on the fullest device (relative to its limit): model state + activations
+    memory_limit: float  # bytes that device may use
+    device: int  # which device that is
+    tokens: int  # tokens per update
+    note: str = ""  # e.g. that the closed form had no formula of its own for this schedule
+
+    @property
+    def over(self) -> float:
+        """Bytes beyond the limit on the fullest device (<= 0: it fits)."""
+        return self.peak_memory - self.memory_limit
+
+    @property
+    def fits(self) -> bool:
+        return self.over <= 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_time if self.step_time > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {**self.candidate.to_dict(), "label": self.candidate.label(), "priced_by": self.how,
+                "step_time": self.step_time, "tokens_per_s": self.tokens_per_s, "compute": self.compute,
+                "waits": self.waits, "bubble": self.bubble, "peak_memory_bytes": self.peak_memory,
+                "memory_limit_bytes": self.memory_limit, "over_bytes": max(self.over, 0.0),
+                "fits": self.fits, "device": self.device, "note": self.note}
+
+
+@dataclass
+class _Tables:
+    """One cost model's numbers as arrays indexed [stage, segment] (bytes) or [stage]."""
+
+    act: np.ndarray
+    res: np.ndarray
+    trans: np.ndarray
+    state: np.ndarray  # model state bytes per stage
+    params: np.ndarray  # parameter (gradient) bytes per stage
+    message: float  # bytes of one activation message (the longest segment's)
+    times: dict  # device kind -> (F, B, I, W arrays [stage, segment], S array [stage]) in seconds
+
+
+class Pricer:
+    """Prices candidates for one model on one topology (``devices`` of it), within
+    ``memory_limit`` bytes per device (None: each device's own memory)."""
+
+    def __init__(self, spec: TransformerSpec, topology: Topology, efficiency: float = 0.5, dtype_bytes: int = 2,
+                 overlap: float = 0.0, memory_limit: float | None = None) -> None:
+        self.spec, self.topology = spec, topology
+        self.efficiency, self.dtype_bytes, self.overlap = efficiency, dtype_bytes, overlap
+        self.memory_limit = memory_limit
+        self.structures = StructureCache()
+        self._costs: dict[tuple, AnalyticCost | str] = {}
+        self._tables: dict[int, _Tables] = {}
+        self._layers: dict[tuple, list[int]] = {}
+        self._rings: dict[tuple, float] = {}
+        self._specs = {r: dataclasses.replace(spec, recompute=r) for r in ("none", "selective", "full")}
+
+    # ---------------------------------------------------------------- the pieces
+
+    def limit(self, device: int) -> float:
+        return self.memory_limit if self.memory_limit is not None else self.topology.devices[device].memory_bytes
+
+    def cost(self, c: Candidate) -> AnalyticCost | str:
+        """The candidate's analytic cost (shared by every candidate with its stages, batch
+        shape and recomputation), or why it cannot be priced."""
+        n = c.stages * c.virtual_stages
+        key = (n, c.microbatch_size, c.segments, c.recompute, c.partition, c.split if c.segments > 1 else "")
+        got = self._costs.get(key)
+        if got is None:
+            spec = self._specs[c.recompute]
+            try:
+                layers = self._layers.get((c.partition, n))
+                if layers is None:
+                    layers = self._layers[(c.partition, n)] = partition_layers(c.partition, spec, n)
+                lengths = split_sequence(c.split, spec.seq_len, c.segments, spec) if c.segments > 1 else None
+                got = AnalyticCost(spec, n, microbatch_size=c.microbatch_size, efficiency=self.efficiency,
+                                   dtype_bytes=self.dtype_bytes, layers_per_stage=layers, segment_lengths=lengths)
+                got.overlap = self.overlap
+            except ValueError as err:
+                got = str(err)
+            self._costs[key] = got
+        return got
+
+    def tables(self, cost: AnalyticCost) -> _Tables:
+        """The cost's numbers as arrays, built once per cost model."""
+        got = self._tables.get(id(cost))
+        if got is None:
+            n, g = cost.num_stages, cost.num_segments
+            grid = [(s, k) for s in range(n) for k in range(g)]
+            def table(fn):
+                return np.array([fn(s, k) for s, k in grid], dtype=float).reshape(n, g)
+            got = self._tables[id(cost)] = _Tables(
+                table(cost.activation_bytes), table(cost.weight_residual_bytes), table(cost.transient_bytes),
+                np.array([cost.model_state_bytes(s) for s in range(n)]), np.array([cost.param_bytes(s) for s in range(n)]),
+                max(cost.message_bytes(0, 1, k) for k in range(g)), {})
+        return got
+
+    def times(self, cost: AnalyticCost, device: int) -> tuple:
+        """(F, B, I, W [stage, segment], S [stage]) in seconds on ``device`` (cached per device kind)."""
+        tab = self.tables(cost)
+        dev = self.topology.devices[device]
+        kind = (dev.name, dev.peak_flops, dev.fp32_flops, dev.memory_bandwidth)
+        got = tab.times.get(kind)
+        if got is None:
+            n, g = cost.num_stages, cost.num_segments
+            got = tab.times[kind] = tuple(
+                np.array([[cost.compute_time(k, s, x, dev) for x in range(g)] for s in range(n)]) for k in "FBIW"
+            ) + (np.array([cost.compute_time("S", s, 0, dev) for s in range(n)]),)
+        return got
+
+    def structure(self, c: Candidate, m: int | None = None) -> Structure | str:
+        """The candidate's schedule (one replica) at its microbatches, or at ``m``."""
+        return self.structures.get(c.schedule, c.stages, c.microbatches if m is None else m, c.virtual_stages,
+                                   c.segments)
+
+    @staticmethod
+    def stand_in_sizes(p: int, m: int) -> tuple[int, ...]:
+        """The microbatch counts the closed form builds a schedule at: m itself up to 6p;
+        beyond, two counts in [2p, 6p) with m's residue mod 2p (the same size rules hold:
+        parity, m >= 2p, the interleaved groups' remainder), from which the peak is
+        extrapolated linearly in m and the work scaled."""
+        if m < 6 * p:
+            return (m,)
+        m1 = 4 * p + (m - 4 * p) % (2 * p)
+        return (m1, m1 - 2 * p)
+
+    def _needs(self, st: Structure, cost: AnalyticCost) -> np.ndarray:
+        """Bytes each device of one replica needs at its peak: model state + activations."""
+        tab = self.tables(cost)
+        return np.array([float(tab.state[st.stages_on[d]].sum()) + mem.peak(tab.act, tab.res, tab.trans)
+                         for d, mem in enumerate(st.devices)])
+
+    def _worst(self, c: Candidate, needs: np.ndarray) -> tuple[float, float, int]:
+        """(peak bytes, limit, device) of the fullest device relative to its limit, over every replica."""
+        worst = (-np.inf, 0.0, 0)
+        p = len(needs)
+        for d, need in enumerate(needs):
+            for r in range(c.data_parallel):
+                dev = r * p + d
+                if need - self.limit(dev) > worst[0] - worst[1]:
+                    worst = (float(need), self.limit(dev), dev)
+        return worst
+
+    def _work(self, st: Structure, cost: AnalyticCost, d: int, scale: float = 1.0) -> tuple[float, float, float, float, float]:
+        """Device d's time over the step (every action it runs, ``scale`` times the
+        structure's): its F, its input-gradient and weight-gradient shares of the
+        backward (a full B split as B - W and W), its optimizer step, and its units."""
+        F, B, I, W, S = self.times(cost, d)  # noqa: E741
+        i, g, n = st.counts[d]
+        f_, b_, i_, w_ = (n * scale * np.stack([F[i, g], B[i, g], I[i, g], W[i, g]])).sum(axis=1)
+        nb = (n[1] * scale) @ W[i, g]  # the weight-gradient share of the full backwards
+        return (float(f_), float(b_ - nb + i_), float(nb + w_), float(S[st.stages_on[d]].sum()),
+                float(n[0].sum() * scale))
+
+    # ---------------------------------------------------------------- closed form
+
+    def closed_form(self, c: Candidate) -> Priced | str:
+        """The pre-filter's price: the busiest device's work, the schedule's bubble formula
+        in its unit times, a message per stage boundary on the way in and out, the
+        optimizer step and the exposed all-reduce; the memory as the simulator counts it."""
+        sizes = self.stand_in_sizes(c.stages, c.microbatches)
+        built = [self.structure(c, m) for m in sizes]
+        for m, st in zip(sizes, built):
+            if isinstance(st, str):  # the generator's rule, said of the candidate's own m
+                return st.replace(f"pipeline.microbatches={m}:", f"pipeline.microbatches={c.microbatches}:")
+        cost = self.cost(c)
+        if isinstance(cost, str):
+            return cost
+        st = built[0]
+        scale = c.microbatches / sizes[0]  # every device's work grows with m
+        sched, topo = st.schedule, self.topology
+        p = sched.num_devices
+        per = []  # (work, F, I, W per unit, optimizer step) of each device
+        busy_all = 0.0
+        for d in range(p):
+            f, i, w, step, units = self._work(st, cost, d, scale)
+            busy_all += f + i + w + step
+            if units:
+                per.append((f + i + w, f / units, i / units, w / units, step))
+        busiest = max(per, key=lambda x: x[0] + x[4])
+        work, step = busiest[0], busiest[4]
+        # the fill and the drain pass through the other devices: the bubble formula takes
+        # their mean unit times (the busiest device's own with one device)
+        others = [x for x in per if x is not busiest] or [busiest]
+        F, I, W = (sum(x[k] for x in others) / len(others) for k in (1, 2, 3))  # noqa: E741
+        if st.overlapped and self.overlap:
+            work -= self.overlap * min(F, I + W) * st.overlapped * scale / p
+        formula, own = idle_formula(c.schedule)
+        idle = formula(p, c.microbatches, c.virtual_stages, c.segments, F, I, W, self.overlap)
+        msg = self.tables(cost).message
+        hop = max((topo.transfer_time(sched.placement.device(0, s), sched.placement.device(0, s + 1), msg)
+                   for s in range(sched.num_stages - 1)), default=0.0)
+        waits = idle + 2 * (p - 1) * hop + self._exposed_allreduce(c, st, cost) + self.tied_sync(c, st)
+        if st.asynchronous:  # per update, in the steady state
+            work, waits, busy_all = work / st.updates, 0.0, busy_all / st.updates
+        total = work + step + waits
+        if topo.shares_compute:
+            # devices that share cores (CPU ranks on one host): the host cannot get through the
+            # step's work faster than its cores at their best aggregate rate
+            agg = max(n * topo.compute_rate(n) for n in range(1, c.devices + 1))
+            total = max(total, busy_all * c.data_parallel / agg)
+        bubble = max(0.0, 1 - busy_all / (p * total)) if total > 0 else 0.0
+        needs = self._needs(st, cost)
+        if len(built) > 1:  # each device's peak extrapolated from two smaller sizes: saturating ones stay
+            lower = self._needs(built[1], cost)
+            needs = needs + (needs - lower) * (c.microbatches - sizes[0]) / (sizes[0] - sizes[1])
+        peak, limit, worst = self._worst(c, needs)
+        return Priced(c, CLOSED_FORM, total, work + step, waits, bubble, peak, limit, worst,
+                      c.global_batch * self.spec.seq_len,
+                      "" if own else "no bubble formula of its own: 1F1B's stands in")
+
+    def tied_sync(self, c: Candidate, st: Structure) -> float:
+        """The step's synchronisation of a tied embedding: before the optimizer step the
+        runtime all-reduces the tied matrix's fp32 gradient over every device holding the
+        first or the last stage (every replica's)."""
+        if not self.spec.tied:
+            return 0.0
+        p, last = st.schedule.num_devices, st.schedule.num_stages - 1
+        held = {r * p + d for r in range(c.data_parallel) for s in {0, last} for d in st.replica_devices[s]}
+        if len(held) < 2:
+            return 0.0
+        key = (tuple(sorted(held)), "tied")
+        got = self._rings.get(key)
+        if got is None:
+            got = self._rings[key] = self.topology.allreduce_time(sorted(held),
+                                                                  4.0 * self.spec.vocab_size * self.spec.n_embd)
+        return got
+
+    def _exposed_allreduce(self, c: Candidate, st: Structure, cost: AnalyticCost) -> float:
+        """The all-reduces the last device to finish its backward waits for: each stage's
+        replicas (data-parallel copies, and Chimera's second pipeline) reduce after its
+        last weight gradient, one stage after another on a device."""
+        p = st.schedule.num_devices
+        if c.data_parallel == 1 and st.schedule.placement.num_pipes == 1:
+            return 0.0
+        params = self.tables(cost).params
+        worst = 0.0
+        for d in range(p):
+            t = 0.0
+            for s in st.stages_on[d]:
+                ring = tuple(r * p + dd for r in range(c.data_parallel) for dd in st.replica_devices[s])
+                if len(ring) > 1:
+                    key = (ring, float(params[s]))
+                    got = self._rings.get(key)
+                    if got is None:
+                        got = self._rings[key] = self.topology.allreduce_time(ring, params[s])
+                    t += got
+            worst = max(worst, t)
+        return worst
+
+    # ---------------------------------------------------------------- simulated
+
+    def simulated(self, c: Candidate) -> Priced:
+        """The simulator's price: the candidate's whole schedule (every replica) on the
+        topology, messages and all-reduces included; memory as pipeflow-simulate counts it."""
+        st = self.structure(c)
+        cost = self.cost(c)
+        if isinstance(st, str) or isinstance(cost, str):
+            raise ValueError(st if isinstance(st, str) else cost)
+        sched = replicate(st.schedule, c.data_parallel) if c.data_parallel > 1 else st.schedule
+        res = simulate(sched, cost, self.topology, record=False, waits=False)
+        per = res.per_device
+        busiest = max(per, key=lambda d: d.busy)
+        # the tied embedding's all-reduce closes the step on its ranks: a collective (the
+        # ranks wait on it), after the last backward, before the optimizer step
+        makespan = res.makespan / st.updates + (0.0 if st.asynchronous else self.tied_sync(c, st))
+        worst = (-np.inf, 0.0, 0)
+        for d in per:
+            held = [s for _, s in sched.placement.stages_on(d.device)]
+            state = sum(cost.model_state_bytes(s) for s in held)
+            # an asynchronous schedule's extra weight versions (what the simulator kept)
+            extra = max(0.0, d.weight_bytes - sum(cost.param_bytes(s) for s in held)) if st.asynchronous else 0.0
+            need = state + d.peak_activation_bytes + extra
+            if need - self.limit(d.device) > worst[0] - worst[1]:
+                worst = (need, self.limit(d.device), d.device)
+        compute = busiest.busy / st.updates
+        return Priced(c, SIMULATED, makespan, compute, makespan - compute, res.bubble_ratio, worst[0], worst[1],
+                      worst[2], c.global_batch * self.spec.seq_len)
+
+
+def pareto(priced: Sequence[Priced]) -> list[Priced]:
+    """The candidates no other beats on both step time and peak memory, fastest first."""
+    front, best_mem = [], np.inf
+    for q in sorted(priced, key=lambda q: (q.step_time, q.peak_memory)):
+        if q.peak_memory < best_mem:
+            front.append(q)
+            best_mem = q.peak_memory
+    return front

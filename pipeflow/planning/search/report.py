@@ -1,0 +1,204 @@
+"""What a search says and writes: the console table (the top candidates, why each one
+lost to the pick), the candidates that do not fit and by how much, the Pareto front of
+step time against peak memory as a picture, the pick as a ready-to-run training config,
+and the top candidates as configs the sweep ``sweeps/search_top.yaml`` trains."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Sequence
+
+from . import GIB, SearchResult
+from .price import Priced, pareto
+
+
+def _ms(t: float) -> str:
+    return f"{t * 1e3:.1f}" if t < 100 else f"{t:.1f}s"
+
+
+def why_lost(q: Priced, best: Priced) -> str:
+    """One phrase: where the candidate's extra step time goes against the pick's."""
+    if q is best:
+        return "the pick"
+    d_compute, d_waits = q.compute - best.compute, q.waits - best.waits
+    gap = q.step_time - best.step_time
+    if gap <= 0:
+        return "ties the pick"
+    c, b = q.candidate, best.candidate
+    if d_compute >= d_waits:
+        if c.recompute != b.recompute and c.recompute != "none":
+            cause = f"recomputes ({c.recompute})"
+        elif c.partition != b.partition or c.stages != b.stages or c.virtual_stages != b.virtual_stages:
+            cause = "a slower busiest device (its stages' split)"
+        else:
+            cause = "more compute on its busiest device"
+        return f"{cause}: +{_ms(d_compute)} ms compute"
+    if c.data_parallel != b.data_parallel and c.data_parallel > 1:
+        cause = f"waits (bubble, {c.data_parallel}-way all-reduce)"
+    else:
+        cause = "waits (bubble and messages)"
+    return f"{cause}: +{_ms(d_waits)} ms"
+
+
+def top_table(result: SearchResult, rows: int) -> list[str]:
+    best = result.best
+    cols = ("#", "candidate", "step (ms)", "tokens/s", "bubble", "peak GiB", "closed form", "why it lost")
+    closed = {q.candidate: q for q in result.closed}
+    out = []
+    for n, q in enumerate(result.ranked[:rows], 1):
+        cf = closed.get(q.candidate)
+        out.append((str(n), q.candidate.label(), _ms(q.step_time), f"{q.tokens_per_s:,.0f}", f"{q.bubble:.3f}",
+                    f"{q.peak_memory / GIB:.1f}/{q.memory_limit / GIB:.0f}",
+                    _ms(cf.step_time) if cf else "", why_lost(q, best)))
+    return _table(cols, out)
+
+
+def schedule_table(result: SearchResult) -> list[str]:
+    """The fastest simulated candidate of every schedule, against the pick."""
+    best = result.best
+    seen, rows = set(), []
+    for q in result.ranked:
+        if q.candidate.schedule in seen:
+            continue
+        seen.add(q.candidate.schedule)
+        rows.append((q.candidate.schedule, q.candidate.label(), _ms(q.step_time), f"{q.step_time / best.step_time:.3f}",
+                     f"{q.bubble:.3f}", f"{q.peak_memory / GIB:.1f}", why_lost(q, best)))
+    return _table(("schedule", "its fastest", "step (ms)", "vs pick", "bubble", "peak GiB", "why it lost"), rows)
+
+
+def oom_lines(result: SearchResult, rows: int) -> list[str]:
+    oom = result.out_of_memory
+    if not oom:
+        return ["every priced candidate fits the memory limit"]
+    head = [f"{len(oom)} of {len(result.closed)} priced candidates do not fit; the closest:"]
+    body = [(q.candidate.label(), f"{q.peak_memory / GIB:.1f}", f"{q.memory_limit / GIB:.0f}",
+             f"+{q.over / GIB:.2f}", str(q.device), q.how) for q in oom[:rows]]
+    return head + _table(("candidate", "needs GiB", "limit GiB", "over by GiB", "device", "priced"), body)
+
+
+def format_search(result: SearchResult, model: str, topology: str, devices: int, rows: int) -> str:
+    b = result.best
+    lines = [
+        f"model         {model} on {topology} ({devices} devices), global batch {b.candidate.global_batch} sequences",
+        f"searched      {result.considered} candidates in {result.seconds:.1f} s: {len(result.closed)} priced in "
+        f"closed form, {len(result.simulated)} simulated"
+        + (f", {sum(result.refused.values())} refused by a schedule's rule" if result.refused else ""),
+        f"pick          {b.candidate.label()}: {_ms(b.step_time)} ms a step, {b.tokens_per_s:,.0f} tokens/s, "
+        f"peak {b.peak_memory / GIB:.1f} of {b.memory_limit / GIB:.0f} GiB (simulated)",
+        f"              pipeflow-train {' '.join(b.candidate.overrides())}",
+        "",
+        "top candidates (simulated; 'closed form' is the pre-filter's estimate):",
+        *top_table(result, rows),
+        "",
+        "the fastest of each schedule (simulated):",
+        *schedule_table(result),
+        "",
+        *oom_lines(result, min(rows, 5)),
+    ]
+    return "\n".join(lines)
+
+
+_TEXT = ("candidate", "its fastest", "schedule", "why it lost")  # left-aligned columns
+
+
+def _table(cols, rows) -> list[str]:
+    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
+    left = [c in _TEXT for c in cols]
+
+    def line(values) -> str:
+        return "  ".join(v.ljust(w) if lf else v.rjust(w) for v, w, lf in zip(values, widths, left)).rstrip()
+    return [line(cols)] + [line(r) for r in rows]
+
+
+# ------------------------------------------------------------------------------ files
+
+def draw_pareto(result: SearchResult, path: Path, title: str) -> None:
+    """Step time against peak memory: every priced candidate (closed form, grey), the
+    simulated ones by schedule, the Pareto front of the simulated ones, the limit."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    ax.scatter([q.peak_memory / GIB for q in result.closed], [q.step_time for q in result.closed], s=4,
+               color="0.8", label=f"closed form ({len(result.closed)})", zorder=1)
+    every = pareto(result.closed)
+    ax.step([q.peak_memory / GIB for q in every], [q.step_time for q in every], where="post", color="0.5", lw=1,
+            label="Pareto front (closed form)", zorder=2)
+    sims = result.simulated
+    for name in sorted({q.candidate.schedule for q in sims}):
+        mine = [q for q in sims if q.candidate.schedule == name]
+        ax.scatter([q.peak_memory / GIB for q in mine], [q.step_time for q in mine], s=18, label=name, zorder=3)
+    front = pareto(result.ranked)
+    ax.step([q.peak_memory / GIB for q in front], [q.step_time for q in front], where="post", color="k", lw=1,
+            label="Pareto front (simulated, fits)", zorder=2)
+    limit = result.best.memory_limit / GIB
+    ax.axvline(limit, color="r", ls="--", lw=1, label=f"limit {limit:.3g} GiB")
+    b = result.best
+    ax.scatter([b.peak_memory / GIB], [b.step_time], s=120, facecolors="none", edgecolors="k", zorder=4, label="pick")
+    ax.set_xlabel("peak memory on the fullest device (GiB)")
+    ax.set_ylabel("step time (s)")
+    ax.set_yscale("log")
+    ax.set_xscale("log")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, ncol=2, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def train_config(q: Priced, model: str, header: str) -> str:
+    """A primary config for ``pipeflow-train --config-dir <dir> --config-name <name>``."""
+    c = q.candidate
+    lines = [f"# {header}", f"# {c.label()}: predicted {q.step_time * 1e3:.3f} ms a step, "
+             f"peak {q.peak_memory / GIB:.2f} GiB ({q.how})",
+             "defaults:", "  - train", f"  - override model: {model}", f"  - override schedule: {c.schedule}",
+             f"  - override partition: {c.partition}", "  - _self_", "", "pipeline:"]
+    for key in ("stages", "microbatches", "virtual_stages", "segments", "microbatch_size", "data_parallel"):
+        lines.append(f"  {key}: {getattr(c, key)}")
+    lines += ["model:", f"  recompute: {c.recompute}"]
+    if c.segments > 1:
+        lines += ["schedule:", f"  split: {c.split}"]
+    return "\n".join(lines) + "\n"
+
+
+def candidate_config(q: Priced, n: int, model: str) -> str:
+    """One of the top candidates as a config group option (``+candidate=NN`` in a sweep)."""
+    c = q.candidate
+    lines = ["# @package _global_", f"# #{n}: {c.label()}: predicted {q.step_time * 1e3:.3f} ms a step ({q.how})",
+             "defaults:", f"  - override /model: {model}", f"  - override /schedule: {c.schedule}",
+             f"  - override /partition: {c.partition}", "",
+             "pipeline:"]
+    for key in ("stages", "microbatches", "virtual_stages", "segments", "microbatch_size", "data_parallel"):
+        lines.append(f"  {key}: {getattr(c, key)}")
+    lines += ["model:", f"  recompute: {c.recompute}"]
+    if c.segments > 1:
+        lines += ["schedule:", f"  split: {c.split}"]
+    return "\n".join(lines) + "\n"
+
+
+def write_candidates_csv(result: SearchResult, path: Path) -> None:
+    """Every priced candidate, simulated ones with both prices."""
+    sims = {q.candidate: q for q in result.simulated}
+    rows: list[dict] = []
+    for q in result.closed:
+        row = {**q.to_dict(), "closed_form_step_time": q.step_time}
+        s = sims.get(q.candidate)
+        if s is not None:
+            row.update({**s.to_dict(), "closed_form_step_time": q.step_time})
+        rows.append(row)
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def write_json(path: Path, doc: dict) -> None:
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def top_k(result: SearchResult, k: int) -> Sequence[Priced]:
+    return result.ranked[:k]

@@ -1,0 +1,153 @@
+"""What the schedule search walks: every (schedule, stages, data parallelism,
+microbatches, microbatch size, chunks, segments, recomputation, partition) that uses the
+devices and the global batch it is given.
+
+A candidate runs ``data_parallel`` replicas of a ``stages``-device pipeline on
+``stages x data_parallel`` devices (all of them), each replica ``microbatches``
+microbatches of ``microbatch_size`` sequences a step, so every candidate trains on the
+same global batch, ``data_parallel x microbatches x microbatch_size`` sequences per
+update, and differs only in how.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Iterator, Sequence
+
+from pipeflow.schedules.registry import get_spec, specs
+from pipeflow.schedules.spec import ScheduleSpec
+
+RECOMPUTE = ("none", "selective", "full")
+PARTITIONS = ("uniform", "parameters")
+SPLITS = ("uniform", "compute")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to train the global batch; its fields are pipeflow-train's keys."""
+
+    schedule: str
+    stages: int  # pipeline.stages: devices per pipeline
+    data_parallel: int  # pipeline.data_parallel: replicas of the pipeline
+    microbatches: int  # pipeline.microbatches, per replica
+    microbatch_size: int  # pipeline.microbatch_size
+    virtual_stages: int = 1  # pipeline.virtual_stages: model chunks per device
+    segments: int = 1  # pipeline.segments: sequence segments per microbatch
+    recompute: str = "none"  # model.recompute
+    partition: str = "uniform"  # partition.name
+    split: str = "uniform"  # schedule.split: how a segmented schedule cuts the sequence (uniform, compute)
+
+    @property
+    def devices(self) -> int:
+        return self.stages * self.data_parallel
+
+    @property
+    def global_batch(self) -> int:
+        return self.data_parallel * self.microbatches * self.microbatch_size
+
+    def overrides(self) -> list[str]:
+        """The pipeflow-train (and pipeflow-simulate) command-line overrides that run it."""
+        return [f"schedule={self.schedule}", f"pipeline.stages={self.stages}",
+                f"pipeline.data_parallel={self.data_parallel}", f"pipeline.microbatches={self.microbatches}",
+                f"pipeline.microbatch_size={self.microbatch_size}", f"pipeline.virtual_stages={self.virtual_stages}",
+                f"pipeline.segments={self.segments}", f"model.recompute={self.recompute}",
+                f"partition={self.partition}", *([f"schedule.split={self.split}"] if self.segments > 1 else [])]
+
+    def label(self) -> str:
+        """A short name: 1f1b p4xdp2 m8x2 v2 s4 full params."""
+        out = [self.schedule, f"p{self.stages}" + (f"xdp{self.data_parallel}" if self.data_parallel > 1 else ""),
+               f"m{self.microbatches}x{self.microbatch_size}"]
+        if self.virtual_stages > 1:
+            out.append(f"v{self.virtual_stages}")
+        if self.segments > 1:
+            out.append(f"s{self.segments}")
+        if self.recompute != "none":
+            out.append(self.recompute)
+        if self.partition != "uniform":
+            out.append(self.partition)
+        if self.split != "uniform":
+            out.append(f"{self.split}-split")
+        return " ".join(out)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class SearchSpace:
+    """The options each dimension may take (``search.*`` keys)."""
+
+    devices: int  # devices every candidate uses (stages x data_parallel)
+    global_batch: int  # sequences per update
+    n_layer: int  # the model's layers: a stage (chunk) holds one at least
+    schedules: Sequence[str]
+    stages: Sequence[int] | None = None  # None: every divisor of devices up to n_layer
+    microbatch_sizes: Sequence[int] = (1, 2, 4, 8)
+    virtual_stages: Sequence[int] = (2, 4)  # for schedules that interleave chunks
+    segments: Sequence[int] = (2, 4, 8)  # for schedules that cut sequences into segments
+    recompute: Sequence[str] = RECOMPUTE
+    partitions: Sequence[str] = PARTITIONS
+    splits: Sequence[str] = SPLITS  # for schedules that cut sequences into segments
+    skipped: dict = field(default_factory=dict)  # why combinations were left out -> how many
+
+    def stage_counts(self) -> list[int]:
+        if self.stages is not None:
+            return sorted({int(p) for p in self.stages if self.devices % int(p) == 0})
+        return [p for p in range(1, self.devices + 1) if self.devices % p == 0 and p <= self.n_layer]
+
+
+def default_schedules(staleness: bool) -> list[str]:
+    """Every built-in chain schedule the runtime trains: the synchronous ones, and with
+    ``staleness`` (weights updated without a flush allowed) the asynchronous ones too."""
+    return [s.name for s in specs() if searchable(s) is None and (staleness or not s.asynchronous)]
+
+
+def searchable(spec: ScheduleSpec) -> str | None:
+    """Why a schedule cannot be searched over, or None."""
+    if spec.branch_aware:
+        return "it schedules a branched model's stage graph"
+    if spec.assemble is not None or not spec.sized:
+        return "it is not generated from the pipeline's sizes alone"
+    if not spec.runtime:
+        return "pipeflow-train does not run it"
+    return None
+
+
+def _chunk_options(spec: ScheduleSpec, space: SearchSpace) -> list[int]:
+    return sorted({int(v) for v in space.virtual_stages if v > 1}) if spec.virtual_stages else [1]
+
+
+def _segment_options(spec: ScheduleSpec, space: SearchSpace) -> list[int]:
+    return sorted({int(s) for s in space.segments if s > 1}) if spec.segments else [1]
+
+
+def candidates(space: SearchSpace) -> Iterator[Candidate]:
+    """Every combination whose sizes add up (the global batch divides, a chunk per layer at
+    least; a schedule's own size rules are the generator's, checked when it is priced).
+    Combinations left out are counted in ``space.skipped`` by reason."""
+    skipped = space.skipped
+    for name in space.schedules:
+        spec = get_spec(name)
+        for p in space.stage_counts():
+            dp = space.devices // p
+            if dp > 1 and spec.asynchronous:
+                skipped["asynchronous schedules run one pipeline (no data parallelism)"] = \
+                    skipped.get("asynchronous schedules run one pipeline (no data parallelism)", 0) + 1
+                continue
+            for mbs in space.microbatch_sizes:
+                per_replica, rest = divmod(space.global_batch, dp * mbs)
+                if rest or per_replica < 1:
+                    skipped["the global batch does not divide into data_parallel x microbatch_size"] = \
+                        skipped.get("the global batch does not divide into data_parallel x microbatch_size", 0) + 1
+                    continue
+                for v in _chunk_options(spec, space):
+                    if p * v > space.n_layer:
+                        skipped["more stages (stages x virtual_stages) than layers"] = \
+                            skipped.get("more stages (stages x virtual_stages) than layers", 0) + 1
+                        continue
+                    for s in _segment_options(spec, space):
+                        for split in (space.splits if s > 1 else space.splits[:1]):
+                            for r in space.recompute:
+                                # one stage: every partition is the same
+                                for part in (space.partitions if p * v > 1 else space.partitions[:1]):
+                                    yield Candidate(name, p, dp, per_replica, int(mbs), v, s, r, part, split)

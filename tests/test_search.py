@@ -1,0 +1,241 @@
+"""pipeflow-search: the candidates it walks, the closed form that pre-filters them (its
+memory is the simulator's, its times track the simulator's), the search's ranking and
+what it says of candidates that do not fit, and the files the app writes (a training
+config that composes and is the pick, candidate configs the sweep trains, summaries
+pipeflow-compare pairs with measured runs)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hydra import compose as hydra_compose, initialize_config_dir
+
+from pipeflow.compare.runs import read_run
+from pipeflow.compare.table import sim_key
+from pipeflow.config import CONF_DIR, ConfigError, compose, prepare_training
+from pipeflow.planning.search import (Candidate, NothingFits, Pricer, SearchSpace, candidates, default_schedules,
+                                      pareto, search)
+from pipeflow.planning.transformer import TransformerSpec
+from pipeflow.schedules.registry import get_spec
+from pipeflow.search import compose_search, prepare_search, register_search_configs, run_search
+from pipeflow.topology.presets import build_topology
+
+SYNC = default_schedules(False)
+GIB = 2**30
+
+
+def _pricer(model="gpt_tiny", topology=("cluster", {"nodes": 1}), devices=8, limit=None):
+    cfg = compose("simulate", [f"model={model}"])
+    spec = TransformerSpec.from_config(cfg.model)
+    name, params = topology
+    topo = build_topology({"name": name, **params}, devices)
+    return spec, Pricer(spec, topo, 0.5, 2, 0.0, limit)
+
+
+def _sizes(name: str) -> list[tuple[int, int, int]]:
+    """(virtual_stages, segments, microbatches) a schedule is checked at, on 4 stages."""
+    spec = get_spec(name)
+    v = 2 if spec.virtual_stages else 1
+    s = 2 if spec.segments else 1
+    return [(v, s, m) for m in (8, 12)]
+
+
+# ------------------------------------------------------------------------- candidates
+
+def test_every_candidate_trains_the_global_batch_on_every_device():
+    space = SearchSpace(devices=8, global_batch=16, n_layer=4, schedules=SYNC, microbatch_sizes=(1, 2, 4),
+                        virtual_stages=(2,), segments=(2,))
+    cands = list(candidates(space))
+    assert len(cands) == len(set(cands)) > 100
+    for c in cands:
+        assert c.devices == 8 and c.global_batch == 16
+        assert c.stages * c.virtual_stages <= 4
+        assert (c.virtual_stages > 1) == get_spec(c.schedule).virtual_stages
+        assert (c.segments > 1) == get_spec(c.schedule).segments
+    assert {c.schedule for c in cands} == set(SYNC)
+    assert space.skipped  # p = 8 has more stages than gpt_tiny's 4 layers
+    # asynchronous schedules only when staleness is allowed
+    assert not any(get_spec(n).asynchronous for n in SYNC)
+    assert {"pipedream", "pipedream_2bw", "amdp"} <= set(default_schedules(True))
+
+
+def test_a_candidates_overrides_are_a_training_run():
+    c = Candidate("seq1f1b", 2, 1, 4, 2, 1, 2, "full", "parameters", "compute")
+    cfg = compose("train", ["model=gpt_tiny", "logger=none", *c.overrides()])
+    inputs = prepare_training(cfg)
+    assert inputs.world_size == 2
+    assert (cfg.pipeline.microbatches, cfg.pipeline.microbatch_size, cfg.pipeline.segments) == (4, 2, 2)
+    assert (cfg.model.recompute, cfg.partition.name, cfg.schedule.split) == ("full", "parameters", "compute")
+
+
+# ------------------------------------------------------------------------- closed form
+
+@pytest.mark.parametrize("name", SYNC)
+def test_closed_form_memory_is_the_simulators(name):
+    """The walk of each device's order gives the simulator's peak, model state and all,
+    for any bytes per stage: with and without recomputation and the zero-bubble residual."""
+    _, pricer = _pricer(model="gpt_small", devices=8)
+    for v, s, m in _sizes(name):
+        for recompute in ("none", "full"):
+            for dp in (1, 2):
+                c = Candidate(name, 4, dp, m, 2, v, s, recompute, "parameters")
+                closed, simulated = pricer.closed_form(c), pricer.simulated(c)
+                assert not isinstance(closed, str), closed
+                assert closed.peak_memory == pytest.approx(simulated.peak_memory, rel=1e-9), c.label()
+                assert closed.device % 4 == simulated.device % 4
+
+
+def test_closed_form_memory_extrapolates_past_6p_microbatches():
+    """Beyond 6p microbatches the closed form builds two smaller sizes and extrapolates:
+    exact where the peak saturates (1F1B) or grows linearly (GPipe)."""
+    _, pricer = _pricer(model="gpt_small", devices=4)
+    for name in ("1f1b", "gpipe", "zb_h2", "interleaved_1f1b"):
+        v = 2 if get_spec(name).virtual_stages else 1
+        c = Candidate(name, 4, 1, 40, 1, v, 1, "none", "uniform")
+        assert Pricer.stand_in_sizes(4, 40) == (16, 8)
+        closed, simulated = pricer.closed_form(c), pricer.simulated(c)
+        assert closed.peak_memory == pytest.approx(simulated.peak_memory, rel=0.02), name
+        assert closed.compute == pytest.approx(simulated.compute, rel=1e-6), name
+
+
+@pytest.mark.parametrize("name", SYNC)
+def test_closed_form_time_tracks_the_simulator(name):
+    """The pre-filter's step time (bubble formula, messages, exposed all-reduce) stays
+    near the simulator's on one node of A100s, so its top holds the simulator's top."""
+    _, pricer = _pricer(model="gpt_small", devices=8)
+    for v, s, m in _sizes(name):
+        for dp in (1, 2):
+            c = Candidate(name, 4, dp, m, 1, v, s, "none", "uniform")
+            closed, simulated = pricer.closed_form(c), pricer.simulated(c)
+            assert closed.compute == pytest.approx(simulated.compute, rel=1e-6), c.label()
+            assert closed.step_time == pytest.approx(simulated.step_time, rel=0.12), c.label()
+
+
+def test_a_schedules_size_rule_refuses_with_its_own_sentence():
+    _, pricer = _pricer(devices=8)
+    why = pricer.closed_form(Candidate("dualpipe_v", 4, 2, 6, 1, 2))
+    assert isinstance(why, str) and "pipeline.microbatches=6" in why and "dualpipe_v" in why
+    why = pricer.closed_form(Candidate("chimera", 4, 2, 3, 1))
+    assert isinstance(why, str) and "chimera" in why
+
+
+# ------------------------------------------------------------------------- the search
+
+def _space(spec, devices=8, **kw):
+    return SearchSpace(devices=devices, global_batch=kw.pop("global_batch", 32), n_layer=spec.n_layer,
+                       schedules=kw.pop("schedules", SYNC), microbatch_sizes=(1, 2, 4), virtual_stages=(2,),
+                       segments=(2, 4), **kw)
+
+
+def test_the_search_ranks_by_the_simulator_and_says_what_does_not_fit():
+    spec, pricer = _pricer(model="gpt_small", devices=8, limit=1.2 * GIB)
+    result = search(_space(spec), pricer, simulate_top=6)
+    assert result.considered == len(result.closed) + sum(result.refused.values())
+    times = [q.step_time for q in result.ranked]
+    assert times == sorted(times) and all(q.fits and q.how == "simulated" for q in result.ranked)
+    # every schedule with a fitting candidate has its fastest simulated
+    fitting = {q.candidate.schedule for q in result.closed if q.fits}
+    assert {q.candidate.schedule for q in result.ranked} == fitting
+    # the limit excludes some, each reported with by how much, the least over first
+    assert result.out_of_memory and all(q.over > 0 for q in result.out_of_memory)
+    overs = [q.over for q in result.out_of_memory]
+    assert overs == sorted(overs)
+    assert all(q.peak_memory == pytest.approx(q.memory_limit + q.over) for q in result.out_of_memory)
+    front = pareto(result.ranked)
+    assert front[0] is result.best
+    assert all(a.peak_memory > b.peak_memory for a, b in zip(front, front[1:]))
+
+
+def test_a_budget_nothing_fits_names_the_smallest_requirement():
+    spec, pricer = _pricer(model="gpt_small", devices=8, limit=0.05 * GIB)
+    with pytest.raises(NothingFits) as err:
+        search(_space(spec), pricer)
+    spec, unlimited = _pricer(model="gpt_small", devices=8)
+    least = min(q.peak_memory for q in search(_space(spec), unlimited).closed)
+    assert f"{least / GIB:.3g} GiB" in str(err.value)
+    assert "0.05 GiB" in str(err.value)
+
+
+def test_two_workers_find_what_one_finds():
+    spec, pricer = _pricer(devices=4)
+    one = search(_space(spec, devices=4), pricer, simulate_top=4, workers=1)
+    spec, pricer = _pricer(devices=4)
+    two = search(_space(spec, devices=4), pricer, simulate_top=4, workers=2)
+    assert [(q.candidate, q.step_time) for q in one.ranked] == [(q.candidate, q.step_time) for q in two.ranked]
+    assert sorted((q.candidate.label(), q.step_time) for q in one.closed) == \
+        sorted((q.candidate.label(), q.step_time) for q in two.closed)
+    assert one.refused == two.refused
+
+
+# ------------------------------------------------------------------------- the app
+
+CPU = ["model=gpt_tiny", "topology=local_cpu", "search.devices=4", "search.global_batch=8", "precision=fp32",
+       "search.microbatch_sizes=[1,2]", "search.segments=[2]", "search.virtual_stages=[2]", "search.simulate=4",
+       "search.write_top=3", "search.workers=1"]
+
+
+def test_the_app_writes_a_training_config_of_its_pick(tmp_path):
+    cfg = compose_search(CPU)
+    result, files = run_search(cfg, tmp_path)
+    for name in ("search.json", "candidates.csv", "best.yaml", "summary.json", "pareto.png"):
+        assert (tmp_path / name).is_file(), name
+    doc = json.loads((tmp_path / "search.json").read_text())
+    assert doc["pick"]["label"] == result.best.candidate.label()
+    assert doc["considered"] == result.considered and doc["priced"] == len(result.closed)
+    # best.yaml is pipeflow-train --config-dir <out> --config-name best
+    register_search_configs()
+    with initialize_config_dir(config_dir=str(tmp_path), version_base="1.3"):
+        best = hydra_compose("best", overrides=[f"hydra.searchpath=[file://{CONF_DIR}]", "logger=none"])
+    c = result.best.candidate
+    assert best.schedule.name == c.schedule and best.model.name == "gpt_tiny"
+    assert (best.pipeline.stages, best.pipeline.data_parallel, best.pipeline.microbatches,
+            best.pipeline.microbatch_size) == (c.stages, c.data_parallel, c.microbatches, c.microbatch_size)
+    assert best.model.recompute == c.recompute and best.partition.name == c.partition
+    assert prepare_training(best).world_size == 4
+    # the sweep's candidates: sweeps/search_top.yaml with the output folder on the search path
+    with initialize_config_dir(config_dir=str(CONF_DIR.parent / "sweeps"), version_base="1.3"):
+        for n, q in enumerate(result.ranked[:3], 1):
+            job = hydra_compose("search_top", overrides=[f"hydra.searchpath=[file://{CONF_DIR},file://{tmp_path}]",
+                                                         f"+candidate=c{n}", "logger=none"])
+            prepare_training(job)
+            assert job.schedule.name == q.candidate.schedule
+            assert job.pipeline.microbatches == q.candidate.microbatches
+            # pipeflow-compare pairs the measured run with the search's prediction
+            predicted = read_run(tmp_path / "predicted" / f"c{n}")
+            assert predicted.kind == "simulated"
+            measured = type(predicted)(path=tmp_path, kind="measured", status="finished",
+                                       config=json.loads(json.dumps(_plain(job))), summary=None, rows=[])
+            assert sim_key(measured) == sim_key(predicted)
+
+
+def _plain(cfg):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+@pytest.mark.parametrize("override, key", [
+    ("cost=calibrated", "cost.name=calibrated"),
+    ("search.schedules=[pipedream]", "search.staleness=true"),
+    ("search.schedules=[bapp]", "search.schedules"),
+    ("search.recompute=[sometimes]", "search.recompute"),
+    ("search.memory_limit_gb=-1", "search.memory_limit_gb=-1"),
+    ("search.microbatch_sizes=[0]", "search.microbatch_sizes"),
+])
+def test_bad_input_is_refused_naming_the_key(override, key):
+    with pytest.raises(ConfigError) as err:
+        prepare_search(compose_search([*CPU, override]))
+    assert key in str(err.value)
+
+
+def test_local_cpu_needs_the_rank_count():
+    with pytest.raises(ConfigError, match="search.devices"):
+        prepare_search(compose_search(["model=gpt_tiny", "topology=local_cpu"]))
+
+
+def test_the_app_refuses_a_budget_nothing_fits(tmp_path):
+    with pytest.raises(ConfigError, match="search.memory_limit_gb=0.0001: no candidate fits"):
+        run_search(compose_search([*CPU, "search.memory_limit_gb=0.0001"]), tmp_path)
+    assert not (tmp_path / "best.yaml").exists()
