@@ -2,14 +2,19 @@
 
 Two checks, each printed as a table (it reports, it does not fail):
 
-- **measured** (``--cpu``, minutes): the search for gpt_small (seq_len 64, fp32) over the
-  4 CPU ranks of this machine (``topology=local_cpu topology.cores=2``: two cores, which
-  the four ranks share) with a global batch of 8 sequences and a memory limit of
+- **measured** (``--cpu``, about 25 minutes): first two calibrations of gpt_small
+  (seq_len 64, fp32, 1F1B on the 4 CPU ranks, microbatches of 1 and of 8 sequences;
+  ``python -m pipeflow.calibrate``), from which ``search.calibration`` fits this host
+  (:mod:`pipeflow.planning.search.host`); then the search over the 4 ranks
+  (``topology=local_cpu``) with a global batch of 8 sequences and a memory limit of
   ``--limit`` GiB per rank, which excludes the candidates that keep the whole model on
-  one rank. From the simulated candidates that fit it takes the pick and candidates
-  spread evenly over the rest of the predicted order, at least 4 schedules among them,
-  and trains each for real with ``pipeflow-train`` (alternating, ``--repeats`` rounds,
-  the median of the steady steps' times per round, then the median over rounds).
+  one rank. From the candidates that fit it takes the pick and candidates spread
+  evenly over the rest of the closed form's order, at least 4 schedules among them,
+  each simulated for its prediction, and trains each for real with ``pipeflow-train``
+  (alternating, ``--repeats`` rounds, the median of the steady steps' times per round,
+  then the median over rounds). Without recomputation: the runtime's zero-bubble I
+  rebuilds a recomputed block once per weight matrix it plans (docs/planning.md), which
+  no cost model here prices.
   Reported: predicted and measured step time per candidate, the Spearman correlation of
   the two orders (target >= 0.8) and how far the pick is from the fastest measured
   candidate (target within 5%).
@@ -43,10 +48,13 @@ from pipeflow.runtime.launch import TrainJob, launch  # noqa: E402
 from pipeflow.search import compose_search, prepare_search  # noqa: E402
 
 CPU_MODEL = ["model=gpt_small", "model.seq_len=64"]
-CPU_SEARCH = [*CPU_MODEL, "topology=local_cpu", "topology.cores=2", "search.devices=4", "precision=fp32",
+CPU_SEARCH = [*CPU_MODEL, "topology=local_cpu", "search.devices=4", "precision=fp32",
               "search.global_batch=8", "search.microbatch_sizes=[1,2,4,8]", "search.virtual_stages=[2]",
-              "search.segments=[2,4]", "search.recompute=[none,full]", "search.splits=[uniform]",
+              "search.segments=[2,4]", "search.recompute=[none]", "search.splits=[uniform]",
               "search.simulate=16"]
+# the calibrations the host is fitted from: 1F1B on the 4 ranks, microbatches of 1 and of 8
+CALIBRATIONS = {"mbs1": ["pipeline.microbatches=8", "pipeline.microbatch_size=1"],
+                "mbs8": ["pipeline.microbatches=2", "pipeline.microbatch_size=8"]}
 SPEED_SEARCH = ["model=llama3_8b", "topology=cluster", "topology.nodes=8", "search.global_batch=512",
                 "search.simulate=8"]
 
@@ -102,8 +110,24 @@ def measure(overrides: list[str], run_dir: Path, steps: int) -> float:
     return statistics.median(r["step_time"] for r in rows[len(rows) // 2:])
 
 
-def cpu(limit: float, count: int, repeats: int, steps: int) -> dict:
-    cfg = compose_search([*CPU_SEARCH, f"search.memory_limit_gb={limit}"])
+def calibrations(where: Path) -> list[str]:
+    """Calibrate this host on the CALIBRATIONS configurations; their files."""
+    from pipeflow.calibrate import calibrate
+
+    files = []
+    for name, sizes in CALIBRATIONS.items():
+        out = where / f"calibration_{name}.json"
+        calibrate(compose("train", [*CPU_MODEL, "schedule=1f1b", "pipeline.stages=4", "runtime.precision=fp32",
+                                    "logger=none", *sizes]), out)
+        files.append(str(out))
+        print(f"  calibrated {name}: {out}", flush=True)
+    return files
+
+
+def cpu(limit: float, count: int, repeats: int, steps: int, calibrated: list[str] | None = None) -> dict:
+    where = Path(tempfile.mkdtemp(prefix="bench-search-"))
+    files = calibrated or calibrations(where)
+    cfg = compose_search([*CPU_SEARCH, f"search.memory_limit_gb={limit}", f"search.calibration=[{','.join(files)}]"])
     inputs = prepare_search(cfg)
     result = search(inputs.space, inputs.pricer, int(cfg.search.simulate), default_workers())
     # the pick, then fitting candidates spread over the whole closed-form order (the
@@ -129,7 +153,9 @@ def cpu(limit: float, count: int, repeats: int, steps: int) -> dict:
     pick = rows[0]  # the search's pick first
     return {"rows": rows, "spearman": spearman(pred, meas), "pick": pick["candidate"],
             "pick_over_fastest": pick["measured"] / fastest - 1, "schedules": sorted({q.candidate.schedule for q in chosen}),
-            "priced": len(result.closed), "out_of_memory": len(result.out_of_memory), "limit_gib": limit}
+            "priced": len(result.closed), "out_of_memory": len(result.out_of_memory), "limit_gib": limit,
+            "calibrations": files, "host": {k: v for k, v in inputs.pricer.topology.to_dict().items()
+                                            if k in ("cores", "contention", "message_host", "collective_bandwidth")}}
 
 
 def speed() -> dict:
@@ -158,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--count", type=int, default=8, help="candidates trained for --cpu")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--calibration", nargs="*", help="--cpu: these calibration files instead of calibrating anew")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
     out = {}
@@ -171,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
               f"max {s['closed_vs_simulated_max_abs']:.1%}, Spearman {s['closed_vs_simulated_spearman']:.3f}; "
               f"pick {s['pick']}")
     if args.cpu:
-        c = out["cpu"] = cpu(args.limit, args.count, args.repeats, args.steps)
+        c = out["cpu"] = cpu(args.limit, args.count, args.repeats, args.steps, args.calibration)
         print(f"\nmeasured: gpt_small on 4 CPU ranks, limit {c['limit_gib']} GiB per rank "
               f"({c['out_of_memory']} of {c['priced']} priced candidates do not fit)")
         print(f"{'candidate':<42} {'predicted':>10} {'measured':>10}")

@@ -239,3 +239,44 @@ def test_the_app_refuses_a_budget_nothing_fits(tmp_path):
     with pytest.raises(ConfigError, match="search.memory_limit_gb=0.0001: no candidate fits"):
         run_search(compose_search([*CPU, "search.memory_limit_gb=0.0001"]), tmp_path)
     assert not (tmp_path / "best.yaml").exists()
+
+
+# ------------------------------------------------------------------------- the host
+
+def _calibration(path: Path, spec, mbs: int, rate: float, bandwidth: float, collective: float) -> str:
+    """A calibration file whose times follow t = FLOPs / rate and bytes / bandwidth exactly."""
+    from pipeflow.planning.cost import AnalyticCost
+    from pipeflow.planning.machine_cost import FORMAT, VERSION
+
+    layers = [1, 1, 1, 1]
+    cost = AnalyticCost(spec, 4, microbatch_size=mbs, efficiency=1.0, dtype_bytes=4, layers_per_stage=layers)
+    times = {f"{k}|{s}|0": cost.flops(k, s, 0) / rate for s in range(4) for k in "FBIW"}
+    times.update({f"S|{s}|0": cost.stage_params(s) * 28 / bandwidth for s in range(4)})
+    tied = 4.0 * spec.vocab_size * spec.n_embd
+    doc = {"format": FORMAT, "version": VERSION,
+           "config": {"model": spec.name, "schedule": "1f1b", "num_stages": 4, "segments": 1, "microbatch_size": mbs,
+                      "layers_per_stage": layers, "world_size": 4},
+           "times": times, "sync_s": 2e-4 + tied / collective,
+           "host": {"cores": 2, "contention": 0.9, "latency": 1e-4, "bandwidth": 3e9, "message_host": 1e-3}}
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def test_the_host_is_fitted_from_calibrations(tmp_path):
+    from pipeflow.planning.search.host import fitted_host
+
+    spec = TransformerSpec.from_config(compose("simulate", ["model=gpt_tiny"]).model)
+    files = [_calibration(tmp_path / f"c{b}.json", spec, b, 3e10, 7e9, 2e8) for b in (1, 8)]
+    host = fitted_host(files, spec, efficiency=0.5, dtype_bytes=4)
+    assert host["peak_flops"] * 0.5 == pytest.approx(3e10)  # the analytic cost divides by peak x efficiency
+    assert host["memory_bandwidth"] == pytest.approx(7e9)
+    assert host["collective_bandwidth"] == pytest.approx(2e8)
+    assert (host["cores"], host["contention"], host["message_host"]) == (2, 0.9, 1e-3)
+    # the search's topology takes them: an all-reduce at the collective rate, not the loopback's
+    cfg = compose_search([*CPU, f"search.calibration=[{','.join(files)}]"])
+    topo = prepare_search(cfg).pricer.topology
+    assert topo.collective_bandwidth == pytest.approx(2e8) and topo.cores == 2
+    assert topo.allreduce_time([0, 1], 2e8) == pytest.approx(1.0 + 2 * topo.route(0, 1).latency)
+    other = TransformerSpec.from_config(compose("simulate", ["model=gpt_small"]).model)
+    with pytest.raises(ValueError, match="search.calibration"):
+        fitted_host(files, other, 0.5, 4)
