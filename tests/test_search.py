@@ -145,6 +145,13 @@ def test_the_search_ranks_by_the_simulator_and_says_what_does_not_fit():
     assert all(q.peak_memory == pytest.approx(q.memory_limit + q.over) for q in result.out_of_memory)
     front = pareto(result.ranked)
     assert front[0] is result.best
+    # the console names the schedules with no candidate that fits, and the closest misses
+    from pipeflow.planning.search.report import format_search
+
+    text = format_search(result, "gpt_small", "cluster", 8, 5)
+    unfit = sorted({q.candidate.schedule for q in result.closed} - fitting)
+    assert (f"no candidate fits: {', '.join(unfit)}" in text) == bool(unfit)
+    assert result.out_of_memory[0].candidate.label() in text
     assert all(a.peak_memory > b.peak_memory for a, b in zip(front, front[1:]))
 
 
@@ -156,6 +163,18 @@ def test_a_budget_nothing_fits_names_the_smallest_requirement():
     least = min(q.peak_memory for q in search(_space(spec), unlimited).closed)
     assert f"{least / GIB:.3g} GiB" in str(err.value)
     assert "0.05 GiB" in str(err.value)
+
+
+def test_staleness_brings_the_asynchronous_schedules():
+    spec, pricer = _pricer(devices=4)
+    space = _space(spec, devices=4, schedules=["1f1b", "pipedream", "pipedream_2bw", "amdp"], global_batch=8)
+    result = search(space, pricer, simulate_top=4)
+    stale = [q for q in result.closed if get_spec(q.candidate.schedule).asynchronous]
+    assert stale and all(q.candidate.data_parallel == 1 for q in stale)  # one pipeline each
+    assert {q.candidate.schedule for q in result.ranked} >= {"pipedream", "pipedream_2bw", "amdp"}
+    assert all(q.step_time > 0 and q.fits for q in result.ranked)
+    with pytest.raises(ConfigError, match="search.staleness=true"):
+        prepare_search(compose_search([*CPU, "search.schedules=[1f1b,amdp]"]))
 
 
 def test_two_workers_find_what_one_finds():

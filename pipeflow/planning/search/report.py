@@ -8,7 +8,6 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
-from typing import Sequence
 
 from . import GIB, SearchResult
 from .price import Priced, pareto
@@ -68,6 +67,13 @@ def schedule_table(result: SearchResult) -> list[str]:
     return _table(("schedule", "its fastest", "step (ms)", "vs pick", "bubble", "peak GiB", "why it lost"), rows)
 
 
+def _unfit_schedules(result: SearchResult) -> list[str]:
+    """The schedules none of whose candidates fits (they have no row above)."""
+    fit = {q.candidate.schedule for q in result.ranked}
+    none = sorted({q.candidate.schedule for q in result.closed} - fit)
+    return [f"no candidate fits: {', '.join(none)}"] if none else []
+
+
 def oom_lines(result: SearchResult, rows: int) -> list[str]:
     oom = result.out_of_memory
     if not oom:
@@ -94,6 +100,7 @@ def format_search(result: SearchResult, model: str, topology: str, devices: int,
         "",
         "the fastest of each schedule (simulated):",
         *schedule_table(result),
+        *_unfit_schedules(result),
         "",
         *oom_lines(result, min(rows, 5)),
     ]
@@ -150,34 +157,32 @@ def draw_pareto(result: SearchResult, path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def _keys(c) -> list[str]:
+    """The candidate's pipeline, recomputation and split as YAML lines."""
+    lines = ["pipeline:"]
+    lines += [f"  {key}: {getattr(c, key)}" for key in
+              ("stages", "microbatches", "virtual_stages", "segments", "microbatch_size", "data_parallel")]
+    lines += ["model:", f"  recompute: {c.recompute}"]
+    return lines + (["schedule:", f"  split: {c.split}"] if c.segments > 1 else [])
+
+
 def train_config(q: Priced, model: str, header: str) -> str:
     """A primary config for ``pipeflow-train --config-dir <dir> --config-name <name>``."""
     c = q.candidate
     lines = [f"# {header}", f"# {c.label()}: predicted {q.step_time * 1e3:.3f} ms a step, "
              f"peak {q.peak_memory / GIB:.2f} GiB ({q.how})",
              "defaults:", "  - train", f"  - override model: {model}", f"  - override schedule: {c.schedule}",
-             f"  - override partition: {c.partition}", "  - _self_", "", "pipeline:"]
-    for key in ("stages", "microbatches", "virtual_stages", "segments", "microbatch_size", "data_parallel"):
-        lines.append(f"  {key}: {getattr(c, key)}")
-    lines += ["model:", f"  recompute: {c.recompute}"]
-    if c.segments > 1:
-        lines += ["schedule:", f"  split: {c.split}"]
-    return "\n".join(lines) + "\n"
+             f"  - override partition: {c.partition}", "  - _self_", ""]
+    return "\n".join(lines + _keys(c)) + "\n"
 
 
 def candidate_config(q: Priced, n: int, model: str) -> str:
-    """One of the top candidates as a config group option (``+candidate=NN`` in a sweep)."""
+    """One of the top candidates as a config group option (``+candidate=cN`` in a sweep)."""
     c = q.candidate
     lines = ["# @package _global_", f"# #{n}: {c.label()}: predicted {q.step_time * 1e3:.3f} ms a step ({q.how})",
              "defaults:", f"  - override /model: {model}", f"  - override /schedule: {c.schedule}",
-             f"  - override /partition: {c.partition}", "",
-             "pipeline:"]
-    for key in ("stages", "microbatches", "virtual_stages", "segments", "microbatch_size", "data_parallel"):
-        lines.append(f"  {key}: {getattr(c, key)}")
-    lines += ["model:", f"  recompute: {c.recompute}"]
-    if c.segments > 1:
-        lines += ["schedule:", f"  split: {c.split}"]
-    return "\n".join(lines) + "\n"
+             f"  - override /partition: {c.partition}", ""]
+    return "\n".join(lines + _keys(c)) + "\n"
 
 
 def write_candidates_csv(result: SearchResult, path: Path) -> None:
@@ -198,7 +203,3 @@ def write_candidates_csv(result: SearchResult, path: Path) -> None:
 
 def write_json(path: Path, doc: dict) -> None:
     path.write_text(json.dumps(doc, indent=2) + "\n")
-
-
-def top_k(result: SearchResult, k: int) -> Sequence[Priced]:
-    return result.ranked[:k]
