@@ -33,7 +33,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from pipeflow.config import CONF_DIR, ConfigError, check_logger, register_configs, run_app
+from pipeflow.config import CONF_DIR, ConfigError, check_logger, compose, register_configs, run_app
 from pipeflow.config.checks import check_known_keys, resolve_model
 from pipeflow.config.values import PRECISIONS, _at_least
 from pipeflow.families import family_of
@@ -91,12 +91,10 @@ register_search_configs()
 
 
 def compose_search(overrides=()) -> DictConfig:
-    """Compose conf/search.yaml outside ``@hydra.main`` (tests)."""
-    from hydra import compose, initialize_config_dir
-
+    """Compose conf/search.yaml outside ``@hydra.main`` (tests): the configuration
+    layer's ``compose`` with the search's schema in the store."""
     register_search_configs()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose("search", overrides=list(overrides))
+    return compose("search", overrides)
 
 
 def _choices(key: str, given, allowed) -> list:
@@ -152,6 +150,9 @@ def prepare_search(cfg: DictConfig) -> SearchInputs:
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0):
         raise ConfigError(f"search.memory_limit_gb={limit}: a number > 0 (GiB per device), or null for each "
                           f"device's own memory")
+    if opts.devices is None and cfg.topology.name == "local_cpu" and cfg.topology.get("num_devices") is None:
+        raise ConfigError("search.devices=null: topology=local_cpu has as many ranks as asked for; "
+                          "set search.devices (or topology.num_devices) to the ranks to search over, e.g. 4")
     dtype = 4 if cfg.precision == "fp32" else 2
     try:
         spec = TransformerSpec.from_config(cfg.model)
@@ -164,9 +165,6 @@ def prepare_search(cfg: DictConfig) -> SearchInputs:
         topology = build_topology(topo_cfg, opts.devices)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    if opts.devices is None and cfg.topology.name == "local_cpu" and cfg.topology.get("num_devices") is None:
-        raise ConfigError("search.devices=null: topology=local_cpu has as many ranks as asked for; "
-                          "set search.devices (or topology.num_devices) to the ranks to search over, e.g. 4")
     ok = [n for n in schedule_names() if searchable(get_spec(n)) is None]
     if opts.schedules is None:
         names = default_schedules(bool(opts.staleness))

@@ -125,25 +125,24 @@ def candidates(space: SearchSpace) -> Iterator[Candidate]:
     """Every combination whose sizes add up (the global batch divides, a chunk per layer at
     least; a schedule's own size rules are the generator's, checked when it is priced).
     Combinations left out are counted in ``space.skipped`` by reason."""
-    skipped = space.skipped
+    def skip(why: str) -> None:
+        space.skipped[why] = space.skipped.get(why, 0) + 1
+
     for name in space.schedules:
         spec = get_spec(name)
         for p in space.stage_counts():
             dp = space.devices // p
             if dp > 1 and spec.asynchronous:
-                skipped["asynchronous schedules run one pipeline (no data parallelism)"] = \
-                    skipped.get("asynchronous schedules run one pipeline (no data parallelism)", 0) + 1
+                skip("asynchronous schedules run one pipeline (no data parallelism)")
                 continue
             for mbs in space.microbatch_sizes:
                 per_replica, rest = divmod(space.global_batch, dp * mbs)
                 if rest or per_replica < 1:
-                    skipped["the global batch does not divide into data_parallel x microbatch_size"] = \
-                        skipped.get("the global batch does not divide into data_parallel x microbatch_size", 0) + 1
+                    skip("the global batch does not divide into data_parallel x microbatch_size")
                     continue
                 for v in _chunk_options(spec, space):
                     if p * v > space.n_layer:
-                        skipped["more stages (stages x virtual_stages) than layers"] = \
-                            skipped.get("more stages (stages x virtual_stages) than layers", 0) + 1
+                        skip("more stages (stages x virtual_stages) than layers")
                         continue
                     for s in _segment_options(spec, space):
                         for split in (space.splits if s > 1 else space.splits[:1]):
