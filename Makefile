@@ -66,6 +66,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_closed_forms
 	$(BIN)/python -m benchmarks.bench_fidelity
 	$(BIN)/python -m benchmarks.bench_split
+	$(BIN)/python -m benchmarks.bench_attention
 	$(BIN)/python -m benchmarks.bench_report_width
 
 # One table of every comparison with a published figure: pipeflow's figure beside the

@@ -102,14 +102,12 @@ class TensorParallelCost(AnalyticCost):
         self.tp = tp
         super().__init__(spec, num_stages, segment_lengths=segment_lengths, **kw)
         H, Fw, V, dt = spec.n_embd, spec.ffn_width, spec.vocab_size, self.dtype_bytes
-        last, split = num_stages - 1, self.num_segments > 1
+        last = num_stages - 1
         self._activation = []
         for s, n in enumerate(self.layers_per_stage):
             row = []
             for x in self.segment_lengths:
                 a = n * x * (8 * H + 2 * Fw) * dt
-                if split:
-                    a += n * 2 * x * H * dt
                 if s == last:
                     a += 2 * x * H * dt + 4 * x * V
                 row.append(a / tp)
@@ -132,6 +130,9 @@ class TensorParallelCost(AnalyticCost):
 
     def weight_residual_bytes(self, stage, segment):
         return super().weight_residual_bytes(stage, segment) / self.tp
+
+    def kv_gradient_bytes(self, stage, segment):
+        return super().kv_gradient_bytes(stage, segment) / self.tp
 
     def param_bytes(self, stage):
         return super().param_bytes(stage) / self.tp

@@ -107,7 +107,8 @@ def hf_fields(model_cfg: Mapping) -> dict:
 
 
 def load_hf_config(model_cfg: Mapping):
-    """The transformers config of an ``hf_causal`` model (eager attention, no cache)."""
+    """The transformers config of an ``hf_causal`` model (no cache; transformers' fused
+    attention, which pipeflow's stages replace with their own: pipeflow.models.attention)."""
     from transformers import AutoConfig
 
     fields = hf_fields(model_cfg)
@@ -123,7 +124,7 @@ def load_hf_config(model_cfg: Mapping):
         if isinstance(value, int) and not 0 <= value < config.vocab_size:
             setattr(config, key, None)
     config.use_cache = False
-    config._attn_implementation = "eager"  # the additive masks below, exactly as written, on every device
+    config._attn_implementation = "sdpa"
     return config
 
 

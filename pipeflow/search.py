@@ -214,11 +214,12 @@ def run_search(cfg: DictConfig, out_dir: str | Path) -> tuple[SearchResult, list
     files = ["search.json", "candidates.csv", "best.yaml", "summary.json"]
     write_candidates_csv(result, out / "candidates.csv")
     header = f"pipeflow-search's pick for {model} on {topology.name} ({topology.num_devices} devices)"
-    (out / "best.yaml").write_text(train_config(result.best, model, header))
+    attention = str(cfg.model.get("attention") or "sdpa")  # what the search priced, trained the same
+    (out / "best.yaml").write_text(train_config(result.best, model, header, attention))
     k = min(int(cfg.search.write_top), len(result.ranked))
     (out / "candidate").mkdir(exist_ok=True)
     for n, q in enumerate(result.ranked[:k], 1):
-        (out / "candidate" / f"c{n}.yaml").write_text(candidate_config(q, n, model))
+        (out / "candidate" / f"c{n}.yaml").write_text(candidate_config(q, n, model, attention))
         (out / "predicted" / f"c{n}").mkdir(parents=True, exist_ok=True)
         write_json(out / "predicted" / f"c{n}" / "summary.json", predicted_summary(q, cfg, topology, n))
     if k:

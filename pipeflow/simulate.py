@@ -159,11 +159,13 @@ def memory_line(s: dict) -> str | None:
     need = f"device {worst['device']} needs {_bytes(worst['peak_memory_bytes'])} of {_bytes(worst['memory_bytes'])}"
     if s["fits"]:
         return f"memory        fits: at most {need.split(' needs ', 1)[1]} (device {worst['device']})"
-    recompute = (s.get("model") or {}).get("recompute", "none")
-    hint = {"none": "; model.recompute=selective or full keeps fewer activations",
-            "selective": "; model.recompute=full keeps fewer activations"}.get(recompute, "")
+    model = s.get("model") or {}
+    recompute = model.get("recompute", "none")
+    hint = "; model.attention=sdpa keeps no score" if model.get("attention") == "eager" else ""
+    hint += {"none": "; model.recompute=selective or full keeps fewer activations",
+             "selective": "; model.recompute=full keeps fewer activations"}.get(recompute, "")
     if recompute != "none" and s.get("segments", 1) == 1:
-        # what is left is the one layer a backward rebuilds: its score terms grow as T^2
+        # what is left grows with the tokens of one forward (eager: with their square)
         hint += "; schedule=seq1f1b pipeline.segments=N rebuilds a layer for one segment of the sequence at a time"
     return f"memory        OUT OF MEMORY on {len(s['out_of_memory_devices'])} of {len(s['per_device'])} devices: " \
            f"{need}{hint}"

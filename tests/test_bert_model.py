@@ -121,11 +121,16 @@ def test_chained_stages_equal_the_whole_model(split):
     assert not torch.allclose(stages[0].embeddings.word_embeddings.weight.grad, ref_grads[WORD], rtol=1e-4, atol=1e-7)
 
 
-def test_matches_transformers_bert_for_masked_lm():
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_matches_transformers_bert_for_masked_lm(attention):
+    """pipeflow's fused and eager attention both compute what transformers' own eager
+    BertForMaskedLM computes with the same weights."""
     from transformers import BertForMaskedLM
 
-    model = build_model(TINY, SEED).eval()
-    ref = BertForMaskedLM(bert_config(TINY)).eval()
+    model = build_model({**TINY, "attention": attention}, SEED).eval()
+    config = bert_config(TINY)
+    config._attn_implementation = "eager"  # transformers' own attention, the independent reference
+    ref = BertForMaskedLM(config).eval()
     state = {}
     for k, v in model.state_dict().items():
         if k.startswith("embeddings."):

@@ -158,10 +158,21 @@ def test_bad_partition_and_segments_name_the_key():
 
 
 def test_activation_memory_matches_korthikanti_and_zero_bubble():
+    """Eager attention with dropout is Korthikanti et al.'s count (34sbh + 5as^2b at 16
+    bits) with the norms' inputs and statistics in fp32, as the runtime keeps them (2sbh
+    more per norm and 8 bytes a token); the fused kernel keeps no score, its output
+    (sbh) and a fp32 log-sum-exp per query and head instead, and no dropout keeps no mask."""
+    import dataclasses
+
     b, S, H, h = 2, GPT.seq_len, GPT.n_embd, GPT.n_head
-    c = AnalyticCost(GPT, 4, microbatch_size=b)  # middle stages: 2 plain layers
-    per_layer = 34 * S * b * H + 5 * h * S * S * b  # Korthikanti et al., 16-bit, no recomputation
-    assert c.activation_bytes(1, 0) == pytest.approx(2 * per_layer)
+    korthikanti = AnalyticCost(dataclasses.replace(GPT, attention="eager", dropout_masks=True), 4, microbatch_size=b)
+    per_layer = 34 * S * b * H + 5 * h * S * S * b + (2 * 2 * H + 2 * 8) * S * b
+    assert korthikanti.activation_bytes(1, 0) == pytest.approx(2 * per_layer)  # middle stages: 2 plain layers
+    fused = AnalyticCost(GPT, 4, microbatch_size=b)  # sdpa, no dropout: the defaults
+    # per token: two fp32 norms 2(4H + 8); the QKV input, Q, K, V and the kernel's output
+    # 5H at 2 bytes and the log-sum-exp 4h; the MLP's input and its two 4H tensors 9H at 2 bytes
+    assert fused.activation_bytes(1, 0) == pytest.approx(2 * (8 * H + 16 + 10 * H + 4 * h + 18 * H) * S * b)
+    c = fused
     assert c.weight_residual_bytes(1, 0) == pytest.approx(2 * 32 * b * S * H)  # zero-bubble paper's W memory
     assert c.activation_bytes(3, 0) > c.activation_bytes(1, 0)  # logits on the last stage
     assert c.message_bytes(1, 2, 0) == b * S * H * 2
@@ -170,17 +181,18 @@ def test_activation_memory_matches_korthikanti_and_zero_bubble():
 
 
 def test_recomputation_trades_backward_flops_for_activation_memory():
-    """model.recompute, priced: full keeps each layer's input (2sbh bytes at 16 bits) and
-    its backward reruns the layers' forward; selective drops the attention sub-layer's
-    tensors (Korthikanti: 9sbh of its 11sbh, and the 5as^2b score terms) and reruns its
+    """model.recompute, priced: full keeps each layer's input (4sbh bytes: the residual
+    stream is fp32) and its backward reruns the layers' forward; selective drops what the
+    attention sub-layer keeps (its input's cast, Q, K, V, the kernel's output and
+    log-sum-exp: 10sbh + 4sba at 16 bits) for its fp32 input (4sbh), and reruns its
     projections and scores."""
     import dataclasses
 
     b, S, H, h = 2, GPT.seq_len, GPT.n_embd, GPT.n_head
     plain, full, sel = (AnalyticCost(dataclasses.replace(GPT, recompute=r), 4, microbatch_size=b)
                         for r in ("none", "full", "selective"))
-    assert full.activation_bytes(1, 0) == pytest.approx(2 * 2 * S * b * H)  # 2 layers, input only
-    assert sel.activation_bytes(1, 0) == pytest.approx(2 * (34 - 9) * S * b * H)
+    assert full.activation_bytes(1, 0) == pytest.approx(2 * 4 * S * b * H)  # 2 layers, input only
+    assert sel.activation_bytes(1, 0) == pytest.approx(plain.activation_bytes(1, 0) - 2 * (6 * H + 4 * h) * S * b)
     assert full.activation_bytes(1, 0) < sel.activation_bytes(1, 0) < plain.activation_bytes(1, 0)
     f = plain.flops("F", 1, 0)
     assert full.flops("F", 1, 0) == sel.flops("F", 1, 0) == f  # the forward is the forward
@@ -192,12 +204,14 @@ def test_recomputation_trades_backward_flops_for_activation_memory():
     # the head is not recomputed: the last stage adds the same head forward to each
     assert full.flops("B", 3, 0) - plain.flops("B", 3, 0) == pytest.approx(full.flops("F", 1, 0))
     # while a backward runs it holds the one layer (full) or attention sub-layer
-    # (selective) it rebuilt: a layer's worth of what 'none' saves, or of what selective drops
+    # (selective) it rebuilt: a layer's worth of what 'none' saves, or of what the sub-layer keeps
     assert plain.transient_bytes(1, 0) == 0
     assert full.transient_bytes(1, 0) == pytest.approx(plain.activation_bytes(1, 0) / 2)
-    assert sel.transient_bytes(1, 0) == pytest.approx((plain.activation_bytes(1, 0) - sel.activation_bytes(1, 0)) / 2)
+    assert sel.transient_bytes(1, 0) == pytest.approx((10 * H + 4 * h) * S * b)
     with pytest.raises(ValueError, match="model.recompute=some"):
         dataclasses.replace(GPT, recompute="some")
+    with pytest.raises(ValueError, match="model.attention=flash"):
+        dataclasses.replace(GPT, attention="flash")
 
 
 def test_the_simulated_peak_holds_the_recomputed_layer_during_a_backward():
@@ -217,18 +231,31 @@ def test_the_simulated_peak_holds_the_recomputed_layer_during_a_backward():
         assert peak == pytest.approx(m * cost.activation_bytes(1, 0) + cost.transient_bytes(1, 0)), r
 
 
-def test_segments_keep_their_kv_gradient_on_top_of_activations():
-    whole = AnalyticCost(GPT, 4)  # b = 1, 2 layers per middle stage
-    split = AnalyticCost(GPT, 4, segment_lengths=[256, 256])
-    H, h, L = GPT.n_embd, GPT.n_head, 2
-    # splitting changes exactly two things on a middle stage: attention scores cover only
-    # each segment's prefix (x*P pairs instead of S*S), and each segment's K/V gradient
-    # buffer (2*x*H 16-bit values per layer) is added
-    pairs_saved = 512 * 512 - (256 * 256 + 256 * 512)
-    kv = 2 * 512 * H * 2
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_segments_keep_the_prefix_keys_and_their_own(attention):
+    """Cutting a sequence into segments on a middle stage (2 layers, b = 1): the scores
+    cover each segment's prefix only (x*P pairs instead of S*S, eager), the later
+    segment's attention keeps the keys and values of its whole prefix, and every segment
+    holds its own keys and values for the later ones; the gradient the later segment's
+    backward sends to the earlier one's keys and values is held apart (kv_gradient_bytes)."""
+    import dataclasses
+
+    spec = dataclasses.replace(GPT, attention=attention)
+    whole = AnalyticCost(spec, 4)
+    split = AnalyticCost(spec, 4, segment_lengths=[256, 256])
+    H, h, L, c = spec.n_embd, spec.n_head, 2, 2
     diff = sum(split.activation_bytes(1, i) for i in range(2)) - whole.activation_bytes(1, 0)
-    assert diff == pytest.approx(L * (kv - 5 * h * pairs_saved))
-    assert diff < 0  # still a net saving here
+    if attention == "sdpa":
+        # segment 1: its keys over the 512-token prefix (256 more than its own) and its own
+        # keys and values held apart from that concatenation
+        assert diff == pytest.approx(L * (2 * H * c * 256 + 2 * H * c * 256))
+    else:
+        # eager: the same, less the score pairs the split saves (as many K/V heads as
+        # query heads: nothing is repeated, the first segment's own are what it keeps)
+        pairs_saved = 512 * 512 - (256 * 256 + 256 * 512)
+        assert diff == pytest.approx(L * (2 * H * c * 256 + 2 * H * c * 256 - h * c * pairs_saved))
+    assert whole.kv_gradient_bytes(1, 0) == 0
+    assert [split.kv_gradient_bytes(1, i) for i in range(2)] == [L * 2 * 256 * H * c] * 2
 
 
 def test_params_per_stage_cover_the_model_once_plus_the_tied_head_copy():

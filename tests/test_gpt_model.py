@@ -114,11 +114,16 @@ def test_chained_stages_equal_the_whole_model(split):
     assert not torch.allclose(stages[0].wte.weight.grad, ref_grads["wte.weight"], rtol=1e-4, atol=1e-7)
 
 
-def test_matches_transformers_gpt2_lm_head_model():
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_matches_transformers_gpt2_lm_head_model(attention):
+    """pipeflow's fused and eager attention both compute what transformers' own eager
+    GPT2LMHeadModel computes with the same weights."""
     from transformers import GPT2LMHeadModel
 
-    model = build_model(TINY, SEED).eval()
-    ref = GPT2LMHeadModel(gpt2_config(TINY)).eval()
+    model = build_model({**TINY, "attention": attention}, SEED).eval()
+    config = gpt2_config(TINY)
+    config._attn_implementation = "eager"  # transformers' own attention, the independent reference
+    ref = GPT2LMHeadModel(config).eval()
     state = {f"transformer.{k}": v for k, v in model.state_dict().items()}
     state["lm_head.weight"] = model.wte.weight
     missing, unexpected = ref.load_state_dict(state, strict=False)

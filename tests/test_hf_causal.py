@@ -43,18 +43,22 @@ def test_every_architecture_is_covered():
     assert set(SMALL_HF) == set(ARCHITECTURES)
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("arch", list(SMALL_HF))
-def test_a_stage_computes_what_transformers_computes(arch):
-    """The whole model as one stage, against transformers' own *ForCausalLM holding the
-    same weights (loaded by name); two stages and two sequence segments, against it."""
+def test_a_stage_computes_what_transformers_computes(arch, attention):
+    """The whole model as one stage, against transformers' own eager *ForCausalLM holding
+    the same weights (loaded by name); two stages and two sequence segments, against it;
+    with pipeflow's fused attention and its eager one."""
     from transformers import AutoModelForCausalLM
 
     from pipeflow.models import hf_causal
 
-    model = resolved(*SMALL_HF[arch])
+    model = resolved(*SMALL_HF[arch], f"model.attention={attention}")
     assert model["hf"]["model_type"] == arch
     whole = hf_causal.build_model(model, seed=3).eval()
-    ref = AutoModelForCausalLM.from_config(load_hf_config(model)).eval()
+    config = load_hf_config(model)
+    config._attn_implementation = "eager"  # transformers' own attention, the independent reference
+    ref = AutoModelForCausalLM.from_config(config).eval()
     result = ref.load_state_dict(whole.state_dict(), strict=False)
     assert not result.unexpected_keys
     assert set(result.missing_keys) <= ({"lm_head.weight"} if model["tied"] else set())

@@ -134,7 +134,8 @@ def test_llama_layer_flops_by_hand():
 @pytest.mark.parametrize("preset", ["gpt_small", "gpt_7b", "bert_large"])
 def test_gpt_and_bert_presets_keep_their_closed_forms(preset):
     """GPT/BERT read through the generalised formulas: kv = h, d = H/h, two MLP matrices,
-    LayerNorm, every bias, tied head, learned positions, dropout masks."""
+    LayerNorm, every bias, tied head, learned positions; with eager attention and
+    dropout, Korthikanti et al.'s 34sbh + 5as^2b with fp32 norms (4H + 8 bytes each)."""
     cfg = _model_cfg(preset)
     spec = TransformerSpec.from_config(cfg)
     L, h, H, V, S, Pn = cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.vocab_size, cfg.seq_len, cfg.n_positions
@@ -148,8 +149,12 @@ def test_gpt_and_bert_presets_keep_their_closed_forms(preset):
     assert c.flops("F", 1, 0) == pytest.approx(b * n * layer, rel=1e-12)
     assert c.flops("F", 3, 0) == pytest.approx(b * (n * layer + 2 * S * H * V), rel=1e-12)
     assert c.flops("W", 1, 0) == pytest.approx(b * n * 24 * S * H * H, rel=1e-12)
-    assert c.activation_bytes(1, 0) == n * (34 * S * b * H + 5 * h * S * S * b)
-    assert c.activation_bytes(0, 0) == n * (34 * S * b * H + 5 * h * S * S * b) + S * b * H
+    eager = AnalyticCost(dataclasses.replace(spec, attention="eager", dropout_masks=True), 4, microbatch_size=b)
+    korthikanti = 34 * S * b * H + 5 * h * S * S * b + 2 * (2 * H + 8) * S * b
+    assert eager.activation_bytes(1, 0) == n * korthikanti
+    ids = 8 * S * b + 8 * S  # token ids, position ids (int64)
+    embedding = S * b * H + (S * b * (4 * H + 8) if cfg.family == "bert" else 0)  # its dropout mask, BERT's LayerNorm
+    assert eager.activation_bytes(0, 0) == n * korthikanti + ids + embedding
     assert c.weight_residual_bytes(1, 0) == n * 32 * b * S * H
     per_layer = 4 * H * H + 2 * H * Fw + 9 * H + Fw
     assert c.stage_params(1) == n * per_layer
@@ -162,19 +167,27 @@ def test_gpt_and_bert_presets_keep_their_closed_forms(preset):
 
 
 def test_llama_activation_bytes_by_hand():
-    """llama_tiny, 4 stages of one layer, b = 2, 16-bit, no dropout: per token 4H (two norm
-    inputs, Q/K/V input, MLP input) + Q 128 + K,V 2*64 + projection input 128 + gate, up
-    and down input 3*344 elements; per query head and pair only the softmax output."""
+    """llama_tiny, 4 stages of one layer, b = 2, 16-bit, no dropout, fused attention: per
+    token two RMSNorms (fp32 input and normalised input, 2*4H, and a fp32 root, 4 bytes,
+    each), the Q/K/V and MLP inputs 2H, Q 128, K, V 2*64, the kernel's output 128 and
+    log-sum-exp 4h, the gate output, its SiLU, the up projection and their product 4*344
+    elements; the rotary cos and sin once per stage; no score. Eager keeps K and V at
+    every query head and the softmax output per pair instead of the output and its
+    log-sum-exp."""
     spec = _spec("llama_tiny")
-    assert spec.dropout_masks is False
-    b, S, H, V, dt = 2, 128, 128, 256, 2
-    per_token = (4 * 128 + 128 + 2 * 64 + 128 + 3 * 344) * dt
-    per_pair = 4 * dt
-    layer = S * b * per_token + S * S * b * per_pair
+    assert spec.dropout_masks is False and spec.attention == "sdpa"
+    b, S, H, V, dt, d = 2, 128, 128, 256, 2, 32
+    norms = 2 * (2 * H * 4 + 4)
+    per_token = norms + (2 * H + 128 + 2 * 64 + 128 + 4 * 344) * dt + 4 * 4
+    rotary = 2 * S * d * 4
+    layer = S * b * per_token
     c = AnalyticCost(spec, 4, microbatch_size=b)
-    assert c.activation_bytes(1, 0) == layer
-    assert c.activation_bytes(0, 0) == layer  # no embedding dropout mask
-    assert c.activation_bytes(3, 0) == layer + 2 * S * b * H * dt + 4 * S * b * V
+    assert c.activation_bytes(1, 0) == layer + rotary
+    assert c.activation_bytes(0, 0) == layer + rotary + 8 * S * b  # the token ids; no dropout mask
+    assert c.activation_bytes(3, 0) == layer + rotary + S * b * (2 * H * 4 + 4 + H * dt + 4 * V + 8)
+    eager = AnalyticCost(dataclasses.replace(spec, attention="eager"), 4, microbatch_size=b)
+    per_token_eager = per_token - 2 * 64 * dt - 4 * 4 + 2 * 128 * dt  # K, V at 4 heads, no log-sum-exp
+    assert eager.activation_bytes(1, 0) == S * b * per_token_eager + S * S * b * 4 * dt + rotary
     # zero-bubble residual: matmul inputs (2H + 128 + 344) and output gradients (128 + 128 + H + 2*344 + H)
     assert c.weight_residual_bytes(1, 0) == ((2 * H + 128 + 344) + (128 + 128 + H + 2 * 344 + H)) * S * b * dt
     assert c.weight_residual_bytes(0, 0) == c.weight_residual_bytes(1, 0) + S * b * H * dt
@@ -186,25 +199,29 @@ def test_llama_recomputation_by_hand():
     b, S, H, dt = 2, 128, 128, 2
     plain, full, sel = (AnalyticCost(dataclasses.replace(spec, recompute=r), 4, microbatch_size=b)
                         for r in ("none", "full", "selective"))
-    layer = plain.activation_bytes(1, 0)
-    dropped = S * b * (128 + 2 * 64 + 128) * dt + S * S * b * 4 * dt  # Q, K, V, projection input, scores
-    assert full.activation_bytes(1, 0) == S * b * H * dt
+    rotary = 2 * S * 32 * 4  # cos and sin, saved by the rotation (not by a recomputed region)
+    layer = plain.activation_bytes(1, 0) - rotary
+    # the attention sub-layer: its input's cast, Q, K, V, the kernel's output and log-sum-exp
+    dropped = S * b * ((H + 128 + 2 * 64 + 128) * dt + 4 * 4)
+    assert full.activation_bytes(1, 0) == S * b * H * 4  # the layer's fp32 input
     assert full.transient_bytes(1, 0) == layer
-    assert sel.activation_bytes(1, 0) == layer - dropped
+    assert sel.activation_bytes(1, 0) == layer - dropped + S * b * H * 4  # and the sub-layer's fp32 input
     assert sel.transient_bytes(1, 0) == dropped
     attention = 2 * S * (128 * 128 + 2 * 128 * 64 + 128 * 128) + 4 * (4 * 32 + 3) * S * S / 2
     assert sel.flops("B", 1, 0) == pytest.approx(2 * plain.flops("F", 1, 0) + b * attention, rel=1e-12)
     assert full.flops("B", 1, 0) == pytest.approx(3 * plain.flops("F", 1, 0), rel=1e-12)
 
 
-def test_segments_keep_the_kv_gradient_of_the_kv_heads():
+def test_segments_keep_the_keys_of_the_kv_heads():
+    """Segments hold keys and values, and their gradients, of the key/value heads (2 x 32
+    wide), not H: the later segment's prefix (64 keys more than its own) and its own."""
     spec = _spec("llama_tiny")
     whole, split = AnalyticCost(spec, 4), AnalyticCost(spec, 4, segment_lengths=[64, 64])
-    dt = 2
-    pairs_saved = 128 * 128 - (64 * 64 + 64 * 128)
-    kv = 2 * 128 * (2 * 32) * dt  # K and V gradients: kv heads x head dim each, not H
+    dt, kv = 2, 2 * 32
     diff = sum(split.activation_bytes(1, i) for i in range(2)) - whole.activation_bytes(1, 0)
-    assert diff == kv - 4 * dt * pairs_saved
+    # (the rotary tables split with the tokens: two of 64 rows cost one of 128)
+    assert diff == 2 * kv * dt * 64 + 2 * kv * dt * 64
+    assert [split.kv_gradient_bytes(1, i) for i in range(2)] == [2 * 64 * kv * dt] * 2
 
 
 def test_dropout_keeps_its_masks():
@@ -213,9 +230,12 @@ def test_dropout_keeps_its_masks():
     assert (quiet.dropout_masks, noisy.dropout_masks) == (False, True)
     b, S, H, h, dt = 1, 128, 128, 4, 2
     a0, a1 = AnalyticCost(quiet, 4), AnalyticCost(noisy, 4)
-    per_layer = S * b * 2 * H + h * S * S * b * (dt + 1)  # residual-dropout masks; score mask and output
+    per_layer = S * b * 2 * H  # residual-dropout masks (the fused kernel keeps none of its own)
     assert a1.activation_bytes(1, 0) - a0.activation_bytes(1, 0) == per_layer
     assert a1.activation_bytes(0, 0) - a0.activation_bytes(0, 0) == per_layer + S * b * H
+    e0, e1 = (AnalyticCost(dataclasses.replace(s, attention="eager"), 4) for s in (quiet, noisy))
+    # eager: also the scores' dropout mask and output, per query head and pair
+    assert e1.activation_bytes(1, 0) - e0.activation_bytes(1, 0) == per_layer + h * S * S * b * (dt + 1)
     assert a1.flops("F", 1, 0) == a0.flops("F", 1, 0)
 
 
@@ -230,7 +250,10 @@ def test_spec_reads_the_shape_keys():
         True, False, False, True, "rotary")
     gpt = TransformerSpec.from_config(_model_cfg("gpt_small"))
     assert gpt == TransformerSpec("gpt_small", 12, 12, 768, 50257, 1024, n_positions=1024)
-    assert (gpt.kv_heads, gpt.head_dim, gpt.mlp, gpt.tied, gpt.dropout_masks) == (12, 64, "gelu", True, True)
+    assert (gpt.kv_heads, gpt.head_dim, gpt.mlp, gpt.tied, gpt.dropout_masks) == (12, 64, "gelu", True, False)
+    assert gpt.attention == "sdpa"
+    assert TransformerSpec.from_config({**_model_cfg("gpt_small"), "dropout": 0.1}).dropout_masks is True
+    assert TransformerSpec.from_config({**_model_cfg("gpt_small"), "attention": "eager"}).attention == "eager"
 
 
 def test_spec_validation_names_the_key():

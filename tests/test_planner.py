@@ -122,10 +122,11 @@ def test_stage_model_matches_analytic_cost():
 
 
 @pytest.mark.slow  # a subprocess or a large search
-@pytest.mark.parametrize("limit_gb", [4.2, 4.6])
+@pytest.mark.parametrize("limit_gb", [3.6, 4.2])
 def test_memory_limit_respected_and_matches_exhaustive(limit_gb):
-    """A limit that rules out the fastest plans: the plan still fits (by simulation), and
-    is within 5% of the best plan that fits."""
+    """A limit that rules out the fastest plans (unlimited, 4.31 GB on the fullest device
+    with fused attention): the plan still fits (by simulation), and is within 5% of the
+    best plan that fits."""
     spec = TransformerSpec("gpt_mem", 8, 16, 2048, 50257, 1024)
     topo = get_topology("pcie_8", switches=2, gpus_per_switch=2)
     limit = limit_gb * GB

@@ -411,14 +411,14 @@ def test_sweep_config_file(tmp_path):
 
 
 def test_recomputation_makes_a_long_sequence_fit(tmp_path):
-    """Issue 18: gpt_7b at 32k tokens on 8 A100s (eager attention, as the runtime's GPT).
-    Seq1F1B in 8 segments is out of memory without recomputation (the saved score terms)
-    and fits with selective or full recomputation; whole sequences do not fit even with
-    full recomputation, because a backward rebuilds one layer's 32k x 32k scores on top of
-    what the forwards saved. The summary says so per device, and the console names the
-    fullest device and what to try next."""
+    """Issue 18: gpt_7b at 32k tokens on 8 A100s with eager attention. Seq1F1B in 8
+    segments is out of memory without recomputation (the saved score terms) and fits with
+    selective or full recomputation; whole sequences do not fit even with full
+    recomputation, because a backward rebuilds one layer's 32k x 32k scores on top of what
+    the forwards saved. The summary says so per device, and the console names the fullest
+    device and what to try next."""
     base = ["model=gpt_7b", "model.seq_len=32768", "model.n_positions=32768", "pipeline.stages=8",
-            "pipeline.microbatches=16", "topology=dgx_a100_8", "draw=false"]
+            "pipeline.microbatches=16", "topology=dgx_a100_8", "draw=false", "model.attention=eager"]
     seq = [*base, "schedule=seq1f1b", "pipeline.segments=8"]
     runs = {r: simulate(tmp_path / r, *seq, f"model.recompute={r}") for r in ("none", "selective", "full")}
     assert runs["none"]["fits"] is False and runs["none"]["out_of_memory_devices"] == list(range(8))
@@ -430,11 +430,30 @@ def test_recomputation_makes_a_long_sequence_fit(tmp_path):
             assert d["peak_memory_bytes"] <= d["memory_bytes"]
     assert runs["full"]["makespan"] > runs["selective"]["makespan"] > runs["none"]["makespan"]  # the reruns
     assert "OUT OF MEMORY on 8 of 8 devices" in format_report(runs["none"])
+    assert "model.attention=sdpa keeps no score" in format_report(runs["none"])
     assert "memory        fits: at most" in format_report(runs["full"])
     assert runs["full"]["data_parallel"] == 1
     whole = simulate(tmp_path / "whole", *base, "model.recompute=full")
     assert whole["fits"] is False and "schedule=seq1f1b pipeline.segments=N" in format_report(whole)
     assert simulate(tmp_path / "unit", "cost=unit", "draw=false")["fits"] is None  # unit costs have no bytes
+
+
+def test_fused_attention_trains_long_sequences_without_recomputation(tmp_path):
+    """Issue 30: with the fused kernel (the default) no score is kept or rebuilt. gpt_7b at
+    32k on 8 A100s: 1F1B on whole sequences still runs out of memory without
+    recomputation and fits with full recomputation; Seq1F1B in 8 segments fits without
+    any, and is the faster of the two (no forward runs twice)."""
+    base = ["model=gpt_7b", "model.seq_len=32768", "model.n_positions=32768", "pipeline.stages=8",
+            "pipeline.microbatches=16", "topology=dgx_a100_8", "draw=false"]
+    plain = simulate(tmp_path / "plain", *base)
+    assert plain["model"]["attention"] == "sdpa" and plain["fits"] is False
+    full = simulate(tmp_path / "full", *base, "model.recompute=full")
+    seq = simulate(tmp_path / "seq", *base, "schedule=seq1f1b", "pipeline.segments=8")
+    assert full["fits"] is True and seq["fits"] is True
+    assert seq["makespan"] < full["makespan"]
+    eager = simulate(tmp_path / "eager", *base, "schedule=seq1f1b", "pipeline.segments=8", "model.attention=eager")
+    assert eager["fits"] is False
+    assert eager["peak_activation_bytes"] > 3 * seq["peak_activation_bytes"]  # the scores
 
 
 def test_the_simulated_costs_follow_the_precision(tmp_path):

@@ -2,10 +2,13 @@
 full backward B computes, and runs each matrix product once.
 
 For stages of every model family (a GPT middle and last stage, a BERT stage, a
-concurrent-branch stage with two inputs, a first stage fed token ids), against
-``autograd.backward`` on the same forward: the input gradients and every parameter
-gradient agree, and the matrix-product kernels (mm, addmm, bmm, baddbmm, linear's
-decompositions) counted by a TorchDispatchMode are the same in number and shape.
+Llama stage, a concurrent-branch stage with two inputs, a first stage fed token ids),
+with fused and eager attention, against ``autograd.backward`` on the same forward: the
+input gradients and every parameter gradient agree, and the matrix-product kernels (mm,
+addmm, bmm, baddbmm, linear's decompositions) and the fused attention's kernels counted
+by a TorchDispatchMode are the same in number and shape. The fused attention's backward
+node is neither a matrix product nor a norm: it lies on the input path, so I runs it,
+once, and W never does.
 """
 
 from __future__ import annotations
@@ -24,6 +27,10 @@ GPT = dict(n_layer=4, n_head=4, n_embd=32, vocab_size=64, n_positions=64, seq_le
 # matrix products by kernel family; the in-place forms accumulate into their first operand
 GEMMS = {"aten.mm": 0, "aten.addmm": 1, "aten.addmm_": 1}
 BATCHED = {"aten.bmm": 0, "aten.baddbmm": 1, "aten.baddbmm_": 1}
+# the fused attention's kernels (CPU; CUDA's flash, memory-efficient and cuDNN ones)
+FUSED = {f"aten._scaled_dot_product_{k}" for k in ("flash_attention_for_cpu", "flash_attention",
+                                                     "efficient_attention", "cudnn_attention")}
+FUSED |= {f"{k}_backward" for k in FUSED}
 
 
 class MatmulCount(TorchDispatchMode):
@@ -43,6 +50,8 @@ class MatmulCount(TorchDispatchMode):
                 a, b = args[table[name]], args[table[name] + 1]
                 batch = a.shape[:-2]
                 self.seen[(family, tuple(batch), tuple(sorted((a.shape[-2], a.shape[-1], b.shape[-1]))))] += 1
+        if name in FUSED:
+            self.seen[("attention", name, tuple(args[0].shape))] += 1
         assert name not in {"aten.matmul", "aten.linear"}, "composite ops decompose before dispatch"
         return func(*args, **(kwargs or {}))
 
@@ -50,8 +59,8 @@ class MatmulCount(TorchDispatchMode):
 def _case(name: str):
     """(module, make inputs -> (leaves, output, its gradient or None))."""
     torch.manual_seed(0)
-    if name == "gpt_middle":
-        module = build_stage(GPT, [1, 2, 1], 1, seed=0)
+    if name in ("gpt_middle", "gpt_middle_eager"):
+        module = build_stage(dict(GPT, attention="eager" if name.endswith("eager") else "sdpa"), [1, 2, 1], 1, seed=0)
 
         def run():
             x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
@@ -71,6 +80,21 @@ def _case(name: str):
             ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
             out = module(ids)
             return [], out, torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    elif name in ("llama_middle", "llama_middle_eager"):
+        from omegaconf import OmegaConf
+
+        from pipeflow.config import compose, prepare_training
+        from pipeflow.models import hf_causal
+
+        cfg = compose("train", ["model=llama_tiny", "logger=none", "model.seq_len=16",
+                                f"model.attention={'eager' if name.endswith('eager') else 'sdpa'}"])
+        prepare_training(cfg)
+        module = hf_causal.build_stage(OmegaConf.to_container(cfg.model, resolve=True), [1, 2, 1], 1, seed=0)
+
+        def run():
+            x = torch.randn(2, 16, 128, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+            out = module(x)
+            return [x], out, torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
     elif name == "bert_middle":
         cfg = dict(GPT, vocab_size=68, family="bert")
         module = bert.build_stage(cfg, [1, 2, 1], 1, seed=0)
@@ -99,7 +123,11 @@ def _case(name: str):
     return module, run
 
 
-@pytest.mark.parametrize("name", ["gpt_middle", "gpt_last", "gpt_first", "bert_middle", "cbm_cross"])
+CASES = ["gpt_middle", "gpt_middle_eager", "gpt_last", "gpt_first", "bert_middle", "llama_middle",
+         "llama_middle_eager", "cbm_cross"]
+
+
+@pytest.mark.parametrize("name", CASES)
 def test_input_then_weight_equals_full_backward(name):
     module, run = _case(name)
     params = [p for p in module.parameters() if p.requires_grad]
@@ -114,15 +142,24 @@ def test_input_then_weight_equals_full_backward(name):
 
     # I then W on a fresh forward of the same inputs
     module.zero_grad(set_to_none=True)
-    leaves, out, g = run()
-    with MatmulCount() as split:
+    with MatmulCount() as forward:
+        leaves, out, g = run()
+    with MatmulCount() as in_i:
         got_inputs, pending = backward_input(out, g, leaves, params)
-        assert all(p.grad is None for p in params), "I must not touch the weight gradients"
+    assert all(p.grad is None for p in params), "I must not touch the weight gradients"
+    with MatmulCount() as in_w:
         backward_weight(pending, params)
     got = {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
 
     assert full.seen, "the stage's backward runs matrix products"
-    assert split.seen == full.seen, "I + W must run B's matrix products, each once"
+    assert in_i.seen + in_w.seen == full.seen, "I + W must run B's matrix products and attention kernels, each once"
+    calls = sum(n for key, n in forward.seen.items() if key[0] == "attention")
+    # a first stage fed token ids has no input path: its W is the whole backward
+    runs, other = (in_i, in_w) if leaves else (in_w, in_i)
+    fused = sum(n for key, n in runs.seen.items() if key[0] == "attention" and key[1].endswith("_backward"))
+    assert (calls > 0) is ("eager" not in name), "the fused kernel, unless eager"
+    assert fused == calls, "one fused attention backward per forward call, run by I"
+    assert not [key for key in other.seen if key[0] == "attention"], "W runs no attention kernel"
     assert len(got_inputs) == len(want_inputs)
     for a, b in zip(got_inputs, want_inputs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
@@ -145,7 +182,7 @@ def _wide_mlp():
     return module, run
 
 
-@pytest.mark.parametrize("name", ["wide_mlp", "gpt_middle", "gpt_last", "gpt_first", "bert_middle", "cbm_cross"])
+@pytest.mark.parametrize("name", ["wide_mlp", *CASES])
 def test_split_accumulates_bitwise_as_autograd(name):
     """Two microbatches of I then W leave exactly (bitwise) the weight gradients two
     full backwards leave: W adds each product to ``.grad`` as autograd's accumulator

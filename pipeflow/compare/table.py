@@ -191,13 +191,13 @@ def sim_key(run: Run) -> tuple:
         model = s.get("model") or {}
         return (s.get("schedule"), s.get("stages"), s.get("microbatches"), s.get("virtual_stages", 1),
                 s.get("segments", 1), s.get("microbatch_size"), model.get("name"), s.get("data_parallel", 1),
-                model.get("recompute") or "none", s.get("partition") or "uniform")
+                model.get("recompute") or "none", s.get("partition") or "uniform", model.get("attention") or "sdpa")
     pipe = run.config.get("pipeline") or {}
     model = run.config.get("model") or {}
     stages, dp = shape(run)
     return (run.schedule, stages, pipe.get("microbatches"), pipe.get("virtual_stages", 1),
             pipe.get("segments", 1), pipe.get("microbatch_size"), model.get("name"), dp,
-            model.get("recompute") or "none", _partition(run.config))
+            model.get("recompute") or "none", _partition(run.config), model.get("attention") or "sdpa")
 
 
 def _partition(config: dict) -> str:

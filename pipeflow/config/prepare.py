@@ -45,7 +45,7 @@ from .checks import (
     _resolve_auto_data,
     check_logger,
 )
-from .values import PRECISIONS, RECOMPUTE, ConfigError, DATA_FAMILY, DATA_VOCAB, EXPORT_FORMATS, TRAIN_FAMILIES, _naming_key, _number
+from .values import ATTENTION, PRECISIONS, RECOMPUTE, ConfigError, DATA_FAMILY, DATA_VOCAB, EXPORT_FORMATS, TRAIN_FAMILIES, _naming_key, _number
 
 
 
@@ -224,9 +224,14 @@ def prepare_training(cfg: DictConfig) -> TrainingInputs:
 
 
 def _check_recompute(model: DictConfig) -> None:
+    """model.recompute and model.attention: how a layer keeps what its backward needs."""
     mode = model.get("recompute") or "none"
     if mode not in RECOMPUTE:
         raise ConfigError(f"model.recompute={mode}: unknown recomputation; allowed values: {', '.join(RECOMPUTE)}")
+    attention = model.get("attention") or "sdpa"
+    if attention not in ATTENTION:
+        raise ConfigError(f"model.attention={attention}: allowed values: {', '.join(ATTENTION)} (sdpa: the fused "
+                          f"scaled-dot-product kernel; eager: scores computed and kept)")
 
 
 def _check_precision(cfg: DictConfig, schedule) -> None:

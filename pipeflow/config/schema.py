@@ -51,8 +51,9 @@ class ModelConfig:
     vocab_size: int = MISSING
     n_positions: int = MISSING
     seq_len: int = MISSING
-    dropout: float = 0.0  # read by pipeflow.models; the cost model ignores it
+    dropout: float = 0.0  # read by pipeflow.models; the cost model counts dropout masks when > 0
     recompute: str = "none"  # activation recomputation: none | full | selective (pipeflow.models.recompute)
+    attention: str = "sdpa"  # sdpa (the fused kernel) | eager (scores kept): pipeflow.models.attention
 
 
 @dataclass
@@ -66,6 +67,7 @@ class HFModelConfig:
     weights: Optional[str] = None  # a local folder of *.safetensors to start from; null: seeded initialisation
     seq_len: int = MISSING  # tokens per training sequence
     recompute: str = "none"  # activation recomputation: none | full | selective (pipeflow.models.recompute)
+    attention: str = "sdpa"  # sdpa (the fused kernel) | eager (scores kept): pipeflow.models.attention
     # read from the HF config before any rank starts (pipeflow.hf.resolve); leave them unset
     n_layer: Optional[int] = None
     n_head: Optional[int] = None

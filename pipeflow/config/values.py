@@ -18,6 +18,7 @@ RUNTIME_DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("fp32", "bf16", "fp16")  # runtime.precision: the compute dtype under autocast
 P2P_MODES = ("tagged", "ordered")  # runtime.p2p: messages matched by tag, or per pair in order (as NCCL does)
 RECOMPUTE = ("none", "full", "selective")  # model.recompute (pipeflow.models.recompute.MODES, torch-free here)
+ATTENTION = ("sdpa", "eager")  # model.attention (pipeflow.models.attention.MODES, torch-free here)
 LOGGERS = ("wandb", "none")
 LOGGER_MODES = ("auto", "offline", "online", "disabled")
 FAIL_MODES = ("raise", "kill")

@@ -1,7 +1,8 @@
 """BERT for masked-language modelling, cut into pipeline stages.
 
-The encoder layers are transformers' own ``BertLayer`` (eager attention, no mask: every
-token attends to every token); the embeddings are its ``BertEmbeddings`` and the head's
+The encoder layers are transformers' own ``BertLayer`` (no mask: every token attends to
+every token), their attention computed by :mod:`pipeflow.models.attention`
+(``model.attention``: fused or eager); the embeddings are its ``BertEmbeddings`` and the head's
 transform its ``BertPredictionHeadTransform``. A :class:`BertStage` holds layers
 ``[lo, hi)``, plus the embeddings when it is the first stage and the MLM head when it
 is the last. It follows :mod:`pipeflow.models.gpt` so the runtime treats both alike:
@@ -29,7 +30,8 @@ from torch import Tensor, nn
 from transformers import BertConfig
 from transformers.models.bert.modeling_bert import BertEmbeddings, BertLayer, BertPredictionHeadTransform
 
-from pipeflow.models.common import family_spec, layer_bounds, seeded_normal_
+from pipeflow.models.attention import IMPLEMENTATION, Pattern, check_mode
+from pipeflow.models.common import block_output, family_spec, layer_bounds, seeded_normal_
 from pipeflow.models.recompute import apply_recompute
 
 INIT_STD = 0.02  # BERT's initializer_range
@@ -60,9 +62,8 @@ def bert_config(model_cfg: Mapping) -> BertConfig:
         add_cross_attention=False,
         use_cache=False,
     )
-    # Eager attention: no mask is given, so every backend would agree; eager keeps the
-    # arithmetic identical across devices and dtypes, like the GPT stages.
-    config._attn_implementation = "eager"
+    # the layers' attention is pipeflow's (model.attention picks the fused kernel or eager)
+    config._attn_implementation = IMPLEMENTATION
     return config
 
 
@@ -81,8 +82,10 @@ class _MLMHead(nn.Module):
 class BertStage(nn.Module):
     """Layers [lo, hi) of a BERT encoder; the embeddings when first, the MLM head when last."""
 
-    def __init__(self, config: BertConfig, lo: int, hi: int, first: bool, last: bool, seed: int):
+    def __init__(self, config: BertConfig, lo: int, hi: int, first: bool, last: bool, seed: int,
+                 attention: str = "sdpa"):
         super().__init__()
+        self.attention = check_mode(attention)
         if not 0 <= lo < hi <= config.num_hidden_layers:
             raise ValueError(
                 f"stage layers [{lo}, {hi}): need 0 <= lo < hi <= model.n_layer={config.num_hidden_layers}"
@@ -130,11 +133,10 @@ class BertStage(nn.Module):
                     f"use seq_len <= {self.config.max_position_embeddings}"
                 )
             x = self.embeddings(input_ids=x)  # token type 0 everywhere: one segment per sequence
+        # full bidirectional attention over the window: the MLM data never pads
+        pattern = Pattern(self.attention, causal=False)
         for block in self.layer.values():
-            # attention_mask=None: full bidirectional attention over the window (no padding)
-            x = block(x, attention_mask=None)
-            if isinstance(x, tuple):  # older transformers return (hidden_states, ...)
-                x = x[0]
+            x = block_output(block(x, attention_mask=pattern))
         if self.last:
             x = self.cls.transform(x)
             x = F.linear(x, self.decoder_weight(), self.cls.bias)
@@ -145,14 +147,16 @@ def build_stage(model_cfg: Mapping, layers_per_stage: Sequence[int], stage: int,
     """Stage ``stage`` of the split ``layers_per_stage`` (see pipeflow.planning.partition)."""
     config = bert_config(model_cfg)
     lo, hi = layer_bounds(config.num_hidden_layers, layers_per_stage, stage)
-    module = BertStage(config, lo, hi, first=stage == 0, last=stage == len(layers_per_stage) - 1, seed=seed)
+    module = BertStage(config, lo, hi, first=stage == 0, last=stage == len(layers_per_stage) - 1, seed=seed,
+                       attention=model_cfg.get("attention") or "sdpa")
     return apply_recompute(module, model_cfg.get("recompute") or "none", (BertLayer,))
 
 
 def build_model(model_cfg: Mapping, seed: int) -> BertStage:
     """The whole model as one stage: the pipeline.stages=1 reference."""
     config = bert_config(model_cfg)
-    return BertStage(config, 0, config.num_hidden_layers, first=True, last=True, seed=seed)
+    return BertStage(config, 0, config.num_hidden_layers, first=True, last=True, seed=seed,
+                     attention=model_cfg.get("attention") or "sdpa")
 
 
 def mlm_loss(logits: Tensor, labels: Tensor, normalizer: float) -> Tensor:

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeflow.checks import whole
+from pipeflow.models.attention import check_mode
 from pipeflow.models.common import seeded_normal_  # the per-name seeded draw every stage model uses
 from pipeflow.models.recompute import apply_recompute
 from pipeflow.schedules.ir import StageGraph
@@ -69,6 +70,7 @@ class CBMShape:
     seq_len: int
     interaction_layers: tuple[int, ...]
     dropout: float
+    attention: str = "sdpa"  # model.attention: sdpa (the fused kernel) | eager
 
     @property
     def num_patches(self) -> int:
@@ -128,6 +130,7 @@ def cbm_shape(model_cfg: Mapping) -> CBMShape:
         seq_len=seq_len,
         interaction_layers=tuple(sorted(depths)),
         dropout=float(dropout),
+        attention=check_mode(model_cfg.get("attention") or "sdpa"),
     )
 
 
@@ -147,10 +150,16 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     """Pre-LayerNorm transformer block; with ``cross_dim`` it also cross-attends to the
-    other branch (queries from this branch, keys and values from the other)."""
+    other branch (queries from this branch, keys and values from the other).
 
-    def __init__(self, dim: int, n_head: int, dropout: float, cross_dim: int | None = None):
+    ``attention`` (model.attention): ``sdpa`` asks ``nn.MultiheadAttention`` for no
+    weights, and it runs the fused kernel; ``eager`` asks for them, and it computes the
+    scores, softmax and weighted sum itself."""
+
+    def __init__(self, dim: int, n_head: int, dropout: float, cross_dim: int | None = None,
+                 attention: str = "sdpa"):
         super().__init__()
+        self.eager = check_mode(attention) == "eager"
         self.ln_1 = nn.LayerNorm(dim)
         self.attn = nn.MultiheadAttention(dim, n_head, dropout=dropout, batch_first=True)
         self.cross = cross_dim is not None
@@ -177,10 +186,10 @@ class Block(nn.Module):
     # recomputation recomputes (pipeflow.models.recompute); inside, the query, key and
     # value stay one object, so MultiheadAttention keeps its packed projection
     def self_attend(self, h: Tensor) -> Tensor:
-        return self.attn(h, h, h, need_weights=False)[0]
+        return self.attn(h, h, h, need_weights=self.eager)[0]
 
     def cross_attend(self, q: Tensor, kv: Tensor) -> Tensor:
-        return self.cross_attn(q, kv, kv, need_weights=False)[0]
+        return self.cross_attn(q, kv, kv, need_weights=self.eager)[0]
 
 
 class Branch(nn.Module):
@@ -207,6 +216,7 @@ class Branch(nn.Module):
                     b.n_head,
                     shape.dropout,
                     cross_dim=other.n_embd if i + 1 in shape.interaction_layers else None,
+                    attention=shape.attention,
                 )
                 for i in range(lo, hi)
             }

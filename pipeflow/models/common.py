@@ -40,6 +40,11 @@ def seeded_normal_(param: Tensor, std: float, seed: int, name: str) -> None:
         param.copy_(values)
 
 
+def block_output(out) -> Tensor:
+    """A transformers block's hidden states (some versions return a tuple)."""
+    return out[0] if isinstance(out, tuple) else out
+
+
 def layer_bounds(n_layer: int, layers_per_stage: Sequence[int], stage: int) -> tuple[int, int]:
     layers = list(layers_per_stage)
     if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in layers) or sum(layers) != n_layer:

@@ -1,7 +1,8 @@
 """GPT-2, cut into pipeline stages.
 
-The blocks are transformers' own GPT-2 blocks (``GPT2Block``, eager attention); what
-lives here is the cut: a :class:`GPTStage` holds blocks ``[lo, hi)``, plus the token
+The blocks are transformers' own GPT-2 blocks (``GPT2Block``), their attention computed
+by :mod:`pipeflow.models.attention` (``model.attention``: fused or eager); what lives
+here is the cut: a :class:`GPTStage` holds blocks ``[lo, hi)``, plus the token
 and position embeddings when it is the first stage and the final LayerNorm and the LM
 head when it is the last.
 
@@ -30,8 +31,9 @@ from torch import Tensor, nn
 from transformers import GPT2Config
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
-from pipeflow.models.common import family_spec, layer_bounds, seeded_normal_
-from pipeflow.models.recompute import apply_recompute, recomputed
+from pipeflow.models.attention import IMPLEMENTATION, Pattern, SegmentCache, check_mode
+from pipeflow.models.common import block_output, family_spec, layer_bounds, seeded_normal_
+from pipeflow.models.recompute import apply_recompute
 
 INIT_STD = 0.02  # GPT-2's initializer_range
 
@@ -46,7 +48,9 @@ def gpt2_config(model_cfg: Mapping) -> GPT2Config:
         n_layer=spec.n_layer,
         n_head=spec.n_head,
         n_inner=spec.ffn_width,
-        activation_function="gelu_new",
+        # the fused tanh GeLU kernel (GPT-2's gelu_new to rounding): it keeps its input only,
+        # where gelu_new written in Python kept five tensors of the MLP's width
+        activation_function="gelu_pytorch_tanh",
         resid_pdrop=float(dropout),
         embd_pdrop=float(dropout),
         attn_pdrop=float(dropout),
@@ -57,17 +61,18 @@ def gpt2_config(model_cfg: Mapping) -> GPT2Config:
         bos_token_id=None,
         eos_token_id=None,
     )
-    # Eager attention: the additive causal mask below is applied exactly as written,
-    # on every device and dtype (the fused kernels pick their own masking paths).
-    config._attn_implementation = "eager"
+    # the blocks' attention is pipeflow's (model.attention picks the fused kernel or eager)
+    config._attn_implementation = IMPLEMENTATION
     return config
 
 
 class GPTStage(nn.Module):
     """Layers [lo, hi) of a GPT-2; the token+position embedding when first, final LayerNorm + LM head when last."""
 
-    def __init__(self, config: GPT2Config, lo: int, hi: int, first: bool, last: bool, seed: int):
+    def __init__(self, config: GPT2Config, lo: int, hi: int, first: bool, last: bool, seed: int,
+                 attention: str = "sdpa"):
         super().__init__()
+        self.attention = check_mode(attention)
         if not 0 <= lo < hi <= config.n_layer:
             raise ValueError(
                 f"stage layers [{lo}, {hi}): need 0 <= lo < hi <= model.n_layer={config.n_layer}"
@@ -121,20 +126,14 @@ class GPTStage(nn.Module):
                 )
             pos = torch.arange(T, device=x.device)
             x = self.drop(self.wte(x) + self.wpe(pos))
-        T = x.size(1)
-        # The blocks only add the mask they are given: token t may attend to tokens <= t.
-        mask = torch.full((T, T), torch.finfo(x.dtype).min, dtype=x.dtype, device=x.device).triu(1)
-        mask = mask[None, None]
+        pattern = Pattern(self.attention, causal=True)
         for block in self.h.values():
-            x = block(x, attention_mask=mask)
-            if isinstance(x, tuple):  # transformers 4.x returns (hidden_states, ...)
-                x = x[0]
-        if self.last:
-            x = self.ln_f(x)
-            head = self.wte.weight if self.first else self.lm_head.weight
-            x = F.linear(x, head)
-        return x
+            x = block_output(block(x, attention_mask=pattern))
+        return self._head(x) if self.last else x
 
+    def _head(self, x: Tensor) -> Tensor:
+        x = self.ln_f(x)
+        return F.linear(x, self.wte.weight if self.first else self.lm_head.weight)
 
     def forward_segment(
         self, x: Tensor, offset: int, prefix: Sequence[tuple[Tensor, Tensor]] | None = None
@@ -144,8 +143,9 @@ class GPTStage(nn.Module):
         ``prefix[i]`` holds the keys and values ([B, heads, P, head_dim]) that block i
         computed for the earlier segments of the same microbatch (P = ``offset``), or
         None for the first segment; this segment's queries attend over the prefix and
-        its own tokens, causally. Returns the output and, per block, this segment's own
-        (keys, values), which later segments take as their prefix.
+        its own tokens, causally (the blocks see them through their key/value cache).
+        Returns the output and, per block, this segment's own (keys, values), which
+        later segments take as their prefix.
         """
         T = x.size(1)
         if self.first:
@@ -156,66 +156,29 @@ class GPTStage(nn.Module):
                 )
             pos = torch.arange(offset, offset + T, device=x.device)
             x = self.drop(self.wte(x) + self.wpe(pos))
-        # query t (position offset + t) sees keys 0 .. offset + t: bottom-right aligned
-        mask = torch.full((T, offset + T), torch.finfo(x.dtype).min, dtype=x.dtype, device=x.device)
-        mask = mask.triu(offset + 1)[None, None]
+        pattern = Pattern(self.attention, causal=True, offset=offset)
         kvs: list[tuple[Tensor, Tensor]] = []
-        # the segment path computes each block itself: recomputation is applied here
-        mode = getattr(self, "recompute", "none")
-        segment = recomputed(_block_segment) if mode == "full" else _block_segment
-        attend = recomputed(_segment_attention) if mode == "selective" else _segment_attention
         for i, block in enumerate(self.h.values()):
-            x, kv = segment(block, x, prefix[i] if prefix else None, mask, attend)
-            kvs.append(kv)
-        if self.last:
-            x = self.ln_f(x)
-            head = self.wte.weight if self.first else self.lm_head.weight
-            x = F.linear(x, head)
-        return x, kvs
-
-
-def _block_segment(block: GPT2Block, x: Tensor, past: tuple[Tensor, Tensor] | None, mask: Tensor,
-                   attend=None):
-    """GPT2Block's computation (pre-LN attention + MLP, eager softmax attention, as
-    transformers writes it) with the keys/values of earlier segments prepended.
-    ``attend`` computes the attention sub-layer (recomputed under selective recomputation)."""
-    delta, kv = (attend or _segment_attention)(block, x, past, mask)
-    x = x + delta
-    x = x + block.mlp(block.ln_2(x))
-    return x, kv
-
-
-def _segment_attention(block: GPT2Block, x: Tensor, past: tuple[Tensor, Tensor] | None, mask: Tensor):
-    """The attention sub-layer of :func:`_block_segment`: what it adds to the residual
-    stream, and this segment's own keys and values."""
-    attn = block.attn
-    B, T, H = x.shape
-    q, k, v = attn.c_attn(block.ln_1(x)).split(attn.split_size, dim=2)
-
-    def heads(t: Tensor) -> Tensor:
-        return t.view(B, T, attn.num_heads, attn.head_dim).transpose(1, 2)
-
-    q, k, v = heads(q), heads(k), heads(v)
-    keys, values = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
-    w = torch.matmul(q, keys.transpose(-1, -2)) * attn.scaling + mask
-    w = F.softmax(w, dim=-1).type(values.dtype)
-    w = attn.attn_dropout(w)
-    out = torch.matmul(w, values).transpose(1, 2).reshape(B, T, H)
-    return attn.resid_dropout(attn.c_proj(out)), (k, v)
+            cache = SegmentCache(prefix[i] if prefix else None)
+            x = block_output(block(x, cache=cache, attention_mask=pattern))
+            kvs.append(cache.own)
+        return (self._head(x) if self.last else x), kvs
 
 
 def build_stage(model_cfg: Mapping, layers_per_stage: Sequence[int], stage: int, seed: int) -> GPTStage:
     """Stage ``stage`` of the split ``layers_per_stage`` (see pipeflow.planning.partition)."""
     config = gpt2_config(model_cfg)
     lo, hi = layer_bounds(config.n_layer, layers_per_stage, stage)
-    module = GPTStage(config, lo, hi, first=stage == 0, last=stage == len(layers_per_stage) - 1, seed=seed)
+    module = GPTStage(config, lo, hi, first=stage == 0, last=stage == len(layers_per_stage) - 1, seed=seed,
+                      attention=model_cfg.get("attention") or "sdpa")
     return apply_recompute(module, model_cfg.get("recompute") or "none", (GPT2Block,))
 
 
 def build_model(model_cfg: Mapping, seed: int) -> GPTStage:
     """The whole model as one stage: the pipeline.stages=1 reference."""
     config = gpt2_config(model_cfg)
-    return GPTStage(config, 0, config.n_layer, first=True, last=True, seed=seed)
+    return GPTStage(config, 0, config.n_layer, first=True, last=True, seed=seed,
+                    attention=model_cfg.get("attention") or "sdpa")
 
 
 def lm_loss(logits: Tensor, targets: Tensor, normalizer: float) -> Tensor:

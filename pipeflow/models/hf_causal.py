@@ -18,11 +18,12 @@ As for the GPT (:mod:`pipeflow.models.gpt`):
   split, the last stage keeps a copy initialised equal to it, and the runtime sums the
   two copies' gradients.
 
-Attention is eager, with the causal (or sliding-window) mask written here, so a
-pipelined run matches one device exactly. Seq1F1B's segments go through the layers' own
-key/value cache interface: :class:`_SegmentCache` hands a layer the keys and values of
-the microbatch's earlier segments and keeps this segment's, with autograd connecting
-them, so a later segment's backward reaches the earlier segments' keys and values.
+Attention is pipeflow's (:mod:`pipeflow.models.attention`, ``model.attention``: fused or
+eager), causal, with the sliding window the layer's own attention module names. Seq1F1B's
+segments go through the layers' own key/value cache interface: a
+:class:`~pipeflow.models.attention.SegmentCache` hands a layer the keys and values of the
+microbatch's earlier segments and keeps this segment's, with autograd connecting them, so
+a later segment's backward reaches the earlier segments' keys and values.
 """
 
 from __future__ import annotations
@@ -34,51 +35,21 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeflow.hf import architecture, load_hf_config
-from pipeflow.models.common import layer_bounds, seeded_normal_
+from pipeflow.models.attention import IMPLEMENTATION, Pattern, SegmentCache, check_mode
+from pipeflow.models.common import block_output, layer_bounds, seeded_normal_
 from pipeflow.models.recompute import apply_recompute
-
-
-class _SegmentCache:
-    """The key/value cache a decoder layer sees on a sequence segment: ``update`` returns
-    the earlier segments' keys and values with this segment's appended, and records this
-    segment's own. A recomputed region calls it again in the backward: the first record
-    stands (the values are the same)."""
-
-    def __init__(self, past: tuple[Tensor, Tensor] | None):
-        self.past = past
-        self.own: tuple[Tensor, Tensor] | None = None
-
-    def update(self, keys: Tensor, values: Tensor, layer_idx: int = 0, *args, **kwargs):
-        if self.own is None:
-            self.own = (keys, values)
-        if self.past is None:
-            return keys, values
-        return torch.cat([self.past[0], keys], 2), torch.cat([self.past[1], values], 2)
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0 if self.past is None else self.past[0].shape[2]
-
-
-def _mask(T: int, offset: int, window: int | None, dtype: torch.dtype, device) -> Tensor:
-    """Additive mask [1, 1, T, offset + T]: query t (position offset + t) sees keys
-    ``offset + t - window < j <= offset + t`` (no window: every earlier key)."""
-    q = torch.arange(offset, offset + T, device=device)[:, None]
-    k = torch.arange(offset + T, device=device)[None, :]
-    allowed = k <= q
-    if window:
-        allowed &= k > q - window
-    zero = torch.zeros((), dtype=dtype, device=device)
-    return torch.where(allowed, zero, torch.finfo(dtype).min)[None, None]
 
 
 class HFCausalStage(nn.Module):
     """Decoder layers [lo, hi) of a transformers causal LM, with the embedding when first
     and the final norm and LM head when last."""
 
-    def __init__(self, config, lo: int, hi: int, first: bool, last: bool, seed: int):
+    def __init__(self, config, lo: int, hi: int, first: bool, last: bool, seed: int, attention: str = "sdpa"):
         super().__init__()
         from transformers import AutoModelForCausalLM
 
+        self.attention = check_mode(attention)
+        config._attn_implementation = IMPLEMENTATION  # the layers call pipeflow's attention
         n_layer = config.num_hidden_layers
         if not 0 <= lo < hi <= n_layer:
             raise ValueError(f"stage layers [{lo}, {hi}): need 0 <= lo < hi <= model.n_layer={n_layer}")
@@ -105,6 +76,12 @@ class HFCausalStage(nn.Module):
         if a.rotary:  # computed tables, no weights: built for real, not from the meta tree
             setattr(base, a.rotary, type(getattr(src, a.rotary))(config=config))
         self.block_type = type(getattr(src, a.layers)[0])
+        # the keyword a layer takes its key/value cache by: transformers renamed
+        # past_key_values to cache (5.x), GPT-NeoX keeps layer_past
+        import inspect
+
+        accepted = inspect.signature(self.block_type.forward).parameters
+        self.cache_kw = "cache" if "cache" in accepted else a.cache_kw
 
     # ------------------------------------------------------------------ weights
 
@@ -195,9 +172,8 @@ class HFCausalStage(nn.Module):
 
     def _layer_kwargs(self, x: Tensor, offset: int) -> dict:
         T = x.size(1)
-        window = getattr(self.config, "sliding_window", None) if getattr(self.config, "use_sliding_window", True) \
-            else None
-        kw = {"attention_mask": _mask(T, offset, window, x.dtype, x.device)}
+        # a sliding window, where there is one, comes from each layer's attention module
+        kw = {"attention_mask": Pattern(self.attention, causal=True, offset=offset)}
         if self.arch.rotary:
             pos = torch.arange(offset, offset + T, device=x.device)[None]
             kw["position_embeddings"] = getattr(self._base, self.arch.rotary)(x, pos)
@@ -211,7 +187,7 @@ class HFCausalStage(nn.Module):
             x = self._embed(x, 0)
         kw = self._layer_kwargs(x, 0)
         for layer in self._layers():
-            x = _output(layer(x, **kw))
+            x = block_output(layer(x, **kw))
         return self._head(x) if self.last else x
 
     def forward_segment(
@@ -225,21 +201,18 @@ class HFCausalStage(nn.Module):
         kw = self._layer_kwargs(x, offset)
         kvs: list[tuple[Tensor, Tensor]] = []
         for i, layer in enumerate(self._layers()):
-            cache = _SegmentCache(prefix[i] if prefix else None)
-            x = _output(layer(x, **kw, **{self.arch.cache_kw: cache}))
+            cache = SegmentCache(prefix[i] if prefix else None)
+            x = block_output(layer(x, **kw, **{self.cache_kw: cache}))
             kvs.append(cache.own)
         return (self._head(x) if self.last else x), kvs
-
-
-def _output(out) -> Tensor:
-    return out[0] if isinstance(out, tuple) else out
 
 
 def build_stage(model_cfg: Mapping, layers_per_stage: Sequence[int], stage: int, seed: int) -> HFCausalStage:
     """Stage ``stage`` of the split ``layers_per_stage`` (see pipeflow.planning.partition)."""
     config = load_hf_config(model_cfg)
     lo, hi = layer_bounds(config.num_hidden_layers, layers_per_stage, stage)
-    module = HFCausalStage(config, lo, hi, first=stage == 0, last=stage == len(layers_per_stage) - 1, seed=seed)
+    module = HFCausalStage(config, lo, hi, first=stage == 0, last=stage == len(layers_per_stage) - 1, seed=seed,
+                           attention=model_cfg.get("attention") or "sdpa")
     if model_cfg.get("weights"):
         module.load_weights(str(model_cfg["weights"]))
     return apply_recompute(module, model_cfg.get("recompute") or "none", (module.block_type,))

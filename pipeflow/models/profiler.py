@@ -5,8 +5,8 @@ Every unit is a :class:`~pipeflow.models.gpt.GPTStage`, so what is timed is the 
 runtime runs: the embedding is a first stage with its blocks removed, block i a middle
 stage holding block i alone, the head a last stage with its blocks removed (final
 LayerNorm and the untied ``lm_head`` copy, as on any last stage of a split) followed by
-the runtime's loss, :func:`~pipeflow.models.gpt.lm_loss`. A stage builds its causal mask
-in every forward; the block units pay it, as every stage does once.
+the runtime's loss, :func:`~pipeflow.models.gpt.lm_loss`. The units compute attention as
+``model.attention`` says, as the runtime's stages do.
 
 Per unit: forward and backward time (median over ``repeats`` after ``warmup`` rounds),
 the AdamW step over its parameters, the bytes autograd saved in the forward for the
@@ -53,14 +53,15 @@ def _units(model_cfg: Mapping, seed: int) -> list[tuple[str, str, nn.Module]]:
     if model_cfg.get("family") == "hf_causal":
         return _hf_units(model_cfg, seed)
     config = gpt2_config(model_cfg)
-    n = config.n_layer
+    n, attention = config.n_layer, model_cfg.get("attention") or "sdpa"
     # a one-block first stage minus its block is the embedding alone; its forward is GPTStage's own
-    emb = GPTStage(config, 0, 1, first=True, last=False, seed=seed)
+    emb = GPTStage(config, 0, 1, first=True, last=False, seed=seed, attention=attention)
     emb.h = nn.ModuleDict()
     units = [("embedding", "embedding", emb)]
     for i in range(n):
-        units.append((f"block.{i}", "block", GPTStage(config, i, i + 1, first=False, last=False, seed=seed)))
-    head = GPTStage(config, n - 1, n, first=False, last=True, seed=seed)
+        units.append((f"block.{i}", "block",
+                      GPTStage(config, i, i + 1, first=False, last=False, seed=seed, attention=attention)))
+    head = GPTStage(config, n - 1, n, first=False, last=True, seed=seed, attention=attention)
     head.h = nn.ModuleDict()
     units.append(("head", "head", head))
     return units
@@ -72,17 +73,19 @@ def _hf_units(model_cfg: Mapping, seed: int) -> list[tuple[str, str, nn.Module]]
     from .hf_causal import HFCausalStage, load_hf_config
 
     config = load_hf_config(model_cfg)
-    n = config.num_hidden_layers
+    n, attention = config.num_hidden_layers, model_cfg.get("attention") or "sdpa"
 
     def bare(stage: HFCausalStage) -> HFCausalStage:
         setattr(stage._base, stage.arch.layers, nn.ModuleDict())
         return stage
 
-    units: list[tuple[str, str, nn.Module]] = [
-        ("embedding", "embedding", bare(HFCausalStage(config, 0, 1, first=True, last=False, seed=seed)))]
+    def stage(lo: int, first: bool = False, last: bool = False) -> HFCausalStage:
+        return HFCausalStage(config, lo, lo + 1, first=first, last=last, seed=seed, attention=attention)
+
+    units: list[tuple[str, str, nn.Module]] = [("embedding", "embedding", bare(stage(0, first=True)))]
     for i in range(n):
-        units.append((f"block.{i}", "block", HFCausalStage(config, i, i + 1, first=False, last=False, seed=seed)))
-    units.append(("head", "head", bare(HFCausalStage(config, n - 1, n, first=False, last=True, seed=seed))))
+        units.append((f"block.{i}", "block", stage(i)))
+    units.append(("head", "head", bare(stage(n - 1, last=True))))
     return units
 
 

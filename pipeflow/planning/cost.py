@@ -26,17 +26,19 @@ from typing import Sequence
 from ..topology.topology import Device
 from .transformer import (
     TransformerSpec,
-    attention_activation_widths,
     attention_linear_flops,
     attention_score_flops,
     embedding_params,
+    first_stage_saved,
     head_forward_flops,
     head_params,
-    layer_activation_widths,
     layer_forward_flops,
     layer_linear_flops,
     layer_params,
+    last_stage_saved,
+    layer_saved_widths,
     shared_head_params,
+    stage_shared_saved,
     weight_residual_width,
 )
 
@@ -74,6 +76,13 @@ class CostModel(ABC):
     def transient_bytes(self, stage: int, segment: int) -> float:
         """What a backward (B or I) holds on top of the saved activations while it runs:
         with recomputation, the one layer it has rebuilt (0 if not modelled)."""
+        return 0.0
+
+    def kv_gradient_bytes(self, stage: int, segment: int) -> float:
+        """Sequence segments (Seq1F1B): the gradient of this segment's keys and values
+        that the later segments' backwards produce, held from the microbatch's first
+        backward on the stage (its last segment's) until this segment's own (0 if not
+        modelled)."""
         return 0.0
 
     @abstractmethod
@@ -212,37 +221,46 @@ class LayerCost:
 
 
 def layer_cost(spec: TransformerSpec, tokens: int, prefix: int, microbatch_size: int = 1,
-               dtype_bytes: int = 2) -> LayerCost:
-    """One layer's FLOPs and bytes (Korthikanti et al. 2022, generalised to the shapes of
-    :mod:`pipeflow.planning.transformer`; docs/planning.md), with model.recompute applied.
-    :class:`AnalyticCost` and the planner's closed form both price layers with it."""
+               dtype_bytes: int = 2, segmented: bool = False) -> LayerCost:
+    """One layer's FLOPs and bytes for the last ``tokens`` tokens of a ``prefix`` (its
+    whole sequence, or a segment's prefix in a ``segmented`` run), with model.recompute
+    applied: what it keeps is :func:`~pipeflow.planning.transformer.layer_saved_widths`
+    (docs/planning.md). :class:`AnalyticCost` and the planner's closed form both price
+    layers with it."""
     x, P, b, dt = tokens, prefix, microbatch_size, dtype_bytes
     f = layer_forward_flops(spec, x, P)
-    # no recomputation: 16-bit tensors (norm inputs, matmul inputs, Q, K, V, the MLP's inner
-    # tensors), 1-byte dropout masks if the model keeps them, and per head and query-key
-    # pair the softmax output (with dropout also its mask and output). GPT at 2 bytes,
-    # Fw = 4H: 34*x*b*H + 5*b*h*x*P.
-    tok, pair = layer_activation_widths(spec, dt)
-    a = x * b * tok + x * P * b * pair
+    w = layer_saved_widths(spec, dt)
+    # a later segment's attention keeps the keys of its whole prefix; a segmented run
+    # holds each segment's own keys and values for the later ones: on top of what the
+    # attention keeps unless those are the very tensors (the fused kernel's, on the
+    # first segment, not recomputed)
+    # eager attention's batched matrix products copy K and V (repeated to every query
+    # head) unless one sequence over one key/value head, or over as many as query heads,
+    # lets them take views of the layer's own tensors
+    eager_copies = spec.attention == "eager" and (b > 1 or 1 < spec.kv_heads < spec.n_head)
+    key = w.key
+    if spec.attention == "eager" and b == 1 and spec.kv_heads == 1:
+        key = 2 * spec.head_dim * dt
+    held = segmented and (eager_copies or P > x or spec.recompute == "selective")
+    own = x * w.own_kv if held else 0.0
+    attention = x * w.attention_token + P * key + x * P * w.pair
+    a = b * (x * w.token + P * key + x * P * w.pair + own)
     e, t = 0.0, 0.0
     if spec.recompute == "full":
         # the block keeps only its input; the backward reruns the block's forward
         t = float(a)
-        a = x * b * spec.n_embd * dt
+        a = b * x * w.block_input
         e = f
     elif spec.recompute == "selective":
-        # the attention sub-layer keeps only its input (the QKV input, kept anyway): Q, K, V,
-        # the projection input, its dropout mask and every score term go; its forward
-        # (projections and scores) runs again
-        attn_tok, attn_pair = attention_activation_widths(spec, dt)
-        dropped = x * b * attn_tok + x * P * b * attn_pair
-        t = float(dropped)
-        a -= dropped
+        # the attention sub-layer keeps only its input; its forward (projections and
+        # scores) runs again in the backward, and holds what it rebuilt meanwhile
+        t = float(b * attention)
+        a -= b * (attention - x * w.region_input)
         e = attention_score_flops(spec, x, P) + attention_linear_flops(spec, x)
     # what W still needs after I: each weight matmul's input and output gradient,
     # GPT (3H + Fw) + (5H + Fw) per token — the zero-bubble paper's 32*b*s*H at 2 bytes
     r = weight_residual_width(spec) * x * b * dt
-    return LayerCost(f, layer_linear_flops(spec, x), e, a, t, r)
+    return LayerCost(f, layer_linear_flops(spec, x), e, float(a), t, r)
 
 
 def uniform_layers(n_layer: int, num_stages: int) -> list[int]:
@@ -346,31 +364,28 @@ class AnalyticCost(CostModel):
         kv_width = spec.kv_heads * spec.head_dim
         last = self.num_stages - 1
         split = self.num_segments > 1
-        fwd, wgt, act, res, extra, trans = [], [], [], [], [], []
+        fwd, wgt, act, res, extra, trans, kvg = [], [], [], [], [], [], []
         for s, n in enumerate(self.layers_per_stage):
-            f_row, w_row, a_row, r_row, e_row, t_row = [], [], [], [], [], []
+            f_row, w_row, a_row, r_row, e_row, t_row, g_row = [], [], [], [], [], [], []
             for x, P in zip(self.segment_lengths, self.prefixes):
-                one = layer_cost(spec, x, P, b, dt)
+                one = layer_cost(spec, x, P, b, dt, segmented=split)
                 f = n * one.forward
                 w = n * one.weight
                 e = n * one.recompute  # FLOPs the backward spends recomputing (model.recompute)
-                a = n * one.saved
+                a = n * one.saved + stage_shared_saved(spec, x)
                 t = one.transient  # what the backward rebuilds at a time: one layer's (one region's) tensors
                 r = n * one.residual
-                if split:
-                    # the gradient of this segment's K and V that later segments' backwards
-                    # accumulate until this segment's own backward runs (Seq1F1B)
-                    a += n * 2 * x * b * kv_width * dt
+                # the gradient of this segment's K and V that later segments' backwards
+                # accumulate until this segment's own backward runs (Seq1F1B)
+                g_row.append(float(n * 2 * x * b * kv_width * dt) if split else 0.0)
                 if s == 0:
-                    if spec.dropout_masks:
-                        a += x * b * H  # embedding dropout mask
+                    a += first_stage_saved(spec, x, b)
                     r += x * b * H * dt  # the embedding's gradient needs its output gradient
                 if s == last:
                     hf = head_forward_flops(spec, x)
                     f += hf
                     w += hf
-                    # final LayerNorm and head inputs, and the logits, kept in fp32 for the loss
-                    a += 2 * x * b * H * dt + 4 * x * b * V
+                    a += last_stage_saved(spec, x, b, dt)
                     r += (H + V) * x * b * dt
                 f_row.append(f * b)
                 e_row.append(e * b)
@@ -380,6 +395,7 @@ class AnalyticCost(CostModel):
                 t_row.append(float(t))
             fwd.append(f_row)
             trans.append(t_row)
+            kvg.append(g_row)
             extra.append(e_row)
             wgt.append(w_row)
             act.append(a_row)
@@ -394,6 +410,7 @@ class AnalyticCost(CostModel):
         self._activation = act
         self._residual = res
         self._transient = trans
+        self._kv_gradient = kvg
         self._params = [self.stage_params(s) for s in range(self.num_stages)]
         # what each action moves through memory for its stage's weights (the roofline's
         # memory side): F and I read the matrices, a rebuilt forward reads them again, B
@@ -465,6 +482,9 @@ class AnalyticCost(CostModel):
         layer's tensors; selective: its attention sub-layer's), and holds it on top of
         what the forwards saved (Korthikanti et al. count the same one layer)."""
         return self._transient[stage][self._seg(segment)]
+
+    def kv_gradient_bytes(self, stage: int, segment: int) -> float:
+        return self._kv_gradient[stage][self._seg(segment)]
 
     def param_bytes(self, stage: int) -> float:
         return float(self._params[stage] * self.dtype_bytes)

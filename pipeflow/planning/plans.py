@@ -27,10 +27,13 @@ from .cost import AnalyticCost, layer_cost
 from .transformer import (
     TransformerSpec,
     embedding_params,
+    first_stage_saved,
     head_forward_flops,
     head_params,
+    last_stage_saved,
     layer_params,
     shared_head_params,
+    stage_shared_saved,
 )
 
 GB = 1e9  # plan.memory_limit_gb is in GB of 1e9 bytes, as schedule.memory_limit_gb
@@ -204,7 +207,7 @@ class StageModel:
                  dtype_bytes: int = 2) -> None:
         self.spec, self.b, self.eff, self.dt = spec, microbatch_size, efficiency, dtype_bytes
         S, b, dt = spec.seq_len, microbatch_size, dtype_bytes
-        H, V = spec.n_embd, spec.vocab_size
+        H = spec.n_embd
         one = layer_cost(spec, S, S, b, dt)  # one layer, with model.recompute applied
         self.L = spec.n_layer
         self.f_layer = one.forward * b
@@ -212,8 +215,9 @@ class StageModel:
         self.f_head = head_forward_flops(spec, S) * b
         self.a_layer = float(one.saved)
         self.t_layer = one.transient  # the layer (or region) a backward rebuilds and holds
-        self.a_first = float(S * b * H) if spec.dropout_masks else 0.0  # the embedding's dropout mask
-        self.a_last = float(2 * S * b * H * dt + 4 * S * b * V)
+        self.a_first = first_stage_saved(spec, S, b)  # token and position ids, the embedding's dropout mask
+        self.a_last = last_stage_saved(spec, S, b, dt)  # the final norm, the head's input, the log-softmax
+        self.a_shared = stage_shared_saved(spec, S)  # rotary tables, once per stage
         self.p_layer = layer_params(spec)
         self.p_first = embedding_params(spec)
         self.p_last = head_params(spec)
@@ -239,7 +243,7 @@ class StageModel:
         return self.params(n, first, last) * self.step_per_param / device.memory_bandwidth
 
     def memory(self, n: int, first: bool, last: bool, in_flight: int) -> float:
-        act = n * self.a_layer + (self.a_first if first else 0.0) + (self.a_last if last else 0.0)
+        act = n * self.a_layer + self.a_shared + (self.a_first if first else 0.0) + (self.a_last if last else 0.0)
         return in_flight * act + self.t_layer + self.params(n, first, last) * self.state_per_param
 
 

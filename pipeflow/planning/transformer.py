@@ -64,7 +64,9 @@ class TransformerSpec:
     mlp_bias: bool = True
     tied: bool = True  # the LM head shares the token embedding
     position_embedding: str = "learned"  # model.positions: learned (a table) | rotary (no parameters)
-    dropout_masks: bool = True  # whether the forward keeps 1-byte dropout masks
+    dropout_masks: bool = False  # whether the forward keeps 1-byte dropout masks (model.dropout > 0)
+    attention: str = "sdpa"  # model.attention: sdpa (fused: no score is kept) | eager (the scores are kept)
+    post_norm: bool = False  # BERT: each sub-layer ends with its norm (GPT and the decoders: pre-norm)
 
     def __post_init__(self) -> None:
         if self.recompute not in ("none", "full", "selective"):
@@ -73,7 +75,9 @@ class TransformerSpec:
                                     ("positions", self.position_embedding, POSITIONS)):
             if value not in allowed:
                 raise ValueError(f"model.{key}={value}: allowed values: {', '.join(allowed)}")
-        for key in ("qkv_bias", "o_bias", "mlp_bias", "tied", "dropout_masks"):
+        if self.attention not in ATTENTION:
+            raise ValueError(f"model.attention={self.attention}: allowed values: {', '.join(ATTENTION)}")
+        for key in ("qkv_bias", "o_bias", "mlp_bias", "tied", "dropout_masks", "post_norm"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"model.{key}={getattr(self, key)!r}: allowed values: true, false")
         for key in ("n_layer", "n_head", "n_embd", "vocab_size", "seq_len"):
@@ -129,8 +133,8 @@ class TransformerSpec:
         (:mod:`pipeflow.families`, default gpt) decides causal attention. The shape keys
         of a Hugging Face decoder (n_kv_head, head_dim, mlp, norm, the biases, tied,
         positions: :mod:`pipeflow.hf`) are read when set; absent or null they take the
-        GPT/BERT values. Dropout masks are kept by GPT and BERT, and by an ``hf_causal``
-        model only when ``model.dropout`` > 0.
+        GPT/BERT values. Dropout masks are kept when ``model.dropout`` > 0;
+        ``model.attention`` (default sdpa) decides whether the scores are kept.
         """
         get = cfg.get
         fam = family_of(cfg)
@@ -155,8 +159,7 @@ class TransformerSpec:
                            ("mlp_bias", "mlp_bias"), ("tied", "tied"), ("positions", "position_embedding")):
             if get(key) is not None:
                 shape[field] = get(key)
-        if family == "hf_causal":
-            shape["dropout_masks"] = float(get("dropout") or 0.0) > 0
+        shape["dropout_masks"] = float(get("dropout") or 0.0) > 0
         return TransformerSpec(
             name=str(get("name") or family),
             n_layer=get("n_layer"),
@@ -168,6 +171,8 @@ class TransformerSpec:
             n_positions=get("n_positions"),
             causal=fam.causal,
             recompute=str(get("recompute") or "none"),
+            attention=str(get("attention") or "sdpa"),
+            post_norm=family == "bert",
             **shape,
         )
 
@@ -272,37 +277,124 @@ def total_params(spec: TransformerSpec) -> int:
 
 # ------------------------------------------------------- activation widths
 
+# The residual stream, the norms' internals and the statistics they keep are fp32 in
+# pipeflow's runtime whatever runtime.precision says: it keeps fp32 weights and casts
+# to the compute dtype under autocast only where a matrix product takes them.
+RESIDUAL_BYTES = 4
+ATTENTION = ("sdpa", "eager")
 
-def layer_activation_widths(spec: TransformerSpec, dtype_bytes: int) -> tuple[int, int]:
-    """Bytes one layer's forward keeps for its backward (no recomputation), as
-    (per token, per query-key pair) — Korthikanti et al. 2022, generalised.
 
-    Per token, 16-bit (dtype_bytes) tensors: both norms' inputs (2H), the Q/K/V and MLP
-    matmul inputs (2H), Q (h*d), K and V (2*kv*d), the output projection's input (h*d) and
-    the MLP's inner tensors (gelu: 2I, the GeLU input and FC2 input; gated: 3I, the gate
-    and up outputs and the down projection's input); plus 1-byte dropout masks after the
-    attention and the MLP (2H) when the model keeps them. Per query head and pair: the
-    softmax output (dtype_bytes), and with dropout its mask (1) and output (dtype_bytes).
-    GPT at 2 bytes, I = 4H: 34H per token and 5h per pair."""
-    H, q, kv = spec.n_embd, spec.n_head * spec.head_dim, spec.kv_heads * spec.head_dim
-    tensors = 4 * H + 2 * q + 2 * kv + spec.mlp_matrices * spec.ffn_width
+@dataclass(frozen=True)
+class SavedWidths:
+    """Bytes one layer's forward keeps for its backward (no recomputation), for a
+    microbatch of one sequence, by what they scale with: per token of the call
+    (``token``), per key the call attends over (``key``: its own tokens, or the whole
+    prefix on a later sequence segment), per query-key pair (``pair``), and per token the
+    layer's own keys and values, which a segmented run holds for the later segments
+    (``own_kv``; :func:`~pipeflow.planning.cost.layer_cost` says when they come on top). The ``attention_*`` fields
+    are the part the attention sub-layer keeps inside itself: selective recomputation
+    drops them and keeps the sub-layer's input instead (``region_input`` per token).
+    Full recomputation keeps the layer's input only (``block_input`` per token)."""
+
+    token: float
+    key: float
+    pair: float
+    own_kv: float
+    attention_token: float
+    region_input: float
+    block_input: float
+
+
+def norm_saved_bytes(spec: TransformerSpec) -> float:
+    """Per token, what one norm keeps: LayerNorm (torch's kernel) its fp32 input and two
+    fp32 statistics; RMSNorm (transformers' Llama-style, written in Python) its fp32
+    input, the normalised input the weight multiplies and one fp32 reciprocal root."""
+    H = spec.n_embd
+    if spec.norm == "rmsnorm":
+        return 2 * H * RESIDUAL_BYTES + 4
+    return H * RESIDUAL_BYTES + 8
+
+
+def layer_saved_widths(spec: TransformerSpec, dtype_bytes: int) -> SavedWidths:
+    """What one layer keeps for its backward (see :class:`SavedWidths`), counted tensor by
+    tensor on the runtime's layers (docs/planning.md, "Activation bytes"); c =
+    ``dtype_bytes`` (the compute dtype), r = 4 (:data:`RESIDUAL_BYTES`), H hidden, h query
+    heads of d, kv key/value heads, I the MLP width:
+
+    - two norms (:func:`norm_saved_bytes`);
+    - the inputs of the Q/K/V and the MLP matrix products, in the compute dtype: 2H c;
+    - attention, ``sdpa``: Q (h d c), the kernel's output (the output projection's input
+      too, h d c) and a fp32 log-sum-exp per query head (4h) per token, and per key
+      attended over the key and the value (2 kv d c). ``eager``: Q and the output
+      projection's input (2 h d c) per token, the key and value repeated to every query
+      head (2 h d c) per key, and per pair and query head the softmax output (c; with
+      dropout also its 1-byte mask and its output, c);
+    - a segmented run holds each segment's own keys and values for the later segments
+      (2 kv d c per token), beyond what the attention keeps where it keeps other
+      tensors (eager's copies, a later segment's concatenated prefix, a recomputed
+      sub-layer's nothing);
+    - the MLP: GeLU (torch's kernel) keeps its input and output, 2I c; a gated MLP its
+      gate's output, the gate's activation, the up projection and their product, 4I c;
+    - with dropout, a 1-byte mask after the attention and after the MLP, 2H.
+
+    GPT (LayerNorm, GeLU, I = 4H, eager, dropout) at c = 2 with 2-byte norms is
+    Korthikanti et al.'s 34H per token and 5h per pair (they count Q, K, V once, as one
+    fused projection's output; the scores' dropout output with the pairs)."""
+    H, c, r = spec.n_embd, dtype_bytes, RESIDUAL_BYTES
+    q, kv = spec.n_head * spec.head_dim, spec.kv_heads * spec.head_dim
+    if spec.attention == "eager":
+        # K and V repeated to every query head, copies (layer_cost: views for one sequence
+        # over one key/value head)
+        attn_token, key = (H + 2 * q) * c, 2 * q * c
+        pair = spec.n_head * (2 * c + 1 if spec.dropout_masks else c)
+    else:
+        attn_token, key = (H + 2 * q) * c + 4 * spec.n_head, 2 * kv * c
+        pair = 0
     masks = 2 * H if spec.dropout_masks else 0
-    return tensors * dtype_bytes + masks, attention_pair_bytes(spec, dtype_bytes)
+    mlp = (H + (4 if spec.mlp == "gated" else 2) * spec.ffn_width) * c
+    norms = 2 * norm_saved_bytes(spec)
+    inside = attn_token + (H if spec.dropout_masks else 0)  # and its output dropout's mask
+    if spec.post_norm:  # BERT: the attention sub-layer ends with its LayerNorm, whose input it keeps
+        inside += norm_saved_bytes(spec)
+    return SavedWidths(token=norms + attn_token + mlp + masks, key=key, pair=pair, own_kv=2 * kv * c,
+                       attention_token=inside, region_input=H * r, block_input=H * r)
 
 
-def attention_pair_bytes(spec: TransformerSpec, dtype_bytes: int) -> int:
-    """Score bytes kept per query-key pair, all query heads: h*(2*dt + 1) with dropout
-    (softmax output, mask, dropout output), h*dt without (the softmax output only)."""
-    return spec.n_head * (2 * dtype_bytes + 1 if spec.dropout_masks else dtype_bytes)
+def first_stage_saved(spec: TransformerSpec, tokens: int, microbatch_size: int) -> float:
+    """What the embedding keeps for one microbatch: the token ids (int64), the position
+    ids of a learned table (one row for the microbatch), BERT's embedding LayerNorm and,
+    with dropout, its mask."""
+    x, b = tokens, microbatch_size
+    a = 8.0 * x * b
+    if spec.position_embedding == "learned":
+        a += 8.0 * x
+    if spec.post_norm:
+        a += x * b * norm_saved_bytes(spec)
+    if spec.dropout_masks:
+        a += x * b * spec.n_embd
+    return a
 
 
-def attention_activation_widths(spec: TransformerSpec, dtype_bytes: int) -> tuple[int, int]:
-    """What selective recomputation drops from a layer, as (per token, per pair): the
-    attention sub-layer keeps only its input (the Q/K/V matmul input, kept anyway), so Q,
-    K, V, the output projection's input, its dropout mask (if kept) and every score term go."""
-    H, q, kv = spec.n_embd, spec.n_head * spec.head_dim, spec.kv_heads * spec.head_dim
-    per_token = (2 * q + 2 * kv) * dtype_bytes + (H if spec.dropout_masks else 0)
-    return per_token, attention_pair_bytes(spec, dtype_bytes)
+def last_stage_saved(spec: TransformerSpec, tokens: int, microbatch_size: int, dtype_bytes: int) -> float:
+    """What the head and the loss keep for one microbatch: the final norm, the head's
+    input (c), the fp32 log-softmax over the vocabulary (4V) and the int64 targets; BERT's
+    MLM head transforms first (a dense layer, GeLU and a LayerNorm: 3H c more and the
+    norm's statistics, its input in the compute dtype)."""
+    x, b, H, c = tokens, microbatch_size, spec.n_embd, dtype_bytes
+    if spec.post_norm:
+        head = 4 * H * c + 8
+    else:
+        head = norm_saved_bytes(spec) + H * c
+    return x * b * (head + 4.0 * spec.vocab_size + 8)
+
+
+def stage_shared_saved(spec: TransformerSpec, tokens: int) -> float:
+    """What every stage holding layers keeps once per microbatch, whatever its layers:
+    rotary positions' cos and sin tables (fp32, one row per token), which the rotation
+    of Q and K saves; recomputed attention saves nothing of them."""
+    if spec.position_embedding != "rotary" or spec.recompute != "none":
+        return 0.0
+    return 2.0 * tokens * spec.head_dim * RESIDUAL_BYTES
 
 
 def weight_residual_width(spec: TransformerSpec) -> int:

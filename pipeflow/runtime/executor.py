@@ -141,7 +141,9 @@ class Executor:
         # receives are posted before the forward runs); on CPU the halves then run in turn
         self.partner = schedule.overlap_partner()
         # bytes autograd saves for backward (and Seq1F1B's K/V cache), parameters excluded
-        self.meter = SavedBytes({p.untyped_storage().data_ptr() for st in stages.values() for p in st.module.parameters()})
+        # the model's own tensors (parameters, and buffers such as position ids) are not activations
+        self.meter = SavedBytes({t.untyped_storage().data_ptr() for st in stages.values()
+                                 for t in (*st.module.parameters(), *st.module.buffers())})
         # forward-only walk for evaluation: the forwards and the activation messages, in
         # the same per-device order (a subsequence of a deadlock-free order is one too)
         self.eval_plan, self.eval_tail = _post_ahead(
@@ -311,9 +313,9 @@ class Executor:
             x = leaves[preds[0]] if len(preds) == 1 else leaves
         with self._hooks(st), self.precision.autocast():
             out = self._run_module(st, a, x)
+            # the loss's log-softmax is kept for the backward too: counted with the rest
+            loss = self.adapter.loss(out, batch, mb, normalizer, a.segment) if st.last else None
         if st.last:
-            with self.precision.autocast():
-                loss = self.adapter.loss(out, batch, mb, normalizer, a.segment)
             # fp16: the backward runs on the scaled loss (see LossScaler)
             st.saved[key] = (leaves, loss if self.scaler is None else loss * self.scaler.scale)
             return loss.detach().double()
@@ -337,14 +339,17 @@ class Executor:
         cache = st.kv.setdefault(a.microbatch, {})
         prefix = None
         if a.segment > 0:
+            # one leaf per earlier segment, per block: a detached view of that segment's
+            # own keys/values (no copy), whose .grad is that segment's share
             earlier = [cache[j][0] for j in range(a.segment)]
             prefix = [
-                (torch.cat([kv[i][0] for kv in earlier], 2).detach().requires_grad_(True),
-                 torch.cat([kv[i][1] for kv in earlier], 2).detach().requires_grad_(True))
+                (tuple(kv[i][0].detach().requires_grad_(True) for kv in earlier),
+                 tuple(kv[i][1].detach().requires_grad_(True) for kv in earlier))
                 for i in range(len(earlier[0]))
             ]
         out, kvs = st.module.forward_segment(x, self.adapter.segment_offset(a.segment), prefix)
-        holds = [self.meter.hold(t) for kv in kvs for t in kv] if a.segment + 1 < self.schedule.num_segments else []
+        # held (and counted) until this segment's backward, the last segment's too
+        holds = [self.meter.hold(t) for kv in kvs for t in kv]
         cache[a.segment] = (kvs, prefix, holds)
         return out
 
@@ -356,18 +361,17 @@ class Executor:
         tensors, grads = [out], [g]
         extra = st.kv_grad.pop((a.microbatch, a.segment), None)
         if extra is not None:
-            for (k, v), (dk, dv) in zip(kvs, extra):
+            for (k, v), (dk, dv, _) in zip(kvs, extra):
                 tensors += [k, v]
                 grads += [dk, dv]
+        torch.autograd.backward(tensors, grad_tensors=grads)
         if prefix is not None:
-            torch.autograd.backward(tensors, grad_tensors=grads, inputs=None)
-            lengths = self.adapter.segment_lengths[: a.segment]
-            for i, (kl, vl) in enumerate(prefix):
-                for j, (dk, dv) in enumerate(zip(torch.split(kl.grad, lengths, 2), torch.split(vl.grad, lengths, 2))):
+            for i, (keys, values) in enumerate(prefix):
+                for j, (kl, vl) in enumerate(zip(keys, values)):
                     acc = st.kv_grad.setdefault((a.microbatch, j), [None] * len(prefix))
-                    acc[i] = (dk, dv) if acc[i] is None else (acc[i][0] + dk, acc[i][1] + dv)
-        else:
-            torch.autograd.backward(tensors, grad_tensors=grads)
+                    dk, dv = (kl.grad, vl.grad) if acc[i] is None else (acc[i][0] + kl.grad, acc[i][1] + vl.grad)
+                    # counted from here until segment j's backward takes them
+                    acc[i] = (dk, dv, (self.meter.hold(dk), self.meter.hold(dv)))
         if not cache:
             del st.kv[a.microbatch]
 

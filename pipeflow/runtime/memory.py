@@ -5,10 +5,12 @@ which says little about activations. So the runtime counts what autograd actuall
 saves: every forward runs under saved-tensor hooks, each saved tensor's storage is
 counted once (however many graph nodes save it) from the moment it is saved until the
 last node holding it is freed, which is when its backward ran (or its graph was
-dropped). Parameters are not activations and are not counted. The keys and values a
-Seq1F1B segment keeps for the later segments of its microbatch are held through the
-same count (:meth:`SavedBytes.hold`), so a storage both saved and cached counts once;
-their own peak is reported too.
+dropped). Parameters and buffers are not activations and are not counted. The keys
+and values a Seq1F1B segment keeps for the later segments of its microbatch, and the
+gradients the later segments' backwards send them, are held through the same count
+(:meth:`SavedBytes.hold`), so a storage both saved and cached counts once; the keys'
+and values' own peak is reported too. The loss (its log-softmax) is computed under the
+hooks as well.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class _Held:
 
 class SavedBytes:
     def __init__(self, exclude: set[int] | None = None):
-        self.exclude = set(exclude or ())  # storages never counted (parameters)
+        self.exclude = set(exclude or ())  # storages never counted (parameters, buffers)
         self.live: dict[int, list[int]] = {}  # storage -> [holders, bytes]
         self.current = 0
         self.peak = 0

@@ -417,13 +417,13 @@ def _train_steps(rank, job, device, setup: RankSetup, data, sink, progress, stat
         "mean_step_time": sum(h["step_time"] for h in steady) / len(steady) if steady else None,
         "measured_bubble_ratio": sum(h["bubble"] for h in steady) / len(steady) if steady else None,
         "precision": cfg["runtime"].get("precision", "fp32"),
+        **{key: cfg["model"].get(key) or none for key, none in (("attention", "sdpa"), ("recompute", "none"))},
         # bytes sent between ranks per step (activations and their gradients, all ranks)
         "p2p_bytes": sum(h["p2p_bytes"] for h in history) / len(history) if history else None,
         **({"skipped_steps": sum(h["skipped"] for h in history), "loss_scale": history[-1]["loss_scale"]}
            if history and "loss_scale" in history[-1] else {}),
         "peak_memory_bytes": peaks,
-        # per rank: bytes autograd kept for backward at the peak (Seq1F1B's K/V cache
-        # included), and the K/V cache's own peak
+        # per rank: bytes kept for backward at the peak (Seq1F1B's K/V included), the K/V's own
         "peak_saved_bytes": [p[0] for p in saved_peaks],
         "peak_kv_bytes": [p[1] for p in saved_peaks],
         "weight_policy": schedule.policy.value,

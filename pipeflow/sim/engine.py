@@ -253,13 +253,14 @@ def _simulate(cs: CompiledSchedule, cost, topology, record: bool, want_waits: bo
                     float(cost.activation_bytes(*key)),
                     float(cost.weight_residual_bytes(*key)),
                     float(cost.transient_bytes(*key)),
+                    _kv_gradient(cost, key, nseg),
                 )
             if k == Kind.F:
                 t, delta, dlive = start[i], sizes[0], 1
             elif k == Kind.B:
-                t, delta, dlive = end[i], -sizes[0], -1
+                t, delta, dlive = end[i], -sizes[0] + sizes[3], -1
             elif k == Kind.I:
-                t, delta, dlive = end[i], sizes[1] - sizes[0], -1
+                t, delta, dlive = end[i], sizes[1] - sizes[0] + sizes[3], -1
             else:  # W
                 t, delta, dlive = end[i], -sizes[1], 0
             # Frees come before allocations at equal times, so the level that counts at
@@ -336,6 +337,19 @@ def _simulate(cs: CompiledSchedule, cost, topology, record: bool, want_waits: bo
                                     getattr(cost, "time_unit", "s"))
     return result
 
+
+def _kv_gradient(cost, key: tuple[int, int], nseg: int) -> float:
+    """What a backward of (stage, segment) changes in the Seq1F1B key/value gradients:
+    a microbatch's first backward on a stage (its last segment's; the dependencies
+    order segments' backwards last to first) allocates those of every earlier segment,
+    and each earlier segment's backward frees its own."""
+    stage, seg = key
+    held = getattr(cost, "kv_gradient_bytes", None)  # a cost model not derived from CostModel may lack it
+    if nseg <= 1 or held is None:
+        return 0.0
+    if seg == nseg - 1:
+        return float(sum(held(stage, j) for j in range(seg)))
+    return -float(held(stage, seg))
 
 
 def _collective_span(members, issue_time: dict, devs: tuple, duration: float, coll_free: list) -> tuple[float, float]:

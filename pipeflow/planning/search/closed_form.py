@@ -97,22 +97,23 @@ def idle_formula(name: str) -> tuple[IdleFormula, bool]:
 class DeviceMemory:
     """One device of a structure: the (pipe, stage, segment) keys it holds and the
     Pareto-maximal states of its walk, one row per state: live activations per key,
-    then live residuals per key, then the key a recomputing backward rebuilds (one-hot)."""
+    then live residuals per key, then the key a recomputing backward rebuilds (one-hot),
+    then live key/value gradients per key (Seq1F1B)."""
 
     keys: list[tuple[int, int]]  # (stage, segment)
-    states: np.ndarray  # (n_states, 3 * len(keys))
+    states: np.ndarray  # (n_states, 4 * len(keys))
 
     def __post_init__(self) -> None:
         self.stage_idx = np.array([k[0] for k in self.keys], dtype=int)
         self.seg_idx = np.array([k[1] for k in self.keys], dtype=int)
 
-    def peak(self, act: np.ndarray, res: np.ndarray, trans: np.ndarray) -> float:
+    def peak(self, act: np.ndarray, res: np.ndarray, trans: np.ndarray, kvg: np.ndarray) -> float:
         """The simulator's peak of saved activations, with bytes per (stage, segment) in the
-        tables act, res and trans (indexed [stage, segment])."""
+        tables act, res, trans and kvg (indexed [stage, segment])."""
         if self.states.size == 0:
             return 0.0
         i, g = self.stage_idx, self.seg_idx
-        return float((self.states @ np.concatenate([act[i, g], res[i, g], trans[i, g]])).max())
+        return float((self.states @ np.concatenate([act[i, g], res[i, g], trans[i, g], kvg[i, g]])).max())
 
 
 class Structure:
@@ -126,7 +127,7 @@ class Structure:
                                                  segments=segments, check=False, **(options or {}))
         sched = self.schedule
         self.asynchronous = sched.policy != WeightPolicy.SYNC
-        self.devices = [_device_memory(order) for order in sched.orders]
+        self.devices = [_device_memory(order, sched.num_segments) for order in sched.orders]
         # per device: the (stage, segment) keys it computes and how many F, B, I and W of
         # each it runs, as index arrays (stages, segments) and a (4, keys) count matrix
         self.counts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
@@ -147,41 +148,48 @@ class Structure:
         self.updates = max(1, sched.num_microbatches // self.microbatches_per_update) if self.asynchronous else 1
 
 
-def _device_memory(order) -> DeviceMemory:
+def _device_memory(order, segments: int = 1) -> DeviceMemory:
     """Walk one device's order as the simulator does (F allocates at its start; B frees,
     I trades its activations for the residual W needs, W frees that, each at its end;
-    a recomputing B or I holds its rebuilt layer on top of the level before its free).
-    Only the levels after an allocation (F, I) and during a rebuild can be peaks."""
+    a recomputing B or I holds its rebuilt layer on top of the level before its free;
+    a microbatch's last segment's backward allocates the earlier segments' key/value
+    gradients, each of which its own backward frees). Only the levels after an
+    allocation (F, I, a last segment's B) and during a rebuild can be peaks."""
     keys: dict[tuple[int, int], int] = {}
     for a in order:
         if a.kind in Kind.COMPUTE:
             keys.setdefault((a.stage, a.segment), len(keys))
     k = len(keys)
     live = [0] * (2 * k)
-    seen: set[tuple] = set()  # (live counts, the key being rebuilt or -1)
+    kvg = [0] * k  # live key/value gradients per key
+    seen: set[tuple] = set()  # (live counts, the key being rebuilt or -1, kv gradient counts)
     F, B, I = Kind.F, Kind.B, Kind.I  # noqa: E741
+    last = segments - 1
     for a in order:
         kind = a.kind
         if kind == F:
             live[keys[(a.stage, a.segment)]] += 1
-            seen.add((tuple(live), -1))
-        elif kind == B:
+            seen.add((tuple(live), -1, tuple(kvg)))
+        elif kind in (B, I):
             i = keys[(a.stage, a.segment)]
-            seen.add((tuple(live), i))
+            seen.add((tuple(live), i, tuple(kvg)))
             live[i] -= 1
-        elif kind == I:
-            i = keys[(a.stage, a.segment)]
-            seen.add((tuple(live), i))
-            live[i] -= 1
-            live[k + i] += 1
-            seen.add((tuple(live), -1))
+            if kind == I:
+                live[k + i] += 1
+            if last > 0 and a.segment == last:
+                for j in range(last):
+                    kvg[keys[(a.stage, j)]] += 1
+            elif last > 0:
+                kvg[i] -= 1
+            seen.add((tuple(live), -1, tuple(kvg)))
         elif kind == Kind.W:
             live[k + keys[(a.stage, a.segment)]] -= 1
-    rows = np.zeros((len(seen), 3 * k))
-    for r, (counts, rebuilt) in enumerate(seen):
+    rows = np.zeros((len(seen), 4 * k))
+    for r, (counts, rebuilt, grads) in enumerate(seen):
         rows[r, : 2 * k] = counts
         if rebuilt >= 0:
             rows[r, 2 * k + rebuilt] = 1
+        rows[r, 3 * k:] = grads
     return DeviceMemory(list(keys), _pareto(rows))
 
 

@@ -73,6 +73,7 @@ class _Tables:
     act: np.ndarray
     res: np.ndarray
     trans: np.ndarray
+    kvg: np.ndarray  # Seq1F1B key/value gradients per [stage, segment]
     state: np.ndarray  # model state bytes per stage
     params: np.ndarray  # parameter (gradient) bytes per stage
     message: float  # bytes of one activation message (the longest segment's)
@@ -131,7 +132,7 @@ class Pricer:
                 return np.array([fn(s, k) for s, k in grid], dtype=float).reshape(n, g)
             got = self._tables[id(cost)] = _Tables(
                 table(cost.activation_bytes), table(cost.weight_residual_bytes), table(cost.transient_bytes),
-                np.array([cost.model_state_bytes(s) for s in range(n)]), np.array([cost.param_bytes(s) for s in range(n)]),
+                table(cost.kv_gradient_bytes), np.array([cost.model_state_bytes(s) for s in range(n)]), np.array([cost.param_bytes(s) for s in range(n)]),
                 max(cost.message_bytes(0, 1, k) for k in range(g)), {})
         return got
 
@@ -167,7 +168,7 @@ class Pricer:
     def _needs(self, st: Structure, cost: AnalyticCost) -> np.ndarray:
         """Bytes each device of one replica needs at its peak: model state + activations."""
         tab = self.tables(cost)
-        return np.array([float(tab.state[st.stages_on[d]].sum()) + mem.peak(tab.act, tab.res, tab.trans)
+        return np.array([float(tab.state[st.stages_on[d]].sum()) + mem.peak(tab.act, tab.res, tab.trans, tab.kvg)
                          for d, mem in enumerate(st.devices)])
 
     def _worst(self, c: Candidate, needs: np.ndarray) -> tuple[float, float, int]:

@@ -1,0 +1,213 @@
+"""Attention as every pipeflow model computes it (``model.attention``).
+
+- ``sdpa`` (the default): ``torch.nn.functional.scaled_dot_product_attention``, the
+  fused kernel (flash attention on CPU, flash or memory-efficient on CUDA). It keeps its
+  inputs, its output and one log-sum-exp per query and head for the backward, and
+  recomputes the scores there: no ``s x s`` tensor outlives the call.
+- ``eager``: ``q k^T``, the mask, softmax, ``@ v``, written out; the backward keeps the
+  softmax output, one value per query-key pair and head. Kept as the reference the fused
+  path is checked against.
+
+One function, :func:`attention`, serves GPT-2's, BERT's and every Hugging Face decoder's
+attention modules, which call it through transformers' attention interface (their
+configs name :data:`IMPLEMENTATION`); the concurrent-branch model's
+``nn.MultiheadAttention`` runs the same kernel itself (``need_weights=False``) or the
+eager path (``need_weights=True``). What a call may see is a
+:class:`Pattern`, passed where transformers passes the attention mask: causal or not,
+and how many keys of earlier sequence segments (Seq1F1B) precede its first query; a
+sliding window comes from the attention module itself (Mistral, Qwen2), as transformers
+passes it.
+
+Which keys a query sees, with ``offset`` earlier keys: query ``t`` (position
+``offset + t``) sees key ``j`` when ``j <= offset + t`` (causal; the lower-right
+alignment of a segment's queries over the whole prefix) and ``j > offset + t - window``
+(sliding window). A whole causal sequence without a window needs no mask: the kernel's
+``is_causal``. Otherwise the fused path needs the mask; torch's CPU kernel would keep
+it (``T x P``) for its backward, so on CPU :class:`_MaskedFlashCPU` runs the same
+kernel, keeps what it keeps but the mask, and rebuilds the mask in the backward. On
+CUDA the lower-right causal mask is torch's ``causal_lower_right``, which the kernels
+take without a materialised mask.
+
+Attention dropout: torch's CPU flash kernel has none, so on CPU a fused call with
+dropout runs torch's math path (which keeps the scores, as eager does); CUDA's kernels
+fuse it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+MODES = ("sdpa", "eager")
+IMPLEMENTATION = "pipeflow"  # the name under which attend() is registered with transformers
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """What one attention call computes: ``mode`` (sdpa | eager), causal or bidirectional,
+    and ``offset``, the keys of earlier segments ahead of the call's own (Seq1F1B)."""
+
+    mode: str = "sdpa"
+    causal: bool = True
+    offset: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"model.attention={self.mode}: allowed values: {', '.join(MODES)}")
+        if self.offset and not self.causal:
+            raise ValueError("a bidirectional attention call has no earlier segments (offset must be 0)")
+
+
+def check_mode(mode) -> str:
+    """``model.attention`` checked, with the project's message."""
+    if mode not in MODES:
+        raise ValueError(f"model.attention={mode}: allowed values: {', '.join(MODES)}")
+    return str(mode)
+
+
+def allowed(queries: int, keys: int, offset: int, window: int | None, device) -> Tensor:
+    """[queries, keys] booleans: which keys each query of a causal call sees (module docstring)."""
+    q = torch.arange(offset, offset + queries, device=device)[:, None]
+    k = torch.arange(keys, device=device)[None, :]
+    ok = k <= q
+    if window:
+        ok &= k > q - window
+    return ok
+
+
+def _additive(ok: Tensor, dtype: torch.dtype) -> Tensor:
+    zero = torch.zeros((), dtype=dtype, device=ok.device)
+    return torch.where(ok, zero, torch.finfo(dtype).min)
+
+
+def _needs_mask(pattern: Pattern, queries: int, keys: int, window: int | None) -> bool:
+    if not pattern.causal:
+        return False
+    if keys != queries + pattern.offset:
+        raise ValueError(f"attention over {keys} keys for {queries} queries after {pattern.offset} earlier ones")
+    return pattern.offset > 0 or bool(window and window < queries)
+
+
+class _MaskedFlashCPU(torch.autograd.Function):
+    """torch's CPU flash kernel with a mask, keeping for the backward what the kernel
+    keeps (q, k, v, the output, the log-sum-exp) but not the mask: the backward rebuilds
+    it. A segment's ``T x P`` mask is the only ``s^2`` tensor a fused call would keep."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, offset: int, window, scale):
+        mask = _additive(allowed(q.shape[2], k.shape[2], offset, window, q.device), q.dtype)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.offset, ctx.window, ctx.scale = offset, window, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        mask = _additive(allowed(q.shape[2], k.shape[2], ctx.offset, ctx.window, q.device), q.dtype)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad.contiguous(), q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+def _fused(q: Tensor, k: Tensor, v: Tensor, pattern: Pattern, window: int | None, dropout: float,
+           scale: float | None) -> Tensor:
+    T, P = q.shape[2], k.shape[2]
+    gqa = k.shape[1] != q.shape[1]
+    if not _needs_mask(pattern, T, P, window):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=pattern.causal, scale=scale,
+                                              enable_gqa=gqa)
+    if q.device.type == "cpu" and dropout == 0.0:
+        return _MaskedFlashCPU.apply(q, k, v, pattern.offset, window, scale)
+    if not window and q.device.type == "cuda":
+        from torch.nn.attention.bias import causal_lower_right
+
+        mask = causal_lower_right(T, P)
+    else:
+        mask = allowed(T, P, pattern.offset, window, q.device)
+    if gqa:  # torch's masked kernels take as many key/value heads as query heads
+        k, v = _repeat_heads(k, q.shape[1]), _repeat_heads(v, q.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale)
+
+
+def _repeat_heads(t: Tensor, heads: int) -> Tensor:
+    """Grouped-query attention's key/value heads repeated to ``heads`` (transformers' repeat_kv)."""
+    b, kv, s, d = t.shape
+    if kv == heads:
+        return t
+    return t[:, :, None].expand(b, kv, heads // kv, s, d).reshape(b, heads, s, d)
+
+
+def _eager(q: Tensor, k: Tensor, v: Tensor, pattern: Pattern, window: int | None, dropout: float,
+           scale: float | None, training: bool) -> Tensor:
+    T, P = q.shape[2], k.shape[2]
+    k, v = _repeat_heads(k, q.shape[1]), _repeat_heads(v, q.shape[1])
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    w = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if pattern.causal:
+        w = w + _additive(allowed(T, P, pattern.offset, window, q.device), w.dtype)
+    w = F.softmax(w, dim=-1).type(v.dtype)
+    w = F.dropout(w, p=dropout, training=training)
+    return torch.matmul(w, v)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, pattern: Pattern, *, window: int | None = None,
+              dropout: float = 0.0, scale: float | None = None, training: bool = True) -> Tensor:
+    """Attention of ``q`` [B, h, T, d] over ``k``, ``v`` [B, kv, P, d] (kv divides h) as
+    ``pattern`` says; returns [B, h, T, d]. ``dropout`` applies when ``training``."""
+    dropout = dropout if training else 0.0
+    if pattern.mode == "eager":
+        return _eager(q, k, v, pattern, window, dropout, scale, training)
+    return _fused(q, k, v, pattern, window, dropout, scale)
+
+
+def attend(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, dropout: float = 0.0,
+           scaling: float | None = None, sliding_window: int | None = None, **kwargs):
+    """transformers' attention-interface signature: ``attention_mask`` is pipeflow's
+    :class:`Pattern`; returns ([B, T, h, d], None) as transformers' own functions do."""
+    if not isinstance(attention_mask, Pattern):
+        raise TypeError(f"{type(module).__name__}: pipeflow's attention takes a Pattern as attention_mask, "
+                        f"not {type(attention_mask).__name__} (build the stage with pipeflow.models)")
+    out = attention(query, key, value, attention_mask, window=sliding_window, dropout=dropout, scale=scaling,
+                    training=module.training)
+    return out.transpose(1, 2), None
+
+
+class SegmentCache:
+    """The key/value cache a decoder layer sees on a sequence segment (Seq1F1B): ``update``
+    returns the earlier segments' keys and values with this segment's appended, and
+    records this segment's own. ``past`` is (keys, values) of the earlier segments: one
+    tensor each, or one per earlier segment (the runtime's leaves). A recomputed region
+    calls it again in the backward: the first record stands (the values are the same)."""
+
+    def __init__(self, past):
+        self.past = None if past is None else tuple(_parts(t) for t in past)
+        self.own: tuple[Tensor, Tensor] | None = None
+
+    def update(self, keys: Tensor, values: Tensor, layer_idx: int = 0, *args, **kwargs):
+        if self.own is None:
+            self.own = (keys, values)
+        if self.past is None:
+            return keys, values
+        return torch.cat([*self.past[0], keys], 2), torch.cat([*self.past[1], values], 2)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0 if self.past is None else sum(t.shape[2] for t in self.past[0])
+
+
+def _parts(t) -> tuple[Tensor, ...]:
+    return (t,) if isinstance(t, Tensor) else tuple(t)
+
+
+def register() -> None:
+    """Make :data:`IMPLEMENTATION` a transformers attention implementation (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(IMPLEMENTATION, attend)
+
+
+register()
