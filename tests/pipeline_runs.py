@@ -32,6 +32,18 @@ GPT_SMALL = [
 # the GPT's LM head is tied to its token embedding: its gradient is the embedding's
 GPT_TIED = {"lm_head.weight": "wte.weight"}
 
+# a small shape of each supported Hugging Face architecture (model.hf fields over
+# llama_tiny's; GPT-2's dropout off, so that training-mode forwards compare)
+SMALL_HF = {
+    "llama": [],
+    "qwen2": ["model=qwen2_tiny"],
+    "mistral": ["model.hf.model_type=mistral", "+model.hf.sliding_window=8"],
+    "gpt_neox": ["model.hf.model_type=gpt_neox"],
+    "gpt2": ["model.hf.model_type=gpt2", "+model.hf.n_embd=64", "+model.hf.n_layer=4", "+model.hf.n_head=4",
+             "+model.hf.n_positions=128", "+model.hf.resid_pdrop=0", "+model.hf.embd_pdrop=0",
+             "+model.hf.attn_pdrop=0"],
+}
+
 
 def metrics(run_dir: Path) -> list[dict]:
     """The rows of a run's metrics.jsonl."""

@@ -10,20 +10,14 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
+import pipeline_runs
+
 from pipeflow.config import compose, prepare_training
 from pipeflow.models import attention as attn
 from pipeflow.models import bert, cbm, gpt, hf_causal
 from pipeflow.runtime.memory import SavedBytes
 
-HF = {
-    "llama": [],
-    "qwen2": ["model=qwen2_tiny"],
-    "mistral": ["model.hf.model_type=mistral", "+model.hf.sliding_window=8"],
-    "gpt_neox": ["model.hf.model_type=gpt_neox"],
-    "gpt2": ["model.hf.model_type=gpt2", "+model.hf.n_embd=64", "+model.hf.n_layer=4", "+model.hf.n_head=4",
-             "+model.hf.n_positions=128", "+model.hf.resid_pdrop=0", "+model.hf.embd_pdrop=0",
-             "+model.hf.attn_pdrop=0"],
-}
+HF = pipeline_runs.SMALL_HF  # a small shape of each supported Hugging Face architecture
 
 
 def _model(*overrides: str) -> dict:
@@ -166,7 +160,6 @@ def test_the_long_context_experiment_trains_and_is_simulated_to_its_peak(tmp_pat
     reported, and pipeflow-simulate of the same configuration predicts each within 2%
     (issue 30 asks 10%; byte counts, not times). The fused attention keeps a fraction of
     what eager keeps for the same run."""
-    import pipeline_runs
     from pipeflow.simulate import run_simulation
 
     short = ["model.seq_len=2048", "trainer.steps=3", "trainer.val_every=0", "trainer.timeline_step=null",

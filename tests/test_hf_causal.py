@@ -22,15 +22,7 @@ from pipeflow.hf import ARCHITECTURES, load_hf_config
 
 slow = pytest.mark.slow  # starts ranks: make test-fast leaves these out
 
-# a small shape of each supported architecture (model.hf fields over llama_tiny's)
-SMALL_HF = {
-    "llama": [],
-    "qwen2": ["model=qwen2_tiny"],
-    "mistral": ["model.hf.model_type=mistral", "+model.hf.sliding_window=8"],
-    "gpt_neox": ["model.hf.model_type=gpt_neox"],
-    "gpt2": ["model.hf.model_type=gpt2", "+model.hf.n_embd=64", "+model.hf.n_layer=4", "+model.hf.n_head=4",
-             "+model.hf.n_positions=128"],
-}
+SMALL_HF = pipeline_runs.SMALL_HF  # a small shape of each supported architecture
 
 
 def resolved(*overrides: str) -> dict:
