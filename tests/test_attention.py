@@ -76,13 +76,20 @@ def test_concurrent_branch_model_fused_equals_eager():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fused_equals_eager_in_half_precision(dtype):
-    model = _model("model=llama_tiny", "model.seq_len=32")
-    outs = []
+    """Under autocast, whole sequences and segments over a sliding window (the masked
+    fused path), outputs and a weight's gradient."""
+    model = _model("model=llama_tiny", "model.seq_len=32", *HF["mistral"])
+    got = {}
     for mode in ("eager", "sdpa"):
         stage = hf_causal.build_model({**model, "attention": mode}, seed=3)
         with torch.autocast("cpu", dtype=dtype):
-            outs.append(stage(IDS).float())
-    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0.1)
+            whole = stage(IDS).float()
+            x0, kv0 = stage.forward_segment(IDS[:, :12], 0, None)
+            split = torch.cat([x0, stage.forward_segment(IDS[:, 12:], 12, kv0)[0]], 1).float()
+        split.square().mean().backward()
+        got[mode] = (whole, split, stage.model.layers["0"].self_attn.q_proj.weight.grad)
+    for a, b in zip(got["sdpa"], got["eager"]):  # relative to the whole tensor: half-precision rounding
+        assert float((a - b).norm() / b.norm()) < 0.02
 
 
 @pytest.mark.parametrize("window", [None, 5])

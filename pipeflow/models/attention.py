@@ -122,6 +122,9 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, pattern: Pattern, window: int | None
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=pattern.causal, scale=scale,
                                               enable_gqa=gqa)
     if q.device.type == "cpu" and dropout == 0.0:
+        if torch.is_autocast_enabled("cpu"):  # as autocast casts F.scaled_dot_product_attention's inputs
+            dtype = torch.get_autocast_dtype("cpu")
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         return _MaskedFlashCPU.apply(q, k, v, pattern.offset, window, scale)
     if not window and q.device.type == "cuda":
         from torch.nn.attention.bias import causal_lower_right
