@@ -163,30 +163,31 @@ def test_the_simulated_bytes_are_what_the_meter_counts(family, attention, recomp
 @pytest.mark.slow  # starts 2 ranks
 def test_the_long_context_experiment_trains_and_is_simulated_to_its_peak(tmp_path):
     """experiment=long_context (Seq1F1B, 2 ranks, a small Llama), its sequences cut to
-    2,048 tokens for CI: the loss falls, every rank's measured saved-activation peak is
+    1,024 tokens for CI: the loss falls, every rank's measured saved-activation peak is
     reported, and pipeflow-simulate of the same configuration predicts each within 2%
     (issue 30 asks 10%; byte counts, not times). The fused attention keeps a fraction of
     what eager keeps for the same run."""
     from pipeflow.simulate import run_simulation
 
-    short = ["model.seq_len=2048", "trainer.steps=3", "trainer.val_every=0", "trainer.timeline_step=null",
+    short = ["model.seq_len=1024", "trainer.steps=2", "trainer.val_every=0", "trainer.timeline_step=null",
              "logger=none"]
     runs = {m: pipeline_runs.train(tmp_path / m, ["experiment=long_context", *short, f"model.attention={m}"])
             for m in ("sdpa", "eager")}
     losses = runs["sdpa"]["losses"]
-    assert len(losses) == 3 and losses[-1] < losses[0]
+    assert len(losses) == 2 and losses[-1] < losses[0]
     assert runs["eager"]["losses"] == pytest.approx(losses, rel=1e-5)
     for mode, run in runs.items():
         measured = run["summary"]["peak_saved_bytes"]
         assert len(measured) == 2 and run["summary"]["attention"] == mode
         sim = run_simulation(compose("simulate", [
             "model=llama_long", "schedule=seq1f1b", "pipeline.stages=2", "pipeline.segments=4",
-            "pipeline.microbatches=4", "pipeline.microbatch_size=1", "precision=fp32", "model.seq_len=2048",
+            "pipeline.microbatches=4", "pipeline.microbatch_size=1", "precision=fp32", "model.seq_len=1024",
             f"model.attention={mode}", "draw=false"]), tmp_path / f"sim_{mode}")
         predicted = [d["peak_activation_bytes"] for d in sim["per_device"]]
         for rank, (p, m) in enumerate(zip(predicted, measured)):
             assert p == pytest.approx(m, rel=0.02), (mode, rank, p, m)
-    assert max(runs["eager"]["summary"]["peak_saved_bytes"]) > 2 * max(runs["sdpa"]["summary"]["peak_saved_bytes"])
+    # the scores of every layer of every segment in flight: 1.8x at 1,024 tokens, 7.2x at 8,192
+    assert max(runs["eager"]["summary"]["peak_saved_bytes"]) > 1.5 * max(runs["sdpa"]["summary"]["peak_saved_bytes"])
 
 
 @pytest.mark.parametrize("b", [1, 2])

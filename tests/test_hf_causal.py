@@ -173,20 +173,23 @@ def test_a_local_tokenizer_feeds_the_text_corpus(tmp_path):
                                        f"model.hf.vocab_size={size}", "logger=none"]))
 
 
-@pytest.mark.parametrize("arch,split,segments", [("llama", False, False), ("llama", True, False), ("llama", False, True),
-                                                  ("llama", True, True), ("gpt_neox", True, True)],
-                         ids=["llama-B-whole", "llama-I+W-whole", "llama-B-segment", "llama-I+W-segment",
-                              "gpt_neox-I+W-segment"])
-def test_recomputation_gives_the_same_gradients_and_keeps_less(arch, split, segments):
+@pytest.mark.parametrize("arch,split,segments,attention", [
+    ("llama", False, False, "sdpa"), ("llama", True, False, "sdpa"), ("llama", False, True, "sdpa"),
+    ("llama", True, True, "sdpa"), ("gpt_neox", True, True, "sdpa"), ("llama", True, False, "eager"),
+    ("llama", True, True, "eager")],
+    ids=["llama-B-whole", "llama-I+W-whole", "llama-B-segment", "llama-I+W-segment", "gpt_neox-I+W-segment",
+         "llama-I+W-whole-eager", "llama-I+W-segment-eager"])
+def test_recomputation_gives_the_same_gradients_and_keeps_less(arch, split, segments, attention):
     """model.recompute on transformers' layers: full wraps each decoder layer, selective
     its attention module; the gradients are none's (the zero-bubble split and a second
-    segment over the first's keys and values included) and less is kept."""
+    segment over the first's keys and values included, with the fused and the eager
+    attention) and less is kept."""
     from test_recompute import _run
 
     from pipeflow.models import hf_causal
     from pipeflow.models.recompute import MODES
 
-    model = resolved(*SMALL_HF[arch])
+    model = {**resolved(*SMALL_HF[arch]), "attention": attention}
     torch.manual_seed(0)
     x, g = torch.randn(2, 32, model["n_embd"]), torch.randn(2, 16, 256)
     _, kv = hf_causal.build_stage(model, [2, 2], 1, seed=3).forward_segment(x[:, :16], 0)

@@ -56,33 +56,16 @@ def _run(module, x, g, split: bool, segments: bool = False):
     return x.grad, _grads(module), saved
 
 
-def _llama_stage(mode: str, attention: str):
-    from pipeflow.config import prepare_training
-    from pipeflow.models import hf_causal
-
-    cfg = compose("train", ["model=llama_tiny", "logger=none"])
-    prepare_training(cfg)  # fills the shape keys from the HF config
-    from omegaconf import OmegaConf
-
-    model = dict(OmegaConf.to_container(cfg.model, resolve=True), recompute=mode, attention=attention)
-    return hf_causal.build_stage(model, [2, 2], 1, seed=3)
-
-
 @pytest.mark.parametrize("split", [False, True], ids=["B", "I+W"])
 @pytest.mark.parametrize("segments", [False, True], ids=["whole", "segment"])
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
-@pytest.mark.parametrize("family", ["gpt", "llama"])
-def test_recomputation_gives_the_same_gradients_and_keeps_less(family, attention, split, segments):
-    """GPT (LayerNorm, GeLU) and Llama (RMSNorm, rotary, grouped-query, SwiGLU) stages,
-    with fused and eager attention, whole sequences and a segment, a full backward and
-    the zero-bubble I then W: full and selective recomputation give none's gradients
-    and keep less."""
+def test_gpt_recomputation_gives_the_same_gradients_and_keeps_less(attention, segments, split):
+    """With fused and eager attention, whole sequences and a segment, a full backward and
+    the zero-bubble I then W: full and selective recomputation give none's gradients and
+    keep less (the Hugging Face decoders': tests/test_hf_causal.py)."""
     torch.manual_seed(0)
     x, g = torch.randn(2, 64, 128), torch.randn(2, 64, 256)
-
-    def build(mode):
-        return _gpt_stage(mode, attention=attention) if family == "gpt" else _llama_stage(mode, attention)
-    results = {mode: _run(build(mode), x, g, split, segments) for mode in MODES}
+    results = {mode: _run(_gpt_stage(mode, attention=attention), x, g, split, segments) for mode in MODES}
     gi, want, saved_none = results["none"]
     for mode in ("full", "selective"):
         got_i, got, saved = results[mode]
