@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -126,7 +127,7 @@ def _mean_step(tree: Path, steps: int, extra: list[str]) -> float:
     with tempfile.TemporaryDirectory(prefix="pipeflow-bench-attention-") as tmp:
         cmd = [sys.executable, "-m", "pipeflow.train", *extra, f"trainer.steps={steps}", "logger=none",
                "trainer.val_every=0", "trainer.timeline_step=null", f"hydra.run.dir={tmp}"]
-        env = {**__import__("os").environ, "PYTHONPATH": str(tree)}
+        env = {**os.environ, "PYTHONPATH": str(tree)}
         subprocess.run(cmd, cwd=tree, env=env, check=True, capture_output=True, text=True)
         lines = [json.loads(x) for x in Path(tmp, "metrics.jsonl").read_text().splitlines()]
         return statistics.mean([r["step_time"] for r in lines if "step_time" in r][2:])
