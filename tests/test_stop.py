@@ -192,3 +192,31 @@ def test_a_signal_to_one_rank_stops_the_whole_job(tmp_path):
     pids = _running(run_dir, proc)
     os.kill(pids[0], signal.SIGTERM)
     _assert_clean_stop(run_dir, proc, signal.SIGTERM, pids)
+
+
+def test_a_stop_that_lands_while_a_rank_handles_a_peers_error_is_read_not_raised(monkeypatch):
+    """The race behind a Ctrl-C run whose W&B file held no step: rank 1 stops first and
+    closes its connections, rank 0's receive fails, and rank 0's own SIGINT lands while
+    it handles that error. Raised there, the stop cut the handling short (no summary,
+    W&B never finished); it is recorded instead, the handler reads it as the reason, and
+    the next check_stop() raises it where the error was harmless."""
+    from pipeflow.runtime import launch
+
+    monkeypatch.setattr(launch, "_stop_reason", [])
+    monkeypatch.setattr(launch, "_deferring", [])
+    previous = signal.signal(signal.SIGHUP, launch._on_stop_signal)
+    try:
+        try:
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:61637")
+        except RuntimeError as err:
+            os.kill(os.getpid(), signal.SIGHUP)  # delivered before kill() returns: mid-handling
+            reason = launch.stop_behind(err)
+        assert reason == "SIGHUP"
+        with pytest.raises(launch.Stopped, match="SIGHUP"):
+            launch.check_stop()
+        launch._stop_reason.clear()
+        with pytest.raises(launch.Stopped, match="SIGHUP"):  # outside any handling: raised at once
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(1.0)
+    finally:
+        signal.signal(signal.SIGHUP, previous)

@@ -135,6 +135,12 @@ def _on_stop_signal(signum, _frame) -> None:
                         _pending[0] if _pending else signal.Signals(signum).name)
     if _deferring:
         return  # deferred_stop raises it once its block is whole
+    if sys.exc_info()[1] is not None:
+        # The rank is handling an error already (a peer that stopped first closed its
+        # connections): raised here, the stop would cut that handling short, and rank 0
+        # would end without its summary or the end of its W&B run. The handler reads it
+        # (stop_behind); where the error was harmless, check_stop() raises it.
+        return
     raise Stopped(_stop_reason[0])
 
 
@@ -172,10 +178,12 @@ def stop_behind(err: BaseException) -> str | None:
     first to stop closes its connections before the others' signals land: give this
     rank's own a second to arrive). None: a real failure."""
     if not _stop_reason and _CONSEQUENCE.search((str(err).strip().splitlines() or [""])[-1]):
-        try:
-            time.sleep(1.0)
-        except Stopped:
-            pass
+        deadline = time.monotonic() + 1.0
+        while not _stop_reason and time.monotonic() < deadline:
+            try:
+                time.sleep(0.02)
+            except Stopped:
+                pass
     return stop_reason()
 
 
