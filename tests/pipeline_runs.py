@@ -45,6 +45,30 @@ SMALL_HF = {
 }
 
 
+def assert_same_grads(got: dict, want: dict, rtol: float = 1e-4, atol: float = 1e-6, close=None,
+                      msg: str = "") -> int:
+    """``got``'s gradients equal ``want``'s: the same parameter names on both sides, at
+    least one of them, and every copy ``got`` reports of a parameter (replicas, a tied
+    embedding's copies: each holds the whole gradient) close to ``want``'s one gradient,
+    within ``rtol`` and ``atol`` times that gradient's largest entry (``close(got, want,
+    name)`` compares instead where given). Both are name -> list of tensors, as
+    :func:`train` reads them. Returns how many tensors were compared."""
+    assert want, f"{msg}: the reference dumped no gradient"
+    assert set(got) == set(want), f"{msg}: parameters on one side only: {sorted(set(got) ^ set(want))[:6]}"
+    compared = 0
+    for name, ref in want.items():
+        (ref,) = ref  # a reference is one device: one copy of each
+        assert got[name], f"{msg}: no gradient of {name}"
+        for copy in got[name]:
+            if close is not None:
+                close(copy, ref, name)
+            else:
+                torch.testing.assert_close(copy, ref, rtol=rtol, atol=atol * float(ref.abs().max()),
+                                           msg=f"{msg} {name}".strip())
+            compared += 1
+    return compared
+
+
 def metrics(run_dir: Path) -> list[dict]:
     """The rows of a run's metrics.jsonl."""
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -168,3 +168,17 @@ def test_dropout_and_errors():
     with pytest.raises(ValueError, match=r"stage=2"):
         build_stage(TINY, [2, 2], 2, SEED)
     assert isinstance(build_stage(TINY, [2, 2], 1, SEED), GPTStage)
+
+
+def test_the_gradient_comparison_of_the_runtime_tests_can_fail():
+    """pipeline_runs.assert_same_grads, which every runtime test compares gradients with,
+    refuses an empty reference, names on one side only, a missing copy, and a wrong value."""
+    import pipeline_runs
+
+    g = {"w": [torch.ones(3)], "b": [torch.zeros(2) + 1]}
+    assert pipeline_runs.assert_same_grads({"w": [torch.ones(3)] * 2, "b": [torch.ones(2)]}, g) == 3
+    for got, want, why in (({}, {}, "dumped no gradient"), ({"w": [torch.ones(3)]}, g, "one side only"),
+                           ({"w": [torch.ones(3)], "b": []}, g, "no gradient of b"),
+                           ({"w": [torch.ones(3)], "b": [torch.ones(2) * 2]}, g, "b")):
+        with pytest.raises(AssertionError, match=why):
+            pipeline_runs.assert_same_grads(got, want)

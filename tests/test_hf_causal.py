@@ -245,11 +245,7 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("name,extra", CASES, ids=[c[0] for c in CASES])
 def test_llama_trains_like_one_device_under_every_schedule(name, extra, stages, reference, tmp_path):
     run = pipeline_runs.train(tmp_path, [*LLAMA_SMALL, f"schedule={name}", f"pipeline.stages={stages}", *extra])
-    ref = reference["grads"]
-    assert set(run["grads"]) == set(ref)
-    for pname, (want,) in ref.items():
-        for got in run["grads"][pname]:
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6 * float(want.abs().max()), msg=pname)
+    pipeline_runs.assert_same_grads(run["grads"], reference["grads"])
     assert len(run["losses"]) == 5
     assert run["losses"] == pytest.approx(reference["losses"], rel=1e-4)
 
@@ -258,9 +254,7 @@ def test_llama_trains_like_one_device_under_every_schedule(name, extra, stages, 
 @pytest.mark.parametrize("name,extra", MORE, ids=[c[0] for c in MORE])
 def test_llama_under_the_other_synchronous_schedules(name, extra, reference, tmp_path):
     run = pipeline_runs.train(tmp_path, [*LLAMA_SMALL, f"schedule={name}", "pipeline.stages=2", *extra])
-    for pname, (want,) in reference["grads"].items():
-        for got in run["grads"][pname]:
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6 * float(want.abs().max()), msg=pname)
+    pipeline_runs.assert_same_grads(run["grads"], reference["grads"])
     assert run["losses"] == pytest.approx(reference["losses"], rel=1e-4)
 
 
@@ -289,10 +283,7 @@ def test_a_config_json_trains_with_no_other_file(tmp_path):
     one = pipeline_runs.train(tmp_path / "one", [*common, "pipeline.stages=1"], tied=tied)
     two = pipeline_runs.train(tmp_path / "two", [*common, "pipeline.stages=2"], tied=tied)
     assert two["summary"]["world_size"] == 2
-    assert set(two["grads"]) == set(one["grads"])
-    for pname, (want,) in one["grads"].items():
-        for got in two["grads"][pname]:  # both copies of the tied embedding hold its whole gradient
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6 * float(want.abs().max()), msg=pname)
+    pipeline_runs.assert_same_grads(two["grads"], one["grads"])  # both tied copies hold the whole gradient
     assert two["losses"] == pytest.approx(one["losses"], rel=1e-4)
 
 
@@ -301,9 +292,7 @@ def test_a_config_json_trains_with_no_other_file(tmp_path):
 def test_llama_recomputation_on_ranks(name, extra, mode, reference, tmp_path):
     run = pipeline_runs.train(tmp_path, [*LLAMA_SMALL, f"schedule={name}", "pipeline.stages=2", *extra,
                                          f"model.recompute={mode}"])
-    for pname, (want,) in reference["grads"].items():
-        for got in run["grads"][pname]:
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6 * float(want.abs().max()), msg=pname)
+    pipeline_runs.assert_same_grads(run["grads"], reference["grads"])
     assert run["losses"] == pytest.approx(reference["losses"], rel=1e-4)
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 import pipeline_runs
 from pipeflow.config import ConfigError, compose, prepare_training
@@ -31,11 +30,7 @@ def reference(tmp_path_factory):
 
 
 def _same_gradients(run, reference):
-    ref = reference["grads"]
-    assert set(run["grads"]) == set(ref)
-    for name, (want,) in ref.items():
-        for got in run["grads"][name]:
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6 * want.abs().max().item(), msg=name)
+    pipeline_runs.assert_same_grads(run["grads"], reference["grads"])
     assert run["losses"] == pytest.approx(reference["losses"], rel=1e-4)
 
 

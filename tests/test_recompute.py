@@ -5,7 +5,6 @@ family."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch

@@ -18,7 +18,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-import torch
 
 import pipeline_runs
 from pipeflow.runtime.launch import JobFailed
@@ -50,13 +49,8 @@ def test_gradients_and_losses_match_single_device(name, p, reference, tmp_path):
     if name == "dualpipe_v" and p == 4:  # two microbatches per stage of the V: the same 8 sequences as 8 x 1
         extra += ["pipeline.microbatches=8", "pipeline.microbatch_size=1"]
     run = train(tmp_path, f"schedule={name}", f"pipeline.stages={p}", "trainer.steps=5", "runtime.dump_grads=true", *extra)
-    ref = reference["grads"]
-    assert set(run["grads"]) == set(ref)
-    for pname, (r,) in ref.items():
-        copies = run["grads"][pname]
-        # replicas (chimera) and the tied embedding's copies each hold the full gradient
-        for g in copies:
-            torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6 * float(r.abs().max()), msg=pname)
+    # replicas (chimera) and the tied embedding's copies each hold the full gradient
+    pipeline_runs.assert_same_grads(run["grads"], reference["grads"])
     if name == "chimera":
         assert len(run["grads"]["h.0.attn.c_attn.weight"]) == 2  # both replicas reported
     assert len(run["losses"]) == len(reference["losses"]) == 5

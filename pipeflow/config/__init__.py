@@ -26,10 +26,10 @@ from .cli import check_group_choices, check_output_dir, check_overrides, check_r
 from .derive import schedule_schema
 from .prepare import SimulationInputs, TrainingInputs, prepare_simulation, prepare_training
 from .schema import CONF_DIR, SCHEMAS, compose, register_configs
-from .values import BYTE_VOCAB, DATA_FAMILY, MLM_VOCAB, TRAIN_FAMILIES, ConfigError
+from .values import BYTE_VOCAB, DATA_FAMILY, MLM_VOCAB, ConfigError
 
 __all__ = [
-    "BYTE_VOCAB", "CONF_DIR", "DATA_FAMILY", "MLM_VOCAB", "PLANNED", "SCHEMAS", "TRAIN_FAMILIES", "ConfigError",
+    "BYTE_VOCAB", "CONF_DIR", "DATA_FAMILY", "MLM_VOCAB", "PLANNED", "SCHEMAS", "ConfigError",
     "SimulationInputs", "TrainingInputs", "branched_schedule", "check_group_choices", "check_output_dir", "check_overrides", "check_run_dir", "run_app", "check_logger", "compose",
     "check_known_keys", "data_file_list", "devices_needed_for", "planned_schedule", "prepare_simulation", "prepare_training",
     "register_configs", "runtime_schedules", "schedule_options", "schedule_schema", "schedule_spec", "segment_lengths",

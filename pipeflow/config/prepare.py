@@ -45,7 +45,7 @@ from .checks import (
     _resolve_auto_data,
     check_logger,
 )
-from .values import ATTENTION, PRECISIONS, RECOMPUTE, ConfigError, DATA_FAMILY, DATA_VOCAB, EXPORT_FORMATS, TRAIN_FAMILIES, _naming_key, _number
+from .values import ATTENTION, PRECISIONS, RECOMPUTE, ConfigError, DATA_FAMILY, DATA_VOCAB, EXPORT_FORMATS, _naming_key, _number
 
 
 
@@ -156,11 +156,6 @@ def prepare_training(cfg: DictConfig) -> TrainingInputs:
     spec = _model_spec(cfg, schedule)
     topology = _build_topology(cfg, schedule)
 
-    if model.family not in TRAIN_FAMILIES:
-        raise ConfigError(
-            f"model.family={model.family}: the runtime cannot train this family; allowed values: "
-            f"{', '.join(TRAIN_FAMILIES)} (e.g. model=gpt_tiny or model=bert_tiny)"
-        )
     _number("model.dropout", model.dropout, "a probability; use a number in [0, 1)", 0 <= model.dropout < 1)
     if pipe.segments > 1 and not _family(cfg).causal:
         raise ConfigError(

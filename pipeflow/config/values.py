@@ -24,7 +24,6 @@ LOGGER_MODES = ("auto", "offline", "online", "disabled")
 FAIL_MODES = ("raise", "kill")
 # The model families (pipeflow.families): each trains on its own data set, and a batch
 # of one is meaningless to another's loss, so a mismatched pair is refused early.
-TRAIN_FAMILIES = tuple(FAMILIES)
 DATA_FAMILY = data_family()  # data set -> the families it feeds
 DATA_FOR_FAMILY = {f.name: f.data for f in FAMILIES.values()}  # data=auto picks the family's own
 DATA_VOCAB = {f.data: f.vocab for f in FAMILIES.values() if f.vocab}  # token ids a data set feeds

@@ -36,6 +36,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from ..schedules.ir import Action, Kind, Schedule
 from ..schedules.lowering import Comm, check_pair_order, lower, order_pairs
 from ..sim.timeline import Event
+from .adapters import Adapter
 from .backward import accumulators, backward_input, backward_weight
 from .memory import SavedBytes
 from .precision import LossScaler, Precision
@@ -105,7 +106,7 @@ class Executor:
         schedule: Schedule,
         rank: int,
         stages: dict[tuple[int, int], StageState],
-        adapter,
+        adapter: Adapter,
         groups: Groups,
         grad_clip: float | None,
         on_grads: Callable[[dict[tuple[int, int], StageState]], None] | None = None,

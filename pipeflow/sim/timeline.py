@@ -1,6 +1,6 @@
 """One timeline format for simulated and measured runs.
 
-The simulator writes a :class:`Timeline`; the runtime will record its measured action
+The simulator writes a :class:`Timeline`; the runtime records its measured action
 start/end times into the same class, so predicted and measured runs can be compared
 event by event, exported the same way (Chrome trace JSON, which Perfetto and
 chrome://tracing open) and drawn the same way (:mod:`pipeflow.sim.gantt`).
