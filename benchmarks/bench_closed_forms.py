@@ -26,7 +26,7 @@ from typing import Callable
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeflow.planning.cost import UnitCost  # noqa: E402
+from pipeflow.planning.unit_cost import UnitCost  # noqa: E402
 from pipeflow.schedules.registry import build_schedule  # noqa: E402
 from pipeflow.sim.engine import simulate  # noqa: E402
 from pipeflow.topology.presets import get_topology  # noqa: E402

@@ -46,7 +46,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from pipeflow.config import compose, prepare_simulation, prepare_training  # noqa: E402
 from pipeflow.calibrate import calibrate  # noqa: E402
 from pipeflow.runtime.launch import TrainJob, launch  # noqa: E402
-from pipeflow.sim.timeline import Timeline, timeline_file  # noqa: E402
+from pipeflow.formats.timeline import Timeline, timeline_file  # noqa: E402
 from pipeflow.sim import simulate  # noqa: E402
 
 TARGETS = {2: 0.10}  # world size -> allowed |error|; larger worlds: TARGET_MANY
@@ -105,7 +105,7 @@ def measure(overrides: list[str], run_dir: Path, steps: int) -> tuple[float, dic
     cfg = compose("train", [*overrides, f"trainer.timeline_step={steps}"])
     inputs = prepare_training(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    launch(TrainJob(OmegaConf.to_container(cfg, resolve=True), str(run_dir), inputs.world_size))
+    launch(TrainJob(OmegaConf.to_container(cfg, resolve=True), str(run_dir), inputs.plan))
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steady = rows[len(rows) // 2:]
     actions: dict = {}

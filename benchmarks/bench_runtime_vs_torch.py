@@ -136,7 +136,7 @@ class TorchTrainer:
         from torch.distributed import pipelining
 
         from pipeflow.models.gpt import build_stage, lm_loss
-        from pipeflow.runtime.worker import make_optimizer
+        from pipeflow.runtime.optim import make_optimizer
 
         pair = SCHEDULES[schedule]
         num_stages = len(layers)
@@ -260,10 +260,10 @@ class TorchTrainer:
 class PipeflowTrainer:
     """pipeflow's Executor and schedule, built by the runtime's own rank set-up."""
 
-    def __init__(self, rank: int, world: int, cfg: dict, layers: list[int]):
-        from pipeflow.runtime.worker import build_rank
+    def __init__(self, rank: int, world: int, cfg: dict, layers: list[int], plan):
+        from pipeflow.runtime.rank import build_rank
 
-        setup = build_rank(cfg, rank, torch.device("cpu"))
+        setup = build_rank(plan, cfg, rank, torch.device("cpu"))
         assert setup.layers_per_stage == layers  # the split torch's stages use too
         self.rank = rank
         self.executor = setup.executor
@@ -281,15 +281,15 @@ class PipeflowTrainer:
 
 
 def _rank(rank: int, world: int, port: int, cfg: dict, layers: list[int], schedule: str, batches: list,
-          out: str) -> None:
+          out: str, plan) -> None:
     import torch.distributed as dist
 
-    from pipeflow.runtime.worker import lr_at
+    from pipeflow.runtime.optim import lr_at
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(int(cfg["runtime"]["threads_per_rank"] or 1))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT_S))
-    ours = PipeflowTrainer(rank, world, cfg, layers)
+    ours = PipeflowTrainer(rank, world, cfg, layers, plan)
     theirs = TorchTrainer(rank, world, cfg, layers, schedule, ours.placement)
     trainers = {"pipeflow": ours, "torch": theirs}
     times: dict[str, list[float]] = {k: [] for k in trainers}
@@ -315,11 +315,11 @@ def _rank(rank: int, world: int, port: int, cfg: dict, layers: list[int], schedu
     dist.destroy_process_group()
 
 
-def run_both(cfg: dict, layers: list[int], batches: list, out: Path, schedule: str = "1f1b") -> dict:
+def run_both(cfg: dict, layers: list[int], batches: list, out: Path, schedule: str, plan) -> dict:
     # forked from the launcher's server (torch and the model already imported)
     ctx = rank_context()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, WORLD, port, cfg, layers, schedule, batches, str(out)))
+    procs = [ctx.Process(target=_rank, args=(r, WORLD, port, cfg, layers, schedule, batches, str(out), plan))
              for r in range(WORLD)]
     for p in procs:
         p.start()
@@ -378,7 +378,7 @@ def measure(schedule: str, repeats: int = 3, steps: int = 15, warmup: int = WARM
     runs = []
     with tempfile.TemporaryDirectory(prefix="pipeflow-bench-") as tmp:
         for r in range(repeats):
-            runs.append(run_both(cfg, layers, batches, Path(tmp) / f"run-{r}.json", schedule))
+            runs.append(run_both(cfg, layers, batches, Path(tmp) / f"run-{r}.json", schedule, inputs.plan))
 
     names = ("pipeflow", "torch")
     steady = {k: [t for run in runs for t in run["step_time"][k][warmup:]] for k in names}

@@ -105,7 +105,7 @@ def measure(overrides: list[str], run_dir: Path, steps: int) -> float:
                             "trainer.timeline_step=null"])
     inputs = prepare_training(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    launch(TrainJob(OmegaConf.to_container(cfg, resolve=True), str(run_dir), inputs.world_size))
+    launch(TrainJob(OmegaConf.to_container(cfg, resolve=True), str(run_dir), inputs.plan))
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return statistics.median(r["step_time"] for r in rows[len(rows) // 2:])
 
@@ -117,7 +117,7 @@ def calibrations(where: Path) -> list[str]:
     files = []
     for name, sizes in CALIBRATIONS.items():
         out = where / f"calibration_{name}.json"
-        calibrate(compose("train", [*CPU_MODEL, "schedule=1f1b", "pipeline.stages=4", "runtime.precision=fp32",
+        calibrate(compose("train", [*CPU_MODEL, "schedule=1f1b", "pipeline.stages=4", "precision=fp32",
                                     "logger=none", *sizes]), out)
         files.append(str(out))
         print(f"  calibrated {name}: {out}", flush=True)

@@ -18,15 +18,11 @@ from pipeflow.config import compose, prepare_training
 from pipeflow.runtime import calibrate as measure
 
 
-def calibrate(cfg: DictConfig | dict, out: str | Path | None = None) -> dict:
-    """Calibrate a composed train config (checked first, as pipeflow-train checks it) or
-    an already resolved one; write ``out``."""
-    if isinstance(cfg, DictConfig):
-        world = prepare_training(cfg).world_size
-        cfg = OmegaConf.to_container(cfg, resolve=True)
-    else:
-        world = int(cfg["pipeline"]["stages"])
-    return measure.calibrate(cfg, world, out)
+def calibrate(cfg: DictConfig, out: str | Path | None = None) -> dict:
+    """Calibrate a composed train config (checked first, as pipeflow-train checks it, and
+    run as its run plan says); write ``out``."""
+    plan = prepare_training(cfg).plan
+    return measure.calibrate(OmegaConf.to_container(cfg, resolve=True), plan, out)
 
 
 def main(argv: list[str] | None = None) -> None:

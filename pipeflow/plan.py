@@ -21,121 +21,23 @@ how much.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
 
 import hydra
-from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
-from pipeflow.config import CONF_DIR, ConfigError, check_logger, register_configs, run_app
-from pipeflow.config.checks import check_known_keys, resolve_model
-from pipeflow.config.values import _at_least
-from pipeflow.families import FAMILIES, family_of
+from pipeflow.config import CONF_DIR, ConfigError, check_logger, run_app
 from pipeflow.planning.baselines import BASELINES
 from pipeflow.planning.planner import GB, Plan, evaluate, fits, plan
 from pipeflow.planning.transformer import TransformerSpec
 from pipeflow.sim.engine import SimResult
 from pipeflow.sim.gantt import draw_timeline
-from pipeflow.topology.presets import build_topology
 from pipeflow.topology.topology import Topology
+from pipeflow.tracking.record import run_key, write_summary
 
-# plan.method: the topology-aware planner, or one of the baselines it is compared with
-METHODS = ("planner", *BASELINES)
-
-
-@dataclass
-class PlanPipelineConfig:
-    microbatches: int = 16
-    microbatch_size: int = 1
-
-
-@dataclass
-class PlanOptions:
-    memory_limit_gb: Optional[float] = None
-    stages: Optional[int] = None
-    replicas: Optional[int] = None
-    efficiency: float = 0.5
-    dtype_bytes: int = 2
-    top_k: int = 12
-    method: str = "planner"  # planner, or a baseline of pipeflow.planning.baselines (uniform, pipedream, dapple)
-
-
-@dataclass
-class PlanAppConfig:
-    pipeline: PlanPipelineConfig = field(default_factory=PlanPipelineConfig)
-    plan: PlanOptions = field(default_factory=PlanOptions)
-    model: Any = MISSING
-    topology: Any = MISSING
-    baselines: bool = True
-    draw: bool = True
-    logger: Any = MISSING  # logger/none (plan.yaml's default) or logger/wandb: one W&B run per job
-
-
-def register_plan_configs() -> None:
-    register_configs()
-    ConfigStore.instance().store(group="schema", name="plan_app", node=PlanAppConfig)
-
-
-register_plan_configs()
-
-
-def compose_plan(overrides=()) -> DictConfig:
-    """Compose conf/plan.yaml outside ``@hydra.main`` (tests)."""
-    from hydra import compose, initialize_config_dir
-
-    register_plan_configs()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose("plan", overrides=list(overrides))
-
-
-@dataclass
-class PlanInputs:
-    """What a plan config composes into; built once by :func:`prepare_plan`."""
-
-    spec: TransformerSpec
-    topology: Topology
-    limit: float | None  # bytes per device; None: each device's own memory
-    kw: dict  # efficiency and dtype_bytes, as the planner and the baselines take them
-
-
-def prepare_plan(cfg: DictConfig) -> PlanInputs:
-    """Check a plan config and build the model shape and topology it names, or raise
-    ConfigError, one sentence naming the key. Nothing is planned or written."""
-    check_known_keys(cfg)
-    resolve_model(cfg)
-    pipe, opts = cfg.pipeline, cfg.plan
-    _at_least("pipeline.microbatches", pipe.microbatches, 1)
-    _at_least("pipeline.microbatch_size", pipe.microbatch_size, 1)
-    try:
-        family = family_of(cfg.model)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    if not family.transformer:
-        shaped = ", ".join(f.name for f in FAMILIES.values() if f.transformer)
-        raise ConfigError(f"model.family={family.name}: pipeflow-plan plans one transformer stack; "
-                          f"allowed values: {shaped}")
-    try:
-        spec = TransformerSpec.from_config(cfg.model)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    try:
-        topology = build_topology(cfg.topology)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    limit_gb = opts.memory_limit_gb
-    if limit_gb is not None and not (isinstance(limit_gb, (int, float)) and limit_gb > 0):
-        raise ConfigError(f"plan.memory_limit_gb={limit_gb}: must be a number > 0, or null for the devices' memory")
-    if opts.method not in METHODS:
-        raise ConfigError(f"plan.method={opts.method}: unknown planning method; allowed values: {', '.join(METHODS)}")
-    if opts.method != "planner" and opts.replicas not in (None, 1):
-        raise ConfigError(f"plan.replicas={opts.replicas}: plan.method={opts.method} plans one pipeline; "
-                          f"replicas need plan.method=planner")
-    limit = None if limit_gb is None else float(limit_gb) * GB
-    return PlanInputs(spec, topology, limit, dict(efficiency=float(opts.efficiency), dtype_bytes=int(opts.dtype_bytes)))
-
+from pipeflow.config.plan import (METHODS, PlanAppConfig, PlanInputs, PlanOptions, PlanPipelineConfig,  # noqa: F401
+                                  compose_plan, prepare_plan, register_plan_configs)
 
 def run_plan(cfg: DictConfig, out_dir: str | Path) -> dict:
     """Plan the configured run, write plan.json, summary.json (and timeline.png), return
@@ -181,7 +83,7 @@ def run_plan(cfg: DictConfig, out_dir: str | Path) -> dict:
     }
     (out / "plan.json").write_text(json.dumps(doc, indent=2) + "\n")
     summary = simulated_summary(best, res, topology, cfg, fits(best, topology, limit), files)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_summary(out, summary)
     return {"plan": best, "baselines": baselines, "files": files, "devices": topology.devices,
             "limit": limit, "summary": summary}
 
@@ -239,7 +141,10 @@ def simulated_summary(p: Plan, res: SimResult, topology: Topology, cfg: DictConf
         "model": OmegaConf.to_container(cfg.model, resolve=True),
         "cost": res.cost,
         "topology": topology.to_dict(),
+        "precision": cfg.precision,
         "files": files,
+        # what pipeflow-train schedule=planned schedule.plan=<its plan.json> measures
+        "run_key": run_key(cfg, schedule="planned", stages=p.num_stages, data_parallel=p.replicas),
     }
 
 

@@ -13,7 +13,7 @@ import argparse
 from omegaconf import OmegaConf
 
 from pipeflow.config import compose
-from pipeflow.config.checks import resolve_model
+from pipeflow.config import resolve_model
 from pipeflow.models.profiler import profile_model
 
 

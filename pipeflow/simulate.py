@@ -16,7 +16,6 @@ group).
 from __future__ import annotations
 
 import gc
-import json
 from pathlib import Path
 
 import hydra
@@ -29,6 +28,7 @@ from pipeflow.schedules.export import write_torch_csv
 from pipeflow.schedules.validate import check_complete, check_overlaps, validate
 from pipeflow.sim.engine import SimulationError, simulate
 from pipeflow.sim.gantt import draw_timeline, unreadable
+from pipeflow.tracking.record import run_key, write_summary
 
 # Hydra composes against these schemas, so they must be in the ConfigStore before main().
 register_configs()
@@ -118,9 +118,11 @@ def _run_simulation(cfg: DictConfig, out_dir: str | Path, notes: list[str] | Non
         "model": OmegaConf.to_container(cfg.model, resolve=True),
         "cost": cost.describe(),
         "topology": topology.to_dict(),
+        "precision": cfg.precision,
         "files": files,
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    summary["run_key"] = run_key(cfg, **pipeline_shape(schedule, pipe.stages))
+    write_summary(out, summary)
     return summary
 
 

@@ -63,11 +63,11 @@ def job_config(cfg: DictConfig, hydra_cfg: DictConfig) -> dict:
     return plain
 
 
-def profile_for_partition(plain: dict, run_dir: str, spec, num_stages: int) -> str:
+def profile_for_partition(plain: dict, run_dir: str, spec, num_stages: int) -> list[int]:
     """partition=profiled without a profile file: measure the model here, in the app
     process, before any rank starts (ranks profiling themselves would disagree on the
-    split), write run_dir/profile.json and point the job's partition.profile at it.
-    The split is computed once here too, so a memory limit nothing fits stops the run."""
+    split), write run_dir/profile.json, point the job's partition.profile at it and
+    return the split, the run plan's (a memory limit nothing fits stops the run)."""
     import torch
 
     from pipeflow.models.profiler import profile_model
@@ -81,8 +81,7 @@ def profile_for_partition(plain: dict, run_dir: str, spec, num_stages: int) -> s
     )
     path = str(prof.save(Path(run_dir) / "profile.json"))
     plain["partition"]["profile"] = path
-    partition_layers("profiled", spec, num_stages, plain["partition"])
-    return path
+    return partition_layers("profiled", spec, num_stages, plain["partition"])
 
 
 def format_summary(summary: dict, run_dir: str) -> str:
@@ -177,12 +176,13 @@ def _train(cfg: DictConfig, hydra_cfg, run_dir: str, inputs) -> None:
     from pipeflow.runtime.launch import JobFailed, JobStopped, TrainJob, launch
 
     plain = job_config(cfg, hydra_cfg)
+    plan = inputs.plan
     if plain["partition"]["name"] == "profiled" and plain["partition"].get("profile") is None:
         try:
-            profile_for_partition(plain, run_dir, inputs.spec, inputs.schedule.num_stages)
+            plan = plan.with_layers(profile_for_partition(plain, run_dir, inputs.spec, inputs.schedule.num_stages))
         except ValueError as err:
             _stop(str(err), hydra_cfg)
-    job = TrainJob(cfg=plain, run_dir=run_dir, world_size=inputs.world_size)
+    job = TrainJob(cfg=plain, run_dir=run_dir, plan=plan)
     pipe = plain["pipeline"]
     log.info(f"training {plain['model']['name']} with {plain['schedule']['name']}: p={pipe['stages']}, "
              f"m={pipe['microbatches']}, {plain['trainer']['steps']} steps on {inputs.world_size} ranks; "

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from pipeflow.config import compose
-from pipeflow.planning.cost import AnalyticCost, UnitCost
+from pipeflow.planning.cost import AnalyticCost
+from pipeflow.planning.unit_cost import UnitCost
 from pipeflow.planning.transformer import TransformerSpec
 from pipeflow.schedules.asynchronous import amdp_placement, mirror_groups
 from pipeflow.schedules.common import ScheduleConfigError

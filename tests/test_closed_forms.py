@@ -6,7 +6,7 @@ schedule's published formula exactly, not approximately.
 
 import pytest
 
-from pipeflow.planning.cost import UnitCost
+from pipeflow.planning.unit_cost import UnitCost
 from pipeflow.schedules.registry import build_schedule
 from pipeflow.sim.engine import simulate
 from pipeflow.topology.presets import get_topology

@@ -321,7 +321,7 @@ def test_build_cost_model():
 
 
 def test_unit_comm_null_means_links_but_null_elsewhere_keeps_default():
-    from pipeflow.planning.costs import build_cost_model
+    from pipeflow.planning.cost_models import build_cost_model
 
     free = build_cost_model({"name": "unit"}, 2, None, 1)
     assert free.message_time == 0.0

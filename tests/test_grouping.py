@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipeflow.planning.cost import UnitCost
+from pipeflow.planning.unit_cost import UnitCost
 from pipeflow.schedules import Kind, validate
 from pipeflow.schedules.common import ScheduleConfigError
 from pipeflow.schedules.grouping import contiguous_groups, place_graph

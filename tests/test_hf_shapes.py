@@ -13,7 +13,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from pipeflow.config import compose
-from pipeflow.config.checks import resolve_model
+from pipeflow.config import resolve_model
 from pipeflow.planning.cost import AnalyticCost
 from pipeflow.planning.plans import StageModel
 from pipeflow.planning.transformer import (

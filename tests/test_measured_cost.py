@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import pytest
 
-from pipeflow.planning.cost import AnalyticCost, UnitCost
+from pipeflow.planning.cost import AnalyticCost
+from pipeflow.planning.unit_cost import UnitCost
 from pipeflow.planning.measured import MeasuredCost
 from pipeflow.planning.transformer import TransformerSpec
 from pipeflow.schedules.registry import build_schedule
 from pipeflow.sim import simulate
-from pipeflow.sim.timeline import Event, Timeline
+from pipeflow.formats.timeline import Event, Timeline
 from pipeflow.topology import get_topology
 from pipeflow.topology.topology import Device
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeflow.planning.cost import UnitCost
+from pipeflow.planning.unit_cost import UnitCost
 from pipeflow.schedules.from_file import schedule_from_orders
 from pipeflow.schedules.registry import build_schedule
 from pipeflow.sim.engine import simulate

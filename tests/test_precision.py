@@ -39,7 +39,7 @@ def test_messages_travel_in_the_compute_dtype():
     assert bf16.wire(torch.arange(3)).dtype == torch.int64  # token ids are not rounded
     fp32 = Precision("fp32", "cpu")
     assert fp32.wire(x) is x and fp32.wire_dtype(torch.float32) == torch.float32
-    with pytest.raises(ValueError, match="runtime.precision=fp8"):
+    with pytest.raises(ValueError, match="precision=fp8"):
         Precision("fp8")
 
 
@@ -69,7 +69,7 @@ def test_the_loss_scale_halves_on_overflow_and_grows_after_a_run_of_good_steps()
 def reference(tmp_path_factory):
     """Single-device bf16: the model unsplit, no stage boundary to round at."""
     return train(tmp_path_factory.mktemp("ref"), "pipeline.stages=1", "trainer.steps=2", "runtime.dump_grads=true",
-                 "runtime.precision=bf16")
+                 "precision=bf16")
 
 
 CASES = [
@@ -89,7 +89,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
 @pytest.mark.parametrize("name,extra", CASES, ids=[c[0] for c in CASES])
 def test_bf16_pipelined_gradients_match_single_device_bf16(name, extra, reference, tmp_path):
     run = train(tmp_path, f"schedule={name}", "pipeline.stages=2", "trainer.steps=2", "runtime.dump_grads=true",
-                "runtime.precision=bf16", *extra)
+                "precision=bf16", *extra)
     pipeline_runs.assert_same_grads(run["grads"], reference["grads"], close=_close)
     assert run["losses"][0] == pytest.approx(reference["losses"][0], rel=1e-2)
     assert run["summary"]["precision"] == "bf16"
@@ -98,9 +98,9 @@ def test_bf16_pipelined_gradients_match_single_device_bf16(name, extra, referenc
 @slow
 def test_bf16_branched_model_matches_single_device_bf16(tmp_path):
     ref = train(tmp_path / "ref", "pipeline.stages=1", "trainer.steps=2", "runtime.dump_grads=true",
-                "runtime.precision=bf16", base=CBM)
+                "precision=bf16", base=CBM)
     run = train(tmp_path / "run", "schedule=bapp", "pipeline.stages=2", "trainer.steps=2", "runtime.dump_grads=true",
-                "runtime.precision=bf16", base=CBM)
+                "precision=bf16", base=CBM)
     # a reference that dumped no gradient, or other names, fails here (it once passed unchecked)
     pipeline_runs.assert_same_grads(run["grads"], ref["grads"], close=_close)
 
@@ -109,7 +109,7 @@ def test_bf16_branched_model_matches_single_device_bf16(tmp_path):
 def test_bf16_halves_the_bytes_between_ranks_and_trains_like_fp32(tmp_path):
     fp32 = train(tmp_path / "fp32", "schedule=1f1b", "pipeline.stages=2", "trainer.steps=30")
     bf16 = train(tmp_path / "bf16", "schedule=1f1b", "pipeline.stages=2", "trainer.steps=30",
-                 "runtime.precision=bf16")
+                 "precision=bf16")
     assert bf16["summary"]["p2p_bytes"] * 2 == fp32["summary"]["p2p_bytes"] > 0
     assert fp32["losses"][-1] < 0.8 * fp32["losses"][0]  # both trained
     assert bf16["losses"][-1] == pytest.approx(fp32["losses"][-1], rel=0.03)
@@ -119,7 +119,7 @@ def test_bf16_halves_the_bytes_between_ranks_and_trains_like_fp32(tmp_path):
 def test_fp16_scales_the_loss_skips_overflowing_steps_and_logs_the_scale(tmp_path):
     """A loss scale far too large: the first steps overflow in fp16, are skipped on every
     rank (the weights unchanged), and the scale halves until the gradients fit."""
-    run = train(tmp_path, "schedule=1f1b", "pipeline.stages=2", "trainer.steps=16", "runtime.precision=fp16",
+    run = train(tmp_path, "schedule=1f1b", "pipeline.stages=2", "trainer.steps=16", "precision=fp16",
                 "runtime.loss_scale=4194304", "model.n_layer=2", "model.seq_len=32")
     rows = [r for r in pipeline_runs.metrics(tmp_path)]
     scales = [r["loss_scale"] for r in rows]
@@ -136,7 +136,7 @@ def test_fp16_scales_the_loss_skips_overflowing_steps_and_logs_the_scale(tmp_pat
 def test_an_fp16_run_resumed_goes_on_with_its_loss_scale(tmp_path):
     """The checkpoint keeps the loss scaler: a run resumed after overflows starts from
     the scale the uninterrupted run had, so its losses and scales are that run's."""
-    common = ["schedule=1f1b", "pipeline.stages=2", "runtime.precision=fp16", "runtime.loss_scale=4194304",
+    common = ["schedule=1f1b", "pipeline.stages=2", "precision=fp16", "runtime.loss_scale=4194304",
               "model.n_layer=2", "model.seq_len=32"]
     full = train(tmp_path / "full", *common, "trainer.steps=8")
     train(tmp_path / "short", *common, "trainer.steps=4")

@@ -9,7 +9,7 @@ import pytest
 
 from pipeflow.config import ConfigError, compose, prepare_training, prepare_simulation
 from pipeflow.planning import TransformerSpec
-from pipeflow.planning.costs import build_cost_model
+from pipeflow.planning.cost_models import build_cost_model
 from pipeflow.planning.machine_cost import ProfiledCost
 from pipeflow.planning.partition import partition_layers
 from pipeflow.planning.profile import LayerProfile, ModelProfile, partition_profile, stage_costs

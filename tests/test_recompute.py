@@ -11,7 +11,7 @@ import torch
 
 import pipeline_runs
 from pipeflow.config import compose
-from pipeflow.config.values import RECOMPUTE
+from pipeflow.config import RECOMPUTE
 from pipeflow.models import bert, cbm, gpt
 from pipeflow.models.recompute import MODES, apply_recompute
 from pipeflow.runtime.backward import accumulators, backward_input, backward_weight

@@ -65,7 +65,7 @@ def test_measured_timeline_and_summary(tmp_path):
     s = run["summary"]
     assert s["world_size"] == 2 and len(s["peak_memory_bytes"]) == 2 and min(s["peak_memory_bytes"]) > 0
     assert s["final_val_loss"] is not None and 0 <= s["measured_bubble_ratio"] < 1
-    from pipeflow.sim.timeline import Timeline
+    from pipeflow.formats.timeline import Timeline
 
     tl = Timeline.load(tmp_path / "timeline.json")
     assert tl.source == "measured" and tl.num_devices == 2

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from pipeflow.config import ConfigError, compose, prepare_simulation, segment_lengths
-from pipeflow.planning.cost import AnalyticCost, UnitCost
+from pipeflow.planning.cost import AnalyticCost
+from pipeflow.planning.unit_cost import UnitCost
 from pipeflow.planning.seqsplit import split_sequence
 from pipeflow.planning.transformer import TransformerSpec
 from pipeflow.schedules import Kind

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from pipeflow.planning.cost import AnalyticCost, UnitCost
+from pipeflow.planning.cost import AnalyticCost
+from pipeflow.planning.unit_cost import UnitCost
 from pipeflow.planning.transformer import TransformerSpec
 from pipeflow.schedules.common import finish_sync
 from pipeflow.schedules.deps import DepResolver
@@ -333,7 +334,7 @@ def test_simulator_does_not_import_torch():
     import sys
 
     code = (
-        "import sys; import pipeflow.sim, pipeflow.sim.engine, pipeflow.sim.timeline, pipeflow.sim.gantt; "
+        "import sys; import pipeflow.sim, pipeflow.sim.engine, pipeflow.formats.timeline, pipeflow.sim.gantt; "
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

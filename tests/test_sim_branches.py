@@ -7,14 +7,14 @@ import json
 import pytest
 
 from pipeflow.models.cbm import cbm_stage_graph
-from pipeflow.planning.cost import UnitCost
+from pipeflow.planning.unit_cost import UnitCost
 from pipeflow.schedules.common import finish_sync
 from pipeflow.schedules.ir import B, F, Placement, StageGraph
 from pipeflow.schedules.registry import build_schedule
 from pipeflow.schedules.validate import validate
 from pipeflow.sim import draw_timeline, simulate
 from pipeflow.sim.engine import WAIT_KINDS, Wait, classify_edge
-from pipeflow.sim.timeline import Timeline
+from pipeflow.formats.timeline import Timeline
 from pipeflow.simulate import format_report
 from pipeflow.topology import get_topology
 

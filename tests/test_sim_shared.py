@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeflow.planning.cost import UnitCost
+from pipeflow.planning.unit_cost import UnitCost
 from pipeflow.schedules.registry import build_schedule
 from pipeflow.sim import simulate
 from pipeflow.topology import get_topology

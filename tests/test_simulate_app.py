@@ -20,15 +20,15 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from pipeflow.config import CONF_DIR, SCHEMAS, ConfigError, prepare_simulation, compose
+from pipeflow.config import CONF_DIR, SCHEMAS, ConfigError, compose, prepare_simulation, prepare_training
 from pipeflow.schedules.export import to_torch_csv
 from pipeflow.schedules.ir import parse_orders
 from pipeflow.schedules.registry import build_schedule
 from pipeflow.schedules.validate import ScheduleError
 from pipeflow.sim import engine as sim_engine
 from pipeflow.sim import gantt
-from pipeflow.sim import trace as trace_module
-from pipeflow.sim.timeline import Event, Timeline
+from pipeflow.formats import trace as trace_module
+from pipeflow.formats.timeline import Event, Timeline
 from pipeflow.simulate import format_report, run_simulation
 
 REPO = CONF_DIR.parent
@@ -468,5 +468,13 @@ def test_the_simulated_costs_follow_the_precision(tmp_path):
     assert fp32["makespan"] > 1.9 * bf16["makespan"]  # half the FLOP/s, and twice the bytes to send
     # an explicit cost.dtype_bytes stands
     assert simulate(tmp_path / "explicit", *base, "precision=fp32", "cost.dtype_bytes=2")["cost"]["dtype_bytes"] == 2
-    with pytest.raises(ConfigError, match=r"^precision=fp8: unknown precision; allowed values: fp32, bf16, fp16"):
+    with pytest.raises(ConfigError, match=r"^precision=fp8: unknown precision; allowed values: auto, fp32, bf16, fp16"):
         simulate(tmp_path / "bad", *base, "precision=fp8")
+    # one key and one default for every app: auto is what the topology's devices train in
+    auto = simulate(tmp_path / "auto", *base)
+    assert (auto["precision"], auto["run_key"]["precision"], auto["makespan"]) == ("bf16", "bf16", bf16["makespan"])
+    cpu = simulate(tmp_path / "cpu", "draw=false")  # local_cpu, as pipeflow-train's ranks run: fp32
+    assert (cpu["precision"], cpu["cost"]["dtype_bytes"]) == ("fp32", 4)
+    train = compose("train", ["logger=none"])
+    prepare_training(train)
+    assert train.precision == "fp32"

@@ -9,14 +9,14 @@ import struct
 
 import pytest
 
-from pipeflow.planning.cost import UnitCost
+from pipeflow.planning.unit_cost import UnitCost
 from pipeflow.schedules.common import finish_sync
 from pipeflow.schedules.ir import F, I, W, Placement, StageGraph
 from pipeflow.schedules.registry import build_schedule
 from pipeflow.schedules.validate import validate
 from pipeflow.sim import Event, Timeline, draw_timeline, simulate
-from pipeflow.sim.timeline import STREAMS, timeline_file
-from pipeflow.sim.trace import FIELDS
+from pipeflow.formats.timeline import STREAMS, timeline_file
+from pipeflow.formats.trace import FIELDS
 from pipeflow.topology import get_topology
 
 
@@ -248,7 +248,7 @@ def test_save_gzipped_loads_back_equal_under_either_name(tmp_path):
 
 
 def test_compress_none_gzips_only_above_the_threshold(tmp_path, monkeypatch):
-    from pipeflow.sim import trace as trace_module
+    from pipeflow.formats import trace as trace_module
 
     tl = simulated().timeline
     size = len("".join(tl._trace_pieces()))

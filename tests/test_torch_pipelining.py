@@ -124,7 +124,7 @@ def runs(tmp_path_factory):
 
     # pipeflow: its own launcher, its own 1F1B
     pf_dir = tmp_path_factory.mktemp("pipeflow")
-    launch(TrainJob(plain, str(pf_dir), inputs.world_size))
+    launch(TrainJob(plain, str(pf_dir), inputs.plan))
     pf: dict[str, torch.Tensor] = {}
     for f in sorted((pf_dir / "grads").glob("rank*.pt")):
         for key, g in torch.load(f).items():

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeflow.sim.timeline import Event, Timeline
+from pipeflow.formats.timeline import Event, Timeline
 from pipeflow.tracking import MetricsSink, Progress, flat_scalars, read_metrics, resolve_wandb_mode
 from pipeflow.tracking.sink import wandb_credentials
 

@@ -576,6 +576,17 @@ def test_a_forced_key_no_schema_has_is_refused(override, message):
         prepare("trainer.steps=5", override)
 
 
+def test_a_key_that_moved_is_refused_with_its_new_spelling():
+    """runtime.precision became the top-level precision every app shares (issue 31): an
+    old command line is refused before Hydra composes, and the sentence gives the new one."""
+    from pipeflow.config import check_overrides
+
+    with pytest.raises(ConfigError, match=r"^runtime\.precision=bf16: unknown key; runtime has .*"
+                                          r"\(it moved: precision=bf16\)$"):
+        check_overrides("train", ["runtime.precision=bf16", "logger=none"])
+    check_overrides("train", ["precision=bf16", "logger=none"])  # the new spelling composes
+
+
 @pytest.mark.parametrize("override,key", [("+pipeline.tensor_parallel=2", "pipeline.tensor_parallel=2"),
                                           ("++cost.efficiency_typo=0.5", "cost.efficiency_typo=0.5"),
                                           ("+foo=1", "foo=1")])

@@ -33,6 +33,20 @@ def double_warmup(stages: int, microbatches: int, factor: int = 2):
     orders = [warmup_alternate_drain(m, factor * (p - r - 1), lambda k, r=r: Action(Kind.F, r, k),
                                      lambda k, r=r: Action(Kind.B, r, k)) for r in range(p)]
     return finish_sync("double_warmup", StageGraph.chain(p), Placement.single(range(p)), orders, m)
+
+
+def _assemble(cfg):
+    """ZB-H1, sized from the whole run's configuration (as the planner's schedule is)."""
+    from pipeflow.schedules.registry import build_schedule
+
+    sched = build_schedule("zb_h1", cfg.pipeline.stages, cfg.pipeline.microbatches, check=False)
+    sched.name = "assembled_zb"
+    return sched
+
+
+from pipeflow.schedules.spec import ScheduleSpec  # noqa: E402
+
+ASSEMBLED = ScheduleSpec("assembled_zb", None, "ZB-H1 assembled from the run's configuration", assemble=_assemble)
 '''
 
 
@@ -110,3 +124,28 @@ def test_a_users_yaml_found_through_the_search_path(user_folder):
     inputs = prepare_simulation(cfg)
     assert inputs.schedule.name == "double_warmup"
     assert [str(a) for a in inputs.schedule.orders[0][:3]] == ["0F0", "0F1", "0F2"]
+
+
+def test_a_users_assembled_schedule_trains_and_each_rank_runs_what_was_validated(user_folder, tmp_path):
+    """A user's spec with ``assemble`` (offered by pipeflow/schedules/spec.py) trains on 2
+    ranks to the single-device gradients: the ranks run the run plan's schedule and never
+    generate one themselves (they used to, and failed on every rank with a TypeError). The
+    measured timeline shows each rank running exactly the actions the up-front check
+    validated, in its order."""
+    from pipeflow.schedules.ir import Kind
+    from pipeflow.formats.timeline import Timeline
+
+    small = [*pipeline_runs.GPT_SMALL, "trainer.steps=2", "runtime.dump_grads=true"]
+    ref = pipeline_runs.train(tmp_path / "ref", [*small, "pipeline.stages=1"], tied=pipeline_runs.GPT_TIED)
+    run = pipeline_runs.train(tmp_path / "run", [*small, "schedule.name=assembled_zb", "pipeline.stages=2",
+                                                 f"schedule.generator={user_folder / 'my_schedules.py'}:ASSEMBLED",
+                                                 "trainer.timeline_step=1"], tied=pipeline_runs.GPT_TIED)
+    pipeline_runs.assert_same_grads(run["grads"], ref["grads"])
+    assert run["losses"] == pytest.approx(ref["losses"], rel=1e-4) and run["summary"]["schedule"] == "assembled_zb"
+    validated = run["schedule"]
+    assert any(a.kind == Kind.W for a in validated.orders[0])  # ZB-H1's split backward, as assembled
+    timeline = Timeline.load(tmp_path / "run" / "timeline.json")
+    for device, order in enumerate(validated.orders):
+        ran = sorted((e for e in timeline.events if e.device == device and e.stream == "compute"),
+                     key=lambda e: e.start)
+        assert [e.name for e in ran] == [str(a) for a in order]  # the step (S) too

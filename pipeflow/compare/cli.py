@@ -98,7 +98,7 @@ def parse_args(argv: list[str]) -> tuple[list[str], CompareConfig]:
         raise CompareConfigError("no run directory given\n" + _USAGE)
     if conf.out:
         from pipeflow.config.cli import check_output_dir
-        from pipeflow.config.values import ConfigError
+        from pipeflow.config import ConfigError
 
         try:  # before any run is read: a folder that cannot be written is refused in one line
             check_output_dir("out", conf.out)
@@ -189,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pipeflow-compare: {err}", file=sys.stderr)
         return 2
     print(format_table(table))
+    unpaired = [r for r in table if r.get("sim_unpaired")]
+    if unpaired:
+        print("\nnot paired with a simulation: " + "; ".join(f"{r['run']}: {r['sim_unpaired']}" for r in unpaired))
     if report.cautions:
         print("\ncaution: simulated step time deviates from measured beyond the target for: "
               + "; ".join(report.cautions))

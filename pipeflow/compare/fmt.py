@@ -55,6 +55,7 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "sim_peak_activation_mib": ("simulated peak activations", "mib"),
     "sim_cost": ("cost model", "text"),
     "sim_topology": ("topology", "text"),
+    "sim_unpaired": ("no simulation paired", "text"),
     "sim_over_measured": ("simulated / measured", "ratio"),
     "sim_error": ("simulated vs measured", "signed"),
     "sim_tolerance": ("target", "tolerance"),

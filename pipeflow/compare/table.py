@@ -29,6 +29,8 @@ import math
 import statistics
 from typing import Any, Iterable
 
+from pipeflow.tracking.record import KEY_FIELDS, run_key, why_unpaired
+
 from .fmt import percent
 from .runs import Run
 
@@ -50,7 +52,7 @@ RUN_COLUMNS = [
     "steps_to_target", "samples_to_target", "time_to_target_s", "tokens_per_s", "step_time_s", "bubble",
     "peak_memory_mib", "peak_saved_mib", "max_staleness", "max_mismatch",
     "sim_step_time", "sim_bubble", "sim_peak_activation_mib", "sim_over_measured", "sim_error", "sim_tolerance",
-    "sim_flag", "sim_run", "sim_cost", "sim_topology",
+    "sim_flag", "sim_run", "sim_cost", "sim_topology", "sim_unpaired",
 ]
 # sim_step_time: the simulated iteration time per step (an asynchronous simulation's
 # makespan over its windows), in the simulator's time unit (seconds for cost=analytic
@@ -59,7 +61,9 @@ RUN_COLUMNS = [
 # simulator predicts 23% less time than was measured), only when the simulated time is
 # in seconds (not for cost=unit); sim_tolerance: the largest |sim_error| within the
 # fidelity target for this run; sim_flag: "beyond ±10%" when |sim_error| exceeds it,
-# else empty; sim_cost, sim_topology: the simulated run's cost model and topology
+# else empty; sim_cost, sim_topology: the simulated run's cost model and topology;
+# sim_unpaired: a measured run with no simulation of its configuration among the runs
+# compared, why not (the nearest one's differing fields: "precision bf16, not fp32")
 
 GROUP_COLUMNS = [
     "label", "kind", "runs", "finished", "final_loss_mean", "final_loss_std", "best_loss_mean",
@@ -184,27 +188,32 @@ def _max(values) -> float | None:
     return max(vals) if vals else None
 
 
-def sim_key(run: Run) -> tuple:
-    """What makes a simulated run the prediction of a measured one."""
+def sim_key(run: Run) -> dict:
+    """What makes a simulated run the prediction of a measured one: the ``run_key`` its
+    summary.json carries (:mod:`pipeflow.tracking.record`, one for every app). A run with
+    none (it ended before its summary, or an older file): the same key read from its
+    config and summary, a field neither names left open (None)."""
+    key = (run.summary or {}).get("run_key")
+    if key:
+        return dict(key)
+    s = run.summary or {}
     if run.kind == "simulated":  # the simulator's summary names its whole configuration
-        s = run.summary or {}
         model = s.get("model") or {}
-        return (s.get("schedule"), s.get("stages"), s.get("microbatches"), s.get("virtual_stages", 1),
-                s.get("segments", 1), s.get("microbatch_size"), model.get("name"), s.get("data_parallel", 1),
-                model.get("recompute") or "none", s.get("partition") or "uniform", model.get("attention") or "sdpa")
-    pipe = run.config.get("pipeline") or {}
-    model = run.config.get("model") or {}
+        return run_key({"pipeline": s, "model": model, "schedule": {"name": s.get("schedule")},
+                        "partition": {"name": s.get("partition") or "uniform"}, "topology": s.get("topology"),
+                        "precision": s.get("precision") or (s.get("cost") or {}).get("precision")})
     stages, dp = shape(run)
-    return (run.schedule, stages, pipe.get("microbatches"), pipe.get("virtual_stages", 1),
-            pipe.get("segments", 1), pipe.get("microbatch_size"), model.get("name"), dp,
-            model.get("recompute") or "none", _partition(run.config), model.get("attention") or "sdpa")
+    loose = {"precision": s.get("precision"), "topology": None, **run.config,
+             "schedule": {"name": run.schedule}}
+    return run_key(loose, stages=stages, data_parallel=dp)
 
 
-def _partition(config: dict) -> str:
-    """A measured run's partition as simulated summaries name it: the planner's cut is
-    schedule=planned's own (its summaries name no partition), so it counts as uniform."""
-    name = (config.get("partition") or {}).get("name") or "uniform"
-    return "uniform" if name == "planner" else name
+def partner(key: dict, candidates: list[tuple[dict, Run]]) -> Run | None:
+    """The first simulated run whose key matches ``key`` on every field both name."""
+    for other, sim in candidates:
+        if all(key.get(f) is None or other.get(f) is None or key.get(f) == other.get(f) for f in KEY_FIELDS):
+            return sim
+    return None
 
 
 def shape(run: Run) -> tuple:
@@ -275,10 +284,7 @@ def run_table(runs: list[Run], target: float | None, window: int,
               tolerance: float | None = None) -> list[dict[str, Any]]:
     """One row per run (:data:`RUN_COLUMNS`), in the order given. ``tolerance``: the
     fidelity target for every paired run (null: :func:`sim_tolerance` by its ranks)."""
-    sims: dict[tuple, Run] = {}
-    for run in runs:
-        if run.kind == "simulated" and run.status == "finished":
-            sims.setdefault(sim_key(run), run)
+    sims = [(sim_key(run), run) for run in runs if run.kind == "simulated" and run.status == "finished"]
     rows = []
     for run in runs:
         pipe = run.config.get("pipeline") or {}
@@ -338,7 +344,10 @@ def run_table(runs: list[Run], target: float | None, window: int,
                 "max_staleness": _max(r.get("max_staleness") for r in run.rows),
                 "max_mismatch": _max(r.get("max_mismatch") for r in run.rows),
             })
-        sim = sims.get(sim_key(run))
+        key = sim_key(run)
+        sim = partner(key, sims)
+        if sim is None and sims:  # why not: the nearest simulation's differing fields
+            row["sim_unpaired"] = why_unpaired(key, [k for k, _ in sims])
         if sim is not None:
             row.update(_sim_columns(sim))
             if row.get("step_time_s") and row.get("sim_step_time") is not None:

@@ -11,7 +11,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from pipeflow.planning.cost import CostModel
-from pipeflow.planning.costs import build_cost_model
+from pipeflow.planning.cost_models import build_cost_model
 from pipeflow.planning.machine_cost import CalibratedCost
 from pipeflow.planning.seqsplit import split_sequence
 from pipeflow.planning.transformer import TransformerSpec
@@ -23,7 +23,7 @@ from pipeflow.topology.presets import build_topology
 from pipeflow.topology.topology import Topology
 
 from .derive import schedule_schema
-from .values import ConfigError, _naming_key
+from .values import ConfigError, naming_key
 
 
 # schedule=planned: the topology-aware planner's plan (pipeflow.planning.planner) as the
@@ -129,7 +129,7 @@ def planned_schedule(cfg: Any):
     return schedule, p
 
 
-def _generate_schedule(cfg: DictConfig) -> Schedule:
+def generate_schedule(cfg: DictConfig) -> Schedule:
     """The schedule the config names, generated but not validated."""
     pipe = cfg.pipeline
     options = schedule_options(cfg.schedule)
@@ -150,13 +150,13 @@ def _generate_schedule(cfg: DictConfig) -> Schedule:
         raise ConfigError(str(err)) from None
 
 
-def _model_spec(cfg: DictConfig, schedule: Schedule) -> TransformerSpec:
+def model_spec(cfg: DictConfig, schedule: Schedule) -> TransformerSpec:
     """The model's shape, checked against the number of stages the schedule cuts it into."""
     pipe = cfg.pipeline
     try:
         spec = TransformerSpec.from_config(cfg.model)
     except ValueError as err:
-        raise _naming_key("model", cfg.model.name, err) from None
+        raise naming_key("model", cfg.model.name, err) from None
     if schedule.num_stages > spec.n_layer:
         # each stage needs at least one layer; interleaving puts several stages on a device
         per_device = max(1, schedule.num_stages // pipe.stages)
@@ -182,7 +182,7 @@ def segment_lengths(cfg: Any) -> list[int] | None:
     try:
         spec = TransformerSpec.from_config(model)
     except ValueError as err:
-        raise _naming_key("model", model.get("name"), err) from None
+        raise naming_key("model", model.get("name"), err) from None
     split = schedule.get("split")
     try:
         return split_sequence("uniform" if split is None else split, spec.seq_len, pipe.get("segments", 1), spec)
@@ -190,7 +190,7 @@ def segment_lengths(cfg: Any) -> list[int] | None:
         raise ConfigError(str(err)) from None
 
 
-def _simulation_segments(cfg: DictConfig, schedule: Schedule) -> list[int] | None:
+def simulation_segments(cfg: DictConfig, schedule: Schedule) -> list[int] | None:
     """The segment lengths the cost model prices (None: whole sequences), checked
     against the cost group: analytic takes them as cost.segment_lengths (an explicit
     list there wins, if it has one length per segment), unit prices every segment
@@ -216,7 +216,7 @@ def _simulation_segments(cfg: DictConfig, schedule: Schedule) -> list[int] | Non
     return lengths
 
 
-def _build_topology(cfg: DictConfig, schedule: Schedule, cost: CostModel | None = None) -> Topology:
+def run_topology(cfg: DictConfig, schedule: Schedule, cost: CostModel | None = None) -> Topology:
     topo_cfg = cfg.topology
     if isinstance(cost, CalibratedCost) and cfg.topology.name == "local_cpu":
         # the calibrated host: its cores, their contention, and a gloo message's cost
@@ -224,14 +224,14 @@ def _build_topology(cfg: DictConfig, schedule: Schedule, cost: CostModel | None 
     try:
         return build_topology(topo_cfg, schedule.num_devices, needed_for=devices_needed_for(cfg))
     except ValueError as err:
-        raise _naming_key("topology", cfg.topology.name, err) from None
+        raise naming_key("topology", cfg.topology.name, err) from None
 
 
-def _branched_schedule(cfg: DictConfig) -> tuple[Schedule, list]:
+def branched_schedule(cfg: DictConfig) -> tuple[Schedule, list]:
     """A concurrent-branch model's stage graph (cut at the interaction layers), grouped
-    onto the schedule's chain of devices; generated, not validated. Building the graph
-    imports the model module (and so torch): only configs of this family pay for it."""
-    from pipeflow.models.cbm import cbm_shape, cbm_stage_counts, cbm_stage_graph
+    onto the schedule's chain of devices, and what each stage holds; generated, not
+    validated (bapp's coordinator runs here, once per job)."""
+    from pipeflow.planning.cbm_shape import cbm_shape, cbm_stage_counts, cbm_stage_graph
 
     if cfg.pipeline.get("data_parallel", 1) != 1:
         raise ConfigError(f"pipeline.data_parallel={cfg.pipeline.data_parallel}: a branched model's stages are "
@@ -245,7 +245,7 @@ def _branched_schedule(cfg: DictConfig) -> tuple[Schedule, list]:
         counts = (cfg.pipeline.stages, cfg.pipeline.stages) if bapp else cbm_stage_counts(shape, cfg.pipeline.stages)
         graph, specs = cbm_stage_graph(plain, *counts)
     except ValueError as err:
-        raise _naming_key("model", cfg.model.name, err) from None
+        raise naming_key("model", cfg.model.name, err) from None
     pipe = cfg.pipeline
     options = schedule_options(cfg.schedule)
     try:
@@ -255,7 +255,7 @@ def _branched_schedule(cfg: DictConfig) -> tuple[Schedule, list]:
                                   f"chooses bapp's policy; set schedule.coordinate=false to give it yourself")
             from pipeflow.planning.coordinator import coordinate
 
-            cost = _branched_cost(cfg, specs) if "cost" in cfg else _default_branched_cost(cfg, specs)
+            cost = branched_cost(cfg, specs) if "cost" in cfg else _default_branched_cost(cfg, specs)
             topology = build_topology(cfg.topology, pipe.stages, needed_for=devices_needed_for(cfg))
             limit = cfg.schedule.get("memory_limit_gb")
             schedule = coordinate(pipe.stages, pipe.microbatches, graph, cost, topology,
@@ -269,12 +269,6 @@ def _branched_schedule(cfg: DictConfig) -> tuple[Schedule, list]:
     return schedule, specs
 
 
-def branched_schedule(cfg: Any) -> tuple[Schedule, list]:
-    """The schedule a concurrent-branch config runs (what pipeflow-train's ranks build):
-    ``cfg`` composed or plain dicts."""
-    return _branched_schedule(cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg))
-
-
 def _default_branched_cost(cfg: DictConfig, specs: list) -> CostModel:
     """Training configs carry no cost group: the coordinator orders by FLOPs (analytic defaults)."""
     from pipeflow.planning.branched_cost import BranchedAnalyticCost
@@ -283,7 +277,7 @@ def _default_branched_cost(cfg: DictConfig, specs: list) -> CostModel:
                                 [(s.branch, s.lo, s.hi) for s in specs], cfg.pipeline.microbatch_size)
 
 
-def _branched_cost(cfg: DictConfig, specs: list) -> CostModel:
+def branched_cost(cfg: DictConfig, specs: list) -> CostModel:
     from pipeflow.planning.branched_cost import BranchedAnalyticCost
 
     params = {k: v for k, v in OmegaConf.to_container(cfg.cost, resolve=True).items() if v is not None}
@@ -300,6 +294,6 @@ def _branched_cost(cfg: DictConfig, specs: list) -> CostModel:
             cost.overlap = float(overlap)
             return cost
     except (TypeError, ValueError) as err:
-        raise _naming_key("cost", name, err) from None
+        raise naming_key("cost", name, err) from None
     raise ConfigError(f"cost.name={name}: a concurrent-branch model is priced by analytic, unit or calibrated; "
                       f"allowed values: analytic, unit, calibrated")

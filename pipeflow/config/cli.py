@@ -6,7 +6,6 @@ folder that cannot be written.
 from __future__ import annotations
 
 import difflib
-import glob
 import os
 import re
 from pathlib import Path
@@ -112,8 +111,14 @@ def check_overrides(config_name: str, args: Sequence[str]) -> None:
             return
         near = difflib.get_close_matches(name, keys, n=1)
         hint = f" (did you mean {parent + '.' if parent else ''}{near[0]}?)" if near else ""
+        if key in MOVED:
+            hint = f" (it moved: {MOVED[key]}={given[1]})"
         raise ConfigError(f"{given[0]}={given[1]}: unknown key; {parent or 'the config'} has {', '.join(keys)}{hint}") \
             from None
+
+
+# keys that moved, and where to: an old command line gets the new spelling
+MOVED = {"runtime.precision": "precision"}  # issue 31: one precision key for every app
 
 
 def check_output_dir(key: str, path: str | os.PathLike) -> None:

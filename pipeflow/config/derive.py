@@ -11,12 +11,10 @@ import typing
 from dataclasses import field, make_dataclass
 from typing import Any, List, Optional, Sequence
 
-from omegaconf import OmegaConf
 
-from pipeflow.planning.costs import COST_MODELS, cost_params
-from pipeflow.schedules.ir import Schedule
+from pipeflow.planning.cost_models import COST_MODELS, cost_params
 from pipeflow.schedules.spec import ScheduleSpec
-from pipeflow.topology.presets import PRESETS, build_topology
+from pipeflow.topology.presets import PRESETS
 
 
 def _config_type(hint: Any) -> Any:
@@ -42,14 +40,14 @@ def _schema_from_signature(class_name: str, option: str, fn: Any, skip: Sequence
     return make_dataclass(class_name, fields)
 
 
-def _topology_schema(preset: str) -> type:
+def topology_schema(preset: str) -> type:
     """``conf/topology/<preset>.yaml``: the preset's parameters, plus ``num_devices``
     (cut the preset to its first N devices; local_cpu: how many ranks)."""
     schema = _schema_from_signature(f"{_camel(preset)}TopologyConfig", preset, PRESETS[preset], skip=("num_devices",))
     return make_dataclass(schema.__name__, [("num_devices", Optional[int], None)], bases=(schema,))
 
 
-def _cost_schema(name: str) -> type:
+def cost_schema(name: str) -> type:
     """``conf/cost/<name>.yaml``: the cost model's parameters; the stage count, model and
     microbatch size come from the run, not from this group."""
     init = COST_MODELS[name].__init__

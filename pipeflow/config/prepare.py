@@ -9,43 +9,41 @@ from dataclasses import dataclass
 from omegaconf import DictConfig, OmegaConf
 
 from pipeflow.families import FAMILIES, family_of
+from pipeflow.formats.runplan import RunPlan
 from pipeflow.planning.cost import CostModel
-from pipeflow.planning.costs import build_cost_model
+from pipeflow.planning.cost_models import build_cost_model
 from pipeflow.planning.partition import PARTITIONERS
 from pipeflow.planning.transformer import TransformerSpec
 from pipeflow.schedules.export import check_exportable
-from pipeflow.schedules.ir import Schedule, WeightPolicy
-from pipeflow.schedules.registry import specs
+from pipeflow.schedules.ir import Schedule
 from pipeflow.schedules.validate import validate
 from pipeflow.topology.topology import Topology
 
 from .assembly import (
     PLANNED,
-    _branched_cost,
-    _branched_schedule,
-    _build_topology,
-    _generate_schedule,
-    _model_spec,
-    _simulation_segments,
+    branched_cost,
+    branched_schedule,
+    run_topology,
+    generate_schedule,
+    model_spec,
+    simulation_segments,
     runtime_schedules,
     schedule_spec,
     segment_lengths,
 )
-from .checks import (
-    check_known_keys,
-    resolve_model,
-    check_text_data,
-    _check_data_files,
-    _check_optim,
-    _check_pipeline,
-    _check_profiled_partition,
-    _check_resume,
-    _check_runtime,
-    _check_trainer,
-    _resolve_auto_data,
-    check_logger,
-)
-from .values import ATTENTION, PRECISIONS, RECOMPUTE, ConfigError, DATA_FAMILY, DATA_VOCAB, EXPORT_FORMATS, _naming_key, _number
+from .checks import check_known_keys
+from .groups.data import DATA_FAMILY, DATA_VOCAB, check_data_files, check_text_data, resolve_auto_data
+from .groups.logger import check_logger
+from .groups.model import check_recompute, resolve_model
+from .groups.optim import check_optim
+from .groups.partition import check_profiled_partition
+from .groups.pipeline import check_pipeline
+from .groups.precision import check_precision, resolve_precision
+from .groups.resume import check_resume, resume_expect
+from .groups.runtime import check_runtime
+from .groups.trainer import check_trainer
+from .runplan import build_run_plan
+from .values import EXPORT_FORMATS, ConfigError, naming_key, number
 
 
 
@@ -76,22 +74,21 @@ def prepare_simulation(cfg: DictConfig) -> SimulationInputs:
         raise ConfigError(f"export={cfg.export}: unknown format; allowed values: null, {', '.join(EXPORT_FORMATS)}")
     check_known_keys(cfg)
     resolve_model(cfg)
-    _check_pipeline(cfg)
+    check_pipeline(cfg)
     if _family(cfg).branched:
-        schedule, specs = _branched_schedule(cfg)
+        schedule, specs = branched_schedule(cfg)
         spec, lengths = None, None
-        cost = _branched_cost(cfg, specs)
+        cost = branched_cost(cfg, specs)
     else:
-        schedule = _generate_schedule(cfg)
-        spec = _model_spec(cfg, schedule)
-        lengths = _simulation_segments(cfg, schedule)
+        schedule = generate_schedule(cfg)
+        spec = model_spec(cfg, schedule)
+        lengths = simulation_segments(cfg, schedule)
         cost_cfg = cfg.cost
-        if cfg.get("precision", "bf16") not in PRECISIONS:
-            raise ConfigError(f"precision={cfg.precision}: unknown precision; allowed values: {', '.join(PRECISIONS)}")
+        precision = resolve_precision(cfg, run_topology(cfg, schedule))
         if cfg.cost.name == "analytic" and cfg.cost.get("dtype_bytes") is None:
             # the precision the run would train in sets the bytes per element
             cost_cfg = {**OmegaConf.to_container(cfg.cost, resolve=True),
-                        "dtype_bytes": 4 if cfg.get("precision", "bf16") == "fp32" else 2}
+                        "dtype_bytes": 4 if precision == "fp32" else 2}
         if schedule.name == PLANNED and cfg.cost.name == "analytic":
             cost_cfg = {**OmegaConf.to_container(cfg.cost, resolve=True), **cost_cfg,
                         "layers_per_stage": list(schedule.meta["plan"]["layers_per_stage"])}
@@ -101,8 +98,8 @@ def prepare_simulation(cfg: DictConfig) -> SimulationInputs:
         try:
             cost = build_cost_model(cost_cfg, schedule.num_stages, spec, cfg.pipeline.microbatch_size)
         except ValueError as err:
-            raise _naming_key("cost", cfg.cost.name, err) from None
-    topology = _build_topology(cfg, schedule, cost)
+            raise naming_key("cost", cfg.cost.name, err) from None
+    topology = run_topology(cfg, schedule, cost)
     if cfg.export == "torch_csv":
         try:
             check_exportable(schedule)
@@ -121,6 +118,7 @@ class TrainingInputs:
     schedule: Schedule  # generated and validated
     spec: TransformerSpec | None  # None for a concurrent-branch model (two branches, no one spec)
     topology: Topology
+    plan: RunPlan  # what the ranks instantiate (pipeflow.config.runplan)
 
     @property
     def world_size(self) -> int:
@@ -134,8 +132,8 @@ def prepare_training(cfg: DictConfig) -> TrainingInputs:
     written, so a bad config fails before any rank starts."""
     check_known_keys(cfg)
     resolve_model(cfg)
-    _check_pipeline(cfg)
-    _resolve_auto_data(cfg)
+    check_pipeline(cfg)
+    resolve_auto_data(cfg)
     name, pipe = cfg.schedule.name, cfg.pipeline
     if not schedule_spec(cfg.schedule).runtime:
         raise ConfigError(
@@ -152,11 +150,12 @@ def prepare_training(cfg: DictConfig) -> TrainingInputs:
     model = cfg.model
     if _family(cfg).branched:
         return _prepare_branched(cfg)
-    schedule = _generate_schedule(cfg)
-    spec = _model_spec(cfg, schedule)
-    topology = _build_topology(cfg, schedule)
+    schedule = generate_schedule(cfg)
+    spec = model_spec(cfg, schedule)
+    topology = run_topology(cfg, schedule)
+    resolve_precision(cfg, topology)
 
-    _number("model.dropout", model.dropout, "a probability; use a number in [0, 1)", 0 <= model.dropout < 1)
+    number("model.dropout", model.dropout, "a probability; use a number in [0, 1)", 0 <= model.dropout < 1)
     if pipe.segments > 1 and not _family(cfg).causal:
         raise ConfigError(
             f"pipeline.segments={pipe.segments}: sequence segments attend causally across segments, which the "
@@ -201,52 +200,32 @@ def prepare_training(cfg: DictConfig) -> TrainingInputs:
                               f"stage, and every rank needs one; plan for {len(used)} devices or give a plan that "
                               f"uses all {schedule.num_devices}")
     if cfg.partition.name == "profiled":
-        _check_profiled_partition(cfg.partition, spec, schedule.num_stages)
-    _check_trainer(cfg.trainer)
-    _check_optim(cfg.optim)
-    _check_runtime(cfg.runtime, schedule.num_devices)
-    _check_precision(cfg, schedule)
-    _check_recompute(cfg.model)
+        check_profiled_partition(cfg.partition, spec, schedule.num_stages)
+    check_trainer(cfg.trainer)
+    check_optim(cfg.optim)
+    check_runtime(cfg.runtime, schedule.num_devices)
+    check_precision(cfg, schedule)
+    check_recompute(cfg.model)
     check_logger(cfg.logger)
-    _check_data_files(cfg.data)
+    check_data_files(cfg.data)
     check_text_data(cfg.data, spec.seq_len)
-    _check_resume(cfg.resume, _resume_expect(cfg, schedule))
+    check_resume(cfg.resume, resume_expect(cfg, schedule))
 
     # Generators are tested to be valid, but the runtime would deadlock on a schedule that
     # is not, so one validation here (milliseconds at training sizes) is cheap insurance.
     validate(schedule)
-    return TrainingInputs(schedule, spec, topology)
+    return TrainingInputs(schedule, spec, topology, build_run_plan(cfg, schedule, spec))
 
 
-def _check_recompute(model: DictConfig) -> None:
-    """model.recompute and model.attention: how a layer keeps what its backward needs."""
-    mode = model.get("recompute") or "none"
-    if mode not in RECOMPUTE:
-        raise ConfigError(f"model.recompute={mode}: unknown recomputation; allowed values: {', '.join(RECOMPUTE)}")
-    attention = model.get("attention") or "sdpa"
-    if attention not in ATTENTION:
-        raise ConfigError(f"model.attention={attention}: allowed values: {', '.join(ATTENTION)} (sdpa: the fused "
-                          f"scaled-dot-product kernel; eager: scores computed and kept)")
 
 
-def _check_precision(cfg: DictConfig, schedule) -> None:
-    """fp16's loss scaling skips an overflowing step on every rank at once, at the
-    synchronous step's flush; an asynchronous schedule updates stage by stage without one."""
-    if cfg.runtime.precision == "fp16" and schedule.policy != WeightPolicy.SYNC:
-        raise ConfigError(f"runtime.precision=fp16: loss scaling skips an overflowing step on every rank at a flush, "
-                          f"which asynchronous schedules (schedule={cfg.schedule.name}) do not have; use "
-                          f"runtime.precision=bf16 (no scaling needed)")
 
 
-def _resume_expect(cfg: DictConfig, schedule) -> dict:
-    """What a checkpoint to resume from must have been written for (as the ranks record it)."""
-    return {"schedule": schedule.name, "stages": cfg.pipeline.stages, "world_size": schedule.num_devices,
-            "placement": schedule.placement.as_lists()}
 
 
 def _prepare_branched(cfg: DictConfig) -> TrainingInputs:
     """A concurrent-branch model: its stage DAG grouped onto the schedule's chain of devices."""
-    schedule, _ = _branched_schedule(cfg)
+    schedule, specs = branched_schedule(cfg)
     if cfg.data.name != _family(cfg).data:
         raise ConfigError(
             f"data.name={cfg.data.name}: model.family={cfg.model.family} trains on {_family(cfg).data}; "
@@ -255,17 +234,18 @@ def _prepare_branched(cfg: DictConfig) -> TrainingInputs:
     if cfg.partition.name != "uniform":
         raise ConfigError(
             f"partition.name={cfg.partition.name}: a concurrent-branch model's stages are cut at its "
-            f"interaction layers (pipeflow.models.cbm.cbm_stage_graph); allowed values: uniform"
+            f"interaction layers (pipeflow.planning.cbm_shape.cbm_stage_graph); allowed values: uniform"
         )
-    _number("model.dropout", cfg.model.dropout, "a probability; use a number in [0, 1)", 0 <= cfg.model.dropout < 1)
-    topology = _build_topology(cfg, schedule)
-    _check_trainer(cfg.trainer)
-    _check_optim(cfg.optim)
-    _check_runtime(cfg.runtime, schedule.num_devices)
-    _check_precision(cfg, schedule)
-    _check_recompute(cfg.model)
+    number("model.dropout", cfg.model.dropout, "a probability; use a number in [0, 1)", 0 <= cfg.model.dropout < 1)
+    topology = run_topology(cfg, schedule)
+    resolve_precision(cfg, topology)
+    check_trainer(cfg.trainer)
+    check_optim(cfg.optim)
+    check_runtime(cfg.runtime, schedule.num_devices)
+    check_precision(cfg, schedule)
+    check_recompute(cfg.model)
     check_logger(cfg.logger)
-    _check_data_files(cfg.data)
+    check_data_files(cfg.data)
     if cfg.data.get("files"):
         # the user's own image-text files: missing columns or mixed image sizes must stop
         # the run here, not in every rank after start-up
@@ -279,6 +259,6 @@ def _prepare_branched(cfg: DictConfig) -> TrainingInputs:
                                   OmegaConf.to_container(cfg.model, resolve=True), int(cfg.seed))
         except ValueError as err:
             raise ConfigError(str(err).strip().splitlines()[0]) from None
-    _check_resume(cfg.resume, _resume_expect(cfg, schedule))
+    check_resume(cfg.resume, resume_expect(cfg, schedule))
     validate(schedule)
-    return TrainingInputs(schedule, None, topology)
+    return TrainingInputs(schedule, None, topology, build_run_plan(cfg, schedule, None, [s.hi - s.lo for s in specs]))

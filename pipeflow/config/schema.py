@@ -8,83 +8,36 @@ fails at composition time instead of being silently ignored.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
-from pipeflow.planning.costs import COST_MODELS
+from pipeflow.planning.cost_models import COST_MODELS
 from pipeflow.schedules.registry import specs
 from pipeflow.topology.presets import PRESETS
 
 from .assembly import PLANNED_SPEC  # noqa: F401 - registers schedule=planned before the schemas are derived
 from .apphelp import register_help
-from .derive import _cost_schema, _topology_schema, schedule_schema
+from .derive import cost_schema, topology_schema, schedule_schema
+from .groups.logger import NoLoggerConfig, WandbLoggerConfig
+from .groups.model import HFModelConfig, ModelConfig
+from .groups.optim import AdamWConfig
+from .groups.pipeline import PipelineConfig
+from .groups.runtime import LocalRuntimeConfig
+from .groups.trainer import TrainerConfig
+from .values import CONF_DIR  # noqa: F401 - where the apps compose from
 
 
-# conf/ sits next to the package in the repository; an editable install finds it there.
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
 # ----------------------------------------------------------------------------- schemas
 
 
-@dataclass
-class PipelineConfig:
-    stages: int = 4  # pipeline depth p (devices of one pipeline)
-    microbatches: int = 8  # m per iteration
-    virtual_stages: int = 1  # model chunks per device (interleaved_1f1b)
-    segments: int = 1  # sequence segments per microbatch (Seq1F1B)
-    microbatch_size: int = 1  # sequences per microbatch
-    data_parallel: int = 1  # replicas of the whole pipeline (n x stages devices); microbatches is per replica
 
 
-@dataclass
-class ModelConfig:
-    name: str = MISSING
-    family: str = "gpt"  # one of pipeflow.families.FAMILIES: gpt, bert (hf_causal: HFModelConfig; cbm: cbm_shape)
-    n_layer: int = MISSING
-    n_head: int = MISSING
-    n_embd: int = MISSING
-    n_inner: Optional[int] = None  # FFN width; None means 4 * n_embd
-    vocab_size: int = MISSING
-    n_positions: int = MISSING
-    seq_len: int = MISSING
-    dropout: float = 0.0  # read by pipeflow.models; the cost model counts dropout masks when > 0
-    recompute: str = "none"  # activation recomputation: none | full | selective (pipeflow.models.recompute)
-    attention: str = "sdpa"  # sdpa (the fused kernel) | eager (scores kept): pipeflow.models.attention
 
 
-@dataclass
-class HFModelConfig:
-    """model.family=hf_causal: a Hugging Face decoder from its config (pipeflow.hf)."""
-
-    name: str = MISSING
-    family: str = "hf_causal"
-    config: Optional[str] = None  # a config.json, or a local model folder holding one (never a hub id)
-    hf: Dict[str, Any] = field(default_factory=dict)  # transformers config fields, over the file's (model_type, ...)
-    weights: Optional[str] = None  # a local folder of *.safetensors to start from; null: seeded initialisation
-    seq_len: int = MISSING  # tokens per training sequence
-    recompute: str = "none"  # activation recomputation: none | full | selective (pipeflow.models.recompute)
-    attention: str = "sdpa"  # sdpa (the fused kernel) | eager (scores kept): pipeflow.models.attention
-    # read from the HF config before any rank starts (pipeflow.hf.resolve); leave them unset
-    n_layer: Optional[int] = None
-    n_head: Optional[int] = None
-    n_embd: Optional[int] = None
-    n_inner: Optional[int] = None
-    vocab_size: Optional[int] = None
-    n_positions: Optional[int] = None
-    n_kv_head: Optional[int] = None  # grouped-query attention: key/value heads
-    head_dim: Optional[int] = None
-    mlp: Optional[str] = None  # gated (gate, up, down: SwiGLU) | gelu (two matrices)
-    norm: Optional[str] = None  # rmsnorm | layernorm
-    qkv_bias: Optional[bool] = None
-    o_bias: Optional[bool] = None
-    mlp_bias: Optional[bool] = None
-    tied: Optional[bool] = None  # the LM head shares the token embedding
-    positions: Optional[str] = None  # rotary | learned
-    dropout: Optional[float] = None  # the HF config's largest dropout probability
 
 
 @dataclass
@@ -97,65 +50,18 @@ class SimulateConfig:
     cost: Any = MISSING
     export: Optional[str] = None  # torch_csv: also write schedule.csv
     draw: Union[bool, str] = "auto"  # timeline.png: auto (when it can be read), true (always), false (never)
-    precision: str = "bf16"  # fp32 | bf16 | fp16: bytes per element and the devices' peak for it (analytic cost)
+    precision: str = "auto"  # auto | fp32 | bf16 | fp16 (config.groups.precision): bytes per element, the devices' peak
     logger: Any = MISSING  # logger/none (simulate.yaml's default) or logger/wandb: one W&B run per job
 
 
-@dataclass
-class TrainerConfig:
-    steps: int = 300  # optimizer steps (pipeline iterations) of the whole run
-    log_every: int = 1  # a metrics.jsonl line every N steps
-    val_every: int = 50  # validation loss every N steps; 0: never
-    val_batches: int = 4  # batches per validation
-    save_every: int = 0  # a checkpoint every N steps; 0: only at the end
-    timeline_step: Optional[int] = 5  # the step (1..steps) whose actions are timed into timeline.json/png; null: none
 
 
-@dataclass
-class AdamWConfig:
-    name: str = "adamw"
-    lr: float = 1e-3  # peak learning rate, reached after warmup_steps
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    warmup_steps: int = 20  # linear warm-up from 0
-    min_lr_ratio: float = 0.1  # cosine decay to lr * min_lr_ratio at trainer.steps
-    grad_clip: Optional[float] = 1.0  # global gradient-norm clip; null or 0: none
 
 
-@dataclass
-class LocalRuntimeConfig:
-    name: str = "local"
-    backend: str = "auto"  # auto: nccl when CUDA is available, else gloo
-    device: str = "auto"  # auto | cpu | cuda
-    precision: str = "fp32"  # fp32 | bf16 | fp16: autocast dtype; fp32 master weights and optimizer state
-    loss_scale: float = 65536.0  # fp16: the initial dynamic loss scale
-    p2p: str = "tagged"  # tagged | ordered: point-to-point messages matched by tag, or per pair in order (NCCL)
-    timeout_s: float = 60.0  # a collective or P2P op that takes longer fails the run
-    hang_timeout_s: float = 30.0  # a rank silent this long (stopped, stuck) fails the run, named; 0: never
-    master_port: Optional[int] = None  # null: a free port
-    threads_per_rank: int = 1  # torch intra-op threads of each rank
-    fail_at_step: Optional[int] = None  # test hook: rank fail_rank fails at this step
-    fail_rank: Optional[int] = None
-    fail_mode: str = "raise"  # raise: a Python error; kill: SIGKILL, as an out-of-memory kill would
-    dump_grads: bool = False  # test hook: each rank writes run_dir/grads/rank<r>.pt after its first backward
 
 
-@dataclass
-class WandbLoggerConfig:
-    name: str = "wandb"
-    project: str = "pipeflow"
-    mode: str = "auto"  # auto: WANDB_MODE if set, else online when logged in, else offline
-    group: Optional[str] = None  # null: a multirun's jobs share one group named after the sweep
-    tags: List[str] = field(default_factory=list)  # a multirun adds each job's overrides
-    run_name: Optional[str] = None  # null: a multirun names the run after its job folder
-    entity: Optional[str] = None
 
 
-@dataclass
-class NoLoggerConfig:
-    name: str = "none"
 
 
 @dataclass
@@ -176,6 +82,8 @@ class TrainConfig:
     runtime: LocalRuntimeConfig = MISSING
     logger: Any = MISSING  # logger/wandb and logger/none differ
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    # auto | fp32 | bf16 | fp16 (config.groups.precision): the autocast dtype; fp32 master weights and optimizer state
+    precision: str = "auto"
     resume: Optional[str] = None  # a previous run dir to continue from (its latest checkpoint)
     seed: int = 1234
 
@@ -193,8 +101,8 @@ SCHEMAS: dict[str, type] = {
     **{f"schema/schedule/{spec.name}": schedule_schema(spec) for spec in specs()},
     "schema/model": ModelConfig,
     "schema/model_hf": HFModelConfig,
-    **{f"schema/cost/{name}": _cost_schema(name) for name in COST_MODELS},
-    **{f"schema/topology/{preset}": _topology_schema(preset) for preset in PRESETS},
+    **{f"schema/cost/{name}": cost_schema(name) for name in COST_MODELS},
+    **{f"schema/topology/{preset}": topology_schema(preset) for preset in PRESETS},
 }
 
 

@@ -1,7 +1,8 @@
 """Planning (torch-free): cost models, partitioners, the topology-aware planner, BAPP's coordinator."""
 
-from .cost import AnalyticCost, CostModel, UnitCost
-from .costs import build_cost_model
+from .cost import AnalyticCost, CostModel
+from .unit_cost import UnitCost
+from .cost_models import build_cost_model
 from .transformer import (
     TransformerSpec,
     embedding_params,

@@ -14,15 +14,14 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 from ..topology.topology import Device
+from .cbm_shape import cbm_shape
 from .cost import CostModel, _check_int, _check_number
 from .transformer import TransformerSpec, layer_forward_flops, layer_linear_flops, layer_params
 
 
-def _branch_spec(name: str, branch: Mapping, tokens: int, vocab: int) -> TransformerSpec:
-    return TransformerSpec(
-        name=name, n_layer=int(branch["n_layer"]), n_head=int(branch["n_head"]), n_embd=int(branch["n_embd"]),
-        vocab_size=vocab, seq_len=tokens, causal=False,
-    )
+def _branch_spec(name: str, branch, tokens: int, vocab: int) -> TransformerSpec:
+    return TransformerSpec(name=name, n_layer=branch.n_layer, n_head=branch.n_head, n_embd=branch.n_embd,
+                           vocab_size=vocab, seq_len=tokens, causal=False)
 
 
 class BranchedAnalyticCost(CostModel):
@@ -46,16 +45,16 @@ class BranchedAnalyticCost(CostModel):
         self.microbatch_size = _check_int("pipeline.microbatch_size", microbatch_size)
         self.efficiency = _check_number("cost.efficiency", efficiency, 0.0, strict=True)
         self.dtype_bytes = _check_int("cost.dtype_bytes", dtype_bytes)
-        v, t = model_cfg["vision"], model_cfg["text"]
-        patches = (int(v["image_size"]) // int(v["patch_size"])) ** 2
-        self.tokens = {"vision": patches, "text": int(t["seq_len"])}
-        self.vocab = int(t["vocab_size"])
-        self.patch_dim = int(v["patch_size"]) ** 2 * int(v.get("channels", 1))
+        shape = cbm_shape(model_cfg)  # the one reading of the model group, the model's own
+        patches = shape.num_patches
+        self.tokens = {"vision": patches, "text": shape.seq_len}
+        self.vocab = shape.vocab_size
+        self.patch_dim = shape.patch_size ** 2 * shape.channels
         self.spec = {
-            "vision": _branch_spec("vision", v, patches, self.vocab),
-            "text": _branch_spec("text", t, int(t["seq_len"]), self.vocab),
+            "vision": _branch_spec("vision", shape.vision, patches, self.vocab),
+            "text": _branch_spec("text", shape.text, shape.seq_len, self.vocab),
         }
-        self.interactions = {int(k) - 1 for k in model_cfg.get("interaction_layers", ())}  # 0-based blocks
+        self.interactions = {k - 1 for k in shape.interaction_layers}  # 0-based blocks
         self._flops = [self._stage_flops(i) for i in range(self.num_stages)]
 
     # ---- FLOPs per stage (one sequence / image), forward: (total, weight-matmul part)

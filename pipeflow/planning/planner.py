@@ -58,7 +58,6 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..sim.engine import simulate
 from ..topology.topology import Topology
 from .transformer import TransformerSpec
 from .baselines import dapple_plan_layout, pipedream_plan_layout, uniform_layout
@@ -68,7 +67,7 @@ from .plans import (  # GB, Plan, StageModel, build_plan_schedule, evaluate, fit
     StageModel,
     _bisect_cut,
     _compositions,
-    build_plan_schedule,
+    build_plan_schedule,  # noqa: F401 - re-exported
     device_limits,
     estimate,
     evaluate,

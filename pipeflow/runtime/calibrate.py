@@ -260,17 +260,18 @@ def _host_cores() -> int:
 
 def run_rank(rank: int, job) -> dict | None:
     """One rank of the calibration (the launcher's entry for ``TrainJob(entry=...)``)."""
-    from .worker import _device_and_backend, build_rank, keep_freed_memory
+    from .device import device_and_backend, keep_freed_memory
+    from .rank import build_rank
 
     cfg = job.cfg
     runtime = cfg["runtime"]
     keep_freed_memory()  # as the worker does: the same allocator as a real step
     torch.set_num_threads(int(runtime.get("threads_per_rank") or 1))
-    device, backend = _device_and_backend(runtime, rank)
+    device, backend = device_and_backend(runtime, rank)
     dist.init_process_group(backend, rank=rank, world_size=job.world_size,
                             timeout=timedelta(seconds=float(runtime.get("timeout_s", 60)) * 4))
     world = job.world_size
-    setup = build_rank(cfg, rank, device)
+    setup = build_rank(job.plan, cfg, rank, device)
     ex = Executor(setup.schedule, rank, setup.stages, setup.adapter, setup.executor.groups, grad_clip=None)
     m, mbs = setup.schedule.num_microbatches, setup.adapter.mbs
     if rank != 0:
@@ -437,13 +438,13 @@ def _combine(cfg: dict, setup, per_rank: list[dict], world: int) -> dict:
     return out
 
 
-def calibrate(cfg: dict, world: int, out: str | Path | None = None) -> dict:
-    """Calibrate a resolved, checked train config on ``world`` ranks; write ``out``.
+def calibrate(cfg: dict, plan, out: str | Path | None = None) -> dict:
+    """Calibrate a resolved, checked train config on its run plan's ranks; write ``out``.
     (:func:`pipeflow.calibrate.calibrate` takes a composed config and checks it first.)"""
     from .launch import TrainJob, launch
 
     with tempfile.TemporaryDirectory(prefix="pipeflow-calibrate-") as tmp:
-        launch(TrainJob(cfg, tmp, world, entry="pipeflow.runtime.calibrate:run_rank"))
+        launch(TrainJob(cfg, tmp, plan, entry="pipeflow.runtime.calibrate:run_rank"))
         result = json.loads(Path(tmp, "calibration.json").read_text())
     if out is not None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)

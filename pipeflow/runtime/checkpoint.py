@@ -12,8 +12,8 @@ inside a chunk flushes there; its checkpoint records where that chunk began
 written there (or from the initial weights) and replays the steps up to the checkpoint
 unlogged, as the uninterrupted run computed them.
 
-:func:`verify` reads a checkpoint without torch, so the trainer refuses a missing,
-incomplete, cut-short or mismatched one before any rank starts.
+:func:`verify` (:mod:`pipeflow.formats.checkpoint`) reads a checkpoint without torch, so
+the trainer refuses a missing, incomplete, cut-short or mismatched one before any rank starts.
 """
 
 from __future__ import annotations
@@ -22,14 +22,11 @@ import json
 import os
 from pathlib import Path
 
-# torch is imported where it is used: the trainer's up-front config check calls
-# resolve() and verify() before any rank exists and must not pay for importing torch
-LATEST = "latest"
-META = "meta.json"
+# the checkpoint folder's layout and its torch-free reading (the up-front check's)
+from ..formats.checkpoint import LATEST, META, read_meta, resolve, verify  # noqa: F401 - re-exported
+from ..formats.checkpoint import step_dir as _step_dir
 
-
-def _step_dir(run_dir: str | Path, step: int) -> Path:
-    return Path(run_dir) / "checkpoints" / f"step_{step:07d}"
+# torch is imported where it is used
 
 
 class CheckpointError(OSError):
@@ -88,72 +85,6 @@ def save(run_dir: str, step: int, rank: int, stages: dict, meta: dict, chunk_sta
                   "files": {f"rank{r}.pt": size for r, size in enumerate(sizes)}}
         _write(d / META, lambda f: f.write((json.dumps(record, indent=2) + "\n").encode()))
         _write(Path(run_dir) / "checkpoints" / LATEST, lambda f: f.write(f"{step}\n".encode()))
-
-
-def resolve(resume: str) -> tuple[Path, int]:
-    """``resume`` is a run directory (its latest checkpoint) or one ``checkpoints/step_N``
-    folder; return that step's folder and the step."""
-    path = Path(resume)
-    if path.name.startswith("step_") and path.is_dir():
-        try:
-            return path, int(path.name.split("_", 1)[1])
-        except ValueError:
-            raise ValueError(f"resume={resume}: not a checkpoint folder (step_<N>)") from None
-    marker = path / "checkpoints" / LATEST
-    if not marker.exists():
-        raise FileNotFoundError(
-            f"resume={resume}: no finished checkpoint there (checkpoints/{LATEST} is missing); "
-            f"give a run directory that saved one, or one of its checkpoints/step_N folders"
-        )
-    try:
-        step = int(marker.read_text().strip())
-    except ValueError:
-        raise ValueError(f"resume={resume}: checkpoints/{LATEST} is not a step number (cut short?)") from None
-    return _step_dir(str(path), step), step
-
-
-def read_meta(folder: Path, resume: str) -> dict:
-    try:
-        return json.loads((folder / META).read_text())
-    except FileNotFoundError:
-        raise ValueError(f"resume={resume}: {folder} is incomplete (no {META}: the run stopped while saving it); "
-                         f"give an earlier checkpoints/step_N folder") from None
-    except (OSError, ValueError) as err:
-        raise ValueError(f"resume={resume}: {folder / META} cannot be read ({err})") from None
-
-
-def verify(resume: str, expect: dict) -> tuple[Path, dict]:
-    """Check, without torch, that the checkpoint ``resume`` names is whole and was
-    written for the pipeline ``expect`` describes (any of schedule, stages, world_size,
-    placement, layers_per_stage); return its folder and meta record. Raises ValueError
-    naming ``resume`` and what is wrong."""
-    folder, step = resolve(resume)
-    record = read_meta(folder, resume)
-    for name, size in record["files"].items():
-        path = folder / name
-        if not path.exists():
-            raise ValueError(f"resume={resume}: {path} is missing; the checkpoint is incomplete")
-        if path.stat().st_size != size:
-            raise ValueError(f"resume={resume}: {path} has {path.stat().st_size} bytes where {size} were written "
-                             f"(cut short or changed since)")
-    saved = record["meta"]
-    for key, value in expect.items():
-        if key in saved and saved[key] != value:
-            raise ValueError(f"resume={resume}: the checkpoint was written with {key}={saved[key]}, this run has "
-                             f"{key}={value}; resume with the same pipeline configuration")
-    start = int(record.get("chunk_start", step))
-    if 0 < start < step:  # a run that ended inside a chunk: it restarts from the chunk's start
-        begin = _step_dir(folder.parent.parent, start)
-        if not begin.is_dir():
-            raise ValueError(f"resume={resume}: the run ended inside a chunk of its asynchronous schedule, which "
-                             f"a resumed run restarts from the checkpoint where the chunk began, and {begin} "
-                             f"is missing")
-        try:
-            verify(str(begin), expect)
-        except ValueError as err:
-            raise ValueError(f"resume={resume}: the checkpoint where its last chunk began is not usable: "
-                             f"{str(err).split(': ', 1)[-1]}") from None
-    return folder, record
 
 
 def load(resume: str, rank: int, stages: dict, meta: dict, step: int | None = None, scaler=None) -> int:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -35,69 +34,12 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..schedules.ir import Action, Kind, Schedule
 from ..schedules.lowering import Comm, check_pair_order, lower, order_pairs
-from ..sim.timeline import Event
+from ..formats.timeline import Event
 from .adapters import Adapter
 from .backward import accumulators, backward_input, backward_weight
 from .memory import SavedBytes
 from .precision import LossScaler, Precision
-
-
-@dataclass
-class StageState:
-    """One (pipe, stage) held by this rank: its module and what is in flight."""
-
-    pipe: int
-    stage: int
-    module: torch.nn.Module
-    first: bool
-    last: bool
-    optimizer: torch.optim.Optimizer | None = None
-    params: list = field(default_factory=list)
-    tied: list = field(default_factory=list)  # this stage's copies of the tied embedding
-    saved: dict = field(default_factory=dict)  # (mb, seg) -> (input leaf or None, output or loss)
-    kv: dict = field(default_factory=dict)  # Seq1F1B: mb -> seg -> (own K/V per block, prefix leaves, holds)
-    kv_grad: dict = field(default_factory=dict)  # (mb, seg) -> per block (dK, dV) from later segments
-    pending_w: dict = field(default_factory=dict)  # (mb, seg) -> what W needs after I (PendingWeight)
-    accumulators: frozenset | None = None  # the parameters' autograd accumulators, held for I (zero bubble)
-
-
-@dataclass
-class StepStats:
-    loss: float  # the iteration's loss (sum of the normalised microbatch losses over the last stages)
-    grad_norm: float  # before clipping
-    busy: float  # seconds of compute on this rank
-    events: list  # timeline events of this rank when recorded
-    loss_scale: float | None = None  # fp16: the scale this step's backward ran with
-    skipped: bool = False  # fp16: the gradients overflowed, so no update was applied
-
-
-@dataclass
-class Messages:
-    """The messages of one walk: received or being received (``inbox``: buffer and its
-    pending work), produced for another rank (``outbox``) or for a stage on this rank
-    (``local``), and the sends in flight (with their tensors, alive until sent)."""
-
-    inbox: dict = field(default_factory=dict)
-    outbox: dict = field(default_factory=dict)
-    local: dict = field(default_factory=dict)
-    sends: list = field(default_factory=list)
-
-
-class Groups:
-    """Process groups every rank creates in the same order: one per replicated stage
-    (so their all-reduces never interfere, whatever order ranks issue them in), and one
-    for the ranks holding copies of the tied embedding."""
-
-    def __init__(self, schedule: Schedule, tied_stages: tuple[int, ...]):
-        placement = schedule.placement
-        self.replica_group: dict[int, object] = {}
-        for stage in range(schedule.num_stages):
-            devices = sorted({d for _, d in placement.replicas(stage)})
-            if len(devices) > 1:
-                self.replica_group[stage] = dist.new_group(devices)
-        tied_devices = sorted({d for s in tied_stages for _, d in placement.replicas(s)})
-        self.tied_devices = tied_devices
-        self.tied_group = dist.new_group(tied_devices) if len(tied_devices) > 1 else None
+from .stage import Groups, Messages, StageState, StepStats  # noqa: F401 - re-exported
 
 
 class Executor:

@@ -17,11 +17,11 @@ DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Precision:
-    """``runtime.precision`` on one rank's device."""
+    """``precision`` on one rank's device."""
 
     def __init__(self, name: str = "fp32", device_type: str = "cpu", loss_scale: float = 2.0**16):
         if name not in DTYPES:
-            raise ValueError(f"runtime.precision={name}: allowed values: {', '.join(DTYPES)}")
+            raise ValueError(f"precision={name}: allowed values: {', '.join(DTYPES)}")
         self.name = name
         self.loss_scale = float(loss_scale)  # fp16: the initial scale
         self.dtype = DTYPES[name]

@@ -1,16 +1,16 @@
-"""One rank of a training job: build what this device holds, then run the schedule.
+"""One rank of a training job: instantiate what the run plan puts on this device
+(:mod:`.rank`), then run the schedule.
 
 Each rank builds only its own stages (the placement says which), loads the data (every
 rank can compute any step's batch from the seed, so nothing is broadcast), and runs
-``trainer.steps`` iterations of the schedule. Rank 0 records the metrics.
+``trainer.steps`` iterations of the schedule in chunks (resume and replay included).
+Rank 0 records the metrics and the summary.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
-import resource
 import signal
 import socket
 import time
@@ -21,88 +21,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..families import family_of
-from ..planning.partition import partition_layers
-from ..planning.transformer import TransformerSpec
 from ..schedules.data_parallel import pipeline_shape
-from ..schedules.ir import Schedule, WeightPolicy
-from ..schedules.registry import build_schedule
 from ..schedules.versions import summarize, weight_versions
-from ..schedules.zero import zero_owners
-from ..sim.timeline import Timeline
+from ..formats.timeline import Timeline
+from ..tracking.record import run_key
 from . import checkpoint
-from .adapters import CBMAdapter, make_adapter
-from .async_executor import AsyncExecutor, ChunkStats
-from .executor import Executor, Groups, StageState
-from .precision import Precision
+from .device import device_and_backend, keep_freed_memory, peak_memory
 from .launch import TrainJob, check_stop, deferred_stop, stop_behind
-
-
-def lr_at(step: int, optim: dict, steps: int) -> float:
-    """Linear warm-up to optim.lr over warmup_steps, then cosine decay to lr*min_lr_ratio at the last step."""
-    lr, warmup = float(optim["lr"]), int(optim["warmup_steps"])
-    if warmup and step <= warmup:
-        return lr * step / warmup
-    low = lr * float(optim["min_lr_ratio"])
-    progress = (step - warmup) / max(1, steps - warmup)
-    return low + 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))) * (lr - low)
-
-
-def make_optimizer(module: torch.nn.Module, optim: dict, params: list | None = None) -> torch.optim.Optimizer:
-    """AdamW over the module's parameters (or the given subset of them)."""
-    chosen = [p for p in module.parameters() if p.requires_grad] if params is None else params
-    # weight decay on matrices only (GPT-2 / nanoGPT practice): not on biases or norms
-    decay = [p for p in chosen if p.dim() >= 2]
-    rest = [p for p in chosen if p.dim() < 2]
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": float(optim["weight_decay"])}, {"params": rest, "weight_decay": 0.0}],
-        lr=float(optim["lr"]),
-        betas=(float(optim["beta1"]), float(optim["beta2"])),
-        eps=float(optim["eps"]),
-    )
-
-
-def _device_and_backend(runtime: dict, rank: int) -> tuple[torch.device, str]:
-    backend = runtime.get("backend", "auto")
-    cuda = torch.cuda.is_available() and runtime.get("device", "auto") in ("auto", "cuda")
-    if backend == "auto":
-        backend = "nccl" if cuda else "gloo"
-    if backend == "nccl":
-        local = int(os.environ.get("LOCAL_RANK", rank)) % max(1, torch.cuda.device_count())
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local), backend
-    return torch.device("cpu"), backend
-
-
-def _peak_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
-
-
-def keep_freed_memory() -> bool:
-    """Let glibc keep large freed blocks in the process instead of unmapping them.
-
-    By default glibc serves every block above its mmap threshold with a fresh mmap and
-    unmaps it on free, so each new tensor of a step page-faults its memory in again.
-    A backward that frees as it goes mostly reuses blocks below the threshold, but one
-    that keeps its graph (the zero-bubble I, which retains it for W) holds many large
-    blocks at once and pays the faults on every step: measured here, autograd.grad
-    with retain_graph=True took 14.8 ms where the same pass without it took 11.0, and
-    10.4 with the threshold raised. Raising the thresholds removes that churn for every
-    schedule. A no-op where glibc's mallopt is missing (not Linux)."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    # glibc caps the mmap threshold at 32 MiB on 64-bit systems (HEAP_MAX / 2)
-    ok = mallopt(m_mmap_threshold, 32 * 2**20) == 1
-    return mallopt(m_trim_threshold, 1 << 30) == 1 and ok
+from .optim import lr_at
+from .rank import RankSetup, build_rank
 
 
 def run_worker(rank: int, job: TrainJob) -> dict | None:
@@ -110,7 +37,7 @@ def run_worker(rank: int, job: TrainJob) -> dict | None:
     runtime = cfg["runtime"]
     keep_freed_memory()
     torch.set_num_threads(int(runtime.get("threads_per_rank") or 1))
-    device, backend = _device_and_backend(runtime, rank)
+    device, backend = device_and_backend(runtime, rank)
     dist.init_process_group(
         backend, rank=rank, world_size=job.world_size, timeout=timedelta(seconds=float(runtime.get("timeout_s", 60)))
     )
@@ -127,56 +54,6 @@ def run_worker(rank: int, job: TrainJob) -> dict | None:
 
 
 @dataclass
-class RankSetup:
-    """What one rank holds: its stages (modules and optimizers) and the executor that runs them."""
-
-    schedule: Schedule
-    layers_per_stage: list[int]
-    adapter: object  # GPTAdapter, BertAdapter or CBMAdapter: see pipeflow.runtime.adapters
-    stages: dict[tuple[int, int], StageState]
-    executor: Executor
-    # asynchronous schedules: evaluation runs a forward-only 1F1B over pipe 0's replicas,
-    # and a chunk of L steps runs the schedule generated for L windows
-    eval_executor: Executor | None = None
-    chunk_executors: dict | None = None
-    make_chunk: object = None
-
-    @property
-    def is_async(self) -> bool:
-        return self.schedule.policy != WeightPolicy.SYNC
-
-    def chunk_executor(self, windows: int) -> "AsyncExecutor":
-        if windows not in self.chunk_executors:
-            self.chunk_executors[windows] = self.make_chunk(windows)
-        return self.chunk_executors[windows]
-
-    @property
-    def steps_per_chunk(self) -> int:
-        """The most steps one chunk runs without a flush: a synchronous step is a chunk of one."""
-        return self.schedule.windows if self.is_async else 1
-
-    @property
-    def evaluator(self) -> Executor:
-        return self.eval_executor or self.executor
-
-    def run_chunk(self, batches: list, normalizers: list, lrs: list, first: int, record: bool, t0: float):
-        """Run steps ``first`` .. ``first + len(batches) - 1`` without a flush between them:
-        (the executor that ran them, its ChunkStats)."""
-        if not self.is_async:
-            ex = self.executor
-            ex.meter.reset_step()
-            ex.sent_bytes = 0
-            st = ex.train_step(batches[0], normalizers[0], lrs[0], record=record, t0=t0)
-            return ex, ChunkStats([st.loss], [st.grad_norm], st.busy, [], st.events, st.loss_scale, st.skipped)
-        ex = self.chunk_executor(len(batches))
-        ex.meter.reset_step()
-        ex.sent_bytes = 0
-        m = self.schedule.microbatches_per_step
-        return ex, ex.train_chunk(batches, normalizers, lrs, base_update=(first - 1) * ex.updates_per_step,
-                                  base_mb=(first - 1) * m, record=record, t0=t0)
-
-
-@dataclass
 class RunState:
     """Rank 0's account of the run so far (the other ranks keep it too, unread)."""
 
@@ -186,85 +63,6 @@ class RunState:
     val_losses: list = field(default_factory=list)
     staleness: list = field(default_factory=list)  # asynchronous: every microbatch's weight versions
     replay_to: int = 0  # resumed inside a chunk: the steps up to here are run again, unlogged
-
-
-def build_rank(cfg: dict, rank: int, device: torch.device, on_grads=None) -> RankSetup:
-    """Build this rank's share of the job. Needs the process group (it creates groups)."""
-    from ..config.assembly import branched_schedule, planned_schedule, schedule_options, schedule_spec, segment_lengths
-
-    pipe_cfg, optim = cfg["pipeline"], cfg["optim"]
-    mbs, seed = int(pipe_cfg["microbatch_size"]), int(cfg["seed"])
-    precision = Precision(cfg["runtime"].get("precision", "fp32"), device.type,
-                          float(cfg["runtime"].get("loss_scale", 2.0**16)))
-    p2p = "ordered" if device.type == "cuda" else cfg["runtime"].get("p2p", "tagged")  # NCCL ignores tags
-    sizes = (cfg["schedule"]["name"], pipe_cfg["stages"], pipe_cfg["microbatches"], pipe_cfg["virtual_stages"],
-             pipe_cfg["segments"])
-    dp = int(pipe_cfg.get("data_parallel", 1))
-    options = schedule_options(cfg["schedule"])
-    sched_spec = schedule_spec(cfg["schedule"])  # a user's schedule is loaded here, in the rank, too
-    if family_of(cfg["model"]).branched:
-        # a branched model: its stage DAG, grouped onto the schedule's chain of devices
-        if sched_spec.branch_aware:
-            # every rank runs the coordinator on the same inputs, so all get the same schedule
-            adapter = CBMAdapter(cfg["model"], mbs, seed, device, num_devices=pipe_cfg["stages"],
-                                 stage_counts=(pipe_cfg["stages"], pipe_cfg["stages"]))
-            schedule, _ = branched_schedule(cfg)
-        else:
-            adapter = CBMAdapter(cfg["model"], mbs, seed, device, num_devices=pipe_cfg["stages"])
-            schedule = build_schedule(*sizes, graph=adapter.graph, **options)
-        layers = [spec.hi - spec.lo for spec in adapter.specs]
-    elif sched_spec.name == "planned":
-        # the planner is deterministic: every rank gets the same plan (or reads the same file)
-        schedule, the_plan = planned_schedule(cfg)
-        spec = TransformerSpec.from_config(cfg["model"])
-        layers = list(the_plan.layers_per_stage)
-        adapter = make_adapter(cfg["model"], layers, mbs, spec.seq_len, seed, device)
-    else:
-        schedule = build_schedule(*sizes, data_parallel=dp, **options)
-        spec = TransformerSpec.from_config(cfg["model"])
-        layers = partition_layers(cfg["partition"]["name"], spec, schedule.num_stages, cfg["partition"])
-        adapter = make_adapter(cfg["model"], layers, mbs, spec.seq_len, seed, device,
-                               segment_lengths=segment_lengths(cfg))
-    stages: dict[tuple[int, int], StageState] = {}
-    # owner-based sharding: a replicated stage's optimizer state lives on its owner only
-    # (the other replicas keep state for their tied copies alone, which they update themselves)
-    owners = zero_owners(schedule.placement) if schedule.zero else {}
-    for pipe, stage in schedule.placement.stages_on(rank):
-        module = adapter.build_stage(stage)
-        graph = schedule.graph  # sources read the batch, sinks compute the loss
-        st = StageState(pipe, stage, module, first=not graph.preds[stage], last=not graph.succs[stage])
-        st.params = [p for p in module.parameters() if p.requires_grad]
-        st.tied = module.tied_parameters() if hasattr(module, "tied_parameters") else []
-        replicated = len({d for _, d in schedule.placement.replicas(stage)}) > 1
-        if owners and replicated and owners[stage] != rank:
-            st.optimizer = make_optimizer(module, optim, params=list(st.tied)) if st.tied else None
-        else:
-            st.optimizer = make_optimizer(module, optim)
-        stages[(pipe, stage)] = st
-    groups = Groups(schedule, adapter.tied_stages)
-    clip = optim.get("grad_clip")
-    if schedule.policy == WeightPolicy.SYNC:
-        executor = Executor(schedule, rank, stages, adapter, groups, grad_clip=clip, on_grads=on_grads,
-                            precision=precision, p2p=p2p)
-        return RankSetup(schedule, layers, adapter, stages, executor)
-
-    def make_chunk(windows: int) -> AsyncExecutor:
-        opts = dict(options, windows=windows)
-        sched = build_schedule(*sizes, **opts) if adapter.__class__ is not CBMAdapter else \
-            build_schedule(*sizes, graph=adapter.graph, **opts)
-        return AsyncExecutor(sched, rank, stages, adapter, groups, grad_clip=clip, precision=precision, p2p=p2p)
-
-    executor = AsyncExecutor(schedule, rank, stages, adapter, groups, grad_clip=clip, precision=precision, p2p=p2p)
-    # evaluation after a flush: every mirror replica holds the same weights, so pipe 0's
-    # replicas (stage i on device i for every asynchronous placement) run a forward-only 1F1B
-    eval_schedule = build_schedule("1f1b", pipe_cfg["stages"], pipe_cfg["microbatches"])
-    eval_stages = {(0, s): st for (pipe, s), st in stages.items() if pipe == 0}
-    if eval_schedule.placement.table[0] != schedule.placement.table[0]:
-        raise ValueError(f"schedule {schedule.name!r}: pipe 0 must place stage i on device i for evaluation")
-    eval_executor = Executor(eval_schedule, rank, eval_stages, adapter, groups, grad_clip=None, precision=precision,
-                             p2p=p2p)
-    return RankSetup(schedule, layers, adapter, stages, executor, eval_executor,
-                     {schedule.windows: executor}, make_chunk)
 
 
 def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
@@ -286,7 +84,7 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
         }
         torch.save(grads, dump_dir / f"rank{rank}.pt")
 
-    setup = build_rank(cfg, rank, device, on_grads=dump_grads if runtime.get("dump_grads") else None)
+    setup = build_rank(job.plan, cfg, rank, device, on_grads=dump_grads if runtime.get("dump_grads") else None)
     schedule, layers, stages = setup.schedule, setup.layers_per_stage, setup.stages
 
     # the data set is built (and cached) by rank 0 first so ranks do not race on the cache
@@ -367,6 +165,7 @@ def _close_unfinished(sink, progress, job: TrainJob, setup: RankSetup, state: Ru
         "resumed_from": start_step or None,
         "final_loss": history[-1]["loss"] if history else None,
         "final_val_loss": state.val_losses[-1] if state.val_losses else None,
+        "run_key": run_key(cfg, **pipeline_shape(setup.schedule, cfg["pipeline"]["stages"])),
     }, exit_code=1)
 
 
@@ -381,7 +180,7 @@ def _train_steps(rank, job, device, setup: RankSetup, data, sink, progress, stat
         _train_chunk(rank, job, setup, data, sink, progress, state, one_host, meta)
 
     peaks = [None] * job.world_size if rank == 0 else None
-    dist.gather_object(_peak_memory(device), peaks, dst=0)
+    dist.gather_object(peak_memory(device), peaks, dst=0)
     meters = [setup.executor.meter, *[e.meter for e in (setup.chunk_executors or {}).values()]]
     saved_peaks = [None] * job.world_size if rank == 0 else None
     dist.gather_object((max(mt.peak for mt in meters), max(mt.kv_peak for mt in meters)), saved_peaks, dst=0)
@@ -416,7 +215,7 @@ def _train_steps(rank, job, device, setup: RankSetup, data, sink, progress, stat
         "mean_tokens_per_s": sum(h["tokens_per_s"] for h in steady) / len(steady) if steady else None,
         "mean_step_time": sum(h["step_time"] for h in steady) / len(steady) if steady else None,
         "measured_bubble_ratio": sum(h["bubble"] for h in steady) / len(steady) if steady else None,
-        "precision": cfg["runtime"].get("precision", "fp32"),
+        "precision": cfg["precision"],
         **{key: cfg["model"].get(key) or none for key, none in (("attention", "sdpa"), ("recompute", "none"))},
         # bytes sent between ranks per step (activations and their gradients, all ranks)
         "p2p_bytes": sum(h["p2p_bytes"] for h in history) / len(history) if history else None,
@@ -431,6 +230,7 @@ def _train_steps(rank, job, device, setup: RankSetup, data, sink, progress, stat
         "updates": steps,  # synchronous: one per step; an asynchronous run's count replaces it
         **_staleness_summary(job.run_dir, state.staleness, setup),
         "wall_time": time.perf_counter() - t_start,
+        "run_key": run_key(cfg, **pipeline_shape(schedule, pipe_cfg["stages"])),
     }
     sink.finish(summary)
     return summary

@@ -28,8 +28,6 @@ activations in flight on stage r (p-r-1+s)/s microbatches instead of p-r.
 
 from __future__ import annotations
 
-import math
-
 from .common import check_basic, finish_sync, require, warmup_alternate_drain
 from .ir import Action, Kind, Placement, Schedule, StageGraph
 from .spec import ScheduleSpec

@@ -8,7 +8,7 @@ bubble ratio, peak activation memory and communication volume of any schedule;
 
 from .engine import CompiledSchedule, DeviceStats, SimResult, SimulationError, compile_schedule, simulate
 from .gantt import draw_timeline
-from .timeline import Event, Timeline
+from ..formats.timeline import Event, Timeline
 
 __all__ = [
     "CompiledSchedule",

@@ -12,7 +12,7 @@ from ..schedules.versions import VersionRecord, weight_versions
 from ..schedules.zero import zero_owners
 from .compiled import CompiledSchedule, SimulationError
 from .results import SimResult, WAIT_KINDS, Wait
-from .timeline import Event, Timeline
+from ..formats.timeline import Event, Timeline
 
 
 def classify_edge(branch: tuple[str, ...] | list[str], src_stage: int, dst_stage: int) -> str:

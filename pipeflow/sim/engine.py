@@ -482,7 +482,7 @@ def _events_shared(cs: CompiledSchedule, dur, specs, num_slots, groups, gdevs, g
     (it scans the running actions at every event), and used only for shared hosts,
     which hold a handful of ranks."""
     n, ndev, kind = len(cs.actions), cs.num_devices, cs.kind
-    n2, n3 = 2 * n, 3 * n
+    n2 = 2 * n
     # Heap keys: k < n: compute action k starts; n <= k < 2n: REDUCE k - n issued;
     # 2n <= k < 3n: REDUCE k - 2n done. Compute ends are not in the heap: they move.
     launch_key = [i + n if k == Kind.REDUCE else i for i, k in enumerate(kind)]
@@ -501,7 +501,6 @@ def _events_shared(cs: CompiledSchedule, dur, specs, num_slots, groups, gdevs, g
     rate_of = [topology.compute_rate(k) for k in range(ndev + 1)]
     heap: list[tuple[float, int]] = []
     running: dict[int, float] = {}  # compute action -> work left (seconds at full speed)
-    finished: list[int] = []  # compute actions of zero work, done when launched
     num_launched = 0
     now = 0.0
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 
-from .timeline import Timeline
+from ..formats.timeline import Timeline
 
 # past this many compute bars, drop hatching and edges (they cost time and turn to mush)
 DETAIL_LIMIT = 3000

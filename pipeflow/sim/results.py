@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 from ..schedules.ir import Action
 from ..schedules.versions import VersionRecord, summarize
-from .timeline import Timeline
+from ..formats.timeline import Timeline
 
 
 # what an idle gap of a compute stream waited for (see the module doc), in tie-break order

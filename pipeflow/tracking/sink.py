@@ -214,13 +214,11 @@ class MetricsSink:
     def finish(self, summary: dict, exit_code: int = 0) -> None:
         """Write run_dir/summary.json, put its scalars in the W&B run summary, close
         (``exit_code`` non-zero: W&B marks the run failed; an interrupted run's is 1)."""
-        path = self.run_dir / "summary.json"
-        tmp = path.with_name("summary.json.tmp")  # whole or not at all, on a full disk too
+        from .record import write_summary
+
         try:
-            tmp.write_text(json.dumps(summary, indent=2, default=_json_default) + "\n")
-            os.replace(tmp, path)
+            write_summary(self.run_dir, summary, default=_json_default)  # whole or not at all, on a full disk too
         except OSError:
-            tmp.unlink(missing_ok=True)
             self.close(exit_code=1)
             raise
         if self.wandb_run is not None:

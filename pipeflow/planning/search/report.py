@@ -157,33 +157,33 @@ def draw_pareto(result: SearchResult, path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def _keys(c, attention: str) -> list[str]:
-    """The candidate's pipeline, recomputation, the attention it was priced with and its
-    split as YAML lines."""
-    lines = ["pipeline:"]
+def _keys(c, attention: str, precision: str) -> list[str]:
+    """The candidate's pipeline, recomputation, the attention and precision it was priced
+    with and its split as YAML lines."""
+    lines = [f"precision: {precision}", "pipeline:"]
     lines += [f"  {key}: {getattr(c, key)}" for key in
               ("stages", "microbatches", "virtual_stages", "segments", "microbatch_size", "data_parallel")]
     lines += ["model:", f"  recompute: {c.recompute}", f"  attention: {attention}"]
     return lines + (["schedule:", f"  split: {c.split}"] if c.segments > 1 else [])
 
 
-def train_config(q: Priced, model: str, header: str, attention: str = "sdpa") -> str:
+def train_config(q: Priced, model: str, header: str, attention: str = "sdpa", precision: str = "bf16") -> str:
     """A primary config for ``pipeflow-train --config-dir <dir> --config-name <name>``."""
     c = q.candidate
     lines = [f"# {header}", f"# {c.label()}: predicted {q.step_time * 1e3:.3f} ms a step, "
              f"peak {q.peak_memory / GIB:.2f} GiB ({q.how})",
              "defaults:", "  - train", f"  - override model: {model}", f"  - override schedule: {c.schedule}",
              f"  - override partition: {c.partition}", "  - _self_", ""]
-    return "\n".join(lines + _keys(c, attention)) + "\n"
+    return "\n".join(lines + _keys(c, attention, precision)) + "\n"
 
 
-def candidate_config(q: Priced, n: int, model: str, attention: str = "sdpa") -> str:
+def candidate_config(q: Priced, n: int, model: str, attention: str = "sdpa", precision: str = "bf16") -> str:
     """One of the top candidates as a config group option (``+candidate=cN`` in a sweep)."""
     c = q.candidate
     lines = ["# @package _global_", f"# #{n}: {c.label()}: predicted {q.step_time * 1e3:.3f} ms a step ({q.how})",
              "defaults:", f"  - override /model: {model}", f"  - override /schedule: {c.schedule}",
              f"  - override /partition: {c.partition}", ""]
-    return "\n".join(lines + _keys(c, attention)) + "\n"
+    return "\n".join(lines + _keys(c, attention, precision)) + "\n"
 
 
 def write_candidates_csv(result: SearchResult, path: Path) -> None:

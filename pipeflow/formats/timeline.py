@@ -19,7 +19,7 @@ An :class:`Event` is one interval on one stream of one device:
   ``cause_kind`` (interaction, head, chain, reduce, stream, drain), ``cause`` (the
   action that resolved last), ``cause_device`` and ``message``.
 
-The Chrome-trace export (:mod:`pipeflow.sim.trace`) is lossless: every field of every
+The Chrome-trace export (:mod:`pipeflow.formats.trace`) is lossless: every field of every
 event that differs from its default is kept in the event's ``args`` (the stream is the
 name of the event's thread, a compute event's kind its ``cat``), the timeline's own
 fields in ``otherData`` and every event's exact start and end in ``exactTimes``, so
@@ -177,7 +177,7 @@ class Timeline:
         but transfers (and measured events) can, and the viewers nest "X" events of one
         thread, so partial overlaps would be drawn wrong: each stream is split greedily
         into as many lanes as it needs ("comm", "comm 2", ...). The layout is
-        :mod:`pipeflow.sim.trace`'s.
+        :mod:`pipeflow.formats.trace`'s.
         """
         return json.loads("".join(self._trace_pieces()))
 
@@ -263,7 +263,7 @@ class Timeline:
 
         ``compress``: False writes plain JSON at ``path``; True writes it gzipped at
         ``path`` + ".gz"; None gzips only a trace whose text is longer than
-        :data:`pipeflow.sim.trace.COMPRESS_ABOVE`. A path that ends in ".gz" is always
+        :data:`pipeflow.formats.trace.COMPRESS_ABOVE`. A path that ends in ".gz" is always
         gzipped. The other form, if an earlier save left it beside, is removed, so that
         :meth:`load` of either name never reads a stale file. Perfetto opens the gzipped
         file as it is.

@@ -1,6 +1,6 @@
 """The Chrome trace of a timeline, as text, written fast; read back from either form.
 
-:class:`pipeflow.sim.timeline.Timeline` saves and loads through this module. The text is
+:class:`pipeflow.formats.timeline.Timeline` saves and loads through this module. The text is
 made column by column (one list per field of every event) with string formatting, not
 through json's encoder, which spends seconds on a quarter of a million events (64
 devices x 1024 microbatches): a column is read from the events in C (``attrgetter``),

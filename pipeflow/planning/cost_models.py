@@ -6,7 +6,8 @@ from __future__ import annotations
 import inspect
 from typing import Mapping
 
-from .cost import AnalyticCost, CostModel, UnitCost
+from .cost import AnalyticCost, CostModel
+from .unit_cost import UnitCost
 from .machine_cost import CalibratedCost, ProfiledCost
 from .transformer import TransformerSpec
 

@@ -1,0 +1,38 @@
+"""The ``optim`` group: AdamW and its learning-rate schedule (the runtime's pipeflow.runtime.optim).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from omegaconf import DictConfig
+
+from ..values import ConfigError, at_least, number
+
+OPTIMIZERS = ("adamw",)
+
+@dataclass
+class AdamWConfig:
+    name: str = "adamw"
+    lr: float = 1e-3  # peak learning rate, reached after warmup_steps
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_steps: int = 20  # linear warm-up from 0
+    min_lr_ratio: float = 0.1  # cosine decay to lr * min_lr_ratio at trainer.steps
+    grad_clip: Optional[float] = 1.0  # global gradient-norm clip; null or 0: none
+
+def check_optim(optim: DictConfig) -> None:
+    if optim.name not in OPTIMIZERS:
+        raise ConfigError(f"optim.name={optim.name}: unknown optimizer; allowed values: {', '.join(OPTIMIZERS)}")
+    number("optim.lr", optim.lr, "the learning rate must be > 0", optim.lr > 0)
+    number("optim.weight_decay", optim.weight_decay, "must be >= 0", optim.weight_decay >= 0)
+    for key in ("beta1", "beta2"):
+        number(f"optim.{key}", optim[key], "must be in [0, 1)", 0 <= optim[key] < 1)
+    number("optim.eps", optim.eps, "must be > 0", optim.eps > 0)
+    at_least("optim.warmup_steps", optim.warmup_steps, 0)
+    number("optim.min_lr_ratio", optim.min_lr_ratio, "must be in [0, 1]", 0 <= optim.min_lr_ratio <= 1)
+    if optim.grad_clip is not None:
+        number("optim.grad_clip", optim.grad_clip, "must be >= 0, or null for no clipping", optim.grad_clip >= 0)

@@ -1,0 +1,28 @@
+"""The ``pipeline`` group: depth, microbatches, chunks, segments and replicas of every app.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+from pipeflow.checks import is_whole
+
+from ..values import ConfigError
+
+@dataclass
+class PipelineConfig:
+    stages: int = 4  # pipeline depth p (devices of one pipeline)
+    microbatches: int = 8  # m per iteration
+    virtual_stages: int = 1  # model chunks per device (interleaved_1f1b)
+    segments: int = 1  # sequence segments per microbatch (Seq1F1B)
+    microbatch_size: int = 1  # sequences per microbatch
+    data_parallel: int = 1  # replicas of the whole pipeline (n x stages devices); microbatches is per replica
+
+def check_pipeline(cfg: DictConfig) -> None:
+    pipe = cfg.pipeline
+    for key in ("stages", "microbatches", "virtual_stages", "segments", "microbatch_size", "data_parallel"):
+        value = pipe[key]
+        if not is_whole(value) or value < 1:
+            raise ConfigError(f"pipeline.{key}={value}: must be a whole number >= 1")

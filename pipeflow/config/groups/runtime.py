@@ -1,0 +1,82 @@
+"""The ``runtime`` group of pipeflow-train: backend, device, loss scale, message matching, timeouts, threads
+and the failure test hooks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from omegaconf import DictConfig
+
+from pipeflow.checks import is_whole
+
+from ..values import ConfigError, at_least, number
+
+BACKENDS = ("auto", "gloo", "nccl")
+
+RUNTIME_DEVICES = ("auto", "cpu", "cuda")
+
+P2P_MODES = ("tagged", "ordered")  # runtime.p2p: messages matched by tag, or per pair in order (as NCCL does)
+
+FAIL_MODES = ("raise", "kill")
+
+@dataclass
+class LocalRuntimeConfig:
+    name: str = "local"
+    backend: str = "auto"  # auto: nccl when CUDA is available, else gloo
+    device: str = "auto"  # auto | cpu | cuda
+    loss_scale: float = 65536.0  # fp16: the initial dynamic loss scale
+    p2p: str = "tagged"  # tagged | ordered: point-to-point messages matched by tag, or per pair in order (NCCL)
+    timeout_s: float = 60.0  # a collective or P2P op that takes longer fails the run
+    hang_timeout_s: float = 30.0  # a rank silent this long (stopped, stuck) fails the run, named; 0: never
+    master_port: Optional[int] = None  # null: a free port
+    threads_per_rank: int = 1  # torch intra-op threads of each rank
+    fail_at_step: Optional[int] = None  # test hook: rank fail_rank fails at this step
+    fail_rank: Optional[int] = None
+    fail_mode: str = "raise"  # raise: a Python error; kill: SIGKILL, as an out-of-memory kill would
+    dump_grads: bool = False  # test hook: each rank writes run_dir/grads/rank<r>.pt after its first backward
+
+def _cuda_devices() -> int:
+    # torch is imported only when a config asks for CUDA, so checking a CPU config stays fast
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+def check_runtime(rt: DictConfig, world_size: int) -> None:
+    if rt.backend not in BACKENDS:
+        raise ConfigError(f"runtime.backend={rt.backend}: unknown backend; allowed values: {', '.join(BACKENDS)}")
+    if rt.device not in RUNTIME_DEVICES:
+        raise ConfigError(f"runtime.device={rt.device}: unknown device; allowed values: {', '.join(RUNTIME_DEVICES)}")
+    number("runtime.loss_scale", rt.loss_scale, "must be > 0", rt.loss_scale > 0)
+    if rt.p2p not in P2P_MODES:
+        raise ConfigError(f"runtime.p2p={rt.p2p}: unknown matching; allowed values: {', '.join(P2P_MODES)}")
+    if rt.backend == "nccl" and rt.device == "cpu":
+        raise ConfigError("runtime.backend=nccl: NCCL moves CUDA tensors only; use runtime.backend=gloo (or auto) "
+                          "with runtime.device=cpu")
+    if rt.backend == "nccl" or rt.device == "cuda":
+        key, value = ("runtime.backend", rt.backend) if rt.backend == "nccl" else ("runtime.device", rt.device)
+        gpus = _cuda_devices()
+        if gpus == 0:
+            raise ConfigError(f"{key}={value}: no CUDA device is available here; use {key}=auto (gloo on CPU)")
+        if gpus < world_size:
+            # NCCL refuses two ranks on one GPU
+            raise ConfigError(
+                f"{key}={value}: the schedule needs {world_size} ranks but only {gpus} CUDA devices are visible; "
+                f"use fewer pipeline.stages or runtime.device=cpu"
+            )
+    number("runtime.timeout_s", rt.timeout_s, "must be > 0 seconds", rt.timeout_s > 0)
+    number("runtime.hang_timeout_s", rt.hang_timeout_s, "must be >= 0 seconds (0: never)", rt.hang_timeout_s >= 0)
+    at_least("runtime.threads_per_rank", rt.threads_per_rank, 1)
+    if rt.master_port is not None:
+        number("runtime.master_port", rt.master_port, "must be null (a free port) or in 1..65535",
+                is_whole(rt.master_port) and 1 <= rt.master_port <= 65535)
+    if (rt.fail_at_step is None) != (rt.fail_rank is None):
+        unset = "runtime.fail_rank" if rt.fail_rank is None else "runtime.fail_at_step"
+        raise ConfigError(f"{unset}=null: the failure test hook needs both runtime.fail_rank and runtime.fail_at_step")
+    if rt.fail_rank is not None:
+        number("runtime.fail_rank", rt.fail_rank, f"must be a rank in 0..{world_size - 1}",
+                is_whole(rt.fail_rank) and 0 <= rt.fail_rank < world_size)
+        at_least("runtime.fail_at_step", rt.fail_at_step, 1)
+        if rt.fail_mode not in FAIL_MODES:
+            raise ConfigError(f"runtime.fail_mode={rt.fail_mode}: allowed values: {', '.join(FAIL_MODES)}")

@@ -1,0 +1,114 @@
+"""What one rank holds, instantiated from the run plan (:class:`pipeflow.formats.runplan.RunPlan`):
+its stages' modules and optimizers and the executors that run the plan's schedules.
+Nothing is decided here: the plan says what runs, the config only how to optimize.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..formats.runplan import RunPlan
+from ..schedules.ir import Schedule, WeightPolicy
+from ..schedules.zero import zero_owners
+from .async_executor import AsyncExecutor, ChunkStats
+from .executor import Executor, Groups, StageState
+from .optim import make_optimizer
+from .precision import Precision
+
+
+@dataclass
+class RankSetup:
+    """What one rank holds: its stages (modules and optimizers) and the executor that runs them."""
+
+    schedule: Schedule
+    layers_per_stage: list[int]
+    adapter: object  # GPTAdapter, BertAdapter or CBMAdapter: see pipeflow.runtime.adapters
+    stages: dict[tuple[int, int], StageState]
+    executor: Executor
+    # asynchronous schedules: evaluation runs a forward-only 1F1B over pipe 0's replicas,
+    # and a chunk of L steps runs the schedule generated for L windows
+    eval_executor: Executor | None = None
+    chunk_executors: dict | None = None
+    make_chunk: object = None
+
+    @property
+    def is_async(self) -> bool:
+        return self.schedule.policy != WeightPolicy.SYNC
+
+    def chunk_executor(self, windows: int) -> "AsyncExecutor":
+        if windows not in self.chunk_executors:
+            self.chunk_executors[windows] = self.make_chunk(windows)
+        return self.chunk_executors[windows]
+
+    @property
+    def steps_per_chunk(self) -> int:
+        """The most steps one chunk runs without a flush: a synchronous step is a chunk of one."""
+        return self.schedule.windows if self.is_async else 1
+
+    @property
+    def evaluator(self) -> Executor:
+        return self.eval_executor or self.executor
+
+    def run_chunk(self, batches: list, normalizers: list, lrs: list, first: int, record: bool, t0: float):
+        """Run steps ``first`` .. ``first + len(batches) - 1`` without a flush between them:
+        (the executor that ran them, its ChunkStats)."""
+        if not self.is_async:
+            ex = self.executor
+            ex.meter.reset_step()
+            ex.sent_bytes = 0
+            st = ex.train_step(batches[0], normalizers[0], lrs[0], record=record, t0=t0)
+            return ex, ChunkStats([st.loss], [st.grad_norm], st.busy, [], st.events, st.loss_scale, st.skipped)
+        ex = self.chunk_executor(len(batches))
+        ex.meter.reset_step()
+        ex.sent_bytes = 0
+        m = self.schedule.microbatches_per_step
+        return ex, ex.train_chunk(batches, normalizers, lrs, base_update=(first - 1) * ex.updates_per_step,
+                                  base_mb=(first - 1) * m, record=record, t0=t0)
+
+
+def build_rank(plan: RunPlan, cfg: dict, rank: int, device: torch.device, on_grads=None) -> RankSetup:
+    """Instantiate this rank's share of the job the run plan describes: its stages'
+    modules and optimizers (``cfg["optim"]``) and the executors that run the plan's
+    schedules. Needs the process group (it creates groups). Nothing is decided here."""
+    optim = cfg["optim"]
+    precision = Precision(plan.precision, device.type, float(cfg["runtime"].get("loss_scale", 2.0**16)))
+    p2p = "ordered" if device.type == "cuda" else cfg["runtime"].get("p2p", "tagged")  # NCCL ignores tags
+    schedule, layers = plan.schedule, plan.layers_per_stage
+    adapter = plan.adapter.build(device)
+    stages: dict[tuple[int, int], StageState] = {}
+    # owner-based sharding: a replicated stage's optimizer state lives on its owner only
+    # (the other replicas keep state for their tied copies alone, which they update themselves)
+    owners = zero_owners(schedule.placement) if schedule.zero else {}
+    for pipe, stage in schedule.placement.stages_on(rank):
+        module = adapter.build_stage(stage)
+        graph = schedule.graph  # sources read the batch, sinks compute the loss
+        st = StageState(pipe, stage, module, first=not graph.preds[stage], last=not graph.succs[stage])
+        st.params = [p for p in module.parameters() if p.requires_grad]
+        st.tied = module.tied_parameters() if hasattr(module, "tied_parameters") else []
+        replicated = len({d for _, d in schedule.placement.replicas(stage)}) > 1
+        if owners and replicated and owners[stage] != rank:
+            st.optimizer = make_optimizer(module, optim, params=list(st.tied)) if st.tied else None
+        else:
+            st.optimizer = make_optimizer(module, optim)
+        stages[(pipe, stage)] = st
+    groups = Groups(schedule, adapter.tied_stages)
+    clip = optim.get("grad_clip")
+    if schedule.policy == WeightPolicy.SYNC:
+        executor = Executor(schedule, rank, stages, adapter, groups, grad_clip=clip, on_grads=on_grads,
+                            precision=precision, p2p=p2p)
+        return RankSetup(schedule, layers, adapter, stages, executor)
+
+    def make_chunk(windows: int) -> AsyncExecutor:
+        return AsyncExecutor(plan.chunk_schedule(windows), rank, stages, adapter, groups, grad_clip=clip,
+                             precision=precision, p2p=p2p)
+
+    executor = AsyncExecutor(schedule, rank, stages, adapter, groups, grad_clip=clip, precision=precision, p2p=p2p)
+    # evaluation after a flush: every mirror replica holds the same weights, so pipe 0's
+    # replicas run the plan's forward-only 1F1B
+    eval_stages = {(0, s): st for (pipe, s), st in stages.items() if pipe == 0}
+    eval_executor = Executor(plan.eval_schedule, rank, eval_stages, adapter, groups, grad_clip=None,
+                             precision=precision, p2p=p2p)
+    return RankSetup(schedule, layers, adapter, stages, executor, eval_executor,
+                     {schedule.windows: executor}, make_chunk)
