@@ -54,6 +54,7 @@ class PendingWeight:
     planned: list = field(default_factory=list)  # per matrix-product node: (its plan, the gradient of its output)
     whole: tuple | None = None  # (output, its gradient): W is the whole backward
     direct: list = field(default_factory=list)  # (parameter, gradient) that I computed (norms)
+    holds: list = field(default_factory=list)  # the memory meter's handles on what this holds (until W)
 
 
 # the backward nodes of the weight GEMMs: their weight gradients are W's work
@@ -122,14 +123,17 @@ def accumulators(params: list[torch.Tensor]) -> frozenset:
 
 def backward_input(out: torch.Tensor, grad: torch.Tensor | None, leaves: list[torch.Tensor],
                    params: list[torch.Tensor], param_nodes: frozenset | None = None,
-                   free_graph: bool = True) -> tuple[list, PendingWeight]:
+                   free_graph: bool = True, keep=None) -> tuple[list, PendingWeight]:
     """I: the gradients of ``leaves`` (None where unused), and what W needs.
 
     ``grad`` is the gradient of ``out`` (None when ``out`` is the loss). Where W needs
     nothing of the graph but the operands its plans hold, I frees the graph as it goes
     (``free_graph=False`` keeps it until W, as before: ``benchmarks/bench_split.py``
     compares the two); otherwise W frees it. ``param_nodes``: ``accumulators(params)``,
-    held by the caller across calls (computed here when not given).
+    held by the caller across calls (computed here when not given). ``keep(tensor)``: a
+    memory meter's count of a tensor held until W (:meth:`pipeflow.runtime.memory.SavedBytes.keep`):
+    the planned products' operands, taken before the graph that saved them is freed, and
+    the gradients arriving at the boundary nodes.
     """
     pending = PendingWeight()
     if out.grad_fn is None:
@@ -152,12 +156,14 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, leaves: list[to
     # as a full backward does (a graph kept whole until W held every saved activation:
     # fresh memory for each later kernel, I + W 20% over B on gpt_tiny's last stage)
     plans = [_plan_by_hand(node, [e for e in b if e.node not in skip]) for node, b in boundary]
-    keep = not free_graph or any(plan is None for plan in plans)
+    if keep is not None:  # counted from before I frees the graph that saved them: no dip
+        pending.holds += [keep(x) for plan in plans if plan is not None for _, _, x, _ in plan[2] if x is not None]
+    retain = not free_graph or any(plan is None for plan in plans)
     # the gradients arriving at the boundary nodes come back from the same call: an
     # edge (node, i) asked for as an input yields the gradient of the node's i-th output
     edges = [[GradientEdge(node, i) for i in range(len(node._input_metadata))] for node, _ in boundary]
     got = torch.autograd.grad(out, [*leaves, *direct_params, *(e for es in edges for e in es)],
-                              grad_outputs=grad, retain_graph=keep, allow_unused=True)
+                              grad_outputs=grad, retain_graph=retain, allow_unused=True)
     grads = got[: len(leaves)]
     at = len(leaves) + len(direct_params)
     pending.direct = [(p, g) for p, g in zip(direct_params, got[len(leaves):at]) if g is not None]
@@ -171,6 +177,8 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, leaves: list[to
         else:
             branch = [e for e in branch if e.node not in skip]
             pending.roots.append(([e for e, _ in kept], [g for _, g in kept], branch))
+        if keep is not None:
+            pending.holds += [keep(g) for _, g in kept]
     return list(grads), pending
 
 

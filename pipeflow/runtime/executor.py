@@ -359,7 +359,8 @@ class Executor:
             return
         if st.accumulators is None:
             st.accumulators = accumulators(st.params)
-        grads, st.pending_w[key] = backward_input(out, g, list(leaves.values()), st.params, st.accumulators)
+        grads, st.pending_w[key] = backward_input(out, g, list(leaves.values()), st.params, st.accumulators,
+                                                  keep=self.meter.keep)
         if leaves:
             self._send_input_grads(a, leaves, grads, outbox, local)
 

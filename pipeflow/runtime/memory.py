@@ -9,7 +9,9 @@ dropped). Parameters and buffers are not activations and are not counted. The ke
 and values a Seq1F1B segment keeps for the later segments of its microbatch, and the
 gradients the later segments' backwards send them, are held through the same count
 (:meth:`SavedBytes.hold`), so a storage both saved and cached counts once; the keys'
-and values' own peak is reported too. The loss (its log-softmax) is computed under the
+and values' own peak is reported too. So are the operands and gradients the
+zero-bubble split holds by hand from I until W (:meth:`SavedBytes.keep`): I frees the
+graph, and what W needs lives on outside autograd's saved tensors. The loss (its log-softmax) is computed under the
 hooks as well.
 """
 
@@ -38,6 +40,8 @@ class SavedBytes:
         self.peak = 0
         self.kv_current = 0
         self.kv_peak = 0
+        self.residual_current = 0  # I-to-W residuals held by hand (Kept)
+        self.residual_peak = 0
         self.step_peak = 0
 
     def reset_step(self) -> None:
@@ -96,19 +100,35 @@ class SavedBytes:
         """Count ``t`` while the returned handle lives (drop it to release)."""
         return KVHold(self, t)
 
+    # ---- what the zero-bubble split holds from I until W -------------------------------
+    def keep(self, t: torch.Tensor) -> "Kept":
+        """Count ``t``, a tensor held by hand from I until its W (a planned product's
+        operand, the gradient arriving at it), while the returned handle lives. A storage
+        autograd still saves counts once; its own peak is ``residual_peak``."""
+        return Kept(self, t)
 
-class KVHold:
+
+class Kept:
     __slots__ = ("meter", "ptr", "tensor", "nbytes")
+    _current, _peak = "residual_current", "residual_peak"
 
     def __init__(self, meter: SavedBytes, t: torch.Tensor):
         self.meter, self.tensor = meter, t
         self.nbytes = t.numel() * t.element_size()
         self.ptr = meter._acquire(t)
         if self.ptr is not None:
-            meter.kv_current += self.nbytes
-            meter.kv_peak = max(meter.kv_peak, meter.kv_current)
+            now = getattr(meter, self._current) + self.nbytes
+            setattr(meter, self._current, now)
+            setattr(meter, self._peak, max(getattr(meter, self._peak), now))
 
     def __del__(self):
         if self.ptr is not None:
             self.meter._release(self.ptr)
-            self.meter.kv_current -= self.nbytes
+            setattr(self.meter, self._current, getattr(self.meter, self._current) - self.nbytes)
+
+
+class KVHold(Kept):
+    """A Seq1F1B segment's keys and values (or their gradients), held for later segments."""
+
+    __slots__ = ()
+    _current, _peak = "kv_current", "kv_peak"

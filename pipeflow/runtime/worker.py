@@ -183,7 +183,8 @@ def _train_steps(rank, job, device, setup: RankSetup, data, sink, progress, stat
     dist.gather_object(peak_memory(device), peaks, dst=0)
     meters = [setup.executor.meter, *[e.meter for e in (setup.chunk_executors or {}).values()]]
     saved_peaks = [None] * job.world_size if rank == 0 else None
-    dist.gather_object((max(mt.peak for mt in meters), max(mt.kv_peak for mt in meters)), saved_peaks, dst=0)
+    dist.gather_object((max(mt.peak for mt in meters), max(mt.kv_peak for mt in meters),
+                        max(mt.residual_peak for mt in meters)), saved_peaks, dst=0)
     versions = [None] * job.world_size if rank == 0 else None
     dist.gather_object(max((getattr(st, "versions", None).peak_versions if getattr(st, "versions", None) else 1)
                            for st in stages.values()), versions, dst=0)
@@ -225,6 +226,7 @@ def _train_steps(rank, job, device, setup: RankSetup, data, sink, progress, stat
         # per rank: bytes kept for backward at the peak (Seq1F1B's K/V included), the K/V's own
         "peak_saved_bytes": [p[0] for p in saved_peaks],
         "peak_kv_bytes": [p[1] for p in saved_peaks],
+        "peak_residual_bytes": [p[2] for p in saved_peaks],  # I-to-W residuals the zero-bubble split holds
         "weight_policy": schedule.policy.value,
         "peak_weight_versions": versions,  # per rank: the most versions one replica held at once
         "updates": steps,  # synchronous: one per step; an asynchronous run's count replaces it
