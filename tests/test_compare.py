@@ -163,39 +163,31 @@ def test_simulated_runs_fill_the_simulated_columns(sweep, tmp_path):
 
 
 
-@pytest.mark.parametrize("differs, why", [
-    ("precision=bf16", "precision bf16, not fp32"),
-    ("model.attention=eager", "attention eager, not sdpa"),
-    ("topology=dgx_a100_8 precision=fp32", "topology dgx_a100_8, not local_cpu"),  # auto: bf16 on its GPUs
-])
-def test_a_simulation_of_another_precision_attention_or_topology_is_never_paired(sweep, tmp_path, capsys, differs,
-                                                                                  why):
+def test_a_simulation_of_another_precision_attention_or_topology_is_never_paired(sweep, tmp_path, capsys):
     """The measured 1f1b run trained in fp32 (precision=auto on local_cpu's CPUs), with
     the fused attention, on local_cpu: a simulation differing in one of these is no
     prediction of it, and the report says which field kept them apart; beside a
     simulation of the same configuration, that one is the partner."""
     sizes = ["schedule=1f1b", "pipeline.stages=2", "pipeline.microbatches=4", "pipeline.microbatch_size=2",
              "model.n_layer=4", "model.n_embd=32", "model.n_head=2", "model.seq_len=32", "draw=false"]
-    other = run_simulation(compose("simulate", [*sizes, *differs.split()]), tmp_path / "other" / "sim")
-    assert other["run_key"][why.split()[0]] == why.split()[1].rstrip(",")
-    runs, table, _ = compare([str(sweep), str(tmp_path / "other")], CompareConfig(out=str(tmp_path / "out")))
-    row = next(r for r in table if r["kind"] == "measured" and r["schedule"] == "1f1b")
-    assert row["sim_step_time"] is None and row["sim_run"] is None
-    assert row["sim_unpaired"] == f"the nearest simulation differs in {why}"
-    assert main([str(sweep), str(tmp_path / "other"), f"out={tmp_path / 'out2'}"]) == 0
-    assert f"{row['run']}: the nearest simulation differs in {why}" in capsys.readouterr().out
+    cases = {"precision": (["precision=bf16"], "precision bf16, not fp32"),
+             "attention": (["model.attention=eager"], "attention eager, not sdpa"),
+             # auto would be bf16 on its GPUs: fp32 keeps the topology the one difference
+             "topology": (["topology=dgx_a100_8", "precision=fp32"], "topology dgx_a100_8, not local_cpu")}
+    measured = next(r for r in find_runs([sweep]) if r.schedule == "1f1b")
+    for name, (differs, why) in cases.items():
+        other = run_simulation(compose("simulate", [*sizes, *differs]), tmp_path / name / "sim")
+        assert other["run_key"][name] == why.split()[1].rstrip(",")
+        row = next(r for r in run_table([measured, *find_runs([tmp_path / name])], None, 1) if r["kind"] == "measured")
+        assert row["sim_step_time"] is None and row["sim_run"] is None
+        assert row["sim_unpaired"] == f"the nearest simulation differs in {why}"
+    assert main([str(sweep), str(tmp_path / "precision"), f"out={tmp_path / 'out'}"]) == 0
+    assert f"{measured.name}: the nearest simulation differs in precision bf16, not fp32" in capsys.readouterr().out
     same = run_simulation(compose("simulate", sizes), tmp_path / "same" / "sim")
-    assert same["run_key"] == json.loads((Path(row_path(runs, row)) / "summary.json").read_text())["run_key"]
-    _, table, _ = compare([str(sweep), str(tmp_path / "other"), str(tmp_path / "same")],
-                          CompareConfig(out=str(tmp_path / "out3")))
-    row = next(r for r in table if r["kind"] == "measured" and r["schedule"] == "1f1b")
+    assert same["run_key"] == measured.summary["run_key"]
+    table = run_table([measured, *find_runs([tmp_path])], None, 1)
+    row = next(r for r in table if r["kind"] == "measured")
     assert row["sim_step_time"] == pytest.approx(same["makespan"]) and row["sim_unpaired"] is None
-
-
-def row_path(runs, row) -> Path:
-    return next(r.path for r in runs if r.name == row["run"])
-
-# ------------------------------------------------------------ pieces, on folders written here
 
 
 def write_run(root: Path, name: str, config: dict, losses: list[float], *, finished: bool = True,

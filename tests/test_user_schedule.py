@@ -85,10 +85,17 @@ def test_simulate_and_export_a_users_schedule(user_folder, tmp_path):
     assert first_backward == 7 and rows[0][first_backward] == "0B0", rows[0][:9]
 
 
-def test_train_a_users_schedule_to_the_single_device_gradients(user_folder, tmp_path):
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    """The single-device run both training tests compare with (2 steps, gradients dumped)."""
+    return pipeline_runs.train(tmp_path_factory.mktemp("ref"), [*pipeline_runs.GPT_SMALL, "pipeline.stages=1",
+                                                                "trainer.steps=2", "runtime.dump_grads=true"],
+                               tied=pipeline_runs.GPT_TIED)
+
+
+def test_train_a_users_schedule_to_the_single_device_gradients(user_folder, tmp_path, reference):
     small = [o for o in pipeline_runs.GPT_SMALL]
-    ref = pipeline_runs.train(tmp_path / "ref", [*small, "pipeline.stages=1", "trainer.steps=2",
-                                                 "runtime.dump_grads=true"], tied=pipeline_runs.GPT_TIED)
+    ref = reference
     out = tmp_path / "train"
     proc = _app("pipeflow.train", user_folder, "schedule=double_warmup", "pipeline.stages=2", "trainer.steps=2",
                 "runtime.dump_grads=true", *small, f"hydra.run.dir={out}")
@@ -126,7 +133,7 @@ def test_a_users_yaml_found_through_the_search_path(user_folder):
     assert [str(a) for a in inputs.schedule.orders[0][:3]] == ["0F0", "0F1", "0F2"]
 
 
-def test_a_users_assembled_schedule_trains_and_each_rank_runs_what_was_validated(user_folder, tmp_path):
+def test_a_users_assembled_schedule_trains_and_each_rank_runs_what_was_validated(user_folder, tmp_path, reference):
     """A user's spec with ``assemble`` (offered by pipeflow/schedules/spec.py) trains on 2
     ranks to the single-device gradients: the ranks run the run plan's schedule and never
     generate one themselves (they used to, and failed on every rank with a TypeError). The
@@ -136,7 +143,7 @@ def test_a_users_assembled_schedule_trains_and_each_rank_runs_what_was_validated
     from pipeflow.formats.timeline import Timeline
 
     small = [*pipeline_runs.GPT_SMALL, "trainer.steps=2", "runtime.dump_grads=true"]
-    ref = pipeline_runs.train(tmp_path / "ref", [*small, "pipeline.stages=1"], tied=pipeline_runs.GPT_TIED)
+    ref = reference
     run = pipeline_runs.train(tmp_path / "run", [*small, "schedule.name=assembled_zb", "pipeline.stages=2",
                                                  f"schedule.generator={user_folder / 'my_schedules.py'}:ASSEMBLED",
                                                  "trainer.timeline_step=1"], tied=pipeline_runs.GPT_TIED)
