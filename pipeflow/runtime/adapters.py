@@ -10,7 +10,6 @@ import torch
 
 from ..data.mlm import IGNORE_INDEX, build_mlm_data
 from ..data.text import build_text_data
-from ..families import FAMILIES, family_of
 from ..models import bert
 from ..models.gpt import build_stage, hidden_shape, lm_loss
 
@@ -143,20 +142,6 @@ class HFCausalAdapter(GPTAdapter):
         from ..models import hf_causal
 
         return hf_causal.build_stage(self.model_cfg, self.layers_per_stage, stage, self.seed).to(self.device)
-
-
-def make_adapter(model_cfg: Mapping, layers_per_stage: Sequence[int], microbatch_size: int, seq_len: int,
-                 seed: int, device: torch.device, segment_lengths: Sequence[int] | None = None):
-    """The adapter of a chain-shaped family (pipeflow.families names it)."""
-    family = family_of(model_cfg)
-    if family.branched:
-        raise ValueError(f"model.family={family.name}: a branched model's adapter is built from its stage graph "
-                         f"(CBMAdapter)")
-    if segment_lengths and not family.causal:
-        causal = ", ".join(f.name for f in FAMILIES.values() if f.causal)
-        raise ValueError(f"model.family={family.name}: sequence segments need causal attention (model.family={causal})")
-    extra = {"segment_lengths": segment_lengths} if segment_lengths else {}
-    return family.load_adapter()(model_cfg, layers_per_stage, microbatch_size, seq_len, seed, device, **extra)
 
 
 class CBMAdapter:
