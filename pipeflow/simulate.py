@@ -22,12 +22,20 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from pipeflow.config import CONF_DIR, ConfigError, check_logger, prepare_simulation, register_configs, run_app
+from pipeflow.config import (
+    CONF_DIR,
+    ConfigError,
+    check_logger,
+    prepare_simulation,
+    register_configs,
+    run_app,
+)
 from pipeflow.schedules.data_parallel import pipeline_shape
 from pipeflow.schedules.export import write_torch_csv
 from pipeflow.schedules.validate import check_complete, check_overlaps, validate
 from pipeflow.sim.engine import SimulationError, simulate
 from pipeflow.sim.gantt import draw_timeline, unreadable
+from pipeflow.sim.memory import device_memory
 from pipeflow.tracking.record import run_key, write_summary
 
 # Hydra composes against these schemas, so they must be in the ConfigStore before main().
@@ -85,7 +93,8 @@ def _run_simulation(cfg: DictConfig, out_dir: str | Path, notes: list[str] | Non
         write_torch_csv(schedule, out / "schedule.csv")
         files.append("schedule.csv")
 
-    memory = memory_fit(schedule, cost, topology, sim_summary["per_device"])
+    categories = device_memory(schedule, cost, result.timeline, result.per_device) if cost.name != "unit" else None
+    memory = memory_fit(schedule, cost, topology, sim_summary["per_device"], categories)
     summary = {
         "kind": "simulated",  # predicted by the simulator; pipeflow-train's summaries are measured
         "schedule": schedule.name,
@@ -126,7 +135,7 @@ def _run_simulation(cfg: DictConfig, out_dir: str | Path, notes: list[str] | Non
     return summary
 
 
-def memory_fit(schedule, cost, topology, per_device: list[dict]) -> dict:
+def memory_fit(schedule, cost, topology, per_device: list[dict], categories: list[dict] | None = None) -> dict:
     """Whether every device holds what the run asks of it: the model state of the stages
     it holds for the whole run (weights, gradients, optimizer state:
     ``cost.model_state_bytes``) plus its peak of saved activations, against its memory.
@@ -139,7 +148,12 @@ def memory_fit(schedule, cost, topology, per_device: list[dict]) -> dict:
     for d in per_device:
         dev = d["device"]
         d["model_state_bytes"] = sum(cost.model_state_bytes(s) for _, s in schedule.placement.stages_on(dev))
-        d["peak_memory_bytes"] = d["model_state_bytes"] + d["peak_activation_bytes"]
+        if categories is not None:  # the peak of the sum over time, by category (pipeflow.sim.memory)
+            d["peak_memory_bytes"] = categories[dev]["peak_bytes"]
+            d["memory_at_peak"] = categories[dev]["at_peak"]
+            d["memory_category_peaks"] = categories[dev]["category_peaks"]
+        else:
+            d["peak_memory_bytes"] = d["model_state_bytes"] + d["peak_activation_bytes"]
         d["memory_bytes"] = topology.devices[dev].memory_bytes
         if d["peak_memory_bytes"] > d["memory_bytes"]:
             short.append(dev)

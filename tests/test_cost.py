@@ -17,6 +17,7 @@ from pipeflow.planning import (
     layer_params,
     total_params,
 )
+from pipeflow.planning.transformer import layer_matrix_params
 from pipeflow.topology import Device
 
 DEV = Device("test", peak_flops=1e14, memory_bytes=8e10, memory_bandwidth=1e12)
@@ -278,7 +279,15 @@ def test_step_time_is_memory_bound_and_scales_with_params():
     t0, t1 = c.compute_time("S", 0, 0, DEV), c.compute_time("S", 1, 0, DEV)
     assert t0 / t1 == pytest.approx(c.stage_params(0) / c.stage_params(1))
     assert c.compute_time("S", 0, 0, Device("x", 1e14, 1e10)) == 0  # unknown bandwidth
-    assert c.model_state_bytes(1) == 18 * c.stage_params(1)
+    # the runtime's state: fp32 weights, gradients and AdamW moments (16 B/param), and at
+    # 16 bits one 16-bit cast of the layers' matrices (and the head's, on the last stage)
+    p, layers = c.stage_params(1), c.layers_per_stage[1]
+    state = c.state_bytes(1)
+    assert (state["parameters"], state["gradients"], state["optimizer_state"]) == (4 * p, 4 * p, 8 * p)
+    assert state["casts"] == 2 * layers * layer_matrix_params(GPT) and c.model_state_bytes(1) == 16 * p + state["casts"]
+    last = c.state_bytes(3)["casts"]
+    assert last == 2 * (c.layers_per_stage[3] * layer_matrix_params(GPT) + GPT.vocab_size * GPT.n_embd)
+    assert AnalyticCost(GPT, 4, dtype_bytes=4).model_state_bytes(1) == 16 * p  # fp32: no casts
 
 
 # ------------------------------------------------------------------- config

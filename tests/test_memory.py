@@ -68,25 +68,72 @@ def test_what_i_hands_to_w_is_counted_until_w():
     assert all(torch.equal(a, p.grad) for a, p in zip(ref, params))
 
 
-OVER = [*pipeline_runs.GPT_SMALL, "pipeline.stages=2", "pipeline.microbatches=8", "trainer.steps=2"]
+def test_the_profile_names_what_a_step_holds_byte_for_byte():
+    """runtime.memory=profile on one process: a forward (its saved tensors tagged by the
+    meter), a backward and an AdamW step under the profiler; at the step's peak the
+    categories hold exactly the weights, their gradients, the optimizer's moments, and
+    what autograd saved (the meter's own count)."""
+    from pipeflow.runtime.memory_profile import profile_step, tag_stage
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    opt = torch.optim.AdamW(net.parameters())
+    x = torch.randn(128, 64)
+    net(x).sum().backward()
+    opt.step()  # the moments exist before the profiled step, as in a run's last step
+    opt.zero_grad(set_to_none=True)
+    meter = SavedBytes({p.untyped_storage().data_ptr() for p in net.parameters()})
+    with profile_step(torch.device("cpu")) as step:
+        with meter.hooks():
+            out = net(x)
+        saved = meter.current
+        out.sum().backward()
+        del out
+        opt.step()
+        tag_stage(net, opt)
+        opt.zero_grad(set_to_none=True)
+    weights = sum(p.numel() * 4 for p in net.parameters())
+    moments = sum(v.untyped_storage().nbytes() for st in opt.state.values() for v in st.values())
+    assert moments >= 2 * weights
+    peaks = step.category_peaks
+    assert peaks["parameters"] == weights and peaks["optimizer_state"] == moments
+    assert peaks["gradients"] == weights
+    assert peaks["activations"] == saved == meter.peak
+    assert step.peak_bytes >= weights + moments + max(saved, weights)
+    assert sum(step.at_peak.values()) == step.peak_bytes
+
+
+OVER = [*pipeline_runs.GPT_SMALL, "pipeline.stages=2", "pipeline.microbatches=8", "trainer.steps=2",
+        "runtime.memory=profile"]
+SIZES = [*pipeline_runs.GPT_SMALL[:4], "pipeline.stages=2", "pipeline.microbatches=8", "pipeline.microbatch_size=2"]
 
 
 @pytest.fixture(scope="module")
-def one_f_one_b(tmp_path_factory) -> dict:
-    """1F1B on 2 ranks, 8 microbatches: the baseline both rank tests compare with."""
-    return pipeline_runs.train(tmp_path_factory.mktemp("1f1b"), [*OVER, "schedule=1f1b"])["summary"]
+def trained(tmp_path_factory):
+    """``trained(schedule, *overrides)``: the summary of that run on 2 ranks (2 steps, the
+    last one profiled), trained once for the module."""
+    runs = {}
+
+    def get(schedule: str, *extra: str) -> dict:
+        key = (schedule, *extra)
+        if key not in runs:
+            out = tmp_path_factory.mktemp(schedule)
+            runs[key] = pipeline_runs.train(out, [*OVER, f"schedule={schedule}", *extra])["summary"]
+        return runs[key]
+
+    return get
 
 
-def test_gpipe_keeps_every_microbatch_1f1b_at_most_p(tmp_path: Path, one_f_one_b):
-    gpipe = pipeline_runs.train(tmp_path / "gpipe", [*OVER, "schedule=gpipe"])["summary"]["peak_saved_bytes"]
-    one = one_f_one_b["peak_saved_bytes"]
+def test_gpipe_keeps_every_microbatch_1f1b_at_most_p(trained):
+    gpipe = trained("gpipe")["peak_saved_bytes"]
+    one = trained("1f1b")["peak_saved_bytes"]
     # stage 0 holds 8 microbatches under GPipe and 2 under 1F1B: a ratio of 4, give or take
     # the tensors a stage saves once per step
     assert 3.5 < gpipe[0] / one[0] < 4.5
     assert one[1] < one[0]  # the last stage holds one microbatch at a time
 
 
-def test_the_zero_bubble_split_holds_its_residuals_until_w_measured_and_simulated(tmp_path: Path, one_f_one_b):
+def test_the_zero_bubble_split_holds_its_residuals_until_w_measured_and_simulated(tmp_path: Path, trained):
     """Under ZB-H1 and ZB-H2 the last stage keeps what each I hands to its W (the planned
     products' operands and the gradients arriving at them, held by hand once I has freed
     the graph) until W runs: its measured peak exceeds 1F1B's by those residuals, and the
@@ -94,12 +141,10 @@ def test_the_zero_bubble_split_holds_its_residuals_until_w_measured_and_simulate
     from pipeflow.config import compose
     from pipeflow.simulate import run_simulation
 
-    sizes = [*pipeline_runs.GPT_SMALL[:4], "pipeline.stages=2", "pipeline.microbatches=8", "pipeline.microbatch_size=2"]
     peaks = {}
     for schedule in ("1f1b", "zb_h1", "zb_h2"):
-        run = one_f_one_b if schedule == "1f1b" else pipeline_runs.train(
-            tmp_path / schedule, [*OVER, f"schedule={schedule}", "trainer.steps=1"])["summary"]
-        sim = run_simulation(compose("simulate", [*sizes, f"schedule={schedule}", "draw=false"]), tmp_path / f"sim_{schedule}")
+        run = trained(schedule)
+        sim = run_simulation(compose("simulate", [*SIZES, f"schedule={schedule}", "draw=false"]), tmp_path / f"sim_{schedule}")
         assert sim["precision"] == run["precision"] == "fp32"
         for measured, simulated in zip(run["peak_saved_bytes"], sim["per_device"]):
             assert simulated["peak_activation_bytes"] == pytest.approx(measured, rel=0.01)
@@ -109,3 +154,40 @@ def test_the_zero_bubble_split_holds_its_residuals_until_w_measured_and_simulate
     assert h1["peak_residual_bytes"][1] > 0 and h2["peak_residual_bytes"][1] > h1["peak_residual_bytes"][1]
     assert h1["peak_saved_bytes"][1] > 1.5 * one["peak_saved_bytes"][1]  # the residuals of the Ws it defers
     assert h2["peak_saved_bytes"][1] > h1["peak_saved_bytes"][1]
+    # every allocation agrees: the profiled last stage holds the residuals (tagged as such)
+    assert h1["memory_profile"][1]["category_peaks"]["residuals"] == h1["peak_residual_bytes"][1]
+
+
+# measured categories (runtime.memory_profile) and the simulated ones (sim.memory) they compare with
+GROUPS = {
+    "weights": (("parameters",), ("parameters", "weight_versions")),
+    "optimizer": (("optimizer_state",), ("optimizer_state",)),
+    "gradients": (("gradients",), ("gradients",)),
+    "activations": (("activations", "residuals", "kv"), ("activations", "casts")),
+    "messages": (("outputs", "inputs"), ("outputs", "inputs")),
+    "temporaries": (("temporaries",), ("temporaries",)),
+}
+
+
+@pytest.mark.parametrize("case", [("1f1b",), ("gpipe",), ("zb_h1",), ("1f1b", "precision=bf16")],
+                         ids=lambda c: " ".join(c))
+def test_the_simulated_peak_is_what_each_rank_allocates(case, trained, tmp_path: Path):
+    """runtime.memory=profile against pipeflow-simulate on the same config: per device the
+    simulated peak (of the sum over time) is within 3% of every byte the rank had live at
+    its peak; the weights and the optimizer's moments are exact, and each group of
+    categories within 5% of the peak (benchmarks/bench_memory.py prints the matrix)."""
+    from pipeflow.config import compose
+    from pipeflow.simulate import run_simulation
+
+    run = trained(*case)
+    sim = run_simulation(compose("simulate", [*SIZES, f"schedule={case[0]}", *case[1:], "draw=false"]), tmp_path)
+    assert sim["precision"] == run["precision"]
+    for dev, (meas, predicted) in enumerate(zip(run["memory_profile"], sim["per_device"])):
+        peak = meas["peak_bytes"]
+        assert predicted["peak_memory_bytes"] == pytest.approx(peak, rel=0.03), dev
+        assert sum(meas["at_peak"].values()) == peak
+        for group, (m, s) in GROUPS.items():
+            got = sum(meas["at_peak"].get(c, 0) for c in m)
+            want = sum(predicted["memory_at_peak"].get(c, 0.0) for c in s)
+            exact = group in ("weights", "optimizer")
+            assert abs(got - want) <= (1e-3 * got if exact else 0.05 * peak), (dev, group, got, want)

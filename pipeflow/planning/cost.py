@@ -25,6 +25,7 @@ from typing import Sequence
 
 from ..topology.topology import Device
 from .transformer import (
+    RESIDUAL_BYTES,
     TransformerSpec,
     attention_linear_flops,
     attention_score_flops,
@@ -32,10 +33,11 @@ from .transformer import (
     first_stage_saved,
     head_forward_flops,
     head_params,
+    last_stage_saved,
     layer_forward_flops,
     layer_linear_flops,
+    layer_matrix_params,
     layer_params,
-    last_stage_saved,
     layer_saved_widths,
     shared_head_params,
     stage_shared_saved,
@@ -91,6 +93,25 @@ class CostModel(ABC):
 
     def model_state_bytes(self, stage: int) -> float:
         """Weights, gradients and optimizer state a stage holds for the whole run (0 if not modelled)."""
+        return 0.0
+
+    def state_bytes(self, stage: int) -> dict:
+        """The model state of a stage by what holds it (:data:`pipeflow.sim.memory.STATE`):
+        ``parameters`` and ``optimizer_state`` for the whole run, ``gradients`` from the
+        stage's first backward to its optimizer step, ``casts`` (a 16-bit copy of the
+        weights its matrix products use) from its first forward to its step. A cost
+        model that does not split them gives weights and the rest of its model state."""
+        weights = float(self.param_bytes(stage))
+        return {"parameters": weights, "gradients": 0.0,
+                "optimizer_state": max(0.0, float(self.model_state_bytes(stage)) - weights), "casts": 0.0}
+
+    def output_bytes(self, stage: int, segment: int) -> float:
+        """What a forward's output occupies until its gradient returns (0 if not modelled)."""
+        return 0.0
+
+    def workspace_bytes(self, stage: int, segment: int) -> float:
+        """The gradients a backward (B or I) makes and frees as it goes, at their most
+        (0 if not modelled)."""
         return 0.0
 
     @abstractmethod
@@ -322,6 +343,8 @@ class AnalyticCost(CostModel):
         self._transient = trans
         self._kv_gradient = kvg
         self._params = [self.stage_params(s) for s in range(self.num_stages)]
+        self._cast_params = [self.layers_per_stage[s] * layer_matrix_params(spec)
+                             + (spec.vocab_size * H if s == last else 0) for s in range(self.num_stages)]
         # what each action moves through memory for its stage's weights (the roofline's
         # memory side): F and I read the matrices, a rebuilt forward reads them again, B
         # and W read and write the fp32 gradient of every parameter (the embedding's too:
@@ -400,10 +423,41 @@ class AnalyticCost(CostModel):
         return float(self._params[stage] * self.dtype_bytes)
 
     def model_state_bytes(self, stage: int) -> float:
-        """Mixed-precision Adam: 16-bit weights, fp32 gradients, fp32 master weights and two
-        moments (18 B/param at 2 bytes); plain fp32 keeps no master copy (16 B/param)."""
-        per_param = self.dtype_bytes + 4 + (12 if self.dtype_bytes < 4 else 8)
-        return float(self._params[stage] * per_param)
+        """What the runtime keeps of a stage's model at its most (:meth:`state_bytes`
+        summed): fp32 weights, fp32 gradients and AdamW's two fp32 moments, 16 B/param,
+        and at 16 bits one 16-bit cast of each matrix-product weight, 2 B per such
+        parameter: about Megatron's 18 B/param of mixed-precision Adam (16-bit weights,
+        fp32 gradients, fp32 master weights and moments), arrived at the other way."""
+        return float(sum(self.state_bytes(stage).values()))
+
+    def state_bytes(self, stage: int) -> dict:
+        """The runtime's model state of a stage (see :meth:`CostModel.state_bytes`): it
+        keeps fp32 weights whatever the precision and casts them under autocast, one cast
+        per weight per step shared by every microbatch (``Precision.shared_casts``)."""
+        p = float(self._params[stage])
+        casts = 2.0 * self._cast_params[stage] if self.dtype_bytes < 4 else 0.0
+        return {"parameters": 4.0 * p, "gradients": 4.0 * p, "optimizer_state": 8.0 * p, "casts": casts}
+
+    def output_bytes(self, stage: int, segment: int) -> float:
+        """A stage's output (the residual stream, fp32) stays with the stage until its
+        gradient comes back and the backward starts; at 16 bits so does the 16-bit copy
+        it was sent as (the runtime drops a send once the gradient that proves its
+        arrival is in)."""
+        x = self.segment_lengths[self._seg(segment)]
+        per_token = RESIDUAL_BYTES + (self.dtype_bytes if self.dtype_bytes < 4 else 0)
+        return float(self.microbatch_size * x * self.spec.n_embd * per_token)
+
+    def workspace_bytes(self, stage: int, segment: int) -> float:
+        """The largest set of gradients a backward holds at once beyond the saved tensors:
+        in a block, the MLP's hidden gradient (I wide, compute dtype) beside the residual
+        stream's (H, fp32); on the last stage, the loss's gradient over the vocabulary
+        and the log-softmax's (two fp32 rows of V), if wider."""
+        x = self.segment_lengths[self._seg(segment)]
+        spec, b = self.spec, self.microbatch_size
+        ws = x * b * (spec.ffn_width * self.dtype_bytes + spec.n_embd * RESIDUAL_BYTES)
+        if stage == self.num_stages - 1:
+            ws = max(ws, 2.0 * x * b * spec.vocab_size * 4)
+        return float(ws)
 
     def _seg(self, segment: int) -> int:
         if not 0 <= segment < self.num_segments:

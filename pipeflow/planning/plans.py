@@ -31,6 +31,7 @@ from .transformer import (
     head_forward_flops,
     head_params,
     last_stage_saved,
+    layer_matrix_params,
     layer_params,
     shared_head_params,
     stage_shared_saved,
@@ -221,7 +222,11 @@ class StageModel:
         self.p_layer = layer_params(spec)
         self.p_first = embedding_params(spec)
         self.p_last = head_params(spec)
-        self.state_per_param = dt + 4 + (12 if dt < 4 else 8)
+        # the runtime's model state (AnalyticCost.state_bytes): fp32 weights, gradients and
+        # AdamW's moments, and at 16 bits one 16-bit cast of each matrix-product weight
+        self.state_per_param = 16
+        self.cast_layer = 2.0 * layer_matrix_params(spec) if dt < 4 else 0.0
+        self.cast_last = 2.0 * spec.vocab_size * H if dt < 4 else 0.0
         self.step_per_param = 28 + (dt if dt < 4 else 0)
         self.msg_bytes = float(b * S * H * dt)
 
@@ -244,7 +249,8 @@ class StageModel:
 
     def memory(self, n: int, first: bool, last: bool, in_flight: int) -> float:
         act = n * self.a_layer + self.a_shared + (self.a_first if first else 0.0) + (self.a_last if last else 0.0)
-        return in_flight * act + self.t_layer + self.params(n, first, last) * self.state_per_param
+        casts = n * self.cast_layer + (self.cast_last if last else 0.0)
+        return in_flight * act + self.t_layer + self.params(n, first, last) * self.state_per_param + casts
 
 
 def _edge_times(topology: Topology, chain: Sequence[int], nbytes: float) -> list[float]:

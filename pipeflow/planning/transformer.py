@@ -243,6 +243,14 @@ def layer_params(spec: TransformerSpec) -> int:
     return attn + mlp + 2 * norm_params(spec)
 
 
+def layer_matrix_params(spec: TransformerSpec) -> int:
+    """One block's weights that matrix products use (what autocast casts): Q, K, V and
+    the output projection, the MLP's matrices; no biases, no norms."""
+    H, I = spec.n_embd, spec.ffn_width
+    q, kv = spec.n_head * spec.head_dim, spec.kv_heads * spec.head_dim
+    return H * q + 2 * H * kv + q * H + spec.mlp_matrices * H * I
+
+
 def embedding_params(spec: TransformerSpec) -> int:
     """Token embedding, plus the learned position table (none with rotary positions)."""
     n = spec.vocab_size * spec.n_embd

@@ -52,6 +52,7 @@ from ..schedules.validate import dry_run
 from ..schedules.versions import forward_version
 from ..schedules.zero import zero_owners
 from .executor import Executor, Groups, StageState
+from .memory_profile import tag_stage
 
 KEEP = (WeightPolicy.STASH, WeightPolicy.DOUBLE_BUFFER)  # backward uses the forward's version
 
@@ -234,8 +235,8 @@ class AsyncExecutor(Executor):
         if len(batches) != self.windows:
             raise ValueError(f"chunk of {len(batches)} steps for a schedule of {self.windows} windows")
         upd = self.schedule.update_of_microbatch
-        losses = torch.zeros(self.windows, dtype=torch.float64)
-        sq_norms = torch.zeros(len(self.updates), dtype=torch.float64)
+        losses = torch.zeros(self.windows, dtype=torch.float64, device=self.adapter.device)
+        sq_norms = torch.zeros(len(self.updates), dtype=torch.float64, device=self.adapter.device)
         taken: dict[tuple[int, int, int], list] = {}
         reduces: dict[tuple[int, int, int], tuple] = {}
         tied_local: dict[int, list] = {}  # update -> [local sum, copies still to take]
@@ -369,7 +370,7 @@ class AsyncExecutor(Executor):
         counted = a.pipe == 0 if not self.zero or group is None else owner == self.rank
         st.versions.before_update()
         if owner == self.rank:
-            sq = sum(g.double().pow(2).sum() for g in grads) if grads else torch.zeros((), dtype=torch.float64)
+            sq = sum(g.double().pow(2).sum() for g in grads) if grads else torch.zeros((), dtype=torch.float64, device=self.adapter.device)
             self._apply(st, plain, grads, lr, sq)
             if counted:
                 sq_norms[a.version] += float(sq)
@@ -400,6 +401,7 @@ class AsyncExecutor(Executor):
         for group in st.optimizer.param_groups:
             group["lr"] = lr
         st.optimizer.step()
+        tag_stage(st.module, st.optimizer)  # runtime.memory=profile: name what the stage holds
         for p in st.params:
             p.grad = None
 

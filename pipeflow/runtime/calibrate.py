@@ -202,7 +202,7 @@ class _Bench:
         for _buf, work in inbox.values():
             if work is not None:
                 work.wait()
-        for work, _tensor in sends:
+        for work, *_ in sends:
             work.wait()
         local.clear()
         outbox.clear()

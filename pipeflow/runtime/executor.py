@@ -32,17 +32,19 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from ..formats.timeline import Event
 from ..schedules.ir import Action, Kind, Schedule
 from ..schedules.lowering import Comm, check_pair_order, lower, order_pairs
-from ..formats.timeline import Event
 from .adapters import Adapter
 from .backward import accumulators, backward_input, backward_weight
 from .memory import SavedBytes
+from .memory_profile import tag_stage
+from .messages import MessageIO
 from .precision import LossScaler, Precision
-from .stage import Groups, Messages, StageState, StepStats  # noqa: F401 - re-exported
+from .stage import Groups, Messages, StageState, StepStats
 
 
-class Executor:
+class Executor(MessageIO):
     def __init__(
         self,
         schedule: Schedule,
@@ -63,6 +65,7 @@ class Executor:
         if self.segmented and schedule.uses_split_backward():
             raise NotImplementedError("sequence segments run full backwards (B), not I/W splits")
         self.schedule = schedule
+        self._positions = None  # action -> (device, index): which sends a message proves arrived
         self.rank = rank
         self.stages = stages
         self.adapter = adapter
@@ -93,63 +96,6 @@ class Executor:
             [x for x in items if (isinstance(x, Comm) and not x.grad) or (isinstance(x, Action) and x.kind == Kind.F)]
         )
 
-    # ---- messages ---------------------------------------------------------------------
-    def _key(self, c: Comm) -> tuple:
-        return (c.grad, c.src_stage, c.dst_stage, c.microbatch, c.pipe, c.segment)
-
-    def _flush(self, comms: list[Comm], outbox: dict, inbox: dict, sends: list) -> None:
-        """Post a run of sends and receives as one batch; receives are waited for by
-        the compute action that needs them, sends at the end of the iteration."""
-        if not comms:
-            return
-        ops = []
-        for c in comms:
-            if c.op == "send":
-                # autograd may hand back a strided view; the wire needs contiguous memory
-                tensor = outbox.pop(self._key(c)).contiguous()
-                self.sent_bytes += tensor.numel() * tensor.element_size()
-                ops.append(dist.P2POp(dist.isend, tensor, c.peer, tag=0 if self.ordered else c.tag))
-            else:
-                shape, dtype = self.adapter.message_spec(c.src_stage, c.dst_stage, c.segment)
-                buf = torch.empty(shape, dtype=self.precision.wire_dtype(dtype), device=self.adapter.device)
-                ops.append(dist.P2POp(dist.irecv, buf, c.peer, tag=0 if self.ordered else c.tag))
-        for c, op, work in zip(comms, ops, dist.batch_isend_irecv(ops)):
-            if c.op == "send":
-                sends.append((work, op.tensor))  # the tensor must live until the send completes
-            else:
-                inbox[self._key(c)] = (op.tensor, work)
-
-    def _await_inputs(self, a: Action, inbox: dict) -> None:
-        if a.kind == Kind.F:
-            keys = [(False, p, a.stage, a.microbatch, a.pipe, a.segment) for p in self.graph.preds[a.stage]]
-        elif a.kind in Kind.BACKWARD:
-            keys = [(True, a.stage, t, a.microbatch, a.pipe, a.segment) for t in self.graph.succs[a.stage]]
-        else:
-            return
-        for key in keys:
-            if key in inbox:
-                buf, work = inbox[key]
-                if work is not None:
-                    work.wait()
-                    inbox[key] = (buf, None)  # a gloo receive must not be waited on twice
-
-    def _take(self, key: tuple, inbox: dict, local: dict) -> torch.Tensor:
-        """A message for this rank: from a receive (wait for it) or from a stage on this device."""
-        if key in local:
-            return local.pop(key)
-        buf, work = inbox.pop(key)
-        if work is not None:
-            work.wait()
-        return buf
-
-    def _emit(self, key: tuple, tensor: torch.Tensor, outbox: dict, local: dict, dst_device: int) -> None:
-        # a stage boundary is one whether or not it crosses ranks: the same dtype either way
-        tensor = self.precision.wire(tensor)
-        if dst_device == self.rank:
-            local[key] = tensor
-        else:
-            outbox[key] = tensor
-
     # ---- the walk ---------------------------------------------------------------------
     def _walk(self, plan, tail, handlers: dict, record: bool = False, t0: float | None = None,
               before: Callable | None = None, after: Callable | None = None) -> tuple[float, list, "Messages"]:
@@ -168,9 +114,9 @@ class Executor:
             self._flush(posts, io.outbox, io.inbox, io.sends)
             if before is not None:
                 before(a)
-            self._await_inputs(a, io.inbox)
+            self._await_inputs(a, io.inbox, io.sends)
             if a in self.partner:
-                self._await_inputs(self.partner[a], io.inbox)
+                self._await_inputs(self.partner[a], io.inbox, io.sends)
             handler = handlers.get(a.kind)
             if handler is None:
                 raise NotImplementedError(f"{a}: {type(self).__name__} runs {', '.join(map(str, handlers))} actions")
@@ -191,7 +137,7 @@ class Executor:
 
     def _finish(self, io: "Messages", what: str) -> None:
         """Wait for the walk's sends; nothing may be left unconsumed."""
-        for work, _tensor in io.sends:
+        for work, *_ in io.sends:
             work.wait()
         if io.inbox or io.outbox or io.local:
             raise RuntimeError(
@@ -213,7 +159,7 @@ class Executor:
         """Run this rank's actions for one iteration; ``busy`` in the result is this
         rank's compute time (the caller reduces it across ranks if it wants the total)."""
         reduces: list = []
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.adapter.device)
         synced: list[tuple[float, float]] = []
 
         def before(a: Action) -> None:
@@ -227,11 +173,14 @@ class Executor:
                 for group in st.optimizer.param_groups:
                     group["lr"] = lr
                 st.optimizer.step()
+                torch.clear_autocast_cache()  # its casts are of the old weights
+            tag_stage(st.module, st.optimizer)  # runtime.memory=profile: name what the stage holds
             st.optimizer.zero_grad(set_to_none=True)
 
         handlers = {**self._compute_handlers(batch, normalizer, loss_sum),
                     Kind.REDUCE: lambda a, io: reduces.append(self._reduce(a)), Kind.STEP: step}
-        busy, events, io = self._walk(self.plan, self.tail, handlers, record, t0, before=before)
+        with self.precision.shared_casts():
+            busy, events, io = self._walk(self.plan, self.tail, handlers, record, t0, before=before)
         self._finish(io, "iteration")
         if not synced:
             raise RuntimeError(f"schedule {self.schedule.name!r} has no STEP on rank {self.rank}; nothing was updated")
@@ -266,7 +215,7 @@ class Executor:
         for succ in self.graph.succs[a.stage]:
             dev = self.placement.device(a.pipe, succ)
             self._emit((False, a.stage, succ, a.microbatch, a.pipe, a.segment), out.detach(), outbox, local, dev)
-        return torch.zeros((), dtype=torch.float64)
+        return torch.zeros((), dtype=torch.float64, device=self.adapter.device)
 
     def _hooks(self, st: StageState):
         """The saved-tensor hooks a forward runs under: the byte count here; the
@@ -400,7 +349,7 @@ class Executor:
             self.on_grads(self.stages)
         # one world all-reduce: the squared gradient norm (each parameter counted once:
         # replicas only on pipe 0, the tied embedding only on the first stage) and the loss
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=self.adapter.device)
         for (pipe, stage), st in self.stages.items():
             tied = {id(p) for p in st.tied}
             for p in st.params:
@@ -438,7 +387,7 @@ class Executor:
     @torch.no_grad()
     def eval_loss(self, batch, normalizer: float) -> float:
         """The loss of a forward-only walk (the forwards and their messages)."""
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.adapter.device)
         forward = self._compute_handlers(batch, normalizer, loss_sum)[Kind.F]
 
         def evaluate(a: Action, io) -> None:
@@ -480,3 +429,5 @@ def _post_ahead(items: list) -> tuple[list[tuple[list[Comm], Action]], list[Comm
         posts = list(sends[i]) + ([] if i else recvs[0]) + (recvs[i + 1] if i + 1 < len(actions) else [])
         plan.append((posts, a))
     return plan, sends[-1] + pending
+
+

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from .memory_profile import tag
+
 
 class _Held:
     """What autograd stores instead of a saved tensor: the tensor, and a release on free."""
@@ -47,7 +49,7 @@ class SavedBytes:
     def reset_step(self) -> None:
         self.step_peak = self.current
 
-    def _acquire(self, t: torch.Tensor) -> int | None:
+    def _acquire(self, t: torch.Tensor, category: str = "activations") -> int | None:
         if t.layout != torch.strided or t.device.type == "meta":
             return None
         storage = t.untyped_storage()
@@ -56,6 +58,7 @@ class SavedBytes:
             return None
         entry = self.live.get(ptr)
         if entry is None:
+            tag(t, category)
             nbytes = storage.nbytes()
             self.live[ptr] = [1, nbytes]
             self.current += nbytes
@@ -111,11 +114,13 @@ class SavedBytes:
 class Kept:
     __slots__ = ("meter", "ptr", "tensor", "nbytes")
     _current, _peak = "residual_current", "residual_peak"
+    _tag = "residuals"  # its category in runtime.memory=profile
 
     def __init__(self, meter: SavedBytes, t: torch.Tensor):
         self.meter, self.tensor = meter, t
         self.nbytes = t.numel() * t.element_size()
-        self.ptr = meter._acquire(t)
+        self.ptr = meter._acquire(t, self._tag)
+        tag(t, self._tag)  # runtime.memory=profile: held for this, even where autograd saved it first
         if self.ptr is not None:
             now = getattr(meter, self._current) + self.nbytes
             setattr(meter, self._current, now)
@@ -132,3 +137,4 @@ class KVHold(Kept):
 
     __slots__ = ()
     _current, _peak = "kv_current", "kv_peak"
+    _tag = "kv"

@@ -32,6 +32,7 @@ class RankSetup:
     eval_executor: Executor | None = None
     chunk_executors: dict | None = None
     make_chunk: object = None
+    device: torch.device = torch.device("cpu")  # where the stages compute
 
     @property
     def is_async(self) -> bool:
@@ -98,7 +99,7 @@ def build_rank(plan: RunPlan, cfg: dict, rank: int, device: torch.device, on_gra
     if schedule.policy == WeightPolicy.SYNC:
         executor = Executor(schedule, rank, stages, adapter, groups, grad_clip=clip, on_grads=on_grads,
                             precision=precision, p2p=p2p)
-        return RankSetup(schedule, layers, adapter, stages, executor)
+        return RankSetup(schedule, layers, adapter, stages, executor, device=device)
 
     def make_chunk(windows: int) -> AsyncExecutor:
         return AsyncExecutor(plan.chunk_schedule(windows), rank, stages, adapter, groups, grad_clip=clip,
@@ -111,4 +112,4 @@ def build_rank(plan: RunPlan, cfg: dict, rank: int, device: torch.device, on_gra
     eval_executor = Executor(plan.eval_schedule, rank, eval_stages, adapter, groups, grad_clip=None,
                              precision=precision, p2p=p2p)
     return RankSetup(schedule, layers, adapter, stages, executor, eval_executor,
-                     {schedule.windows: executor}, make_chunk)
+                     {schedule.windows: executor}, make_chunk, device)

@@ -21,13 +21,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..formats.timeline import Timeline
 from ..schedules.data_parallel import pipeline_shape
 from ..schedules.versions import summarize, weight_versions
-from ..formats.timeline import Timeline
 from ..tracking.record import run_key
 from . import checkpoint
 from .device import device_and_backend, keep_freed_memory, peak_memory
 from .launch import TrainJob, check_stop, deferred_stop, stop_behind
+from .memory_profile import profile_step
 from .optim import lr_at
 from .rank import RankSetup, build_rank
 
@@ -63,6 +64,7 @@ class RunState:
     val_losses: list = field(default_factory=list)
     staleness: list = field(default_factory=list)  # asynchronous: every microbatch's weight versions
     replay_to: int = 0  # resumed inside a chunk: the steps up to here are run again, unlogged
+    memory: dict | None = None  # runtime.memory=profile: the last chunk's allocations (StepMemory.as_dict)
 
 
 def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
@@ -185,6 +187,8 @@ def _train_steps(rank, job, device, setup: RankSetup, data, sink, progress, stat
     saved_peaks = [None] * job.world_size if rank == 0 else None
     dist.gather_object((max(mt.peak for mt in meters), max(mt.kv_peak for mt in meters),
                         max(mt.residual_peak for mt in meters)), saved_peaks, dst=0)
+    profiled = [None] * job.world_size if rank == 0 else None
+    dist.gather_object(state.memory, profiled, dst=0)
     versions = [None] * job.world_size if rank == 0 else None
     dist.gather_object(max((getattr(st, "versions", None).peak_versions if getattr(st, "versions", None) else 1)
                            for st in stages.values()), versions, dst=0)
@@ -227,6 +231,8 @@ def _train_steps(rank, job, device, setup: RankSetup, data, sink, progress, stat
         "peak_saved_bytes": [p[0] for p in saved_peaks],
         "peak_kv_bytes": [p[1] for p in saved_peaks],
         "peak_residual_bytes": [p[2] for p in saved_peaks],  # I-to-W residuals the zero-bubble split holds
+        # runtime.memory=profile: per rank, every allocation of the last step by category
+        **({"memory_profile": profiled} if any(profiled) else {}),
         "weight_policy": schedule.policy.value,
         "peak_weight_versions": versions,  # per rank: the most versions one replica held at once
         "updates": steps,  # synchronous: one per step; an asynchronous run's count replaces it
@@ -241,21 +247,22 @@ def _train_steps(rank, job, device, setup: RankSetup, data, sink, progress, stat
 def _busy_and_saved(busy: float, ex, world_size: int) -> tuple[float, dict, float]:
     """Sum the ranks' compute time and bytes sent to other ranks, and collect each rank's
     peak of saved bytes this chunk: (busy seconds, saved MiB by rank, bytes sent)."""
-    mine = torch.tensor([busy, float(ex.meter.step_peak), float(ex.sent_bytes)], dtype=torch.float64)
-    every = [torch.zeros(3, dtype=torch.float64) for _ in range(world_size)]
+    device = ex.adapter.device  # NCCL gathers CUDA tensors
+    mine = torch.tensor([busy, float(ex.meter.step_peak), float(ex.sent_bytes)], dtype=torch.float64, device=device)
+    every = [torch.zeros(3, dtype=torch.float64, device=device) for _ in range(world_size)]
     dist.all_gather(every, mine)
     saved = {f"saved_mib/rank{r}": t[1].item() / 2**20 for r, t in enumerate(every)}
     return sum(t[0].item() for t in every), saved, sum(t[2].item() for t in every)
 
 
-def _start_clock(shared: bool) -> float:
+def _start_clock(shared: bool, device: torch.device) -> float:
     """Line the ranks up and start the step's clock. ``shared``: ranks on one host read
     the same monotonic clock, so rank 0's origin is broadcast and recorded events
     compare across ranks exactly (a barrier alone leaves tens of us of skew)."""
     dist.barrier()
     t0 = time.perf_counter()
     if shared:
-        origin = torch.tensor([t0], dtype=torch.float64)
+        origin = torch.tensor([t0], dtype=torch.float64, device=device)
         dist.broadcast(origin, src=0)
         t0 = origin.item()
     return t0
@@ -324,8 +331,11 @@ def _train_chunk(rank, job, setup: RankSetup, data, sink, progress, state: RunSt
     lrs = [lr_at(s, optim, steps) for s in span]
     tl = trainer.get("timeline_step")
     record = tl is not None and max(first, quiet + 1) <= tl <= end
-    t0 = _start_clock(record and one_host)
-    ex, stats = setup.run_chunk(batches, normalizers, lrs, first, record, t0)
+    t0 = _start_clock(record and one_host, setup.device)
+    with profile_step(setup.device, runtime.get("memory") == "profile" and end == steps) as allocated:
+        ex, stats = setup.run_chunk(batches, normalizers, lrs, first, record, t0)
+    if allocated.at_peak:
+        state.memory = allocated.as_dict()
     chunk_time = time.perf_counter() - t0
     busy, saved, sent = _busy_and_saved(stats.busy, ex, job.world_size)
     gathered = [None] * job.world_size if rank == 0 else None

@@ -21,6 +21,8 @@ P2P_MODES = ("tagged", "ordered")  # runtime.p2p: messages matched by tag, or pe
 
 FAIL_MODES = ("raise", "kill")
 
+MEMORY_MODES = ("count", "profile")  # runtime.memory: the saved-bytes count, or every allocation of the last step
+
 @dataclass
 class LocalRuntimeConfig:
     name: str = "local"
@@ -35,6 +37,7 @@ class LocalRuntimeConfig:
     fail_at_step: Optional[int] = None  # test hook: rank fail_rank fails at this step
     fail_rank: Optional[int] = None
     fail_mode: str = "raise"  # raise: a Python error; kill: SIGKILL, as an out-of-memory kill would
+    memory: str = "count"  # count: saved bytes (cheap, always); profile: every allocation of the last step, by category
     dump_grads: bool = False  # test hook: each rank writes run_dir/grads/rank<r>.pt after its first backward
 
 def _cuda_devices() -> int:
@@ -51,6 +54,9 @@ def check_runtime(rt: DictConfig, world_size: int) -> None:
     number("runtime.loss_scale", rt.loss_scale, "must be > 0", rt.loss_scale > 0)
     if rt.p2p not in P2P_MODES:
         raise ConfigError(f"runtime.p2p={rt.p2p}: unknown matching; allowed values: {', '.join(P2P_MODES)}")
+    if rt.memory not in MEMORY_MODES:
+        raise ConfigError(f"runtime.memory={rt.memory}: allowed values: {', '.join(MEMORY_MODES)} (count: what "
+                          "autograd saves, always on; profile: every allocation of the last step, by category)")
     if rt.backend == "nccl" and rt.device == "cpu":
         raise ConfigError("runtime.backend=nccl: NCCL moves CUDA tensors only; use runtime.backend=gloo (or auto) "
                           "with runtime.device=cpu")

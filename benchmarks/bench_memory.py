@@ -1,0 +1,177 @@
+"""Does the simulator predict what each rank allocates? Measured against simulated memory,
+per device and by category, for the runtime's schedules, families and precisions.
+
+Each case trains 2 steps on CPU ranks with ``runtime.memory=profile`` (every allocation
+of the last step, by what holds it: :mod:`pipeflow.runtime.memory_profile`) and
+simulates the same config (``pipeflow-simulate``, ``topology=local_cpu``, the same
+precision); per device it prints the measured peak (the most bytes live at one
+instant), the simulated peak (:mod:`pipeflow.sim.memory`), their ratio, and the group
+of categories where the two differ most (difference / measured peak):
+
+- ``weights``: parameters (and an asynchronous policy's extra weight versions);
+- ``optimizer``: AdamW's moments; ``gradients``: the ``.grad`` of each parameter;
+- ``activations``: what forwards keep for backwards (the zero-bubble residuals, the
+  Seq1F1B keys and values and 16-bit weight casts included);
+- ``messages``: outputs kept for their backward, sends not yet proven arrived, receive
+  buffers; ``temporaries``: everything else (a backward's gradients on the way, the
+  optimizer's buffers, a recomputed layer).
+
+Byte counts do not depend on the machine's load: the table is the same on every run.
+Run from the repository root (each case spawns its ranks, 5-15 s):
+
+    .venv/bin/python -m benchmarks.bench_memory                 # the whole matrix
+    .venv/bin/python -m benchmarks.bench_memory --quick         # one case per concern
+    .venv/bin/python -m benchmarks.bench_memory --only zb_h1 --json out.json
+    .venv/bin/python -m benchmarks.bench_memory --device cuda   # one stage on the GPU
+    .venv/bin/python -m benchmarks.bench_memory --device cuda --set "model.seq_len=2048"
+
+With ``--device cuda`` every case runs as one stage (``pipeline.stages=1``: one process,
+the whole model, its microbatches accumulated) on the GPU, and the measured peak is
+``torch.cuda.max_memory_allocated`` over the profiled step (the JSON keeps the profile's
+categories, whose tagged ones, weights to activations, are exact there too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pipeflow.config import compose, prepare_training
+from pipeflow.runtime.launch import TrainJob, launch
+from pipeflow.simulate import run_simulation
+
+# measured categories (runtime.memory_profile) and simulated ones (sim.memory), grouped
+GROUPS = {
+    "weights": (("parameters",), ("parameters", "weight_versions")),
+    "optimizer": (("optimizer_state",), ("optimizer_state",)),
+    "gradients": (("gradients",), ("gradients",)),
+    "activations": (("activations", "residuals", "kv"), ("activations", "casts")),
+    "messages": (("outputs", "inputs"), ("outputs", "inputs")),
+    "temporaries": (("temporaries",), ("temporaries",)),
+}
+
+SHAPE = ["pipeline.microbatches=8", "pipeline.microbatch_size=4"]
+FAMILIES = {"gpt": ["model=gpt_tiny"], "llama": ["model=llama_tiny"], "bert": ["model=bert_tiny"]}
+SCHEDULES = {
+    "gpipe": ["schedule=gpipe"],
+    "1f1b": ["schedule=1f1b"],
+    "interleaved_1f1b": ["schedule=interleaved_1f1b", "pipeline.virtual_stages=2"],
+    "zb_h1": ["schedule=zb_h1"],
+    "zb_h2": ["schedule=zb_h2"],
+    "zb_v": ["schedule=zb_v", "pipeline.virtual_stages=2"],
+    "seq1f1b": ["schedule=seq1f1b", "pipeline.segments=4"],
+    "1f1b x2 replicas": ["schedule=1f1b", "pipeline.data_parallel=2"],
+}
+CAUSAL_ONLY = {"seq1f1b"}
+
+
+def cases(quick: bool = False) -> list[tuple[str, list[str]]]:
+    """(label, overrides) of the matrix: every schedule x family at fp32 on 2 ranks;
+    bf16, selective and full recomputation for each family under 1F1B and ZB-H1; 4 ranks
+    for 1F1B and ZB-H1. ``quick``: one case per concern."""
+    out = []
+    for fam, f in FAMILIES.items():
+        for name, s in SCHEDULES.items():
+            if fam == "bert" and name in CAUSAL_ONLY:
+                continue
+            out.append((f"{fam} {name} fp32", [*f, *s, "pipeline.stages=2", "precision=fp32"]))
+        for name in ("1f1b", "zb_h1"):
+            s = SCHEDULES[name]
+            out.append((f"{fam} {name} bf16", [*f, *s, "pipeline.stages=2", "precision=bf16"]))
+            for mode in ("selective", "full"):
+                out.append((f"{fam} {name} fp32 recompute={mode}",
+                            [*f, *s, "pipeline.stages=2", "precision=fp32", f"model.recompute={mode}"]))
+            out.append((f"{fam} {name} fp32 4 ranks", [*f, *s, "pipeline.stages=4", "precision=fp32"]))
+    if quick:
+        keep = {"gpt 1f1b fp32", "gpt gpipe fp32", "gpt zb_h1 fp32", "llama 1f1b bf16", "bert 1f1b fp32",
+                "gpt seq1f1b fp32", "gpt 1f1b fp32 recompute=full", "gpt zb_v fp32"}
+        out = [c for c in out if c[0] in keep]
+    return out
+
+
+def measure(label: str, overrides: list[str], work: Path, device: str = "cpu", one_stage: bool = False,
+            extra: tuple = ()) -> list[dict]:
+    """Train and simulate one case: a row per device."""
+    over = [*SHAPE, *overrides, *extra]
+    if one_stage or device == "cuda":
+        over = [o for o in over if not o.startswith(("pipeline.stages=", "pipeline.data_parallel="))]
+        over += ["pipeline.stages=1"]
+    run_dir = work / label.replace(" ", "_").replace("=", "-")
+    cfg = compose("train", [*over, "trainer.steps=2", "trainer.val_every=0", "logger=none", "runtime.memory=profile",
+                            f"runtime.device={device}"])
+    inputs = prepare_training(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    launch(TrainJob(OmegaConf.to_container(cfg, resolve=True), str(run_dir), inputs.plan))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    topology = "topology=local_cpu" if device == "cpu" else "topology=dgx_a100_8"
+    sim = run_simulation(compose("simulate", [*over, "draw=false", topology]), run_dir / "sim")
+    rows = []
+    for dev, (meas, simd) in enumerate(zip(summary["memory_profile"], sim["per_device"])):
+        # on CUDA the allocator's own peak is the measurement (the profile's CUDA frees do
+        # not all pair up: its total there exceeds the allocator's; its tagged categories hold)
+        peak, predicted = meas.get("allocator_peak_bytes", meas["peak_bytes"]), simd["peak_memory_bytes"]
+        diffs = {g: (sum(simd["memory_at_peak"].get(c, 0.0) for c in s) - sum(meas["at_peak"].get(c, 0) for c in m))
+                 for g, (m, s) in GROUPS.items()}
+        worst = max(diffs, key=lambda g: abs(diffs[g]))
+        rows.append({"case": label, "device": dev, "measured_bytes": peak, "simulated_bytes": predicted,
+                     "ratio": predicted / peak, "worst": worst, "worst_share": diffs[worst] / peak,
+                     "measured": meas["at_peak"], "simulated": simd["memory_at_peak"],
+                     **({"allocator_peak_bytes": meas["allocator_peak_bytes"], "profile_peak_bytes": meas["peak_bytes"]}
+                        if "allocator_peak_bytes" in meas else {})})
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    mib = 2**20
+    cuda = any("allocator_peak_bytes" in r for r in rows)
+    head = "| case | device | measured MiB | simulated MiB | simulated / measured | most off (share of peak) |"
+    lines = [head + (" profile's peak MiB |" if cuda else ""), "|---|---|---|---|---|---|" + ("---|" if cuda else "")]
+    for r in rows:
+        line = (f"| {r['case']} | {r['device']} | {r['measured_bytes'] / mib:.2f} | {r['simulated_bytes'] / mib:.2f} "
+                f"| {r['ratio']:.3f} | {r['worst']} {r['worst_share']:+.1%} |")
+        if cuda:
+            line += f" {r.get('profile_peak_bytes', 0) / mib:.2f} |"
+        lines.append(line)
+    ratios = [r["ratio"] for r in rows]
+    if ratios:
+        within = sum(abs(x - 1) <= 0.03 for x in ratios)
+        lines.append(f"\n{len(rows)} devices: simulated / measured {min(ratios):.3f} to {max(ratios):.3f}; "
+                     f"{within} within 3%")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="one case per concern")
+    ap.add_argument("--only", default=None, help="cases whose label contains one of these (comma-separated)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--one-stage", action="store_true", help="every case as one stage in one process (--device cuda does)")
+    ap.add_argument("--set", default="", help="overrides added to every case, space-separated (model.seq_len=1024 ...)")
+    ap.add_argument("--json", default=None, help="write the rows here")
+    args = ap.parse_args(argv)
+    wanted = [w.strip() for w in args.only.split(",")] if args.only else None
+    chosen = [c for c in cases(args.quick) if wanted is None or any(w in c[0] for w in wanted)]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench_memory_") as tmp:
+        for label, over in chosen:
+            try:
+                rows += measure(label, over, Path(tmp), args.device, args.one_stage, tuple(args.set.split()))
+            except Exception as err:  # a case that cannot run here is reported, not fatal
+                print(f"{label}: not measured: {err}", file=sys.stderr)
+            print(table(rows[-4:]).splitlines()[-2] if rows else "", flush=True)
+    print(table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

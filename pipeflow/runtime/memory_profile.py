@@ -1,0 +1,191 @@
+"""Every byte a rank allocates during one step, by what holds it (``runtime.memory=profile``).
+
+The saved-bytes meter (:mod:`pipeflow.runtime.memory`) is always on and cheap, but it
+sees only what autograd saves and what the schedules hold by hand. This measurement
+sees every tensor allocation and free on the rank's device: the step runs under
+PyTorch's profiler with ``profile_memory=True`` (on CPU it records each allocation of
+the CPU allocator with its size and the storage it makes; on CUDA, the caching
+allocator's), and the runtime names what it holds by passing each such tensor through
+a recorded no-op (:func:`tag`, an ``aten::alias`` inside a ``pipeflow::tag::<category>``
+range; only while profiling) so that the profile links the storage to its role:
+
+- ``parameters`` and ``optimizer_state`` (tagged at each optimizer step; those the step
+  never allocates or frees count from its start), ``gradients`` (each ``.grad``, tagged
+  before it is cleared);
+- ``activations``: what autograd saves for a backward (the meter's pack hook tags it;
+  a 16-bit weight cast it saves included); ``residuals``: what the zero-bubble split
+  holds from I until W; ``kv``: a Seq1F1B segment's keys and values held for later
+  segments; ``outputs``: a stage's output and the copy it is sent as; ``inputs``: the
+  buffers messages are received into;
+- ``temporaries``: every other allocation (a backward's intermediate gradients, the
+  optimizer's foreach buffers, a recomputed layer, autocast's casts before a save).
+
+The peak is the most bytes live at one instant (the sum over categories at that
+instant, not a sum of each category's own peak). torch's own memory profile classifies
+by data flow instead, and gives up (an assertion) on the graphs the zero-bubble split
+keeps, which is why the runtime names its tensors itself. It costs time (the profiler
+records every operator), so it runs for one step, the run's last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+CATEGORIES = ("parameters", "optimizer_state", "gradients", "activations", "residuals", "kv", "outputs", "inputs",
+              "temporaries")
+
+# a storage tagged twice counts where it is held most specifically (a residual W keeps
+# may have been saved by autograd first)
+_PRIORITY = {c: n for n, c in enumerate(("parameters", "optimizer_state", "gradients", "residuals", "kv", "outputs",
+                                         "activations", "inputs"))}
+_PREFIX = "pipeflow::tag::"
+_active = False  # tags are recorded only while a step is profiled
+
+
+@dataclass
+class StepMemory:
+    """One step's allocations on one device."""
+
+    peak_bytes: int = 0  # the most bytes live at one instant
+    at_peak: dict = field(default_factory=dict)  # category -> bytes live at that instant
+    category_peaks: dict = field(default_factory=dict)  # category -> its own most bytes live
+    allocator_peak_bytes: int | None = None  # CUDA: torch.cuda.max_memory_allocated over the step
+
+    def as_dict(self) -> dict:
+        return {"peak_bytes": self.peak_bytes, "at_peak": self.at_peak, "category_peaks": self.category_peaks,
+                **({"allocator_peak_bytes": self.allocator_peak_bytes} if self.allocator_peak_bytes is not None
+                   else {})}
+
+
+def tag(t, category: str) -> None:
+    """Name ``t``'s storage as held for ``category`` in the step's profile (a no-op
+    unless a step is being profiled)."""
+    if not _active or not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":
+        return
+    nbytes = t.untyped_storage().nbytes()
+    with torch.profiler.record_function(f"{_PREFIX}{category}::{nbytes}"), torch.no_grad():
+        torch.ops.aten.alias(t)
+
+
+def tag_stage(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Tag a stage's parameters, gradients and optimizer state (at its optimizer step)."""
+    if not _active:
+        return
+    for p in module.parameters():
+        tag(p, "parameters")
+        if p.grad is not None:
+            tag(p.grad, "gradients")
+    for b in module.buffers():
+        tag(b, "parameters")
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for v in state.values():
+                tag(v, "optimizer_state")
+
+
+def _same(d, device: torch.device) -> bool:
+    """``d`` is ``device`` (an event may name a CUDA device without its index)."""
+    if d is None or torch.device(d).type != device.type:
+        return False
+    d = torch.device(d)
+    return d.index is None or device.index is None or d.index == device.index
+
+
+def analyse(result, device: torch.device) -> StepMemory:
+    """The live bytes per category over a profile's allocations on ``device``.
+
+    Allocations are paired with their frees by address (an allocator never hands out an
+    address that is still live), and a tag names the allocation live at its address at
+    the tag's time, for the allocation's whole life (a gradient made in a backward and
+    tagged at the optimizer step was a gradient from the start). A tag, or a free, at an
+    address with nothing allocated there in the step is a storage the step found live:
+    it counts from the step's start."""
+    from torch.profiler._memory_profiler import OpTree, _EventType
+
+    events = []  # (time, order, kind, ptr, size or category, nbytes)
+    for ev in OpTree(result).dfs():
+        kind, fields = ev.typed
+        if kind == _EventType.Allocation:
+            if _same(fields.device, device):
+                events.append((ev.start_time_ns, 0, "alloc", fields.ptr, fields.alloc_size, 0))
+        elif ev.name.startswith(_PREFIX):
+            category, nbytes = ev.name[len(_PREFIX):].split("::")
+            for child in ev.children:
+                for meta in getattr(child.typed[1], "inputs", ()):
+                    ptr = getattr(meta, "storage_data_ptr", None)
+                    if ptr and _same(getattr(meta, "device", None), device):
+                        events.append((ev.start_time_ns, 1, "tag", ptr, category, int(nbytes)))
+    events.sort(key=lambda e: (e[0], e[1]))
+    # pass 1: the allocations' lives and categories
+    lives = []  # [size, category, preexisting]
+    live_at: dict = {}  # ptr -> index into lives
+    order = []  # (time, +1/-1, life index) in time order
+    for t, _, kind, ptr, x, nbytes in events:
+        if kind == "tag":
+            i = live_at.get(ptr)
+            if i is None:  # found live: counts from the start until its free, if any
+                i = live_at[ptr] = len(lives)
+                lives.append([nbytes, x, True])
+            elif lives[i][1] is None or _PRIORITY[x] < _PRIORITY[lives[i][1]]:
+                lives[i][1] = x
+        elif x > 0:
+            live_at[ptr] = len(lives)
+            order.append((t, 1, len(lives)))
+            lives.append([x, None, False])
+        else:
+            i = live_at.pop(ptr, None)
+            if i is None:  # freed, never allocated in the step: it was live at the start
+                i = len(lives)
+                lives.append([-x, None, True])
+            order.append((t, -1, i))
+    live = dict.fromkeys(CATEGORIES, 0)
+    for size, category, pre in lives:
+        if pre:
+            live[category or "temporaries"] += size
+    out = StepMemory(peak_bytes=sum(live.values()), at_peak=dict(live), category_peaks=dict(live))
+    total = out.peak_bytes
+    n, k = len(order), 0
+    while k < n:
+        t = order[k][0]
+        while k < n and order[k][0] == t:  # an instant is whole once every event at its time is in
+            _, sign, i = order[k]
+            size, category, _ = lives[i]
+            live[category or "temporaries"] += sign * size
+            total += sign * size
+            k += 1
+        if total > out.peak_bytes:
+            out.peak_bytes, out.at_peak = total, dict(live)
+        for c in CATEGORIES:
+            out.category_peaks[c] = max(out.category_peaks[c], live[c])
+    return out
+
+
+@contextlib.contextmanager
+def profile_step(device: torch.device, enabled: bool = True):
+    """Run the block under the memory profiler; yields a :class:`StepMemory` filled on exit."""
+    global _active
+    result = StepMemory()
+    if not enabled:
+        yield result
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    _active = True
+    try:
+        with profile(activities=activities, profile_memory=True, record_shapes=True) as prof:
+            yield result
+    finally:
+        _active = False
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        result.allocator_peak_bytes = int(torch.cuda.max_memory_allocated(device))
+    measured = analyse(prof.profiler.kineto_results, device)
+    result.peak_bytes, result.at_peak, result.category_peaks = \
+        measured.peak_bytes, measured.at_peak, measured.category_peaks

@@ -1,0 +1,130 @@
+"""How a rank's executor moves messages: posting a run of sends and receives as one
+batch, waiting for the receives an action needs, handing a stage's output to the next
+stage (another rank's, or one on this rank), and letting go of a send once a later
+message from its peer proves it arrived (gloo reports a send complete only when
+waited on)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..schedules.ir import Action, Kind
+from ..schedules.lowering import Comm
+from .memory_profile import tag
+
+
+class MessageIO:
+    """The message half of :class:`~pipeflow.runtime.executor.Executor` (its attributes:
+    ``adapter``, ``precision``, ``graph``, ``schedule``, ``rank``, ``ordered``,
+    ``sent_bytes``, ``_positions``)."""
+
+    # ---- messages ---------------------------------------------------------------------
+    def _key(self, c: Comm) -> tuple:
+        return (c.grad, c.src_stage, c.dst_stage, c.microbatch, c.pipe, c.segment)
+
+    def _flush(self, comms: list[Comm], outbox: dict, inbox: dict, sends: list) -> None:
+        """Post a run of sends and receives as one batch; receives are waited for by
+        the compute action that needs them, sends at the end of the iteration."""
+        if not comms:
+            return
+        ops = []
+        for c in comms:
+            if c.op == "send":
+                # autograd may hand back a strided view; the wire needs contiguous memory
+                tensor = outbox.pop(self._key(c)).contiguous()
+                self.sent_bytes += tensor.numel() * tensor.element_size()
+                ops.append(dist.P2POp(dist.isend, tensor, c.peer, tag=0 if self.ordered else c.tag))
+            else:
+                shape, dtype = self.adapter.message_spec(c.src_stage, c.dst_stage, c.segment)
+                buf = torch.empty(shape, dtype=self.precision.wire_dtype(dtype), device=self.adapter.device)
+                tag(buf, "inputs")
+                ops.append(dist.P2POp(dist.irecv, buf, c.peer, tag=0 if self.ordered else c.tag))
+        for c, op, work in zip(comms, ops, dist.batch_isend_irecv(ops)):
+            if c.op == "send":
+                sends.append((work, op.tensor, self._key(c)))  # the tensor must live until the send completes
+            else:
+                inbox[self._key(c)] = (op.tensor, work)
+
+    def _await_inputs(self, a: Action, inbox: dict, sends: list | None = None) -> None:
+        if a.kind == Kind.F:
+            keys = [(False, p, a.stage, a.microbatch, a.pipe, a.segment) for p in self.graph.preds[a.stage]]
+        elif a.kind in Kind.BACKWARD:
+            keys = [(True, a.stage, t, a.microbatch, a.pipe, a.segment) for t in self.graph.succs[a.stage]]
+        else:
+            return
+        for key in keys:
+            if key in inbox:
+                buf, work = inbox[key]
+                if work is not None:
+                    work.wait()
+                    inbox[key] = (buf, None)  # a gloo receive must not be waited on twice
+        if sends:
+            self._drop_arrived(sends, [key for key in keys if key in inbox])
+
+    def _position(self, key: tuple, consumer: bool) -> tuple[int, int] | None:
+        """(device, index in its order) of the action that consumes (``consumer``) or
+        produces a message ``key``: a forward message is made by F of its edge's source
+        and used by F of its destination; a gradient is made by the destination's B or I
+        and used by the source's."""
+        if self._positions is None:
+            self._positions = {a: (d, i) for d, order in enumerate(self.schedule.orders) for i, a in enumerate(order)}
+        grad, src, dst, mb, pipe, seg = key
+        stage = (src if consumer else dst) if grad else (dst if consumer else src)
+        kinds = (Kind.B, Kind.I) if grad else (Kind.F,)
+        for kind in kinds:
+            found = self._positions.get(Action(kind, stage, mb, pipe, seg))
+            if found is not None:
+                return found
+        return None
+
+    def _drop_arrived(self, sends: list, received: list) -> None:
+        """Let go of the sends a received message proves complete. A message from a peer
+        made by an action that comes after (in the peer's order) the action consuming one
+        of our sends means the peer had that send: its tensor is no longer needed. gloo
+        reports a send complete only when waited on, so without this every output and
+        gradient a rank sent stayed alive to the end of the step (stage 0 of 1F1B kept
+        all m outputs; the last stage all m gradients), measured with runtime.memory=profile."""
+        done = set()
+        for key in received:
+            made = self._position(key, consumer=False)
+            if made is None:
+                continue
+            for _work, _tensor, sent in sends:
+                used = self._position(sent, consumer=True)
+                if used is not None and used[0] == made[0] and used[1] < made[1]:
+                    done.add(sent)
+        if done:
+            _drop_sent(sends, done)
+
+    def _take(self, key: tuple, inbox: dict, local: dict) -> torch.Tensor:
+        """A message for this rank: from a receive (wait for it) or from a stage on this device."""
+        if key in local:
+            return local.pop(key)
+        buf, work = inbox.pop(key)
+        if work is not None:
+            work.wait()
+        return buf
+
+    def _emit(self, key: tuple, tensor: torch.Tensor, outbox: dict, local: dict, dst_device: int) -> None:
+        # a stage boundary is one whether or not it crosses ranks: the same dtype either way
+        tag(tensor, "outputs")
+        tensor = self.precision.wire(tensor)
+        tag(tensor, "outputs")
+        if dst_device == self.rank:
+            local[key] = tensor
+        else:
+            outbox[key] = tensor
+
+
+
+def _drop_sent(sends: list, done: set) -> None:
+    """Wait for (at once: they are complete) and let go of the sends whose keys are in ``done``."""
+    keep = []
+    for work, tensor, key in sends:
+        if key in done:
+            work.wait()
+        else:
+            keep.append((work, tensor, key))
+    sends[:] = keep
+
