@@ -93,7 +93,7 @@ def _run_simulation(cfg: DictConfig, out_dir: str | Path, notes: list[str] | Non
         write_torch_csv(schedule, out / "schedule.csv")
         files.append("schedule.csv")
 
-    categories = device_memory(schedule, cost, result.timeline, result.per_device) if cost.name != "unit" else None
+    categories = device_memory(schedule, cost, result.per_device) if cost.name != "unit" else None
     memory = memory_fit(schedule, cost, topology, sim_summary["per_device"], categories)
     summary = {
         "kind": "simulated",  # predicted by the simulator; pipeflow-train's summaries are measured

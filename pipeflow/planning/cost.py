@@ -110,8 +110,9 @@ class CostModel(ABC):
         return 0.0
 
     def workspace_bytes(self, stage: int, segment: int) -> float:
-        """The gradients a backward (B or I) makes and frees as it goes, at their most
-        (0 if not modelled)."""
+        """What a backward (B or I) holds at its most on top of the level before its
+        frees: the gradients it makes and frees as it goes, and any layer it rebuilds (0
+        if not modelled: the simulator then counts ``transient_bytes`` alone)."""
         return 0.0
 
     @abstractmethod
@@ -448,16 +449,22 @@ class AnalyticCost(CostModel):
         return float(self.microbatch_size * x * self.spec.n_embd * per_token)
 
     def workspace_bytes(self, stage: int, segment: int) -> float:
-        """The largest set of gradients a backward holds at once beyond the saved tensors:
+        """What a backward (B or I) holds at its most on top of the level before its frees:
         in a block, the MLP's hidden gradient (I wide, compute dtype) beside the residual
-        stream's (H, fp32); on the last stage, the loss's gradient over the vocabulary
-        and the log-softmax's (two fp32 rows of V), if wider."""
+        stream's (H, fp32), and with recomputation the layer it rebuilt (full: both at
+        once; selective: the rebuilt attention sub-layer is gone before the MLP's
+        gradients come, so the larger); on the last stage the head's backward runs first,
+        holding the loss's gradient over the vocabulary and the log-softmax's (two fp32
+        rows of V), and has freed what the head kept before the blocks' phase."""
         x = self.segment_lengths[self._seg(segment)]
         spec, b = self.spec, self.microbatch_size
-        ws = x * b * (spec.ffn_width * self.dtype_bytes + spec.n_embd * RESIDUAL_BYTES)
-        if stage == self.num_stages - 1:
-            ws = max(ws, 2.0 * x * b * spec.vocab_size * 4)
-        return float(ws)
+        grads = x * b * (spec.ffn_width * self.dtype_bytes + spec.n_embd * RESIDUAL_BYTES)
+        rebuilt = self._transient[stage][self._seg(segment)]
+        blocks = max(rebuilt, grads) if spec.recompute == "selective" else rebuilt + grads
+        if stage != self.num_stages - 1:
+            return float(blocks)
+        head = last_stage_saved(spec, x, b, self.dtype_bytes)
+        return float(max(2.0 * x * b * spec.vocab_size * 4, blocks - head))
 
     def _seg(self, segment: int) -> int:
         if not 0 <= segment < self.num_segments:

@@ -214,15 +214,18 @@ def backward_weight(pending: PendingWeight, params: list[torch.Tensor]) -> None:
 
 def _param_through(edge: GradientEdge):
     """(parameter, transposed) where ``edge`` leads straight to a parameter's
-    accumulator, or through one transpose to it; None otherwise."""
-    node = edge.node
-    if node.name() == "TBackward0":
+    accumulator, or through one transpose, or through autocast's cast of the parameter
+    (``ToCopyBackward0``: the product's gradient is cast back to the parameter's dtype,
+    as autograd casts it), or both; None otherwise. Without the cast, every 16-bit
+    zero-bubble stage fell back to keeping its whole graph from I until W."""
+    node, transposed, seen = edge.node, False, set()
+    while node is not None and node.name() in ("TBackward0", "ToCopyBackward0") and node.name() not in seen:
+        seen.add(node.name())
+        transposed = transposed or node.name() == "TBackward0"
         nxt = node.next_functions
         if len(nxt) != 1 or nxt[0][0] is None:
             return None
-        node, transposed = nxt[0][0], True
-    else:
-        transposed = False
+        node = nxt[0][0]
     param = getattr(node, "variable", None)  # an AccumulateGrad node holds its parameter
     return None if param is None else (param, transposed)
 
@@ -232,6 +235,8 @@ def _accumulate(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha) ->
     first, then added in place, so the gradient is bitwise the one autograd gives (a
     fused ``addmm_`` rounds differently)."""
     prod = torch.mm(a, b) if alpha == 1 else torch.mm(a, b).mul_(alpha)
+    if prod.dtype != param.dtype:  # a 16-bit product of autocast's cast: back to the parameter's dtype
+        prod = prod.to(param.dtype)
     if param.grad is None:
         param.grad = prod
     else:
@@ -294,6 +299,8 @@ def _run_by_hand(plan: tuple, g: torch.Tensor) -> None:
     for param, kind, operand, transposed in work:
         if kind == "bias":
             s = g.sum(0) if beta == 1 else g.sum(0).mul_(beta)
+            if s.dtype != param.dtype:
+                s = s.to(param.dtype)
             if param.grad is None:
                 param.grad = s
             else:

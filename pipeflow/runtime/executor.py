@@ -331,6 +331,8 @@ class Executor(MessageIO):
         return (work, flat, params, grads)
 
     def _synchronise(self, reduces, loss_sum: torch.Tensor) -> tuple[float, float, float | None]:
+        for st in self.stages.values():  # runtime.memory=profile: the gradients the reductions replace
+            tag_stage(st.module, None)
         for r in reduces:
             if r is None:
                 continue

@@ -20,8 +20,8 @@ runtime's memory profile measures (``runtime.memory=profile``,
 - ``inputs``: a message's receive buffer, from the action before the one that needs it
   (the runtime posts receives one action ahead) until its forward starts or its
   backward is done;
-- ``temporaries``: while a backward runs, the layer it rebuilds (recomputation) and the
-  gradients it makes and frees as it goes.
+- ``temporaries``: while a backward runs, the gradients it makes and frees as it goes
+  and the layer it rebuilds (recomputation): ``workspace_bytes``.
 
 Terms come from the cost model (:meth:`~pipeflow.planning.cost.CostModel.state_bytes`,
 ``activation_bytes``, ``output_bytes``, ``workspace_bytes``...): a cost model without
@@ -37,18 +37,17 @@ CATEGORIES = ("parameters", "optimizer_state", "weight_versions", "gradients", "
               "inputs", "temporaries")
 
 
-def device_memory(schedule, cost, timeline, per_device: list) -> list[dict]:
+def device_memory(schedule, cost, per_device: list) -> list[dict]:
     """Per device: ``peak_bytes``, ``at_peak`` (category -> bytes at that instant) and
-    ``category_peaks`` (each category's own most), walking the simulated ``timeline``'s
-    compute events in order. ``per_device`` is the engine's :class:`DeviceStats` list
-    (the weight versions an asynchronous policy keeps)."""
+    ``category_peaks`` (each category's own most), walking the device's actions in its
+    order (a device runs them one at a time, so the order is the time order; no
+    timeline is needed). ``per_device`` is the engine's :class:`DeviceStats` list (the
+    weight versions an asynchronous policy keeps)."""
     placement, graph = schedule.placement, schedule.graph
     nseg = max(1, schedule.num_segments)
     owners = zero_owners(placement) if getattr(schedule, "zero", False) else None
-    events: dict[int, list] = {}
-    for e in timeline.events:
-        if e.stream == "compute" and e.kind in ("F", "B", "I", "W", "S"):
-            events.setdefault(e.device, []).append(e)
+    events: dict[int, list] = {d: [a for a in order if a.kind in ("F", "B", "I", "W", "S")]
+                               for d, order in enumerate(schedule.orders)}
     cache: dict = {}
 
     def term(name, *args) -> float:
@@ -75,6 +74,12 @@ def device_memory(schedule, cost, timeline, per_device: list) -> list[dict]:
         if seg == nseg - 1:
             return sum(term("kv_gradient_bytes", stage, j) for j in range(seg))
         return -term("kv_gradient_bytes", stage, seg)
+
+    def _during_backward(stage: int, seg: int) -> float:
+        # a cost model that prices the backward's working set as a whole (workspace_bytes
+        # includes the rebuilt layer) or only the rebuilt layer (transient_bytes)
+        ws = term("workspace_bytes", stage, seg)
+        return ws if ws or not hasattr(cost, "transient_bytes") else term("transient_bytes", stage, seg)
 
     out = []
     for d in range(schedule.num_devices):
@@ -147,7 +152,7 @@ def device_memory(schedule, cost, timeline, per_device: list) -> list[dict]:
                     settle()
                 continue
             if k in (Kind.B, Kind.I):
-                settle(term("transient_bytes", e.stage, seg) + term("workspace_bytes", e.stage, seg))
+                settle(_during_backward(e.stage, seg))
                 live["outputs"] -= held_out.pop((rep, e.microbatch, seg), 0.0) + sent_grads  # kept through its backward
                 live["inputs"] -= landed[i]
                 sent_grads = sum(term("message_bytes", p, e.stage, seg) for p in graph.preds[e.stage]
