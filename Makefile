@@ -68,6 +68,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_split
 	$(BIN)/python -m benchmarks.bench_attention
 	$(BIN)/python -m benchmarks.bench_report_width
+	$(BIN)/python -m benchmarks.bench_memory
 
 # One table of every comparison with a published figure: pipeflow's figure beside the
 # paper's, with the command for each row. ARGS: --quick (a minute or two), --out DIR.

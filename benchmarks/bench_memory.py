@@ -50,7 +50,7 @@ from pipeflow.simulate import run_simulation
 
 # measured categories (runtime.memory_profile) and simulated ones (sim.memory), grouped
 GROUPS = {
-    "weights": (("parameters",), ("parameters", "weight_versions")),
+    "weights": (("parameters", "weight_versions"), ("parameters", "weight_versions")),
     "optimizer": (("optimizer_state",), ("optimizer_state",)),
     "gradients": (("gradients",), ("gradients",)),
     "activations": (("activations", "residuals", "kv"), ("activations", "casts")),
@@ -69,6 +69,8 @@ SCHEDULES = {
     "zb_v": ["schedule=zb_v", "pipeline.virtual_stages=2"],
     "seq1f1b": ["schedule=seq1f1b", "pipeline.segments=4"],
     "1f1b x2 replicas": ["schedule=1f1b", "pipeline.data_parallel=2"],
+    "pipedream": ["schedule=pipedream"],
+    "pipedream_2bw": ["schedule=pipedream_2bw"],
 }
 CAUSAL_ONLY = {"seq1f1b"}
 
@@ -148,6 +150,22 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def results(quick: bool = False, only: str | None = None, device: str = "cpu", one_stage: bool = False,
+            extra: tuple = ()) -> list[dict]:
+    """The rows of the chosen cases (``only``: comma-separated substrings of their
+    labels); a case that cannot run here is reported on stderr and left out."""
+    wanted = [w.strip() for w in only.split(",")] if only else None
+    chosen = [c for c in cases(quick) if wanted is None or any(w in c[0] for w in wanted)]
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="bench_memory_") as tmp:
+        for label, over in chosen:
+            try:
+                rows += measure(label, over, Path(tmp), device, one_stage, extra)
+            except Exception as err:  # noqa: BLE001 - reported, not fatal
+                print(f"{label}: not measured: {err}", file=sys.stderr)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one case per concern")
@@ -157,16 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", default="", help="overrides added to every case, space-separated (model.seq_len=1024 ...)")
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args(argv)
-    wanted = [w.strip() for w in args.only.split(",")] if args.only else None
-    chosen = [c for c in cases(args.quick) if wanted is None or any(w in c[0] for w in wanted)]
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="bench_memory_") as tmp:
-        for label, over in chosen:
-            try:
-                rows += measure(label, over, Path(tmp), args.device, args.one_stage, tuple(args.set.split()))
-            except Exception as err:  # a case that cannot run here is reported, not fatal
-                print(f"{label}: not measured: {err}", file=sys.stderr)
-            print(table(rows[-4:]).splitlines()[-2] if rows else "", flush=True)
+    rows = results(args.quick, args.only, args.device, args.one_stage, tuple(args.set.split()))
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

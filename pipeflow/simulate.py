@@ -173,8 +173,13 @@ def memory_line(s: dict) -> str | None:
         return None
     worst = max(s["per_device"], key=lambda d: d["peak_memory_bytes"] / max(d["memory_bytes"], 1))
     need = f"device {worst['device']} needs {_bytes(worst['peak_memory_bytes'])} of {_bytes(worst['memory_bytes'])}"
+    at = worst.get("memory_at_peak") or {}
+    top = sorted(((v, k) for k, v in at.items() if v > 0), reverse=True)[:3]
+    parts = [k.replace("_", " ") + " " + _bytes(v) for v, k in top]
+    split = "; most of it " + ", ".join(parts) if parts else ""
     if s["fits"]:
-        return f"memory        fits: at most {need.split(' needs ', 1)[1]} (device {worst['device']})"
+        return f"memory        fits: at most {need.split(' needs ', 1)[1]} (device {worst['device']}{split})"
+    need += split
     model = s.get("model") or {}
     recompute = model.get("recompute", "none")
     hint = "; model.attention=sdpa keeps no score" if model.get("attention") == "eager" else ""

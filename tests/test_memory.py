@@ -160,7 +160,7 @@ def test_the_zero_bubble_split_holds_its_residuals_until_w_measured_and_simulate
 
 # measured categories (runtime.memory_profile) and the simulated ones (sim.memory) they compare with
 GROUPS = {
-    "weights": (("parameters",), ("parameters", "weight_versions")),
+    "weights": (("parameters", "weight_versions"), ("parameters", "weight_versions")),
     "optimizer": (("optimizer_state",), ("optimizer_state",)),
     "gradients": (("gradients",), ("gradients",)),
     "activations": (("activations", "residuals", "kv"), ("activations", "casts")),

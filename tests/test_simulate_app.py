@@ -435,6 +435,7 @@ def test_recomputation_makes_a_long_sequence_fit(tmp_path):
             assert d["peak_memory_bytes"] <= d["memory_bytes"]
     assert runs["full"]["makespan"] > runs["selective"]["makespan"] > runs["none"]["makespan"]  # the reruns
     assert "OUT OF MEMORY on 8 of 8 devices" in format_report(runs["none"])
+    assert "; most of it activations " in format_report(runs["none"])  # the fullest device's largest category
     assert "model.attention=sdpa keeps no score" in format_report(runs["none"])
     assert "memory        fits: at most" in format_report(runs["full"])
     assert runs["full"]["data_parallel"] == 1

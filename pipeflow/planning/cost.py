@@ -448,6 +448,13 @@ class AnalyticCost(CostModel):
         per_token = RESIDUAL_BYTES + (self.dtype_bytes if self.dtype_bytes < 4 else 0)
         return float(self.microbatch_size * x * self.spec.n_embd * per_token)
 
+    def step_workspace_bytes(self, stage: int) -> float:
+        """What the optimizer step holds while it runs: torch's AdamW (foreach) computes
+        the square root of every second moment into one new fp32 buffer, 4 B/param. It
+        matters where a step runs while activations are live (the asynchronous
+        schedules, which step inside the walk)."""
+        return 4.0 * self._params[stage]
+
     def workspace_bytes(self, stage: int, segment: int) -> float:
         """What a backward (B or I) holds at its most on top of the level before its frees:
         in a block, the MLP's hidden gradient (I wide, compute dtype) beside the residual

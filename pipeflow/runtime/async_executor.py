@@ -52,7 +52,7 @@ from ..schedules.validate import dry_run
 from ..schedules.versions import forward_version
 from ..schedules.zero import zero_owners
 from .executor import Executor, Groups, StageState
-from .memory_profile import tag_stage
+from .memory_profile import tag, tag_stage
 
 KEEP = (WeightPolicy.STASH, WeightPolicy.DOUBLE_BUFFER)  # backward uses the forward's version
 
@@ -83,6 +83,8 @@ class ReplicaVersions:
         need = self.refs[v] > 0 or self.policy == WeightPolicy.DOUBLE_BUFFER
         if self.policy in KEEP and need and v not in self.stash:
             self.stash[v] = [p.detach().clone() for p in self.params]
+            for t in self.stash[v]:
+                tag(t, "weight_versions")  # runtime.memory=profile
 
     def after_update(self) -> None:
         self.live += 1

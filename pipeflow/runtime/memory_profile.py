@@ -11,7 +11,7 @@ range; only while profiling) so that the profile links the storage to its role:
 
 - ``parameters`` and ``optimizer_state`` (tagged at each optimizer step; those the step
   never allocates or frees count from its start), ``gradients`` (each ``.grad``, tagged
-  before it is cleared);
+  before it is cleared), ``weight_versions`` (the copies an asynchronous policy stashes);
 - ``activations``: what autograd saves for a backward (the meter's pack hook tags it;
   a 16-bit weight cast it saves included); ``residuals``: what the zero-bubble split
   holds from I until W; ``kv``: a Seq1F1B segment's keys and values held for later
@@ -34,12 +34,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-CATEGORIES = ("parameters", "optimizer_state", "gradients", "activations", "residuals", "kv", "outputs", "inputs",
-              "temporaries")
+CATEGORIES = ("parameters", "weight_versions", "optimizer_state", "gradients", "activations", "residuals", "kv",
+              "outputs", "inputs", "temporaries")
 
 # a storage tagged twice counts where it is held most specifically (a residual W keeps
 # may have been saved by autograd first)
-_PRIORITY = {c: n for n, c in enumerate(("parameters", "optimizer_state", "gradients", "residuals", "kv", "outputs",
+_PRIORITY = {c: n for n, c in enumerate(("parameters", "weight_versions", "optimizer_state", "gradients", "residuals", "kv", "outputs",
                                          "activations", "inputs"))}
 _PREFIX = "pipeflow::tag::"
 _active = False  # tags are recorded only while a step is profiled

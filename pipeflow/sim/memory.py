@@ -21,7 +21,8 @@ runtime's memory profile measures (``runtime.memory=profile``,
   (the runtime posts receives one action ahead) until its forward starts or its
   backward is done;
 - ``temporaries``: while a backward runs, the gradients it makes and frees as it goes
-  and the layer it rebuilds (recomputation): ``workspace_bytes``.
+  and the layer it rebuilds (recomputation): ``workspace_bytes``; while an optimizer
+  step runs, its buffers (``step_workspace_bytes``).
 
 Terms come from the cost model (:meth:`~pipeflow.planning.cost.CostModel.state_bytes`,
 ``activation_bytes``, ``output_bytes``, ``workspace_bytes``...): a cost model without
@@ -130,6 +131,7 @@ def device_memory(schedule, cost, per_device: list) -> list[dict]:
                 live["inputs"] += posted[i]
                 settle()
             if k == "S":
+                settle(term("step_workspace_bytes", e.stage))  # the optimizer's buffers, with the gradients
                 if rep in grads_on:
                     live["gradients"] -= st["gradients"]
                     grads_on.discard(rep)
