@@ -46,17 +46,9 @@ sys.path.insert(0, str(ROOT))
 
 from pipeflow.config import compose, prepare_training
 from pipeflow.runtime.launch import TrainJob, launch
+from pipeflow.sim.memory import COMPARED as GROUPS
 from pipeflow.simulate import run_simulation
 
-# measured categories (runtime.memory_profile) and simulated ones (sim.memory), grouped
-GROUPS = {
-    "weights": (("parameters", "weight_versions"), ("parameters", "weight_versions")),
-    "optimizer": (("optimizer_state",), ("optimizer_state",)),
-    "gradients": (("gradients",), ("gradients",)),
-    "activations": (("activations", "residuals", "kv"), ("activations", "casts")),
-    "messages": (("outputs", "inputs"), ("outputs", "inputs")),
-    "temporaries": (("temporaries",), ("temporaries",)),
-}
 
 SHAPE = ["pipeline.microbatches=8", "pipeline.microbatch_size=4"]
 FAMILIES = {"gpt": ["model=gpt_tiny"], "llama": ["model=llama_tiny"], "bert": ["model=bert_tiny"]}

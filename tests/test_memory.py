@@ -11,6 +11,7 @@ import torch
 
 import pipeline_runs
 from pipeflow.runtime.memory import SavedBytes
+from pipeflow.sim.memory import COMPARED as GROUPS
 
 pytestmark = pytest.mark.slow  # starts ranks or subprocesses: make test-fast leaves it out
 
@@ -158,15 +159,6 @@ def test_the_zero_bubble_split_holds_its_residuals_until_w_measured_and_simulate
     assert h1["memory_profile"][1]["category_peaks"]["residuals"] == h1["peak_residual_bytes"][1]
 
 
-# measured categories (runtime.memory_profile) and the simulated ones (sim.memory) they compare with
-GROUPS = {
-    "weights": (("parameters", "weight_versions"), ("parameters", "weight_versions")),
-    "optimizer": (("optimizer_state",), ("optimizer_state",)),
-    "gradients": (("gradients",), ("gradients",)),
-    "activations": (("activations", "residuals", "kv"), ("activations", "casts")),
-    "messages": (("outputs", "inputs"), ("outputs", "inputs")),
-    "temporaries": (("temporaries",), ("temporaries",)),
-}
 
 
 @pytest.mark.parametrize("case", [("1f1b",), ("gpipe",), ("zb_h1",), ("1f1b", "precision=bf16")],

@@ -38,6 +38,18 @@ CATEGORIES = ("parameters", "optimizer_state", "weight_versions", "gradients", "
               "inputs", "temporaries")
 
 
+# the measured categories (pipeflow.runtime.memory_profile) and the simulated ones they
+# compare with, in groups: what the benchmark and the tests set side by side
+COMPARED = {
+    "weights": (("parameters", "weight_versions"), ("parameters", "weight_versions")),
+    "optimizer": (("optimizer_state",), ("optimizer_state",)),
+    "gradients": (("gradients",), ("gradients",)),
+    "activations": (("activations", "residuals", "kv"), ("activations", "casts")),
+    "messages": (("outputs", "inputs"), ("outputs", "inputs")),
+    "temporaries": (("temporaries",), ("temporaries",)),
+}
+
+
 def device_memory(schedule, cost, per_device: list) -> list[dict]:
     """Per device: ``peak_bytes``, ``at_peak`` (category -> bytes at that instant) and
     ``category_peaks`` (each category's own most), walking the device's actions in its
