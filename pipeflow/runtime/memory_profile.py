@@ -164,6 +164,24 @@ def analyse(result, device: torch.device) -> StepMemory:
 
 
 @contextlib.contextmanager
+def _quiet_stderr():
+    """Send the process's stderr (file descriptor 2, where C++ libraries write) to
+    /dev/null for the block: only around the profiler's start and stop."""
+    import os
+    import sys
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+@contextlib.contextmanager
 def profile_step(device: torch.device, enabled: bool = True):
     """Run the block under the memory profiler; yields a :class:`StepMemory` filled on exit."""
     global _active
@@ -177,12 +195,16 @@ def profile_step(device: torch.device, enabled: bool = True):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+    prof = profile(activities=activities, profile_memory=True, record_shapes=True)
+    with _quiet_stderr():  # kineto announces its start and stop on stderr, once per rank
+        prof.start()
     _active = True
     try:
-        with profile(activities=activities, profile_memory=True, record_shapes=True) as prof:
-            yield result
+        yield result
     finally:
         _active = False
+        with _quiet_stderr():
+            prof.stop()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         result.allocator_peak_bytes = int(torch.cuda.max_memory_allocated(device))
