@@ -25,7 +25,8 @@ class MessageIO:
 
     def _flush(self, comms: list[Comm], outbox: dict, inbox: dict, sends: list) -> None:
         """Post a run of sends and receives as one batch; receives are waited for by
-        the compute action that needs them, sends at the end of the iteration."""
+        the compute action that needs them, sends once a later message proves them
+        arrived (:meth:`_drop_arrived`) or at the end of the iteration."""
         if not comms:
             return
         ops = []
@@ -42,7 +43,9 @@ class MessageIO:
                 ops.append(dist.P2POp(dist.irecv, buf, c.peer, tag=0 if self.ordered else c.tag))
         for c, op, work in zip(comms, ops, dist.batch_isend_irecv(ops)):
             if c.op == "send":
-                sends.append((work, op.tensor, self._key(c)))  # the tensor must live until the send completes
+                # the tensor must live until the send completes; where its consumer runs
+                key = self._key(c)
+                sends.append((work, op.tensor, key, self._position(key, consumer=True)))
             else:
                 inbox[self._key(c)] = (op.tensor, work)
 
@@ -90,8 +93,7 @@ class MessageIO:
             made = self._position(key, consumer=False)
             if made is None:
                 continue
-            for _work, _tensor, sent in sends:
-                used = self._position(sent, consumer=True)
+            for _work, _tensor, sent, used in sends:
                 if used is not None and used[0] == made[0] and used[1] < made[1]:
                     done.add(sent)
         if done:
@@ -121,10 +123,10 @@ class MessageIO:
 def _drop_sent(sends: list, done: set) -> None:
     """Wait for (at once: they are complete) and let go of the sends whose keys are in ``done``."""
     keep = []
-    for work, tensor, key in sends:
-        if key in done:
-            work.wait()
+    for entry in sends:
+        if entry[2] in done:
+            entry[0].wait()
         else:
-            keep.append((work, tensor, key))
+            keep.append(entry)
     sends[:] = keep
 
