@@ -183,3 +183,33 @@ def test_the_simulated_peak_is_what_each_rank_allocates(case, trained, tmp_path:
             want = sum(predicted["memory_at_peak"].get(c, 0.0) for c in s)
             exact = group in ("weights", "optimizer")
             assert abs(got - want) <= (1e-3 * got if exact else 0.05 * peak), (dev, group, got, want)
+
+
+def test_the_search_keeps_the_candidate_that_fits_and_drops_the_one_that_does_not(trained, tmp_path: Path):
+    """pipeflow-search with its memory limit set halfway between what two candidates'
+    fullest ranks allocated when trained (1F1B and GPipe, the same sizes: trained by the
+    module's runs, whose configs are the candidates' own overrides) keeps 1F1B and
+    drops GPipe, each by the simulator's peak on its fullest device."""
+    from pipeflow.config import compose
+    from pipeflow.planning.search import Candidate
+    from pipeflow.search import compose_search, run_search
+
+    candidates = {s: Candidate(s, 2, 1, 8, 2) for s in ("1f1b", "gpipe")}
+    for s, c in candidates.items():  # what trained is what the search prices
+        mine = compose("train", [*OVER, f"schedule={s}"])
+        theirs = compose("train", [*OVER, *c.overrides()])
+        for key in ("pipeline", "model", "partition", "schedule"):
+            assert mine[key] == theirs[key], key
+    measured = {s: max(d["peak_bytes"] for d in trained(s)["memory_profile"]) for s in candidates}
+    assert measured["gpipe"] > 1.5 * measured["1f1b"]
+    limit = (measured["1f1b"] + measured["gpipe"]) / 2
+    cfg = compose_search(["model=gpt_tiny", *SIZES[:4], "topology=local_cpu", "search.devices=2", "search.global_batch=16",
+                          "search.schedules=[1f1b,gpipe]", "search.stages=[2]", "search.microbatch_sizes=[2]",
+                          "search.recompute=[none]", "search.partitions=[uniform]", "search.workers=1",
+                          f"search.memory_limit_gb={limit / 2**30}", "draw=false"])
+    result, _ = run_search(cfg, tmp_path)
+    assert [q.candidate for q in result.ranked] == [candidates["1f1b"]]
+    assert [q.candidate for q in result.out_of_memory] == [candidates["gpipe"]]
+    for q in result.closed:  # the closed form agrees with the measurement's side of the limit
+        s = q.candidate.schedule
+        assert q.peak_memory == pytest.approx(measured[s], rel=0.03), s

@@ -183,6 +183,32 @@ def test_reduce_with_one_replica_is_a_no_op():
 
 
 # -------------------------------------------------------------------- memory
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb_h2", "interleaved_zb", "seq1f1b_interleaved", "chimera",
+                                  "dualpipe_v", "pipedream_2bw"])
+def test_the_memory_walk_priced_as_arrays_is_the_walk(name):
+    """The search prices thousands of costs on one schedule by the walk's steps as arrays
+    (sim.memory.Peaks); every device's peak is the walk's own, to the byte, with the
+    zero-bubble residuals, Seq1F1B's key/value gradients, recomputation, 16-bit casts,
+    a second pipeline's messages and an asynchronous policy's weight versions."""
+    import dataclasses
+
+    from pipeflow.schedules.registry import get_spec
+    from pipeflow.sim.memory import Peaks, device_memory, tapes, term_value
+
+    spec = get_spec(name)
+    sched = build_schedule(name, 4, 8, virtual_stages=2 if spec.virtual_stages else 1,
+                           segments=2 if spec.segments else 1)
+    base = TransformerSpec("tiny", n_layer=16, n_head=4, n_embd=256, vocab_size=1000, seq_len=128)
+    for recompute, dtype in (("none", 4), ("full", 2)):
+        cost = AnalyticCost(dataclasses.replace(base, recompute=recompute), sched.num_stages, microbatch_size=2,
+                            dtype_bytes=dtype, segment_lengths=[96, 32] if sched.num_segments > 1 else None)
+        per = simulate(sched, cost, get_topology("dgx_a100_8"), record=False).per_device
+        walked = [d["peak_bytes"] for d in device_memory(sched, cost, per)]
+        arrays = Peaks(tapes(sched))
+        assert list(arrays.peaks([term_value(k, cost, per) for k in arrays.terms])) == pytest.approx(walked, rel=1e-12)
+        assert len(set(walked)) > 1  # the devices differ: the test can tell them apart
+
+
 def test_split_backward_memory_and_free_before_alloc():
     """F0 I0 F1 W0 I1 W1 on one device: I frees all but the weight residual, W frees
     the rest, and a free at the same instant as an allocation goes first."""

@@ -31,11 +31,17 @@ them contributes zeros, never a guess.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
+
 from ..schedules.ir import Kind
 from ..schedules.zero import zero_owners
 
 CATEGORIES = ("parameters", "optimizer_state", "weight_versions", "gradients", "casts", "activations", "outputs",
               "inputs", "temporaries")
+_CAT = {c: i for i, c in enumerate(CATEGORIES)}
+_TEMP = _CAT["temporaries"]
 
 
 # the measured categories (pipeflow.runtime.memory_profile) and the simulated ones they
@@ -50,138 +56,231 @@ COMPARED = {
 }
 
 
-def device_memory(schedule, cost, per_device: list) -> list[dict]:
-    """Per device: ``peak_bytes``, ``at_peak`` (category -> bytes at that instant) and
-    ``category_peaks`` (each category's own most), walking the device's actions in its
-    order (a device runs them one at a time, so the order is the time order; no
-    timeline is needed). ``per_device`` is the engine's :class:`DeviceStats` list (the
-    weight versions an asynchronous policy keeps)."""
+@dataclass
+class Tape:
+    """One device's memory over a step, without its bytes: the terms it holds (keys such
+    as ``("activation_bytes", stage, segment)``, valued by :func:`term_value`) and the
+    walk as a list of steps, each ``(category, term, count)`` (that many of the term
+    join the category, or leave it when negative) or ``(-1, extra, 0)``, an instant
+    that may be the peak, with ``extra`` a term held on top of the level for that
+    instant only (a backward's workspace, an optimizer step's buffers; -1: none)."""
+
+    terms: list[tuple]
+    steps: list[tuple[int, int, int]]
+
+    def values(self, cost, per_device=None, cache: dict | None = None) -> np.ndarray:
+        cache = {} if cache is None else cache
+        return np.array([term_value(k, cost, per_device, cache) for k in self.terms], dtype=float)
+
+    def walk(self, values: np.ndarray) -> dict:
+        """The bytes: ``peak_bytes``, ``at_peak`` and ``category_peaks`` (see :func:`device_memory`)."""
+        values = [float(v) for v in values]
+        live = [0.0] * len(CATEGORIES)
+        own = [0.0] * len(CATEGORIES)
+        best, at = -1.0, live
+        for cat, term, n in self.steps:
+            if cat >= 0:
+                live[cat] += n * values[term]
+                continue
+            extra = values[term] if term >= 0 else 0.0
+            total = sum(live) + extra
+            if total > best:
+                best, at = total, list(live)
+                at[_TEMP] += extra
+            for c, v in enumerate(live):
+                own[c] = max(own[c], v + extra if c == _TEMP else v)
+        return {"peak_bytes": best, "at_peak": dict(zip(CATEGORIES, at)), "category_peaks": dict(zip(CATEGORIES, own))}
+
+
+def term_value(key: tuple, cost, per_device=None, cache: dict | None = None) -> float:
+    """A term's bytes from the cost model (a cost model without the method: 0, never a guess)."""
+    if cache is not None and key in cache:
+        return cache[key]
+    name = key[0]
+    if name == "state":  # ("state", stage, category)
+        fn = getattr(cost, "state_bytes", None)
+        if fn is not None:
+            v = float(fn(key[1])[key[2]])
+        else:  # a cost model that does not split its model state: weights, and the rest of it
+            w = float(cost.param_bytes(key[1]))
+            rest = max(0.0, float(getattr(cost, "model_state_bytes", lambda s: 0.0)(key[1])) - w)
+            v = {"parameters": w, "optimizer_state": rest}.get(key[2], 0.0)
+    elif name == "during_backward":  # ("during_backward", stage, segment)
+        # a cost model that prices the backward's working set as a whole (workspace_bytes
+        # includes the rebuilt layer) or only the rebuilt layer (transient_bytes)
+        v = term_value(("workspace_bytes", *key[1:]), cost, per_device, cache)
+        if not v:
+            v = term_value(("transient_bytes", *key[1:]), cost, per_device, cache)
+    elif name == "extra_versions":  # ("extra_versions", device, stage): its versions beyond the first
+        stats = per_device[key[1]] if per_device is not None and key[1] < len(per_device) else None
+        versions = getattr(stats, "peak_weight_versions", 1) or 1
+        v = (versions - 1) * term_value(("state", key[2], "parameters"), cost, per_device, cache)
+    else:
+        fn = getattr(cost, name, None)
+        v = float(fn(*key[1:])) if fn is not None else 0.0
+    if cache is not None:
+        cache[key] = v
+    return v
+
+
+def tapes(schedule) -> list[Tape]:
+    """Each device's :class:`Tape`, walking its actions in its order (a device runs them
+    one at a time, so the order is the time order; no timeline is needed)."""
     placement, graph = schedule.placement, schedule.graph
     nseg = max(1, schedule.num_segments)
     owners = zero_owners(placement) if getattr(schedule, "zero", False) else None
-    events: dict[int, list] = {d: [a for a in order if a.kind in ("F", "B", "I", "W", "S")]
-                               for d, order in enumerate(schedule.orders)}
-    cache: dict = {}
-
-    def term(name, *args) -> float:
-        key = (name, *args)
-        v = cache.get(key)
-        if v is None:
-            fn = getattr(cost, name, None)
-            v = cache[key] = float(fn(*args)) if fn is not None else 0.0
-        return v
-
-    def state(stage: int) -> dict:
-        key = ("state", stage)
-        if key not in cache:
-            cache[key] = cost.state_bytes(stage) if hasattr(cost, "state_bytes") else {
-                "parameters": float(cost.param_bytes(stage)), "gradients": 0.0, "optimizer_state": 0.0, "casts": 0.0}
-        return cache[key]
-
-    def _kv_gradient(stage: int, seg: int) -> float:
-        # the engine's rule (sim.engine._kv_gradient): a microbatch's first backward on a
-        # stage (its last segment's) allocates the K/V gradients of every earlier
-        # segment, each earlier segment's backward frees its own
-        if nseg <= 1:
-            return 0.0
-        if seg == nseg - 1:
-            return sum(term("kv_gradient_bytes", stage, j) for j in range(seg))
-        return -term("kv_gradient_bytes", stage, seg)
-
-    def _during_backward(stage: int, seg: int) -> float:
-        # a cost model that prices the backward's working set as a whole (workspace_bytes
-        # includes the rebuilt layer) or only the rebuilt layer (transient_bytes)
-        ws = term("workspace_bytes", stage, seg)
-        return ws if ws or not hasattr(cost, "transient_bytes") else term("transient_bytes", stage, seg)
-
+    PARAMS, OPT, VERS, GRADS, CASTS, ACTS, OUTS, INS = (_CAT[c] for c in (
+        "parameters", "optimizer_state", "weight_versions", "gradients", "casts", "activations", "outputs", "inputs"))
+    F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W  # noqa: E741
     out = []
-    for d in range(schedule.num_devices):
+    for d, order in enumerate(schedule.orders):
+        index: dict[tuple, int] = {}
+        steps: list[tuple] = []
+        ap = steps.append
+
+        def key(*k) -> int:
+            got = index.get(k)
+            if got is None:
+                got = index[k] = len(index)
+            return got
+
+        # per (pipe, stage) on this device: its neighbours on other devices
+        away: dict[tuple, tuple] = {}
+
+        def neighbours(pipe: int, stage: int) -> tuple:
+            got = away.get((pipe, stage))
+            if got is None:
+                got = away[(pipe, stage)] = (
+                    [t for t in graph.preds[stage] if placement.device(pipe, t) != d],
+                    [t for t in graph.succs[stage] if placement.device(pipe, t) != d])
+            return got
+
         reps = placement.stages_on(d)
-        live = dict.fromkeys(CATEGORIES, 0.0)
-        for pipe, s in reps:
-            live["parameters"] += state(s)["parameters"]
+        for _, s in reps:
+            ap((PARAMS, key("state", s, "parameters"), 1))
             if owners is None or owners[s] == d:
-                live["optimizer_state"] += state(s)["optimizer_state"]
-        stats = per_device[d] if d < len(per_device) else None
-        versions = getattr(stats, "peak_weight_versions", 1) or 1
-        live["weight_versions"] = (versions - 1) * sum(state(s)["parameters"] for _, s in reps) / max(1, len(reps))
-        own = dict(live)
-        best = {"peak_bytes": sum(live.values()), "at_peak": dict(live)}
-
-        def settle(extra: float = 0.0) -> None:
-            total = sum(live.values()) + extra
-            if total > best["peak_bytes"]:
-                at = dict(live)
-                at["temporaries"] += extra
-                best["peak_bytes"], best["at_peak"] = total, at
-            for c in CATEGORIES:
-                own[c] = max(own[c], live[c] + (extra if c == "temporaries" else 0.0))
-
-        grads_on: set = set()
-        casts_on: set = set()
-        held_out: dict = {}
-        mine = events.get(d, [])
+                ap((OPT, key("state", s, "optimizer_state"), 1))
+            ap((VERS, key("extra_versions", d, s), 1 / len(reps)))
+        ap((-1, -1, 0))
+        mine = [a for a in order if a.kind in (F, B, I, W, "S")]
         # a message from another device lands in a buffer posted before the action ahead
         # of the one that needs it; a gradient's buffer lives until its backward is done,
         # an activation's becomes the stage's input (an activation) when its forward starts
-        posted = [0.0] * (len(mine) + 1)
-        landed = [0.0] * (len(mine) + 1)
+        posted: list[list[int]] = [[] for _ in range(len(mine) + 1)]
+        landed: list[list[int]] = [[] for _ in range(len(mine) + 1)]
         for i, e in enumerate(mine):
-            if e.kind in (Kind.F, Kind.B, Kind.I):
-                peers = graph.preds[e.stage] if e.kind == Kind.F else graph.succs[e.stage]
-                for t in peers:
-                    if placement.device(e.pipe, t) != d:
-                        edge = (t, e.stage) if e.kind == Kind.F else (e.stage, t)
-                        nbytes = term("message_bytes", *edge, e.segment)
-                        posted[max(0, i - 1)] += nbytes
-                        landed[i] += nbytes
-        sent_grads = 0.0  # a gradient sent back, until the peer's next message proves it arrived
+            if e.kind == F:
+                for t in neighbours(e.pipe, e.stage)[0]:
+                    k = key("message_bytes", t, e.stage, e.segment)
+                    posted[max(0, i - 1)].append(k)
+                    landed[i].append(k)
+            elif e.kind == B or e.kind == I:
+                for t in neighbours(e.pipe, e.stage)[1]:
+                    k = key("message_bytes", e.stage, t, e.segment)
+                    posted[max(0, i - 1)].append(k)
+                    landed[i].append(k)
+        grads_on: set = set()
+        casts_on: set = set()
+        held_out: dict = {}
+        sent: list[int] = []  # a gradient sent back, until the peer's next message proves it arrived
         for i, e in enumerate(mine):
-            k, rep, seg = e.kind, (e.pipe, e.stage), e.segment
-            st = state(e.stage)
+            kind, rep, stage, seg = e.kind, (e.pipe, e.stage), e.stage, e.segment
             if posted[i]:
-                live["inputs"] += posted[i]
-                settle()
-            if k == "S":
-                settle(term("step_workspace_bytes", e.stage))  # the optimizer's buffers, with the gradients
+                for k in posted[i]:
+                    ap((INS, k, 1))
+                ap((-1, -1, 0))
+            if kind == "S":
+                ap((-1, key("step_workspace_bytes", stage), 0))  # the optimizer's buffers, beside the gradients
                 if rep in grads_on:
-                    live["gradients"] -= st["gradients"]
+                    ap((GRADS, key("state", stage, "gradients"), -1))
                     grads_on.discard(rep)
                 if rep in casts_on:
-                    live["casts"] -= st["casts"]
+                    ap((CASTS, key("state", stage, "casts"), -1))
                     casts_on.discard(rep)
                 continue
-            act = term("activation_bytes", e.stage, seg)
-            if k == Kind.F:
-                live["inputs"] -= landed[i]
-                live["activations"] += act
+            act = key("activation_bytes", stage, seg)
+            if kind == F:
+                for k in landed[i]:
+                    ap((INS, k, -1))
+                ap((ACTS, act, 1))
                 if rep not in casts_on:
                     casts_on.add(rep)
-                    live["casts"] += st["casts"]
-                settle()
-                if any(placement.device(e.pipe, t) != d for t in graph.succs[e.stage]):
-                    o = term("output_bytes", e.stage, seg)
-                    held_out[(rep, e.microbatch, seg)] = o
-                    live["outputs"] += o
-                    settle()
+                    ap((CASTS, key("state", stage, "casts"), 1))
+                ap((-1, -1, 0))
+                if neighbours(e.pipe, stage)[1]:
+                    held_out[(rep, e.microbatch, seg)] = k = key("output_bytes", stage, seg)
+                    ap((OUTS, k, 1))
+                    ap((-1, -1, 0))
                 continue
-            if k in (Kind.B, Kind.I):
-                settle(_during_backward(e.stage, seg))
-                live["outputs"] -= held_out.pop((rep, e.microbatch, seg), 0.0) + sent_grads  # kept through its backward
-                live["inputs"] -= landed[i]
-                sent_grads = sum(term("message_bytes", p, e.stage, seg) for p in graph.preds[e.stage]
-                                 if placement.device(e.pipe, p) != d)
-                live["outputs"] += sent_grads
-                kvg = _kv_gradient(e.stage, seg)
-                if k == Kind.B:
-                    live["activations"] += kvg - act
-                else:
-                    live["activations"] += term("weight_residual_bytes", e.stage, seg) - act + kvg
+            if kind == B or kind == I:
+                ap((-1, key("during_backward", stage, seg), 0))
+                out_k = held_out.pop((rep, e.microbatch, seg), None)  # kept through its backward
+                if out_k is not None:
+                    ap((OUTS, out_k, -1))
+                for k in sent:
+                    ap((OUTS, k, -1))
+                for k in landed[i]:
+                    ap((INS, k, -1))
+                sent = [key("message_bytes", p, stage, seg) for p in neighbours(e.pipe, stage)[0]]
+                for k in sent:
+                    ap((OUTS, k, 1))
+                # Seq1F1B (the engine's rule, sim.engine._kv_gradient): a microbatch's first
+                # backward on a stage (its last segment's) allocates the key/value gradients
+                # of every earlier segment; each earlier segment's backward frees its own
+                if nseg > 1 and seg == nseg - 1:
+                    for j in range(seg):
+                        ap((ACTS, key("kv_gradient_bytes", stage, j), 1))
+                elif nseg > 1:
+                    ap((ACTS, key("kv_gradient_bytes", stage, seg), -1))
+                ap((ACTS, act, -1))
+                if kind == I:
+                    ap((ACTS, key("weight_residual_bytes", stage, seg), 1))
             else:  # W
-                live["activations"] -= term("weight_residual_bytes", e.stage, seg)
-            if k in (Kind.B, Kind.W) and rep not in grads_on:
+                ap((ACTS, key("weight_residual_bytes", stage, seg), -1))
+            if (kind == B or kind == W) and rep not in grads_on:
                 grads_on.add(rep)
-                live["gradients"] += st["gradients"]
-            settle()
-        out.append({"peak_bytes": best["peak_bytes"], "at_peak": best["at_peak"], "category_peaks": own})
+                ap((GRADS, key("state", stage, "gradients"), 1))
+            ap((-1, -1, 0))
+        out.append(Tape(list(index), steps))
     return out
+
+
+class Peaks:
+    """Every device's peak for many cost models at once: the tapes' walks as arrays
+    over one list of terms (``terms``), so that a cost's peaks are a few array
+    operations (:meth:`peaks`) rather than a walk."""
+
+    def __init__(self, tapes: list[Tape]) -> None:
+        index: dict[tuple, int] = {}
+        idx, coef, pos, base, extra, starts = [], [], [], [], [], []
+        n = 0  # adds so far, over every device
+        for t in tapes:
+            remap = np.array([index.setdefault(k, len(index)) for k in t.terms] + [-1], dtype=np.int64)
+            steps = np.array(t.steps, dtype=float).reshape(-1, 3)
+            adds = steps[:, 0] >= 0
+            term = steps[:, 1].astype(np.int64)  # -1 (no extra term) maps to -1
+            starts.append(sum(len(x) for x in pos))
+            idx.append(remap[term[adds]])
+            coef.append(steps[adds, 2])
+            pos.append(n + np.cumsum(adds)[~adds])
+            base.append(np.full(int((~adds).sum()), n, dtype=np.int64))
+            extra.append(remap[term[~adds]])
+            n += int(adds.sum())
+        self.terms = list(index)
+        self.idx, self.coef = np.concatenate(idx), np.concatenate(coef)
+        self.pos, self.base, self.extra = np.concatenate(pos), np.concatenate(base), np.concatenate(extra)
+        self.starts = np.array(starts, dtype=np.int64)
+
+    def peaks(self, values: np.ndarray) -> np.ndarray:
+        """Each device's peak bytes, with ``values[i]`` the bytes of ``terms[i]``."""
+        v = np.append(np.asarray(values, dtype=float), 0.0)  # index -1: no extra term
+        level = np.concatenate(([0.0], np.cumsum(self.coef * v[self.idx])))
+        return np.maximum.reduceat(level[self.pos] - level[self.base] + v[self.extra], self.starts)
+
+
+def device_memory(schedule, cost, per_device: list) -> list[dict]:
+    """Per device: ``peak_bytes``, ``at_peak`` (category -> bytes at that instant) and
+    ``category_peaks`` (each category's own most). ``per_device`` is the engine's
+    :class:`DeviceStats` list (the weight versions an asynchronous policy keeps)."""
+    cache: dict = {}
+    return [t.walk(t.values(cost, per_device, cache)) for t in tapes(schedule)]

@@ -10,11 +10,14 @@ Two parts, both cheap enough for tens of thousands of candidates:
   and its row says so.
 - **Peak memory** exactly as the simulator counts it, from the schedule's own order:
   :class:`Structure` builds one replica of the schedule once per (schedule, stages,
-  microbatches, chunks, segments) and walks each device's order, keeping the
-  Pareto-maximal vectors of live activations and weight-gradient residuals per (stage,
-  segment) (and the layer a recomputing backward rebuilds). A candidate's peak is then
-  the largest dot product of those vectors with its own bytes per (stage, segment): the
-  level the simulator's walk reaches, for any cost.
+  microbatches, chunks, segments) and takes the simulator's own walk of each device's
+  order without its bytes (:func:`pipeflow.sim.memory.tapes`): which term (a stage's
+  weights, gradients, optimizer state, a (stage, segment)'s activations, residuals,
+  outputs, messages, a backward's workspace) each step allocates or frees, and which
+  instants can be a peak. A candidate's peak is then a cumulative sum of its own bytes
+  per term along those steps, at most at those instants (:class:`~pipeflow.sim.memory.Peaks`):
+  the level the simulator's walk reaches, for any cost (an asynchronous policy's extra
+  weight versions excepted: they come from the simulator's timeline).
 
 The structure also says whether the sizes are valid at all: it is built by the
 schedule's own generator, whose refusal names the rule.
@@ -23,7 +26,6 @@ schedule's own generator, whose refusal names the rule.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -31,6 +33,7 @@ import numpy as np
 from pipeflow.schedules.common import ScheduleConfigError
 from pipeflow.schedules.ir import Kind, Schedule, WeightPolicy
 from pipeflow.schedules.registry import build_schedule
+from pipeflow.sim.memory import Peaks, tapes
 
 # idle(p, m, v, s, F, I, W, overlap) -> idle time per device, in the unit times' units
 IdleFormula = Callable[[int, int, int, int, float, float, float, float], float]
@@ -93,29 +96,6 @@ def idle_formula(name: str) -> tuple[IdleFormula, bool]:
     return (own, True) if own is not None else (_one_f_one_b, False)
 
 
-@dataclass
-class DeviceMemory:
-    """One device of a structure: the (pipe, stage, segment) keys it holds and the
-    Pareto-maximal states of its walk, one row per state: live activations per key,
-    then live residuals per key, then the key a recomputing backward rebuilds (one-hot),
-    then live key/value gradients per key (Seq1F1B)."""
-
-    keys: list[tuple[int, int]]  # (stage, segment)
-    states: np.ndarray  # (n_states, 4 * len(keys))
-
-    def __post_init__(self) -> None:
-        self.stage_idx = np.array([k[0] for k in self.keys], dtype=int)
-        self.seg_idx = np.array([k[1] for k in self.keys], dtype=int)
-
-    def peak(self, act: np.ndarray, res: np.ndarray, trans: np.ndarray, kvg: np.ndarray) -> float:
-        """The simulator's peak of saved activations, with bytes per (stage, segment) in the
-        tables act, res, trans and kvg (indexed [stage, segment])."""
-        if self.states.size == 0:
-            return 0.0
-        i, g = self.stage_idx, self.seg_idx
-        return float((self.states @ np.concatenate([act[i, g], res[i, g], trans[i, g], kvg[i, g]])).max())
-
-
 class Structure:
     """One replica of a schedule at given sizes: its placement, its units of work per
     device and its devices' memory states (see the module docstring). Raises
@@ -127,7 +107,8 @@ class Structure:
                                                  segments=segments, check=False, **(options or {}))
         sched = self.schedule
         self.asynchronous = sched.policy != WeightPolicy.SYNC
-        self.devices = [_device_memory(order, sched.num_segments) for order in sched.orders]
+        # per device: the terms its memory holds and the instants that can be its peak
+        self.memory = Peaks(tapes(sched))
         # per device: the (stage, segment) keys it computes and how many F, B, I and W of
         # each it runs, as index arrays (stages, segments) and a (4, keys) count matrix
         self.counts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
@@ -146,64 +127,6 @@ class Structure:
         self.overlapped = len(sched.overlapped)
         self.microbatches_per_update = sched.microbatches_per_step or sched.num_microbatches
         self.updates = max(1, sched.num_microbatches // self.microbatches_per_update) if self.asynchronous else 1
-
-
-def _device_memory(order, segments: int = 1) -> DeviceMemory:
-    """Walk one device's order as the simulator does (F allocates at its start; B frees,
-    I trades its activations for the residual W needs, W frees that, each at its end;
-    a recomputing B or I holds its rebuilt layer on top of the level before its free;
-    a microbatch's last segment's backward allocates the earlier segments' key/value
-    gradients, each of which its own backward frees). Only the levels after an
-    allocation (F, I, a last segment's B) and during a rebuild can be peaks."""
-    keys: dict[tuple[int, int], int] = {}
-    for a in order:
-        if a.kind in Kind.COMPUTE:
-            keys.setdefault((a.stage, a.segment), len(keys))
-    k = len(keys)
-    live = [0] * (2 * k)
-    kvg = [0] * k  # live key/value gradients per key
-    seen: set[tuple] = set()  # (live counts, the key being rebuilt or -1, kv gradient counts)
-    F, B, I = Kind.F, Kind.B, Kind.I  # noqa: E741
-    last = segments - 1
-    for a in order:
-        kind = a.kind
-        if kind == F:
-            live[keys[(a.stage, a.segment)]] += 1
-            seen.add((tuple(live), -1, tuple(kvg)))
-        elif kind in (B, I):
-            i = keys[(a.stage, a.segment)]
-            seen.add((tuple(live), i, tuple(kvg)))
-            live[i] -= 1
-            if kind == I:
-                live[k + i] += 1
-            if last > 0 and a.segment == last:
-                for j in range(last):
-                    kvg[keys[(a.stage, j)]] += 1
-            elif last > 0:
-                kvg[i] -= 1
-            seen.add((tuple(live), -1, tuple(kvg)))
-        elif kind == Kind.W:
-            live[k + keys[(a.stage, a.segment)]] -= 1
-    rows = np.zeros((len(seen), 4 * k))
-    for r, (counts, rebuilt, grads) in enumerate(seen):
-        rows[r, : 2 * k] = counts
-        if rebuilt >= 0:
-            rows[r, 2 * k + rebuilt] = 1
-        rows[r, 3 * k:] = grads
-    return DeviceMemory(list(keys), _pareto(rows))
-
-
-def _pareto(rows: np.ndarray) -> np.ndarray:
-    """The rows no other row dominates (every count at least as large): only they can be
-    the peak, whatever the bytes per key (all bytes are >= 0)."""
-    if len(rows) <= 1:
-        return rows
-    rows = rows[np.argsort(-rows.sum(axis=1), kind="stable")]
-    kept = [rows[0]]
-    for r in rows[1:]:
-        if not (np.asarray(kept) >= r).all(axis=1).any():
-            kept.append(r)
-    return np.asarray(kept)
 
 
 class StructureCache:

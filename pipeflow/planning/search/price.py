@@ -17,6 +17,7 @@ import numpy as np
 
 from pipeflow.schedules.data_parallel import replicate
 from pipeflow.sim.engine import simulate
+from pipeflow.sim.memory import device_memory, term_value
 from pipeflow.topology.topology import Topology
 
 from ..cost import AnalyticCost
@@ -70,11 +71,6 @@ class Priced:
 class _Tables:
     """One cost model's numbers as arrays indexed [stage, segment] (bytes) or [stage]."""
 
-    act: np.ndarray
-    res: np.ndarray
-    trans: np.ndarray
-    kvg: np.ndarray  # Seq1F1B key/value gradients per [stage, segment]
-    state: np.ndarray  # model state bytes per stage
     params: np.ndarray  # parameter (gradient) bytes per stage
     message: float  # bytes of one activation message (the longest segment's)
     times: dict  # device kind -> (F, B, I, W arrays [stage, segment], S array [stage]) in seconds
@@ -92,6 +88,8 @@ class Pricer:
         self.structures = StructureCache()
         self._costs: dict[tuple, AnalyticCost | str] = {}
         self._tables: dict[int, _Tables] = {}
+        self._terms: dict[int, dict] = {}  # id(cost) -> memory term -> bytes
+        self._needs_cache: dict[tuple, np.ndarray] = {}  # (id(cost), id(structure)) -> bytes per device
         self._layers: dict[tuple, list[int]] = {}
         self._rings: dict[tuple, float] = {}
         self._specs = {r: dataclasses.replace(spec, recompute=r) for r in ("none", "selective", "full")}
@@ -127,13 +125,8 @@ class Pricer:
         got = self._tables.get(id(cost))
         if got is None:
             n, g = cost.num_stages, cost.num_segments
-            grid = [(s, k) for s in range(n) for k in range(g)]
-            def table(fn):
-                return np.array([fn(s, k) for s, k in grid], dtype=float).reshape(n, g)
-            got = self._tables[id(cost)] = _Tables(
-                table(cost.activation_bytes), table(cost.weight_residual_bytes), table(cost.transient_bytes),
-                table(cost.kv_gradient_bytes), np.array([cost.model_state_bytes(s) for s in range(n)]), np.array([cost.param_bytes(s) for s in range(n)]),
-                max(cost.message_bytes(0, 1, k) for k in range(g)), {})
+            got = self._tables[id(cost)] = _Tables(np.array([cost.param_bytes(s) for s in range(n)]),
+                                                   max(cost.message_bytes(0, 1, k) for k in range(g)), {})
         return got
 
     def times(self, cost: AnalyticCost, device: int) -> tuple:
@@ -166,10 +159,17 @@ class Pricer:
         return (m1, m1 - 2 * p)
 
     def _needs(self, st: Structure, cost: AnalyticCost) -> np.ndarray:
-        """Bytes each device of one replica needs at its peak: model state + activations."""
-        tab = self.tables(cost)
-        return np.array([float(tab.state[st.stages_on[d]].sum()) + mem.peak(tab.act, tab.res, tab.trans, tab.kvg)
-                         for d, mem in enumerate(st.devices)])
+        """Bytes each device of one replica needs at its peak, as the simulator's memory
+        walk counts them (model state, activations, messages, workspaces)."""
+        key = (id(cost), id(st))
+        got = self._needs_cache.get(key)
+        if got is not None:
+            return got
+        values = self._terms.setdefault(id(cost), {})
+        mem = st.memory
+        got = self._needs_cache[key] = mem.peaks(
+            [v if (v := values.get(k)) is not None else term_value(k, cost, None, values) for k in mem.terms])
+        return got
 
     def _worst(self, c: Candidate, needs: np.ndarray) -> tuple[float, float, int]:
         """(peak bytes, limit, device) of the fullest device relative to its limit, over every replica."""
@@ -306,14 +306,10 @@ class Pricer:
         # ranks wait on it), after the last backward, before the optimizer step
         makespan = res.makespan / st.updates + (0.0 if st.asynchronous else self.tied_sync(c, st))
         worst = (-np.inf, 0.0, 0)
-        for d in per:
-            held = [s for _, s in sched.placement.stages_on(d.device)]
-            state = sum(cost.model_state_bytes(s) for s in held)
-            # an asynchronous schedule's extra weight versions (what the simulator kept)
-            extra = max(0.0, d.weight_bytes - sum(cost.param_bytes(s) for s in held)) if st.asynchronous else 0.0
-            need = state + d.peak_activation_bytes + extra
-            if need - self.limit(d.device) > worst[0] - worst[1]:
-                worst = (need, self.limit(d.device), d.device)
+        for d, mem in enumerate(device_memory(sched, cost, per)):
+            need = mem["peak_bytes"]
+            if need - self.limit(d) > worst[0] - worst[1]:
+                worst = (need, self.limit(d), d)
         compute = busiest.busy / st.updates
         return Priced(c, SIMULATED, makespan, compute, makespan - compute, res.bubble_ratio, worst[0], worst[1],
                       worst[2], c.global_batch * self.spec.seq_len)
