@@ -164,9 +164,6 @@ def test_recomputation_changes_no_gradient_on_real_ranks(name, extra, tmp_path):
     assert saved["full"] < saved["none"] and saved["selective"] < saved["none"], saved
 
 
-@pytest.mark.xfail(strict=True, reason="known: backward_input reads each planned matrix product's saved operands "
-                   "before I runs, and each read of a checkpointed tensor outside one backward rebuilds the block "
-                   "(docs/planning.md); passes once I rebuilds each block once")
 def test_the_zero_bubble_input_gradient_rebuilds_a_recomputed_block_once():
     from torch import nn
 

@@ -7,23 +7,33 @@
   recomputed in the backward. The MLP's activations are kept. Attention holds the
   largest activations per token, the T x T scores.
 
-A recomputed region runs under PyTorch's non-reentrant checkpoint, which replays the
-region's random state, so dropout draws the same masks twice. Non-reentrant checkpoints
-also work with the zero-bubble split: I and W unpack the recomputed tensors like any
-saved ones. The region's input is saved through :class:`_Keep`, an identity whose
-backward needs nothing. A checkpoint holds that input outside autograd's saved-tensor
-hooks, and the saved-bytes meter (:mod:`pipeflow.runtime.memory`) counts only what
-passes through those hooks; _Keep puts the input through them, so the meter counts
-what recomputation really keeps.
+A recomputed region is pipeflow's own non-reentrant checkpoint (:class:`_Region`): the
+forward runs with autograd's saved-tensor hooks packing each saved tensor as a slot
+(nothing kept); the first unpack in a backward reruns the region, with the random
+state and the autocast state of its forward (dropout draws the same masks twice), and
+every slot of that backward reads the rerun's tensors. Unlike PyTorch's
+``torch.utils.checkpoint``, a slot may be read more than once in one backward: the
+zero-bubble split's I reads a matrix product's saved input just before the product's
+node runs (:mod:`pipeflow.runtime.backward`), and the node's own unpack follows; with
+torch's checkpoint the first read outside the engine rebuilt the block once per read
+and the second inside raised. So I rebuilds each block once, as B does. A rerun's
+tensors go with their slots (as the graph frees its nodes) or at the end of that
+backward, whichever is first.
+
+The region's input is saved through :class:`_Keep`, an identity whose backward needs
+nothing: the region holds that input outside autograd's saved-tensor hooks, and the
+saved-bytes meter (:mod:`pipeflow.runtime.memory`) counts only what passes through
+those hooks; _Keep puts the input through them, so the meter counts what
+recomputation really keeps.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 MODES = ("none", "full", "selective")
 
@@ -53,15 +63,105 @@ def _kept(value, seen: dict):
     return value
 
 
+class _Slot:
+    """What the graph keeps of one tensor a region saved: its position in the region's
+    saves. When the graph lets it go, so does a rerun's copy."""
+
+    __slots__ = ("region", "index", "__weakref__")
+
+    def __init__(self, region: "_Region", index: int) -> None:
+        self.region, self.index = region, index
+
+    def __del__(self) -> None:
+        values = self.region.values
+        if values is not None and self.index < len(values):
+            values[self.index] = None
+
+
+class _Region:
+    """One call of a recomputed region: its inputs (detached), the random and autocast
+    states of its forward, and the tensors of its latest rerun with the backward
+    (autograd graph task) it was for."""
+
+    def __init__(self, fn, args: tuple, kwargs: dict) -> None:
+        self.fn = fn
+        self.args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+        self.grads = tuple(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        self.kwargs = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        self.kwgrads = {k: isinstance(v, torch.Tensor) and v.requires_grad for k, v in kwargs.items()}
+        self.count = 0  # tensors the forward saved
+        self.values: list | None = None
+        self.task = None
+        self.rng = torch.get_rng_state()
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        self.cuda = sorted({t.device.index or 0 for t in tensors if t.is_cuda})
+        self.cuda_rng = [torch.cuda.get_rng_state(d) for d in self.cuda]
+        self.autocast = [(dt, torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt))
+                         for dt in ("cpu", "cuda") if torch.is_autocast_enabled(dt)]
+        self.autocast_cache = torch.is_autocast_cache_enabled()
+
+    def pack(self, tensor: torch.Tensor) -> _Slot:
+        self.count += 1
+        return _Slot(self, self.count - 1)
+
+    def unpack(self, slot: _Slot) -> torch.Tensor:
+        task = torch._C._current_graph_task_id()
+        if self.values is None or self.task != task or task == -1:
+            self._rerun(task)
+        got = self.values[slot.index]
+        if got is None:  # let go by a slot that is reading it: cannot happen while it is alive
+            raise RuntimeError("model.recompute: a recomputed tensor was read after it was freed")
+        return got
+
+    def _rerun(self, task: int) -> None:
+        values: list = []
+
+        def capture(t: torch.Tensor) -> None:
+            # a detached alias, and nothing left in the rerun's own graph: a tensor saved
+            # by the node that made it would otherwise hold that node, a reference cycle
+            # that kept every rerun alive until Python's cyclic collector ran
+            values.append(t.detach())
+
+        args = tuple(a.detach().requires_grad_(g) if isinstance(a, torch.Tensor) else a
+                     for a, g in zip(self.args, self.grads))
+        kwargs = {k: v.detach().requires_grad_(self.kwgrads[k]) if isinstance(v, torch.Tensor) else v
+                  for k, v in self.kwargs.items()}
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.random.fork_rng(devices=self.cuda))
+            torch.set_rng_state(self.rng)
+            for d, state in zip(self.cuda, self.cuda_rng):
+                torch.cuda.set_rng_state(state, d)
+            for dt, enabled, dtype in self.autocast:
+                stack.enter_context(torch.autocast(dt, dtype=dtype, enabled=enabled,
+                                                   cache_enabled=self.autocast_cache))
+            stack.enter_context(torch.enable_grad())
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(capture, lambda t: t))  # never unpacked
+            self.fn(*args, **kwargs)
+        if len(values) != self.count:
+            raise RuntimeError(f"model.recompute: the recomputed region saved {len(values)} tensors where its "
+                               f"forward saved {self.count}: it does not run the same operations twice")
+        self.values, self.task = values, task
+        if task != -1:  # gone at the end of this backward, if its slots have not gone first
+            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._drop, task))
+
+    def _drop(self, task: int) -> None:
+        if self.task == task:
+            self.values, self.task = None, None
+
+
 def recomputed(fn):
     """``fn`` as a recomputed region: only its (floating, differentiable) inputs are kept."""
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return fn(*args, **kwargs)
         seen: dict = {}
         args = tuple(_kept(a, seen) for a in args)
         kwargs = {k: _kept(v, seen) for k, v in kwargs.items()}
-        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+        region = _Region(fn, args, kwargs)
+        with torch.autograd.graph.saved_tensors_hooks(region.pack, region.unpack):
+            return fn(*args, **kwargs)
 
     return run
 

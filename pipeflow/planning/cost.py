@@ -312,13 +312,17 @@ class AnalyticCost(CostModel):
                 g_row.append(float(n * 2 * x * b * kv_width * dt) if split else 0.0)
                 if s == 0:
                     a += first_stage_saved(spec, x, b)
-                    r += x * b * H * dt  # the embedding's gradient needs its output gradient
                 if s == last:
                     hf = head_forward_flops(spec, x)
                     f += hf
                     w += hf
                     a += last_stage_saved(spec, x, b, dt)
                     r += (H + V) * x * b * dt
+                if s == 0:
+                    # the first stage's input (token ids) needs no gradient: the runtime's I
+                    # there is empty and W is the whole backward (pipeflow.runtime.backward),
+                    # so everything the forwards kept stays until W
+                    r = a
                 f_row.append(f * b)
                 e_row.append(e * b)
                 w_row.append(w * b)

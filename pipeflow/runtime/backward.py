@@ -20,8 +20,10 @@ backward, an embedding's backward, ...
   is done by hand from the tensors the node saved: one GEMM per weight, added
   into ``.grad`` as autograd adds it, and a sum per bias. Starting the autograd engine
   for each such node cost about 0.13 ms a call here, 15% of a W on a gpt_tiny stage.
-  I plans these products before it runs, holding their operands (each linear layer's
-  input), so where every boundary node is one, I frees the graph as it goes, as B does:
+  I plans these products before it runs and takes their operands (each linear layer's
+  input) as it reaches each node, so where every boundary node is one, I frees the
+  graph as it goes, as B does (in a recomputed block, the operands are the rebuilt
+  block's: one rebuild, as in B):
   kept whole until W, the graph held every saved activation and each later kernel wrote
   to fresh memory (I + W was 1.23-1.35 x B on gpt_tiny's last stage, now 1.07-1.12).
   Any other boundary node restarts autograd there (a ``GradientEdge`` root), one node
@@ -38,6 +40,7 @@ empty and its W is the whole backward. PyTorch's pipelining does the same split 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -156,14 +159,20 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, leaves: list[to
     # as a full backward does (a graph kept whole until W held every saved activation:
     # fresh memory for each later kernel, I + W 20% over B on gpt_tiny's last stage)
     plans = [_plan_by_hand(node, [e for e in b if e.node not in skip]) for node, b in boundary]
-    if keep is not None:  # counted from before I frees the graph that saved them: no dip
-        pending.holds += [keep(x) for plan in plans if plan is not None for _, _, x, _ in plan[2] if x is not None]
+    # their operands are taken as I reaches each node (counted from before I frees the
+    # graph that saved them: no dip)
+    hooks = [node.register_prehook(functools.partial(_take_operands, plan, node, keep, pending.holds))
+             for (node, _), plan in zip(boundary, plans) if plan is not None]
     retain = not free_graph or any(plan is None for plan in plans)
     # the gradients arriving at the boundary nodes come back from the same call: an
     # edge (node, i) asked for as an input yields the gradient of the node's i-th output
     edges = [[GradientEdge(node, i) for i in range(len(node._input_metadata))] for node, _ in boundary]
-    got = torch.autograd.grad(out, [*leaves, *direct_params, *(e for es in edges for e in es)],
-                              grad_outputs=grad, retain_graph=retain, allow_unused=True)
+    try:
+        got = torch.autograd.grad(out, [*leaves, *direct_params, *(e for es in edges for e in es)],
+                                  grad_outputs=grad, retain_graph=retain, allow_unused=True)
+    finally:
+        for h in hooks:
+            h.remove()
     grads = got[: len(leaves)]
     at = len(leaves) + len(direct_params)
     pending.direct = [(p, g) for p, g in zip(direct_params, got[len(leaves):at]) if g is not None]
@@ -243,12 +252,38 @@ def _accumulate(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha) ->
         param.grad.add_(prod)
 
 
+def _saved_sizes(node, attr: str) -> tuple | None:
+    """The shape of a tensor ``node`` saved, read without unpacking it (a recomputed
+    region's tensor would be rebuilt to be read), or None where the node did not save one."""
+    sizes = getattr(node, attr + "_sym_sizes", None)
+    if sizes is None:
+        return None
+    try:
+        return tuple(int(n) for n in sizes)
+    except (TypeError, RuntimeError):  # symbolic sizes: not planned by hand
+        return None
+
+
+def _take_operands(plan: tuple, node, keep, holds: list, grad_outputs):
+    """A prehook on a planned node, run by I's engine just before the node itself: take
+    the operands W needs from what the node saved, while the graph still has them (and,
+    in a recomputed region, once the backward has rebuilt it: read here and by the
+    node's own unpack, one rebuild). The meter counts them from here until W."""
+    for item in plan[2]:
+        if isinstance(item[2], str):
+            item[2] = getattr(node, item[2])
+            if keep is not None:
+                holds.append(keep(item[2]))
+
+
 def _plan_by_hand(node, branch: list) -> tuple | None:
     """W of one matrix-product node, planned before I runs: (alpha, beta, work), where
-    work lists (parameter, kind, left operand, right operand) with kind ``right`` (x^T g),
-    ``left`` (g w^T) or ``bias`` (a sum of g's rows), the operands taken from what the
-    node saved (held here, so the graph itself need not outlive I); None where the node
-    or its weight-side edges are not of the forms handled here."""
+    work lists [parameter, kind, operand, transposed] with kind ``right`` (x^T g),
+    ``left`` (g w^T) or ``bias`` (a sum of g's rows). The operand is first the name of
+    the node's saved tensor, checked by its shape alone; :func:`_take_operands` replaces
+    it with the tensor when I reaches the node (held by the plan, so the graph itself
+    need not outlive I). None where the node or its weight-side edges are not of the
+    forms handled here."""
     name = node.name()
     if name not in ("AddmmBackward0", "MmBackward0") or len(node._input_metadata) != 1:
         return None
@@ -268,21 +303,22 @@ def _plan_by_hand(node, branch: list) -> tuple | None:
             return None
         param, transposed = target
         if pos == first + 1:  # the right operand, mat2: its gradient is x^T g
-            x = node._saved_mat1 if name == "AddmmBackward0" else node._saved_self
-            if x is None or x.dim() != 2:
+            attr = "_saved_mat1" if name == "AddmmBackward0" else "_saved_self"
+            x = _saved_sizes(node, attr)
+            if x is None or len(x) != 2:
                 return None
-            shape = (x.shape[1], out[1])
-            work.append((param, "right", x, transposed))
+            shape = (x[1], out[1])
+            work.append([param, "right", attr, transposed])
         elif pos == first:  # the left operand: g w^T
-            w = node._saved_mat2
-            if w is None or w.dim() != 2:
+            w = _saved_sizes(node, "_saved_mat2")
+            if w is None or len(w) != 2:
                 return None
-            work.append((param, "left", w, transposed))
-            shape = (out[0], w.shape[0])
+            work.append([param, "left", "_saved_mat2", transposed])
+            shape = (out[0], w[0])
         else:  # addmm's added term, a bias broadcast along the rows
             if transposed or tuple(param.shape) != out[1:]:
                 return None
-            work.append((param, "bias", None, False))
+            work.append([param, "bias", None, False])
             continue
         # the parameter's shape must be the product's (transposed: its transpose's)
         dims = tuple(param.shape[::-1]) if transposed else tuple(param.shape)

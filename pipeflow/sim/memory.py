@@ -182,6 +182,7 @@ def tapes(schedule) -> list[Tape]:
         grads_on: set = set()
         casts_on: set = set()
         held_out: dict = {}
+        waiting: dict = {}  # (rep, microbatch, segment) -> the messages an empty I left to its W
         sent: list[int] = []  # a gradient sent back, until the peer's next message proves it arrived
         for i, e in enumerate(mine):
             kind, rep, stage, seg = e.kind, (e.pipe, e.stage), e.stage, e.segment
@@ -212,14 +213,21 @@ def tapes(schedule) -> list[Tape]:
                     ap((OUTS, k, 1))
                     ap((-1, -1, 0))
                 continue
-            if kind == B or kind == I:
+            whole = not graph.preds[stage]  # a first stage's I is empty, its W the whole backward
+            if kind == I and whole:
+                # (its input needs no gradient: pipeflow.runtime.backward): the gradient
+                # that arrived for it waits for the W
+                waiting[(rep, e.microbatch, seg)] = landed[i]
+                continue
+            if kind == B or kind == I or whole:
+                arrived = waiting.pop((rep, e.microbatch, seg), []) if kind == W else landed[i]
                 ap((-1, key("during_backward", stage, seg), 0))
                 out_k = held_out.pop((rep, e.microbatch, seg), None)  # kept through its backward
                 if out_k is not None:
                     ap((OUTS, out_k, -1))
                 for k in sent:
                     ap((OUTS, k, -1))
-                for k in landed[i]:
+                for k in arrived:
                     ap((INS, k, -1))
                 sent = [key("message_bytes", p, stage, seg) for p in neighbours(e.pipe, stage)[0]]
                 for k in sent:
