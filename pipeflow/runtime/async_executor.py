@@ -327,6 +327,7 @@ class AsyncExecutor(Executor):
         for p in st.params:
             g = p.grad if p.grad is not None else torch.zeros_like(p)
             p.grad = None
+            tag(g, "gradients")  # runtime.memory=profile: held until the update applies it
             if id(p) in tied:
                 entry = tied_local.setdefault(u, [torch.zeros_like(p), len(tied_copies)])
                 entry[0] += g
@@ -399,7 +400,9 @@ class AsyncExecutor(Executor):
             if norm > self.grad_clip:
                 coef = self.grad_clip / (norm + 1e-6)
         for p, g in zip(params, grads):
-            p.grad = g.view_as(p) * coef if coef != 1.0 else g.view_as(p).clone()
+            # the taken gradient itself, not a copy (a copy held a second set of gradients
+            # through every step; AdamW reads .grad, never writes it)
+            p.grad = g.view_as(p) * coef if coef != 1.0 else g.view_as(p)
         for group in st.optimizer.param_groups:
             group["lr"] = lr
         st.optimizer.step()
