@@ -63,6 +63,10 @@ def _kept(value, seen: dict):
     return value
 
 
+class _Stop(Exception):
+    """Ends a rerun once it has rebuilt every tensor the forward saved."""
+
+
 class _Slot:
     """What the graph keeps of one tensor a region saved: its position in the region's
     saves. When the graph lets it go, so does a rerun's copy."""
@@ -121,6 +125,8 @@ class _Region:
             # by the node that made it would otherwise hold that node, a reference cycle
             # that kept every rerun alive until Python's cyclic collector ran
             values.append(t.detach())
+            if len(values) == self.count:  # the last one the backward can ask for: stop here
+                raise _Stop
 
         args = tuple(a.detach().requires_grad_(g) if isinstance(a, torch.Tensor) else a
                      for a, g in zip(self.args, self.grads))
@@ -136,7 +142,10 @@ class _Region:
                                                    cache_enabled=self.autocast_cache))
             stack.enter_context(torch.enable_grad())
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(capture, lambda t: t))  # never unpacked
-            self.fn(*args, **kwargs)
+            try:
+                self.fn(*args, **kwargs)
+            except _Stop:  # what follows the last save (the block's output) is not needed
+                pass
         if len(values) != self.count:
             raise RuntimeError(f"model.recompute: the recomputed region saved {len(values)} tensors where its "
                                f"forward saved {self.count}: it does not run the same operations twice")
