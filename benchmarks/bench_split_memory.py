@@ -1,0 +1,107 @@
+"""What one microbatch's backward holds over time on one stage: B against the zero-bubble I.
+
+For a stage of a model (default: gpt_tiny's last stage, 2 of its 4 layers, the LM head
+and the loss; 4 sequences of 128 tokens, fp32) this runs one forward and then either B
+(``autograd.backward``) or I (:func:`pipeflow.runtime.backward.backward_input`) under
+torch's memory profiler (``runtime.memory=profile``'s analysis) and prints, in MiB:
+
+- what the forward saved (the saved-bytes meter) and what I leaves for W (its residual);
+- the peak during the forward and the backward, split by category.
+
+The simulator's walk (``pipeflow/sim/memory.py``) holds a backward at the level before
+it plus its workspace, and trades the activations for the residual at I's end. The
+table shows where an I holds more: it keeps each product's output gradient as it
+passes the layer above while the layers below still hold their saved tensors, so its
+level bulges above both its start and its end. Byte counts: the same on every run.
+
+    .venv/bin/python -m benchmarks.bench_split_memory [--model llama_tiny] [--stage 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from pipeflow.config import compose  # noqa: E402
+from pipeflow.families import family_of  # noqa: E402
+from pipeflow.planning.cost import AnalyticCost  # noqa: E402
+from pipeflow.planning.transformer import TransformerSpec  # noqa: E402
+from pipeflow.runtime.backward import backward_input, backward_weight  # noqa: E402
+from pipeflow.runtime.memory import SavedBytes  # noqa: E402
+from pipeflow.runtime.memory_profile import profile_step  # noqa: E402
+
+MIB = 2**20
+
+
+def measure(model: str = "gpt_tiny", stage: int = 1, microbatch_size: int = 4) -> list[dict]:
+    """One row per backward kind (B, I): saved, residual and the profiled peak's split."""
+    from pipeflow.models.gpt import build_stage, lm_loss
+
+    torch.manual_seed(0)
+    cfg = compose("train", [f"model={model}", f"pipeline.microbatch_size={microbatch_size}"])
+    if family_of(cfg.model).name != "gpt":
+        raise SystemExit(f"model={model}: this benchmark builds GPT stages (model=gpt_tiny, gpt_small ...)")
+    m = cfg.model
+    layers = [m.n_layer // 2, m.n_layer - m.n_layer // 2]
+    st = build_stage(m, layers, stage, 0)
+    params = list(st.parameters())
+    b, T, H = microbatch_size, m.seq_len, m.n_embd
+    x0 = torch.randn(b, T, H) if stage > 0 else torch.randint(0, m.vocab_size, (b, T))
+    target = torch.randint(0, m.vocab_size, (b, T))
+    rows = []
+    for kind in ("B", "I", "B", "I"):  # the first of each warms the allocator's caches
+        meter = SavedBytes({p.untyped_storage().data_ptr() for p in params})
+        with profile_step(torch.device("cpu")) as prof:
+            x = x0.clone().requires_grad_() if stage > 0 else x0.clone()
+            with meter.hooks():
+                out = st(x)
+            loss = lm_loss(out, target, b * T) if stage == 1 else out.float().pow(2).mean()
+            del out
+            saved = meter.current
+            if kind == "I":
+                g, pending = backward_input(loss, None, [x], params, keep=meter.keep)
+                del loss, g
+                residual = meter.current
+                backward_weight(pending, params)
+                del pending
+            else:
+                loss.backward()
+                del loss
+                residual = 0
+            del x
+        for p in params:
+            p.grad = None
+        rows.append({"kind": kind, "saved": saved, "residual": residual, "peak": prof.peak_bytes,
+                     "at_peak": prof.at_peak})
+    spec = TransformerSpec.from_config(m)
+    cost = AnalyticCost(spec, 2, microbatch_size=b, dtype_bytes=4, layers_per_stage=layers)
+    model_row = {"activation": cost.activation_bytes(stage, 0), "residual": cost.weight_residual_bytes(stage, 0),
+                 "workspace": cost.workspace_bytes(stage, 0)}
+    return rows[2:], model_row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gpt_tiny")
+    ap.add_argument("--stage", type=int, default=1, choices=(0, 1))
+    ap.add_argument("--microbatch-size", type=int, default=4)
+    args = ap.parse_args()
+    rows, model = measure(args.model, args.stage, args.microbatch_size)
+    print(f"{args.model}, stage {args.stage} of 2, {args.microbatch_size} sequences, fp32 (MiB)")
+    print(f"model: activations {model['activation'] / MIB:.2f}, residual {model['residual'] / MIB:.2f}, "
+          f"backward workspace {model['workspace'] / MIB:.2f}")
+    print("| backward | saved | left for W | peak | at the peak |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        split = ", ".join(f"{k} {v / MIB:.2f}" for k, v in r["at_peak"].items() if v)
+        print(f"| {r['kind']} | {r['saved'] / MIB:.2f} | {r['residual'] / MIB:.2f} | {r['peak'] / MIB:.2f} | {split} |")
+
+
+if __name__ == "__main__":
+    main()
