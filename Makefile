@@ -69,6 +69,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_attention
 	$(BIN)/python -m benchmarks.bench_report_width
 	$(BIN)/python -m benchmarks.bench_memory
+	$(BIN)/python -m benchmarks.bench_split_memory
 
 # One table of every comparison with a published figure: pipeflow's figure beside the
 # paper's, with the command for each row. ARGS: --quick (a minute or two), --out DIR.
