@@ -31,9 +31,8 @@ import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from pipeflow.config import compose  # noqa: E402
-from pipeflow.runtime.adapters import make_adapter  # noqa: E402
+from pipeflow.families import family_of  # noqa: E402
 from pipeflow.runtime.backward import accumulators, backward_input, backward_weight  # noqa: E402
-
 
 MICROBATCHES = 8  # per step, as in bench_fidelity
 
@@ -41,7 +40,7 @@ MICROBATCHES = 8  # per step, as in bench_fidelity
 def measure(repeats: int = 80) -> dict:
     torch.set_num_threads(1)
     cfg = OmegaConf.to_container(compose("train", ["model=gpt_tiny"]).model, resolve=True)
-    adapter = make_adapter(cfg, [2, 2], 4, cfg["seq_len"], 0, torch.device("cpu"))
+    adapter = family_of(cfg).load_adapter()(cfg, [2, 2], 4, cfg["seq_len"], 0, torch.device("cpu"))
     module = adapter.build_stage(1)
     params = [p for p in module.parameters() if p.requires_grad]
     nodes = accumulators(params)

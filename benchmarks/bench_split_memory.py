@@ -14,7 +14,7 @@ table shows where an I holds more: it keeps each product's output gradient as it
 passes the layer above while the layers below still hold their saved tensors, so its
 level bulges above both its start and its end. Byte counts: the same on every run.
 
-    .venv/bin/python -m benchmarks.bench_split_memory [--model llama_tiny] [--stage 0]
+    .venv/bin/python -m benchmarks.bench_split_memory [--model llama_tiny|bert_tiny] [--stage 0]
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
 
-from pipeflow.config import compose  # noqa: E402
+from pipeflow.config import compose, resolve_model  # noqa: E402
 from pipeflow.families import family_of  # noqa: E402
 from pipeflow.planning.cost import AnalyticCost  # noqa: E402
 from pipeflow.planning.transformer import TransformerSpec  # noqa: E402
@@ -39,21 +40,21 @@ from pipeflow.runtime.memory_profile import profile_step  # noqa: E402
 MIB = 2**20
 
 
-def measure(model: str = "gpt_tiny", stage: int = 1, microbatch_size: int = 4) -> list[dict]:
-    """One row per backward kind (B, I): saved, residual and the profiled peak's split."""
-    from pipeflow.models.gpt import build_stage, lm_loss
-
+def measure(model: str = "gpt_tiny", stage: int = 1, microbatch_size: int = 4) -> tuple[list[dict], dict]:
+    """One row per backward kind (B, I): saved, residual and the profiled peak's split;
+    and the model's activation, residual and backward workspace for the stage. The stage
+    is built by the family's runtime adapter, as bench_split builds it."""
     torch.manual_seed(0)
-    cfg = compose("train", [f"model={model}", f"pipeline.microbatch_size={microbatch_size}"])
-    if family_of(cfg.model).name != "gpt":
-        raise SystemExit(f"model={model}: this benchmark builds GPT stages (model=gpt_tiny, gpt_small ...)")
-    m = cfg.model
-    layers = [m.n_layer // 2, m.n_layer - m.n_layer // 2]
-    st = build_stage(m, layers, stage, 0)
-    params = list(st.parameters())
-    b, T, H = microbatch_size, m.seq_len, m.n_embd
-    x0 = torch.randn(b, T, H) if stage > 0 else torch.randint(0, m.vocab_size, (b, T))
-    target = torch.randint(0, m.vocab_size, (b, T))
+    composed = compose("train", [f"model={model}", f"pipeline.microbatch_size={microbatch_size}"])
+    resolve_model(composed)  # a Hugging Face config's shape into model.n_layer, n_embd ...
+    cfg = OmegaConf.to_container(composed.model, resolve=True)
+    layers = [cfg["n_layer"] // 2, cfg["n_layer"] - cfg["n_layer"] // 2]
+    adapter = family_of(cfg).load_adapter()(cfg, layers, microbatch_size, cfg["seq_len"], 0, torch.device("cpu"))
+    st = adapter.build_stage(stage)
+    params = [p for p in st.parameters() if p.requires_grad]
+    b, T, H = microbatch_size, cfg["seq_len"], cfg["n_embd"]
+    x0 = torch.randn(b, T, H) if stage > 0 else torch.randint(0, cfg["vocab_size"], (b, T))
+    target = torch.randint(0, cfg["vocab_size"], (b, T))
     rows = []
     for kind in ("B", "I", "B", "I"):  # the first of each warms the allocator's caches
         meter = SavedBytes({p.untyped_storage().data_ptr() for p in params})
@@ -61,7 +62,8 @@ def measure(model: str = "gpt_tiny", stage: int = 1, microbatch_size: int = 4) -
             x = x0.clone().requires_grad_() if stage > 0 else x0.clone()
             with meter.hooks():
                 out = st(x)
-            loss = lm_loss(out, target, b * T) if stage == 1 else out.float().pow(2).mean()
+            loss = (torch.nn.functional.cross_entropy(out.flatten(0, 1), target.flatten()) if stage == 1
+                    else out.float().pow(2).mean())
             del out
             saved = meter.current
             if kind == "I":
@@ -79,8 +81,8 @@ def measure(model: str = "gpt_tiny", stage: int = 1, microbatch_size: int = 4) -
             p.grad = None
         rows.append({"kind": kind, "saved": saved, "residual": residual, "peak": prof.peak_bytes,
                      "at_peak": prof.at_peak})
-    spec = TransformerSpec.from_config(m)
-    cost = AnalyticCost(spec, 2, microbatch_size=b, dtype_bytes=4, layers_per_stage=layers)
+    cost = AnalyticCost(TransformerSpec.from_config(composed.model), 2, microbatch_size=b, dtype_bytes=4,
+                        layers_per_stage=layers)
     model_row = {"activation": cost.activation_bytes(stage, 0), "residual": cost.weight_residual_bytes(stage, 0),
                  "workspace": cost.workspace_bytes(stage, 0)}
     return rows[2:], model_row

@@ -44,3 +44,16 @@ def test_spread_is_each_schedules_slowest_over_fastest_run():
     assert got["schedules"] == pytest.approx({"1f1b": 0.2, "gpipe": 0.0})
     assert got["median"] == pytest.approx(0.1)
     assert bench.spread({"1f1b": {"runs": [0.3]}}) is None
+
+
+def test_every_benchmark_imports():
+    """`make bench` runs each module under benchmarks/: an import that a refactor broke
+    (bench_split named a helper the run plan had replaced) fails here, not in a bench run."""
+    import importlib
+    from pathlib import Path
+
+    names = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "benchmarks").glob("*.py")
+                   if p.stem != "__init__")
+    assert "bench_split" in names and len(names) > 10
+    for name in names:
+        importlib.import_module(f"benchmarks.{name}")
