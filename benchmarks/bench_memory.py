@@ -118,6 +118,7 @@ def measure(label: str, overrides: list[str], work: Path, device: str = "cpu", o
         rows.append({"case": label, "device": dev, "measured_bytes": peak, "simulated_bytes": predicted,
                      "ratio": predicted / peak, "worst": worst, "worst_share": diffs[worst] / peak,
                      "measured": meas["at_peak"], "simulated": simd["memory_at_peak"],
+                     **({"peak_action": meas["peak_action"]} if meas.get("peak_action") else {}),
                      **({"allocator_peak_bytes": meas["allocator_peak_bytes"], "profile_peak_bytes": meas["peak_bytes"]}
                         if "allocator_peak_bytes" in meas else {})})
     return rows

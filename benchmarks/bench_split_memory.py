@@ -31,7 +31,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from pipeflow.config import compose, resolve_model  # noqa: E402
 from pipeflow.families import family_of  # noqa: E402
-from pipeflow.planning.cost import AnalyticCost  # noqa: E402
+from pipeflow.planning.cost import AnalyticCost, uniform_layers  # noqa: E402
 from pipeflow.planning.transformer import TransformerSpec  # noqa: E402
 from pipeflow.runtime.backward import backward_input, backward_weight  # noqa: E402
 from pipeflow.runtime.memory import SavedBytes  # noqa: E402
@@ -40,17 +40,21 @@ from pipeflow.runtime.memory_profile import profile_step  # noqa: E402
 MIB = 2**20
 
 
-def measure(model: str = "gpt_tiny", stage: int = 1, microbatch_size: int = 4) -> tuple[list[dict], dict]:
+def measure(model: str = "gpt_tiny", stage: int = 1, microbatch_size: int = 4, stages: int = 2,
+            recompute: str = "none") -> tuple[list[dict], dict]:
     """One row per backward kind (B, I): saved, residual and the profiled peak's split;
-    and the model's activation, residual and backward workspace for the stage. The stage
-    is built by the family's runtime adapter, as bench_split builds it."""
+    and the model's activation, residual and backward workspaces for the stage (of
+    ``stages`` even ones). The stage is built by the family's runtime adapter, as
+    bench_split builds it."""
     torch.manual_seed(0)
-    composed = compose("train", [f"model={model}", f"pipeline.microbatch_size={microbatch_size}"])
+    composed = compose("train", [f"model={model}", f"pipeline.microbatch_size={microbatch_size}",
+                                 f"model.recompute={recompute}"])
     resolve_model(composed)  # a Hugging Face config's shape into model.n_layer, n_embd ...
     cfg = OmegaConf.to_container(composed.model, resolve=True)
-    layers = [cfg["n_layer"] // 2, cfg["n_layer"] - cfg["n_layer"] // 2]
+    layers = uniform_layers(cfg["n_layer"], stages)
     adapter = family_of(cfg).load_adapter()(cfg, layers, microbatch_size, cfg["seq_len"], 0, torch.device("cpu"))
     st = adapter.build_stage(stage)
+    last = stage == stages - 1
     params = [p for p in st.parameters() if p.requires_grad]
     b, T, H = microbatch_size, cfg["seq_len"], cfg["n_embd"]
     x0 = torch.randn(b, T, H) if stage > 0 else torch.randint(0, cfg["vocab_size"], (b, T))
@@ -62,7 +66,7 @@ def measure(model: str = "gpt_tiny", stage: int = 1, microbatch_size: int = 4) -
             x = x0.clone().requires_grad_() if stage > 0 else x0.clone()
             with meter.hooks():
                 out = st(x)
-            loss = (torch.nn.functional.cross_entropy(out.flatten(0, 1), target.flatten()) if stage == 1
+            loss = (torch.nn.functional.cross_entropy(out.flatten(0, 1), target.flatten()) if last
                     else out.float().pow(2).mean())
             del out
             saved = meter.current
@@ -81,28 +85,50 @@ def measure(model: str = "gpt_tiny", stage: int = 1, microbatch_size: int = 4) -
             p.grad = None
         rows.append({"kind": kind, "saved": saved, "residual": residual, "peak": prof.peak_bytes,
                      "at_peak": prof.at_peak})
-    cost = AnalyticCost(TransformerSpec.from_config(composed.model), 2, microbatch_size=b, dtype_bytes=4,
+    cost = AnalyticCost(TransformerSpec.from_config(composed.model), stages, microbatch_size=b, dtype_bytes=4,
                         layers_per_stage=layers)
     model_row = {"activation": cost.activation_bytes(stage, 0), "residual": cost.weight_residual_bytes(stage, 0),
-                 "workspace": cost.workspace_bytes(stage, 0)}
+                 "workspace": cost.workspace_bytes(stage, 0), "input_workspace": cost.input_workspace_bytes(stage, 0)}
     return rows[2:], model_row
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gpt_tiny")
-    ap.add_argument("--stage", type=int, default=1, choices=(0, 1))
+    ap.add_argument("--stage", type=int, default=None, help="default: the last")
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
     ap.add_argument("--microbatch-size", type=int, default=4)
+    ap.add_argument("--all", action="store_true",
+                    help="every family and recomputation, on the last of 2 stages and the second of 4: "
+                         "measured against modelled peaks only")
     args = ap.parse_args()
-    rows, model = measure(args.model, args.stage, args.microbatch_size)
-    print(f"{args.model}, stage {args.stage} of 2, {args.microbatch_size} sequences, fp32 (MiB)")
+    if args.all:
+        print("| model | recompute | stage | B measured | B model | ratio | I measured | I model | ratio |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for model in ("gpt_tiny", "llama_tiny", "bert_tiny"):
+            for recompute in ("none", "selective", "full"):
+                for stage, stages in ((1, 2), (1, 4)):
+                    rows, m = measure(model, stage, args.microbatch_size, stages, recompute)
+                    got = {r["kind"]: r["peak"] for r in rows}
+                    want = {"B": m["activation"] + m["workspace"], "I": m["activation"] + m["input_workspace"]}
+                    cells = " | ".join(f"{got[k] / MIB:.2f} | {want[k] / MIB:.2f} | {want[k] / got[k]:.3f}"
+                                       for k in ("B", "I"))
+                    print(f"| {model} | {recompute} | {stage} of {stages} | {cells} |", flush=True)
+        return
+    stage = args.stages - 1 if args.stage is None else args.stage
+    rows, model = measure(args.model, stage, args.microbatch_size, args.stages, args.recompute)
+    print(f"{args.model}, stage {stage} of {args.stages}, {args.microbatch_size} sequences, fp32, "
+          f"recompute {args.recompute} (MiB)")
     print(f"model: activations {model['activation'] / MIB:.2f}, residual {model['residual'] / MIB:.2f}, "
-          f"backward workspace {model['workspace'] / MIB:.2f}")
-    print("| backward | saved | left for W | peak | at the peak |")
-    print("|---|---|---|---|---|")
+          f"backward workspace: B {model['workspace'] / MIB:.2f}, I {model['input_workspace'] / MIB:.2f}")
+    print("| backward | saved | left for W | peak | at the peak | modelled peak |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         split = ", ".join(f"{k} {v / MIB:.2f}" for k, v in r["at_peak"].items() if v)
-        print(f"| {r['kind']} | {r['saved'] / MIB:.2f} | {r['residual'] / MIB:.2f} | {r['peak'] / MIB:.2f} | {split} |")
+        ws = model["input_workspace"] if r["kind"] == "I" else model["workspace"]
+        print(f"| {r['kind']} | {r['saved'] / MIB:.2f} | {r['residual'] / MIB:.2f} | {r['peak'] / MIB:.2f} | {split} "
+              f"| {(model['activation'] + ws) / MIB:.2f} |")
 
 
 if __name__ == "__main__":

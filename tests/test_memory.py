@@ -216,20 +216,26 @@ def test_the_search_keeps_the_candidate_that_fits_and_drops_the_one_that_does_no
         assert q.peak_memory == pytest.approx(measured[s], rel=0.03), s
 
 
-def test_an_input_gradient_holds_more_midway_than_before_or_after():
-    """benchmarks/bench_split_memory.py on gpt_tiny's last stage: what I leaves for W is
-    the model's residual to the byte, and midway through I the stage holds more than at
-    either end (the output gradients it keeps of the layers above, beside the saved
-    tensors of the layers below): the zero-bubble stages' 3-8% the walk does not model
-    yet (docs/runtime.md, "Where it is off")."""
+@pytest.mark.parametrize("model,recompute", [("gpt_tiny", "none"), ("llama_tiny", "none"), ("bert_tiny", "full")])
+def test_an_input_gradient_holds_what_the_model_says(model, recompute):
+    """benchmarks/bench_split_memory.py on a last stage: what I leaves for W is the
+    model's residual to the byte; midway through I the stage holds more than at either
+    end (the output gradients it keeps of the layers above, beside the saved tensors of
+    the layers below), and the peak of I is the model's (activations + I's workspace,
+    AnalyticCost.input_workspace_bytes) within 2.5%, as B's is (workspace_bytes)."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks.bench_split_memory import measure
 
-    (b, i), model = measure("gpt_tiny", 1, 4)
+    (b, i), m = measure(model, 1, 4, 2, recompute)
     assert (b["kind"], i["kind"]) == ("B", "I") and b["saved"] == i["saved"]
-    assert i["residual"] == model["residual"]
-    held = i["peak"] - i["at_peak"]["temporaries"]
-    assert held > 1.1 * max(i["saved"], i["residual"])
-    assert b["peak"] - b["at_peak"]["temporaries"] == b["saved"]  # B holds no more than its start
+    assert i["residual"] == m["residual"]
+    if recompute == "none":
+        held = i["peak"] - i["at_peak"]["temporaries"]
+        assert held > max(i["saved"], i["residual"])
+        assert b["peak"] - b["at_peak"]["temporaries"] == b["saved"]  # B holds no more than its start
+        # (with full recomputation B's is 11-18% low here: docs/runtime.md, "Where it is off")
+        assert m["activation"] + m["workspace"] == pytest.approx(b["peak"], rel=0.02)
+    assert m["activation"] + m["input_workspace"] == pytest.approx(i["peak"], rel=0.025)
+    assert m["input_workspace"] > m["workspace"]

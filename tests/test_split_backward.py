@@ -289,6 +289,25 @@ def test_input_pass_frees_the_graph_when_w_holds_what_it_needs(name):
         torch.testing.assert_close(p.grad, want[n], msg=n)
 
 
+def test_input_pass_keeps_nothing_of_the_stage_input_for_w():
+    """What W holds after I (each product's operand, detached, and its output gradient)
+    does not reach the stage's input: the input is freed with I, not with W (an operand
+    kept with its autograd history held the input's accumulator, which holds the input)."""
+    import gc
+    import weakref
+
+    module, run = _case("gpt_middle")
+    params = list(module.parameters())
+    leaves, out, g = run()
+    alive = [weakref.ref(x) for x in leaves]
+    _, pending = backward_input(out, g, leaves, params)
+    del leaves, out, g, _
+    gc.collect()
+    assert pending.planned and all(r() is None for r in alive)
+    backward_weight(pending, params)
+    assert all(p.grad is not None for p in params)
+
+
 def test_input_pass_keeps_the_graph_for_autograds_fallback():
     """A weight W cannot take by hand (behind a reshape) keeps the graph for W's autograd."""
     module = _Products()

@@ -33,12 +33,14 @@ from .transformer import (
     first_stage_saved,
     head_forward_flops,
     head_params,
+    head_residual_width,
     last_stage_saved,
     layer_forward_flops,
     layer_linear_flops,
     layer_matrix_params,
     layer_params,
     layer_saved_widths,
+    norm_saved_bytes,
     shared_head_params,
     stage_shared_saved,
     weight_residual_width,
@@ -296,9 +298,9 @@ class AnalyticCost(CostModel):
         kv_width = spec.kv_heads * spec.head_dim
         last = self.num_stages - 1
         split = self.num_segments > 1
-        fwd, wgt, act, res, extra, trans, kvg = [], [], [], [], [], [], []
+        fwd, wgt, act, res, extra, trans, kvg, iws = [], [], [], [], [], [], [], []
         for s, n in enumerate(self.layers_per_stage):
-            f_row, w_row, a_row, r_row, e_row, t_row, g_row = [], [], [], [], [], [], []
+            f_row, w_row, a_row, r_row, e_row, t_row, g_row, i_row = [], [], [], [], [], [], [], []
             for x, P in zip(self.segment_lengths, self.prefixes):
                 one = layer_cost(spec, x, P, b, dt, segmented=split)
                 f = n * one.forward
@@ -317,7 +319,8 @@ class AnalyticCost(CostModel):
                     f += hf
                     w += hf
                     a += last_stage_saved(spec, x, b, dt)
-                    r += (H + V) * x * b * dt
+                    r += head_residual_width(spec) * x * b * dt
+                i_row.append(self._input_workspace(n, one, x, s == last))
                 if s == 0:
                     # the first stage's input (token ids) needs no gradient: the runtime's I
                     # there is empty and W is the whole backward (pipeflow.runtime.backward),
@@ -330,6 +333,7 @@ class AnalyticCost(CostModel):
                 r_row.append(float(r))
                 t_row.append(float(t))
             fwd.append(f_row)
+            iws.append(i_row)
             trans.append(t_row)
             kvg.append(g_row)
             extra.append(e_row)
@@ -346,6 +350,7 @@ class AnalyticCost(CostModel):
         self._activation = act
         self._residual = res
         self._transient = trans
+        self._input_ws = iws
         self._kv_gradient = kvg
         self._params = [self.stage_params(s) for s in range(self.num_stages)]
         self._cast_params = [self.layers_per_stage[s] * layer_matrix_params(spec)
@@ -476,6 +481,54 @@ class AnalyticCost(CostModel):
             return float(blocks)
         head = last_stage_saved(spec, x, b, self.dtype_bytes)
         return float(max(2.0 * x * b * spec.vocab_size * 4, blocks - head))
+
+    def input_workspace_bytes(self, stage: int, segment: int) -> float:
+        """What the zero-bubble I holds at its most on top of the level before it (see
+        :meth:`_input_workspace`); B's is :meth:`workspace_bytes`."""
+        return self._input_ws[stage][self._seg(segment)]
+
+    def _input_workspace(self, n: int, one: LayerCost, x: int, last: bool) -> float:
+        """I's most on top of its level, for a stage of ``n`` blocks of ``x`` tokens.
+
+        I walks down the stage as B does, but W still needs each matrix product's input
+        and output gradient, so it frees only the rest of what a block saved and keeps
+        the output gradients: after each block the level has moved by the block's
+        residual less its saved bytes (``LayerCost.residual - LayerCost.saved``; the
+        products' inputs are in both), up or down, and the most it holds is at the first
+        block or the last one. Inside a block, at its MLP's activation: the gradient of
+        the down projection's input (kept in B too, but there the product had freed its
+        input, which W keeps here), and the gradients of the up projection's output (and
+        the gate's: a gated MLP), which W keeps (I wide each, compute dtype); or, if
+        more, at its attention: the output projection's output gradient and the
+        gradients of its input and of Q, K and V. With full recomputation the rebuilt
+        layer is beside either; with selective, the rebuilt attention sub-layer beside
+        the attention's (the MLP's backward, before it, moves the level by about
+        nothing: its kept gradients replace what it saved). On the
+        last stage the head runs first, holding the two fp32 rows of V of B, and moves
+        the level by what it keeps for W (its input and the logits' gradient) less what
+        it saved. Measured: ``benchmarks/bench_split_memory.py``."""
+        spec, b, c = self.spec, self.microbatch_size, self.dtype_bytes
+        mlp = (3 if spec.mlp == "gated" else 2) * x * b * spec.ffn_width * c
+        # the attention sub-layer's: the output projection's output gradient (kept), the
+        # gradient of its input and those of Q, K and V
+        q, kv = spec.n_head * spec.head_dim, spec.kv_heads * spec.head_dim
+        attention = (spec.n_embd + 2 * q + 2 * kv) * x * b * c
+        if spec.recompute == "full":
+            block = one.transient + max(mlp, attention)
+        elif spec.recompute == "selective":
+            block = max(mlp, one.transient + attention)
+        else:
+            block = max(mlp, attention)
+        if spec.post_norm:  # a post-norm block starts with its norm's backward, which frees its input
+            block -= x * b * norm_saved_bytes(spec)
+        rise = max(0.0, (n - 1) * (one.residual - one.saved))
+        if not last:
+            return float(block + rise)
+        # the head's own kept bytes, less what it saved, and the gradient it hands the
+        # blocks (the residual stream's, fp32: on a stage below it arrived as a message)
+        head_kept = head_residual_width(spec) * x * b * c
+        head_moves = head_kept - last_stage_saved(spec, x, b, c) + x * b * spec.n_embd * RESIDUAL_BYTES
+        return float(max(2.0 * x * b * spec.vocab_size * 4, head_moves + rise + block))
 
     def _seg(self, segment: int) -> int:
         if not 0 <= segment < self.num_segments:

@@ -405,6 +405,13 @@ def stage_shared_saved(spec: TransformerSpec, tokens: int) -> float:
     return 2.0 * tokens * spec.head_dim * RESIDUAL_BYTES
 
 
+def head_residual_width(spec: TransformerSpec) -> int:
+    """Elements per token the head keeps from I until W: the LM head's input and the
+    logits' gradient (H + V), and BERT's MLM transform's dense layer's input and output
+    gradient (2H more)."""
+    return (3 if spec.post_norm else 1) * spec.n_embd + spec.vocab_size
+
+
 def weight_residual_width(spec: TransformerSpec) -> int:
     """Elements per token one layer keeps from I until W (zero-bubble split): each weight
     matmul's input and output gradient. Inputs: the Q/K/V input H (one tensor for the

@@ -150,7 +150,8 @@ class ChunkStats:
 
 class AsyncExecutor(Executor):
     def __init__(self, schedule: Schedule, rank: int, stages: dict[tuple[int, int], StageState], adapter,
-                 groups: Groups, grad_clip: float | None, on_grads=None, precision=None, p2p: str = "tagged"):
+                 groups: Groups, grad_clip: float | None, on_grads=None, precision=None, p2p: str = "tagged",
+                 keep_first_grads: bool = False):
         if schedule.policy == WeightPolicy.SYNC:
             raise ValueError(f"schedule {schedule.name!r} is synchronous; use Executor")
         if schedule.uses_split_backward():
@@ -180,7 +181,10 @@ class AsyncExecutor(Executor):
         for (pipe, stage), st in stages.items():
             if getattr(st, "versions", None) is None:
                 st.versions = ReplicaVersions(st.params, self.policy)
-        self.first_grads: dict[str, torch.Tensor] = {}  # the gradients update 0 applied, by name
+        # the gradients update 0 applied, by name (a copy: runtime.dump_grads only; kept
+        # always, it held a second set of the stage's gradients through the whole run)
+        self.keep_first_grads = keep_first_grads
+        self.first_grads: dict[str, torch.Tensor] = {}
 
     # ---- static plans -----------------------------------------------------------------
     def _check_collective_order(self, order: list[Action]) -> None:
@@ -336,7 +340,7 @@ class AsyncExecutor(Executor):
                     total = tied_local.pop(u)[0]
                     group = self.groups.tied_group
                     work = dist.all_reduce(total, group=group, async_op=True) if group is not None else None
-                    tied_work[u] = (work, total)
+                    tied_work[u] = (work, total, [len(tied_copies)])  # [local copies still to apply it]
             else:
                 grads.append(g)
         taken[key] = grads
@@ -377,7 +381,7 @@ class AsyncExecutor(Executor):
             self._apply(st, plain, grads, lr, sq)
             if counted:
                 sq_norms[a.version] += float(sq)
-            if u == 0:
+            if u == 0 and self.keep_first_grads:
                 for name, p in st.module.named_parameters():
                     if any(p is q for q in plain):
                         self.first_grads[f"{a.pipe}:{name}"] = grads[[id(q) for q in plain].index(id(p))].clone()
@@ -411,14 +415,17 @@ class AsyncExecutor(Executor):
             p.grad = None
 
     def _apply_tied(self, st: StageState, u_local: int, tied_work, lrs, base_update, sq_norms, stage_first: bool):
-        work, total = tied_work[u_local]
+        work, total, left = tied_work[u_local]
+        left[0] -= 1
+        if left[0] == 0:  # every local copy has applied it: let the gradient go (kept, each
+            del tied_work[u_local]  # tied update's gradient lived to the end of the chunk)
         if work is not None:
             work.wait()
         sq = total.double().pow(2).sum()
         self._apply(st, st.tied, [total] * len(st.tied), lrs[self.step_of_update[u_local]], sq)
         if stage_first:
             sq_norms[u_local] += float(sq)
-        if base_update + u_local == 0:
+        if base_update + u_local == 0 and self.keep_first_grads:
             for name, p in st.module.named_parameters():
                 if any(p is q for q in st.tied):
                     self.first_grads[f"{st.pipe}:{name}"] = total.clone()

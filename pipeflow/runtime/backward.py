@@ -271,7 +271,10 @@ def _take_operands(plan: tuple, node, keep, holds: list, grad_outputs):
     node's own unpack, one rebuild). The meter counts them from here until W."""
     for item in plan[2]:
         if isinstance(item[2], str):
-            item[2] = getattr(node, item[2])
+            # detached: the saved tensor's own history leads down to the stage's input
+            # leaf, whose gradient accumulator holds it, and W needs the values alone
+            # (held with its history, each I left its stage input alive until W)
+            item[2] = getattr(node, item[2]).detach()
             if keep is not None:
                 holds.append(keep(item[2]))
 

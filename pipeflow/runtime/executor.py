@@ -38,6 +38,7 @@ from ..schedules.lowering import Comm, check_pair_order, lower, order_pairs
 from .adapters import Adapter
 from .backward import accumulators, backward_input, backward_weight
 from .memory import SavedBytes
+from . import memory_profile
 from .memory_profile import tag_stage
 from .messages import MessageIO
 from .precision import LossScaler, Precision
@@ -121,9 +122,10 @@ class Executor(MessageIO):
             if handler is None:
                 raise NotImplementedError(f"{a}: {type(self).__name__} runs {', '.join(map(str, handlers))} actions")
             start = time.perf_counter()
-            handler(a, io)
-            if after is not None:
-                after(a, pos)
+            with memory_profile.action(a):
+                handler(a, io)
+                if after is not None:
+                    after(a, pos)
             end = time.perf_counter()
             if a.kind != Kind.REDUCE:  # REDUCE only issues an asynchronous all-reduce
                 busy += end - start

@@ -53,9 +53,11 @@ class StepMemory:
     at_peak: dict = field(default_factory=dict)  # category -> bytes live at that instant
     category_peaks: dict = field(default_factory=dict)  # category -> its own most bytes live
     allocator_peak_bytes: int | None = None  # CUDA: torch.cuda.max_memory_allocated over the step
+    peak_action: str | None = None  # the schedule's action running at the peak ("1B3": stage 1, B, microbatch 3)
 
     def as_dict(self) -> dict:
         return {"peak_bytes": self.peak_bytes, "at_peak": self.at_peak, "category_peaks": self.category_peaks,
+                **({"peak_action": self.peak_action} if self.peak_action else {}),
                 **({"allocator_peak_bytes": self.allocator_peak_bytes} if self.allocator_peak_bytes is not None
                    else {})}
 
@@ -68,6 +70,17 @@ def tag(t, category: str) -> None:
     nbytes = t.untyped_storage().nbytes()
     with torch.profiler.record_function(f"{_PREFIX}{category}::{nbytes}"), torch.no_grad():
         torch.ops.aten.alias(t)
+
+
+_ACTION = "pipeflow::action::"
+
+
+def action(a):
+    """Name the schedule's action ``a`` for the step's profile (which one holds the
+    peak: ``StepMemory.peak_action``); nothing unless a step is being profiled."""
+    if not _active:
+        return contextlib.nullcontext()
+    return torch.profiler.record_function(f"{_ACTION}{a}")
 
 
 def tag_stage(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
@@ -106,7 +119,11 @@ def analyse(result, device: torch.device) -> StepMemory:
     from torch.profiler._memory_profiler import OpTree, _EventType
 
     events = []  # (time, order, kind, ptr, size or category, nbytes)
+    actions = []  # (start, end, name) of each action the executor named
     for ev in OpTree(result).dfs():
+        if ev.name.startswith(_ACTION):
+            actions.append((ev.start_time_ns, ev.end_time_ns, ev.name[len(_ACTION):]))
+            continue
         kind, fields = ev.typed
         if kind == _EventType.Allocation:
             if _same(fields.device, device):
@@ -147,7 +164,7 @@ def analyse(result, device: torch.device) -> StepMemory:
             live[category or "temporaries"] += size
     out = StepMemory(peak_bytes=sum(live.values()), at_peak=dict(live), category_peaks=dict(live))
     total = out.peak_bytes
-    n, k = len(order), 0
+    n, k, peak_at = len(order), 0, None
     while k < n:
         t = order[k][0]
         while k < n and order[k][0] == t:  # an instant is whole once every event at its time is in
@@ -157,9 +174,11 @@ def analyse(result, device: torch.device) -> StepMemory:
             total += sign * size
             k += 1
         if total > out.peak_bytes:
-            out.peak_bytes, out.at_peak = total, dict(live)
+            out.peak_bytes, out.at_peak, peak_at = total, dict(live), t
         for c in CATEGORIES:
             out.category_peaks[c] = max(out.category_peaks[c], live[c])
+    if peak_at is not None:
+        out.peak_action = next((name for start, end, name in actions if start <= peak_at <= end), None)
     return out
 
 
@@ -209,5 +228,5 @@ def profile_step(device: torch.device, enabled: bool = True):
         torch.cuda.synchronize(device)
         result.allocator_peak_bytes = int(torch.cuda.max_memory_allocated(device))
     measured = analyse(prof.profiler.kineto_results, device)
-    result.peak_bytes, result.at_peak, result.category_peaks = \
-        measured.peak_bytes, measured.at_peak, measured.category_peaks
+    result.peak_bytes, result.at_peak, result.category_peaks, result.peak_action = \
+        measured.peak_bytes, measured.at_peak, measured.category_peaks, measured.peak_action

@@ -103,9 +103,12 @@ def build_rank(plan: RunPlan, cfg: dict, rank: int, device: torch.device, on_gra
 
     def make_chunk(windows: int) -> AsyncExecutor:
         return AsyncExecutor(plan.chunk_schedule(windows), rank, stages, adapter, groups, grad_clip=clip,
-                             precision=precision, p2p=p2p)
+                             precision=precision, p2p=p2p, keep_first_grads=dump)
 
-    executor = AsyncExecutor(schedule, rank, stages, adapter, groups, grad_clip=clip, precision=precision, p2p=p2p)
+    # runtime.dump_grads: the first update's gradients, kept (a copy) for the dump only
+    dump = bool(cfg["runtime"].get("dump_grads"))
+    executor = AsyncExecutor(schedule, rank, stages, adapter, groups, grad_clip=clip, precision=precision, p2p=p2p,
+                             keep_first_grads=dump)
     # evaluation after a flush: every mirror replica holds the same weights, so pipe 0's
     # replicas run the plan's forward-only 1F1B
     eval_stages = {(0, s): st for (pipe, s), st in stages.items() if pipe == 0}

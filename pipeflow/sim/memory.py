@@ -21,7 +21,9 @@ runtime's memory profile measures (``runtime.memory=profile``,
   (the runtime posts receives one action ahead) until its forward starts or its
   backward is done;
 - ``temporaries``: while a backward runs, the gradients it makes and frees as it goes
-  and the layer it rebuilds (recomputation): ``workspace_bytes``; while an optimizer
+  and the layer it rebuilds (recomputation): ``workspace_bytes`` (a zero-bubble I:
+  ``input_workspace_bytes``, which also counts how the level moves as I trades each
+  block's activations for what W keeps); while an optimizer
   step runs, its buffers (``step_workspace_bytes``).
 
 Terms come from the cost model (:meth:`~pipeflow.planning.cost.CostModel.state_bytes`,
@@ -111,6 +113,10 @@ def term_value(key: tuple, cost, per_device=None, cache: dict | None = None) -> 
         v = term_value(("workspace_bytes", *key[1:]), cost, per_device, cache)
         if not v:
             v = term_value(("transient_bytes", *key[1:]), cost, per_device, cache)
+    elif name == "during_input":  # ("during_input", stage, segment): the zero-bubble I's
+        # working set, where the cost model prices it apart from B's
+        fn = getattr(cost, "input_workspace_bytes", None)
+        v = float(fn(*key[1:])) if fn is not None else term_value(("during_backward", *key[1:]), cost, per_device, cache)
     elif name == "extra_versions":  # ("extra_versions", device, stage): its versions beyond the first
         stats = per_device[key[1]] if per_device is not None and key[1] < len(per_device) else None
         versions = getattr(stats, "peak_weight_versions", 1) or 1
@@ -221,7 +227,7 @@ def tapes(schedule) -> list[Tape]:
                 continue
             if kind == B or kind == I or whole:
                 arrived = waiting.pop((rep, e.microbatch, seg), []) if kind == W else landed[i]
-                ap((-1, key("during_backward", stage, seg), 0))
+                ap((-1, key("during_input" if kind == I and not whole else "during_backward", stage, seg), 0))
                 out_k = held_out.pop((rep, e.microbatch, seg), None)  # kept through its backward
                 if out_k is not None:
                     ap((OUTS, out_k, -1))
