@@ -294,7 +294,7 @@ class AnalyticCost(CostModel):
     def _build_tables(self) -> None:
         """FLOPs and bytes per (stage, segment), computed once: the simulator asks per action."""
         spec, b, dt = self.spec, self.microbatch_size, self.dtype_bytes
-        H, V = spec.n_embd, spec.vocab_size
+        H = spec.n_embd
         kv_width = spec.kv_heads * spec.head_dim
         last = self.num_stages - 1
         split = self.num_segments > 1
