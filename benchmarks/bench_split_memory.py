@@ -8,13 +8,17 @@ torch's memory profiler (``runtime.memory=profile``'s analysis) and prints, in M
 - what the forward saved (the saved-bytes meter) and what I leaves for W (its residual);
 - the peak during the forward and the backward, split by category.
 
-The simulator's walk (``pipeflow/sim/memory.py``) holds a backward at the level before
-it plus its workspace, and trades the activations for the residual at I's end. The
-table shows where an I holds more: it keeps each product's output gradient as it
-passes the layer above while the layers below still hold their saved tensors, so its
-level bulges above both its start and its end. Byte counts: the same on every run.
+The model beside it (``pipeflow/planning/cost.py``): the stage's activations plus B's
+workspace (``workspace_bytes``) or I's (``input_workspace_bytes``). An I holds more than
+B: it keeps each product's output gradient as it passes the layers above while the
+layers below still hold their saved tensors, so its level bulges above both its start
+and its end; ``--all`` compares every family and recomputation on a last stage and a
+middle one (the middle stage's loss here, a mean of squares, saves the stage output on
+top: a quarter MiB over the model at gpt_tiny's size). Byte counts: the same on every run.
 
-    .venv/bin/python -m benchmarks.bench_split_memory [--model llama_tiny|bert_tiny] [--stage 0]
+    .venv/bin/python -m benchmarks.bench_split_memory [--model llama_tiny|bert_tiny] [--stages 4 --stage 1]
+    .venv/bin/python -m benchmarks.bench_split_memory --recompute full
+    .venv/bin/python -m benchmarks.bench_split_memory --all
 """
 
 from __future__ import annotations
