@@ -151,11 +151,15 @@ def test_gpt_and_bert_presets_keep_their_closed_forms(preset):
     assert c.flops("W", 1, 0) == pytest.approx(b * n * 24 * S * H * H, rel=1e-12)
     eager = AnalyticCost(dataclasses.replace(spec, attention="eager", dropout_masks=True), 4, microbatch_size=b)
     korthikanti = 34 * S * b * H + 5 * h * S * S * b + 2 * (2 * H + 8) * S * b
+    # Korthikanti et al. count one input for Q, K and V (GPT's fused projection); BERT's
+    # three separate projections keep an autocast copy each at 16 bits: 2 more, of 2 bytes
+    separate = (2 * 2 * S * b * H) if cfg.family == "bert" else 0
+    korthikanti += separate
     assert eager.activation_bytes(1, 0) == n * korthikanti
     ids = 8 * S * b + 8 * S  # token ids, position ids (int64)
     embedding = S * b * H + (S * b * (4 * H + 8) if cfg.family == "bert" else 0)  # its dropout mask, BERT's LayerNorm
     assert eager.activation_bytes(0, 0) == n * korthikanti + ids + embedding
-    assert c.weight_residual_bytes(1, 0) == n * 32 * b * S * H
+    assert c.weight_residual_bytes(1, 0) == n * (32 * b * S * H + separate)  # W keeps each copy too
     per_layer = 4 * H * H + 2 * H * Fw + 9 * H + Fw
     assert c.stage_params(1) == n * per_layer
     assert c.stage_params(0) == n * per_layer + V * H + Pn * H
@@ -169,16 +173,17 @@ def test_gpt_and_bert_presets_keep_their_closed_forms(preset):
 def test_llama_activation_bytes_by_hand():
     """llama_tiny, 4 stages of one layer, b = 2, 16-bit, no dropout, fused attention: per
     token two RMSNorms (fp32 input and normalised input, 2*4H, and a fp32 root, 4 bytes,
-    each), the Q/K/V and MLP inputs 2H, Q 128, K, V 2*64, the kernel's output 128 and
-    log-sum-exp 4h, the gate output, its SiLU, the up projection and their product 4*344
-    elements; the rotary cos and sin once per stage; no score. Eager keeps K and V at
-    every query head and the softmax output per pair instead of the output and its
-    log-sum-exp."""
+    each), the inputs of the Q, K and V projections and of the gate and up projections,
+    an autocast copy per product at 16 bits, 5H, Q 128, K, V 2*64, the kernel's output
+    128 and log-sum-exp 4h, the gate output, its SiLU, the up projection and their
+    product 4*344 elements; the rotary cos and sin once per stage; no score. Eager keeps
+    K and V at every query head and the softmax output per pair instead of the output
+    and its log-sum-exp."""
     spec = _spec("llama_tiny")
     assert spec.dropout_masks is False and spec.attention == "sdpa"
     b, S, H, V, dt, d = 2, 128, 128, 256, 2, 32
     norms = 2 * (2 * H * 4 + 4)
-    per_token = norms + (2 * H + 128 + 2 * 64 + 128 + 4 * 344) * dt + 4 * 4
+    per_token = norms + (5 * H + 128 + 2 * 64 + 128 + 4 * 344) * dt + 4 * 4
     rotary = 2 * S * d * 4
     layer = S * b * per_token
     c = AnalyticCost(spec, 4, microbatch_size=b)
@@ -188,8 +193,11 @@ def test_llama_activation_bytes_by_hand():
     eager = AnalyticCost(dataclasses.replace(spec, attention="eager"), 4, microbatch_size=b)
     per_token_eager = per_token - 2 * 64 * dt - 4 * 4 + 2 * 128 * dt  # K, V at 4 heads, no log-sum-exp
     assert eager.activation_bytes(1, 0) == S * b * per_token_eager + S * S * b * 4 * dt + rotary
-    # zero-bubble residual: matmul inputs (2H + 128 + 344) and output gradients (128 + 128 + H + 2*344 + H)
-    assert c.weight_residual_bytes(1, 0) == ((2 * H + 128 + 344) + (128 + 128 + H + 2 * 344 + H)) * S * b * dt
+    # zero-bubble residual: matmul inputs (5H + 128 + 344: a copy per product) and output
+    # gradients (128 + 128 + H + 2*344 + H)
+    assert c.weight_residual_bytes(1, 0) == ((5 * H + 128 + 344) + (128 + 128 + H + 2 * 344 + H)) * S * b * dt
+    fp32 = AnalyticCost(spec, 4, microbatch_size=b, dtype_bytes=4)  # one input each, shared by the products
+    assert fp32.weight_residual_bytes(1, 0) == ((2 * H + 128 + 344) + (128 + 128 + H + 2 * 344 + H)) * S * b * 4
     assert c.weight_residual_bytes(0, 0) == c.activation_bytes(0, 0)  # the first stage's W is its whole backward
     assert c.message_bytes(1, 2, 0) == b * S * H * dt
 
@@ -201,8 +209,9 @@ def test_llama_recomputation_by_hand():
                         for r in ("none", "full", "selective"))
     rotary = 2 * S * 32 * 4  # cos and sin, saved by the rotation (not by a recomputed region)
     layer = plain.activation_bytes(1, 0) - rotary
-    # the attention sub-layer: its input's cast, Q, K, V, the kernel's output and log-sum-exp
-    dropped = S * b * ((H + 128 + 2 * 64 + 128) * dt + 4 * 4)
+    # the attention sub-layer: its input's casts (one per Q, K, V projection), Q, K, V, the
+    # kernel's output and log-sum-exp
+    dropped = S * b * ((3 * H + 128 + 2 * 64 + 128) * dt + 4 * 4)
     assert full.activation_bytes(1, 0) == S * b * H * 4  # the layer's fp32 input
     assert full.transient_bytes(1, 0) == layer
     assert sel.activation_bytes(1, 0) == layer - dropped + S * b * H * 4  # and the sub-layer's fp32 input

@@ -67,6 +67,9 @@ class TransformerSpec:
     dropout_masks: bool = False  # whether the forward keeps 1-byte dropout masks (model.dropout > 0)
     attention: str = "sdpa"  # model.attention: sdpa (fused: no score is kept) | eager (the scores are kept)
     post_norm: bool = False  # BERT: each sub-layer ends with its norm (GPT and the decoders: pre-norm)
+    # matrix products that read the attention's input: 1 (GPT's fused c_attn) or 3 (separate
+    # Q, K and V: BERT, Llama-style decoders); at 16 bits each saves its own autocast copy
+    qkv_inputs: int = 1
 
     def __post_init__(self) -> None:
         if self.recompute not in ("none", "full", "selective"):
@@ -75,6 +78,8 @@ class TransformerSpec:
                                     ("positions", self.position_embedding, POSITIONS)):
             if value not in allowed:
                 raise ValueError(f"model.{key}={value}: allowed values: {', '.join(allowed)}")
+        if self.qkv_inputs not in (1, 3):
+            raise ValueError(f"model.qkv_inputs={self.qkv_inputs!r}: allowed values: 1 (a fused Q/K/V projection), 3")
         if self.attention not in ATTENTION:
             raise ValueError(f"model.attention={self.attention}: allowed values: {', '.join(ATTENTION)}")
         for key in ("qkv_bias", "o_bias", "mlp_bias", "tied", "dropout_masks", "post_norm"):
@@ -160,6 +165,7 @@ class TransformerSpec:
             if get(key) is not None:
                 shape[field] = get(key)
         shape["dropout_masks"] = float(get("dropout") or 0.0) > 0
+        shape["qkv_inputs"] = int(get("qkv_inputs") or (1 if family == "gpt" else 3))
         return TransformerSpec(
             name=str(get("name") or family),
             n_layer=get("n_layer"),
@@ -330,7 +336,8 @@ def layer_saved_widths(spec: TransformerSpec, dtype_bytes: int) -> SavedWidths:
     heads of d, kv key/value heads, I the MLP width:
 
     - two norms (:func:`norm_saved_bytes`);
-    - the inputs of the Q/K/V and the MLP matrix products, in the compute dtype: 2H c;
+    - the inputs of the Q/K/V and the MLP matrix products, in the compute dtype: 2H c (at 16
+      bits one autocast copy per product, :func:`matrix_inputs`: separate Q, K and V keep 3H c);
     - attention, ``sdpa``: Q (h d c), the kernel's output (the output projection's input
       too, h d c) and a fp32 log-sum-exp per query head (4h) per token, and per key
       attended over the key and the value (2 kv d c). ``eager``: Q and the output
@@ -350,22 +357,33 @@ def layer_saved_widths(spec: TransformerSpec, dtype_bytes: int) -> SavedWidths:
     fused projection's output; the scores' dropout output with the pairs)."""
     H, c, r = spec.n_embd, dtype_bytes, RESIDUAL_BYTES
     q, kv = spec.n_head * spec.head_dim, spec.kv_heads * spec.head_dim
+    qkv_in, mlp_in = matrix_inputs(spec, dtype_bytes)
     if spec.attention == "eager":
         # K and V repeated to every query head, copies (layer_cost: views for one sequence
         # over one key/value head)
-        attn_token, key = (H + 2 * q) * c, 2 * q * c
+        attn_token, key = (qkv_in * H + 2 * q) * c, 2 * q * c
         pair = spec.n_head * (2 * c + 1 if spec.dropout_masks else c)
     else:
-        attn_token, key = (H + 2 * q) * c + 4 * spec.n_head, 2 * kv * c
+        attn_token, key = (qkv_in * H + 2 * q) * c + 4 * spec.n_head, 2 * kv * c
         pair = 0
     masks = 2 * H if spec.dropout_masks else 0
-    mlp = (H + (4 if spec.mlp == "gated" else 2) * spec.ffn_width) * c
+    mlp = (mlp_in * H + (4 if spec.mlp == "gated" else 2) * spec.ffn_width) * c
     norms = 2 * norm_saved_bytes(spec)
     inside = attn_token + (H if spec.dropout_masks else 0)  # and its output dropout's mask
     if spec.post_norm:  # BERT: the attention sub-layer ends with its LayerNorm, whose input it keeps
         inside += norm_saved_bytes(spec)
     return SavedWidths(token=norms + attn_token + mlp + masks, key=key, pair=pair, own_kv=2 * kv * c,
                        attention_token=inside, region_input=H * r, block_input=H * r)
+
+
+def matrix_inputs(spec: TransformerSpec, dtype_bytes: int) -> tuple[int, int]:
+    """How many copies of the attention's input and of the MLP's input the matrix
+    products keep: one each at full precision (they read the same tensor); at 16 bits
+    autocast casts the input once per product, so separate Q, K and V projections keep
+    three and a gated MLP's gate and up projections two (GPT's fused c_attn, one)."""
+    if dtype_bytes >= 4:
+        return 1, 1
+    return spec.qkv_inputs, 2 if spec.mlp == "gated" else 1
 
 
 def first_stage_saved(spec: TransformerSpec, tokens: int, microbatch_size: int) -> float:
@@ -412,11 +430,12 @@ def head_residual_width(spec: TransformerSpec) -> int:
     return (3 if spec.post_norm else 1) * spec.n_embd + spec.vocab_size
 
 
-def weight_residual_width(spec: TransformerSpec) -> int:
+def weight_residual_width(spec: TransformerSpec, dtype_bytes: int = 4) -> int:
     """Elements per token one layer keeps from I until W (zero-bubble split): each weight
     matmul's input and output gradient. Inputs: the Q/K/V input H (one tensor for the
     three), the projection's input h*d, the MLP input H (shared by gate and up), the down
     projection's (FC2's) input I. Output gradients: Q h*d, K and V 2*kv*d, the projection
     H, gate and up 2I (FC1: I), down H. Sum: 4H + 2*h*d + 2*kv*d + m*I; GPT: 8H + 2I."""
     H, q, kv = spec.n_embd, spec.n_head * spec.head_dim, spec.kv_heads * spec.head_dim
-    return 4 * H + 2 * q + 2 * kv + spec.mlp_matrices * spec.ffn_width
+    qkv_in, mlp_in = matrix_inputs(spec, dtype_bytes)  # at 16 bits, a copy per product
+    return (2 + qkv_in + mlp_in) * H + 2 * q + 2 * kv + spec.mlp_matrices * spec.ffn_width

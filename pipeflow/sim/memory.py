@@ -113,10 +113,15 @@ def term_value(key: tuple, cost, per_device=None, cache: dict | None = None) -> 
         v = term_value(("workspace_bytes", *key[1:]), cost, per_device, cache)
         if not v:
             v = term_value(("transient_bytes", *key[1:]), cost, per_device, cache)
+        else:  # whole: what B has freed by then is taken from the activations instead
+            v += term_value(("backward_freed_bytes", *key[1:]), cost, per_device, cache)
     elif name == "during_input":  # ("during_input", stage, segment): the zero-bubble I's
         # working set, where the cost model prices it apart from B's
         fn = getattr(cost, "input_workspace_bytes", None)
-        v = float(fn(*key[1:])) if fn is not None else term_value(("during_backward", *key[1:]), cost, per_device, cache)
+        if fn is None:
+            v = term_value(("during_backward", *key[1:]), cost, per_device, cache)
+        else:
+            v = float(fn(*key[1:])) - term_value(("input_kept_bytes", *key[1:]), cost, per_device, cache)
     elif name == "extra_versions":  # ("extra_versions", device, stage): its versions beyond the first
         stats = per_device[key[1]] if per_device is not None and key[1] < len(per_device) else None
         versions = getattr(stats, "peak_weight_versions", 1) or 1
@@ -227,7 +232,19 @@ def tapes(schedule) -> list[Tape]:
                 continue
             if kind == B or kind == I or whole:
                 arrived = waiting.pop((rep, e.microbatch, seg), []) if kind == W else landed[i]
-                ap((-1, key("during_input" if kind == I and not whole else "during_backward", stage, seg), 0))
+                if kind == I and not whole:
+                    # what I has kept by its peak (less what it has freed) is held with
+                    # the activations for that instant; the rest of its working set is temporary
+                    kept = key("input_kept_bytes", stage, seg)
+                    ap((ACTS, kept, 1))
+                    ap((-1, key("during_input", stage, seg), 0))
+                    ap((ACTS, kept, -1))
+                else:
+                    # what B has freed by its peak leaves the activations for that instant
+                    freed = key("backward_freed_bytes", stage, seg)
+                    ap((ACTS, freed, -1))
+                    ap((-1, key("during_backward", stage, seg), 0))
+                    ap((ACTS, freed, 1))
                 out_k = held_out.pop((rep, e.microbatch, seg), None)  # kept through its backward
                 if out_k is not None:
                     ap((OUTS, out_k, -1))
