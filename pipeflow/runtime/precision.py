@@ -3,8 +3,9 @@ gradients that travel between stages, and fp16's dynamic loss scaling.
 
 Weights and optimizer state stay fp32 (autocast casts each weight to the compute dtype
 where an operation uses it, and its gradient accumulates in fp32). A stage's output is
-cast to the compute dtype before it is sent (half the bytes of fp32), and the gradient
-that comes back is cast to the output's own dtype before the backward.
+cast to the compute dtype before it is sent (half the bytes of fp32) and restored to
+fp32 where it arrives (the stream a single device keeps), and the gradient that comes
+back is cast to the output's own dtype before the backward.
 """
 
 from __future__ import annotations
@@ -50,6 +51,17 @@ class Precision:
 
     def wire(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.wire_dtype(t.dtype))
+
+    def arrived(self, t: torch.Tensor) -> torch.Tensor:
+        """A floating message that travelled in the compute dtype, back in fp32: the dtype
+        the stage's stream has on one device (autocast computes in 16 bits, but what
+        flows between its operations outside them, the residual stream, stays fp32).
+        Kept in 16 bits, every stage after the first ran its residual additions and
+        (on CPU, where autocast leaves LayerNorm in the input's dtype) its norms in 16
+        bits: not the single-device step, and not the memory the model counts."""
+        if self.dtype is None or not t.is_floating_point() or t.dtype == torch.float32:
+            return t
+        return t.float()
 
 
 class LossScaler:
