@@ -65,12 +65,22 @@ SCHEDULES = {
     "pipedream_2bw": ["schedule=pipedream_2bw"],
 }
 CAUSAL_ONLY = {"seq1f1b"}
+MORE = {  # the runtime's other schedules
+    "chimera": ["schedule=chimera"],
+    "dualpipe_v": ["schedule=dualpipe_v", "pipeline.virtual_stages=2"],
+    "interleaved_zb": ["schedule=interleaved_zb", "pipeline.virtual_stages=2"],
+    "looped_bfs": ["schedule=looped_bfs", "pipeline.virtual_stages=2"],
+    "seq1f1b_interleaved": ["schedule=seq1f1b_interleaved", "pipeline.virtual_stages=2", "pipeline.segments=4"],
+    "amdp": ["schedule=amdp"],
+    "planned": ["schedule=planned"],
+}
 
 
 def cases(quick: bool = False) -> list[tuple[str, list[str]]]:
     """(label, overrides) of the matrix: every schedule x family at fp32 on 2 ranks;
     bf16, selective and full recomputation for each family under 1F1B and ZB-H1; 4 ranks
-    for 1F1B and ZB-H1. ``quick``: one case per concern."""
+    for 1F1B and ZB-H1; the other schedules (:data:`MORE`) on gpt, and the concurrent-branch
+    model (cbm) under BAPP and 1F1B. ``quick``: one case per concern."""
     out = []
     for fam, f in FAMILIES.items():
         for name, s in SCHEDULES.items():
@@ -84,6 +94,13 @@ def cases(quick: bool = False) -> list[tuple[str, list[str]]]:
                 out.append((f"{fam} {name} fp32 recompute={mode}",
                             [*f, *s, "pipeline.stages=2", "precision=fp32", f"model.recompute={mode}"]))
             out.append((f"{fam} {name} fp32 4 ranks", [*f, *s, "pipeline.stages=4", "precision=fp32"]))
+    # every other runtime schedule once (gpt, fp32, 2 ranks), and the concurrent-branch model
+    for name, s in MORE.items():
+        out.append((f"gpt {name} fp32", ["model=gpt_tiny", *s, "pipeline.stages=2", "precision=fp32"]))
+    for name, s in (("bapp", ["schedule=bapp", "pipeline.stages=2"]), ("1f1b", ["schedule=1f1b", "pipeline.stages=2"])):
+        out.append((f"cbm {name} fp32", ["model=cbm_tiny", *s, "precision=fp32"]))
+    out.append(("cbm 1f1b bf16", ["model=cbm_tiny", "schedule=1f1b", "pipeline.stages=2", "precision=bf16"]))
+    out.append(("cbm 1f1b fp32 4 ranks", ["model=cbm_tiny", "schedule=1f1b", "pipeline.stages=4", "precision=fp32"]))
     if quick:
         keep = {"gpt 1f1b fp32", "gpt gpipe fp32", "gpt zb_h1 fp32", "llama 1f1b bf16", "bert 1f1b fp32",
                 "gpt seq1f1b fp32", "gpt 1f1b fp32 recompute=full", "gpt zb_v fp32"}

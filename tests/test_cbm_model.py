@@ -200,3 +200,24 @@ def test_one_predecessor_stages_take_the_tensor_itself(cfg, vs, ts):
     for s in single:
         (pred,) = graph.preds[s]
         torch.testing.assert_close(stages[s](outs[pred]), outs[s], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cfg,vs,ts", [(TINY, 2, 2), (DEEP, 3, 3)])
+def test_the_cost_counts_each_stages_parameters(cfg, vs, ts):
+    """The branched cost's parameters (and so its weights, gradients and optimizer state
+    in the simulator's memory) are the built stage's, to the parameter: the embeddings,
+    the interaction blocks' cross-attention of another width, the head's norms and MLPs."""
+    from pipeflow.planning.branched_cost import BranchedAnalyticCost
+
+    graph, specs = cbm_stage_graph(cfg, vs, ts)
+    cost = BranchedAnalyticCost(cfg, [(s.branch, s.lo, s.hi) for s in specs], microbatch_size=2, dtype_bytes=4)
+    for s in range(graph.num_stages):
+        n = sum(p.numel() for p in build_cbm_stage(cfg, specs, s, SEED).parameters())
+        assert cost._params(s) == n, specs[s]
+        assert cost.state_bytes(s) == {"parameters": 4.0 * n, "gradients": 4.0 * n, "optimizer_state": 8.0 * n,
+                                       "casts": 0.0}
+        # at 16 bits, a cast of every parameter but the embedding tables and the norms
+        tables = sum(p.numel() for name, p in build_cbm_stage(cfg, specs, s, SEED).named_parameters()
+                     if "embed" in name and "patch" not in name or "ln" in name)
+        half = BranchedAnalyticCost(cfg, [(t.branch, t.lo, t.hi) for t in specs], microbatch_size=2, dtype_bytes=2)
+        assert half.state_bytes(s)["casts"] == 2.0 * (n - tables), specs[s]

@@ -277,11 +277,15 @@ def _default_branched_cost(cfg: DictConfig, specs: list) -> CostModel:
                                 [(s.branch, s.lo, s.hi) for s in specs], cfg.pipeline.microbatch_size)
 
 
-def branched_cost(cfg: DictConfig, specs: list) -> CostModel:
+def branched_cost(cfg: DictConfig, specs: list, dtype_bytes: int | None = None) -> CostModel:
+    """The cost of a concurrent-branch model's stages; ``dtype_bytes``: the precision's,
+    where ``cost.dtype_bytes`` is unset (the analytic cost's default is 16 bits)."""
     from pipeflow.planning.branched_cost import BranchedAnalyticCost
 
     params = {k: v for k, v in OmegaConf.to_container(cfg.cost, resolve=True).items() if v is not None}
     name = params.pop("name")
+    if name == "analytic" and "dtype_bytes" not in params and dtype_bytes is not None:
+        params["dtype_bytes"] = dtype_bytes
     try:
         if name in ("unit", "calibrated"):
             return build_cost_model(cfg.cost, len(specs), None, cfg.pipeline.microbatch_size)

@@ -78,7 +78,9 @@ def prepare_simulation(cfg: DictConfig) -> SimulationInputs:
     if _family(cfg).branched:
         schedule, specs = branched_schedule(cfg)
         spec, lengths = None, None
-        cost = branched_cost(cfg, specs)
+        # the precision the run would train in sets the bytes per element, as below
+        precision = resolve_precision(cfg, run_topology(cfg, schedule))
+        cost = branched_cost(cfg, specs, dtype_bytes=4 if precision == "fp32" else 2)
     else:
         schedule = generate_schedule(cfg)
         spec = model_spec(cfg, schedule)

@@ -326,7 +326,9 @@ def cbm_loss(head_out: Tensor, batch: Mapping[str, Tensor], norm: CBMNormalizer,
     rows = slice(None) if rows is None else rows
     itm_label, mlm_labels = batch["itm_label"][rows], batch["mlm_labels"][rows]
     itm, mlm = split_head_output(head_out, mlm_labels.size(1))
-    itm_loss = F.binary_cross_entropy_with_logits(itm.float(), itm_label.float(), reduction="sum")
+    # the BCE keeps its input for the backward: a copy of the B logits, not a view, which
+    # would keep the whole head output ([B, 1 + T * V]) alive until the backward
+    itm_loss = F.binary_cross_entropy_with_logits(itm.float().clone(), itm_label.float(), reduction="sum")
     mlm_loss = F.cross_entropy(
         mlm.reshape(-1, mlm.size(-1)).float(), mlm_labels.reshape(-1), ignore_index=-100, reduction="sum"
     )

@@ -15,7 +15,7 @@ from typing import Mapping, Sequence
 
 from ..topology.topology import Device
 from .cbm_shape import cbm_shape
-from .cost import CostModel, _check_int, _check_number
+from .cost import CostModel, _check_int, _check_number, layer_cost
 from .transformer import TransformerSpec, layer_forward_flops, layer_linear_flops, layer_params
 
 
@@ -109,15 +109,67 @@ class BranchedAnalyticCost(CostModel):
         return self.microbatch_size * self.tokens[branch] * self.spec[branch].n_embd * self.dtype_bytes
 
     def activation_bytes(self, stage: int, segment: int) -> float:
+        """What one microbatch's forward keeps on the stage, counted tensor by tensor on
+        pipeflow/models/cbm.py (c the compute dtype's bytes, the stream and norms fp32):
+
+        - a block is a GPT block (``nn.MultiheadAttention`` keeps its packed Q/K/V
+          projection's input and output, the fused kernel's output and log-sum-exp):
+          :func:`~pipeflow.planning.cost.layer_cost` of the branch's shape;
+        - an interaction block adds its cross-attention: per own token a norm (4H + 8),
+          the query projection's input, the query and the kernel's output (3H c) and the
+          log-sum-exp (4h); per token of the other branch (width Ho) its norm (4Ho + 8),
+          the key and value projections' input (Ho c; two copies where Ho != H, when
+          the projections are separate) and the keys and values (2H c);
+        - the embedding: the image (its cast, C*S^2 c per image) or the token ids and
+          position ids (int64);
+        - the head: per vision token its norm's input (4Hv + 8); per text token its
+          norm's (4Ht + 8), the MLM projection's input (Ht c), the fp32 log-softmax over
+          the vocabulary (4V) and the target (int64); per pair the matching MLP's
+          inputs ((Hv + Ht) c, Ht c twice) and the logit and label of its loss.
+        ``benchmarks/bench_memory.py`` compares it with what the runtime's ranks hold."""
         branch, lo, hi = self.stages[stage]
+        b, c = self.microbatch_size, self.dtype_bytes
+        if branch == "head":
+            Hv, Ht = self.spec["vision"].n_embd, self.spec["text"].n_embd
+            xv, xt = self.tokens["vision"], self.tokens["text"]
+            per_text = 4 * Ht + 8 + Ht * c + 4 * self.vocab + 8
+            per_pair = (Hv + Ht) * c + 2 * Ht * c + 8
+            return float(b * (xv * (4 * Hv + 8) + xt * per_text + per_pair))
+        spec, x = self.spec[branch], self.tokens[branch]
+        other = "text" if branch == "vision" else "vision"
+        H, Ho, y = spec.n_embd, self.spec[other].n_embd, self.tokens[other]
+        one = layer_cost(spec, x, x, b, c)
+        a = (hi - lo) * one.saved
+        for blk in range(lo, hi):
+            if blk in self.interactions:
+                a += b * x * (4 * H + 8 + 3 * H * c + 4 * spec.n_head)
+                # (one copy when the widths match: MultiheadAttention then packs the
+                # key and value projections into one product of the one input)
+                a += b * y * (4 * Ho + 8 + (1 if Ho == H else 2) * Ho * c + 2 * H * c)
+        if lo == 0:
+            a += b * self.patch_dim * c * x if branch == "vision" else 8.0 * b * x + 8.0 * x
+        return float(a)
+
+    def output_bytes(self, stage: int, segment: int) -> float:
+        """A branch stage's output (fp32) stays until its gradient returns; at 16 bits so
+        does the copy it was sent as (one per successor at most)."""
+        branch = self.stages[stage][0]
+        if branch == "head":
+            return 0.0
+        x, H = self.tokens[branch], self.spec[branch].n_embd
+        return float(self.microbatch_size * x * H * (4 + (self.dtype_bytes if self.dtype_bytes < 4 else 0)))
+
+    def workspace_bytes(self, stage: int, segment: int) -> float:
+        """What a backward holds at its most on top of what the forward kept: in a block
+        the MLP's hidden gradient (4H wide, c) beside the stream's (H, fp32); the head's
+        backward, the loss's and the log-softmax's gradients over the vocabulary (two
+        fp32 rows of V per text token)."""
+        branch = self.stages[stage][0]
         b = self.microbatch_size
         if branch == "head":
-            t = self.tokens["text"]
-            return b * t * self.vocab * 4  # the MLM logits kept for the loss's backward
+            return float(2.0 * b * self.tokens["text"] * self.vocab * 4)
         spec, x = self.spec[branch], self.tokens[branch]
-        # Korthikanti et al. per layer without recomputation (16-bit), bidirectional
-        per_layer = x * b * spec.n_embd * 34 + 5 * b * spec.n_head * x * x
-        return (hi - lo) * per_layer * self.dtype_bytes / 2
+        return float(b * x * (spec.ffn_width * self.dtype_bytes + spec.n_embd * 4))
 
     def weight_residual_bytes(self, stage: int, segment: int) -> float:
         branch, lo, hi = self.stages[stage]
@@ -127,16 +179,60 @@ class BranchedAnalyticCost(CostModel):
         return (hi - lo) * (3 * spec.n_embd + spec.ffn_width) * x * self.microbatch_size * self.dtype_bytes
 
     def _params(self, stage: int) -> float:
+        """The stage's parameters, counted on pipeflow/models/cbm.py: a branch's blocks
+        (a GPT block each), an interaction block's cross-attention (a norm for each side,
+        a query projection of this branch, key and value projections from the other's
+        width, an output projection, their biases), the branch's embedding on its first
+        stage (the vision patch projection and position table; the text token and
+        position tables); the head's two norms, its matching MLP and its MLM projection."""
         branch, lo, hi = self.stages[stage]
+        Ht, V = self.spec["text"].n_embd, self.vocab
         if branch == "head":
-            return self.spec["text"].n_embd * self.vocab
+            Hv = self.spec["vision"].n_embd
+            return float(2 * Hv + 2 * Ht + (Hv + Ht) * Ht + Ht + Ht + 1 + Ht * V + V)
         spec = self.spec[branch]
+        H = spec.n_embd
+        Ho = self.spec["text" if branch == "vision" else "vision"].n_embd
         n = (hi - lo) * layer_params(spec)
-        n += sum(4 * spec.n_embd * spec.n_embd for b in range(lo, hi) if b in self.interactions)
+        cross = 2 * H + 2 * Ho + H * H + 2 * H * Ho + 3 * H + H * H + H
+        n += sum(cross for b in range(lo, hi) if b in self.interactions)
+        if lo == 0 and branch == "vision":
+            n += self.patch_dim * H + H + self.tokens["vision"] * H
+        elif lo == 0:
+            n += V * H + self.tokens["text"] * H
         return float(n)
 
     def param_bytes(self, stage: int) -> float:
         return self._params(stage) * self.dtype_bytes
+
+    def _cast_params(self, stage: int) -> float:
+        """The parameters autocast casts to 16 bits (the weights of matrix products and of
+        the patch projection, their biases; not the embedding tables or the norms)."""
+        branch, lo, hi = self.stages[stage]
+        Ht, V = self.spec["text"].n_embd, self.vocab
+        if branch == "head":
+            Hv = self.spec["vision"].n_embd
+            return float((Hv + Ht) * Ht + Ht + Ht + 1 + Ht * V + V)
+        spec = self.spec[branch]
+        H, I = spec.n_embd, spec.ffn_width
+        Ho = self.spec["text" if branch == "vision" else "vision"].n_embd
+        n = (hi - lo) * (4 * H * H + 4 * H + 2 * H * I + I + H)  # attention and MLP products with biases
+        n += sum(2 * H * H + 2 * H * Ho + 4 * H for b in range(lo, hi) if b in self.interactions)
+        if lo == 0 and branch == "vision":
+            n += self.patch_dim * H + H
+        return float(n)
+
+    def state_bytes(self, stage: int) -> dict:
+        """The runtime's model state of a stage (:meth:`CostModel.state_bytes`): fp32
+        weights and gradients and AdamW's two fp32 moments, whatever the precision, and
+        at 16 bits one cast of each weight autocast casts, shared by the step's
+        microbatches (``Precision.shared_casts``)."""
+        p = self._params(stage)
+        casts = 2.0 * self._cast_params(stage) if self.dtype_bytes < 4 else 0.0
+        return {"parameters": 4.0 * p, "gradients": 4.0 * p, "optimizer_state": 8.0 * p, "casts": casts}
+
+    def model_state_bytes(self, stage: int) -> float:
+        return float(sum(self.state_bytes(stage).values()))
 
     def describe(self) -> dict:
         return {
