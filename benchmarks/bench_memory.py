@@ -101,6 +101,8 @@ def cases(quick: bool = False) -> list[tuple[str, list[str]]]:
         out.append((f"cbm {name} fp32", ["model=cbm_tiny", *s, "precision=fp32"]))
     out.append(("cbm 1f1b bf16", ["model=cbm_tiny", "schedule=1f1b", "pipeline.stages=2", "precision=bf16"]))
     out.append(("cbm 1f1b fp32 4 ranks", ["model=cbm_tiny", "schedule=1f1b", "pipeline.stages=4", "precision=fp32"]))
+    out.append(("cbm bapp fp32 4 ranks", ["model=cbm_tiny", "schedule=bapp", "pipeline.stages=4", "precision=fp32",
+                                          "model.text.n_layer=4", "model.vision.n_layer=4"]))  # a stage per layer
     if quick:
         keep = {"gpt 1f1b fp32", "gpt gpipe fp32", "gpt zb_h1 fp32", "llama 1f1b bf16", "bert 1f1b fp32",
                 "gpt seq1f1b fp32", "gpt 1f1b fp32 recompute=full", "gpt zb_v fp32"}
