@@ -162,9 +162,13 @@ def test_gpt_and_bert_presets_keep_their_closed_forms(preset):
     assert c.weight_residual_bytes(1, 0) == n * (32 * b * S * H + separate)  # W keeps each copy too
     per_layer = 4 * H * H + 2 * H * Fw + 9 * H + Fw
     assert c.stage_params(1) == n * per_layer
-    assert c.stage_params(0) == n * per_layer + V * H + Pn * H
-    assert c.stage_params(3) == n * per_layer + 2 * H + V * H
-    assert total_params(spec) == L * per_layer + V * H + Pn * H + 2 * H
+    bert = cfg.family == "bert"
+    # BERT: two token-type rows and the embedding's LayerNorm; its MLM head's dense
+    # transform (H*H + H) and the decoder's bias (V) beside the norm and the decoder
+    embed_extra, head_extra = (4 * H, H * H + H + V) if bert else (0, 0)
+    assert c.stage_params(0) == n * per_layer + V * H + Pn * H + embed_extra
+    assert c.stage_params(3) == n * per_layer + 2 * H + V * H + head_extra
+    assert total_params(spec) == L * per_layer + V * H + Pn * H + 2 * H + embed_extra + head_extra
 
 
 # ------------------------------------------------------- activation bytes
@@ -315,3 +319,22 @@ def test_planner_plans_a_llama():
     best = plan(spec, get_topology("pcie_8", 4), 8, replicas=1)
     assert sum(best.layers_per_stage) == spec.n_layer
     assert best.predicted_iteration_time > 0
+
+
+@pytest.mark.parametrize("model", ["gpt_tiny", "bert_tiny", "llama_tiny"])
+def test_the_cost_counts_each_stages_parameters(model):
+    """Per stage, the cost's parameters are the built stage's, to the parameter (BERT's
+    token types, embedding norm and MLM head included): the weights, gradients and
+    optimizer state the simulator's memory holds."""
+    import torch
+
+    from pipeflow.families import family_of
+
+    c = compose("train", [f"model={model}"])
+    resolve_model(c)
+    cfg = OmegaConf.to_container(c.model, resolve=True)
+    layers = [cfg["n_layer"] // 2, cfg["n_layer"] - cfg["n_layer"] // 2]
+    adapter = family_of(cfg).load_adapter()(cfg, layers, 2, cfg["seq_len"], 0, torch.device("cpu"))
+    cost = AnalyticCost(TransformerSpec.from_config(c.model), 2, layers_per_stage=layers)
+    for s in range(2):
+        assert cost.stage_params(s) == sum(p.numel() for p in adapter.build_stage(s).parameters()), s

@@ -262,12 +262,15 @@ def embedding_params(spec: TransformerSpec) -> int:
     n = spec.vocab_size * spec.n_embd
     if spec.position_embedding == "learned":
         n += spec.positions * spec.n_embd
+    if spec.post_norm:  # BERT: two token-type rows and the embedding's LayerNorm
+        n += 2 * spec.n_embd + norm_params(spec)
     return n
 
 
 def head_params(spec: TransformerSpec) -> int:
     """Final norm plus the LM head matrix (V*H, no bias): what the last stage holds
-    beyond its blocks.
+    beyond its blocks (BERT: its MLM head, a dense transform and its norm before the
+    decoder, whose output has a bias).
 
     An untied head is its own matrix. A tied head (GPT-2, BERT, Qwen2 small) shares the
     token embedding, so it adds nothing to the model's unique count; but when the last
@@ -275,6 +278,9 @@ def head_params(spec: TransformerSpec) -> int:
     gradient, which is reduced with the embedding's), so per stage it is counted where
     the copy lives (a one-stage pipeline subtracts it again: see :func:`shared_head_params`).
     """
+    if spec.post_norm:  # BERT's MLM head: a dense transform, its LayerNorm, the decoder and its bias
+        H = spec.n_embd
+        return H * H + H + norm_params(spec) + spec.vocab_size * H + spec.vocab_size
     return norm_params(spec) + spec.vocab_size * spec.n_embd
 
 
