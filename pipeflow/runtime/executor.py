@@ -204,11 +204,11 @@ class Executor(MessageIO):
             for p in preds:
                 t = self._take((False, p, a.stage, a.microbatch, a.pipe, a.segment), inbox, local)
                 leaves[p] = self.precision.arrived(t).detach().requires_grad_(True)
-            # the module sees a view of each leaf: autocast caches its 16-bit cast of a
-            # leaf that requires grad (meant for weights) until the step's outer context
+            # at 16 bits the module sees a view of each leaf: autocast caches its cast of
+            # a leaf that requires grad (meant for weights) until the step's outer context
             # ends, so a stage whose first product reads its input (BERT's Q, K, V) kept
             # every microbatch's cast through the step
-            views = {p: leaf.view_as(leaf) for p, leaf in leaves.items()}
+            views = leaves if self.precision.dtype is None else {p: v.view_as(v) for p, v in leaves.items()}
             x = views[preds[0]] if len(preds) == 1 else views
         with self._hooks(st), self.precision.autocast():
             out = self._run_module(st, a, x)

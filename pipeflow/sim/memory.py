@@ -113,7 +113,7 @@ def term_value(key: tuple, cost, per_device=None, cache: dict | None = None) -> 
         v = term_value(("workspace_bytes", *key[1:]), cost, per_device, cache)
         if not v:
             v = term_value(("transient_bytes", *key[1:]), cost, per_device, cache)
-        else:  # whole: what B has freed by then is taken from the activations instead
+        else:  # the workspace counted whole; what B has freed by then leaves the activations
             v += term_value(("backward_freed_bytes", *key[1:]), cost, per_device, cache)
     elif name == "during_input":  # ("during_input", stage, segment): the zero-bubble I's
         # working set, where the cost model prices it apart from B's
