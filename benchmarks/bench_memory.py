@@ -5,16 +5,17 @@ Each case trains 2 steps on CPU ranks with ``runtime.memory=profile`` (every all
 of the last step, by what holds it: :mod:`pipeflow.runtime.memory_profile`) and
 simulates the same config (``pipeflow-simulate``, ``topology=local_cpu``, the same
 precision); per device it prints the measured peak (the most bytes live at one
-instant), the simulated peak (:mod:`pipeflow.sim.memory`), their ratio, and the group
-of categories where the two differ most (difference / measured peak):
+instant), the simulated peak (:mod:`pipeflow.sim.memory`), their ratio, and the
+category where the two differ most at their peaks (difference / measured peak):
 
-- ``weights``: parameters (and an asynchronous policy's extra weight versions);
-- ``optimizer``: AdamW's moments; ``gradients``: the ``.grad`` of each parameter;
-- ``activations``: what forwards keep for backwards (the zero-bubble residuals, the
-  Seq1F1B keys and values and 16-bit weight casts included);
-- ``messages``: outputs kept for their backward, sends not yet proven arrived, receive
-  buffers; ``temporaries``: everything else (a backward's gradients on the way, the
-  optimizer's buffers, a recomputed layer).
+- ``parameters``, ``weight_versions`` (an asynchronous policy's extra weight copies),
+  ``optimizer_state`` (AdamW's moments), ``gradients`` (the ``.grad`` of each parameter);
+- ``casts``: at 16 bits, the one cast of each weight a step's products share;
+- ``activations``: what forwards keep for backwards (the Seq1F1B keys and values, which
+  the profile names ``kv``, with them); ``residuals``: what a zero-bubble I keeps for W;
+- ``outputs``: a stage's outputs kept for their backward and sends not yet proven
+  arrived; ``inputs``: receive buffers; ``temporaries``: everything else (a backward's
+  gradients on the way, the optimizer's buffers, a recomputed layer).
 
 Byte counts do not depend on the machine's load: the table is the same on every run.
 Run from the repository root (each case spawns its ranks, 5-15 s):
@@ -22,6 +23,7 @@ Run from the repository root (each case spawns its ranks, 5-15 s):
     .venv/bin/python -m benchmarks.bench_memory                 # the whole matrix
     .venv/bin/python -m benchmarks.bench_memory --quick         # one case per concern
     .venv/bin/python -m benchmarks.bench_memory --only zb_h1 --json out.json
+    .venv/bin/python -m benchmarks.bench_memory --sample 40   # drawn from the whole product
     .venv/bin/python -m benchmarks.bench_memory --device cuda   # one stage on the GPU
     .venv/bin/python -m benchmarks.bench_memory --device cuda --set "model.seq_len=2048"
 
@@ -65,6 +67,7 @@ SCHEDULES = {
     "pipedream_2bw": ["schedule=pipedream_2bw"],
 }
 CAUSAL_ONLY = {"seq1f1b"}
+CBM_SCHEDULES = {"gpipe", "1f1b", "zb_h1", "zb_h2", "chimera"}  # and BAPP: what a branched model runs
 MORE = {  # the runtime's other schedules
     "chimera": ["schedule=chimera"],
     "dualpipe_v": ["schedule=dualpipe_v", "pipeline.virtual_stages=2"],
@@ -107,6 +110,31 @@ def cases(quick: bool = False) -> list[tuple[str, list[str]]]:
         keep = {"gpt 1f1b fp32", "gpt gpipe fp32", "gpt zb_h1 fp32", "llama 1f1b bf16", "bert 1f1b fp32",
                 "gpt seq1f1b fp32", "gpt 1f1b fp32 recompute=full", "gpt zb_v fp32"}
         out = [c for c in out if c[0] in keep]
+    return out
+
+
+def product() -> list[tuple[str, list[str]]]:
+    """The whole product the matrix is drawn from: every runtime schedule (:data:`SCHEDULES`,
+    :data:`MORE`, BAPP) on 2 and 4 ranks, for each family and the cbm model, fp32 and bf16,
+    recomputation none, selective and full (``--sample`` draws from it; a combination the
+    config layer refuses, such as Seq1F1B on BERT, is reported and left out)."""
+    models = {**FAMILIES, "cbm": ["model=cbm_tiny"]}
+    schedules = {**SCHEDULES, **MORE, "bapp": ["schedule=bapp"]}
+    deeper = {"gpt": ["model.n_layer=8"], "bert": ["model.n_layer=8"], "llama": ["model.hf.num_hidden_layers=8"]}
+    out = []
+    for fam, f in models.items():
+        for name, s in schedules.items():
+            if (fam == "cbm") != (name == "bapp") and not (fam == "cbm" and name in CBM_SCHEDULES):
+                continue
+            for ranks in (2, 4):
+                if ranks == 4 and fam in deeper and any(o.startswith("pipeline.virtual_stages=") for o in s):
+                    s = [*s, *deeper[fam]]  # a stage per layer at least
+                for precision in ("fp32", "bf16"):
+                    for mode in ("none", "selective", "full"):
+                        label = f"{fam} {name} {precision}" + (f" recompute={mode}" if mode != "none" else "") \
+                            + (" 4 ranks" if ranks == 4 else "")
+                        out.append((label, [*f, *s, f"pipeline.stages={ranks}", f"precision={precision}",
+                                            f"model.recompute={mode}"]))
     return out
 
 
@@ -157,17 +185,25 @@ def table(rows: list[dict]) -> str:
     ratios = [r["ratio"] for r in rows]
     if ratios:
         within = sum(abs(x - 1) <= 0.03 for x in ratios)
+        categories = sum(abs(r["worst_share"]) <= 0.05 for r in rows)
         lines.append(f"\n{len(rows)} devices: simulated / measured {min(ratios):.3f} to {max(ratios):.3f}; "
-                     f"{within} within 3%")
+                     f"{within} within 3%; {categories} with every category within 5% of the peak")
     return "\n".join(lines)
 
 
 def results(quick: bool = False, only: str | None = None, device: str = "cpu", one_stage: bool = False,
-            extra: tuple = ()) -> list[dict]:
+            extra: tuple = (), sample: int = 0, seed: int = 0) -> list[dict]:
     """The rows of the chosen cases (``only``: comma-separated substrings of their
-    labels); a case that cannot run here is reported on stderr and left out."""
+    labels; ``sample``: that many drawn from :func:`product` instead, those of the matrix
+    left out); a case that cannot run here is reported on stderr and left out."""
     wanted = [w.strip() for w in only.split(",")] if only else None
-    chosen = [c for c in cases(quick) if wanted is None or any(w in c[0] for w in wanted)]
+    pool = cases(quick)
+    if sample:
+        import random
+
+        matrix = {c[0] for c in pool}
+        pool = random.Random(seed).sample([c for c in product() if c[0] not in matrix], sample)
+    chosen = [c for c in pool if wanted is None or any(w in c[0] for w in wanted)]
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench_memory_") as tmp:
         for label, over in chosen:
@@ -185,9 +221,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--one-stage", action="store_true", help="every case as one stage in one process (--device cuda does)")
     ap.add_argument("--set", default="", help="overrides added to every case, space-separated (model.seq_len=1024 ...)")
+    ap.add_argument("--sample", type=int, default=0,
+                    help="this many cases drawn from the whole product (every schedule, rank count, model, precision "
+                         "and recomputation), outside the matrix")
+    ap.add_argument("--seed", type=int, default=0, help="--sample's draw")
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args(argv)
-    rows = results(args.quick, args.only, args.device, args.one_stage, tuple(args.set.split()))
+    rows = results(args.quick, args.only, args.device, args.one_stage, tuple(args.set.split()), args.sample, args.seed)
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

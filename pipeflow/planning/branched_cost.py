@@ -150,6 +150,19 @@ class BranchedAnalyticCost(CostModel):
             a += b * self.patch_dim * c * x if branch == "vision" else 8.0 * b * x + 8.0 * x
         return float(a)
 
+    def input_gradient_bytes(self, stage: int, segment: int) -> float:
+        """The gradients a backward makes for its stage's inputs (fp32): the branch's
+        stream from the stage below, the other branch's for an interaction block, both
+        branches' for the head."""
+        branch, lo, hi = self.stages[stage]
+        b = self.microbatch_size
+        width = {k: self.tokens[k] * self.spec[k].n_embd for k in ("vision", "text")}
+        if branch == "head":
+            return float(4 * b * (width["vision"] + width["text"]))
+        other = "text" if branch == "vision" else "vision"
+        n = (width[branch] if lo > 0 else 0) + (width[other] if any(k in self.interactions for k in range(lo, hi)) else 0)
+        return float(4 * b * n)
+
     def output_bytes(self, stage: int, segment: int) -> float:
         """A branch stage's output (fp32) stays until its gradient returns; at 16 bits so
         does the copy it was sent as (one per successor at most)."""

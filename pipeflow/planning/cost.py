@@ -417,6 +417,12 @@ class AnalyticCost(BackwardWorkingSet, CostModel):
     def activation_bytes(self, stage: int, segment: int) -> float:
         return self._activation[stage][self._seg(segment)]
 
+    def input_gradient_bytes(self, stage: int, segment: int) -> float:
+        """The gradient a backward makes for its stage's input (the residual stream, fp32)."""
+        if stage == 0:
+            return 0.0
+        return float(self.microbatch_size * self.segment_lengths[self._seg(segment)] * self.spec.n_embd * 4)
+
     def weight_residual_bytes(self, stage: int, segment: int) -> float:
         return self._residual[stage][self._seg(segment)]
 

@@ -7,7 +7,7 @@ stage) and ``benchmarks/bench_memory.py`` (every device of a run)."""
 
 from __future__ import annotations
 
-from .transformer import RESIDUAL_BYTES, head_residual_width, last_stage_saved, norm_saved_bytes
+from .transformer import RESIDUAL_BYTES, head_residual_width, last_stage_saved, matrix_inputs, norm_saved_bytes
 
 
 class BackwardWorkingSet:
@@ -53,11 +53,15 @@ class BackwardWorkingSet:
         return self._input_ws[stage][self._seg(segment)][0]
 
     def input_kept_bytes(self, stage: int, segment: int) -> float:
-        """Of :meth:`input_workspace_bytes`, what has moved the level of what the stage
-        keeps by that instant (the residual I has kept so far less what it has freed):
-        the rest are the gradients on the way. The simulator files it with the
-        activations, the runtime's profile with the residuals."""
+        """What I has kept for W by the instant of :meth:`input_workspace_bytes` (the
+        residuals; the products' inputs among them were saved activations until then)."""
         return self._input_ws[stage][self._seg(segment)][1]
+
+    def input_freed_bytes(self, stage: int, segment: int) -> float:
+        """What I has taken from the activations the forward saved by that instant (freed,
+        or kept for W: then counted in :meth:`input_kept_bytes` too). The workspace less
+        the level's move (kept less freed) are the gradients on the way."""
+        return self._input_ws[stage][self._seg(segment)][2]
 
     def _input_workspace(self, n: int, one, x: int, last: bool) -> tuple[float, float]:
         """I's most on top of its level, for a stage of ``n`` blocks of ``x`` tokens.
@@ -78,7 +82,13 @@ class BackwardWorkingSet:
         nothing: its kept gradients replace what it saved). On the
         last stage the head runs first, holding the two fp32 rows of V of B, and moves
         the level by what it keeps for W (its input and the logits' gradient) less what
-        it saved. Returns (the most, of which what I keeps: :meth:`input_kept_bytes`).
+        it saved. Returns (the most, what I has kept by then, what it has taken from the
+        saved activations by then: :meth:`input_kept_bytes`, :meth:`input_freed_bytes`),
+        split as the runtime's profile names them (runtime.memory=profile): at the MLP's
+        activation the activation function's input is freed and the down projection's
+        input taken (GeLU's output; a gated MLP's product later); at the attention the
+        MLP sub-layer is behind, all it saved gone and its products' inputs and output
+        gradients kept.
         Measured: ``benchmarks/bench_split_memory.py``."""
         spec, b, c = self.spec, self.microbatch_size, self.dtype_bytes
         x_b = x * b
@@ -92,25 +102,44 @@ class BackwardWorkingSet:
         q, kv = spec.n_head * spec.head_dim, spec.kv_heads * spec.head_dim
         attention, attention_kept = (spec.n_embd + q + 2 * kv) * x_b * c, spec.n_embd * x_b * c
         t = one.transient
+        # by then the activation's backward has freed the input it saved (I wide; measured,
+        # gated or not), unless the MLP was rebuilt: a rebuilt layer is a temporary; and
+        # I has taken the down projection's input for W (a GeLU's output; measured: a
+        # gated MLP's product is taken later)
+        act_in = x_b * spec.ffn_width * c
+        mlp_kept += 0 if gated else act_in
+        # at the attention the MLP sub-layer is behind: it has freed what it saved (its
+        # norm's too), keeping its products' inputs and output gradients (about as much)
+        _, mlp_in = matrix_inputs(spec, c)
+        mlp_saved = x_b * ((mlp_in * spec.n_embd + (4 if gated else 2) * spec.ffn_width) * c
+                           + norm_saved_bytes(spec) + (spec.n_embd if spec.dropout_masks else 0))
+        mlp_resid = x_b * c * (mlp_in * spec.n_embd + spec.mlp_matrices * spec.ffn_width + spec.n_embd)
+        behind = (mlp_resid - mlp_saved, mlp_resid, mlp_saved)
         if spec.recompute == "full":
             # beside the rebuilt layer, whose products' inputs I takes for W as it passes them
-            branches = [(t + mlp, mlp_kept + x_b * spec.ffn_width * c), (t + attention, attention_kept + q * x_b * c)]
+            branches = [(t + mlp, mlp_kept + act_in, 0.0),
+                        (t + attention, attention_kept + q * x_b * c, 0.0)]
         elif spec.recompute == "selective":
-            branches = [(mlp, mlp_kept), (t + attention, attention_kept + q * x_b * c)]
+            branches = [(mlp, mlp_kept, act_in), (t + attention, attention_kept + q * x_b * c, 0.0, behind)]
         else:
-            branches = [(mlp, mlp_kept), (attention, attention_kept)]
-        block, kept = max(branches)
+            branches = [(mlp, mlp_kept, act_in), (attention, attention_kept, 0.0, behind)]
+        block, kept, freed, *moved = max(branches)
+        for d_level, d_kept, d_freed in moved:
+            block, kept, freed = block + d_level, kept + d_kept, freed + d_freed
         if spec.post_norm:  # a post-norm block starts with its norm's backward, which frees its input
             block -= x_b * norm_saved_bytes(spec)
-            kept -= x_b * norm_saved_bytes(spec)
+            freed += x_b * norm_saved_bytes(spec)
         rise = max(0.0, (n - 1) * (one.residual - one.saved))
+        if rise:  # the most is at the last block: the others have traded their saved bytes for residuals
+            kept += (n - 1) * one.residual
+            freed += (n - 1) * one.saved
         if not last:
-            return float(block + rise), float(kept + rise)
+            return float(block + rise), float(kept), float(freed)
         # the head's own kept bytes, less what it saved, and the gradient it hands the
         # blocks (the residual stream's, fp32: on a stage below it arrived as a message)
-        head_kept = head_residual_width(spec) * x_b * c
-        head_moves = head_kept - last_stage_saved(spec, x, b, c) + x_b * spec.n_embd * RESIDUAL_BYTES
+        head_kept, head_saved = head_residual_width(spec) * x_b * c, last_stage_saved(spec, x, b, c)
+        head_moves = head_kept - head_saved + x_b * spec.n_embd * RESIDUAL_BYTES
         head = 2.0 * x_b * spec.vocab_size * 4  # the loss's and the log-softmax's gradients; the second, kept
         if head >= head_moves + rise + block:
-            return float(head), float(x_b * spec.vocab_size * c)
-        return float(head_moves + rise + block), float(head_moves + rise + kept)
+            return float(head), float(x_b * spec.vocab_size * c), 0.0
+        return float(head_moves + rise + block), float(head_kept + kept), float(head_saved + freed)

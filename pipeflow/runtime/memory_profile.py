@@ -12,8 +12,10 @@ range; only while profiling) so that the profile links the storage to its role:
 - ``parameters`` and ``optimizer_state`` (tagged at each optimizer step; those the step
   never allocates or frees count from its start), ``gradients`` (each ``.grad``, tagged
   before it is cleared), ``weight_versions`` (the copies an asynchronous policy stashes);
-- ``activations``: what autograd saves for a backward (the meter's pack hook tags it;
-  a 16-bit weight cast it saves included); ``residuals``: what the zero-bubble split
+- ``casts``: at 16 bits, autocast's cast of a weight, which the step's products share
+  and save (the meter's pack hook tags it, as below);
+- ``activations``: what autograd saves for a backward (the meter's pack hook tags it);
+  ``residuals``: what the zero-bubble split
   holds from I until W; ``kv``: a Seq1F1B segment's keys and values held for later
   segments; ``outputs``: a stage's output and the copy it is sent as; ``inputs``: the
   buffers messages are received into;
@@ -34,13 +36,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-CATEGORIES = ("parameters", "weight_versions", "optimizer_state", "gradients", "activations", "residuals", "kv",
-              "outputs", "inputs", "temporaries")
+CATEGORIES = ("parameters", "weight_versions", "optimizer_state", "gradients", "casts", "activations", "residuals",
+              "kv", "outputs", "inputs", "temporaries")
 
 # a storage tagged twice counts where it is held most specifically (a residual W keeps
 # may have been saved by autograd first)
-_PRIORITY = {c: n for n, c in enumerate(("parameters", "weight_versions", "optimizer_state", "gradients", "residuals", "kv", "outputs",
-                                         "activations", "inputs"))}
+_PRIORITY = {c: n for n, c in enumerate(("parameters", "weight_versions", "optimizer_state", "gradients", "casts",
+                                         "residuals", "kv", "outputs", "activations", "inputs"))}
+# held for this from the tag on, where the allocation was named before (an operand a
+# zero-bubble I takes for W was an activation until then); any other tag names the
+# allocation's whole life (a gradient I makes for W is a residual from the start)
+_FROM_TAG = {"residuals"}
 _PREFIX = "pipeflow::tag::"
 _active = False  # tags are recorded only while a step is profiled
 
@@ -146,6 +152,9 @@ def analyse(result, device: torch.device) -> StepMemory:
             if i is None:  # found live: counts from the start until its free, if any
                 i = live_at[ptr] = len(lives)
                 lives.append([nbytes, x, True])
+            elif x in _FROM_TAG and lives[i][1] is not None and lives[i][1] != x:
+                # held for this from now: what it was named until then
+                order.append((t, 0, (i, x)))
             elif lives[i][1] is None or _PRIORITY[x] < _PRIORITY[lives[i][1]]:
                 lives[i][1] = x
         elif x > 0:
@@ -169,10 +178,17 @@ def analyse(result, device: torch.device) -> StepMemory:
         t = order[k][0]
         while k < n and order[k][0] == t:  # an instant is whole once every event at its time is in
             _, sign, i = order[k]
+            k += 1
+            if sign == 0:  # a switch: (life, its category from now)
+                i, category = i
+                size, was, _ = lives[i]
+                live[was or "temporaries"] -= size
+                live[category] += size
+                lives[i][1] = category
+                continue
             size, category, _ = lives[i]
             live[category or "temporaries"] += sign * size
             total += sign * size
-            k += 1
         if total > out.peak_bytes:
             out.peak_bytes, out.at_peak, peak_at = total, dict(live), t
         for c in CATEGORIES:
