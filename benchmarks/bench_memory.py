@@ -24,6 +24,7 @@ Run from the repository root (each case spawns its ranks, 5-15 s):
     .venv/bin/python -m benchmarks.bench_memory --quick         # one case per concern
     .venv/bin/python -m benchmarks.bench_memory --only zb_h1 --json out.json
     .venv/bin/python -m benchmarks.bench_memory --sample 40   # drawn from the whole product
+    .venv/bin/python -m benchmarks.bench_memory --case "model=cbm_tiny schedule=zb_h1 pipeline.stages=2"
     .venv/bin/python -m benchmarks.bench_memory --device cuda   # one stage on the GPU
     .venv/bin/python -m benchmarks.bench_memory --device cuda --set "model.seq_len=2048"
 
@@ -225,9 +226,20 @@ def main(argv: list[str] | None = None) -> int:
                     help="this many cases drawn from the whole product (every schedule, rank count, model, precision "
                          "and recomputation), outside the matrix")
     ap.add_argument("--seed", type=int, default=0, help="--sample's draw")
+    ap.add_argument("--case", action="append", default=[],
+                    help="one case of your own instead, its overrides space-separated (repeatable): "
+                         "--case 'model=cbm_tiny schedule=zb_h2 pipeline.stages=2 precision=fp32'")
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args(argv)
-    rows = results(args.quick, args.only, args.device, args.one_stage, tuple(args.set.split()), args.sample, args.seed)
+    if args.case:
+        rows = []
+        with tempfile.TemporaryDirectory(prefix="bench_memory_") as tmp:
+            for n, case in enumerate(args.case):
+                rows += measure(case, case.split(), Path(tmp) / str(n), args.device, args.one_stage,
+                                tuple(args.set.split()))
+    else:
+        rows = results(args.quick, args.only, args.device, args.one_stage, tuple(args.set.split()), args.sample,
+                       args.seed)
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -10,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeflow.families import FAMILIES, family_of
 from pipeflow.formats.runplan import RunPlan
-from pipeflow.planning.cost import CostModel
+from pipeflow.planning.cost import AnalyticCost, CostModel
 from pipeflow.planning.cost_models import build_cost_model
 from pipeflow.planning.partition import PARTITIONERS
 from pipeflow.planning.transformer import TransformerSpec
@@ -102,6 +102,9 @@ def prepare_simulation(cfg: DictConfig) -> SimulationInputs:
         except ValueError as err:
             raise naming_key("cost", cfg.cost.name, err) from None
     topology = run_topology(cfg, schedule, cost)
+    # torch's AdamW steps CPU tensors one at a time (its foreach path is for accelerators)
+    if isinstance(cost, AnalyticCost):
+        cost.step_per_tensor = all(d.name == "cpu" for d in topology.devices)
     if cfg.export == "torch_csv":
         try:
             check_exportable(schedule)

@@ -138,8 +138,16 @@ class _Region:
             for d, state in zip(self.cuda, self.cuda_rng):
                 torch.cuda.set_rng_state(state, d)
             for dt, enabled, dtype in self.autocast:
-                stack.enter_context(torch.autocast(dt, dtype=dtype, enabled=enabled,
-                                                   cache_enabled=self.autocast_cache))
+                # without autocast's cache (as the forward ran it): the cache keeps its cast
+                # of a leaf that requires grad (meant for weights) until the outermost
+                # autocast context ends, the step's (Precision.shared_casts), and the
+                # rerun's inputs are such leaves: every microbatch's recomputed input and
+                # its 16-bit casts stayed to the end of the step (measured: BERT's last
+                # stage at bf16 with full recomputation held all 8 microbatches' block
+                # inputs). A recomputed region casts its weights anew in its forward and
+                # in its rerun, one block at a time, freed with it: a stage keeps no 16-bit
+                # copy of what it recomputes
+                stack.enter_context(torch.autocast(dt, dtype=dtype, enabled=enabled, cache_enabled=False))
             stack.enter_context(torch.enable_grad())
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(capture, lambda t: t))  # never unpacked
             try:
@@ -169,7 +177,10 @@ def recomputed(fn):
         args = tuple(_kept(a, seen) for a in args)
         kwargs = {k: _kept(v, seen) for k, v in kwargs.items()}
         region = _Region(fn, args, kwargs)
-        with torch.autograd.graph.saved_tensors_hooks(region.pack, region.unpack):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(region.pack, region.unpack))
+            for dt, enabled, dtype in region.autocast:  # the region's casts its own: see _Region._rerun
+                stack.enter_context(torch.autocast(dt, dtype=dtype, enabled=enabled, cache_enabled=False))
             return fn(*args, **kwargs)
 
     return run

@@ -16,12 +16,13 @@ from typing import Mapping, Sequence
 from ..topology.topology import Device
 from .cbm_shape import cbm_shape
 from .cost import CostModel, _check_int, _check_number, layer_cost
-from .transformer import TransformerSpec, layer_forward_flops, layer_linear_flops, layer_params
+from .transformer import (TransformerSpec, layer_forward_flops, layer_linear_flops, layer_params,
+                          weight_residual_width)
 
 
-def _branch_spec(name: str, branch, tokens: int, vocab: int) -> TransformerSpec:
+def _branch_spec(name: str, branch, tokens: int, vocab: int, recompute: str = "none") -> TransformerSpec:
     return TransformerSpec(name=name, n_layer=branch.n_layer, n_head=branch.n_head, n_embd=branch.n_embd,
-                           vocab_size=vocab, seq_len=tokens, causal=False)
+                           vocab_size=vocab, seq_len=tokens, causal=False, recompute=recompute)
 
 
 class BranchedAnalyticCost(CostModel):
@@ -50,9 +51,10 @@ class BranchedAnalyticCost(CostModel):
         self.tokens = {"vision": patches, "text": shape.seq_len}
         self.vocab = shape.vocab_size
         self.patch_dim = shape.patch_size ** 2 * shape.channels
+        self.recompute = str(model_cfg.get("recompute") or "none")  # model.recompute: each block's regions
         self.spec = {
-            "vision": _branch_spec("vision", shape.vision, patches, self.vocab),
-            "text": _branch_spec("text", shape.text, shape.seq_len, self.vocab),
+            "vision": _branch_spec("vision", shape.vision, patches, self.vocab, self.recompute),
+            "text": _branch_spec("text", shape.text, shape.seq_len, self.vocab, self.recompute),
         }
         self.interactions = {k - 1 for k in shape.interaction_layers}  # 0-based blocks
         self._flops = [self._stage_flops(i) for i in range(self.num_stages)]
@@ -141,7 +143,13 @@ class BranchedAnalyticCost(CostModel):
         one = layer_cost(spec, x, x, b, c)
         a = (hi - lo) * one.saved
         for blk in range(lo, hi):
-            if blk in self.interactions:
+            if blk not in self.interactions:
+                continue
+            if self.recompute == "full":  # the block keeps its inputs: the other branch's too
+                a += b * y * Ho * 4
+            elif self.recompute == "selective":  # the norms, and the sub-layer's two inputs (fp32)
+                a += b * x * (4 * H + 8 + 4 * H) + b * y * (4 * Ho + 8 + 4 * Ho)
+            else:
                 a += b * x * (4 * H + 8 + 3 * H * c + 4 * spec.n_head)
                 # (one copy when the widths match: MultiheadAttention then packs the
                 # key and value projections into one product of the one input)
@@ -182,14 +190,54 @@ class BranchedAnalyticCost(CostModel):
         if branch == "head":
             return float(2.0 * b * self.tokens["text"] * self.vocab * 4)
         spec, x = self.spec[branch], self.tokens[branch]
-        return float(b * x * (spec.ffn_width * self.dtype_bytes + spec.n_embd * 4))
+        grads = b * x * (spec.ffn_width * self.dtype_bytes + spec.n_embd * 4)
+        rebuilt = self.transient_bytes(stage, segment)
+        return float(max(rebuilt, grads) if self.recompute == "selective" else rebuilt + grads)
+
+    def transient_bytes(self, stage: int, segment: int) -> float:
+        """model.recompute: the region a backward rebuilds, one at a time, and holds while
+        it runs (full: a block with its cross-attention; selective: the larger attention
+        sub-layer), with its weights' 16-bit casts, made anew."""
+        branch, lo, hi = self.stages[stage]
+        if branch == "head" or self.recompute == "none":
+            return 0.0
+        b, c = self.microbatch_size, self.dtype_bytes
+        spec, x = self.spec[branch], self.tokens[branch]
+        other = "text" if branch == "vision" else "vision"
+        H, Ho, y = spec.n_embd, self.spec[other].n_embd, self.tokens[other]
+        one = layer_cost(spec, x, x, b, c).transient
+        cross_kept = b * x * (3 * H * c + 4 * spec.n_head) + b * y * ((1 if Ho == H else 2) * Ho * c + 2 * H * c)
+        cross_casts = (2 * H * H + 2 * H * Ho) * c if c < 4 else 0
+        most = 0.0
+        for blk in range(lo, hi):
+            cross = blk in self.interactions
+            if self.recompute == "full":
+                t = one + (cross_kept + b * x * (4 * H + 8) + b * y * (4 * Ho + 8) + cross_casts if cross else 0)
+            else:
+                t = max(one, cross_kept + cross_casts if cross else 0)
+            most = max(most, t)
+        return float(most)
 
     def weight_residual_bytes(self, stage: int, segment: int) -> float:
+        """What a zero-bubble I keeps for W: each matrix product's input and output
+        gradient (compute dtype). A block's are a GPT block's
+        (:func:`~pipeflow.planning.transformer.weight_residual_width`); an interaction
+        block's cross-attention adds its query and output projections' (4H per own
+        token) and the packed key/value projection's (Ho + 2H per token of the other
+        branch); the head keeps its matching MLP's (Hv + Ht in, Ht out; Ht in, 1 out per
+        pair) and the MLM projection's (Ht + V per text token)."""
         branch, lo, hi = self.stages[stage]
+        b, c = self.microbatch_size, self.dtype_bytes
         if branch == "head":
-            return 0.0
+            Hv, Ht = self.spec["vision"].n_embd, self.spec["text"].n_embd
+            per_pair = Hv + Ht + Ht + Ht + 1
+            return float(b * c * (per_pair + self.tokens["text"] * (Ht + self.vocab)))
         spec, x = self.spec[branch], self.tokens[branch]
-        return (hi - lo) * (3 * spec.n_embd + spec.ffn_width) * x * self.microbatch_size * self.dtype_bytes
+        other = "text" if branch == "vision" else "vision"
+        H, Ho, y = spec.n_embd, self.spec[other].n_embd, self.tokens[other]
+        n = (hi - lo) * weight_residual_width(spec, c) * x
+        n += sum(4 * H * x + (Ho + 2 * H) * y for blk in range(lo, hi) if blk in self.interactions)
+        return float(n * b * c)
 
     def _params(self, stage: int) -> float:
         """The stage's parameters, counted on pipeflow/models/cbm.py: a branch's blocks
@@ -235,13 +283,33 @@ class BranchedAnalyticCost(CostModel):
             n += self.patch_dim * H + H
         return float(n)
 
+    def _recomputed_cast_params(self, stage: int) -> float:
+        """Of :meth:`_cast_params`, the weights a recomputed region casts anew (full: the
+        blocks'; selective: their attention sub-layers')."""
+        branch, lo, hi = self.stages[stage]
+        if branch == "head" or self.recompute == "none":
+            return 0.0
+        spec = self.spec[branch]
+        H, I = spec.n_embd, spec.ffn_width
+        Ho = self.spec["text" if branch == "vision" else "vision"].n_embd
+        block = 4 * H * H + 4 * H + (2 * H * I + I + H if self.recompute == "full" else 0)
+        cross = 2 * H * H + 2 * H * Ho + 4 * H
+        return float(sum(block + (cross if b in self.interactions else 0) for b in range(lo, hi)))
+
+    def held_cast_bytes(self, stage: int) -> float:
+        """The step's shared 16-bit casts (what a later microbatch's backward holds the
+        gradients of): every cast weight but a recomputed region's."""
+        if self.dtype_bytes >= 4:
+            return 0.0
+        return 2.0 * (self._cast_params(stage) - self._recomputed_cast_params(stage))
+
     def state_bytes(self, stage: int) -> dict:
         """The runtime's model state of a stage (:meth:`CostModel.state_bytes`): fp32
         weights and gradients and AdamW's two fp32 moments, whatever the precision, and
         at 16 bits one cast of each weight autocast casts, shared by the step's
-        microbatches (``Precision.shared_casts``)."""
+        microbatches (``Precision.shared_casts``; a recomputed region casts its own)."""
         p = self._params(stage)
-        casts = 2.0 * self._cast_params(stage) if self.dtype_bytes < 4 else 0.0
+        casts = self.held_cast_bytes(stage)
         return {"parameters": 4.0 * p, "gradients": 4.0 * p, "optimizer_state": 8.0 * p, "casts": casts}
 
     def model_state_bytes(self, stage: int) -> float:

@@ -27,6 +27,7 @@ from ..topology.topology import Device
 from .working_set import BackwardWorkingSet
 from .transformer import (
     RESIDUAL_BYTES,
+    recomputed_matrix_params,
     TransformerSpec,
     attention_linear_flops,
     attention_score_flops,
@@ -175,15 +176,16 @@ def layer_cost(spec: TransformerSpec, tokens: int, prefix: int, microbatch_size:
     key = w.key
     if spec.attention == "eager" and b == 1 and spec.kv_heads == 1:
         key = 2 * spec.head_dim * dt
-    held = segmented and (eager_copies or P > x or spec.recompute == "selective")
+    held = segmented and (eager_copies or P > x or spec.recompute in ("selective", "full"))
     own = x * w.own_kv if held else 0.0
     attention = x * w.attention_token + P * key + x * P * w.pair
     a = b * (x * w.token + P * key + x * P * w.pair + own)
     e, t = 0.0, 0.0
     if spec.recompute == "full":
-        # the block keeps only its input; the backward reruns the block's forward
+        # the block keeps only its input (and a segment's keys and values, held for the
+        # later segments); the backward reruns the block's forward
         t = float(a)
-        a = b * x * w.block_input
+        a = b * (x * w.block_input + own)
         e = f
     elif spec.recompute == "selective":
         # the attention sub-layer keeps only its input; its forward (projections and
@@ -191,6 +193,8 @@ def layer_cost(spec: TransformerSpec, tokens: int, prefix: int, microbatch_size:
         t = float(b * attention)
         a -= b * (attention - x * w.region_input)
         e = attention_score_flops(spec, x, P) + attention_linear_flops(spec, x)
+    if dt < 4:  # the rerun casts the weights it uses anew, held while the block's backward runs
+        t += recomputed_matrix_params(spec) * dt
     # what W still needs after I: each weight matmul's input and output gradient,
     # GPT (3H + Fw) + (5H + Fw) per token — the zero-bubble paper's 32*b*s*H at 2 bytes
     r = weight_residual_width(spec, dt) * x * b * dt
@@ -451,8 +455,17 @@ class AnalyticCost(BackwardWorkingSet, CostModel):
         keeps fp32 weights whatever the precision and casts them under autocast, one cast
         per weight per step shared by every microbatch (``Precision.shared_casts``)."""
         p = float(self._params[stage])
-        casts = 2.0 * self._cast_params[stage] if self.dtype_bytes < 4 else 0.0
-        return {"parameters": 4.0 * p, "gradients": 4.0 * p, "optimizer_state": 8.0 * p, "casts": casts}
+        return {"parameters": 4.0 * p, "gradients": 4.0 * p, "optimizer_state": 8.0 * p,
+                "casts": self.held_cast_bytes(stage)}
+
+    def held_cast_bytes(self, stage: int) -> float:
+        """The step's shared 16-bit casts (2 B per matrix-product weight), but a recomputed
+        region's, which casts its weights anew in its forward and its rerun (one block's
+        at a time, :func:`layer_cost`'s transient); a later microbatch's backward holds
+        their gradients to its end (pipeflow.sim.memory's ``held_cast_gradients``)."""
+        if self.dtype_bytes >= 4:
+            return 0.0
+        return 2.0 * (self._cast_params[stage] - self.layers_per_stage[stage] * recomputed_matrix_params(self.spec))
 
     def output_bytes(self, stage: int, segment: int) -> float:
         """A stage's output (the residual stream, fp32) stays with the stage until its
@@ -464,11 +477,26 @@ class AnalyticCost(BackwardWorkingSet, CostModel):
         return float(self.microbatch_size * x * self.spec.n_embd * per_token)
 
     def step_workspace_bytes(self, stage: int) -> float:
-        """What the optimizer step holds while it runs: torch's AdamW (foreach) computes
-        the square root of every second moment into one new fp32 buffer, 4 B/param. It
-        matters where a step runs while activations are live (the asynchronous
-        schedules, which step inside the walk)."""
+        """What the optimizer step holds while it runs: torch's AdamW (foreach, on an
+        accelerator) computes the square root of every second moment into one new fp32
+        buffer, 4 B/param; on CPU (``step_per_tensor``, set from the topology) it steps one
+        tensor at a time, two fp32 temporaries of the largest (measured). It matters
+        where a step runs while activations are live (the asynchronous schedules, which
+        step inside the walk, and a stage whose activations recomputation made small)."""
+        if getattr(self, "step_per_tensor", False):
+            return 2.0 * 4.0 * self._largest_param(stage)
         return 4.0 * self._params[stage]
+
+    def _largest_param(self, stage: int) -> float:
+        """The stage's largest parameter tensor: a block's fused Q/K/V (GPT-2's c_attn) or
+        query projection, or an MLP matrix; the embedding on the first stage, the head
+        (or its tied copy) on the last."""
+        spec, H = self.spec, self.spec.n_embd
+        q, kv = spec.n_head * spec.head_dim, spec.kv_heads * spec.head_dim
+        sizes = [H * (q + 2 * kv) if spec.qkv_inputs == 1 else H * q, H * spec.ffn_width]
+        if stage == 0 or stage == self.num_stages - 1:
+            sizes.append(spec.vocab_size * H)
+        return float(max(sizes))
 
     def _seg(self, segment: int) -> int:
         if not 0 <= segment < self.num_segments:

@@ -257,6 +257,19 @@ def layer_matrix_params(spec: TransformerSpec) -> int:
     return H * q + 2 * H * kv + q * H + spec.mlp_matrices * H * I
 
 
+def recomputed_matrix_params(spec: TransformerSpec) -> int:
+    """Of :func:`layer_matrix_params`, the weights of what model.recompute reruns (full:
+    all; selective: the attention's): a rerun casts them anew (pipeflow.models.recompute
+    runs without autocast's cache), so their 16-bit copies live while the block's
+    backward runs, and their gradients flow through those copies at once."""
+    if spec.recompute == "full":
+        return layer_matrix_params(spec)
+    if spec.recompute == "selective":
+        q, kv = spec.n_head * spec.head_dim, spec.kv_heads * spec.head_dim
+        return spec.n_embd * q + 2 * spec.n_embd * kv + q * spec.n_embd
+    return 0
+
+
 def embedding_params(spec: TransformerSpec) -> int:
     """Token embedding, plus the learned position table (none with rotary positions)."""
     n = spec.vocab_size * spec.n_embd

@@ -177,7 +177,7 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, leaves: list[to
     at = len(leaves) + len(direct_params)
     pending.direct = [(p, g) for p, g in zip(direct_params, got[len(leaves):at]) if g is not None]
     for (node, branch), es, plan in zip(boundary, edges, plans):
-        kept = [(e, g) for e, g in zip(es, got[at:at + len(es)]) if g is not None]
+        kept = [(e, _own(g)) for e, g in zip(es, got[at:at + len(es)]) if g is not None]
         at += len(es)
         if not kept:
             continue
@@ -189,6 +189,15 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, leaves: list[to
         if keep is not None:
             pending.holds += [keep(g) for _, g in kept]
     return list(grads), pending
+
+
+def _own(g: torch.Tensor) -> torch.Tensor:
+    """A gradient W keeps, in a storage of its own where it is a view of a much larger one
+    (the cbm head's matching logit, one column of the head's whole output gradient:
+    held as a view, the whole stayed alive until W)."""
+    if g.layout == torch.strided and g.untyped_storage().nbytes() > 2 * g.numel() * g.element_size():
+        return g.clone()
+    return g
 
 
 def backward_weight(pending: PendingWeight, params: list[torch.Tensor]) -> None:

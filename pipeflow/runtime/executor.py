@@ -346,7 +346,11 @@ class Executor(MessageIO):
             work, flat, params, grads = r
             work.wait()
             for p, g in zip(params, _unflatten_dense_tensors(flat, grads)):
-                p.grad = g.view_as(p).clone()
+                if p.grad is None:
+                    p.grad = g.view_as(p).clone()
+                else:  # in place: a new gradient beside the old one (still listed) is a third copy
+                    p.grad.copy_(g.view_as(p))
+        reduces.clear()  # the flat buffers go before the optimizer steps
         self._sync_tied()
         scale = None if self.scaler is None else self.scaler.scale
         if scale is not None:  # fp16: back to the true gradients (an overflow stays inf)

@@ -82,7 +82,7 @@ class SavedBytes:
     def pack(self, t):
         if not isinstance(t, torch.Tensor):
             return t
-        ptr = self._acquire(t, "casts" if memory_profile._active and _is_weight_cast(t) else "activations")
+        ptr = self._acquire(t, "casts" if memory_profile._active and memory_profile.is_weight_cast(t) else "activations")
         # Hold a detached alias, never ``t`` itself: a saved tensor may be an output of
         # the very node that saves it, and a strong reference from the saved slot to
         # ``t`` (whose grad_fn is that node) is a reference cycle. Autograd avoids it
@@ -110,26 +110,6 @@ class SavedBytes:
         operand, the gradient arriving at it), while the returned handle lives. A storage
         autograd still saves counts once; its own peak is ``residual_peak``."""
         return Kept(self, t)
-
-
-_VIEWS = ("TBackward0", "ViewBackward0", "TransposeBackward0", "PermuteBackward0", "ExpandBackward0")
-
-
-def _is_weight_cast(t: torch.Tensor) -> bool:
-    """``t`` is autocast's 16-bit cast of a parameter (a cast whose backward feeds a
-    leaf's gradient accumulator): a stage keeps one per weight for the step."""
-    fn = t.grad_fn
-    for _ in range(3):  # what a product saves may be a transposed view of the cast
-        if fn is None or not fn.next_functions:
-            return False
-        name = type(fn).__name__
-        if name == "ToCopyBackward0":
-            nxt = fn.next_functions[0][0]
-            return nxt is not None and type(nxt).__name__ == "AccumulateGrad"
-        if name not in _VIEWS:
-            return False
-        fn = fn.next_functions[0][0]
-    return False
 
 
 class Kept:

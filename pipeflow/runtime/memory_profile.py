@@ -89,6 +89,26 @@ def action(a):
     return torch.profiler.record_function(f"{_ACTION}{a}")
 
 
+_VIEWS = ("TBackward0", "ViewBackward0", "TransposeBackward0", "PermuteBackward0", "ExpandBackward0")
+
+
+def is_weight_cast(t: torch.Tensor) -> bool:
+    """``t`` is autocast's 16-bit cast of a parameter (a cast whose backward feeds a
+    leaf's gradient accumulator): a stage keeps one per weight for the step."""
+    fn = t.grad_fn
+    for _ in range(3):  # what a product saves may be a transposed view of the cast
+        if fn is None or not fn.next_functions:
+            return False
+        name = type(fn).__name__
+        if name == "ToCopyBackward0":
+            nxt = fn.next_functions[0][0]
+            return nxt is not None and type(nxt).__name__ == "AccumulateGrad"
+        if name not in _VIEWS:
+            return False
+        fn = fn.next_functions[0][0]
+    return False
+
+
 def tag_stage(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     """Tag a stage's parameters, gradients and optimizer state (at its optimizer step)."""
     if not _active:

@@ -122,7 +122,8 @@ def term_value(key: tuple, cost, per_device=None, cache: dict | None = None) -> 
         # near the end of such a backward, its activations freed, the stage holds every
         # cast's 16-bit gradient, the last block's working set and the input gradients
         # (fp32) it hands back.
-        casts = term_value(("state", key[1], "casts"), cost, per_device, cache)
+        fn = getattr(cost, "held_cast_bytes", None)  # a recomputed region's rerun casts anew
+        casts = float(fn(key[1])) if fn is not None else term_value(("state", key[1], "casts"), cost, per_device, cache)
         v = 0.0
         if casts:
             v = casts + term_value(("workspace_bytes", *key[1:]), cost, per_device, cache) \
@@ -187,7 +188,16 @@ def tapes(schedule) -> list[Tape]:
                 ap((OPT, key("state", s, "optimizer_state"), 1))
             ap((VERS, key("extra_versions", d, s), 1 / len(reps)))
         ap((-1, -1, 0))
-        mine = [a for a in order if a.kind in (F, B, I, W, "S")]
+        mine = [a for a in order if a.kind in (F, B, I, W, Kind.STEP)]
+        reduces_after: dict[int, list] = {}  # index into mine -> the REDUCEs that follow it
+        seen = -1
+        for a in order:
+            if a.kind == Kind.REDUCE:
+                reduces_after.setdefault(seen, []).append(a.stage)
+            elif a.kind in (F, B, I, W, Kind.STEP):
+                seen += 1
+        replicated = {s for s in range(len(placement.table[0])) if len({row[s] for row in placement.table}) > 1}
+        flats: list[int] = []  # a replicated stage's gradients, flattened for their all-reduce
         # a message from another device lands in a buffer posted before the action ahead
         # of the one that needs it; a gradient's buffer lives until its backward is done,
         # an activation's becomes the stage's input (an activation) when its forward starts
@@ -212,11 +222,18 @@ def tapes(schedule) -> list[Tape]:
         sent: list[int] = []  # a gradient sent back, until the peer's next message proves it arrived
         for i, e in enumerate(mine):
             kind, rep, stage, seg = e.kind, (e.pipe, e.stage), e.stage, e.segment
+            for s in reduces_after.get(i - 1, ()):
+                if s in replicated:  # a copy of the stage's gradients, flattened for the all-reduce
+                    flats.append(key("state", s, "gradients"))
+                    ap((_TEMP, flats[-1], 1))
             if posted[i]:
                 for k in posted[i]:
                     ap((INS, k, 1))
                 ap((-1, -1, 0))
-            if kind == "S":
+            if kind == Kind.STEP:
+                for k in flats:  # the step's synchronisation copies them back and lets them go
+                    ap((_TEMP, k, -1))
+                flats.clear()
                 ap((-1, key("step_workspace_bytes", stage), 0))  # the optimizer's buffers, beside the gradients
                 if rep in grads_on:
                     ap((GRADS, key("state", stage, "gradients"), -1))
