@@ -318,6 +318,11 @@ class AnalyticCost(BackwardWorkingSet, CostModel):
                 g_row.append(float(n * 2 * x * b * kv_width * dt) if split else 0.0)
                 if s == 0:
                     a += first_stage_saved(spec, x, b)
+                elif spec.post_norm and dt < 4:
+                    # the stage's input, restored to fp32 where it arrives (Precision.arrived),
+                    # is kept by the runtime for its backward; a pre-norm block's norm saves
+                    # that very tensor, BERT's first products save only their 16-bit casts
+                    a += x * b * H * RESIDUAL_BYTES
                 if s == last:
                     hf = head_forward_flops(spec, x)
                     f += hf

@@ -39,7 +39,7 @@ from .adapters import Adapter
 from .backward import accumulators, backward_input, backward_weight
 from .memory import SavedBytes
 from . import memory_profile
-from .memory_profile import tag_stage
+from .memory_profile import tag, tag_stage
 from .messages import MessageIO
 from .precision import LossScaler, Precision
 from .stage import Groups, Messages, StageState, StepStats
@@ -203,7 +203,10 @@ class Executor(MessageIO):
         else:
             for p in preds:
                 t = self._take((False, p, a.stage, a.microbatch, a.pipe, a.segment), inbox, local)
-                leaves[p] = self.precision.arrived(t).detach().requires_grad_(True)
+                got = self.precision.arrived(t)
+                if got is not t:  # restored to fp32: kept for the backward (memory=profile names it)
+                    tag(got, "activations")
+                leaves[p] = got.detach().requires_grad_(True)
             # at 16 bits the module sees a view of each leaf: autocast caches its cast of
             # a leaf that requires grad (meant for weights) until the step's outer context
             # ends, so a stage whose first product reads its input (BERT's Q, K, V) kept
