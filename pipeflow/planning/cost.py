@@ -318,10 +318,11 @@ class AnalyticCost(BackwardWorkingSet, CostModel):
                 g_row.append(float(n * 2 * x * b * kv_width * dt) if split else 0.0)
                 if s == 0:
                     a += first_stage_saved(spec, x, b)
-                elif spec.post_norm and dt < 4:
+                elif spec.post_norm and dt < 4 and spec.recompute == "none":
                     # the stage's input, restored to fp32 where it arrives (Precision.arrived),
                     # is kept by the runtime for its backward; a pre-norm block's norm saves
-                    # that very tensor, BERT's first products save only their 16-bit casts
+                    # that very tensor, and so does a recomputed region (its input), but
+                    # BERT's first products save only their 16-bit casts
                     a += x * b * H * RESIDUAL_BYTES
                 if s == last:
                     hf = head_forward_flops(spec, x)
@@ -426,12 +427,6 @@ class AnalyticCost(BackwardWorkingSet, CostModel):
     def activation_bytes(self, stage: int, segment: int) -> float:
         return self._activation[stage][self._seg(segment)]
 
-    def input_gradient_bytes(self, stage: int, segment: int) -> float:
-        """The gradient a backward makes for its stage's input (the residual stream, fp32)."""
-        if stage == 0:
-            return 0.0
-        return float(self.microbatch_size * self.segment_lengths[self._seg(segment)] * self.spec.n_embd * 4)
-
     def weight_residual_bytes(self, stage: int, segment: int) -> float:
         return self._residual[stage][self._seg(segment)]
 
@@ -463,15 +458,6 @@ class AnalyticCost(BackwardWorkingSet, CostModel):
         return {"parameters": 4.0 * p, "gradients": 4.0 * p, "optimizer_state": 8.0 * p,
                 "casts": self.held_cast_bytes(stage)}
 
-    def held_cast_bytes(self, stage: int) -> float:
-        """The step's shared 16-bit casts (2 B per matrix-product weight), but a recomputed
-        region's, which casts its weights anew in its forward and its rerun (one block's
-        at a time, :func:`layer_cost`'s transient); a later microbatch's backward holds
-        their gradients to its end (pipeflow.sim.memory's ``held_cast_gradients``)."""
-        if self.dtype_bytes >= 4:
-            return 0.0
-        return 2.0 * (self._cast_params[stage] - self.layers_per_stage[stage] * recomputed_matrix_params(self.spec))
-
     def output_bytes(self, stage: int, segment: int) -> float:
         """A stage's output (the residual stream, fp32) stays with the stage until its
         gradient comes back and the backward starts; at 16 bits so does the 16-bit copy
@@ -480,28 +466,6 @@ class AnalyticCost(BackwardWorkingSet, CostModel):
         x = self.segment_lengths[self._seg(segment)]
         per_token = RESIDUAL_BYTES + (self.dtype_bytes if self.dtype_bytes < 4 else 0)
         return float(self.microbatch_size * x * self.spec.n_embd * per_token)
-
-    def step_workspace_bytes(self, stage: int) -> float:
-        """What the optimizer step holds while it runs: torch's AdamW (foreach, on an
-        accelerator) computes the square root of every second moment into one new fp32
-        buffer, 4 B/param; on CPU (``step_per_tensor``, set from the topology) it steps one
-        tensor at a time, two fp32 temporaries of the largest (measured). It matters
-        where a step runs while activations are live (the asynchronous schedules, which
-        step inside the walk, and a stage whose activations recomputation made small)."""
-        if getattr(self, "step_per_tensor", False):
-            return 2.0 * 4.0 * self._largest_param(stage)
-        return 4.0 * self._params[stage]
-
-    def _largest_param(self, stage: int) -> float:
-        """The stage's largest parameter tensor: a block's fused Q/K/V (GPT-2's c_attn) or
-        query projection, or an MLP matrix; the embedding on the first stage, the head
-        (or its tied copy) on the last."""
-        spec, H = self.spec, self.spec.n_embd
-        q, kv = spec.n_head * spec.head_dim, spec.kv_heads * spec.head_dim
-        sizes = [H * (q + 2 * kv) if spec.qkv_inputs == 1 else H * q, H * spec.ffn_width]
-        if stage == 0 or stage == self.num_stages - 1:
-            sizes.append(spec.vocab_size * H)
-        return float(max(sizes))
 
     def _seg(self, segment: int) -> int:
         if not 0 <= segment < self.num_segments:

@@ -33,6 +33,7 @@ from .transformer import (
     last_stage_saved,
     layer_matrix_params,
     layer_params,
+    recomputed_matrix_params,
     shared_head_params,
     stage_shared_saved,
 )
@@ -225,7 +226,10 @@ class StageModel:
         # the runtime's model state (AnalyticCost.state_bytes): fp32 weights, gradients and
         # AdamW's moments, and at 16 bits one 16-bit cast of each matrix-product weight
         self.state_per_param = 16
-        self.cast_layer = 2.0 * layer_matrix_params(spec) if dt < 4 else 0.0
+        # (a recomputed region casts its own weights, held with the rebuilt layer: t_layer)
+        self.cast_layer = 2.0 * (layer_matrix_params(spec) - recomputed_matrix_params(spec)) if dt < 4 else 0.0
+        # a post-norm stage after the first keeps its input restored to fp32 (AnalyticCost)
+        self.a_arrived = float(S * b * H * 4) if spec.post_norm and dt < 4 and spec.recompute == "none" else 0.0
         self.cast_last = 2.0 * spec.vocab_size * H if dt < 4 else 0.0
         self.step_per_param = 28 + (dt if dt < 4 else 0)
         self.msg_bytes = float(b * S * H * dt)
@@ -248,7 +252,8 @@ class StageModel:
         return self.params(n, first, last) * self.step_per_param / device.memory_bandwidth
 
     def memory(self, n: int, first: bool, last: bool, in_flight: int) -> float:
-        act = n * self.a_layer + self.a_shared + (self.a_first if first else 0.0) + (self.a_last if last else 0.0)
+        act = n * self.a_layer + self.a_shared + (self.a_first if first else self.a_arrived) \
+            + (self.a_last if last else 0.0)
         casts = n * self.cast_layer + (self.cast_last if last else 0.0)
         return in_flight * act + self.t_layer + self.params(n, first, last) * self.state_per_param + casts
 

@@ -7,11 +7,13 @@ stage) and ``benchmarks/bench_memory.py`` (every device of a run)."""
 
 from __future__ import annotations
 
-from .transformer import RESIDUAL_BYTES, head_residual_width, last_stage_saved, matrix_inputs, norm_saved_bytes
+from .transformer import (RESIDUAL_BYTES, head_residual_width, last_stage_saved, matrix_inputs, norm_saved_bytes,
+                          recomputed_matrix_params)
 
 
 class BackwardWorkingSet:
-    """B's and I's working sets of a transformer stage (see the module's docstring)."""
+    """B's and I's working sets of a transformer stage (see the module's docstring), what
+    a backward hands back and holds to its end, and what the optimizer step holds."""
 
     def workspace_bytes(self, stage: int, segment: int) -> float:
         """What a backward (B or I) holds at its most on top of the level before its frees:
@@ -143,3 +145,40 @@ class BackwardWorkingSet:
         if head >= head_moves + rise + block:
             return float(head), float(x_b * spec.vocab_size * c), 0.0
         return float(head_moves + rise + block), float(head_kept + kept), float(head_saved + freed)
+
+    def input_gradient_bytes(self, stage: int, segment: int) -> float:
+        """The gradient a backward makes for its stage's input (the residual stream, fp32)."""
+        if stage == 0:
+            return 0.0
+        return float(self.microbatch_size * self.segment_lengths[self._seg(segment)] * self.spec.n_embd * 4)
+
+    def held_cast_bytes(self, stage: int) -> float:
+        """The step's shared 16-bit casts (2 B per matrix-product weight), but a recomputed
+        region's, which casts its weights anew in its forward and its rerun (one block's
+        at a time, :func:`layer_cost`'s transient); a later microbatch's backward holds
+        their gradients to its end (pipeflow.sim.memory's ``held_cast_gradients``)."""
+        if self.dtype_bytes >= 4:
+            return 0.0
+        return 2.0 * (self._cast_params[stage] - self.layers_per_stage[stage] * recomputed_matrix_params(self.spec))
+
+    def step_workspace_bytes(self, stage: int) -> float:
+        """What the optimizer step holds while it runs: torch's AdamW (foreach, on an
+        accelerator) computes the square root of every second moment into one new fp32
+        buffer, 4 B/param; on CPU (``step_per_tensor``, set from the topology) it steps one
+        tensor at a time, two fp32 temporaries of the largest (measured). It matters
+        where a step runs while activations are live (the asynchronous schedules, which
+        step inside the walk, and a stage whose activations recomputation made small)."""
+        if getattr(self, "step_per_tensor", False):
+            return 2.0 * 4.0 * self._largest_param(stage)
+        return 4.0 * self._params[stage]
+
+    def _largest_param(self, stage: int) -> float:
+        """The stage's largest parameter tensor: a block's fused Q/K/V (GPT-2's c_attn) or
+        query projection, or an MLP matrix; the embedding on the first stage, the head
+        (or its tied copy) on the last."""
+        spec, H = self.spec, self.spec.n_embd
+        q, kv = spec.n_head * spec.head_dim, spec.kv_heads * spec.head_dim
+        sizes = [H * (q + 2 * kv) if spec.qkv_inputs == 1 else H * q, H * spec.ffn_width]
+        if stage == 0 or stage == self.num_stages - 1:
+            sizes.append(spec.vocab_size * H)
+        return float(max(sizes))
