@@ -154,6 +154,8 @@ def tapes(schedule) -> list[Tape]:
     placement, graph = schedule.placement, schedule.graph
     nseg = max(1, schedule.num_segments)
     owners = zero_owners(placement) if getattr(schedule, "zero", False) else None
+    # the stages held by more than one device: their REDUCE flattens the gradients
+    replicated = {s for s in range(len(placement.table[0])) if len({row[s] for row in placement.table}) > 1}
     PARAMS, OPT, VERS, GRADS, CASTS, ACTS, RESID, OUTS, INS = (_CAT[c] for c in (
         "parameters", "optimizer_state", "weight_versions", "gradients", "casts", "activations", "residuals", "outputs",
         "inputs"))
@@ -196,7 +198,6 @@ def tapes(schedule) -> list[Tape]:
                 reduces_after.setdefault(seen, []).append(a.stage)
             elif a.kind in (F, B, I, W, Kind.STEP):
                 seen += 1
-        replicated = {s for s in range(len(placement.table[0])) if len({row[s] for row in placement.table}) > 1}
         flats: list[int] = []  # a replicated stage's gradients, flattened for their all-reduce
         # a message from another device lands in a buffer posted before the action ahead
         # of the one that needs it; a gradient's buffer lives until its backward is done,
