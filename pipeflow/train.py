@@ -163,6 +163,10 @@ def train_app(cfg: DictConfig) -> None:
     except ConfigError as err:
         _drop_empty_run_dir(run_dir)
         _stop(str(err), hydra_cfg)
+    if not torchrun:  # its imports run while this process imports torch and builds the job
+        from pipeflow.runtime.rank_server import start_rank_server
+
+        start_rank_server()
     try:
         _train(cfg, hydra_cfg, run_dir, inputs)
     finally:

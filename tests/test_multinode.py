@@ -44,15 +44,22 @@ def _losses(run_dir: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.skipif(TORCHRUN is None, reason="torchrun is not installed beside this Python")
-def test_two_torchrun_nodes_train_as_the_local_launcher_does(tmp_path):
-    nodes = _two_nodes(tmp_path, "trainer.steps=4", f"hydra.run.dir={tmp_path / 'nodes'}")
-    assert [n.returncode for n in nodes] == [0, 0], [n.stderr[-2000:] for n in nodes]
+@pytest.fixture(scope="module")
+def local_losses(tmp_path_factory) -> list[float]:
+    """The same job through the local launcher: the losses both multi-node ways must give."""
+    root = tmp_path_factory.mktemp("local")
     local = subprocess.run([sys.executable, "-m", "pipeflow.train", *SMALL, "trainer.steps=4",
-                            f"hydra.run.dir={tmp_path / 'local'}"], cwd=tmp_path, env=_env(), capture_output=True,
+                            f"hydra.run.dir={root / 'local'}"], cwd=root, env=_env(), capture_output=True,
                            text=True, timeout=300)
     assert local.returncode == 0, local.stderr[-2000:]
-    assert _losses(tmp_path / "nodes") == _losses(tmp_path / "local")
+    return _losses(root / "local")
+
+
+@pytest.mark.skipif(TORCHRUN is None, reason="torchrun is not installed beside this Python")
+def test_two_torchrun_nodes_train_as_the_local_launcher_does(tmp_path, local_losses):
+    nodes = _two_nodes(tmp_path, "trainer.steps=4", f"hydra.run.dir={tmp_path / 'nodes'}")
+    assert [n.returncode for n in nodes] == [0, 0], [n.stderr[-2000:] for n in nodes]
+    assert _losses(tmp_path / "nodes") == local_losses
     assert json.loads((tmp_path / "nodes" / "summary.json").read_text())["world_size"] == 2
 
 
@@ -73,7 +80,7 @@ def test_a_rank_failing_on_one_node_ends_both_with_failure_json(mode, tmp_path):
     assert not (run_dir / "summary.json").exists()
 
 
-def test_two_slurm_tasks_take_their_ranks_from_slurm_and_train_as_the_local_launcher_does(tmp_path):
+def test_two_slurm_tasks_take_their_ranks_from_slurm_and_train_as_the_local_launcher_does(tmp_path, local_losses):
     """srun starts one task per rank and sets SLURM_PROCID, SLURM_STEP_NUM_TASKS, ... but
     none of torchrun's variables: each task adopts its rank from Slurm's (set here by the
     test, as srun would)."""
@@ -87,8 +94,4 @@ def test_two_slurm_tasks_take_their_ranks_from_slurm_and_train_as_the_local_laun
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = [t.communicate(timeout=300) for t in tasks]
     assert [t.returncode for t in tasks] == [0, 0], [err[-2000:] for _, err in results]
-    local = subprocess.run([sys.executable, "-m", "pipeflow.train", *SMALL, "trainer.steps=4",
-                            f"hydra.run.dir={tmp_path / 'local'}"], cwd=tmp_path, env=_env(), capture_output=True,
-                           text=True, timeout=300)
-    assert local.returncode == 0, local.stderr[-2000:]
-    assert _losses(tmp_path / "slurm") == _losses(tmp_path / "local")
+    assert _losses(tmp_path / "slurm") == local_losses

@@ -36,9 +36,10 @@ from pathlib import Path
 
 from ..formats.runplan import RunPlan
 
-import torch.multiprocessing as mp
+import torch.multiprocessing  # noqa: F401 - registers the pickling of tensors sent to the ranks
 
 from .cluster import alive
+from .rank_server import rank_context  # noqa: F401 - the ranks' context is the launcher's API too
 from .supervise import (  # noqa: F401 - JobFailed, write_json and the constants are the launcher's API too
     _CONSEQUENCE,
     BEAT,
@@ -111,17 +112,6 @@ def _adopted_rank() -> int | None:
     from .cluster import adopt_launcher_env
 
     return int(os.environ["RANK"]) if adopt_launcher_env() else None
-
-
-def rank_context():
-    """Ranks are forked from a server that has imported the runtime (torch, transformers)
-    once, so a launch does not pay seconds of imports per rank, and a sweep or a test
-    session reuses the server. The server never touches CUDA, so forking is safe."""
-    if "forkserver" in mp.get_all_start_methods():
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["pipeflow.runtime.worker"])
-        return ctx
-    return mp.get_context("spawn")
 
 
 # ---------------------------------------------------------------------- in a rank

@@ -1,0 +1,35 @@
+"""The process the ranks are forked from. Torch-free: the app starts it as soon as a
+config has passed its checks, so the server's imports (torch, transformers, datasets:
+most of a launch's start-up) run while the app itself imports torch and builds the job.
+
+Ranks are forked from a server that has imported the runtime once, so a launch does not
+pay seconds of imports per rank, and a sweep or a test session reuses the server. The
+server never touches CUDA, so forking is safe.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+PRELOAD = ["pipeflow.runtime.worker"]
+
+
+def rank_context():
+    """The multiprocessing context the launcher starts its ranks with: the fork server
+    where the platform has one, else spawn."""
+    if "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        return ctx
+    return mp.get_context("spawn")
+
+
+def start_rank_server() -> None:
+    """Start the fork server now, without waiting for its imports (the first rank's start
+    waits for them). It ends with this process; a second call does nothing."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return
+    rank_context()
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()
