@@ -154,7 +154,9 @@ def measure(label: str, overrides: list[str], work: Path, device: str = "cpu", o
     launch(TrainJob(OmegaConf.to_container(cfg, resolve=True), str(run_dir), inputs.plan))
     summary = json.loads((run_dir / "summary.json").read_text())
     topology = "topology=local_cpu" if device == "cpu" else "topology=dgx_a100_8"
-    sim = run_simulation(compose("simulate", [*over, "draw=false", topology]), run_dir / "sim")
+    # the trained job's pipeline, every key (pipeflow-simulate's own defaults are a cluster's)
+    shape = [f"pipeline.{k}={v}" for k, v in cfg.pipeline.items()]
+    sim = run_simulation(compose("simulate", [*over, *shape, "draw=false", topology]), run_dir / "sim")
     rows = []
     for dev, (meas, simd) in enumerate(zip(summary["memory_profile"], sim["per_device"])):
         # on CUDA the allocator's own peak is the measurement (the profile's CUDA frees do

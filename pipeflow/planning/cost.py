@@ -177,7 +177,12 @@ def layer_cost(spec: TransformerSpec, tokens: int, prefix: int, microbatch_size:
     if spec.attention == "eager" and b == 1 and spec.kv_heads == 1:
         key = 2 * spec.head_dim * dt
     held = segmented and (eager_copies or P > x or spec.recompute in ("selective", "full"))
-    own = x * w.own_kv if held else 0.0
+    own_kv = w.own_kv
+    if spec.recompute in ("selective", "full") and spec.qkv_inputs == 1:
+        # the keys and values a segment holds are views of the fused Q/K/V projection's
+        # output: they hold its queries too (the attention's own share of it is rebuilt)
+        own_kv += spec.n_head * spec.head_dim * dt
+    own = x * own_kv if held else 0.0
     attention = x * w.attention_token + P * key + x * P * w.pair
     a = b * (x * w.token + P * key + x * P * w.pair + own)
     e, t = 0.0, 0.0
@@ -190,8 +195,12 @@ def layer_cost(spec: TransformerSpec, tokens: int, prefix: int, microbatch_size:
     elif spec.recompute == "selective":
         # the attention sub-layer keeps only its input; its forward (projections and
         # scores) runs again in the backward, and holds what it rebuilt meanwhile
-        t = float(b * attention)
         a -= b * (attention - x * w.region_input)
+        if dt >= 4:  # at full precision the projections read the region's input itself, kept
+            attention -= x * spec.n_embd * dt
+        if P > x and spec.qkv_inputs == 1:  # the rerun's own keys and values, views in the fused
+            attention += x * 2 * spec.kv_heads * spec.head_dim * dt  # output, beside the prefix's copy
+        t = float(b * attention)
         e = attention_score_flops(spec, x, P) + attention_linear_flops(spec, x)
     if dt < 4:  # the rerun casts the weights it uses anew, held while the block's backward runs
         t += recomputed_matrix_params(spec) * dt

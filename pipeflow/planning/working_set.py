@@ -16,38 +16,63 @@ class BackwardWorkingSet:
     a backward hands back and holds to its end, and what the optimizer step holds."""
 
     def workspace_bytes(self, stage: int, segment: int) -> float:
-        """What a backward (B or I) holds at its most on top of the level before its frees:
-        in a block, the MLP's hidden gradient (I wide, compute dtype; a gated MLP's two)
-        beside the residual stream's (H, fp32), and with recomputation the layer it rebuilt (full: both at
-        once; selective: the rebuilt attention sub-layer is gone before the MLP's
-        gradients come, so the larger); on the last stage the head's backward runs first,
-        holding the loss's gradient over the vocabulary and the log-softmax's (two fp32
-        rows of V), and has freed what the head kept before the blocks' phase."""
-        x = self.segment_lengths[self._seg(segment)]
-        spec, b = self.spec, self.microbatch_size
-        # a gated MLP's product backward makes two I-wide gradients (the gate activation's
-        # and the up projection's) while the down projection's input gradient is live
-        mlp = (2 if spec.mlp == "gated" else 1) * spec.ffn_width
-        grads = x * b * (mlp * self.dtype_bytes + spec.n_embd * RESIDUAL_BYTES)
-        rebuilt = self._transient[stage][self._seg(segment)]
-        blocks = max(rebuilt, grads) if spec.recompute == "selective" else rebuilt + grads
-        if stage != self.num_stages - 1:
-            return float(blocks)
-        head = last_stage_saved(spec, x, b, self.dtype_bytes)
-        return float(max(2.0 * x * b * spec.vocab_size * 4, blocks - head))
+        """What a backward (B) holds at its most on top of the level before its frees (see
+        :meth:`_backward_phase`)."""
+        return self._backward_phase(stage, segment)[0]
 
     def backward_freed_bytes(self, stage: int, segment: int) -> float:
         """Of what the forwards saved, what B has freed by the instant of
-        :meth:`workspace_bytes` (the head's, on a last stage whose blocks hold the most):
-        the simulator takes it from the activations for that instant and counts the
-        workspace's gradients and rebuilt layer whole as temporaries."""
+        :meth:`workspace_bytes`: the simulator takes it from the activations for that
+        instant and counts the workspace's gradients and rebuilt layer whole as
+        temporaries."""
+        return self._backward_phase(stage, segment)[1]
+
+    def _backward_phase(self, stage: int, segment: int) -> tuple[float, float]:
+        """B's most on top of the level before it, and what it has freed of the saved
+        activations by then. A block's backward runs its MLP's first: the MLP's hidden
+        gradient (I wide, compute dtype; a gated MLP's two) beside the residual stream's
+        (H, fp32), with full recomputation beside the layer it rebuilt. Then its
+        attention's: the gradients of its output and queries (x tokens) and of the keys and
+        values of the whole prefix (P tokens: a later Seq1F1B segment reaches back to the
+        earlier ones'), beside the attention sub-layer it rebuilt (selective, full), the
+        MLP sub-layer behind it, all it saved freed (measured: with selective
+        recomputation a whole sequence's peak is the MLP's, a later segment's the
+        attention's). On the last stage the head's backward runs first, holding the
+        loss's gradient over the vocabulary and the log-softmax's (two fp32 rows of V),
+        and has freed what the head kept before the blocks' phase."""
+        seg = self._seg(segment)
+        x, P = self.segment_lengths[seg], self.prefixes[seg]
+        spec, b, c = self.spec, self.microbatch_size, self.dtype_bytes
+        stream = x * b * spec.n_embd * RESIDUAL_BYTES  # the residual stream's gradient, live throughout
+        # a gated MLP's product backward makes two I-wide gradients (the gate activation's
+        # and the up projection's) while the down projection's input gradient is live
+        mlp = x * b * (2 if spec.mlp == "gated" else 1) * spec.ffn_width * c + stream
+        attention = b * c * (2 * x * spec.n_head + 2 * P * spec.kv_heads) * spec.head_dim + stream
+        rebuilt = self._transient[stage][seg]
+        behind = self._mlp_saved(x * b)
+        if spec.recompute == "full":  # the MLP's part of the rebuilt layer is gone by the attention's
+            phases = [(rebuilt + mlp, 0.0), (rebuilt - behind + attention, 0.0)]
+        elif spec.recompute == "selective":
+            phases = [(mlp, 0.0), (rebuilt + attention - behind, behind)]
+        else:
+            phases = [(mlp, 0.0), (attention - behind, behind)]
+        net, freed = max(phases)
         if stage != self.num_stages - 1:
-            return 0.0
-        x = self.segment_lengths[self._seg(segment)]
-        head = last_stage_saved(self.spec, x, self.microbatch_size, self.dtype_bytes)
-        rows = 2.0 * x * self.microbatch_size * self.spec.vocab_size * 4
-        ws = self.workspace_bytes(stage, segment)
-        return float(head) if ws > rows else 0.0
+            return float(net), float(freed)
+        head = last_stage_saved(spec, x, b, self.dtype_bytes)
+        rows = 2.0 * x * b * spec.vocab_size * 4
+        if rows >= net - head:
+            return float(rows), 0.0
+        return float(net - head), float(freed + head)
+
+    def _mlp_saved(self, x_b: int) -> float:
+        """What a block's MLP sub-layer saves for ``x_b`` tokens (its norm's and its dropout
+        mask's too): its products' inputs, the activation's input (and a gated MLP's
+        other operands)."""
+        spec, c = self.spec, self.dtype_bytes
+        _, mlp_in = matrix_inputs(spec, c)
+        return x_b * ((mlp_in * spec.n_embd + (4 if spec.mlp == "gated" else 2) * spec.ffn_width) * c
+                      + norm_saved_bytes(spec) + (spec.n_embd if spec.dropout_masks else 0))
 
     def input_workspace_bytes(self, stage: int, segment: int) -> float:
         """What the zero-bubble I holds at its most on top of the level before it (see
@@ -113,8 +138,7 @@ class BackwardWorkingSet:
         # at the attention the MLP sub-layer is behind: it has freed what it saved (its
         # norm's too), keeping its products' inputs and output gradients (about as much)
         _, mlp_in = matrix_inputs(spec, c)
-        mlp_saved = x_b * ((mlp_in * spec.n_embd + (4 if gated else 2) * spec.ffn_width) * c
-                           + norm_saved_bytes(spec) + (spec.n_embd if spec.dropout_masks else 0))
+        mlp_saved = self._mlp_saved(x_b)
         mlp_resid = x_b * c * (mlp_in * spec.n_embd + spec.mlp_matrices * spec.ffn_width + spec.n_embd)
         behind = (mlp_resid - mlp_saved, mlp_resid, mlp_saved)
         if spec.recompute == "full":
