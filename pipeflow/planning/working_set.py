@@ -7,8 +7,8 @@ stage) and ``benchmarks/bench_memory.py`` (every device of a run)."""
 
 from __future__ import annotations
 
-from .transformer import (RESIDUAL_BYTES, head_residual_width, last_stage_saved, matrix_inputs, norm_saved_bytes,
-                          recomputed_matrix_params)
+from .transformer import (RESIDUAL_BYTES, head_params, head_residual_width, last_stage_saved, matrix_inputs,
+                          norm_params, norm_saved_bytes, recomputed_matrix_params, shared_head_params)
 
 
 class BackwardWorkingSet:
@@ -27,19 +27,38 @@ class BackwardWorkingSet:
         temporaries."""
         return self._backward_phase(stage, segment)[1]
 
-    def _backward_phase(self, stage: int, segment: int) -> tuple[float, float]:
-        """B's most on top of the level before it, and what it has freed of the saved
-        activations by then. A block's backward runs its MLP's first: the MLP's hidden
-        gradient (I wide, compute dtype; a gated MLP's two) beside the residual stream's
-        (H, fp32), with full recomputation beside the layer it rebuilt. Then its
+    def fresh_workspace_bytes(self, stage: int, segment: int) -> float:
+        """:meth:`workspace_bytes` of a backward into a stage that holds no parameter
+        gradients yet (the first after an optimizer step; every one where each microbatch
+        updates, PipeDream's): its peak is where what it holds and the gradients it has
+        made by then are the most (:meth:`backward_grads_made_bytes`)."""
+        return self._backward_phase(stage, segment, fresh=True)[0]
+
+    def fresh_backward_freed_bytes(self, stage: int, segment: int) -> float:
+        """:meth:`backward_freed_bytes` at the instant of :meth:`fresh_workspace_bytes`."""
+        return self._backward_phase(stage, segment, fresh=True)[1]
+
+    def backward_grads_made_bytes(self, stage: int, segment: int) -> float:
+        """The parameter gradients (fp32) such a backward has made by the instant of
+        :meth:`fresh_workspace_bytes`: the head's on a last stage (its backward runs
+        first), and at a block's attention phase its MLP's (and that sub-layer's norm's)."""
+        return self._backward_phase(stage, segment, fresh=True)[2]
+
+    def _backward_phase(self, stage: int, segment: int, fresh: bool = False) -> tuple[float, float, float]:
+        """B's most on top of the level before it, what it has freed of the saved
+        activations by then, and (``fresh``: into a stage with no gradients) the
+        gradients it has made by then. A block's backward runs its MLP's first: the MLP's
+        hidden gradient (I wide, compute dtype; a gated MLP's two) beside the residual
+        stream's (H, fp32), with full recomputation beside the layer it rebuilt. Then its
         attention's: the gradients of its output and queries (x tokens) and of the keys and
         values of the whole prefix (P tokens: a later Seq1F1B segment reaches back to the
         earlier ones'), beside the attention sub-layer it rebuilt (selective, full), the
-        MLP sub-layer behind it, all it saved freed (measured: with selective
-        recomputation a whole sequence's peak is the MLP's, a later segment's the
-        attention's). On the last stage the head's backward runs first, holding the
-        loss's gradient over the vocabulary and the log-softmax's (two fp32 rows of V),
-        and has freed what the head kept before the blocks' phase."""
+        MLP sub-layer behind it, all it saved freed, its weights' gradients made
+        (measured: with selective recomputation a whole sequence's peak is the MLP's, a
+        later segment's the attention's). On the last stage the head's backward runs
+        first, holding the loss's gradient over the vocabulary and the log-softmax's (two
+        fp32 rows of V), and has freed what the head kept, and made its gradients, before
+        the blocks' phase."""
         seg = self._seg(segment)
         x, P = self.segment_lengths[seg], self.prefixes[seg]
         spec, b, c = self.spec, self.microbatch_size, self.dtype_bytes
@@ -50,20 +69,25 @@ class BackwardWorkingSet:
         attention = b * c * (2 * x * spec.n_head + 2 * P * spec.kv_heads) * spec.head_dim + stream
         rebuilt = self._transient[stage][seg]
         behind = self._mlp_saved(x * b)
+        made = 4.0 * self._mlp_params() if fresh else 0.0
         if spec.recompute == "full":  # the MLP's part of the rebuilt layer is gone by the attention's
-            phases = [(rebuilt + mlp, 0.0), (rebuilt - behind + attention, 0.0)]
+            phases = [(rebuilt + mlp, 0.0, 0.0), (rebuilt - behind + attention, 0.0, made)]
         elif spec.recompute == "selective":
-            phases = [(mlp, 0.0), (rebuilt + attention - behind, behind)]
+            phases = [(mlp, 0.0, 0.0), (rebuilt + attention - behind, behind, made)]
         else:
-            phases = [(mlp, 0.0), (attention - behind, behind)]
-        net, freed = max(phases)
-        if stage != self.num_stages - 1:
-            return float(net), float(freed)
-        head = last_stage_saved(spec, x, b, self.dtype_bytes)
-        rows = 2.0 * x * b * spec.vocab_size * 4
-        if rows >= net - head:
-            return float(rows), 0.0
-        return float(net - head), float(freed + head)
+            phases = [(mlp, 0.0, 0.0), (attention - behind, behind, made)]
+        if stage == self.num_stages - 1:
+            head = last_stage_saved(spec, x, b, self.dtype_bytes)
+            head_made = 4.0 * (head_params(spec) - (shared_head_params(spec) if stage == 0 else 0)) if fresh else 0.0
+            phases = [(n - head, f + head, m + head_made) for n, f, m in phases]
+            phases.append((2.0 * x * b * spec.vocab_size * 4, 0.0, 0.0))
+        net, freed, made = max(phases, key=lambda p: p[0] + p[2])
+        return float(net), float(freed), float(made)
+
+    def _mlp_params(self) -> float:
+        """A block's MLP sub-layer's parameters: its matrices, their biases, its norm's."""
+        spec, H, I = self.spec, self.spec.n_embd, self.spec.ffn_width
+        return spec.mlp_matrices * H * I + norm_params(spec) + ((spec.mlp_matrices - 1) * I + H if spec.mlp_bias else 0)
 
     def _mlp_saved(self, x_b: int) -> float:
         """What a block's MLP sub-layer saves for ``x_b`` tokens (its norm's and its dropout

@@ -110,7 +110,7 @@ def term_value(key: tuple, cost, per_device=None, cache: dict | None = None) -> 
         # includes the rebuilt layer) or only the rebuilt layer (transient_bytes)
         v = term_value(("workspace_bytes", *key[1:]), cost, per_device, cache)
         if not v:
-            v = term_value(("transient_bytes", *key[1:]), cost, per_device, cache)
+            v = term_value(("transient_bytes", *key[1:3]), cost, per_device, cache)
         else:  # the workspace counted whole; what B has freed by then leaves the activations
             v += term_value(("backward_freed_bytes", *key[1:]), cost, per_device, cache)
     elif name == "held_cast_gradients":  # ("held_cast_gradients", stage, segment)
@@ -140,6 +140,10 @@ def term_value(key: tuple, cost, per_device=None, cache: dict | None = None) -> 
         stats = per_device[key[1]] if per_device is not None and key[1] < len(per_device) else None
         versions = getattr(stats, "peak_weight_versions", 1) or 1
         v = (versions - 1) * term_value(("state", key[2], "parameters"), cost, per_device, cache)
+    elif key[-1] == "fresh":  # (name, stage, segment, "fresh"): a backward into a stage with no
+        # gradients yet, where the cost model prices it apart (fresh_<name>), else as any
+        fn = getattr(cost, f"fresh_{name}", None)
+        v = float(fn(*key[1:-1])) if fn is not None else term_value((name, *key[1:-1]), cost, per_device, cache)
     else:
         fn = getattr(cost, name, None)
         v = float(fn(*key[1:])) if fn is not None else 0.0
@@ -277,10 +281,17 @@ def tapes(schedule) -> list[Tape]:
                     ap((ACTS, freed, 1))
                 else:
                     # what B has freed by its peak leaves the activations for that instant
-                    freed = key("backward_freed_bytes", stage, seg)
+                    # a backward into a stage with no gradients yet has made some by its peak
+                    fresh = ("fresh",) if rep not in grads_on else ()
+                    freed = key("backward_freed_bytes", stage, seg, *fresh)
                     ap((ACTS, freed, -1))
-                    ap((-1, key("during_backward", stage, seg), 0))
+                    if fresh:
+                        made = key("backward_grads_made_bytes", stage, seg)
+                        ap((GRADS, made, 1))
+                    ap((-1, key("during_backward", stage, seg, *fresh), 0))
                     ap((ACTS, freed, 1))
+                    if fresh:
+                        ap((GRADS, made, -1))
                     if rep in casts_on and cast_by.get(rep) != (e.microbatch, seg):
                         # a backward through casts an earlier forward made holds each
                         # cast's 16-bit gradient until its end (see held_cast_gradients)
