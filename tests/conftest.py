@@ -27,3 +27,28 @@ def wandb_home(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     yield home
     wandb.teardown()  # also drops WANDB_SERVICE, so later subprocesses start their own
+
+
+@pytest.fixture(scope="session")
+def schedule_sweep(tmp_path_factory):
+    """``pipeflow-train -m`` over three schedules (one asynchronous), through the real
+    app, once for the session: its multirun folder. W&B logs offline, as it does with no
+    credentials (HOME and W&B's folders under the sweep's root): test_compare reads the
+    runs, test_tracking the sweep's W&B group."""
+    import subprocess
+    import sys
+
+    from pipeline_runs import SWEEP_ARGS, SWEEP_SCHEDULES
+
+    root = tmp_path_factory.mktemp("schedule_sweep")
+    home = root / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "WANDB_")) and k != "NETRC"}
+    env.update(HOME=str(home), WANDB_CONFIG_DIR=str(home / "config"), WANDB_CACHE_DIR=str(home / "cache"),
+               WANDB_DATA_DIR=str(home / "data"), WANDB_SILENT="true")
+    proc = subprocess.run([sys.executable, "-m", "pipeflow.train", "-m", f"schedule={','.join(SWEEP_SCHEDULES)}",
+                           *SWEEP_ARGS, f"hydra.sweep.dir={root / 'multirun'}"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root / "multirun"
+

@@ -93,3 +93,10 @@ def train(run_dir: Path, overrides: list[str], tied: dict[str, str] | None = Non
         "summary": json.loads(summary.read_text()) if summary.exists() else None,
         "schedule": inputs.schedule,
     }
+
+
+# the session's sweep through the real app (conftest.py's schedule_sweep): one asynchronous
+SWEEP_SCHEDULES = ["gpipe", "1f1b", "pipedream"]
+SWEEP_ARGS = ["model.n_layer=4", "model.n_embd=32", "model.n_head=2", "model.seq_len=32", "pipeline.microbatches=4",
+              "pipeline.microbatch_size=2", "trainer.steps=6", "trainer.val_every=3", "trainer.val_batches=1",
+              "trainer.timeline_step=2", "data.max_bytes=200000"]

@@ -27,7 +27,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 TINY = ["model.n_layer=4", "model.n_embd=32", "model.n_head=2", "model.seq_len=32", "pipeline.microbatches=4",
         "pipeline.microbatch_size=2", "trainer.steps=6", "trainer.val_every=3", "trainer.val_batches=1",
         "trainer.timeline_step=2", "data.max_bytes=200000", "logger=none"]
-SCHEDULES = ["gpipe", "1f1b", "pipedream"]
+SCHEDULES = pipeline_runs.SWEEP_SCHEDULES  # the sweep the session trains (conftest.py)
 
 
 def last_losses(run_dir: Path) -> list[float]:
@@ -36,17 +36,9 @@ def last_losses(run_dir: Path) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def sweep(tmp_path_factory) -> Path:
-    """pipeflow-train -m over three schedules, through the real app."""
-    root = tmp_path_factory.mktemp("sweep")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HYDRA_")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pipeflow.train", "-m", f"schedule={','.join(SCHEDULES)}", *TINY,
-         f"hydra.sweep.dir={root / 'multirun'}"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return root / "multirun"
+def sweep(schedule_sweep) -> Path:
+    """pipeflow-train -m over three schedules, through the real app (conftest.py)."""
+    return schedule_sweep
 
 
 @pytest.fixture(scope="module")

@@ -305,32 +305,23 @@ def test_enabled_progress_shows_step_loss_and_throughput(capsys):
 # ----------------------------------------------------------------- through the real app
 
 
-def test_a_multirun_is_one_wandb_group_with_a_run_per_job(wandb_home, tmp_path):
-    """pipeflow-train -m ...: two short jobs on two CPU ranks each; every job's run
-    folder has its files, and its offline W&B run carries the sweep's group, the job's
-    overrides as tags and the job folder as name."""
-    import subprocess
-    import sys
+def test_a_multirun_is_one_wandb_group_with_a_run_per_job(schedule_sweep):
+    """pipeflow-train -m ...: three short jobs on two CPU ranks each (the session's sweep,
+    conftest.py); every job's run folder has its files, and its offline W&B run carries
+    the sweep's group, the job's overrides as tags and the job folder as name."""
+    from pipeline_runs import SWEEP_SCHEDULES
 
-    sweep = tmp_path / "sweep"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HYDRA_")}
-    args = ["-m", "schedule=gpipe,1f1b", "trainer.steps=2", "trainer.timeline_step=2", "pipeline.microbatches=2",
-            "data.max_bytes=200000", f"hydra.sweep.dir={sweep}"]
-    proc = subprocess.run([sys.executable, "-m", "pipeflow.train", *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
-    jobs = sorted(p for p in sweep.iterdir() if p.is_dir())
-    assert [j.name.split("_", 1)[0] for j in jobs] == ["0", "1"]
-    for job, schedule in zip(jobs, ["gpipe", "1f1b"]):
-        assert [r["step"] for r in read_metrics(job)] == [1, 2]
+    jobs = sorted((p for p in schedule_sweep.iterdir() if p.is_dir()), key=lambda p: int(p.name.split("_")[0]))
+    assert [j.name.split("_", 1)[0] for j in jobs] == ["0", "1", "2"]
+    for job, schedule in zip(jobs, SWEEP_SCHEDULES):
+        assert [r["step"] for r in read_metrics(job)] == [1, 2, 3, 4, 5, 6]
         assert json.loads((job / "summary.json").read_text())["schedule"] == schedule
         assert Timeline.load(job / "timeline.json").source == "measured"
         assert (job / "timeline.png").read_bytes()[:8] == PNG
 
         run = of_type(wandb_records(offline_run_file(job)), "run")[0]
-        assert run.run_group == "train-sweep" and run.display_name == job.name
-        assert f"schedule={schedule}" in run.tags and "trainer.steps=2" in run.tags
+        assert run.run_group == f"train-{schedule_sweep.name}" and run.display_name == job.name
+        assert f"schedule={schedule}" in run.tags and "trainer.steps=6" in run.tags
         assert not any(t.startswith("hydra.") for t in run.tags)
 
 
