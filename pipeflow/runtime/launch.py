@@ -39,7 +39,7 @@ from ..formats.runplan import RunPlan
 import torch.multiprocessing  # noqa: F401 - registers the pickling of tensors sent to the ranks
 
 from .cluster import alive
-from .rank_server import rank_context  # noqa: F401 - the ranks' context is the launcher's API too
+from .rank_server import rank_context
 from .supervise import (  # noqa: F401 - JobFailed, write_json and the constants are the launcher's API too
     _CONSEQUENCE,
     BEAT,
