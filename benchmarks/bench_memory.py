@@ -25,13 +25,16 @@ Run from the repository root (each case spawns its ranks, 5-15 s):
     .venv/bin/python -m benchmarks.bench_memory --only zb_h1 --json out.json
     .venv/bin/python -m benchmarks.bench_memory --sample 40   # drawn from the whole product
     .venv/bin/python -m benchmarks.bench_memory --case "model=cbm_tiny schedule=zb_h1 pipeline.stages=2"
-    .venv/bin/python -m benchmarks.bench_memory --device cuda   # one stage on the GPU
-    .venv/bin/python -m benchmarks.bench_memory --device cuda --set "model.seq_len=2048"
+    .venv/bin/python -m benchmarks.bench_memory --device cuda --quick   # the ranks on the GPU
+    .venv/bin/python -m benchmarks.bench_memory --device cuda --set "model.seq_len=2048 model.n_positions=2048"
 
-With ``--device cuda`` every case runs as one stage (``pipeline.stages=1``: one process,
-the whole model, its microbatches accumulated) on the GPU, and the measured peak is
-``torch.cuda.max_memory_allocated`` over the profiled step (the JSON keeps the profile's
-categories, whose tagged ones, weights to activations, are exact there too).
+With ``--device cuda`` each case's ranks compute on the GPU (``runtime.backend=gloo
+runtime.device=cuda``: several ranks share one GPU, each with its own caching allocator,
+and their messages pass through host memory), and the measured peak is each rank's
+``torch.cuda.max_memory_allocated`` over the profiled step; the categories come from
+the allocator's own history of the step (:mod:`pipeflow.runtime.memory_profile`).
+``--one-stage`` runs each case as one stage instead (``pipeline.stages=1``: the whole
+model in one process, its microbatches accumulated).
 """
 
 from __future__ import annotations
@@ -143,12 +146,13 @@ def measure(label: str, overrides: list[str], work: Path, device: str = "cpu", o
             extra: tuple = ()) -> list[dict]:
     """Train and simulate one case: a row per device."""
     over = [*SHAPE, *overrides, *extra]
-    if one_stage or device == "cuda":
+    if one_stage:
         over = [o for o in over if not o.startswith(("pipeline.stages=", "pipeline.data_parallel="))]
         over += ["pipeline.stages=1"]
     run_dir = work / label.replace(" ", "_").replace("=", "-")
+    gpu = ["runtime.backend=gloo"] if device == "cuda" else []  # ranks share the GPU
     cfg = compose("train", [*over, "trainer.steps=2", "trainer.val_every=0", "logger=none", "runtime.memory=profile",
-                            f"runtime.device={device}"])
+                            f"runtime.device={device}", *gpu])
     inputs = prepare_training(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     launch(TrainJob(OmegaConf.to_container(cfg, resolve=True), str(run_dir), inputs.plan))
@@ -159,8 +163,8 @@ def measure(label: str, overrides: list[str], work: Path, device: str = "cpu", o
     sim = run_simulation(compose("simulate", [*over, *shape, "draw=false", topology]), run_dir / "sim")
     rows = []
     for dev, (meas, simd) in enumerate(zip(summary["memory_profile"], sim["per_device"])):
-        # on CUDA the allocator's own peak is the measurement (the profile's CUDA frees do
-        # not all pair up: its total there exceeds the allocator's; its tagged categories hold)
+        # on CUDA the allocator's own peak is the measurement (the history's replay counts
+        # each block as asked for, rounded to 512 bytes; a reused block's slack is not in it)
         peak, predicted = meas.get("allocator_peak_bytes", meas["peak_bytes"]), simd["peak_memory_bytes"]
         diffs = {g: (sum(simd["memory_at_peak"].get(c, 0.0) for c in s) - sum(meas["at_peak"].get(c, 0) for c in m))
                  for g, (m, s) in GROUPS.items()}
@@ -222,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="one case per concern")
     ap.add_argument("--only", default=None, help="cases whose label contains one of these (comma-separated)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    ap.add_argument("--one-stage", action="store_true", help="every case as one stage in one process (--device cuda does)")
+    ap.add_argument("--one-stage", action="store_true", help="every case as one stage in one process")
     ap.add_argument("--set", default="", help="overrides added to every case, space-separated (model.seq_len=1024 ...)")
     ap.add_argument("--sample", type=int, default=0,
                     help="this many cases drawn from the whole product (every schedule, rank count, model, precision "

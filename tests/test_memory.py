@@ -104,6 +104,32 @@ def test_the_profile_names_what_a_step_holds_byte_for_byte():
     assert sum(step.at_peak.values()) == step.peak_bytes
 
 
+def test_a_cuda_step_is_replayed_from_the_allocators_history_with_its_tags_in_place():
+    """On CUDA the step comes from the caching allocator's trace; each tag and action sits
+    where the allocator's counters of allocations and frees put it. A synthetic trace
+    (no GPU here): what a replay gives is fixed by the order alone."""
+    from pipeflow.runtime.memory_profile import _CudaLog
+
+    log = _CudaLog.__new__(_CudaLog)
+    log.start = (10, 5)  # the allocator's counters when the step began
+    trace = [{"action": "segment_alloc", "addr": 0, "size": 1 << 21},
+             {"action": "alloc", "addr": 100, "size": 1000},  # a block of 1024
+             {"action": "alloc", "addr": 200, "size": 300},  # 512
+             {"action": "free_requested", "addr": 100, "size": 1000},
+             {"action": "free_completed", "addr": 100, "size": 1000},
+             {"action": "alloc", "addr": 100, "size": 2048}]  # the same address, a new life
+    log.tags = [(11, 5, 100, "activations", 1000),  # after the first allocation: names the first life
+                (13, 6, 100, "gradients", 2048),  # after the free and the third: the second life
+                (10, 5, 999, "parameters", 4096)]  # nothing allocated there in the step: live from the start
+    log.actions = [((10, 5), (12, 5), "0F0"), ((12, 5), (13, 6), "0B0")]
+    step = log.replay(trace, live_at_start=4096 + 8192)  # 8192 live at the start, never named
+    assert step.peak_bytes == 4096 + 8192 + 512 + 2048
+    assert step.at_peak["parameters"] == 4096 and step.at_peak["gradients"] == 2048
+    assert step.at_peak["temporaries"] == 8192 + 512 and step.at_peak["activations"] == 0
+    assert step.category_peaks["activations"] == 1024
+    assert step.peak_action == "0B0"
+
+
 def test_a_backward_through_an_earlier_forwards_casts_holds_their_gradients_to_its_end():
     """At 16 bits a step's forwards share one cast of each weight (Precision.shared_casts),
     and the autograd engine runs the ready node with the highest sequence number first:

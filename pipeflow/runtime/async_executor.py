@@ -151,12 +151,12 @@ class ChunkStats:
 class AsyncExecutor(Executor):
     def __init__(self, schedule: Schedule, rank: int, stages: dict[tuple[int, int], StageState], adapter,
                  groups: Groups, grad_clip: float | None, on_grads=None, precision=None, p2p: str = "tagged",
-                 keep_first_grads: bool = False):
+                 keep_first_grads: bool = False, host_staging: bool | None = None):
         if schedule.policy == WeightPolicy.SYNC:
             raise ValueError(f"schedule {schedule.name!r} is synchronous; use Executor")
         if schedule.uses_split_backward():
             raise NotImplementedError("asynchronous schedules run full backwards (B), not I/W splits")
-        super().__init__(schedule, rank, stages, adapter, groups, grad_clip, on_grads, precision, p2p)
+        super().__init__(schedule, rank, stages, adapter, groups, grad_clip, on_grads, precision, p2p, host_staging)
         self.policy = schedule.policy
         self.m = schedule.microbatches_per_step
         self.windows = schedule.windows

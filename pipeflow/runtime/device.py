@@ -11,12 +11,18 @@ import torch
 
 
 def device_and_backend(runtime: dict, rank: int) -> tuple[torch.device, str]:
-    """This rank's device and process-group backend (``runtime.device``, ``runtime.backend``)."""
+    """This rank's device and process-group backend (``runtime.device``, ``runtime.backend``).
+
+    NCCL puts each rank on its own GPU. gloo with ``runtime.device=cuda`` computes on the
+    GPUs too, several ranks to a GPU where there are more ranks than GPUs (each process
+    its own CUDA context and caching allocator, so each rank's memory is its own), and
+    moves messages through host memory (:class:`~pipeflow.runtime.messages.MessageIO`)."""
     backend = runtime.get("backend", "auto")
-    cuda = torch.cuda.is_available() and runtime.get("device", "auto") in ("auto", "cuda")
+    wanted = runtime.get("device", "auto")
+    cuda = torch.cuda.is_available() and wanted in ("auto", "cuda")
     if backend == "auto":
         backend = "nccl" if cuda else "gloo"
-    if backend == "nccl":
+    if backend == "nccl" or (cuda and wanted == "cuda"):
         local = int(os.environ.get("LOCAL_RANK", rank)) % max(1, torch.cuda.device_count())
         torch.cuda.set_device(local)
         return torch.device("cuda", local), backend

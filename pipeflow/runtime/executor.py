@@ -57,7 +57,9 @@ class Executor(MessageIO):
         on_grads: Callable[[dict[tuple[int, int], StageState]], None] | None = None,
         precision: Precision | None = None,
         p2p: str = "tagged",
+        host_staging: bool | None = None,
     ):
+        self._staged_p2p = host_staging  # None: messages pass through host memory where gloo serves a GPU
         self.precision = precision or Precision("fp32", adapter.device.type)
         self.scaler = LossScaler(self.precision.loss_scale) if self.precision.name == "fp16" else None
         self._skip = False  # fp16: this step's gradients overflowed

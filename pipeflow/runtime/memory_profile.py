@@ -22,6 +22,14 @@ range; only while profiling) so that the profile links the storage to its role:
 - ``temporaries``: every other allocation (a backward's intermediate gradients, the
   optimizer's foreach buffers, a recomputed layer, autocast's casts before a save).
 
+On CUDA the caching allocator keeps its own history of every allocation and free
+(``torch.cuda.memory._record_memory_history``), in the order they happened, with the
+block sizes its peak statistic counts; there a tag is not a profiler event but an entry
+in a log that notes how many allocations and frees the allocator had made when the tag
+ran (its counters), which places the tag exactly in that history. What was live when
+the step began and was never tagged (cuBLAS's workspaces, say) counts as temporaries
+from the start, so the step's peak is the allocator's own ``max_memory_allocated``.
+
 The peak is the most bytes live at one instant (the sum over categories at that
 instant, not a sum of each category's own peak). torch's own memory profile classifies
 by data flow instead, and gives up (an assertion) on the graphs the zero-bubble split
@@ -49,6 +57,7 @@ _PRIORITY = {c: n for n, c in enumerate(("parameters", "weight_versions", "optim
 _FROM_TAG = {"residuals"}
 _PREFIX = "pipeflow::tag::"
 _active = False  # tags are recorded only while a step is profiled
+_cuda = None  # the step's _CudaLog while a CUDA step is profiled
 
 
 @dataclass
@@ -60,6 +69,7 @@ class StepMemory:
     category_peaks: dict = field(default_factory=dict)  # category -> its own most bytes live
     allocator_peak_bytes: int | None = None  # CUDA: torch.cuda.max_memory_allocated over the step
     peak_action: str | None = None  # the schedule's action running at the peak ("1B3": stage 1, B, microbatch 3)
+    peak_time: float | None = None  # when the peak was (the event's time), not reported
 
     def as_dict(self) -> dict:
         return {"peak_bytes": self.peak_bytes, "at_peak": self.at_peak, "category_peaks": self.category_peaks,
@@ -74,6 +84,9 @@ def tag(t, category: str) -> None:
     if not _active or not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":
         return
     nbytes = t.untyped_storage().nbytes()
+    if _cuda is not None and t.device.type == "cuda":
+        _cuda.tag(t.untyped_storage().data_ptr(), category, nbytes)
+        return
     with torch.profiler.record_function(f"{_PREFIX}{category}::{nbytes}"), torch.no_grad():
         torch.ops.aten.alias(t)
 
@@ -86,6 +99,8 @@ def action(a):
     peak: ``StepMemory.peak_action``); nothing unless a step is being profiled."""
     if not _active:
         return contextlib.nullcontext()
+    if _cuda is not None:
+        return _cuda.action(str(a))
     return torch.profiler.record_function(f"{_ACTION}{a}")
 
 
@@ -161,6 +176,14 @@ def analyse(result, device: torch.device) -> StepMemory:
                     ptr = getattr(meta, "storage_data_ptr", None)
                     if ptr and _same(getattr(meta, "device", None), device):
                         events.append((ev.start_time_ns, 1, "tag", ptr, category, int(nbytes)))
+    return _replay(events, actions)
+
+
+def _replay(events: list, actions: list, live_at_start: int | None = None) -> StepMemory:
+    """Walk a step's allocations, frees and tags (``(time, order, kind, ptr, size or
+    category, nbytes)``) in time order: the live bytes per category at each instant.
+    ``live_at_start``: where the allocator says how much was live when the step began,
+    what of it no event names counts as temporaries from the start."""
     events.sort(key=lambda e: (e[0], e[1]))
     # pass 1: the allocations' lives and categories
     lives = []  # [size, category, preexisting]
@@ -191,6 +214,8 @@ def analyse(result, device: torch.device) -> StepMemory:
     for size, category, pre in lives:
         if pre:
             live[category or "temporaries"] += size
+    if live_at_start is not None:
+        live["temporaries"] += max(0, live_at_start - sum(live.values()))
     out = StepMemory(peak_bytes=sum(live.values()), at_peak=dict(live), category_peaks=dict(live))
     total = out.peak_bytes
     n, k, peak_at = len(order), 0, None
@@ -213,9 +238,73 @@ def analyse(result, device: torch.device) -> StepMemory:
             out.peak_bytes, out.at_peak, peak_at = total, dict(live), t
         for c in CATEGORIES:
             out.category_peaks[c] = max(out.category_peaks[c], live[c])
+    out.peak_time = peak_at
     if peak_at is not None:
         out.peak_action = next((name for start, end, name in actions if start <= peak_at <= end), None)
     return out
+
+
+def _block_bytes(nbytes: int) -> int:
+    """The block the CUDA caching allocator serves ``nbytes`` from (its sizes are
+    multiples of 512 bytes, at least 512), which its statistics count."""
+    return max(512, -(-nbytes // 512) * 512)
+
+
+class _CudaLog:
+    """A CUDA step's tags and actions, each placed in the allocator's history by the
+    allocator's counters of allocations and frees at that moment."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.start = self._counts()
+        self.tags = []  # (allocs, frees, ptr, category, nbytes)
+        self.actions = []  # (allocs, frees) at start and end, name
+
+    def _counts(self) -> tuple[int, int]:
+        stats = torch.cuda.memory.memory_stats_as_nested_dict(self.device)["allocation"]["all"]
+        return int(stats["allocated"]), int(stats["freed"])
+
+    def tag(self, ptr: int, category: str, nbytes: int) -> None:
+        if ptr:
+            self.tags.append((*self._counts(), ptr, category, nbytes))
+
+    @contextlib.contextmanager
+    def action(self, name: str):
+        begin = self._counts()
+        try:
+            yield
+        finally:
+            self.actions.append((begin, self._counts(), name))
+
+    def replay(self, trace: list, live_at_start: int) -> StepMemory:
+        """The step from the allocator's ``trace`` (its entries since the log began):
+        each allocation ("alloc") and free ("free_requested", where the allocator's
+        statistics count it freed) in order, the tags and actions placed among them.
+        The trace gives the size asked for; a block is that rounded up to 512 bytes
+        (a cached block reused without a split can be larger still: the allocator's
+        peak counts that slack, this replay does not)."""
+        a0, f0 = self.start
+        events, alloc_at, free_at = [], [], []  # alloc_at[k]: index of the step's k-th allocation
+        for entry in trace:
+            act = entry.get("action")
+            if act == "alloc":
+                alloc_at.append(len(events))
+                events.append((len(events), 0, "alloc", entry["addr"], _block_bytes(int(entry["size"])), 0))
+            elif act == "free_requested":
+                free_at.append(len(events))
+                events.append((len(events), 0, "alloc", entry["addr"], -_block_bytes(int(entry["size"])), 0))
+
+        def place(counts: tuple[int, int]) -> float:
+            # just after the last allocation and free the counters had seen
+            a, f = counts[0] - a0, counts[1] - f0
+            last = max(alloc_at[min(a, len(alloc_at)) - 1] if a > 0 and alloc_at else -1,
+                       free_at[min(f, len(free_at)) - 1] if f > 0 and free_at else -1)
+            return last + 0.5
+
+        for a, f, ptr, category, nbytes in self.tags:
+            events.append((place((a, f)), 1, "tag", ptr, category, _block_bytes(nbytes)))
+        actions = [(place(begin), place(end), name) for begin, end, name in self.actions]
+        return _replay(events, actions, live_at_start)
 
 
 @contextlib.contextmanager
@@ -244,13 +333,13 @@ def profile_step(device: torch.device, enabled: bool = True):
     if not enabled:
         yield result
         return
+    if device.type == "cuda":
+        with _profile_cuda(device, result):
+            yield result
+        return
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    prof = profile(activities=activities, profile_memory=True, record_shapes=True)
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True)
     with _quiet_stderr():  # kineto announces its start and stop on stderr, once per rank
         prof.start()
     _active = True
@@ -260,9 +349,70 @@ def profile_step(device: torch.device, enabled: bool = True):
         _active = False
         with _quiet_stderr():
             prof.stop()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        result.allocator_peak_bytes = int(torch.cuda.max_memory_allocated(device))
     measured = analyse(prof.profiler.kineto_results, device)
     result.peak_bytes, result.at_peak, result.category_peaks, result.peak_action = \
         measured.peak_bytes, measured.at_peak, measured.category_peaks, measured.peak_action
+
+
+@contextlib.contextmanager
+def _profile_cuda(device: torch.device, result: StepMemory):
+    """Profile a step on CUDA from the caching allocator's own history (see the module's
+    text); ``result.allocator_peak_bytes`` is ``max_memory_allocated`` over the step,
+    which the replayed peak equals when every allocation is accounted for."""
+    global _active, _cuda
+    from torch.cuda import memory as cm
+
+    import os
+
+    dump = os.environ.get("PIPEFLOW_CUDA_MEMORY_DUMP")  # a path: what is live at the peak, with its Python stack
+    context = "alloc" if dump else None
+    torch.cuda.synchronize(device)
+    try:
+        cm._record_memory_history("all", context=context, stacks="python", max_entries=1 << 24, device=device,
+                                  clear_history=True)
+    except TypeError:  # an older torch without clear_history: nothing was recorded before anyway
+        cm._record_memory_history("all", context=context, stacks="python", max_entries=1 << 24, device=device)
+    torch.cuda.reset_peak_memory_stats(device)
+    start = int(torch.cuda.memory_allocated(device))
+    _cuda = _CudaLog(device)
+    _active = True
+    try:
+        yield result
+    finally:
+        _active = False
+        log, _cuda = _cuda, None
+        torch.cuda.synchronize(device)
+        result.allocator_peak_bytes = int(torch.cuda.max_memory_allocated(device))
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        trace = cm._snapshot(device)["device_traces"][index]
+        cm._record_memory_history(None, device=device)
+    measured = log.replay(trace, start)
+    result.peak_bytes, result.at_peak, result.category_peaks, result.peak_action = \
+        measured.peak_bytes, measured.at_peak, measured.category_peaks, measured.peak_action
+    if dump:
+        _dump_peak(f"{dump}.{device.index}.{os.getpid()}.json", trace, log, measured)
+
+
+def _dump_peak(path: str, trace: list, log: "_CudaLog", step: StepMemory) -> None:
+    """Debugging aid: every allocation of the step live at its peak (its size, the last
+    tag at its address before the peak, the Python frames that made it), largest first."""
+    import json
+
+    steps = [e for e in trace if e.get("action") in ("alloc", "free_requested")]
+    live = {}
+    for k, e in enumerate(steps):
+        if step.peak_time is not None and k > step.peak_time:
+            break
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+        else:
+            live.pop(e["addr"], None)
+    named = {ptr: category for _, _, ptr, category, _ in log.tags}
+    rows = [{"bytes": _block_bytes(int(e["size"])), "tag": named.get(addr),
+             "frames": [f"{f.get('filename', '').rsplit('/', 2)[-1]}:{f.get('line')}:{f.get('name')}"
+                        for f in e.get("frames", [])[:12]]}
+            for addr, e in live.items()]
+    rows.sort(key=lambda r: -r["bytes"])
+    with open(path, "w") as f:
+        json.dump({"peak_bytes": step.peak_bytes, "at_peak": step.at_peak, "peak_action": step.peak_action,
+                   "live": rows}, f, indent=1)

@@ -2,7 +2,9 @@
 batch, waiting for the receives an action needs, handing a stage's output to the next
 stage (another rank's, or one on this rank), and letting go of a send once a later
 message from its peer proves it arrived (gloo reports a send complete only when
-waited on)."""
+waited on). gloo moves host memory only: ranks computing on a GPU under gloo send a host
+copy of each message and receive into host memory, copied to the device buffer (posted
+with the receive, as NCCL's is) when the message is waited for."""
 
 from __future__ import annotations
 
@@ -29,25 +31,38 @@ class MessageIO:
         arrived (:meth:`_drop_arrived`) or at the end of the iteration."""
         if not comms:
             return
-        ops = []
+        ops, held = [], []  # held: the device tensor of each op (its host copy travels under gloo)
+        staged = self._staged()
         for c in comms:
             if c.op == "send":
                 # autograd may hand back a strided view; the wire needs contiguous memory
                 tensor = outbox.pop(self._key(c)).contiguous()
                 self.sent_bytes += tensor.numel() * tensor.element_size()
-                ops.append(dist.P2POp(dist.isend, tensor, c.peer, tag=0 if self.ordered else c.tag))
+                ops.append(dist.P2POp(dist.isend, tensor.cpu() if staged else tensor, c.peer,
+                                      tag=0 if self.ordered else c.tag))
             else:
                 shape, dtype = self.adapter.message_spec(c.src_stage, c.dst_stage, c.segment)
-                buf = torch.empty(shape, dtype=self.precision.wire_dtype(dtype), device=self.adapter.device)
-                tag(buf, "inputs")
-                ops.append(dist.P2POp(dist.irecv, buf, c.peer, tag=0 if self.ordered else c.tag))
-        for c, op, work in zip(comms, ops, dist.batch_isend_irecv(ops)):
+                tensor = torch.empty(shape, dtype=self.precision.wire_dtype(dtype), device=self.adapter.device)
+                tag(tensor, "inputs")
+                wire = torch.empty(shape, dtype=tensor.dtype) if staged else tensor
+                ops.append(dist.P2POp(dist.irecv, wire, c.peer, tag=0 if self.ordered else c.tag))
+            held.append(tensor)
+        for c, op, tensor, work in zip(comms, ops, held, dist.batch_isend_irecv(ops)):
             if c.op == "send":
-                # the tensor must live until the send completes; where its consumer runs
+                # the tensor must live until the send completes (as NCCL's would, held alike
+                # when a host copy is what travels); where its consumer runs
                 key = self._key(c)
-                sends.append((work, op.tensor, key, self._position(key, consumer=True)))
+                sends.append((work, tensor, key, self._position(key, consumer=True)))
             else:
-                inbox[self._key(c)] = (op.tensor, work)
+                inbox[self._key(c)] = (tensor, _Staged(work, op.tensor, tensor) if staged else work)
+
+    def _staged(self) -> bool:
+        """Messages pass through host memory: a GPU rank whose process group is gloo."""
+        staged = self._staged_p2p
+        if staged is None:
+            staged = self._staged_p2p = (self.adapter.device.type != "cpu"
+                                         and dist.get_backend() == dist.Backend.GLOO)
+        return staged
 
     def _await_inputs(self, a: Action, inbox: dict, sends: list | None = None) -> None:
         if a.kind == Kind.F:
@@ -118,6 +133,19 @@ class MessageIO:
         else:
             outbox[key] = tensor
 
+
+
+class _Staged:
+    """A receive into host memory for a device buffer: waiting for it copies the message over."""
+
+    def __init__(self, work, host: torch.Tensor, device: torch.Tensor):
+        self.work, self.host, self.device = work, host, device
+
+    def wait(self) -> bool:
+        self.work.wait()
+        self.device.copy_(self.host)
+        self.host = None
+        return True
 
 
 def _drop_sent(sends: list, done: set) -> None:

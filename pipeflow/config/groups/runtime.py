@@ -39,6 +39,7 @@ class LocalRuntimeConfig:
     fail_mode: str = "raise"  # raise: a Python error; kill: SIGKILL, as an out-of-memory kill would
     memory: str = "count"  # count: saved bytes (cheap, always); profile: every allocation of the last step, by category
     dump_grads: bool = False  # test hook: each rank writes run_dir/grads/rank<r>.pt after its first backward
+    host_staging: bool = False  # test hook: CPU ranks pass messages through a host copy, as GPU ranks under gloo do
 
 def _cuda_devices() -> int:
     # torch is imported only when a config asks for CUDA, so checking a CPU config stays fast
@@ -65,11 +66,12 @@ def check_runtime(rt: DictConfig, world_size: int) -> None:
         gpus = _cuda_devices()
         if gpus == 0:
             raise ConfigError(f"{key}={value}: no CUDA device is available here; use {key}=auto (gloo on CPU)")
-        if gpus < world_size:
-            # NCCL refuses two ranks on one GPU
+        if gpus < world_size and rt.backend != "gloo":
+            # NCCL refuses two ranks on one GPU; gloo shares them (messages through host memory)
             raise ConfigError(
-                f"{key}={value}: the schedule needs {world_size} ranks but only {gpus} CUDA devices are visible; "
-                f"use fewer pipeline.stages or runtime.device=cpu"
+                f"{key}={value}: the schedule needs {world_size} ranks but only {gpus} CUDA devices are visible "
+                f"(NCCL puts each rank on its own GPU); use fewer pipeline.stages, runtime.backend=gloo (ranks "
+                f"share the GPUs, messages pass through host memory) or runtime.device=cpu"
             )
     number("runtime.timeout_s", rt.timeout_s, "must be > 0 seconds", rt.timeout_s > 0)
     number("runtime.hang_timeout_s", rt.hang_timeout_s, "must be >= 0 seconds (0: never)", rt.hang_timeout_s >= 0)
