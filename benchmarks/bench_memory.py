@@ -142,6 +142,15 @@ def product() -> list[tuple[str, list[str]]]:
     return out
 
 
+def _gpu_topology() -> str:
+    """The simulated topology for this machine's GPU: its device preset holds what the
+    math libraries keep (Hopper's cuBLAS workspaces are four times Ampere's)."""
+    import torch
+
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    return "topology=cluster topology.nodes=1 topology.device=" + ("h100-80g" if hopper else "a100-80g")
+
+
 def measure(label: str, overrides: list[str], work: Path, device: str = "cpu", one_stage: bool = False,
             extra: tuple = ()) -> list[dict]:
     """Train and simulate one case: a row per device."""
@@ -157,10 +166,10 @@ def measure(label: str, overrides: list[str], work: Path, device: str = "cpu", o
     run_dir.mkdir(parents=True, exist_ok=True)
     launch(TrainJob(OmegaConf.to_container(cfg, resolve=True), str(run_dir), inputs.plan))
     summary = json.loads((run_dir / "summary.json").read_text())
-    topology = "topology=local_cpu" if device == "cpu" else "topology=dgx_a100_8"
+    topology = "topology=local_cpu" if device == "cpu" else _gpu_topology()
     # the trained job's pipeline, every key (pipeflow-simulate's own defaults are a cluster's)
     shape = [f"pipeline.{k}={v}" for k, v in cfg.pipeline.items()]
-    sim = run_simulation(compose("simulate", [*over, *shape, "draw=false", topology]), run_dir / "sim")
+    sim = run_simulation(compose("simulate", [*over, *shape, "draw=false", *topology.split()]), run_dir / "sim")
     rows = []
     for dev, (meas, simd) in enumerate(zip(summary["memory_profile"], sim["per_device"])):
         # on CUDA the allocator's own peak is the measurement (the history's replay counts
@@ -199,10 +208,11 @@ def table(rows: list[dict]) -> str:
 
 
 def results(quick: bool = False, only: str | None = None, device: str = "cpu", one_stage: bool = False,
-            extra: tuple = (), sample: int = 0, seed: int = 0) -> list[dict]:
+            extra: tuple = (), sample: int = 0, seed: int = 0, shard: tuple[int, int] = (0, 1)) -> list[dict]:
     """The rows of the chosen cases (``only``: comma-separated substrings of their
     labels; ``sample``: that many drawn from :func:`product` instead, those of the matrix
-    left out); a case that cannot run here is reported on stderr and left out."""
+    left out; ``shard`` (k, n): every n-th case from the k-th, for n runs side by side); a
+    case that cannot run here is reported on stderr and left out."""
     wanted = [w.strip() for w in only.split(",")] if only else None
     pool = cases(quick)
     if sample:
@@ -210,7 +220,7 @@ def results(quick: bool = False, only: str | None = None, device: str = "cpu", o
 
         matrix = {c[0] for c in pool}
         pool = random.Random(seed).sample([c for c in product() if c[0] not in matrix], sample)
-    chosen = [c for c in pool if wanted is None or any(w in c[0] for w in wanted)]
+    chosen = [c for c in pool if wanted is None or any(w in c[0] for w in wanted)][shard[0]::shard[1]]
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench_memory_") as tmp:
         for label, over in chosen:
@@ -235,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--case", action="append", default=[],
                     help="one case of your own instead, its overrides space-separated (repeatable): "
                          "--case 'model=cbm_tiny schedule=zb_h2 pipeline.stages=2 precision=fp32'")
+    ap.add_argument("--shard", default="0/1", help="k/n: every n-th case from the k-th (n runs side by side)")
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args(argv)
     if args.case:
@@ -244,8 +255,9 @@ def main(argv: list[str] | None = None) -> int:
                 rows += measure(case, case.split(), Path(tmp) / str(n), args.device, args.one_stage,
                                 tuple(args.set.split()))
     else:
+        k, n = (int(x) for x in args.shard.split("/"))
         rows = results(args.quick, args.only, args.device, args.one_stage, tuple(args.set.split()), args.sample,
-                       args.seed)
+                       args.seed, (k, n))
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

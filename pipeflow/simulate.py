@@ -35,7 +35,7 @@ from pipeflow.schedules.export import write_torch_csv
 from pipeflow.schedules.validate import check_complete, check_overlaps, validate
 from pipeflow.sim.engine import SimulationError, simulate
 from pipeflow.sim.gantt import draw_timeline, unreadable
-from pipeflow.sim.memory import device_memory
+from pipeflow.sim.memory import device_memory, library_workspace
 from pipeflow.tracking.record import run_key, write_summary
 
 # Hydra composes against these schemas, so they must be in the ConfigStore before main().
@@ -93,7 +93,8 @@ def _run_simulation(cfg: DictConfig, out_dir: str | Path, notes: list[str] | Non
         write_torch_csv(schedule, out / "schedule.csv")
         files.append("schedule.csv")
 
-    categories = device_memory(schedule, cost, result.per_device) if cost.name != "unit" else None
+    categories = (device_memory(schedule, cost, result.per_device, library_workspace(topology, schedule.num_devices))
+                  if cost.name != "unit" else None)
     memory = memory_fit(schedule, cost, topology, sim_summary["per_device"], categories)
     summary = {
         "kind": "simulated",  # predicted by the simulator; pipeflow-train's summaries are measured

@@ -484,3 +484,20 @@ def test_the_simulated_costs_follow_the_precision(tmp_path):
     train = compose("train", ["logger=none"])
     prepare_training(train)
     assert train.precision == "fp32"
+
+
+def test_a_gpu_keeps_its_math_libraries_workspaces_through_the_step(tmp_path):
+    """The device preset's workspace bytes (cuBLAS's per product thread: 32 MiB each on
+    Hopper, measured on an H100; torch's smaller default below it) sit in every device's
+    temporaries at its peak, whatever else the step holds; CPU ranks keep none."""
+    from pipeflow.topology.presets import DEVICES
+
+    base = ["model=gpt_tiny", "schedule=1f1b", "pipeline.stages=2", "draw=false", "topology=cluster",
+            "topology.nodes=1"]
+    runs = {dev: simulate(tmp_path / dev, *base, f"topology.device={dev}") for dev in ("h100-80g", "a100-80g")}
+    hopper, ampere = DEVICES["h100-80g"].workspace_bytes, DEVICES["a100-80g"].workspace_bytes
+    assert hopper == 65 * 2**20 and ampere == (2 * (8 * 2**20 + 2**17) + 2**20) and DEVICES["cpu"].workspace_bytes == 0
+    for h, a in zip(runs["h100-80g"]["per_device"], runs["a100-80g"]["per_device"]):
+        assert h["peak_memory_bytes"] - a["peak_memory_bytes"] == hopper - ampere
+        assert h["memory_at_peak"]["temporaries"] - a["memory_at_peak"]["temporaries"] == hopper - ampere
+        assert a["memory_at_peak"]["temporaries"] >= ampere

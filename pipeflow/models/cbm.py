@@ -324,7 +324,8 @@ def cbm_loss(head_out: Tensor, batch: Mapping[str, Tensor], norm: CBMNormalizer,
     """Summed ITM BCE / pairs + summed MLM CE / masked tokens, for rows ``rows`` of ``batch``
     (the microbatch the head output belongs to; None: all of it)."""
     rows = slice(None) if rows is None else rows
-    itm_label, mlm_labels = batch["itm_label"][rows], batch["mlm_labels"][rows]
+    # the batch stays in host memory; a GPU stage's head reads its rows' labels there
+    itm_label, mlm_labels = (batch[k][rows].to(head_out.device) for k in ("itm_label", "mlm_labels"))
     itm, mlm = split_head_output(head_out, mlm_labels.size(1))
     # the BCE keeps its input for the backward: a copy of the B logits, not a view, which
     # would keep the whole head output ([B, 1 + T * V]) alive until the backward

@@ -365,13 +365,14 @@ def _profile_cuda(device: torch.device, result: StepMemory):
     import os
 
     dump = os.environ.get("PIPEFLOW_CUDA_MEMORY_DUMP")  # a path: what is live at the peak, with its Python stack
-    context = "alloc" if dump else None
+    # the dump's stacks: C++ frames too (a backward allocates on autograd's thread, with no Python frames)
+    context, stacks = ("alloc", "all") if dump else (None, "python")
     torch.cuda.synchronize(device)
     try:
-        cm._record_memory_history("all", context=context, stacks="python", max_entries=1 << 24, device=device,
+        cm._record_memory_history("all", context=context, stacks=stacks, max_entries=1 << 24, device=device,
                                   clear_history=True)
     except TypeError:  # an older torch without clear_history: nothing was recorded before anyway
-        cm._record_memory_history("all", context=context, stacks="python", max_entries=1 << 24, device=device)
+        cm._record_memory_history("all", context=context, stacks=stacks, max_entries=1 << 24, device=device)
     torch.cuda.reset_peak_memory_stats(device)
     start = int(torch.cuda.memory_allocated(device))
     _cuda = _CudaLog(device)
@@ -410,7 +411,7 @@ def _dump_peak(path: str, trace: list, log: "_CudaLog", step: StepMemory) -> Non
     named = {ptr: category for _, _, ptr, category, _ in log.tags}
     rows = [{"bytes": _block_bytes(int(e["size"])), "tag": named.get(addr),
              "frames": [f"{f.get('filename', '').rsplit('/', 2)[-1]}:{f.get('line')}:{f.get('name')}"
-                        for f in e.get("frames", [])[:12]]}
+                        for f in e.get("frames", [])[:48]]}
             for addr, e in live.items()]
     rows.sort(key=lambda r: -r["bytes"])
     with open(path, "w") as f:

@@ -362,9 +362,25 @@ class Peaks:
         return np.maximum.reduceat(level[self.pos] - level[self.base] + v[self.extra], self.starts)
 
 
-def device_memory(schedule, cost, per_device: list) -> list[dict]:
+def device_memory(schedule, cost, per_device: list, workspace=None) -> list[dict]:
     """Per device: ``peak_bytes``, ``at_peak`` (category -> bytes at that instant) and
     ``category_peaks`` (each category's own most). ``per_device`` is the engine's
-    :class:`DeviceStats` list (the weight versions an asynchronous policy keeps)."""
+    :class:`DeviceStats` list (the weight versions an asynchronous policy keeps);
+    ``workspace``: per device, what its math libraries keep for the whole run
+    (:attr:`~pipeflow.topology.topology.Device.workspace_bytes`), a temporary at every instant."""
     cache: dict = {}
-    return [t.walk(t.values(cost, per_device, cache)) for t in tapes(schedule)]
+    out = [t.walk(t.values(cost, per_device, cache)) for t in tapes(schedule)]
+    for d, mem in enumerate(out):
+        held = float(workspace[d]) if workspace is not None and d < len(workspace) else 0.0
+        if held:
+            mem["peak_bytes"] += held
+            mem["at_peak"]["temporaries"] += held
+            mem["category_peaks"]["temporaries"] += held
+    return out
+
+
+def library_workspace(topology, num_devices: int) -> list[float]:
+    """Each of the first ``num_devices`` devices' :attr:`Device.workspace_bytes`."""
+    devices = topology.devices
+    return [float(getattr(devices[d], "workspace_bytes", 0.0)) if d < len(devices) else 0.0
+            for d in range(num_devices)]

@@ -20,17 +20,30 @@ from typing import Callable, Mapping
 from .topology import Device, Topology, TopologyBuilder
 
 GiB = 2**30
+MiB = 2**20
+
+# What torch's math libraries keep per process for a training step (Device.workspace_bytes):
+# a cuBLAS workspace for each of the two threads that run products (the rank's own and
+# autograd's device thread), 32 MiB each on Hopper by torch's default
+# (CUBLAS_WORKSPACE_CONFIG unset; 4096 KiB x 2 + 16 KiB x 8 on older GPUs), and 1 MiB the
+# first product with a bias keeps. Measured on an H100 (torch 2.11,
+# `python -m benchmarks.gpu_workspace`): 32 + 1 after the first forward's products, 32
+# more at the first backward, 65 MiB in all; pipelined ranks there held 65.0 MiB beside
+# what their step allocates (docs/runtime.md, the GPU table).
+_HOPPER_WORKSPACE = 2 * 32 * MiB + 1 * MiB
+_AMPERE_WORKSPACE = 2 * (8 * MiB + 128 * 1024) + 1 * MiB  # torch's default, not measured here
 
 # Dense FLOP/s at the 16-bit training dtype, memory and memory bandwidth, from the vendors' datasheets.
 DEVICES: dict[str, Device] = {
     # NVIDIA A100 80GB SXM: 312 TFLOPS bf16 dense (156 TF32), 80 GB HBM2e at 2,039 GB/s
-    "a100-80g": Device("a100-80g", 312e12, 80 * GiB, 2.039e12, fp32_flops=156e12),
+    "a100-80g": Device("a100-80g", 312e12, 80 * GiB, 2.039e12, fp32_flops=156e12, workspace_bytes=_AMPERE_WORKSPACE),
     # NVIDIA A100 80GB PCIe: same tensor cores, 1,935 GB/s HBM2e
-    "a100-80g-pcie": Device("a100-80g-pcie", 312e12, 80 * GiB, 1.935e12, fp32_flops=156e12),
+    "a100-80g-pcie": Device("a100-80g-pcie", 312e12, 80 * GiB, 1.935e12, fp32_flops=156e12,
+                            workspace_bytes=_AMPERE_WORKSPACE),
     # NVIDIA V100 32GB SXM2: 125 TFLOPS fp16 tensor (15.7 fp32, no TF32), 900 GB/s HBM2
-    "v100-32g": Device("v100-32g", 125e12, 32 * GiB, 900e9, fp32_flops=15.7e12),
+    "v100-32g": Device("v100-32g", 125e12, 32 * GiB, 900e9, fp32_flops=15.7e12, workspace_bytes=_AMPERE_WORKSPACE),
     # NVIDIA H100 80GB SXM: 989 TFLOPS bf16 dense (495 TF32), 3.35 TB/s HBM3
-    "h100-80g": Device("h100-80g", 989e12, 80 * GiB, 3.35e12, fp32_flops=495e12),
+    "h100-80g": Device("h100-80g", 989e12, 80 * GiB, 3.35e12, fp32_flops=495e12, workspace_bytes=_HOPPER_WORKSPACE),
     # one CPU rank of a laptop/workstation: a few cores of AVX2 FMA; a share of DDR bandwidth
     "cpu": Device("cpu", 1e11, 8 * GiB, 2e10),
 }

@@ -26,6 +26,10 @@ class Device:
     memory_bandwidth: float = 0.0  # bytes/s (used for optimizer-step time)
     node: int = 0
     fp32_flops: float = 0.0  # dense FLOP/s in fp32 (A100/H100: TF32 tensor cores); 0: as peak_flops
+    # bytes the math libraries keep for the whole run in each process on the device: a
+    # cuBLAS workspace per thread that runs products (the forward's and autograd's
+    # device thread) and cuBLASLt's; the simulator counts them as temporaries
+    workspace_bytes: float = 0.0
 
     def flops(self, dtype_bytes: int = 2) -> float:
         """Dense FLOP/s for elements of ``dtype_bytes`` (4: fp32; otherwise 16-bit)."""

@@ -17,7 +17,7 @@ import numpy as np
 
 from pipeflow.schedules.data_parallel import replicate
 from pipeflow.sim.engine import simulate
-from pipeflow.sim.memory import device_memory, term_value
+from pipeflow.sim.memory import device_memory, library_workspace, term_value
 from pipeflow.topology.topology import Topology
 
 from ..cost import AnalyticCost
@@ -95,6 +95,11 @@ class Pricer:
         self._specs = {r: dataclasses.replace(spec, recompute=r) for r in ("none", "selective", "full")}
 
     # ---------------------------------------------------------------- the pieces
+
+    def workspace(self, device: int) -> float:
+        """What the device's math libraries keep for the whole run (a temporary throughout)."""
+        devices = self.topology.devices
+        return float(devices[device].workspace_bytes) if device < len(devices) else 0.0
 
     def limit(self, device: int) -> float:
         return self.memory_limit if self.memory_limit is not None else self.topology.devices[device].memory_bytes
@@ -178,8 +183,9 @@ class Pricer:
         for d, need in enumerate(needs):
             for r in range(c.data_parallel):
                 dev = r * p + d
-                if need - self.limit(dev) > worst[0] - worst[1]:
-                    worst = (float(need), self.limit(dev), dev)
+                held = need + self.workspace(dev)
+                if held - self.limit(dev) > worst[0] - worst[1]:
+                    worst = (float(held), self.limit(dev), dev)
         return worst
 
     def _work(self, st: Structure, cost: AnalyticCost, d: int, scale: float = 1.0) -> tuple[float, float, float, float, float]:
@@ -306,7 +312,7 @@ class Pricer:
         # ranks wait on it), after the last backward, before the optimizer step
         makespan = res.makespan / st.updates + (0.0 if st.asynchronous else self.tied_sync(c, st))
         worst = (-np.inf, 0.0, 0)
-        for d, mem in enumerate(device_memory(sched, cost, per)):
+        for d, mem in enumerate(device_memory(sched, cost, per, library_workspace(self.topology, sched.num_devices))):
             need = mem["peak_bytes"]
             if need - self.limit(d) > worst[0] - worst[1]:
                 worst = (need, self.limit(d), d)
