@@ -501,3 +501,26 @@ def test_a_gpu_keeps_its_math_libraries_workspaces_through_the_step(tmp_path):
         assert h["peak_memory_bytes"] - a["peak_memory_bytes"] == hopper - ampere
         assert h["memory_at_peak"]["temporaries"] - a["memory_at_peak"]["temporaries"] == hopper - ampere
         assert a["memory_at_peak"]["temporaries"] >= ampere
+
+
+@pytest.mark.parametrize("model,topology,precision,repeat", [
+    ("llama_tiny", "h100-80g", "fp32", True),  # grouped-query, fused, fp32, on a GPU: K/V repeated
+    ("llama_tiny", "h100-80g", "bf16", False),  # the 16-bit kernel takes the groups itself
+    ("llama_tiny", "cpu", "fp32", False),  # so does the CPU kernel
+    ("gpt_tiny", "h100-80g", "fp32", False),  # as many key/value heads as query heads
+])
+def test_fp32_grouped_query_attention_on_a_gpu_keeps_its_keys_repeated(model, topology, precision, repeat):
+    """torch's fp32 CUDA attention kernel takes no key/value groups: the runtime hands it
+    K and V repeated to every query head (measured on an H100: llama_tiny at 2k tokens,
+    441 MiB a rank, where the math fallback held 2157), and the model keeps those copies."""
+    from pipeflow.config import prepare_simulation as prepare
+    from pipeflow.planning.transformer import layer_saved_widths
+
+    cfg = compose("simulate", [f"model={model}", "schedule=1f1b", "pipeline.stages=2", "topology=cluster",
+                               "topology.nodes=1", f"topology.device={topology}", f"precision={precision}"])
+    spec = prepare(cfg).spec
+    assert spec.kv_repeat is repeat
+    c = 4 if precision == "fp32" else 2
+    plain = dataclasses.replace(spec, kv_repeat=False)
+    extra = layer_saved_widths(spec, c).key - layer_saved_widths(plain, c).key
+    assert extra == (2 * (spec.n_head - spec.kv_heads) * spec.head_dim * c if repeat else 0)

@@ -4,6 +4,7 @@ names, before any work starts (for training: before any rank is spawned).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
@@ -13,7 +14,7 @@ from pipeflow.formats.runplan import RunPlan
 from pipeflow.planning.cost import AnalyticCost, CostModel
 from pipeflow.planning.cost_models import build_cost_model
 from pipeflow.planning.partition import PARTITIONERS
-from pipeflow.planning.transformer import TransformerSpec
+from pipeflow.planning.transformer import TransformerSpec, kv_repeat_on
 from pipeflow.schedules.export import check_exportable
 from pipeflow.schedules.ir import Schedule
 from pipeflow.schedules.validate import validate
@@ -86,7 +87,11 @@ def prepare_simulation(cfg: DictConfig) -> SimulationInputs:
         spec = model_spec(cfg, schedule)
         lengths = simulation_segments(cfg, schedule)
         cost_cfg = cfg.cost
-        precision = resolve_precision(cfg, run_topology(cfg, schedule))
+        devices = run_topology(cfg, schedule)
+        precision = resolve_precision(cfg, devices)
+        gpu = any(d.name != "cpu" for d in devices.devices)
+        if kv_repeat_on(spec, 4 if precision == "fp32" else 2, gpu):
+            spec = dataclasses.replace(spec, kv_repeat=True)
         if cfg.cost.name == "analytic" and cfg.cost.get("dtype_bytes") is None:
             # the precision the run would train in sets the bytes per element
             cost_cfg = {**OmegaConf.to_container(cfg.cost, resolve=True),

@@ -119,6 +119,12 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, pattern: Pattern, window: int | None
     T, P = q.shape[2], k.shape[2]
     gqa = k.shape[1] != q.shape[1]
     if not _needs_mask(pattern, T, P, window):
+        if gqa and q.device.type == "cuda" and q.dtype not in (torch.float16, torch.bfloat16):
+            # torch's one fused CUDA kernel at fp32 (memory-efficient attention) takes no
+            # grouped-query attention: asked for it, SDPA falls back to its math path,
+            # which keeps every s x s score (measured on an H100: llama_tiny at 2k tokens
+            # held 2157 MiB where the fused kernel needs 430). Repeated heads keep it fused.
+            k, v, gqa = _repeat_heads(k, q.shape[1]), _repeat_heads(v, q.shape[1]), False
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=pattern.causal, scale=scale,
                                               enable_gqa=gqa)
     if q.device.type == "cpu" and dropout == 0.0:

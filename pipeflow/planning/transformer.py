@@ -66,6 +66,10 @@ class TransformerSpec:
     position_embedding: str = "learned"  # model.positions: learned (a table) | rotary (no parameters)
     dropout_masks: bool = False  # whether the forward keeps 1-byte dropout masks (model.dropout > 0)
     attention: str = "sdpa"  # model.attention: sdpa (fused: no score is kept) | eager (the scores are kept)
+    # the fused kernel is handed K and V repeated to every query head, and keeps those
+    # copies: grouped-query attention at fp32 on CUDA (pipeflow.models.attention), where
+    # torch's memory-efficient kernel takes no key/value groups (kv_repeat_on)
+    kv_repeat: bool = False
     post_norm: bool = False  # BERT: each sub-layer ends with its norm (GPT and the decoders: pre-norm)
     # matrix products that read the attention's input: 1 (GPT's fused c_attn) or 3 (separate
     # Q, K and V: BERT, Llama-style decoders); at 16 bits each saves its own autocast copy
@@ -359,7 +363,8 @@ def layer_saved_widths(spec: TransformerSpec, dtype_bytes: int) -> SavedWidths:
       bits one autocast copy per product, :func:`matrix_inputs`: separate Q, K and V keep 3H c);
     - attention, ``sdpa``: Q (h d c), the kernel's output (the output projection's input
       too, h d c) and a fp32 log-sum-exp per query head (4h) per token, and per key
-      attended over the key and the value (2 kv d c). ``eager``: Q and the output
+      attended over the key and the value (2 kv d c; 2 h d c where the kernel is handed
+      them repeated, ``kv_repeat``). ``eager``: Q and the output
       projection's input (2 h d c) per token, the key and value repeated to every query
       head (2 h d c) per key, and per pair and query head the softmax output (c; with
       dropout also its 1-byte mask and its output, c);
@@ -383,7 +388,7 @@ def layer_saved_widths(spec: TransformerSpec, dtype_bytes: int) -> SavedWidths:
         attn_token, key = (qkv_in * H + 2 * q) * c, 2 * q * c
         pair = spec.n_head * (2 * c + 1 if spec.dropout_masks else c)
     else:
-        attn_token, key = (qkv_in * H + 2 * q) * c + 4 * spec.n_head, 2 * kv * c
+        attn_token, key = (qkv_in * H + 2 * q) * c + 4 * spec.n_head, 2 * (q if spec.kv_repeat else kv) * c
         pair = 0
     masks = 2 * H if spec.dropout_masks else 0
     mlp = (mlp_in * H + (4 if spec.mlp == "gated" else 2) * spec.ffn_width) * c
@@ -458,3 +463,10 @@ def weight_residual_width(spec: TransformerSpec, dtype_bytes: int = 4) -> int:
     H, q, kv = spec.n_embd, spec.n_head * spec.head_dim, spec.kv_heads * spec.head_dim
     qkv_in, mlp_in = matrix_inputs(spec, dtype_bytes)  # at 16 bits, a copy per product
     return (2 + qkv_in + mlp_in) * H + 2 * q + 2 * kv + spec.mlp_matrices * spec.ffn_width
+
+
+def kv_repeat_on(spec: TransformerSpec, dtype_bytes: int, gpu: bool) -> bool:
+    """Whether the runtime hands the fused attention kernel K and V repeated to every
+    query head (:attr:`TransformerSpec.kv_repeat`): grouped-query attention, fused, at
+    fp32, on a GPU (pipeflow.models.attention: torch's fp32 CUDA kernel takes no groups)."""
+    return gpu and dtype_bytes >= 4 and spec.attention == "sdpa" and spec.kv_heads < spec.n_head

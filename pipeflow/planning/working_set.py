@@ -66,7 +66,8 @@ class BackwardWorkingSet:
         # a gated MLP's product backward makes two I-wide gradients (the gate activation's
         # and the up projection's) while the down projection's input gradient is live
         mlp = x * b * (2 if spec.mlp == "gated" else 1) * spec.ffn_width * c + stream
-        attention = b * c * (2 * x * spec.n_head + 2 * P * spec.kv_heads) * spec.head_dim + stream
+        kv_heads = spec.n_head if spec.kv_repeat else spec.kv_heads  # the kernel's K/V gradients
+        attention = b * c * (2 * x * spec.n_head + 2 * P * kv_heads) * spec.head_dim + stream
         rebuilt = self._transient[stage][seg]
         behind = self._mlp_saved(x * b)
         made = 4.0 * self._mlp_params() if fresh else 0.0

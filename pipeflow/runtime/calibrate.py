@@ -45,7 +45,6 @@ import os
 import statistics
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -260,7 +259,7 @@ def _host_cores() -> int:
 
 def run_rank(rank: int, job) -> dict | None:
     """One rank of the calibration (the launcher's entry for ``TrainJob(entry=...)``)."""
-    from .device import device_and_backend, keep_freed_memory
+    from .device import device_and_backend, join_group, keep_freed_memory
     from .rank import build_rank
 
     cfg = job.cfg
@@ -268,8 +267,7 @@ def run_rank(rank: int, job) -> dict | None:
     keep_freed_memory()  # as the worker does: the same allocator as a real step
     torch.set_num_threads(int(runtime.get("threads_per_rank") or 1))
     device, backend = device_and_backend(runtime, rank)
-    dist.init_process_group(backend, rank=rank, world_size=job.world_size,
-                            timeout=timedelta(seconds=float(runtime.get("timeout_s", 60)) * 4))
+    join_group(backend, rank, job.world_size, float(runtime.get("timeout_s", 60)) * 4)
     world = job.world_size
     setup = build_rank(job.plan, cfg, rank, device)
     ex = Executor(setup.schedule, rank, setup.stages, setup.adapter, setup.executor.groups, grad_clip=None)

@@ -6,8 +6,14 @@ from __future__ import annotations
 
 import os
 import resource
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
+
+# set by the launcher: it hosts the job's rendezvous store itself, on a port the system
+# gave it and it holds, and every rank joins it as a client (HOSTED_STORE)
+HOSTED_STORE = "PIPEFLOW_HOSTED_STORE"
 
 
 def device_and_backend(runtime: dict, rank: int) -> tuple[torch.device, str]:
@@ -27,6 +33,20 @@ def device_and_backend(runtime: dict, rank: int) -> tuple[torch.device, str]:
         torch.cuda.set_device(local)
         return torch.device("cuda", local), backend
     return torch.device("cpu"), backend
+
+
+def join_group(backend: str, rank: int, world_size: int, timeout_s: float) -> None:
+    """Join the job's process group: through the launcher's store where it hosts one
+    (local ranks: no port picked free and bound again later, which two jobs starting
+    at once on one host could both pick), else by torch's env:// rendezvous (torchrun,
+    Slurm, runtime.master_port)."""
+    timeout = timedelta(seconds=timeout_s)
+    if os.environ.get(HOSTED_STORE) == "1":
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                              is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    else:
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def peak_memory(device: torch.device) -> int:

@@ -39,6 +39,7 @@ from ..formats.runplan import RunPlan
 import torch.multiprocessing  # noqa: F401 - registers the pickling of tensors sent to the ranks
 
 from .cluster import alive
+from .device import HOSTED_STORE
 from .rank_server import rank_context
 from .supervise import (  # noqa: F401 - JobFailed, write_json and the constants are the launcher's API too
     _CONSEQUENCE,
@@ -323,7 +324,21 @@ def launch(job: TrainJob, on_start=None) -> dict:
                 signal.signal(signal.SIGTERM, previous)
 
     runtime = job.cfg.get("runtime", {})
-    port = runtime.get("master_port") or free_port()
+    port, store = runtime.get("master_port"), None
+    env = dict(os.environ)
+    if not port:
+        # the rendezvous store lives here, on a port the system gives it and this process
+        # holds to the end: two jobs starting at once on one host cannot both take it
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+
+        store = TCPStore("127.0.0.1", 0, job.world_size, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=float(runtime.get("timeout_s", 60)) * 4))
+        port = store.port
+        env[HOSTED_STORE] = "1"
+    else:
+        env.pop(HOSTED_STORE, None)
     hang_after = float(runtime.get("hang_timeout_s") or 0) or None
     stale = os.path.join(job.run_dir, "failure.json")
     if os.path.exists(stale):  # from an earlier attempt in the same directory
@@ -331,7 +346,6 @@ def launch(job: TrainJob, on_start=None) -> dict:
     ctx = rank_context()
     errors = ctx.SimpleQueue()
     beats = ctx.Array("d", job.world_size, lock=False)
-    env = dict(os.environ)
     procs = [ctx.Process(target=_rank_entry, args=(r, job, port, errors, env, os.getpid(), beats), daemon=False)
              for r in range(job.world_size)]
     stop: list[int] = []
@@ -378,6 +392,7 @@ def launch(job: TrainJob, on_start=None) -> dict:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         _stop(procs)
+        del store  # the rendezvous is over: its port goes back
     summary_path = os.path.join(job.run_dir, "summary.json")
     if os.path.exists(summary_path):
         with open(summary_path) as f:

@@ -15,7 +15,6 @@ import signal
 import socket
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -26,7 +25,7 @@ from ..schedules.data_parallel import pipeline_shape
 from ..schedules.versions import summarize, weight_versions
 from ..tracking.record import run_key
 from . import checkpoint
-from .device import device_and_backend, keep_freed_memory, peak_memory
+from .device import device_and_backend, join_group, keep_freed_memory, peak_memory
 from .launch import TrainJob, check_stop, deferred_stop, stop_behind
 from .memory_profile import profile_step
 from .optim import lr_at
@@ -39,9 +38,7 @@ def run_worker(rank: int, job: TrainJob) -> dict | None:
     keep_freed_memory()
     torch.set_num_threads(int(runtime.get("threads_per_rank") or 1))
     device, backend = device_and_backend(runtime, rank)
-    dist.init_process_group(
-        backend, rank=rank, world_size=job.world_size, timeout=timedelta(seconds=float(runtime.get("timeout_s", 60)))
-    )
+    join_group(backend, rank, job.world_size, float(runtime.get("timeout_s", 60)))
     # Under torchrun every process composed its own config, and a run dir named after the
     # clock may differ by a second between them: everyone writes where rank 0 writes.
     where = [job.run_dir]

@@ -23,7 +23,7 @@ from pipeflow.topology.topology import Topology
 from ..cost import AnalyticCost
 from ..partition import partition_layers
 from ..seqsplit import split_sequence
-from ..transformer import TransformerSpec
+from ..transformer import TransformerSpec, kv_repeat_on
 from .closed_form import Structure, StructureCache, idle_formula
 from .space import Candidate
 
@@ -92,7 +92,9 @@ class Pricer:
         self._needs_cache: dict[tuple, np.ndarray] = {}  # (id(cost), id(structure)) -> bytes per device
         self._layers: dict[tuple, list[int]] = {}
         self._rings: dict[tuple, float] = {}
-        self._specs = {r: dataclasses.replace(spec, recompute=r) for r in ("none", "selective", "full")}
+        gpu = any(d.name != "cpu" for d in topology.devices)  # fp32 grouped-query attention repeats K/V there
+        repeat = kv_repeat_on(spec, dtype_bytes, gpu)
+        self._specs = {r: dataclasses.replace(spec, recompute=r, kv_repeat=repeat) for r in ("none", "selective", "full")}
 
     # ---------------------------------------------------------------- the pieces
 
