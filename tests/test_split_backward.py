@@ -267,11 +267,14 @@ def test_weight_gradients_by_hand_match_autograd():
         torch.testing.assert_close(p.grad, want[n], msg=n)
 
 
-@pytest.mark.parametrize("name", ["gpt_middle", "gpt_last"])
+@pytest.mark.parametrize("name", ["gpt_middle", "gpt_last", "cbm_cross"])
 def test_input_pass_frees_the_graph_when_w_holds_what_it_needs(name):
     """Where every boundary node is a matrix product W does by hand, I frees the graph as
     a full backward does (W keeps only each product's operand and output gradient): a
-    second backward through it fails, and W still gives autograd's gradients."""
+    second backward through it fails, and W still gives autograd's gradients. The
+    cross-attention's projections take pieces of a packed weight and bias (split by
+    query and key/value), and the query's bias is added apart from its product: W does
+    those by hand too (they kept the whole graph until W before)."""
     module, run = _case(name)
     params = list(module.parameters())
     leaves, out, g = run()

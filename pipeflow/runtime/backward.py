@@ -17,8 +17,11 @@ backward, an embedding's backward, ...
 - ``W`` computes, at each boundary node, just its weight-side outputs from that
   gradient. A matrix product (``AddmmBackward0``, ``MmBackward0``: every linear layer)
   whose weight-side edges lead straight to parameters, possibly through a transpose,
-  is done by hand from the tensors the node saved: one GEMM per weight, added
-  into ``.grad`` as autograd adds it, and a sum per bias. Starting the autograd engine
+  autocast's cast or a split of a packed parameter (``nn.MultiheadAttention``'s
+  cross-attention takes its query and key/value projections as pieces of one), is done
+  by hand from the tensors the node saved: one GEMM per weight, added into ``.grad``
+  (into its piece) as autograd adds it, and a sum per bias; so is a bias added apart
+  from its product (``AddBackward0``: ``linear`` on an input it cannot flatten). Starting the autograd engine
   for each such node cost about 0.13 ms a call here, 15% of a W on a gpt_tiny stage.
   I plans these products before it runs and takes their operands (each linear layer's
   input) as it reaches each node, so where every boundary node is one, I frees the
@@ -230,35 +233,78 @@ def backward_weight(pending: PendingWeight, params: list[torch.Tensor]) -> None:
         torch.autograd.backward(deeper_roots, grad_tensors=deeper_grads, inputs=wanted)
 
 
+_SPLITS = ("SplitWithSizesBackward0", "SplitBackward0")
+
+
 def _param_through(edge: GradientEdge):
-    """(parameter, transposed) where ``edge`` leads straight to a parameter's
+    """(parameter, transposed, part) where ``edge`` leads straight to a parameter's
     accumulator, or through one transpose, or through autocast's cast of the parameter
     (``ToCopyBackward0``: the product's gradient is cast back to the parameter's dtype,
-    as autograd casts it), or both; None otherwise. Without the cast, every 16-bit
-    zero-bubble stage fell back to keeping its whole graph from I until W."""
-    node, transposed, seen = edge.node, False, set()
+    as autograd casts it), or both, and possibly through a split of the parameter
+    (``part``: (dim, start, length) of the piece; None: the whole parameter); None
+    otherwise. Without the cast, every 16-bit zero-bubble stage fell back to keeping
+    its whole graph from I until W; without the split, so did every stage with a
+    cross-attention (``nn.MultiheadAttention`` splits its packed projection and its
+    bias by query and key/value)."""
+    node, nr, transposed, seen = edge.node, edge.output_nr, False, set()
     while node is not None and node.name() in ("TBackward0", "ToCopyBackward0") and node.name() not in seen:
         seen.add(node.name())
         transposed = transposed or node.name() == "TBackward0"
         nxt = node.next_functions
         if len(nxt) != 1 or nxt[0][0] is None:
             return None
+        node, nr = nxt[0]
+    part = None
+    if node is not None and node.name() in _SPLITS:
+        dim = int(node._saved_dim)
+        total = _saved_sizes(node, "_saved_self")
+        if total is None:
+            return None
+        if node.name() == "SplitWithSizesBackward0":
+            sizes = [int(n) for n in node._saved_split_sizes]
+        else:
+            step = int(node._saved_split_size)
+            sizes = [min(step, total[dim] - i) for i in range(0, total[dim], step)]
+        if nr >= len(sizes):
+            return None
+        part = (dim, sum(sizes[:nr]), sizes[nr])
+        nxt = node.next_functions
+        if len(nxt) != 1 or nxt[0][0] is None:
+            return None
         node = nxt[0][0]
     param = getattr(node, "variable", None)  # an AccumulateGrad node holds its parameter
-    return None if param is None else (param, transposed)
+    return None if param is None else (param, transposed, part)
 
 
-def _accumulate(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha) -> None:
+def _piece_shape(param: torch.Tensor, part) -> tuple:
+    shape = list(param.shape)
+    if part is not None:
+        shape[part[0]] = part[2]
+    return tuple(shape)
+
+
+def _add_into(param: torch.Tensor, g: torch.Tensor, part) -> None:
+    """``param.grad += g`` (on the piece ``part`` of it, where one), summed as autograd's
+    accumulator sums (a split's backward fills the other pieces with zeros)."""
+    if g.dtype != param.dtype:  # a 16-bit product of autocast's cast: back to the parameter's dtype
+        g = g.to(param.dtype)
+    if part is None:
+        if param.grad is None:
+            param.grad = g
+        else:
+            param.grad.add_(g)
+        return
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    param.grad.narrow(*part).add_(g)
+
+
+def _accumulate(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha, part=None) -> None:
     """``param.grad += alpha * a @ b``, summed as autograd's accumulator sums: the product
     first, then added in place, so the gradient is bitwise the one autograd gives (a
     fused ``addmm_`` rounds differently)."""
     prod = torch.mm(a, b) if alpha == 1 else torch.mm(a, b).mul_(alpha)
-    if prod.dtype != param.dtype:  # a 16-bit product of autocast's cast: back to the parameter's dtype
-        prod = prod.to(param.dtype)
-    if param.grad is None:
-        param.grad = prod
-    else:
-        param.grad.add_(prod)
+    _add_into(param, prod, part)
 
 
 def _saved_sizes(node, attr: str) -> tuple | None:
@@ -297,6 +343,8 @@ def _plan_by_hand(node, branch: list) -> tuple | None:
     need not outlive I). None where the node or its weight-side edges are not of the
     forms handled here."""
     name = node.name()
+    if name == "AddBackward0":
+        return _plan_bias_add(node, branch)
     if name not in ("AddmmBackward0", "MmBackward0") or len(node._input_metadata) != 1:
         return None
     if name == "AddmmBackward0":
@@ -313,30 +361,51 @@ def _plan_by_hand(node, branch: list) -> tuple | None:
         target = _param_through(edge)
         if pos is None or target is None:
             return None
-        param, transposed = target
+        param, transposed, part = target
+        piece = _piece_shape(param, part)
         if pos == first + 1:  # the right operand, mat2: its gradient is x^T g
             attr = "_saved_mat1" if name == "AddmmBackward0" else "_saved_self"
             x = _saved_sizes(node, attr)
             if x is None or len(x) != 2:
                 return None
             shape = (x[1], out[1])
-            work.append([param, "right", attr, transposed])
+            work.append([param, "right", attr, transposed, part])
         elif pos == first:  # the left operand: g w^T
             w = _saved_sizes(node, "_saved_mat2")
             if w is None or len(w) != 2:
                 return None
-            work.append([param, "left", "_saved_mat2", transposed])
+            work.append([param, "left", "_saved_mat2", transposed, part])
             shape = (out[0], w[0])
         else:  # addmm's added term, a bias broadcast along the rows
-            if transposed or tuple(param.shape) != out[1:]:
+            if transposed or piece != out[1:]:
                 return None
-            work.append([param, "bias", None, False])
+            work.append([param, "bias", None, False, part])
             continue
-        # the parameter's shape must be the product's (transposed: its transpose's)
-        dims = tuple(param.shape[::-1]) if transposed else tuple(param.shape)
+        # the parameter's shape (its piece's) must be the product's (transposed: its transpose's)
+        dims = piece[::-1] if transposed else piece
         if dims != shape:
             return None
     return alpha, beta, work
+
+
+def _plan_bias_add(node, branch: list) -> tuple | None:
+    """W of an ``AddBackward0`` that adds a bias (or a piece of one) broadcast over the
+    leading dimensions of the other term, a product's output (``linear`` on an input it
+    cannot flatten: a matrix product, then the bias added): the bias's gradient is the
+    gradient summed over those dimensions, as autograd's ``sum_to`` sums it."""
+    if len(node._input_metadata) != 1 or len(branch) != 1:
+        return None
+    out = tuple(node._input_metadata[0].shape)
+    edge = branch[0]
+    pos = next((i for i, (k, nr) in enumerate(node.next_functions) if k is edge.node and nr == edge.output_nr), None)
+    target = _param_through(edge)
+    if pos is None or target is None or target[1] or len(out) < 2:
+        return None
+    param, _, part = target
+    if _piece_shape(param, part) != out[-1:]:
+        return None
+    alpha = getattr(node, "_saved_alpha", 1) if pos == 1 else 1  # add(a, b, alpha): b's gradient is alpha g
+    return 1, alpha, [[param, "bias", None, False, part]]
 
 
 @torch.no_grad()
@@ -344,18 +413,14 @@ def _run_by_hand(plan: tuple, g: torch.Tensor) -> None:
     """Accumulate one planned matrix-product node's weight gradients from ``g``, the
     gradient of the node's output."""
     alpha, beta, work = plan
-    for param, kind, operand, transposed in work:
+    for param, kind, operand, transposed, part in work:
         if kind == "bias":
-            s = g.sum(0) if beta == 1 else g.sum(0).mul_(beta)
-            if s.dtype != param.dtype:
-                s = s.to(param.dtype)
-            if param.grad is None:
-                param.grad = s
-            else:
-                param.grad.add_(s)
+            lead = tuple(range(g.dim() - 1))  # every dimension but the last, as sum_to sums them
+            s = g.sum(lead) if beta == 1 else g.sum(lead).mul_(beta)
+            _add_into(param, s, part)
             continue
         if kind == "right":
             a, b = (g.t(), operand) if transposed else (operand.t(), g)
         else:
             a, b = (operand, g.t()) if transposed else (g, operand.t())
-        _accumulate(param, a, b, alpha)
+        _accumulate(param, a, b, alpha, part)
