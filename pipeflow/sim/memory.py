@@ -223,6 +223,9 @@ def tapes(schedule) -> list[Tape]:
         casts_on: set = set()
         cast_by: dict = {}  # rep -> (microbatch, segment) of the forward that made its casts
         held_out: dict = {}
+        # a stage whose successor runs on this device too keeps its output until its own
+        # backward: (pipe, stage, microbatch, segment) -> the terms held for it
+        held_local: dict = {}
         waiting: dict = {}  # (rep, microbatch, segment) -> the messages an empty I left to its W
         sent: list[int] = []  # a gradient sent back, until the peer's next message proves it arrived
         for i, e in enumerate(mine):
@@ -261,6 +264,10 @@ def tapes(schedule) -> list[Tape]:
                     held_out[(rep, e.microbatch, seg)] = k = key("output_bytes", stage, seg)
                     ap((OUTS, k, 1))
                     ap((-1, -1, 0))
+                if any(placement.device(e.pipe, t) == d for t in graph.succs[stage]):
+                    k = key("local_output_bytes", stage, seg)
+                    held_local[(e.pipe, stage, e.microbatch, seg)] = [k]
+                    ap((OUTS, k, 1))
                 continue
             whole = not graph.preds[stage]  # a first stage's I is empty, its W the whole backward
             if kind == I and whole:
@@ -317,6 +324,15 @@ def tapes(schedule) -> list[Tape]:
                 elif nseg > 1:
                     ap((ACTS, key("kv_gradient_bytes", stage, seg), -1))
                 ap((ACTS, act, -1))
+                for k in held_local.pop((e.pipe, stage, e.microbatch, seg), ()):
+                    ap((OUTS, k, -1))
+                for t in graph.preds[stage]:
+                    # a predecessor on this device: its output, shared with this stage's
+                    # input at full precision, is the predecessor's alone from here
+                    held = held_local.get((e.pipe, t, e.microbatch, seg))
+                    if held is not None and placement.device(e.pipe, t) == d:
+                        held.append(k := key("shared_output_bytes", t, seg))
+                        ap((OUTS, k, 1))
                 if kind == I:
                     ap((RESID, key("weight_residual_bytes", stage, seg), 1))
             else:  # W
