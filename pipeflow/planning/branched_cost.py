@@ -180,6 +180,21 @@ class BranchedAnalyticCost(CostModel):
         x, H = self.tokens[branch], self.spec[branch].n_embd
         return float(self.microbatch_size * x * H * (4 + (self.dtype_bytes if self.dtype_bytes < 4 else 0)))
 
+    def local_output_bytes(self, stage: int, segment: int) -> float:
+        """A branch stage's output (fp32) kept until its backward where a successor runs on
+        the same device; at 16 bits beside the copy the successor restores (at fp32 the
+        successor's input is the output itself: :meth:`shared_output_bytes`)."""
+        return self._own_output(stage) if self.dtype_bytes < 4 and self.stages[stage][0] != "head" else 0.0
+
+    def shared_output_bytes(self, stage: int, segment: int) -> float:
+        """At fp32, the output a successor on the same device took as its input: the
+        stage's alone once that successor's backward has let go of it."""
+        return self._own_output(stage) if self.dtype_bytes >= 4 and self.stages[stage][0] != "head" else 0.0
+
+    def _own_output(self, stage: int) -> float:
+        branch = self.stages[stage][0]
+        return float(self.microbatch_size * self.tokens[branch] * self.spec[branch].n_embd * 4)
+
     def workspace_bytes(self, stage: int, segment: int) -> float:
         """What a backward holds at its most on top of what the forward kept: in a block
         the MLP's hidden gradient (4H wide, c) beside the stream's (H, fp32); the head's

@@ -264,7 +264,7 @@ def tapes(schedule) -> list[Tape]:
                     held_out[(rep, e.microbatch, seg)] = k = key("output_bytes", stage, seg)
                     ap((OUTS, k, 1))
                     ap((-1, -1, 0))
-                if any(placement.device(e.pipe, t) == d for t in graph.succs[stage]):
+                elif graph.succs[stage]:  # every successor here (one elsewhere holds the output already)
                     k = key("local_output_bytes", stage, seg)
                     held_local[(e.pipe, stage, e.microbatch, seg)] = [k]
                     ap((OUTS, k, 1))
