@@ -89,8 +89,7 @@ def prepare_simulation(cfg: DictConfig) -> SimulationInputs:
         cost_cfg = cfg.cost
         devices = run_topology(cfg, schedule)
         precision = resolve_precision(cfg, devices)
-        gpu = any(d.name != "cpu" for d in devices.devices)
-        if kv_repeat_on(spec, 4 if precision == "fp32" else 2, gpu):
+        if kv_repeat_on(spec, 4 if precision == "fp32" else 2, devices.on_gpus):
             spec = dataclasses.replace(spec, kv_repeat=True)
         if cfg.cost.name == "analytic" and cfg.cost.get("dtype_bytes") is None:
             # the precision the run would train in sets the bytes per element
@@ -109,7 +108,7 @@ def prepare_simulation(cfg: DictConfig) -> SimulationInputs:
     topology = run_topology(cfg, schedule, cost)
     # torch's AdamW steps CPU tensors one at a time (its foreach path is for accelerators)
     if isinstance(cost, AnalyticCost):
-        cost.step_per_tensor = all(d.name == "cpu" for d in topology.devices)
+        cost.step_per_tensor = not topology.on_gpus
     if cfg.export == "torch_csv":
         try:
             check_exportable(schedule)

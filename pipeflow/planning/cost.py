@@ -482,17 +482,18 @@ class AnalyticCost(BackwardWorkingSet, CostModel):
         the successor restores a copy of its own from the 16-bit one it is handed, so
         the two are apart throughout. At full precision the successor's input is the
         output itself, counted with its activations (:meth:`shared_output_bytes`)."""
-        if self.dtype_bytes >= 4:
-            return 0.0
-        return float(self.microbatch_size * self.segment_lengths[self._seg(segment)] * self.spec.n_embd * RESIDUAL_BYTES)
+        return self._stream_bytes(segment) if self.dtype_bytes < 4 else 0.0
 
     def shared_output_bytes(self, stage: int, segment: int) -> float:
         """At full precision, a stage's output that its successor on the same device took
         as its input: the stage's alone once the successor's backward has let go of it,
         until the stage's own backward."""
-        if self.dtype_bytes < 4:
-            return 0.0
-        return float(self.microbatch_size * self.segment_lengths[self._seg(segment)] * self.spec.n_embd * RESIDUAL_BYTES)
+        return self._stream_bytes(segment) if self.dtype_bytes >= 4 else 0.0
+
+    def _stream_bytes(self, segment: int) -> float:
+        """One microbatch's residual stream (fp32) over a segment: a stage's output."""
+        x = self.segment_lengths[self._seg(segment)]
+        return float(self.microbatch_size * x * self.spec.n_embd * RESIDUAL_BYTES)
 
     def _seg(self, segment: int) -> int:
         if not 0 <= segment < self.num_segments:

@@ -40,6 +40,7 @@ records every operator), so it runs for one step, the run's last.
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -311,7 +312,6 @@ class _CudaLog:
 def _quiet_stderr():
     """Send the process's stderr (file descriptor 2, where C++ libraries write) to
     /dev/null for the block: only around the profiler's start and stop."""
-    import os
     import sys
 
     sys.stderr.flush()
@@ -362,8 +362,6 @@ def _profile_cuda(device: torch.device, result: StepMemory):
     global _active, _cuda
     from torch.cuda import memory as cm
 
-    import os
-
     dump = os.environ.get("PIPEFLOW_CUDA_MEMORY_DUMP")  # a path: what is live at the peak, with its Python stack
     # the dump's stacks: C++ frames too (a backward allocates on autograd's thread, with no Python frames)
     context, stacks = ("alloc", "all") if dump else (None, "python")
@@ -396,7 +394,7 @@ def _profile_cuda(device: torch.device, result: StepMemory):
 
 def _dump_peak(path: str, trace: list, log: "_CudaLog", step: StepMemory) -> None:
     """Debugging aid: every allocation of the step live at its peak (its size, the last
-    tag at its address before the peak, the Python frames that made it), largest first."""
+    tag at its address, the Python and C++ frames that made it), largest first."""
     import json
 
     steps = [e for e in trace if e.get("action") in ("alloc", "free_requested")]

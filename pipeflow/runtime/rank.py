@@ -77,7 +77,7 @@ def build_rank(plan: RunPlan, cfg: dict, rank: int, device: torch.device, on_gra
     precision = Precision(plan.precision, device.type, float(cfg["runtime"].get("loss_scale", 2.0**16)))
     p2p = "ordered" if device.type == "cuda" else cfg["runtime"].get("p2p", "tagged")  # NCCL ignores tags
     # test hook: CPU ranks pass their messages through a host copy, as GPU ranks under gloo do
-    p2p_kw = {"host_staging": True} if cfg["runtime"].get("host_staging") else {}
+    staging = True if cfg["runtime"].get("host_staging") else None  # None: the executor decides
     schedule, layers = plan.schedule, plan.layers_per_stage
     adapter = plan.adapter.build(device)
     stages: dict[tuple[int, int], StageState] = {}
@@ -100,21 +100,21 @@ def build_rank(plan: RunPlan, cfg: dict, rank: int, device: torch.device, on_gra
     clip = optim.get("grad_clip")
     if schedule.policy == WeightPolicy.SYNC:
         executor = Executor(schedule, rank, stages, adapter, groups, grad_clip=clip, on_grads=on_grads,
-                            precision=precision, p2p=p2p, **p2p_kw)
+                            precision=precision, p2p=p2p, host_staging=staging)
         return RankSetup(schedule, layers, adapter, stages, executor, device=device)
 
     def make_chunk(windows: int) -> AsyncExecutor:
         return AsyncExecutor(plan.chunk_schedule(windows), rank, stages, adapter, groups, grad_clip=clip,
-                             precision=precision, p2p=p2p, **p2p_kw, keep_first_grads=dump)
+                             precision=precision, p2p=p2p, host_staging=staging, keep_first_grads=dump)
 
     # runtime.dump_grads: the first update's gradients, kept (a copy) for the dump only
     dump = bool(cfg["runtime"].get("dump_grads"))
-    executor = AsyncExecutor(schedule, rank, stages, adapter, groups, grad_clip=clip, precision=precision, p2p=p2p, **p2p_kw,
-                             keep_first_grads=dump)
+    executor = AsyncExecutor(schedule, rank, stages, adapter, groups, grad_clip=clip, precision=precision, p2p=p2p,
+                             host_staging=staging, keep_first_grads=dump)
     # evaluation after a flush: every mirror replica holds the same weights, so pipe 0's
     # replicas run the plan's forward-only 1F1B
     eval_stages = {(0, s): st for (pipe, s), st in stages.items() if pipe == 0}
     eval_executor = Executor(plan.eval_schedule, rank, eval_stages, adapter, groups, grad_clip=None,
-                             precision=precision, p2p=p2p, **p2p_kw)
+                             precision=precision, p2p=p2p, host_staging=staging)
     return RankSetup(schedule, layers, adapter, stages, executor, eval_executor,
                      {schedule.windows: executor}, make_chunk, device)

@@ -396,7 +396,5 @@ def device_memory(schedule, cost, per_device: list, workspace=None) -> list[dict
 
 
 def library_workspace(topology, num_devices: int) -> list[float]:
-    """Each of the first ``num_devices`` devices' :attr:`Device.workspace_bytes`."""
-    devices = topology.devices
-    return [float(getattr(devices[d], "workspace_bytes", 0.0)) if d < len(devices) else 0.0
-            for d in range(num_devices)]
+    """Each of the first ``num_devices`` devices' :meth:`Topology.workspace_bytes`."""
+    return [topology.workspace_bytes(d) for d in range(num_devices)]

@@ -141,6 +141,15 @@ class Topology:
         return len({d.node for d in self.devices})
 
     @property
+    def on_gpus(self) -> bool:
+        """Whether any device is an accelerator (the presets' ``cpu`` is the one that is not)."""
+        return any(d.name != "cpu" for d in self.devices)
+
+    def workspace_bytes(self, device: int) -> float:
+        """What device ``device``'s math libraries keep for the whole run (:attr:`Device.workspace_bytes`)."""
+        return float(self.devices[device].workspace_bytes) if device < len(self.devices) else 0.0
+
+    @property
     def shares_compute(self) -> bool:
         """Whether devices slow each other down when they compute at once (see __init__)."""
         return self.cores is not None and (self.cores < self.num_devices or self.contention < 1.0)

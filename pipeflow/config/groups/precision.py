@@ -23,7 +23,7 @@ def resolve_precision(cfg: DictConfig, topology) -> str:
         raise ConfigError(f"precision={asked}: unknown precision; allowed values: {', '.join(PRECISION_KEY)} "
                           f"(auto: fp32 on CPUs, bf16 on GPUs)")
     if asked == "auto":
-        asked = "fp32" if all(d.name == "cpu" for d in topology.devices) else "bf16"
+        asked = "bf16" if topology.on_gpus else "fp32"
     with open_dict(cfg):
         cfg.precision = asked
     return asked

@@ -92,16 +92,11 @@ class Pricer:
         self._needs_cache: dict[tuple, np.ndarray] = {}  # (id(cost), id(structure)) -> bytes per device
         self._layers: dict[tuple, list[int]] = {}
         self._rings: dict[tuple, float] = {}
-        gpu = any(d.name != "cpu" for d in topology.devices)  # fp32 grouped-query attention repeats K/V there
-        repeat = kv_repeat_on(spec, dtype_bytes, gpu)
-        self._specs = {r: dataclasses.replace(spec, recompute=r, kv_repeat=repeat) for r in ("none", "selective", "full")}
+        repeat = kv_repeat_on(spec, dtype_bytes, topology.on_gpus)  # fp32 grouped-query attention on GPUs
+        self._specs = {r: dataclasses.replace(spec, recompute=r, kv_repeat=repeat)
+                       for r in ("none", "selective", "full")}
 
     # ---------------------------------------------------------------- the pieces
-
-    def workspace(self, device: int) -> float:
-        """What the device's math libraries keep for the whole run (a temporary throughout)."""
-        devices = self.topology.devices
-        return float(devices[device].workspace_bytes) if device < len(devices) else 0.0
 
     def limit(self, device: int) -> float:
         return self.memory_limit if self.memory_limit is not None else self.topology.devices[device].memory_bytes
@@ -185,7 +180,7 @@ class Pricer:
         for d, need in enumerate(needs):
             for r in range(c.data_parallel):
                 dev = r * p + d
-                held = need + self.workspace(dev)
+                held = need + self.topology.workspace_bytes(dev)  # the math libraries' own, throughout
                 if held - self.limit(dev) > worst[0] - worst[1]:
                     worst = (float(held), self.limit(dev), dev)
         return worst
@@ -314,7 +309,8 @@ class Pricer:
         # ranks wait on it), after the last backward, before the optimizer step
         makespan = res.makespan / st.updates + (0.0 if st.asynchronous else self.tied_sync(c, st))
         worst = (-np.inf, 0.0, 0)
-        for d, mem in enumerate(device_memory(sched, cost, per, library_workspace(self.topology, sched.num_devices))):
+        held = library_workspace(self.topology, sched.num_devices)  # the math libraries' own, throughout
+        for d, mem in enumerate(device_memory(sched, cost, per, held)):
             need = mem["peak_bytes"]
             if need - self.limit(d) > worst[0] - worst[1]:
                 worst = (need, self.limit(d), d)
