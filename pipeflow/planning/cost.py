@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..topology.topology import Device
-from .working_set import BackwardWorkingSet
+from .working_set import BackwardWorkingSet, HeldOutputs
 from .transformer import (
     RESIDUAL_BYTES,
     recomputed_matrix_params,
@@ -217,7 +217,7 @@ def uniform_layers(n_layer: int, num_stages: int) -> list[int]:
     return [base + (1 if s < extra else 0) for s in range(num_stages)]
 
 
-class AnalyticCost(BackwardWorkingSet, CostModel):
+class AnalyticCost(BackwardWorkingSet, HeldOutputs, CostModel):
     """Times from transformer FLOPs, memory from Korthikanti et al. 2022.
 
     Stage s holds ``layers_per_stage[s]`` blocks; the embedding sits on stage 0, the
@@ -466,34 +466,6 @@ class AnalyticCost(BackwardWorkingSet, CostModel):
         p = float(self._params[stage])
         return {"parameters": 4.0 * p, "gradients": 4.0 * p, "optimizer_state": 8.0 * p,
                 "casts": self.held_cast_bytes(stage)}
-
-    def output_bytes(self, stage: int, segment: int) -> float:
-        """A stage's output (the residual stream, fp32) stays with the stage until its
-        gradient comes back and the backward starts; at 16 bits so does the 16-bit copy
-        it was sent as (the runtime drops a send once the gradient that proves its
-        arrival is in)."""
-        x = self.segment_lengths[self._seg(segment)]
-        per_token = RESIDUAL_BYTES + (self.dtype_bytes if self.dtype_bytes < 4 else 0)
-        return float(self.microbatch_size * x * self.spec.n_embd * per_token)
-
-    def local_output_bytes(self, stage: int, segment: int) -> float:
-        """A stage whose successor runs on the same device (a V-shaped placement: ZB-V,
-        DualPipeV) keeps its output (fp32) from its forward to its backward; at 16 bits
-        the successor restores a copy of its own from the 16-bit one it is handed, so
-        the two are apart throughout. At full precision the successor's input is the
-        output itself, counted with its activations (:meth:`shared_output_bytes`)."""
-        return self._stream_bytes(segment) if self.dtype_bytes < 4 else 0.0
-
-    def shared_output_bytes(self, stage: int, segment: int) -> float:
-        """At full precision, a stage's output that its successor on the same device took
-        as its input: the stage's alone once the successor's backward has let go of it,
-        until the stage's own backward."""
-        return self._stream_bytes(segment) if self.dtype_bytes >= 4 else 0.0
-
-    def _stream_bytes(self, segment: int) -> float:
-        """One microbatch's residual stream (fp32) over a segment: a stage's output."""
-        x = self.segment_lengths[self._seg(segment)]
-        return float(self.microbatch_size * x * self.spec.n_embd * RESIDUAL_BYTES)
 
     def _seg(self, segment: int) -> int:
         if not 0 <= segment < self.num_segments:
