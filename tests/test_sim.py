@@ -209,6 +209,41 @@ def test_the_memory_walk_priced_as_arrays_is_the_walk(name):
         assert len(set(walked)) > 1  # the devices differ: the test can tell them apart
 
 
+def test_an_asynchronous_walk_holds_each_microbatchs_casts_and_the_tied_updates_not_yet_applied():
+    """PipeDream on 4 devices: each forward casts the weights anew (their version moved),
+    so stage 0 holds one cast per microbatch in flight (4), where 1F1B shares one; and
+    the last stage holds each update's gradient of the tied embedding from its own STEP
+    until the STEP after stage 0's backward of that update (pipeflow.runtime.async_executor
+    applies it there, by the same plan), while stage 0 applies its own at once."""
+    from pipeflow.schedules.versions import tied_update_plan
+    from pipeflow.sim.memory import tapes
+
+    class Only:  # every term 0 but the one priced
+        def __init__(self, name):
+            self.name = name
+
+        def __getattr__(self, attr):
+            if attr == self.name:
+                return lambda *a: 1.0
+            if attr == "state_bytes":
+                return lambda s: {"parameters": 0.0, "optimizer_state": 0.0, "gradients": 0.0,
+                                  "casts": 1.0 if self.name == "casts" else 0.0}
+            raise AttributeError(attr)
+
+    def category_peaks(sched, name, category):
+        return [t.walk(t.values(Only(name), None, {}))["category_peaks"][category] for t in tapes(sched)]
+
+    async_ = build_schedule("pipedream", 4, 8)
+    assert category_peaks(async_, "casts", "casts") == [4.0, 3.0, 2.0, 1.0]
+    assert category_peaks(build_schedule("1f1b", 4, 8), "casts", "casts") == [1.0] * 4
+    plan = tied_update_plan(async_, (0, 3))
+    # stage 0 applies each update at its own STEP; the last stage some STEPs later
+    assert all(u == [w] for (_, _, w), u in plan[0].items())
+    late = sum(w > u[0] or w == -1 for (_, _, w), u in plan[3].items())
+    held = category_peaks(async_, "tied_gradient_bytes", "gradients")
+    assert held[0] == 0.0 and held[1] == held[2] == 0.0 and held[3] == late > 1
+
+
 def test_split_backward_memory_and_free_before_alloc():
     """F0 I0 F1 W0 I1 W1 on one device: I frees all but the weight residual, W frees
     the rest, and a free at the same instant as an allocation goes first."""

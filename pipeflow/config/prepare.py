@@ -5,6 +5,7 @@ names, before any work starts (for training: before any rank is spawned).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
@@ -109,6 +110,12 @@ def prepare_simulation(cfg: DictConfig) -> SimulationInputs:
     # torch's AdamW steps CPU tensors one at a time (its foreach path is for accelerators)
     if isinstance(cost, AnalyticCost):
         cost.step_per_tensor = not topology.on_gpus
+    if not topology.on_gpus and precision in ("bf16", "fp16"):
+        # this host's math library: its scratch inside a 16-bit product (the analytic
+        # and the branched cost models price it)
+        from pipeflow.topology.host import product_scratch
+
+        cost.product_scratch = functools.partial(product_scratch, dtype={"bf16": "bfloat16", "fp16": "float16"}[precision])
     if cfg.export == "torch_csv":
         try:
             check_exportable(schedule)

@@ -16,6 +16,7 @@ from typing import Mapping, Sequence
 from ..topology.topology import Device
 from .cbm_shape import cbm_shape
 from .cost import CostModel, _check_int, _check_number, layer_cost
+from .working_set import mlp_product_scratch
 from .transformer import (TransformerSpec, layer_forward_flops, layer_linear_flops, layer_params,
                           weight_residual_width)
 
@@ -180,6 +181,13 @@ class BranchedAnalyticCost(CostModel):
         x, H = self.tokens[branch], self.spec[branch].n_embd
         return float(self.microbatch_size * x * H * (4 + (self.dtype_bytes if self.dtype_bytes < 4 else 0)))
 
+    def sent_copy_bytes(self, stage: int, segment: int) -> float:
+        """Of :meth:`output_bytes`, the 16-bit copy sent (gone once a later message proves it arrived)."""
+        branch = self.stages[stage][0]
+        if branch == "head" or self.dtype_bytes >= 4:
+            return 0.0
+        return float(self.microbatch_size * self.tokens[branch] * self.spec[branch].n_embd * self.dtype_bytes)
+
     def local_output_bytes(self, stage: int, segment: int) -> float:
         """A branch stage's output (fp32) kept until its backward where a successor runs on
         the same device; at 16 bits beside the copy the successor restores (at fp32 the
@@ -205,7 +213,8 @@ class BranchedAnalyticCost(CostModel):
         if branch == "head":
             return float(2.0 * b * self.tokens["text"] * self.vocab * 4)
         spec, x = self.spec[branch], self.tokens[branch]
-        grads = b * x * (spec.ffn_width * self.dtype_bytes + spec.n_embd * 4)
+        grads = b * x * (spec.ffn_width * self.dtype_bytes + spec.n_embd * 4) \
+            + mlp_product_scratch(spec, b * x, self.dtype_bytes, getattr(self, "product_scratch", None))
         rebuilt = self.transient_bytes(stage, segment)
         return float(max(rebuilt, grads) if self.recompute == "selective" else rebuilt + grads)
 

@@ -467,6 +467,12 @@ class AnalyticCost(BackwardWorkingSet, HeldOutputs, CostModel):
         return {"parameters": 4.0 * p, "gradients": 4.0 * p, "optimizer_state": 8.0 * p,
                 "casts": self.held_cast_bytes(stage)}
 
+    def tied_gradient_bytes(self, stage: int) -> float:
+        """An asynchronous schedule's update of a tied embedding, held by the first or last
+        stage from its own STEP to the one that applies it (the tied matrix's fp32 gradient)."""
+        ends = (0, self.num_stages - 1) if self.num_stages > 1 else ()
+        return 4.0 * shared_head_params(self.spec) if stage in ends else 0.0
+
     def _seg(self, segment: int) -> int:
         if not 0 <= segment < self.num_segments:
             raise ValueError(

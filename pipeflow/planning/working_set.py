@@ -7,8 +7,28 @@ stage) and ``benchmarks/bench_memory.py`` (every device of a run)."""
 
 from __future__ import annotations
 
-from .transformer import (RESIDUAL_BYTES, head_params, head_residual_width, last_stage_saved, matrix_inputs,
+from .transformer import (RESIDUAL_BYTES, TransformerSpec, head_params, head_residual_width, last_stage_saved, matrix_inputs,
                           norm_params, norm_saved_bytes, recomputed_matrix_params, shared_head_params)
+
+
+def mlp_product_scratch(spec: TransformerSpec, tokens: int, dtype_bytes: int, scratch) -> float:
+    """What the host's math library allocates inside a product that runs while a block's
+    MLP hidden gradient is live (``scratch``: :func:`pipeflow.topology.host.product_scratch`,
+    set from a CPU topology at 16 bits; None elsewhere). Both weight gradients, the down
+    projection's (after its input's, with a bias) and the up projection's (after the
+    activation's backward), run beside one such gradient: each is a product with its
+    first operand transposed, ``hidden^T @ grad`` or ``grad^T @ hidden`` by how the
+    matrix is stored, so the larger scratch of the two orientations. Without a bias the
+    down projection's input gradient comes last, its product beside its result. A gated
+    MLP holds the most in its product of the gate and the up projection, where no
+    matrix product runs."""
+    if scratch is None or dtype_bytes >= 4 or spec.mlp == "gated":
+        return 0.0
+    H, I = spec.n_embd, spec.ffn_width
+    most = max(scratch(I, tokens, H, True), scratch(H, tokens, I, True))
+    if not spec.mlp_bias:
+        most = max(most, scratch(tokens, H, I, False))
+    return float(most)
 
 
 class BackwardWorkingSet:
@@ -71,6 +91,7 @@ class BackwardWorkingSet:
         rebuilt = self._transient[stage][seg]
         behind = self._mlp_saved(x * b)
         made = 4.0 * self._mlp_params() if fresh else 0.0
+        mlp += self._mlp_product_scratch(x * b)
         if spec.recompute == "full":  # the MLP's part of the rebuilt layer is gone by the attention's
             phases = [(rebuilt + mlp, 0.0, 0.0), (rebuilt - behind + attention, 0.0, made)]
         elif spec.recompute == "selective":
@@ -84,6 +105,9 @@ class BackwardWorkingSet:
             phases.append((2.0 * x * b * spec.vocab_size * 4, 0.0, 0.0))
         net, freed, made = max(phases, key=lambda p: p[0] + p[2])
         return float(net), float(freed), float(made)
+
+    def _mlp_product_scratch(self, tokens: int) -> float:
+        return mlp_product_scratch(self.spec, tokens, self.dtype_bytes, getattr(self, "product_scratch", None))
 
     def _mlp_params(self) -> float:
         """A block's MLP sub-layer's parameters: its matrices, their biases, its norm's."""
@@ -246,6 +270,12 @@ class HeldOutputs:
         x = self.segment_lengths[self._seg(segment)]
         per_token = RESIDUAL_BYTES + (self.dtype_bytes if self.dtype_bytes < 4 else 0)
         return float(self.microbatch_size * x * self.spec.n_embd * per_token)
+
+    def sent_copy_bytes(self, stage: int, segment: int) -> float:
+        """Of :meth:`output_bytes`, the 16-bit copy it was sent as, which goes once a later
+        message from the peer proves it arrived (0 at full precision: the output itself is sent)."""
+        x = self.segment_lengths[self._seg(segment)]
+        return float(self.microbatch_size * x * self.spec.n_embd * self.dtype_bytes) if self.dtype_bytes < 4 else 0.0
 
     def local_output_bytes(self, stage: int, segment: int) -> float:
         """A stage whose successor runs on the same device (a V-shaped placement: ZB-V,

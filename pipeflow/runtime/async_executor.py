@@ -48,8 +48,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..schedules.ir import Action, Kind, Schedule, WeightPolicy
-from ..schedules.validate import dry_run
-from ..schedules.versions import forward_version
+from ..schedules.versions import forward_version, tied_update_plan
 from ..schedules.zero import zero_owners
 from .executor import Executor, Groups, StageState
 from .memory_profile import tag, tag_stage
@@ -205,28 +204,8 @@ class AsyncExecutor(Executor):
     def _plan_tied(self, schedule: Schedule) -> dict[tuple[int, int, int], list[int]]:
         """(pipe, stage, update w) -> tied updates this replica applies at its STEP w."""
         tied_stages = {s for (_, s), st in self.stages.items() if st.tied}
-        all_tied = set(self.adapter.tied_stages) if len({*self.adapter.tied_stages}) > 1 else set()
-        if not tied_stages or not all_tied:
-            return {}
-        upd = schedule.update_of_microbatch
-        done_at = {a: i for i, a in enumerate(dry_run(schedule))}
-        # every copy's last backward of each update, anywhere in the schedule
-        last: dict[int, int] = {}
-        for order in schedule.orders:
-            for a in order:
-                if a.kind in Kind.WEIGHT_GRAD and a.stage in all_tied:
-                    u = upd[a.microbatch]
-                    last[u] = max(last.get(u, -1), done_at[a])
-        plan: dict[tuple[int, int, int], list[int]] = {}
-        for (pipe, stage) in self.stages:
-            if stage not in tied_stages:
-                continue
-            steps = sorted((done_at[a], a.version) for a in schedule.orders[self.rank]
-                           if a.kind == Kind.STEP and (a.pipe, a.stage) == (pipe, stage))
-            for u, t in sorted(last.items()):
-                w = next((v for when, v in steps if when > t), None)
-                plan.setdefault((pipe, stage, -1 if w is None else w), []).append(u)
-        return plan
+        plan = tied_update_plan(schedule, self.adapter.tied_stages)
+        return {k: us for k, us in plan.get(self.rank, {}).items() if k[1] in tied_stages and (k[0], k[1]) in self.stages}
 
     # ---- data of a global microbatch --------------------------------------------------
     def _locate(self, a: Action, batch, normalizer):
@@ -333,8 +312,11 @@ class AsyncExecutor(Executor):
             p.grad = None
             tag(g, "gradients")  # runtime.memory=profile: held until the update applies it
             if id(p) in tied:
-                entry = tied_local.setdefault(u, [torch.zeros_like(p), len(tied_copies)])
-                entry[0] += g
+                entry = tied_local.get(u)
+                if entry is None:  # the first local copy's gradient is the sum so far (no zeros beside it)
+                    entry = tied_local[u] = [g, len(tied_copies)]
+                else:
+                    entry[0] += g
                 entry[1] -= 1
                 if entry[1] == 0:  # every local copy has its share: sum across the copies' ranks
                     total = tied_local.pop(u)[0]

@@ -162,6 +162,8 @@ def analyse(result, device: torch.device) -> StepMemory:
 
     events = []  # (time, order, kind, ptr, size or category, nbytes)
     actions = []  # (start, end, name) of each action the executor named
+    dump = os.environ.get("PIPEFLOW_MEMORY_DUMP")  # a path: what is live at the peak, with its operators
+    made_by: dict = {}  # id of an allocation event -> the operators it was made in (dump only)
     for ev in OpTree(result).dfs():
         if ev.name.startswith(_ACTION):
             actions.append((ev.start_time_ns, ev.end_time_ns, ev.name[len(_ACTION):]))
@@ -170,6 +172,8 @@ def analyse(result, device: torch.device) -> StepMemory:
         if kind == _EventType.Allocation:
             if _same(fields.device, device):
                 events.append((ev.start_time_ns, 0, "alloc", fields.ptr, fields.alloc_size, 0))
+                if dump:
+                    made_by[id(events[-1])] = _operators(ev)
         elif ev.name.startswith(_PREFIX):
             category, nbytes = ev.name[len(_PREFIX):].split("::")
             for child in ev.children:
@@ -177,7 +181,53 @@ def analyse(result, device: torch.device) -> StepMemory:
                     ptr = getattr(meta, "storage_data_ptr", None)
                     if ptr and _same(getattr(meta, "device", None), device):
                         events.append((ev.start_time_ns, 1, "tag", ptr, category, int(nbytes)))
-    return _replay(events, actions)
+    out = _replay(events, actions)
+    if dump:
+        _dump_cpu_peak(f"{dump}.cpu.{os.getpid()}.json", events, made_by, out, actions)
+    return out
+
+
+def _operators(ev, depth: int = 12) -> list[str]:
+    """The names of the operators (and ranges) an event ran in, innermost first."""
+    names = []
+    p = ev.parent
+    while p is not None and len(names) < depth:
+        shapes = [list(getattr(m, "sizes", ()) or ()) for m in getattr(p.typed[1], "inputs", ()) or ()
+                  if getattr(m, "sizes", None) is not None] if not names else []
+        names.append(p.name + (str(shapes) if shapes else ""))
+        p = p.parent
+    return names
+
+
+def _dump_cpu_peak(path: str, events: list, made_by: dict, step: StepMemory, actions: list = ()) -> None:
+    """Debugging aid: every allocation live at a CPU step's peak (its size, the last tag at
+    its address, the operators that made it), largest first."""
+    import json
+
+    live: dict = {}
+    named: dict = {}
+    for e in sorted(events, key=lambda e: (e[0], e[1])):
+        if step.peak_time is not None and e[0] > step.peak_time:
+            break
+        _, _, kind, ptr, x, _ = e
+        if kind == "tag":
+            named[ptr] = x
+        elif x > 0:
+            live[ptr] = (x, made_by.get(id(e), []))
+            named.pop(ptr, None)
+        else:
+            live.pop(ptr, None)
+    freed: dict = {}  # ptr -> the action running when it is next freed
+    for e in sorted(events, key=lambda e: (e[0], e[1])):
+        if step.peak_time is not None and e[0] > step.peak_time and e[2] == "alloc" and e[4] < 0 \
+                and e[3] in live and e[3] not in freed:
+            freed[e[3]] = next((name for start, end, name in actions if start <= e[0] <= end), "between actions")
+    rows = [{"bytes": size, "tag": named.get(ptr), "operators": ops, "freed_in": freed.get(ptr)}
+            for ptr, (size, ops) in live.items()]
+    rows.sort(key=lambda r: -r["bytes"])
+    with open(path, "w") as f:
+        json.dump({"peak_bytes": step.peak_bytes, "at_peak": step.at_peak, "peak_action": step.peak_action,
+                   "live": rows}, f, indent=1)
 
 
 def _replay(events: list, actions: list, live_at_start: int | None = None) -> StepMemory:

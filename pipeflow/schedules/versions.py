@@ -116,3 +116,36 @@ def summarize(records) -> dict:
         "mean_mismatch": sum(mm) / len(mm),
         "mismatched": sum(1 for x in mm if x),
     }
+
+
+def tied_update_plan(schedule: Schedule, tied_stages) -> dict[int, dict[tuple[int, int, int], list[int]]]:
+    """Where an asynchronous schedule applies each update of a weight that several stages
+    share (a tied embedding and LM head): device -> (pipe, stage, w) -> the updates that
+    replica applies at its STEP w (``w = -1``: after its chunk's last STEP). An update's
+    gradient of the shared weight is whole only after the last backward feeding it on any
+    of those stages, so each copy applies it at its first STEP after that backward, in the
+    schedule's global order (:func:`~pipeflow.schedules.validate.dry_run`); until then the
+    copy holds that gradient. Empty when fewer than two stages share a weight."""
+    from .validate import dry_run
+
+    tied = set(tied_stages)
+    if len(tied) < 2:
+        return {}
+    upd = schedule.update_of_microbatch
+    done_at = {a: i for i, a in enumerate(dry_run(schedule))}
+    last: dict[int, int] = {}  # update -> when its last backward into a tied stage is done
+    for order in schedule.orders:
+        for a in order:
+            if a.kind in Kind.WEIGHT_GRAD and a.stage in tied:
+                u = upd[a.microbatch]
+                last[u] = max(last.get(u, -1), done_at[a])
+    out: dict[int, dict[tuple[int, int, int], list[int]]] = {}
+    for dev, order in enumerate(schedule.orders):
+        reps = sorted({(a.pipe, a.stage) for a in order if a.stage in tied})
+        for pipe, stage in reps:
+            steps = sorted((done_at[a], a.version) for a in order
+                           if a.kind == Kind.STEP and (a.pipe, a.stage) == (pipe, stage))
+            for u, t in sorted(last.items()):
+                w = next((v for when, v in steps if when > t), None)
+                out.setdefault(dev, {}).setdefault((pipe, stage, -1 if w is None else w), []).append(u)
+    return out

@@ -38,7 +38,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..schedules.ir import Kind
+from ..schedules.ir import Action, Kind, WeightPolicy
+from ..schedules.versions import tied_update_plan
 from ..schedules.zero import zero_owners
 
 CATEGORIES = ("parameters", "optimizer_state", "weight_versions", "gradients", "casts", "activations", "residuals",
@@ -164,6 +165,26 @@ def tapes(schedule) -> list[Tape]:
         "parameters", "optimizer_state", "weight_versions", "gradients", "casts", "activations", "residuals", "outputs",
         "inputs"))
     F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W  # noqa: E741
+    # An asynchronous executor's forwards each cast the weights anew (their versions
+    # change between microbatches): each microbatch's backward holds its own casts
+    asynchronous = getattr(schedule, "policy", WeightPolicy.SYNC) != WeightPolicy.SYNC
+    # and a weight its first and last stages share (a tied embedding) is updated once the
+    # last backward feeding it is done anywhere: until that STEP a copy holds the
+    # update's gradient of it (the cost model prices it: 0 for an untied model)
+    nstages = len(graph.preds)
+    chain = nstages > 1 and all(len(p) <= 1 for p in graph.preds) and all(len(x) <= 1 for x in graph.succs)
+    tied_plan = tied_update_plan(schedule, (0, nstages - 1)) if asynchronous and chain else {}
+    # where each action runs: a message from a peer made by an action after the one that
+    # consumed a send proves that send arrived (pipeflow.runtime.messages._drop_arrived)
+    position = {a: (dd, i) for dd, order in enumerate(schedule.orders) for i, a in enumerate(order)}
+
+    def made_at(kinds, stage, mb, pipe, seg):
+        for kind in kinds:
+            got = position.get(Action(kind, stage, mb, pipe, seg))
+            if got is not None:
+                return got
+        return None
+
     out = []
     for d, order in enumerate(schedule.orders):
         index: dict[tuple, int] = {}
@@ -221,6 +242,11 @@ def tapes(schedule) -> list[Tape]:
                     landed[i].append(k)
         grads_on: set = set()
         casts_on: set = set()
+        tied_held: set = set()  # (rep, update) whose tied gradient waits for its STEP
+        # the 16-bit copy each forward sent, until a message proves it arrived:
+        # (pipe, stage, microbatch, segment) -> [its term, its consumers' positions, dropped]
+        copies: dict = {}
+        plan_here = tied_plan.get(d, {})
         cast_by: dict = {}  # rep -> (microbatch, segment) of the forward that made its casts
         held_out: dict = {}
         # a stage whose successor runs on this device too keeps its output until its own
@@ -249,13 +275,38 @@ def tapes(schedule) -> list[Tape]:
                 if rep in casts_on:
                     ap((CASTS, key("state", stage, "casts"), -1))
                     casts_on.discard(rep)
+                if stage in (0, nstages - 1) and plan_here:
+                    applied = plan_here.get((e.pipe, stage, e.version), [])
+                    tied = key("tied_gradient_bytes", stage)
+                    if e.version not in applied:
+                        tied_held.add((rep, e.version))
+                        ap((GRADS, tied, 1))
+                    for u in applied:
+                        if (rep, u) in tied_held:
+                            tied_held.discard((rep, u))
+                            ap((GRADS, tied, -1))
                 continue
+            if copies and kind in (F, B, I):
+                # the messages this action waits for prove the sends their makers had consumed
+                if kind == F:
+                    makers = [made_at((F,), t, e.microbatch, e.pipe, seg) for t in neighbours(e.pipe, stage)[0]]
+                else:
+                    makers = [made_at((B, I), t, e.microbatch, e.pipe, seg) for t in neighbours(e.pipe, stage)[1]]
+                for m in makers:
+                    if m is None:
+                        continue
+                    for c in copies.values():
+                        if not c[2] and all(u is not None and u[0] == m[0] and u[1] < m[1] for u in c[1]):
+                            c[2] = True
+                            ap((OUTS, c[0], -1))
             act = key("activation_bytes", stage, seg)
             if kind == F:
                 for k in landed[i]:
                     ap((INS, k, -1))
                 ap((ACTS, act, 1))
-                if rep not in casts_on:
+                if asynchronous:  # this microbatch's own casts, until its backward
+                    ap((CASTS, key("state", stage, "casts"), 1))
+                elif rep not in casts_on:
                     casts_on.add(rep)
                     cast_by[rep] = (e.microbatch, seg)
                     ap((CASTS, key("state", stage, "casts"), 1))
@@ -264,6 +315,9 @@ def tapes(schedule) -> list[Tape]:
                     held_out[(rep, e.microbatch, seg)] = k = key("output_bytes", stage, seg)
                     ap((OUTS, k, 1))
                     ap((-1, -1, 0))
+                    copies[(e.pipe, stage, e.microbatch, seg)] = [
+                        key("sent_copy_bytes", stage, seg),
+                        [made_at((F,), t, e.microbatch, e.pipe, seg) for t in neighbours(e.pipe, stage)[1]], False]
                 elif graph.succs[stage]:  # every successor here (one elsewhere holds the output already)
                     k = key("local_output_bytes", stage, seg)
                     held_local[(e.pipe, stage, e.microbatch, seg)] = [k]
@@ -308,6 +362,9 @@ def tapes(schedule) -> list[Tape]:
                 out_k = held_out.pop((rep, e.microbatch, seg), None)  # kept through its backward
                 if out_k is not None:
                     ap((OUTS, out_k, -1))
+                    c = copies.pop((e.pipe, stage, e.microbatch, seg), None)
+                    if c is not None and c[2]:  # its copy went earlier
+                        ap((OUTS, c[0], 1))
                 for k in sent:
                     ap((OUTS, k, -1))
                 for k in arrived:
@@ -324,6 +381,8 @@ def tapes(schedule) -> list[Tape]:
                 elif nseg > 1:
                     ap((ACTS, key("kv_gradient_bytes", stage, seg), -1))
                 ap((ACTS, act, -1))
+                if asynchronous:
+                    ap((CASTS, key("state", stage, "casts"), -1))
                 for k in held_local.pop((e.pipe, stage, e.microbatch, seg), ()):
                     ap((OUTS, k, -1))
                 for t in graph.preds[stage]:
