@@ -169,6 +169,10 @@ def measure(label: str, overrides: list[str], work: Path, device: str = "cpu", o
     topology = "topology=local_cpu" if device == "cpu" else _gpu_topology()
     # the trained job's pipeline, every key (pipeflow-simulate's own defaults are a cluster's)
     shape = [f"pipeline.{k}={v}" for k, v in cfg.pipeline.items()]
+    plan = inputs.schedule.meta.get("plan")
+    if plan is not None:  # schedule=planned: the plan the run trained (another topology plans its own)
+        (run_dir / "plan.json").write_text(json.dumps(plan))
+        shape.append(f"schedule.plan={run_dir / 'plan.json'}")
     sim = run_simulation(compose("simulate", [*over, *shape, "draw=false", *topology.split()]), run_dir / "sim")
     rows = []
     for dev, (meas, simd) in enumerate(zip(summary["memory_profile"], sim["per_device"])):

@@ -15,9 +15,10 @@ runtime's memory profile measures (``runtime.memory=profile``,
 - ``activations``: what forwards keep for their backwards (a segment's keys and values
   included), as the engine walks them; ``residuals``: what a zero-bubble I keeps for its
   W, from I (what it has kept by its peak, at that instant) until W;
-- ``outputs``: a stage's output, from its forward until its backward is done, and a
-  gradient it sent back, until its next backward (the runtime keeps a send until a
-  later message from the peer proves it arrived);
+- ``outputs``: a stage's output, from its forward until its backward is done (at 16
+  bits the copy it was sent as goes earlier), and a gradient it sent back: a send is
+  held until a message from the peer, made by an action after the one that consumed the
+  send, proves it arrived (the runtime's rule, :mod:`pipeflow.runtime.messages`);
 - ``inputs``: a message's receive buffer, from the action before the one that needs it
   (the runtime posts receives one action ahead) until its forward starts or its
   backward is done;
@@ -243,8 +244,9 @@ def tapes(schedule) -> list[Tape]:
         grads_on: set = set()
         casts_on: set = set()
         tied_held: set = set()  # (rep, update) whose tied gradient waits for its STEP
-        # the 16-bit copy each forward sent, until a message proves it arrived:
-        # (pipe, stage, microbatch, segment) -> [its term, its consumers' positions, dropped]
+        # what a rank sent, until a message proves it arrived: a forward's 16-bit copy
+        # ((pipe, stage, microbatch, segment)) and a gradient sent back (("sent", pipe,
+        # to, from, microbatch, segment)) -> [its term, its consumers' positions, dropped]
         copies: dict = {}
         plan_here = tied_plan.get(d, {})
         cast_by: dict = {}  # rep -> (microbatch, segment) of the forward that made its casts
@@ -253,7 +255,6 @@ def tapes(schedule) -> list[Tape]:
         # backward: (pipe, stage, microbatch, segment) -> the terms held for it
         held_local: dict = {}
         waiting: dict = {}  # (rep, microbatch, segment) -> the messages an empty I left to its W
-        sent: list[int] = []  # a gradient sent back, until the peer's next message proves it arrived
         for i, e in enumerate(mine):
             kind, rep, stage, seg = e.kind, (e.pipe, e.stage), e.stage, e.segment
             for s in reduces_after.get(i - 1, ()):
@@ -295,10 +296,12 @@ def tapes(schedule) -> list[Tape]:
                 for m in makers:
                     if m is None:
                         continue
-                    for c in copies.values():
+                    for name, c in list(copies.items()):
                         if not c[2] and all(u is not None and u[0] == m[0] and u[1] < m[1] for u in c[1]):
                             c[2] = True
                             ap((OUTS, c[0], -1))
+                            if name[0] == "sent":  # a gradient sent back: nothing more to hold
+                                del copies[name]
             act = key("activation_bytes", stage, seg)
             if kind == F:
                 for k in landed[i]:
@@ -365,13 +368,13 @@ def tapes(schedule) -> list[Tape]:
                     c = copies.pop((e.pipe, stage, e.microbatch, seg), None)
                     if c is not None and c[2]:  # its copy went earlier
                         ap((OUTS, c[0], 1))
-                for k in sent:
-                    ap((OUTS, k, -1))
                 for k in arrived:
                     ap((INS, k, -1))
-                sent = [key("message_bytes", p, stage, seg) for p in neighbours(e.pipe, stage)[0]]
-                for k in sent:
+                for p in neighbours(e.pipe, stage)[0]:  # the gradients it sends back, until proven arrived
+                    k = key("message_bytes", p, stage, seg)
                     ap((OUTS, k, 1))
+                    copies[("sent", e.pipe, p, stage, e.microbatch, seg)] = [
+                        k, [made_at((B, I), p, e.microbatch, e.pipe, seg)], False]
                 # Seq1F1B (the engine's rule, sim.engine._kv_gradient): a microbatch's first
                 # backward on a stage (its last segment's) allocates the key/value gradients
                 # of every earlier segment; each earlier segment's backward frees its own
