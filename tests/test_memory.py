@@ -224,7 +224,8 @@ def test_the_zero_bubble_split_holds_its_residuals_until_w_measured_and_simulate
                                   ("1f1b", "model.recompute=full"), ("zb_h1", "precision=bf16"),
                                   ("zb_h1", "model.recompute=full"), ("pipedream",),
                                   ("1f1b", "precision=bf16", "model.recompute=full"),
-                                  ("seq1f1b", "pipeline.segments=4", "model.recompute=selective")],
+                                  ("seq1f1b", "pipeline.segments=4", "model.recompute=selective"),
+                                  ("pipedream", "precision=bf16")],
                          ids=lambda c: " ".join(c))
 def test_the_simulated_peak_is_what_each_rank_allocates(case, trained, tmp_path: Path):
     """runtime.memory=profile against pipeflow-simulate on the same config: per device the

@@ -339,7 +339,7 @@ class AnalyticCost(BackwardWorkingSet, HeldOutputs, CostModel):
                     w += hf
                     a += last_stage_saved(spec, x, b, dt)
                     r += head_residual_width(spec) * x * b * dt
-                i_row.append(self._input_workspace(n, one, x, s == last))
+                i_row.append((*self._input_workspace(n, one, x, s == last), one.saved))  # and a block's saved bytes
                 if s == 0:
                     # the first stage's input (token ids) needs no gradient: the runtime's I
                     # there is empty and W is the whole backward (pipeflow.runtime.backward),

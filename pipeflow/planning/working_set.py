@@ -103,8 +103,45 @@ class BackwardWorkingSet:
             head_made = 4.0 * (head_params(spec) - (shared_head_params(spec) if stage == 0 else 0)) if fresh else 0.0
             phases = [(n - head, f + head, m + head_made) for n, f, m in phases]
             phases.append((2.0 * x * b * spec.vocab_size * 4, 0.0, 0.0))
+        if fresh is None:  # the attention's phase itself (cast_phase_bytes)
+            return phases[1]
         net, freed, made = max(phases, key=lambda p: p[0] + p[2])
         return float(net), float(freed), float(made)
+
+    def cast_phase_bytes(self, stage: int, segment: int) -> float:
+        """A backward through shared casts an earlier forward made, at the attention of the
+        first or the last block it passes (whichever holds more): on top of the level less
+        :meth:`cast_phase_freed_bytes`, that attention's working set and the 16-bit
+        gradients of every shared cast it has passed, which wait for the casts' backward at
+        its end (the head's, the MLP matrices, the blocks' attention matrices behind it; a
+        recomputed region casts anew and its gradients flow at once). Measured: Seq1F1B's
+        later segments at bf16 with selective recomputation peak there, their MLP weights'
+        16-bit gradients beside the rebuilt attention."""
+        return self._cast_phase(stage, segment)[0]
+
+    def cast_phase_freed_bytes(self, stage: int, segment: int) -> float:
+        """What that backward has freed of the microbatch's saved bytes by then: the blocks'
+        behind it and, in its block, the MLP's (see :meth:`_backward_phase`)."""
+        return self._cast_phase(stage, segment)[1]
+
+    def _cast_phase(self, stage: int, segment: int) -> tuple[float, float]:
+        spec, c, n = self.spec, self.dtype_bytes, self.layers_per_stage[stage]
+        if c >= 4 or n == 0:
+            return 0.0, 0.0
+        seg = self._seg(segment)
+        net, freed, _ = self._backward_phase(stage, segment, fresh=None)
+        block_saved = self._input_ws[stage][seg][3]  # one block's saved bytes (AnalyticCost's tables)
+        q, kv = spec.n_head * spec.head_dim, spec.kv_heads * spec.head_dim
+        attention = 0 if spec.recompute != "none" else spec.n_embd * (2 * q + 2 * kv) * c
+        mlp = 0 if spec.recompute == "full" else spec.mlp_matrices * spec.n_embd * spec.ffn_width * c
+        head = self.held_cast_bytes(stage) - n * (attention + mlp)  # the head's cast, on the last stage
+        # at the attention of the j-th block the backward passes (j = 0: its first), the
+        # MLP casts' gradients of j + 1 blocks and the attention casts' of j held, the j
+        # blocks behind freed: linear in j, so the most is at its first block or its last
+        best = max(((head + (j + 1) * mlp + j * attention, j * block_saved) for j in {0, n - 1}),
+                   key=lambda hf: hf[0] - hf[1])
+        # the phase's net is on top of the level less what it freed (as B's own point)
+        return float(net + freed + best[0]), float(freed + best[1])
 
     def _mlp_product_scratch(self, tokens: int) -> float:
         return mlp_product_scratch(self.spec, tokens, self.dtype_bytes, getattr(self, "product_scratch", None))

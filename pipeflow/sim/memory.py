@@ -354,6 +354,13 @@ def tapes(schedule) -> list[Tape]:
                         ap((GRADS, made, 1))
                     ap((-1, key("during_backward", stage, seg, *fresh), 0))
                     ap((ACTS, freed, 1))
+                    if rep in casts_on and cast_by.get(rep) != (e.microbatch, seg):
+                        # through casts an earlier forward made: their gradients wait for
+                        # the casts' backward, the last block's attention beside them
+                        cf = key("cast_phase_freed_bytes", stage, seg)
+                        ap((ACTS, cf, -1))
+                        ap((-1, key("cast_phase_bytes", stage, seg), 0))
+                        ap((ACTS, cf, 1))
                     if fresh:
                         ap((GRADS, made, -1))
                     if rep in casts_on and cast_by.get(rep) != (e.microbatch, seg):
