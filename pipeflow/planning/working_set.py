@@ -301,9 +301,8 @@ class HeldOutputs:
 
     def output_bytes(self, stage: int, segment: int) -> float:
         """A stage's output (the residual stream, fp32) stays with the stage until its
-        gradient comes back and the backward starts; at 16 bits so does the 16-bit copy
-        it was sent as (the runtime drops a send once the gradient that proves its
-        arrival is in)."""
+        gradient comes back and the backward starts; at 16 bits with the 16-bit copy it
+        was sent as, which goes earlier (:meth:`sent_copy_bytes`)."""
         x = self.segment_lengths[self._seg(segment)]
         per_token = RESIDUAL_BYTES + (self.dtype_bytes if self.dtype_bytes < 4 else 0)
         return float(self.microbatch_size * x * self.spec.n_embd * per_token)

@@ -204,8 +204,8 @@ class AsyncExecutor(Executor):
     def _plan_tied(self, schedule: Schedule) -> dict[tuple[int, int, int], list[int]]:
         """(pipe, stage, update w) -> tied updates this replica applies at its STEP w."""
         tied_stages = {s for (_, s), st in self.stages.items() if st.tied}
-        plan = tied_update_plan(schedule, self.adapter.tied_stages)
-        return {k: us for k, us in plan.get(self.rank, {}).items() if k[1] in tied_stages and (k[0], k[1]) in self.stages}
+        plan = tied_update_plan(schedule, self.adapter.tied_stages).get(self.rank, {})
+        return {k: us for k, us in plan.items() if k[1] in tied_stages}
 
     # ---- data of a global microbatch --------------------------------------------------
     def _locate(self, a: Action, batch, normalizer):

@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..topology.host import quiet_stderr
+
 CATEGORIES = ("parameters", "weight_versions", "optimizer_state", "gradients", "casts", "activations", "residuals",
               "kv", "outputs", "inputs", "temporaries")
 
@@ -206,22 +208,19 @@ def _dump_cpu_peak(path: str, events: list, made_by: dict, step: StepMemory, act
 
     live: dict = {}
     named: dict = {}
-    for e in sorted(events, key=lambda e: (e[0], e[1])):
-        if step.peak_time is not None and e[0] > step.peak_time:
-            break
-        _, _, kind, ptr, x, _ = e
-        if kind == "tag":
+    freed: dict = {}  # ptr -> the action running when what was live at the peak is freed
+    for e in events:  # in time order (_replay sorted them)
+        t, _, kind, ptr, x, _ = e
+        if step.peak_time is not None and t > step.peak_time:
+            if kind == "alloc" and x < 0 and ptr in live and ptr not in freed:
+                freed[ptr] = next((name for start, end, name in actions if start <= t <= end), "between actions")
+        elif kind == "tag":
             named[ptr] = x
         elif x > 0:
             live[ptr] = (x, made_by.get(id(e), []))
             named.pop(ptr, None)
         else:
             live.pop(ptr, None)
-    freed: dict = {}  # ptr -> the action running when it is next freed
-    for e in sorted(events, key=lambda e: (e[0], e[1])):
-        if step.peak_time is not None and e[0] > step.peak_time and e[2] == "alloc" and e[4] < 0 \
-                and e[3] in live and e[3] not in freed:
-            freed[e[3]] = next((name for start, end, name in actions if start <= e[0] <= end), "between actions")
     rows = [{"bytes": size, "tag": named.get(ptr), "operators": ops, "freed_in": freed.get(ptr)}
             for ptr, (size, ops) in live.items()]
     rows.sort(key=lambda r: -r["bytes"])
@@ -359,23 +358,6 @@ class _CudaLog:
 
 
 @contextlib.contextmanager
-def _quiet_stderr():
-    """Send the process's stderr (file descriptor 2, where C++ libraries write) to
-    /dev/null for the block: only around the profiler's start and stop."""
-    import sys
-
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
-@contextlib.contextmanager
 def profile_step(device: torch.device, enabled: bool = True):
     """Run the block under the memory profiler; yields a :class:`StepMemory` filled on exit."""
     global _active
@@ -390,14 +372,14 @@ def profile_step(device: torch.device, enabled: bool = True):
     from torch.profiler import ProfilerActivity, profile
 
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True)
-    with _quiet_stderr():  # kineto announces its start and stop on stderr, once per rank
+    with quiet_stderr():  # kineto announces its start and stop on stderr, once per rank
         prof.start()
     _active = True
     try:
         yield result
     finally:
         _active = False
-        with _quiet_stderr():
+        with quiet_stderr():
             prof.stop()
     measured = analyse(prof.profiler.kineto_results, device)
     result.peak_bytes, result.at_peak, result.category_peaks, result.peak_action = \

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedules.ir import Action, Kind
-from ..schedules.lowering import Comm
+from ..schedules.lowering import Comm, action_positions, message_position
 from .memory_profile import tag
 
 
@@ -82,19 +82,10 @@ class MessageIO:
 
     def _position(self, key: tuple, consumer: bool) -> tuple[int, int] | None:
         """(device, index in its order) of the action that consumes (``consumer``) or
-        produces a message ``key``: a forward message is made by F of its edge's source
-        and used by F of its destination; a gradient is made by the destination's B or I
-        and used by the source's."""
+        makes a message ``key`` (:func:`~pipeflow.schedules.lowering.message_position`)."""
         if self._positions is None:
-            self._positions = {a: (d, i) for d, order in enumerate(self.schedule.orders) for i, a in enumerate(order)}
-        grad, src, dst, mb, pipe, seg = key
-        stage = (src if consumer else dst) if grad else (dst if consumer else src)
-        kinds = (Kind.B, Kind.I) if grad else (Kind.F,)
-        for kind in kinds:
-            found = self._positions.get(Action(kind, stage, mb, pipe, seg))
-            if found is not None:
-                return found
-        return None
+            self._positions = action_positions(self.schedule)
+        return message_position(self._positions, key, consumer)
 
     def _drop_arrived(self, sends: list, received: list) -> None:
         """Let go of the sends a received message proves complete. A message from a peer

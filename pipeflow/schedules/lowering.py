@@ -147,3 +147,24 @@ def check_pair_order(lowered: list[list[Item]]) -> None:
                 f" but received as tag {r[first] if first < len(r) else None}; a transport that matches a pair's "
                 f"messages in order (NCCL) would pair them wrongly (order the receives with order_pairs)"
             )
+
+
+def action_positions(schedule: Schedule) -> dict[Action, tuple[int, int]]:
+    """Each action's (device, index in that device's order)."""
+    return {a: (d, i) for d, order in enumerate(schedule.orders) for i, a in enumerate(order)}
+
+
+def message_position(positions: dict, key: tuple, consumer: bool) -> tuple[int, int] | None:
+    """(device, index) of the action that consumes (``consumer``) or makes the message
+    ``key`` = (grad, src, dst, microbatch, pipe, segment): a forward message is made by F
+    of its edge's source and used by F of its destination; a gradient is made by the
+    destination's B or I and used by the source's. A message from a peer made after the
+    action that consumed one of ours proves ours arrived (the runtime lets go of a send
+    then, pipeflow.runtime.messages; the simulator's memory walk holds it until then)."""
+    grad, src, dst, mb, pipe, seg = key
+    stage = (src if consumer else dst) if grad else (dst if consumer else src)
+    for kind in (Kind.B, Kind.I) if grad else (Kind.F,):
+        found = positions.get(Action(kind, stage, mb, pipe, seg))
+        if found is not None:
+            return found
+    return None

@@ -39,7 +39,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..schedules.ir import Action, Kind, WeightPolicy
+from ..schedules.ir import Kind, WeightPolicy
+from ..schedules.lowering import action_positions, message_position
 from ..schedules.versions import tied_update_plan
 from ..schedules.zero import zero_owners
 
@@ -177,14 +178,7 @@ def tapes(schedule) -> list[Tape]:
     tied_plan = tied_update_plan(schedule, (0, nstages - 1)) if asynchronous and chain else {}
     # where each action runs: a message from a peer made by an action after the one that
     # consumed a send proves that send arrived (pipeflow.runtime.messages._drop_arrived)
-    position = {a: (dd, i) for dd, order in enumerate(schedule.orders) for i, a in enumerate(order)}
-
-    def made_at(kinds, stage, mb, pipe, seg):
-        for kind in kinds:
-            got = position.get(Action(kind, stage, mb, pipe, seg))
-            if got is not None:
-                return got
-        return None
+    position = action_positions(schedule)
 
     out = []
     for d, order in enumerate(schedule.orders):
@@ -290,9 +284,10 @@ def tapes(schedule) -> list[Tape]:
             if copies and kind in (F, B, I):
                 # the messages this action waits for prove the sends their makers had consumed
                 if kind == F:
-                    makers = [made_at((F,), t, e.microbatch, e.pipe, seg) for t in neighbours(e.pipe, stage)[0]]
+                    keys = [(False, t, stage, e.microbatch, e.pipe, seg) for t in neighbours(e.pipe, stage)[0]]
                 else:
-                    makers = [made_at((B, I), t, e.microbatch, e.pipe, seg) for t in neighbours(e.pipe, stage)[1]]
+                    keys = [(True, stage, t, e.microbatch, e.pipe, seg) for t in neighbours(e.pipe, stage)[1]]
+                makers = [message_position(position, k, consumer=False) for k in keys]
                 for m in makers:
                     if m is None:
                         continue
@@ -320,7 +315,8 @@ def tapes(schedule) -> list[Tape]:
                     ap((-1, -1, 0))
                     copies[(e.pipe, stage, e.microbatch, seg)] = [
                         key("sent_copy_bytes", stage, seg),
-                        [made_at((F,), t, e.microbatch, e.pipe, seg) for t in neighbours(e.pipe, stage)[1]], False]
+                        [message_position(position, (False, stage, t, e.microbatch, e.pipe, seg), consumer=True)
+                         for t in neighbours(e.pipe, stage)[1]], False]
                 elif graph.succs[stage]:  # every successor here (one elsewhere holds the output already)
                     k = key("local_output_bytes", stage, seg)
                     held_local[(e.pipe, stage, e.microbatch, seg)] = [k]
@@ -347,6 +343,9 @@ def tapes(schedule) -> list[Tape]:
                     # what B has freed by its peak leaves the activations for that instant
                     # a backward into a stage with no gradients yet has made some by its peak
                     fresh = ("fresh",) if rep not in grads_on else ()
+                    # through casts an earlier forward made: their gradients wait for the
+                    # casts' backward at its end (see held_cast_gradients)
+                    through = rep in casts_on and cast_by.get(rep) != (e.microbatch, seg)
                     freed = key("backward_freed_bytes", stage, seg, *fresh)
                     ap((ACTS, freed, -1))
                     if fresh:
@@ -354,18 +353,14 @@ def tapes(schedule) -> list[Tape]:
                         ap((GRADS, made, 1))
                     ap((-1, key("during_backward", stage, seg, *fresh), 0))
                     ap((ACTS, freed, 1))
-                    if rep in casts_on and cast_by.get(rep) != (e.microbatch, seg):
-                        # through casts an earlier forward made: their gradients wait for
-                        # the casts' backward, the last block's attention beside them
+                    if through:  # at its blocks' attention, beside the gradients it has made so far
                         cf = key("cast_phase_freed_bytes", stage, seg)
                         ap((ACTS, cf, -1))
                         ap((-1, key("cast_phase_bytes", stage, seg), 0))
                         ap((ACTS, cf, 1))
                     if fresh:
                         ap((GRADS, made, -1))
-                    if rep in casts_on and cast_by.get(rep) != (e.microbatch, seg):
-                        # a backward through casts an earlier forward made holds each
-                        # cast's 16-bit gradient until its end (see held_cast_gradients)
+                    if through:  # and near its end, its activations gone
                         ap((ACTS, act, -1))
                         ap((-1, key("held_cast_gradients", stage, seg), 0))
                         ap((ACTS, act, 1))
@@ -381,7 +376,8 @@ def tapes(schedule) -> list[Tape]:
                     k = key("message_bytes", p, stage, seg)
                     ap((OUTS, k, 1))
                     copies[("sent", e.pipe, p, stage, e.microbatch, seg)] = [
-                        k, [made_at((B, I), p, e.microbatch, e.pipe, seg)], False]
+                        k, [message_position(position, (True, p, stage, e.microbatch, e.pipe, seg), consumer=True)],
+                        False]
                 # Seq1F1B (the engine's rule, sim.engine._kv_gradient): a microbatch's first
                 # backward on a stage (its last segment's) allocates the key/value gradients
                 # of every earlier segment; each earlier segment's backward frees its own

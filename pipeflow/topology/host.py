@@ -36,31 +36,29 @@ def product_scratch(m: int, k: int, n: int, transposed: bool, dtype: str = "bflo
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        with _quiet(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             torch.mm(a, b)
     finally:
         torch.set_num_threads(old)
-    result = m * n * dt.itemsize
     sizes = [f.alloc_size for ev in OpTree(prof.profiler.kineto_results).dfs()
              for kind, f in [ev.typed] if kind == _EventType.Allocation and f.alloc_size > 0]
-    extra = sorted(sizes)
-    if result in extra:
-        extra.remove(result)
-    return int(max(extra, default=0))
+    if m * n * dt.itemsize in sizes:  # the result itself
+        sizes.remove(m * n * dt.itemsize)
+    return int(max(sizes, default=0))
 
 
 @contextlib.contextmanager
-def _quiet():
-    """kineto announces its start and stop on stderr."""
+def quiet_stderr():
+    """Send the process's stderr (file descriptor 2, where C++ libraries write) to
+    /dev/null for the block: kineto announces the profiler's start and stop there."""
+    import sys
+
+    sys.stderr.flush()
+    saved = os.dup(2)
     try:
-        fd = os.dup(2)
-    except OSError:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
         yield
-        return
-    with open(os.devnull, "w") as null:
-        os.dup2(null.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(fd, 2)
-            os.close(fd)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
