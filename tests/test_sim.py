@@ -244,6 +244,40 @@ def test_an_asynchronous_walk_holds_each_microbatchs_casts_and_the_tied_updates_
     assert held[0] == 0.0 and held[1] == held[2] == 0.0 and held[3] == late > 1
 
 
+def test_a_zero_bubble_w_runs_its_products_beside_what_i_kept_for_it():
+    """W's products (their results, the host's scratch, at 16 bits the fp32 copies; in a
+    stage without gradients yet, the gradients made by then) run while what I kept for
+    that W is still held: the runtime lets it go when W returns. So on every device the
+    walk's peak on each later stage is the most residuals ever held plus W's working set,
+    where a W's peak after its release would have been one residual less."""
+    from pipeflow.sim.memory import tapes
+
+    class Priced:  # only the residuals and W's working set cost anything
+        def __init__(self, fresh):
+            self.fresh = fresh
+
+        def weight_residual_bytes(self, stage, segment):
+            return 1.0
+
+        def weight_workspace_bytes(self, stage, segment):
+            return 10.0
+
+        def fresh_weight_workspace_bytes(self, stage, segment):
+            return self.fresh
+
+        def state_bytes(self, stage):
+            return {"parameters": 0.0, "optimizer_state": 0.0, "gradients": 0.0, "casts": 0.0}
+
+    first_stage, *later = tapes(build_schedule("zb_h1", 4, 8))
+    # (the first stage's input needs no gradient: its I is empty, its W the whole backward)
+    assert first_stage.walk(first_stage.values(Priced(10.0), None, {}))["category_peaks"]["residuals"] == 0.0
+    for t in later:
+        held = t.walk(t.values(Priced(10.0), None, {}))
+        assert held["peak_bytes"] == held["category_peaks"]["residuals"] + 10.0
+        first = t.walk(t.values(Priced(100.0), None, {}))  # the step's first W makes the gradients
+        assert 100.0 < first["peak_bytes"] <= held["category_peaks"]["residuals"] + 100.0
+
+
 def test_split_backward_memory_and_free_before_alloc():
     """F0 I0 F1 W0 I1 W1 on one device: I frees all but the weight residual, W frees
     the rest, and a free at the same instant as an allocation goes first."""

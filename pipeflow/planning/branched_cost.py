@@ -16,8 +16,8 @@ from typing import Mapping, Sequence
 from ..topology.topology import Device
 from .cbm_shape import cbm_shape
 from .cost import CostModel, _check_int, _check_number, layer_cost
-from .working_set import mlp_product_scratch
-from .transformer import (TransformerSpec, layer_forward_flops, layer_linear_flops, layer_params,
+from .working_set import mlp_product_scratch, weight_phase_bytes
+from .transformer import (TransformerSpec, norm_saved_bytes, layer_forward_flops, layer_linear_flops, layer_params,
                           weight_residual_width)
 
 
@@ -262,6 +262,89 @@ class BranchedAnalyticCost(CostModel):
         n = (hi - lo) * weight_residual_width(spec, c) * x
         n += sum(4 * H * x + (Ho + 2 * H) * y for blk in range(lo, hi) if blk in self.interactions)
         return float(n * b * c)
+
+    def cast_phase_bytes(self, stage: int, segment: int) -> float:
+        """A backward through shared casts an earlier forward made (the transformer's
+        :meth:`~pipeflow.planning.working_set.BackwardWorkingSet.cast_phase_bytes`), at
+        the attention of the first or the last block it passes: that attention's working
+        set and the 16-bit gradients of the shared casts it has passed (the MLP's of each
+        block so far, the attention's of the blocks behind where nothing is recomputed).
+        An interaction block's cross-attention runs its backward first: the rebuilt
+        sub-layer (recomputation), the gradients of its queries, of the keys and values
+        over the other branch's tokens and of both streams, and the product of the
+        key/value weight gradient (its result and the host's scratch). Measured: cbm
+        GPipe bf16 with selective recomputation on 4 ranks, the vision stage's later
+        backwards peak in that product, three MLPs' gradients beside it."""
+        return self._cast_phase(stage)[0]
+
+    def cast_phase_freed_bytes(self, stage: int, segment: int) -> float:
+        """What that backward has freed of the microbatch's saved bytes by then: the blocks'
+        behind it and its block's MLP's."""
+        return self._cast_phase(stage)[1]
+
+    def _cast_phase(self, stage: int) -> tuple[float, float]:
+        branch, lo, hi = self.stages[stage]
+        b, c = self.microbatch_size, self.dtype_bytes
+        if c >= 4 or branch == "head":
+            return 0.0, 0.0
+        spec, x = self.spec[branch], b * self.tokens[branch]
+        other = "text" if branch == "vision" else "vision"
+        H, I, Ho, y = spec.n_embd, spec.ffn_width, self.spec[other].n_embd, b * self.tokens[other]
+        one = layer_cost(spec, self.tokens[branch], self.tokens[branch], b, c)
+        scratch = getattr(self, "product_scratch", None)
+        mlp_cast = 0 if self.recompute == "full" else 2 * H * I * c
+        mlp_saved = 0 if self.recompute == "full" else x * ((H + 2 * I) * c + norm_saved_bytes(spec))
+        rebuilt = self.transient_bytes(stage, 0)
+        best = (float("-inf"), 0.0)
+        for j in {0, hi - lo - 1}:
+            blk = hi - 1 - j
+            behind = range(blk + 1, hi)
+            held = (j + 1) * mlp_cast
+            if self.recompute == "none":
+                held += sum(4 * H * H + ((2 * H * H + 2 * H * Ho) if k in self.interactions else 0) for k in behind) * c
+            freed = j * one.saved + mlp_saved
+            stream = x * H * 4
+            work = rebuilt + 4 * x * H * c + stream  # the self-attention's: Q, K, V and output gradients
+            if blk in self.interactions:
+                kv = scratch(2 * H, y, Ho, True) if scratch is not None else 0
+                work = max(work, rebuilt + x * H * c + y * 2 * H * c + stream + y * Ho * 4 + 2 * H * Ho * c
+                           + max(kv, scratch(Ho, y, 2 * H, True) if kv else 0))
+            if held + work - freed > best[0] - best[1]:
+                best = (held + work, freed)
+        return float(best[0]), float(best[1])
+
+    def weight_workspace_bytes(self, stage: int, segment: int) -> float:
+        """What a zero-bubble W holds at its most on top of its level, before it lets go of
+        what I kept for it (:func:`~pipeflow.planning.working_set.weight_phase_bytes`)."""
+        return weight_phase_bytes(self._weight_products(stage), self.dtype_bytes,
+                                  getattr(self, "product_scratch", None), False)
+
+    def fresh_weight_workspace_bytes(self, stage: int, segment: int) -> float:
+        """:meth:`weight_workspace_bytes` of a W into a stage with no gradients yet."""
+        return weight_phase_bytes(self._weight_products(stage), self.dtype_bytes,
+                                  getattr(self, "product_scratch", None), True)
+
+    def _weight_products(self, stage: int) -> list[tuple[int, int, int]]:
+        """(rows, columns, tokens) of the weights W computes by a matrix product, in the
+        order it runs them: the head's MLM projection and matching MLP; a block's MLP down
+        and up projections, an interaction block's cross-attention (output, the packed
+        projection's key/value piece over the other branch's tokens, its query piece), the
+        self-attention's output and packed Q/K/V projections."""
+        branch, lo, hi = self.stages[stage]
+        b = self.microbatch_size
+        if branch == "head":
+            Hv, Ht = self.spec["vision"].n_embd, self.spec["text"].n_embd
+            return [(self.vocab, Ht, b * self.tokens["text"]), (1, Ht, b), (Ht, Hv + Ht, b)]
+        spec, x = self.spec[branch], b * self.tokens[branch]
+        other = "text" if branch == "vision" else "vision"
+        H, Ho, y = spec.n_embd, self.spec[other].n_embd, b * self.tokens[other]
+        out = []
+        for blk in reversed(range(lo, hi)):
+            out += [(H, spec.ffn_width, x), (spec.ffn_width, H, x)]
+            if blk in self.interactions:
+                out += [(H, H, x), (2 * H, Ho, y), (H, H, x)]
+            out += [(H, H, x), (3 * H, H, x)]
+        return out
 
     def _params(self, stage: int) -> float:
         """The stage's parameters, counted on pipeflow/models/cbm.py: a branch's blocks

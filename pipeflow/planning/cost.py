@@ -189,7 +189,9 @@ def layer_cost(spec: TransformerSpec, tokens: int, prefix: int, microbatch_size:
     if spec.recompute == "full":
         # the block keeps only its input (and a segment's keys and values, held for the
         # later segments); the backward reruns the block's forward
-        t = float(a)
+        # the rerun reads the block's input, kept, where its saved bytes counted it again:
+        # the first norm's input (pre-norm), the Q/K/V products' at fp32 (post-norm)
+        t = float(a) - (b * x * w.block_input if not spec.post_norm or dt >= 4 else 0)
         a = b * (x * w.block_input + own)
         e = f
     elif spec.recompute == "selective":

@@ -7,8 +7,8 @@ stage) and ``benchmarks/bench_memory.py`` (every device of a run)."""
 
 from __future__ import annotations
 
-from .transformer import (RESIDUAL_BYTES, TransformerSpec, head_params, head_residual_width, last_stage_saved, matrix_inputs,
-                          norm_params, norm_saved_bytes, recomputed_matrix_params, shared_head_params)
+from .transformer import (RESIDUAL_BYTES, TransformerSpec, head_params, head_residual_width, last_stage_saved,
+                          layer_params, matrix_inputs, norm_params, norm_saved_bytes, recomputed_matrix_params, shared_head_params)
 
 
 def mlp_product_scratch(spec: TransformerSpec, tokens: int, dtype_bytes: int, scratch) -> float:
@@ -29,6 +29,49 @@ def mlp_product_scratch(spec: TransformerSpec, tokens: int, dtype_bytes: int, sc
     if not spec.mlp_bias:
         most = max(most, scratch(tokens, H, I, False))
     return float(most)
+
+
+def weight_products(spec: TransformerSpec, blocks: int, head: bool, tokens: int) -> list[tuple[int, int, int]]:
+    """(rows, columns, tokens) of each weight a stage's W computes the gradient of by a
+    matrix product, in the order the runtime's W runs them (the order I reached them,
+    walking from the stage's output: the head's first, then each block's from its last
+    product to its first): BERT's decoder and dense transform, or the LM head; a block's
+    MLP down projection, its up (and gate) projection, the attention's output
+    projection, and its fused Q/K/V (GPT-2's c_attn) or V, K and Q apart."""
+    H, I = spec.n_embd, spec.ffn_width
+    q, kv = spec.n_head * spec.head_dim, spec.kv_heads * spec.head_dim
+    out = []
+    if head:
+        out.append((spec.vocab_size, H, tokens))
+        if spec.post_norm:
+            out.append((H, H, tokens))
+    qkv = [(q + 2 * kv, H)] if spec.qkv_inputs == 1 else [(kv, H), (kv, H), (q, H)]
+    block = [(H, I), *[(I, H)] * (spec.mlp_matrices - 1), (H, q), *qkv]
+    out += [(r, c, tokens) for _ in range(blocks) for r, c in block]
+    return out
+
+
+def weight_phase_bytes(products: list[tuple[int, int, int]], dtype_bytes: int, scratch, fresh: bool) -> float:
+    """What W holds at its most on top of its level (what I kept for it is held until W
+    returns, pipeflow.runtime.backward), over its products (:func:`weight_products`):
+    each product's result (compute dtype) beside the host's scratch for it
+    (:func:`mlp_product_scratch`'s ``scratch``, either orientation) or, at 16 bits, the
+    fp32 copy it is cast to before it is added. ``fresh`` (a W into a stage with no
+    gradients yet, which the simulator has added whole): that copy becomes the gradient,
+    and at each product the gradients of it and the products after it are not yet made,
+    so the most is near the end (measured: cbm ZB-H2's first W on the text stage, at the
+    first block's Q/K/V, every other gradient made)."""
+    c = dtype_bytes
+    left = 4.0 * sum(r * k for r, k, _ in products) if fresh else 0.0
+    most = 0.0 if fresh else float("-inf")
+    for r, k, tokens in products:
+        e = r * k
+        room = scratch(r, tokens, k, True) if scratch is not None and c < 4 else 0
+        if room:
+            room = max(room, scratch(k, tokens, r, True))
+        most = max(most, c * e + max(room, 4 * e if c < 4 else 0) - left)
+        left -= 4.0 * e if fresh else 0.0
+    return float(max(most, 0.0))
 
 
 class BackwardWorkingSet:
@@ -82,22 +125,55 @@ class BackwardWorkingSet:
         seg = self._seg(segment)
         x, P = self.segment_lengths[seg], self.prefixes[seg]
         spec, b, c = self.spec, self.microbatch_size, self.dtype_bytes
-        stream = x * b * spec.n_embd * RESIDUAL_BYTES  # the residual stream's gradient, live throughout
+        stream = x * b * spec.n_embd * RESIDUAL_BYTES  # the residual stream's gradient
+        # The gradient that arrived (the executor holds it to B's end): at full precision
+        # the message itself, held as an input already; at 16 bits restored to fp32, the
+        # message let go. Into the first block it passes it is the stream's gradient; the
+        # attention's phase is past the MLP sub-layer's add, a stream's gradient of its own
+        # beside it, as into every later block (where a stage's blocks peak alike, each
+        # rebuilt in turn by full recomputation, the later ones do; otherwise the first,
+        # before any block has freed what it saved). On the last stage the head's
+        # backward makes the stream's gradient.
+        last = stage == self.num_stages - 1
+        received = 0.0 if last else x * b * spec.n_embd * (RESIDUAL_BYTES - c if c < 4 else 0)
+        own = last or spec.post_norm or (spec.recompute == "full" and self.layers_per_stage[stage] > 1)
         # a gated MLP's product backward makes two I-wide gradients (the gate activation's
         # and the up projection's) while the down projection's input gradient is live
-        mlp = x * b * (2 if spec.mlp == "gated" else 1) * spec.ffn_width * c + stream
+        mlp = x * b * (2 if spec.mlp == "gated" else 1) * spec.ffn_width * c + (stream if own else 0.0) + received
+        # the down projection's weight gradient: at fp32 made into .grad (a backward into a
+        # stage with none yet) or beside it until added; at 16 bits the gradient of its
+        # shared cast, which waits for the cast's backward, beside the 16-bit copy of its
+        # output gradient the products took (measured, gpt 1F1B bf16's first stage)
+        down = spec.n_embd * spec.ffn_width
+        mlp_made = 0.0
+        if c < 4:
+            mlp += down * c + x * b * spec.n_embd * c
+        elif fresh:
+            mlp_made = 4.0 * (down + (spec.n_embd if spec.mlp_bias else 0))
+        else:
+            mlp += 4.0 * down
         kv_heads = spec.n_head if spec.kv_repeat else spec.kv_heads  # the kernel's K/V gradients
-        attention = b * c * (2 * x * spec.n_head + 2 * P * kv_heads) * spec.head_dim + stream
+        attention = b * c * (2 * x * spec.n_head + 2 * P * kv_heads) * spec.head_dim + stream + received
         rebuilt = self._transient[stage][seg]
         behind = self._mlp_saved(x * b)
         made = 4.0 * self._mlp_params() if fresh else 0.0
+        n = self.layers_per_stage[stage]
+        if fresh and spec.recompute == "full" and n > 1:  # the later block's: those passed made theirs
+            made += 4.0 * (n - 1) * layer_params(spec)
+            mlp_made += 4.0 * (n - 1) * layer_params(spec)
+        # a post-norm block's backward starts with its norm's, which frees the input it
+        # saved (rebuilt, with full recomputation) and makes a stream's gradient of its
+        # own before the MLP's (measured, bert)
+        norm = x * b * norm_saved_bytes(spec) if spec.post_norm else 0.0
+        mlp_freed = norm if spec.recompute != "full" else 0.0
+        mlp -= norm
         mlp += self._mlp_product_scratch(x * b)
         if spec.recompute == "full":  # the MLP's part of the rebuilt layer is gone by the attention's
-            phases = [(rebuilt + mlp, 0.0, 0.0), (rebuilt - behind + attention, 0.0, made)]
+            phases = [(rebuilt + mlp, 0.0, mlp_made), (rebuilt - behind + attention, 0.0, made)]
         elif spec.recompute == "selective":
-            phases = [(mlp, 0.0, 0.0), (rebuilt + attention - behind, behind, made)]
+            phases = [(mlp, mlp_freed, mlp_made), (rebuilt + attention - behind, behind, made)]
         else:
-            phases = [(mlp, 0.0, 0.0), (attention - behind, behind, made)]
+            phases = [(mlp, mlp_freed, mlp_made), (attention - behind, behind, made)]
         if stage == self.num_stages - 1:
             head = last_stage_saved(spec, x, b, self.dtype_bytes)
             head_made = 4.0 * (head_params(spec) - (shared_head_params(spec) if stage == 0 else 0)) if fresh else 0.0
@@ -142,6 +218,20 @@ class BackwardWorkingSet:
                    key=lambda hf: hf[0] - hf[1])
         # the phase's net is on top of the level less what it freed (as B's own point)
         return float(net + freed + best[0]), float(freed + best[1])
+
+    def weight_workspace_bytes(self, stage: int, segment: int) -> float:
+        """What a zero-bubble W holds at its most on top of its level, before it lets go of
+        what I kept for it (:func:`weight_phase_bytes`)."""
+        return self._weight_phase(stage, segment, False)
+
+    def fresh_weight_workspace_bytes(self, stage: int, segment: int) -> float:
+        """:meth:`weight_workspace_bytes` of a W into a stage with no gradients yet."""
+        return self._weight_phase(stage, segment, True)
+
+    def _weight_phase(self, stage: int, segment: int, fresh: bool) -> float:
+        tokens = self.microbatch_size * self.segment_lengths[self._seg(segment)]
+        products = weight_products(self.spec, self.layers_per_stage[stage], stage == self.num_stages - 1, tokens)
+        return weight_phase_bytes(products, self.dtype_bytes, getattr(self, "product_scratch", None), fresh)
 
     def _mlp_product_scratch(self, tokens: int) -> float:
         return mlp_product_scratch(self.spec, tokens, self.dtype_bytes, getattr(self, "product_scratch", None))
@@ -209,11 +299,11 @@ class BackwardWorkingSet:
         # at the MLP's activation: the down projection's input gradient (and the gate
         # activation's), a temporary, beside the up projection's output gradient, kept
         mlp, mlp_kept = (3 if gated else 2) * x_b * spec.ffn_width * c, x_b * spec.ffn_width * c
-        # the attention sub-layer's: the output projection's output gradient (kept) and
-        # the gradients of Q, K and V (measured: the gradient of the attention's output is
-        # not live beside all three)
+        # the attention sub-layer's: the output projection's output gradient and the
+        # gradients of Q, K and V (at full precision the attention output's gradient is
+        # not live beside all three; at 16 bits it is, below)
         q, kv = spec.n_head * spec.head_dim, spec.kv_heads * spec.head_dim
-        attention, attention_kept = (spec.n_embd + q + 2 * kv) * x_b * c, spec.n_embd * x_b * c
+        attention = (spec.n_embd + q + 2 * kv) * x_b * c
         t = one.transient
         # by then the activation's backward has freed the input it saved (I wide; measured,
         # gated or not), unless the MLP was rebuilt: a rebuilt layer is a temporary; and
@@ -226,21 +316,50 @@ class BackwardWorkingSet:
         _, mlp_in = matrix_inputs(spec, c)
         mlp_saved = self._mlp_saved(x_b)
         mlp_resid = x_b * c * (mlp_in * spec.n_embd + spec.mlp_matrices * spec.ffn_width + spec.n_embd)
-        behind = (mlp_resid - mlp_saved, mlp_resid, mlp_saved)
+        behind = mlp_resid - mlp_saved
+        if c < 4:
+            # At 16 bits the products' output gradients W keeps are 16-bit casts of the
+            # stream's gradient (fp32), which stays beside them: the down projection's
+            # beside the MLP's, the stream's own beside the attention's (whose output
+            # gradient, q wide, the fused kernel's backward holds beside Q, K and V).
+            # The gradient that arrived is restored to fp32 for the whole of I (the
+            # executor holds it), the 16-bit message let go (measured, gpt ZB-H1 bf16:
+            # at fp32 the output gradients are the stream's gradient itself).
+            received = 0.0 if last else x_b * spec.n_embd * (RESIDUAL_BYTES - c)
+            down = x_b * spec.n_embd * c
+            mlp, mlp_kept = mlp + down + received, mlp_kept + down
+            attention += x_b * (spec.n_embd * RESIDUAL_BYTES + q * c) + received
+        # By the end of the fused kernel's backward I has kept all W needs of the block
+        # (what its products read, rebuilt or saved, and their output gradients) but, where
+        # Q, K and V are one product (GPT-2's c_attn), that product's output gradient,
+        # concatenated from the kernel's three only after (measured, gpt and bert ZB-H1
+        # bf16): the rest of the attention's working set is temporary. Without
+        # recomputation what the attention's products read were saved activations, taken.
+        attn_kept = one.residual - ((q + 2 * kv) * x_b * c if spec.qkv_inputs == 1 else 0)
+        taken = (matrix_inputs(spec, c)[0] * spec.n_embd + q) * x_b * c
         if spec.recompute == "full":
             # beside the rebuilt layer, whose products' inputs I takes for W as it passes them
-            branches = [(t + mlp, mlp_kept + act_in, 0.0),
-                        (t + attention, attention_kept + q * x_b * c, 0.0)]
+            # what the rebuilt layer's products read counts as kept from the rebuild on: at
+            # its MLP's phase the attention's and the MLP's inputs (a gated MLP's down
+            # projection input, the product, too)
+            rebuilt_kept = taken + matrix_inputs(spec, c)[1] * spec.n_embd * x_b * c + (act_in if gated else 0.0)
+            branches = [(t + mlp, mlp_kept + rebuilt_kept, 0.0),
+                        (t + attention, attn_kept, 0.0)]
         elif spec.recompute == "selective":
-            branches = [(mlp, mlp_kept, act_in), (t + attention, attention_kept + q * x_b * c, 0.0, behind)]
+            branches = [(mlp, mlp_kept, act_in), (t + attention + behind, attn_kept, mlp_saved)]
         else:
-            branches = [(mlp, mlp_kept, act_in), (attention, attention_kept, 0.0, behind)]
-        block, kept, freed, *moved = max(branches)
-        for d_level, d_kept, d_freed in moved:
-            block, kept, freed = block + d_level, kept + d_kept, freed + d_freed
-        if spec.post_norm:  # a post-norm block starts with its norm's backward, which frees its input
-            block -= x_b * norm_saved_bytes(spec)
-            freed += x_b * norm_saved_bytes(spec)
+            branches = [(mlp, mlp_kept, act_in), (attention + behind, attn_kept, mlp_saved + taken)]
+        if spec.post_norm:
+            # a post-norm block starts with its norm's backward, which frees the input it
+            # saved (rebuilt, with full recomputation); the attention sub-layer ends with
+            # the other, whose backward runs before the attention's: its saved input freed
+            # too (without recomputation; rebuilt, with selective; the MLP's norm is behind)
+            norm = x_b * norm_saved_bytes(spec)
+            saved = spec.recompute != "full"
+            branches = [(branches[0][0] - norm, branches[0][1], branches[0][2] + (norm if saved else 0.0)),
+                        (branches[1][0] - (norm if spec.recompute != "full" else 0.0), branches[1][1],
+                         branches[1][2] + (norm if spec.recompute == "none" else 0.0))]
+        block, kept, freed = max(branches, key=lambda p: p[0])
         rise = max(0.0, (n - 1) * (one.residual - one.saved))
         if rise:  # the most is at the last block: the others have traded their saved bytes for residuals
             kept += (n - 1) * one.residual

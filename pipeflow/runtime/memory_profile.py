@@ -207,15 +207,23 @@ def _dump_cpu_peak(path: str, events: list, made_by: dict, step: StepMemory, act
     import json
 
     live: dict = {}
-    named: dict = {}
+    named: dict = {}  # ptr -> its category at the peak, as _replay names it (a later tag names a whole life)
     freed: dict = {}  # ptr -> the action running when what was live at the peak is freed
     for e in events:  # in time order (_replay sorted them)
         t, _, kind, ptr, x, _ = e
-        if step.peak_time is not None and t > step.peak_time:
-            if kind == "alloc" and x < 0 and ptr in live and ptr not in freed:
+        after = step.peak_time is not None and t > step.peak_time
+        if kind == "tag":
+            if ptr in freed:
+                continue
+            was = named.get(ptr)
+            if was is not None and x in _FROM_TAG and was != x:
+                if not after:  # held for this from the tag on
+                    named[ptr] = x
+            elif was is None or _PRIORITY[x] < _PRIORITY[was]:
+                named[ptr] = x
+        elif after:
+            if x < 0 and ptr in live and ptr not in freed:
                 freed[ptr] = next((name for start, end, name in actions if start <= t <= end), "between actions")
-        elif kind == "tag":
-            named[ptr] = x
         elif x > 0:
             live[ptr] = (x, made_by.get(id(e), []))
             named.pop(ptr, None)

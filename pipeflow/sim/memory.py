@@ -400,7 +400,12 @@ def tapes(schedule) -> list[Tape]:
                         ap((OUTS, k, 1))
                 if kind == I:
                     ap((RESID, key("weight_residual_bytes", stage, seg), 1))
-            else:  # W
+            else:  # W: at its products, what I kept for it still held
+                fresh = ("fresh",) if rep not in grads_on else ()
+                if fresh:
+                    grads_on.add(rep)
+                    ap((GRADS, key("state", stage, "gradients"), 1))
+                ap((-1, key("weight_workspace_bytes", stage, seg, *fresh), 0))
                 ap((RESID, key("weight_residual_bytes", stage, seg), -1))
             if (kind == B or kind == W) and rep not in grads_on:
                 grads_on.add(rep)
