@@ -205,7 +205,8 @@ class BranchedAnalyticCost(CostModel):
 
     def workspace_bytes(self, stage: int, segment: int) -> float:
         """What a backward holds at its most on top of what the forward kept: in a block
-        the MLP's hidden gradient (4H wide, c) beside the stream's (H, fp32); the head's
+        the MLP's hidden gradient (4H wide, c) beside the stream's (H, fp32) and, at fp32,
+        the down projection's weight gradient; the head's
         backward, the loss's and the log-softmax's gradients over the vocabulary (two
         fp32 rows of V per text token)."""
         branch = self.stages[stage][0]
@@ -215,6 +216,11 @@ class BranchedAnalyticCost(CostModel):
         spec, x = self.spec[branch], self.tokens[branch]
         grads = b * x * (spec.ffn_width * self.dtype_bytes + spec.n_embd * 4) \
             + mlp_product_scratch(spec, b * x, self.dtype_bytes, getattr(self, "product_scratch", None))
+        # at fp32 the down projection's weight gradient beside its input's, before it is
+        # added into .grad (measured: cbm GPipe fp32 full, the text stage; at 16 bits it is
+        # its shared cast's, counted with the casts' gradients held to the backward's end)
+        if self.dtype_bytes >= 4:
+            grads += 4 * spec.n_embd * spec.ffn_width
         rebuilt = self.transient_bytes(stage, segment)
         return float(max(rebuilt, grads) if self.recompute == "selective" else rebuilt + grads)
 

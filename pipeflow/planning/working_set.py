@@ -83,6 +83,12 @@ class BackwardWorkingSet:
         :meth:`_backward_phase`)."""
         return self._backward_phase(stage, segment)[0]
 
+    def held_cast_workspace_bytes(self, stage: int, segment: int) -> float:
+        """:meth:`workspace_bytes` near a backward's end through shared casts (the
+        simulator's ``held_cast_gradients``), where the down projection's 16-bit weight
+        gradient is among the casts' gradients it holds, not on top of them."""
+        return self._backward_phase(stage, segment, end=True)[0]
+
     def backward_freed_bytes(self, stage: int, segment: int) -> float:
         """Of what the forwards saved, what B has freed by the instant of
         :meth:`workspace_bytes`: the simulator takes it from the activations for that
@@ -107,7 +113,8 @@ class BackwardWorkingSet:
         first), and at a block's attention phase its MLP's (and that sub-layer's norm's)."""
         return self._backward_phase(stage, segment, fresh=True)[2]
 
-    def _backward_phase(self, stage: int, segment: int, fresh: bool = False) -> tuple[float, float, float]:
+    def _backward_phase(self, stage: int, segment: int, fresh: bool | None = False,
+                        end: bool = False) -> tuple[float, float, float]:
         """B's most on top of the level before it, what it has freed of the saved
         activations by then, and (``fresh``: into a stage with no gradients) the
         gradients it has made by then. A block's backward runs its MLP's first: the MLP's
@@ -147,7 +154,7 @@ class BackwardWorkingSet:
         down = spec.n_embd * spec.ffn_width
         mlp_made = 0.0
         if c < 4:
-            mlp += down * c + x * b * spec.n_embd * c
+            mlp += (0 if end else down * c) + x * b * spec.n_embd * c
         elif fresh:
             mlp_made = 4.0 * (down + (spec.n_embd if spec.mlp_bias else 0))
         else:

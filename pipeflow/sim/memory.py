@@ -129,7 +129,8 @@ def term_value(key: tuple, cost, per_device=None, cache: dict | None = None) -> 
         casts = float(fn(key[1])) if fn is not None else term_value(("state", key[1], "casts"), cost, per_device, cache)
         v = 0.0
         if casts:
-            v = casts + term_value(("workspace_bytes", *key[1:]), cost, per_device, cache) \
+            ws = "held_cast_workspace_bytes" if hasattr(cost, "held_cast_workspace_bytes") else "workspace_bytes"
+            v = casts + term_value((ws, *key[1:]), cost, per_device, cache) \
                 + term_value(("input_gradient_bytes", *key[1:]), cost, per_device, cache)
     elif name == "during_input":  # ("during_input", stage, segment): the zero-bubble I's
         # working set, where the cost model prices it apart from B's
