@@ -16,7 +16,7 @@ from typing import Mapping, Sequence
 from ..topology.topology import Device
 from .cbm_shape import cbm_shape
 from .cost import CostModel, _check_int, _check_number, layer_cost
-from .working_set import mlp_product_scratch, weight_phase_bytes
+from .working_set import mlp_product_scratch, weight_phase_bytes, weight_product_scratch
 from .transformer import (TransformerSpec, norm_saved_bytes, layer_forward_flops, layer_linear_flops, layer_params,
                           weight_residual_width)
 
@@ -312,9 +312,8 @@ class BranchedAnalyticCost(CostModel):
             stream = x * H * 4
             work = rebuilt + 4 * x * H * c + stream  # the self-attention's: Q, K, V and output gradients
             if blk in self.interactions:
-                kv = scratch(2 * H, y, Ho, True) if scratch is not None else 0
                 work = max(work, rebuilt + x * H * c + y * 2 * H * c + stream + y * Ho * 4 + 2 * H * Ho * c
-                           + max(kv, scratch(Ho, y, 2 * H, True) if kv else 0))
+                           + weight_product_scratch(scratch, 2 * H, y, Ho))
             if held + work - freed > best[0] - best[1]:
                 best = (held + work, freed)
         return float(best[0]), float(best[1])

@@ -11,6 +11,15 @@ from .transformer import (RESIDUAL_BYTES, TransformerSpec, head_params, head_res
                           layer_params, matrix_inputs, norm_params, norm_saved_bytes, recomputed_matrix_params, shared_head_params)
 
 
+def weight_product_scratch(scratch, rows: int, tokens: int, cols: int) -> float:
+    """The host's scratch (``scratch``: :func:`pipeflow.topology.host.product_scratch`, or
+    None) for a weight gradient's product over ``tokens``, ``rows`` x ``cols``: its first
+    operand transposed, either way round by how the matrix is stored, so the larger."""
+    if scratch is None:
+        return 0.0
+    return float(max(scratch(rows, tokens, cols, True), scratch(cols, tokens, rows, True)))
+
+
 def mlp_product_scratch(spec: TransformerSpec, tokens: int, dtype_bytes: int, scratch) -> float:
     """What the host's math library allocates inside a product that runs while a block's
     MLP hidden gradient is live (``scratch``: :func:`pipeflow.topology.host.product_scratch`,
@@ -25,7 +34,7 @@ def mlp_product_scratch(spec: TransformerSpec, tokens: int, dtype_bytes: int, sc
     if scratch is None or dtype_bytes >= 4 or spec.mlp == "gated":
         return 0.0
     H, I = spec.n_embd, spec.ffn_width
-    most = max(scratch(I, tokens, H, True), scratch(H, tokens, I, True))
+    most = weight_product_scratch(scratch, I, tokens, H)
     if not spec.mlp_bias:
         most = max(most, scratch(tokens, H, I, False))
     return float(most)
@@ -66,9 +75,7 @@ def weight_phase_bytes(products: list[tuple[int, int, int]], dtype_bytes: int, s
     most = 0.0 if fresh else float("-inf")
     for r, k, tokens in products:
         e = r * k
-        room = scratch(r, tokens, k, True) if scratch is not None and c < 4 else 0
-        if room:
-            room = max(room, scratch(k, tokens, r, True))
+        room = weight_product_scratch(scratch, r, tokens, k) if c < 4 else 0.0
         most = max(most, c * e + max(room, 4 * e if c < 4 else 0) - left)
         left -= 4.0 * e if fresh else 0.0
     return float(max(most, 0.0))
@@ -320,7 +327,7 @@ class BackwardWorkingSet:
         mlp_kept += 0 if gated else act_in
         # at the attention the MLP sub-layer is behind: it has freed what it saved (its
         # norm's too), keeping its products' inputs and output gradients (about as much)
-        _, mlp_in = matrix_inputs(spec, c)
+        qkv_in, mlp_in = matrix_inputs(spec, c)
         mlp_saved = self._mlp_saved(x_b)
         mlp_resid = x_b * c * (mlp_in * spec.n_embd + spec.mlp_matrices * spec.ffn_width + spec.n_embd)
         behind = mlp_resid - mlp_saved
@@ -343,13 +350,13 @@ class BackwardWorkingSet:
         # bf16): the rest of the attention's working set is temporary. Without
         # recomputation what the attention's products read were saved activations, taken.
         attn_kept = one.residual - ((q + 2 * kv) * x_b * c if spec.qkv_inputs == 1 else 0)
-        taken = (matrix_inputs(spec, c)[0] * spec.n_embd + q) * x_b * c
+        taken = (qkv_in * spec.n_embd + q) * x_b * c
         if spec.recompute == "full":
             # beside the rebuilt layer, whose products' inputs I takes for W as it passes them
             # what the rebuilt layer's products read counts as kept from the rebuild on: at
             # its MLP's phase the attention's and the MLP's inputs (a gated MLP's down
             # projection input, the product, too)
-            rebuilt_kept = taken + matrix_inputs(spec, c)[1] * spec.n_embd * x_b * c + (act_in if gated else 0.0)
+            rebuilt_kept = taken + mlp_in * spec.n_embd * x_b * c + (act_in if gated else 0.0)
             branches = [(t + mlp, mlp_kept + rebuilt_kept, 0.0),
                         (t + attention, attn_kept, 0.0)]
         elif spec.recompute == "selective":
