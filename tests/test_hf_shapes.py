@@ -214,17 +214,17 @@ def test_llama_recomputation_by_hand():
     b, S, H, dt = 2, 128, 128, 2
     plain, full, sel = (AnalyticCost(dataclasses.replace(spec, recompute=r), 4, microbatch_size=b)
                         for r in ("none", "full", "selective"))
-    rotary = 2 * S * 32 * 4  # cos and sin, saved by the rotation (not by a recomputed region)
+    rotary = 2 * S * 32 * 4  # cos and sin, saved by the rotation or held by a recomputed region
     layer = plain.activation_bytes(1, 0) - rotary
     # the attention sub-layer: its input's casts (one per Q, K, V projection), Q, K, V, the
     # kernel's output and log-sum-exp
     dropped = S * b * ((3 * H + 128 + 2 * 64 + 128) * dt + 4 * 4)
-    assert full.activation_bytes(1, 0) == S * b * H * 4  # the layer's fp32 input
+    assert full.activation_bytes(1, 0) == S * b * H * 4 + rotary  # the layer's fp32 input
     # the rebuilt layer (or sub-layer) holds the 16-bit casts its rerun makes of its weights
     matrices = 128 * 128 + 2 * 128 * 64 + 128 * 128  # Q, K, V, O (2 key/value heads of 32)
     # (less the layer's input, which the rerun reads where the first norm saved it)
     assert full.transient_bytes(1, 0) == layer - S * b * H * 4 + dt * (matrices + 3 * 128 * 344)
-    assert sel.activation_bytes(1, 0) == layer - dropped + S * b * H * 4  # and the sub-layer's fp32 input
+    assert sel.activation_bytes(1, 0) == layer - dropped + S * b * H * 4 + rotary  # and the sub-layer's fp32 input
     assert sel.transient_bytes(1, 0) == dropped + dt * matrices
     attention = 2 * S * (128 * 128 + 2 * 128 * 64 + 128 * 128) + 4 * (4 * 32 + 3) * S * S / 2
     assert sel.flops("B", 1, 0) == pytest.approx(2 * plain.flops("F", 1, 0) + b * attention, rel=1e-12)
@@ -233,14 +233,17 @@ def test_llama_recomputation_by_hand():
 
 def test_segments_keep_the_keys_of_the_kv_heads():
     """Segments hold keys and values, and their gradients, of the key/value heads (2 x 32
-    wide), not H: the later segment's prefix (64 keys more than its own) and its own."""
+    wide), not H: the later segment's prefix (64 keys more than its own) and its own. At
+    16 bits the rotated keys a segment hands on are fp32 (the rotation's output: its cos
+    and sin are the fp32 stream's dtype), so the first segment holds them too, beside the
+    16-bit cast the fused kernel keeps."""
     spec = _spec("llama_tiny")
     whole, split = AnalyticCost(spec, 4), AnalyticCost(spec, 4, segment_lengths=[64, 64])
     dt, kv = 2, 2 * 32
     diff = sum(split.activation_bytes(1, i) for i in range(2)) - whole.activation_bytes(1, 0)
     # (the rotary tables split with the tokens: two of 64 rows cost one of 128)
-    assert diff == 2 * kv * dt * 64 + 2 * kv * dt * 64
-    assert [split.kv_gradient_bytes(1, i) for i in range(2)] == [2 * 64 * kv * dt] * 2
+    assert diff == 2 * kv * dt * 64 + 64 * kv * 4 + 64 * kv * (4 + dt)
+    assert [split.kv_gradient_bytes(1, i) for i in range(2)] == [64 * kv * (4 + dt)] * 2
 
 
 def test_dropout_keeps_its_masks():

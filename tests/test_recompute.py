@@ -194,3 +194,46 @@ def test_the_zero_bubble_input_gradient_rebuilds_a_recomputed_block_once():
     in_input = calls[0]
     backward_weight(pending, list(blocks.parameters()))
     assert (in_input, calls[0]) == (3, 3)  # one rebuild per block in I, none in W
+
+
+def test_a_rerun_on_another_thread_keeps_the_steps_shared_casts():
+    """Autocast's cache of weight casts is one for the process, its nesting depth one per
+    thread. On CUDA a backward, and so a recomputed region's rerun, runs on autograd's
+    device thread: the rerun's autocast context, the outermost there, cleared the cache at
+    its exit, and the next microbatch cast every weight anew (each in-flight microbatch
+    then kept its own 16-bit copies). Here the first microbatch's backward runs on a thread
+    of its own, as CUDA's would; the second microbatch's forward still reads the first's
+    casts."""
+    import threading
+
+    from pipeflow.runtime.precision import Precision
+
+    stage = _gpt_stage("selective")  # the attention rebuilt, the MLP's casts shared
+    precision = Precision("bf16", "cpu")
+    weights = {id(p) for p in stage.parameters()}
+
+    def forward(x):
+        casts = set()  # the weight casts the stage's products saved (those outside a recomputed region)
+
+        def pack(t):
+            fn = t.grad_fn
+            if type(fn).__name__ == "ToCopyBackward0" and id(getattr(fn.next_functions[0][0], "variable", None)) in weights:
+                casts.add(t.untyped_storage().data_ptr())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), precision.autocast():
+            out = stage(x)
+        return out, casts
+
+    torch.manual_seed(0)
+    width = next(p for n, p in stage.named_parameters() if n.endswith("ln_1.weight")).numel()
+    x = [torch.randn(2, 32, width, requires_grad=True) for _ in range(2)]
+    with precision.shared_casts():
+        out, first = forward(x[0])
+        worker = threading.Thread(target=lambda: out.float().sum().backward())
+        worker.start()
+        worker.join()
+        _, second = forward(x[1])
+    assert first  # the MLP's (and the head's) weights
+    assert second == first  # the same casts, not new ones
+    torch.clear_autocast_cache()

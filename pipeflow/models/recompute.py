@@ -23,7 +23,8 @@ backward, whichever is first.
 The region's input is saved through :class:`_Keep`, an identity whose backward needs
 nothing: the region holds that input outside autograd's saved-tensor hooks, and the
 saved-bytes meter (:mod:`pipeflow.runtime.memory`) counts only what passes through
-those hooks; _Keep puts the input through them, so the meter counts what
+those hooks; _Keep puts the input through them, with the other tensors the region holds
+for its rerun (a Llama layer's rotary cos and sin), so the meter counts what
 recomputation really keeps.
 """
 
@@ -39,28 +40,45 @@ MODES = ("none", "full", "selective")
 
 
 class _Keep(torch.autograd.Function):
-    """Identity that saves its input for the backward (where it is not needed): the
-    saved-bytes meter then counts the tensor a recomputed region keeps."""
+    """Identity that saves its input for the backward (where it is not needed), and
+    with it the other tensors the region holds (``held``): the saved-bytes meter then
+    counts what a recomputed region keeps."""
 
     @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
+    def forward(ctx, x, *held):
+        ctx.save_for_backward(x, *held)
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad):
-        return grad
+    def backward(ctx, grad, *_):
+        return (grad, *(None for _ in ctx.saved_tensors[1:]))
 
 
-def _kept(value, seen: dict):
+def _kept(value, seen: dict, held: list):
     """``value`` through _Keep, once per tensor: an argument passed twice stays one
     tensor (self-attention's query, key and value; MultiheadAttention takes its packed
-    projection only when they are the same object)."""
+    projection only when they are the same object). The first one kept also saves
+    ``held`` (emptied)."""
     if isinstance(value, torch.Tensor) and value.is_floating_point() and value.requires_grad:
         if id(value) not in seen:
-            seen[id(value)] = _Keep.apply(value)
+            seen[id(value)] = _Keep.apply(value, *held)
+            held.clear()
         return seen[id(value)]
     return value
+
+
+def _held(args: tuple, kwargs: dict) -> list:
+    """The floating tensors a region holds that need no gradient, one level into tuples
+    and lists too (transformers' layers take the rotary positions' cos and sin as one
+    ``position_embeddings`` pair): the region keeps them for its rerun, outside
+    autograd."""
+    out, seen = [], set()
+    for v in (*args, *kwargs.values()):
+        for t in (v if isinstance(v, (tuple, list)) else (v,)):
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.requires_grad and id(t) not in seen:
+                seen.add(id(t))
+                out.append(t)
+    return out
 
 
 class _Stop(Exception):
@@ -133,6 +151,17 @@ class _Region:
         kwargs = {k: v.detach().requires_grad_(self.kwgrads[k]) if isinstance(v, torch.Tensor) else v
                   for k, v in self.kwargs.items()}
         with contextlib.ExitStack() as stack:
+            # autocast's cache of weight casts is one for the process, its nesting depth
+            # one per thread; on CUDA a backward, and so this rerun, runs on autograd's
+            # device thread, where the rerun's autocast context would be the outermost
+            # and its exit would clear the cache: the step's shared casts
+            # (Precision.shared_casts) too, so that every later microbatch cast the
+            # weights anew and kept its own copies (measured on an H200: gpt ZB-H1 bf16,
+            # selective, held two copies of each MLP weight's cast, interleaved Seq1F1B
+            # thirteen). One level more on this thread keeps the cache; the rerun adds
+            # nothing to it (its casts bypass it)
+            torch.autocast_increment_nesting()
+            stack.callback(torch.autocast_decrement_nesting)
             stack.enter_context(torch.random.fork_rng(devices=self.cuda))
             torch.set_rng_state(self.rng)
             for d, state in zip(self.cuda, self.cuda_rng):
@@ -174,8 +203,9 @@ def recomputed(fn):
         if not torch.is_grad_enabled():
             return fn(*args, **kwargs)
         seen: dict = {}
-        args = tuple(_kept(a, seen) for a in args)
-        kwargs = {k: _kept(v, seen) for k, v in kwargs.items()}
+        held = _held(args, kwargs)
+        args = tuple(_kept(a, seen, held) for a in args)
+        kwargs = {k: _kept(v, seen, held) for k, v in kwargs.items()}
         region = _Region(fn, args, kwargs)
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(region.pack, region.unpack))

@@ -43,6 +43,8 @@ from .transformer import (
     layer_params,
     layer_saved_widths,
     shared_head_params,
+    own_key_bytes,
+    segment_own_kv,
     stage_shared_saved,
     weight_residual_width,
 )
@@ -165,24 +167,12 @@ def layer_cost(spec: TransformerSpec, tokens: int, prefix: int, microbatch_size:
     x, P, b, dt = tokens, prefix, microbatch_size, dtype_bytes
     f = layer_forward_flops(spec, x, P)
     w = layer_saved_widths(spec, dt)
-    # a later segment's attention keeps the keys of its whole prefix; a segmented run
-    # holds each segment's own keys and values for the later ones: on top of what the
-    # attention keeps unless those are the very tensors (the fused kernel's, on the
-    # first segment, not recomputed)
     # eager attention's batched matrix products copy K and V (repeated to every query
-    # head) unless one sequence over one key/value head, or over as many as query heads,
-    # lets them take views of the layer's own tensors
-    eager_copies = spec.attention == "eager" and (b > 1 or 1 < spec.kv_heads < spec.n_head)
+    # head) unless one sequence over one key/value head lets them take views
     key = w.key
     if spec.attention == "eager" and b == 1 and spec.kv_heads == 1:
         key = 2 * spec.head_dim * dt
-    held = segmented and (eager_copies or P > x or spec.recompute in ("selective", "full"))
-    own_kv = w.own_kv
-    if spec.recompute in ("selective", "full") and spec.qkv_inputs == 1:
-        # the keys and values a segment holds are views of the fused Q/K/V projection's
-        # output: they hold its queries too (the attention's own share of it is rebuilt)
-        own_kv += spec.n_head * spec.head_dim * dt
-    own = x * own_kv if held else 0.0
+    own = segment_own_kv(spec, x, P, b, dt) if segmented else 0.0
     attention = x * w.attention_token + P * key + x * P * w.pair
     a = b * (x * w.token + P * key + x * P * w.pair + own)
     e, t = 0.0, 0.0
@@ -192,6 +182,10 @@ def layer_cost(spec: TransformerSpec, tokens: int, prefix: int, microbatch_size:
         # the rerun reads the block's input, kept, where its saved bytes counted it again:
         # the first norm's input (pre-norm), the Q/K/V products' at fp32 (post-norm)
         t = float(a) - (b * x * w.block_input if not spec.post_norm or dt >= 4 else 0)
+        if spec.qkv_inputs != 1:
+            # the rerun hands its keys and values to no one (the segment's cache holds the
+            # forward's): its own projections' outputs go once the attention has read them
+            t -= b * own
         a = b * (x * w.block_input + own)
         e = f
     elif spec.recompute == "selective":
@@ -326,7 +320,7 @@ class AnalyticCost(BackwardWorkingSet, HeldOutputs, CostModel):
                 r = n * one.residual
                 # the gradient of this segment's K and V that later segments' backwards
                 # accumulate until this segment's own backward runs (Seq1F1B)
-                g_row.append(float(n * 2 * x * b * kv_width * dt) if split else 0.0)
+                g_row.append(float(n * x * b * kv_width * (own_key_bytes(spec, dt) + dt)) if split else 0.0)
                 if s == 0:
                     a += first_stage_saved(spec, x, b)
                 elif spec.post_norm and dt < 4 and spec.recompute == "none":

@@ -326,17 +326,15 @@ class SavedWidths:
     """Bytes one layer's forward keeps for its backward (no recomputation), for a
     microbatch of one sequence, by what they scale with: per token of the call
     (``token``), per key the call attends over (``key``: its own tokens, or the whole
-    prefix on a later sequence segment), per query-key pair (``pair``), and per token the
-    layer's own keys and values, which a segmented run holds for the later segments
-    (``own_kv``; :func:`~pipeflow.planning.cost.layer_cost` says when they come on top). The ``attention_*`` fields
-    are the part the attention sub-layer keeps inside itself: selective recomputation
+    prefix on a later sequence segment) and per query-key pair (``pair``); what a
+    segmented run holds of a segment's own keys and values beside them is
+    :func:`segment_own_kv`'s. The ``attention_*`` fields are the part the attention sub-layer keeps inside itself: selective recomputation
     drops them and keeps the sub-layer's input instead (``region_input`` per token).
     Full recomputation keeps the layer's input only (``block_input`` per token)."""
 
     token: float
     key: float
     pair: float
-    own_kv: float
     attention_token: float
     region_input: float
     block_input: float
@@ -368,10 +366,8 @@ def layer_saved_widths(spec: TransformerSpec, dtype_bytes: int) -> SavedWidths:
       projection's input (2 h d c) per token, the key and value repeated to every query
       head (2 h d c) per key, and per pair and query head the softmax output (c; with
       dropout also its 1-byte mask and its output, c);
-    - a segmented run holds each segment's own keys and values for the later segments
-      (2 kv d c per token), beyond what the attention keeps where it keeps other
-      tensors (eager's copies, a later segment's concatenated prefix, a recomputed
-      sub-layer's nothing);
+    - (a segmented run holds each segment's own keys and values for the later segments
+      beside these: :func:`segment_own_kv`);
     - the MLP: GeLU (torch's kernel) keeps its input and output, 2I c; a gated MLP its
       gate's output, the gate's activation, the up projection and their product, 4I c;
     - with dropout, a 1-byte mask after the attention and after the MLP, 2H.
@@ -396,8 +392,32 @@ def layer_saved_widths(spec: TransformerSpec, dtype_bytes: int) -> SavedWidths:
     inside = attn_token + (H if spec.dropout_masks else 0)  # and its output dropout's mask
     if spec.post_norm:  # BERT: the attention sub-layer ends with its LayerNorm, whose input it keeps
         inside += norm_saved_bytes(spec)
-    return SavedWidths(token=norms + attn_token + mlp + masks, key=key, pair=pair, own_kv=2 * kv * c,
+    return SavedWidths(token=norms + attn_token + mlp + masks, key=key, pair=pair,
                        attention_token=inside, region_input=H * r, block_input=H * r)
+
+
+def segment_own_kv(spec: TransformerSpec, tokens: int, prefix: int, microbatch_size: int, dtype_bytes: int) -> float:
+    """Per sequence, what one layer of a segmented run holds of a segment's own keys and
+    values for the later segments, on top of what its attention keeps. A later segment's
+    attention keeps its whole prefix's (a concatenated copy), eager attention copies (K
+    and V repeated to every query head, unless one sequence over as many key/value heads
+    as query heads, or one, lets them take views) and a recomputed one keeps none: then
+    the own keys and values (:func:`own_key_bytes` and c per element) come on top; with
+    a fused Q/K/V projection, recomputed, they are views of its whole output, queries
+    included. Otherwise they are the very tensors the fused kernel keeps, but at 16 bits
+    a rotary model's keys: the kernel keeps their 16-bit cast, the segment the fp32
+    rotation's output."""
+    x, dt = tokens, dtype_bytes
+    kv = spec.kv_heads * spec.head_dim
+    eager_copies = spec.attention == "eager" and (microbatch_size > 1 or 1 < spec.kv_heads < spec.n_head)
+    recomputed = spec.recompute in ("selective", "full")
+    if eager_copies or prefix > x or recomputed:
+        own = (own_key_bytes(spec, dt) + dt) * kv
+        if recomputed and spec.qkv_inputs == 1:
+            own += spec.n_head * spec.head_dim * dt
+        return float(x * own)
+    kb = own_key_bytes(spec, dt)
+    return float(x * kv * kb) if kb != dt else 0.0
 
 
 def matrix_inputs(spec: TransformerSpec, dtype_bytes: int) -> tuple[int, int]:
@@ -441,10 +461,18 @@ def last_stage_saved(spec: TransformerSpec, tokens: int, microbatch_size: int, d
 def stage_shared_saved(spec: TransformerSpec, tokens: int) -> float:
     """What every stage holding layers keeps once per microbatch, whatever its layers:
     rotary positions' cos and sin tables (fp32, one row per token), which the rotation
-    of Q and K saves; recomputed attention saves nothing of them."""
-    if spec.position_embedding != "rotary" or spec.recompute != "none":
+    of Q and K saves, or, recomputed, each region holds as its forward's arguments (the
+    same two tensors for every layer)."""
+    if spec.position_embedding != "rotary":
         return 0.0
     return 2.0 * tokens * spec.head_dim * RESIDUAL_BYTES
+
+
+def own_key_bytes(spec: TransformerSpec, dtype_bytes: int) -> int:
+    """Bytes per element of the keys a segment hands its later segments: the rotation's
+    output with rotary positions, fp32 under autocast (its cos and sin tables are the
+    fp32 stream's dtype); otherwise the projection's, in the compute dtype."""
+    return RESIDUAL_BYTES if spec.position_embedding == "rotary" else dtype_bytes
 
 
 def head_residual_width(spec: TransformerSpec) -> int:
