@@ -106,6 +106,56 @@ def hf_fields(model_cfg: Mapping) -> dict:
     return fields
 
 
+# the shape fields a config must give (transformers would fill a missing one with its
+# preset's, Llama's 4096 wide and 32 deep), by transformers' name; GPT-2 names four its own way
+REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+POSITIVE = (*REQUIRED, "intermediate_size", "num_key_value_heads", "head_dim", "max_position_embeddings", "n_inner")
+
+
+def check_shape_fields(fields: Mapping, model_type: str, model_cfg: Mapping) -> None:
+    """Refuse, naming the field, a config that leaves out a shape field (or, but GPT-2's
+    MLP width, its intermediate size), gives one that is not a whole number of at least 1,
+    or heads that do not divide the width (without an explicit head_dim) or query heads
+    that key/value heads do not divide: each a sentence before any rank builds a layer."""
+    from transformers import CONFIG_MAPPING
+
+    aliases = dict(getattr(CONFIG_MAPPING[model_type], "attribute_map", {}) or {})
+    hf = model_cfg.get("hf") or {}
+
+    def where(name: str) -> str:
+        key = aliases.get(name, name) if aliases.get(name, name) in fields else name
+        if key in hf:
+            return f"model.hf.{key}={hf[key]}"
+        return f"model.config={model_cfg.get('config')} ({key}: {fields.get(key)!r})"
+
+    def value(name: str):
+        for key in (name, aliases.get(name)):
+            if key and key in fields:
+                return fields[key]
+        return None
+
+    required = REQUIRED + (() if model_type == "gpt2" else ("intermediate_size",))
+    missing = [aliases.get(n, n) for n in required if value(n) is None]
+    if missing:
+        given = f"model.config={model_cfg['config']}" if model_cfg.get("config") else "model.hf"
+        raise ValueError(f"{given}: gives no {', '.join(missing)}; set "
+                         + ", ".join(f"model.hf.{m}=<n>" for m in missing)
+                         + " (transformers would fill in its preset's, e.g. a width of 4096)")
+    for name in POSITIVE:
+        v = value(name)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{where(name)}: must be a whole number of at least 1")
+    H, h = value("hidden_size"), value("num_attention_heads")
+    if value("head_dim") is None and H % h:
+        raise ValueError(f"{where('num_attention_heads')}: must divide the width {H} "
+                         f"({aliases.get('hidden_size', 'hidden_size')}), or set model.hf.head_dim")
+    kv = value("num_key_value_heads")
+    if architecture(model_type).grouped_kv and kv is not None and h % kv:
+        raise ValueError(f"{where('num_key_value_heads')}: must divide the {h} query heads (num_attention_heads)")
+
+
 def load_hf_config(model_cfg: Mapping):
     """The transformers config of an ``hf_causal`` model (no cache; transformers' fused
     attention, which pipeflow's stages replace with their own: pipeflow.models.attention)."""
@@ -115,10 +165,12 @@ def load_hf_config(model_cfg: Mapping):
     model_type = str(fields.pop("model_type"))
     for key in ("architectures", "transformers_version", "torch_dtype", "dtype", "_name_or_path"):
         fields.pop(key, None)
+    check_shape_fields(fields, model_type, model_cfg)
     try:
         config = AutoConfig.for_model(model_type, **fields)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"model.hf: not a valid {model_type} config ({err})") from None
+    except Exception as err:  # noqa: BLE001 - transformers' own checks (strict dataclasses, arithmetic)
+        reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        raise ValueError(f"model.hf: not a valid {model_type} config ({reason})") from None
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # GPT-2's 50256 means nothing to a byte vocabulary
         value = getattr(config, key, None)
         if isinstance(value, int) and not 0 <= value < config.vocab_size:
@@ -133,12 +185,18 @@ def _dropout(config) -> float:
     return max([float(getattr(config, n, 0.0) or 0.0) for n in names])
 
 
+def _kv_heads(config, heads: int) -> int:
+    kv = getattr(config, "num_key_value_heads", None)
+    return heads if kv is None else int(kv)  # a 0 stays 0, for the spec's check to name
+
+
 def shape_keys(config) -> dict:
     """pipeflow's shape keys of a transformers config (:data:`SHAPE_KEYS`)."""
     t = config.model_type
     arch = architecture(t)
     H, h = int(config.hidden_size), int(config.num_attention_heads)
-    head_dim = getattr(config, "head_dim", None) or H // h
+    head_dim = getattr(config, "head_dim", None)  # explicit, or the width's share (checked to divide)
+    head_dim = H // h if head_dim is None else head_dim
     if t == "gpt2":
         inner = config.n_inner or 4 * H
     else:
@@ -159,7 +217,7 @@ def shape_keys(config) -> dict:
         "vocab_size": int(config.vocab_size),
         "n_positions": int(config.max_position_embeddings),
         # grouped-query attention: Llama, Qwen2 and Mistral (GPT-NeoX and GPT-2 ignore the field)
-        "n_kv_head": int(getattr(config, "num_key_value_heads", None) or h) if arch.grouped_kv else h,
+        "n_kv_head": _kv_heads(config, h) if arch.grouped_kv else h,
         "head_dim": int(head_dim),
         "mlp": arch.mlp,
         "norm": arch.norm_kind,
@@ -175,10 +233,96 @@ def shape_keys(config) -> dict:
 def resolve(model_cfg) -> dict:
     """The shape keys of an ``hf_causal`` model config, checked against what a user set by
     hand: a key given both ways must agree (the HF config is the source)."""
-    keys = shape_keys(load_hf_config(model_cfg))
+    config = load_hf_config(model_cfg)
+    keys = shape_keys(config)
+    if model_cfg.get("weights"):
+        check_weights(model_cfg, config)
     for key, value in keys.items():
         given = model_cfg.get(key)
         if given is not None and key != "dropout" and given != value:
             raise ValueError(f"model.{key}={given}: the HF config says {value}; set it there "
                              f"(model.hf.<field>) or leave model.{key} unset")
     return keys
+
+
+# ---- a local checkpoint (model.weights) -------------------------------------------------
+
+HEADER_LIMIT = 100 * 2**20  # a safetensors header is JSON of names, dtypes, shapes and offsets
+
+
+def weight_files(path: str) -> list[Path]:
+    """The ``*.safetensors`` files ``model.weights`` names: the file itself, or those of
+    a local model folder."""
+    p = Path(path).expanduser()
+    if p.is_file():
+        if p.suffix != ".safetensors":
+            raise ValueError(f"model.weights={path}: not a .safetensors file (give a checkpoint's *.safetensors "
+                             f"file or its folder)")
+        return [p]
+    if p.is_dir():
+        files = sorted(p.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"model.weights={path}: no *.safetensors files in that folder")
+        return files
+    raise ValueError(f"model.weights={path}: no such file or folder")
+
+
+def safetensors_shapes(file: Path) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape from a safetensors file's header (8 bytes of its length, then
+    JSON), read without loading a tensor; a file cut short or not safetensors at all is a
+    ValueError naming it."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 2 or n > min(size - 8, HEADER_LIMIT):
+            raise ValueError(f"model.weights={file}: not a safetensors file (it does not start with a header's "
+                             f"length: {size} bytes)")
+        try:
+            meta = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise ValueError(f"model.weights={file}: not a safetensors file (its header is not JSON)") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"model.weights={file}: not a safetensors file (its header is not a JSON object)")
+    shapes, end = {}, 0
+    for name, entry in meta.items():
+        if name == "__metadata__":
+            continue
+        try:
+            shapes[name] = tuple(int(d) for d in entry["shape"])
+            end = max(end, int(entry["data_offsets"][1]))
+        except (TypeError, KeyError, IndexError, ValueError):
+            raise ValueError(f"model.weights={file}: not a safetensors file (its entry {name!r} has no shape "
+                             f"and offsets)") from None
+    if 8 + n + end > size:
+        raise ValueError(f"model.weights={file}: cut short: its tensors end at byte {8 + n + end:,}, "
+                         f"the file has {size:,}")
+    return shapes
+
+
+def check_weights(model_cfg: Mapping, config) -> None:
+    """``model.weights`` against the model: every parameter there by name (a tied head
+    from the embedding), with its shape; the files' headers only, the model built on the
+    meta device, so a bad checkpoint is refused before any rank starts."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = str(model_cfg["weights"])
+    found: dict[str, tuple[int, ...]] = {}
+    for file in weight_files(path):
+        found.update(safetensors_shapes(file))
+    with torch.device("meta"):
+        whole = AutoModelForCausalLM.from_config(config)
+    arch = architecture(config.model_type)
+    embed, head = f"{arch.base}.{arch.embed}.weight", f"{arch.head}.weight"
+    want = {name: tuple(p.shape) for name, p in whole.named_parameters(remove_duplicate=False)}
+    alias = {head: embed} if getattr(config, "tie_word_embeddings", False) else {}
+    got = {name: found.get(name, found.get(alias.get(name, ""))) for name in want}
+    missing = [name for name, shape in got.items() if shape is None]
+    if missing:
+        raise ValueError(f"model.weights={path}: the checkpoint lacks {', '.join(missing[:4])}"
+                         + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+                         + f" ({len(found)} tensors there, {len(want)} in the model's config)")
+    for name, shape in got.items():
+        if shape != want[name]:
+            raise ValueError(f"model.weights={path}: {name} is {shape} there, {want[name]} in the model's config")

@@ -27,7 +27,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from pipeflow.config import CONF_DIR, ConfigError, check_logger, run_app
+from pipeflow.config import CONF_DIR, ConfigError, check_logger, drop_empty_run_dir, run_app
 from pipeflow.planning.baselines import BASELINES
 from pipeflow.planning.planner import GB, Plan, evaluate, fits, plan
 from pipeflow.planning.transformer import TransformerSpec
@@ -200,6 +200,7 @@ def plan_app(cfg: DictConfig) -> None:
         check_logger(cfg.logger)
         summary = run_plan(cfg, out_dir)
     except ConfigError as err:
+        drop_empty_run_dir(out_dir)
         raise SystemExit(str(err)) from None
     print(format_plan(summary))
     print(f"\nwrote {', '.join(summary['files'])} to {out_dir}")

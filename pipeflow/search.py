@@ -30,7 +30,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from pipeflow.config import CONF_DIR, ConfigError, check_logger, run_app
+from pipeflow.config import CONF_DIR, ConfigError, check_logger, drop_empty_run_dir, run_app
 from pipeflow.planning.search import (NothingFits, SearchResult,
                                       default_workers, pareto, search)
 from pipeflow.planning.search.report import (candidate_config, draw_pareto, format_search, train_config,
@@ -123,6 +123,7 @@ def search_app(cfg: DictConfig) -> None:
         check_logger(cfg.logger)
         result, files = run_search(cfg, out_dir)
     except ConfigError as err:
+        drop_empty_run_dir(out_dir)
         raise SystemExit(str(err)) from None
     print(format_search(result, cfg.model.name, cfg.topology.name, result.best.candidate.devices, int(cfg.search.top)))
     print(f"\nwrote {', '.join(files)} to {out_dir}")

@@ -26,13 +26,15 @@ from pipeflow.config import (
     CONF_DIR,
     ConfigError,
     check_logger,
+    drop_empty_run_dir,
     prepare_simulation,
     register_configs,
     run_app,
 )
 from pipeflow.schedules.data_parallel import pipeline_shape
 from pipeflow.schedules.export import write_torch_csv
-from pipeflow.schedules.validate import check_complete, check_overlaps, validate
+from pipeflow.config.assembly import refusal, schedule_source
+from pipeflow.schedules.validate import ScheduleError, check_complete, check_overlaps, validate
 from pipeflow.sim.engine import SimulationError, simulate
 from pipeflow.sim.gantt import draw_timeline, unreadable
 from pipeflow.sim.memory import device_memory, library_workspace
@@ -71,7 +73,10 @@ def _run_simulation(cfg: DictConfig, out_dir: str | Path, notes: list[str] | Non
     inputs = prepare_simulation(cfg)
     pipe = cfg.pipeline
     schedule, cost, topology = inputs.schedule, inputs.cost, inputs.topology
-    result = _simulate_checked(schedule, cost, topology)
+    try:
+        result = _simulate_checked(schedule, cost, topology)
+    except ScheduleError as err:  # a schedule that cannot run, named where it came from
+        raise ConfigError(refusal(schedule_source(cfg), str(err), prefix=f"schedule '{schedule.name}'")) from None
     sim_summary = result.summary()
 
     out = Path(out_dir)
@@ -304,6 +309,7 @@ def simulate_app(cfg: DictConfig) -> None:
         check_logger(cfg.logger)
         summary = run_simulation(cfg, out_dir, notes)
     except ConfigError as err:
+        drop_empty_run_dir(out_dir)
         raise SystemExit(str(err)) from None  # the sentence on stderr, exit status 1, no traceback
     print(format_report(summary))
     print(f"\nwrote {', '.join(summary['files'])} to {out_dir}")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -28,11 +27,13 @@ from omegaconf import DictConfig, OmegaConf
 from pipeflow.config import (
     CONF_DIR,
     ConfigError,
+    drop_empty_run_dir,
     run_app,
     data_file_list,
     prepare_training,
     register_configs,
 )
+from pipeflow.config.groups.resume import resume_changes
 from pipeflow.runtime.cluster import adopt_launcher_env, alive
 from pipeflow.tracking.labels import logger_labels
 
@@ -128,18 +129,6 @@ def claim_run_dir(run_dir: str) -> Path:
     raise ConfigError(f"hydra.run.dir={run_dir}: could not claim the folder (another run took it just now)")
 
 
-def _drop_empty_run_dir(run_dir: str) -> None:
-    """A refused config leaves no run folder: remove it when it holds nothing but
-    Hydra's own files (.hydra/ and an empty log)."""
-    folder = Path(run_dir)
-    try:
-        entries = list(folder.iterdir())
-    except OSError:
-        return
-    if all(e.name == ".hydra" or (e.suffix == ".log" and e.is_file() and e.stat().st_size == 0) for e in entries):
-        shutil.rmtree(folder, ignore_errors=True)
-
-
 def _stop(message: str, hydra_cfg: DictConfig) -> None:
     # A single run ends here: the sentence on stderr, exit status 1, no traceback. A
     # multirun job raises instead, so the sweep's other jobs still run.
@@ -161,7 +150,7 @@ def train_app(cfg: DictConfig) -> None:
         inputs = prepare_training(cfg)
         claim = None if torchrun else claim_run_dir(run_dir)
     except ConfigError as err:
-        _drop_empty_run_dir(run_dir)
+        drop_empty_run_dir(run_dir)
         _stop(str(err), hydra_cfg)
     if not torchrun:  # its imports run while this process imports torch and builds the job
         from pipeflow.runtime.rank_server import start_rank_server
@@ -188,6 +177,8 @@ def _train(cfg: DictConfig, hydra_cfg, run_dir: str, inputs) -> None:
             _stop(str(err), hydra_cfg)
     job = TrainJob(cfg=plain, run_dir=run_dir, plan=plan)
     pipe = plain["pipeline"]
+    for change in resume_changes(cfg):
+        log.info(change)
     log.info(f"training {plain['model']['name']} with {plain['schedule']['name']}: p={pipe['stages']}, "
              f"m={pipe['microbatches']}, {plain['trainer']['steps']} steps on {inputs.world_size} ranks; "
              f"run folder {run_dir}")

@@ -249,7 +249,7 @@ def test_seeds_are_drawn_as_a_mean_with_a_band(tmp_path):
 
 def test_bad_settings_and_paths_are_refused_by_name(tmp_path, capsys):
     write_run(tmp_path, "a", cfg("1f1b"), [1.0])
-    with pytest.raises(CompareConfigError, match="unknown setting 'colour'; allowed: out, report"):
+    with pytest.raises(CompareConfigError, match="unknown setting 'colour'; allowed: out, overwrite, report"):
         parse_args([str(tmp_path), "colour=red"])
     with pytest.raises(CompareConfigError, match="report=html: allowed values are local, wandb"):
         parse_args([str(tmp_path), "report=html"])
@@ -272,8 +272,8 @@ def test_report_wandb_offline_says_so_and_keeps_the_local_report(wandb_home, tmp
     said = capsys.readouterr().out
     assert "W&B is offline (WANDB_MODE=offline)" in said and "no W&B report" in said
     assert (out / "report.html").exists() and (out / "runs.csv").exists()
-    monkeypatch.delenv("WANDB_MODE")  # and with no credentials at all
-    assert main([str(tmp_path / "runs"), f"out={out}", "report=wandb"]) == 0
+    monkeypatch.delenv("WANDB_MODE")  # and with no credentials at all (over the report just written)
+    assert main([str(tmp_path / "runs"), f"out={out}", "report=wandb", "overwrite=true"]) == 0
     assert "W&B is offline (no W&B API key is configured)" in capsys.readouterr().out
 
 

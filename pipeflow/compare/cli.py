@@ -55,6 +55,7 @@ class CompareConfig:
     # largest |simulated - measured| / measured step time within target; null: the
     # fidelity targets (table.SIM_TOLERANCE_*: 10% on up to 2 ranks, 15% on more)
     sim_tolerance: Optional[float] = None
+    overwrite: bool = False  # write into an out folder that holds another report or runs
     wandb: WandbReportConfig = field(default_factory=WandbReportConfig)
 
 
@@ -63,8 +64,33 @@ class CompareConfigError(ValueError):
 
 
 _USAGE = ("usage: pipeflow-compare RUN_OR_MULTIRUN_DIR [...] [key=value ...]\n"
-          "settings: out=DIR, report=local|wandb, target_loss=FLOAT, smooth=N, title=TEXT, sim_tolerance=FRACTION, "
+          "settings: out=DIR, overwrite=true, report=local|wandb, target_loss=FLOAT, smooth=N, title=TEXT, sim_tolerance=FRACTION, "
           "wandb.project=NAME, wandb.entity=NAME")
+
+
+REPORT_FILES = ("report.html", "runs.csv", "configurations.csv")
+RUN_FILES = ("summary.json", "metrics.jsonl", "config.json", ".hydra")
+
+
+def check_report_dir(out: Path, inputs: list[Path], overwrite: bool) -> None:
+    """``out`` must not be (or lie inside) a run being compared, and, unless
+    ``overwrite``, must not hold another report or runs: writing there replaced a report
+    or wrote into a run's folder, silently."""
+    target = out.expanduser().resolve()
+    for p in inputs:
+        src = p.expanduser().resolve()
+        if target == src and any((src / f).exists() for f in RUN_FILES) or src in target.parents:
+            raise CompareConfigError(f"out={out}: it is (or lies inside) {p}, a run being compared; "
+                                     f"write the report elsewhere")
+    if overwrite or not target.is_dir():
+        return
+    held = [f for f in REPORT_FILES if (target / f).exists()]
+    runs = [d.name for d in [target, *sorted(target.iterdir())] if d.is_dir() and (d / "summary.json").exists()
+            or (d / "metrics.jsonl").exists()]
+    if held or runs:
+        what = f"another report ({', '.join(held)})" if held else f"runs ({', '.join(runs[:3])})"
+        raise CompareConfigError(f"out={out}: the folder holds {what}; give a new folder, or overwrite=true "
+                                 f"to write over it")
 
 
 def parse_args(argv: list[str]) -> tuple[list[str], CompareConfig]:
@@ -99,6 +125,8 @@ def parse_args(argv: list[str]) -> tuple[list[str], CompareConfig]:
     if conf.out:
         from pipeflow.config.cli import check_output_dir
         from pipeflow.config import ConfigError
+
+        check_report_dir(Path(conf.out), [Path(p) for p in paths], conf.overwrite)
 
         try:  # before any run is read: a folder that cannot be written is refused in one line
             check_output_dir("out", conf.out)
@@ -198,8 +226,10 @@ def main(argv: list[str] | None = None) -> int:
         print(console_caution(report.disagreements))
     unfinished = [r for r in table if r["status"] != "finished"]
     if unfinished:
+        errors = {r.name: r.error for r in runs}
         print(f"\n{len(unfinished)} of {len(table)} runs did not finish: "
-              + "; ".join(f"{r['run']} ({r['status']})" for r in unfinished))
+              + "; ".join(f"{r['run']} ({r['status']}" + (f": {errors[r['run']]}" if errors.get(r['run']) else "") + ")"
+                          for r in unfinished))
     print(f"\nwrote {', '.join(p.name for p in report.files)} to {report.out_dir}")
     if cfg.report == "wandb":
         print(wandb_report(runs, table, cfg, report.title))

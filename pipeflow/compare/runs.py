@@ -129,6 +129,10 @@ def read_run(path: Path) -> Run:
     """Read one run directory; never raises for missing or cut-short files."""
     summary = _json(path / "summary.json")
     config = _json(path / "config.json") or _hydra_config(path) or {}
+    unreadable = [f"{path / name} cannot be read as {what}" for name, what, ok in (
+        ("summary.json", "a JSON object (cut short or overwritten)", summary is not None),
+        ("metrics.jsonl", "text (not UTF-8)", _is_text(path / "metrics.jsonl")))
+        if (path / name).is_file() and not ok]
     rows = _metrics(path / "metrics.jsonl")
     failure = _json(path / "failure.json")
     simulated = summary is not None and (summary.get("kind") == "simulated" or "makespan" in summary)
@@ -141,8 +145,10 @@ def read_run(path: Path) -> Run:
         status, error = "crashed", str(failure.get("error") or "a rank failed")
     elif interrupted:
         status, error = "interrupted", f"stopped by {summary.get('stopped_by')} after step {summary.get('last_step')}"
-    elif summary is not None:
+    elif summary is not None and not unreadable:
         status, error = "finished", None
+    elif unreadable:  # named, and the comparison goes on without it
+        status, error = "incomplete", "; ".join(unreadable)
     elif rows:
         status, error = "incomplete", "no summary.json: the run was stopped or is still running"
     else:
@@ -168,11 +174,21 @@ def _json(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
+def _is_text(path: Path) -> bool:
+    try:
+        path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        return False
+    except OSError:
+        return True  # missing: said otherwise
+    return True
+
+
 def _metrics(path: Path) -> list[dict]:
     rows = []
     try:
         text = path.read_text(encoding="utf-8")
-    except OSError:
+    except (OSError, UnicodeDecodeError):
         return rows
     for line in text.splitlines():
         try:

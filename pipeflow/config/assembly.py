@@ -129,6 +129,41 @@ def planned_schedule(cfg: Any):
     return schedule, p
 
 
+def schedule_source(cfg: DictConfig) -> str:
+    """Where the config's schedule came from, as the key a user set: a file's path, a
+    generator of their own, or a schedule's name."""
+    if cfg.schedule.name == "file":
+        return f"schedule.path={cfg.schedule.get('path')}"
+    if cfg.schedule.get("generator"):
+        return f"schedule.generator={cfg.schedule.generator}"
+    return f"schedule={cfg.schedule.name}"
+
+
+MESSAGE_LIMIT = 600  # characters of a refusal: one sentence, not every device of a large schedule
+
+
+def validated(schedule: Schedule, cfg: DictConfig) -> None:
+    """The validator's verdict (:func:`~pipeflow.schedules.validate.validate`) as one
+    sentence that names where the schedule came from; a schedule that cannot run is
+    refused before any rank starts."""
+    from pipeflow.schedules.validate import ScheduleError, validate
+
+    try:
+        validate(schedule)
+    except ScheduleError as err:
+        raise ConfigError(refusal(schedule_source(cfg), str(err), prefix=f"schedule '{schedule.name}'")) from None
+
+
+def refusal(where: str, message: str, prefix: str = "") -> str:
+    """``where: message`` on one line, ``prefix`` (the message's own naming of the
+    thing) left out, cut to :data:`MESSAGE_LIMIT` characters."""
+    text = " ".join(message.split())
+    if prefix and text.startswith(prefix):
+        text = text[len(prefix):].lstrip(" :")
+    line = f"{where}: {text}"
+    return line if len(line) <= MESSAGE_LIMIT else line[:MESSAGE_LIMIT - 16].rstrip(" ,|") + " ... (cut short)"
+
+
 def generate_schedule(cfg: DictConfig) -> Schedule:
     """The schedule the config names, generated but not validated."""
     pipe = cfg.pipeline

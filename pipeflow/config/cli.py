@@ -8,6 +8,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Sequence
 
@@ -151,6 +152,18 @@ def check_output_dir(key: str, path: str | os.PathLike) -> None:
                 pass
 
 
+def drop_empty_run_dir(run_dir: str | os.PathLike) -> None:
+    """A refused config leaves no run folder: remove it when it holds nothing but
+    Hydra's own files (.hydra/ and an empty log). Every app calls it with its refusal."""
+    folder = Path(run_dir)
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return
+    if all(e.name == ".hydra" or (e.suffix == ".log" and e.is_file() and e.stat().st_size == 0) for e in entries):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def check_run_dir(args: Sequence[str]) -> None:
     """The run folder an app will create (``hydra.run.dir=...`` on the command line, or
     the default under the current folder) can be written."""
@@ -177,6 +190,14 @@ def free_form(args: list[str]) -> list[str]:
     return [f"++{a}" if a.startswith(FREE_FORM) and "=" in a else a for a in args]
 
 
+class _Stopped(BaseException):
+    """A stop signal, raised where the app's main thread is (as KeyboardInterrupt is)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
 def run_app(app, config_name: str, argv: Sequence[str] | None = None) -> None:
     """A console script's front: the command line checked as the checks above do (one
     sentence on stderr and exit status 1 for a bad one, before Hydra composes), then the
@@ -193,8 +214,20 @@ def run_app(app, config_name: str, argv: Sequence[str] | None = None) -> None:
         check_run_dir(args)
     except ConfigError as err:
         raise SystemExit(str(err)) from None
+    # Ctrl-C, a scheduler's SIGTERM and a closed terminal's SIGHUP end the app in one line,
+    # however it was started (a shell starts a background job with SIGINT ignored, which
+    # Python keeps); an app with processes of its own (train's ranks, the search's
+    # workers) stops them on the way out
+    stopped = {signal.SIGINT: "SIGINT", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
+
+    def stop(signum, frame):
+        raise _Stopped(signum)
+
+    for sig in stopped:
+        signal.signal(sig, stop)
     try:
         app()
-    except KeyboardInterrupt:
-        sys.stderr.write(f"pipeflow-{config_name}: stopped by SIGINT\n")
-        raise SystemExit(128 + signal.SIGINT) from None
+    except (KeyboardInterrupt, _Stopped) as err:
+        signum = err.signum if isinstance(err, _Stopped) else signal.SIGINT
+        sys.stderr.write(f"pipeflow-{config_name}: stopped by {stopped[signum]}\n")
+        raise SystemExit(128 + signum) from None

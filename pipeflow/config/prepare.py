@@ -18,7 +18,6 @@ from pipeflow.planning.partition import PARTITIONERS
 from pipeflow.planning.transformer import TransformerSpec, kv_repeat_on
 from pipeflow.schedules.export import check_exportable
 from pipeflow.schedules.ir import Schedule
-from pipeflow.schedules.validate import validate
 from pipeflow.topology.topology import Topology
 
 from .assembly import (
@@ -32,6 +31,7 @@ from .assembly import (
     runtime_schedules,
     schedule_spec,
     segment_lengths,
+    validated,
 )
 from .checks import check_known_keys
 from .groups.data import DATA_FAMILY, DATA_VOCAB, check_data_files, check_text_data, resolve_auto_data
@@ -229,7 +229,7 @@ def prepare_training(cfg: DictConfig) -> TrainingInputs:
 
     # Generators are tested to be valid, but the runtime would deadlock on a schedule that
     # is not, so one validation here (milliseconds at training sizes) is cheap insurance.
-    validate(schedule)
+    validated(schedule, cfg)
     return TrainingInputs(schedule, spec, topology, build_run_plan(cfg, schedule, spec))
 
 
@@ -276,5 +276,5 @@ def _prepare_branched(cfg: DictConfig) -> TrainingInputs:
         except ValueError as err:
             raise ConfigError(str(err).strip().splitlines()[0]) from None
     check_resume(cfg.resume, resume_expect(cfg, schedule))
-    validate(schedule)
+    validated(schedule, cfg)
     return TrainingInputs(schedule, None, topology, build_run_plan(cfg, schedule, None, [s.hi - s.lo for s in specs]))

@@ -121,6 +121,8 @@ def prepare_search(cfg: DictConfig) -> SearchInputs:
     at_least("search.top", opts.top, 1)
     if opts.workers is not None:
         at_least("search.workers", opts.workers, 1)
+    if opts.devices is not None:  # before the topology reads it as its own num_devices
+        at_least("search.devices", opts.devices, 1)
     at_least("search.write_top", opts.write_top, 0)
     limit = opts.memory_limit_gb
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0):

@@ -13,6 +13,54 @@ LATEST = "latest"
 META = "meta.json"
 
 
+# what a model's parameters are shaped by: a checkpoint of another shape cannot be loaded
+MODEL_SHAPE = ("family", "n_layer", "n_embd", "n_head", "n_kv_head", "head_dim", "n_inner", "vocab_size",
+               "n_positions", "mlp", "norm", "tied", "positions", "qkv_bias", "o_bias", "mlp_bias",
+               "interaction_layers")
+BRANCH_SHAPE = ("n_layer", "n_embd", "n_head", "vocab_size", "image_size", "patch_size", "channels")
+# what a run may change on resuming (said, not refused): the same weights train on
+TRAINING = {"precision": ("precision",), "model.recompute": ("model", "recompute"),
+            "pipeline.microbatches": ("pipeline", "microbatches"),
+            "pipeline.microbatch_size": ("pipeline", "microbatch_size"), "seed": ("seed",)}
+
+
+def model_record(model) -> dict:
+    """The model a checkpoint holds, as its meta records it: its name and what shapes its
+    parameters (a concurrent-branch model's branches too)."""
+    out = {"name": model.get("name")}
+    for key in MODEL_SHAPE:
+        if model.get(key) is not None:
+            out[key] = model.get(key)
+    for branch in ("text", "vision"):
+        if model.get(branch) is not None:
+            out[branch] = {k: model[branch].get(k) for k in BRANCH_SHAPE if model[branch].get(k) is not None}
+    return out
+
+
+def training_record(cfg) -> dict:
+    """The settings a resumed run may change (:data:`TRAINING`), as the checkpoint records them."""
+    out = {}
+    for key, path in TRAINING.items():
+        value = cfg
+        for part in path:
+            value = value.get(part) if value is not None else None
+        out[key] = value
+    return out
+
+
+def model_difference(saved: dict, here: dict) -> str | None:
+    """None, or what differs between the model a checkpoint holds and this run's."""
+    keys = [k for k in (*MODEL_SHAPE, "text", "vision") if saved.get(k) != here.get(k) and (k in saved or k in here)]
+    if not keys:
+        return None
+    def said(v):
+        return "unset" if v is None else v
+
+    shown = ", ".join(f"{k} {said(saved.get(k))} there, {said(here.get(k))} here" for k in keys[:4])
+    return (f"the checkpoint holds model {saved.get('name')}, this run builds {here.get('name')} ({shown}); "
+            f"resume with model={saved.get('name')} and its shape")
+
+
 def step_dir(run_dir: str | Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step_{step:07d}"
 
@@ -65,7 +113,11 @@ def verify(resume: str, expect: dict) -> tuple[Path, dict]:
                              f"(cut short or changed since)")
     saved = record["meta"]
     for key, value in expect.items():
-        if key in saved and saved[key] != value:
+        if key == "model" and key in saved:
+            differs = model_difference(saved[key], value)
+            if differs:
+                raise ValueError(f"resume={resume}: {differs}")
+        elif key in saved and saved[key] != value:
             raise ValueError(f"resume={resume}: the checkpoint was written with {key}={saved[key]}, this run has "
                              f"{key}={value}; resume with the same pipeline configuration")
     start = int(record.get("chunk_start", step))

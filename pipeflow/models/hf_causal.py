@@ -112,13 +112,11 @@ class HFCausalStage(nn.Module):
     def load_weights(self, folder: str) -> None:
         """Load this stage's parameters from a local checkpoint's ``*.safetensors``, by name
         (a tied copy from the embedding it mirrors)."""
-        from pathlib import Path
-
         from safetensors import safe_open
 
-        files = sorted(Path(folder).expanduser().glob("*.safetensors"))
-        if not files:
-            raise ValueError(f"model.weights={folder}: no *.safetensors files there (a local model folder)")
+        from pipeflow.hf import weight_files
+
+        files = weight_files(folder)  # checked before any rank started (pipeflow.hf.check_weights)
         want = dict(self.named_parameters())
         found: dict[str, Tensor] = {}
         alias = {f"{self.arch.head}.weight": self.embed_name} if self.tied else {}

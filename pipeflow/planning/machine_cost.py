@@ -167,6 +167,9 @@ def load_calibration(path: str | Path | None, key: str = "cost.calibration") -> 
         raise ValueError(f"{key}={path}: no such file; give the path of a calibration.json")
     try:
         data = json.loads(p.read_text())
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{key}={path}: not a calibration file (not UTF-8 text: byte {err.start} is "
+                         f"0x{err.object[err.start]:02x}); give a calibration.json") from None
     except (OSError, json.JSONDecodeError) as err:
         raise ValueError(f"{key}={path}: not a calibration file ({err})") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:

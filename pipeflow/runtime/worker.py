@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..formats.checkpoint import model_record, training_record
 from ..formats.timeline import Timeline
 from ..schedules.data_parallel import pipeline_shape
 from ..schedules.versions import summarize, weight_versions
@@ -99,6 +100,8 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
         "world_size": job.world_size,
         "layers_per_stage": layers,
         "placement": schedule.placement.as_lists(),
+        "model": model_record(cfg["model"]),  # a resumed run of another model is refused up front
+        "training": training_record(cfg),  # what a resumed run changed is said, not refused
     }
     start_step = restart = 0
     if cfg.get("resume"):

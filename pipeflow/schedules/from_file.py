@@ -133,6 +133,9 @@ def from_file(stages: int, microbatches: int, virtual_stages: int = 1, segments:
             text = f.read()
     except OSError as err:
         raise ScheduleConfigError(f"schedule.path={path}: cannot read it ({err.strerror or err})") from None
+    except UnicodeDecodeError as err:
+        raise ScheduleConfigError(f"schedule.path={path}: not UTF-8 text (byte {err.start} is "
+                                  f"0x{err.object[err.start]:02x}); save it as UTF-8") from None
     orders, pairs = read_schedule_text(text, path)
     sched = schedule_from_orders(orders, source=path, overlapped=tuple(pairs))
     sched.meta["path"] = path

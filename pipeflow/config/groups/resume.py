@@ -29,5 +29,22 @@ def check_resume(resume: str | None, expect: dict | None = None) -> None:
 
 def resume_expect(cfg: DictConfig, schedule) -> dict:
     """What a checkpoint to resume from must have been written for (as the ranks record it)."""
+    from pipeflow.formats.checkpoint import model_record
+
     return {"schedule": schedule.name, "stages": cfg.pipeline.stages, "world_size": schedule.num_devices,
-            "placement": schedule.placement.as_lists()}
+            "placement": schedule.placement.as_lists(), "model": model_record(cfg.model)}
+
+
+def resume_changes(cfg: DictConfig) -> list[str]:
+    """What a resumed run changes of the settings its checkpoint was written with
+    (:data:`~pipeflow.formats.checkpoint.TRAINING`: allowed, the same weights train on),
+    one sentence each; none for a checkpoint that does not record them."""
+    if cfg.get("resume") is None:
+        return []
+    from pipeflow.formats.checkpoint import read_meta, resolve, training_record
+
+    folder, _ = resolve(str(Path(cfg.resume).expanduser()))
+    saved = read_meta(folder, cfg.resume)["meta"].get("training") or {}
+    here = training_record(cfg)
+    return [f"resuming with {key}={here[key]}, where the checkpoint was written with {key}={saved[key]}: "
+            f"its weights and optimizer state carry over" for key in here if key in saved and saved[key] != here[key]]

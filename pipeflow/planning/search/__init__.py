@@ -13,6 +13,7 @@ from __future__ import annotations
 import multiprocessing
 import re
 import os
+import signal
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -85,8 +86,34 @@ def _map(fn, items: list, workers: int, key) -> list[tuple]:
     if workers <= 1 or len(items) < 2 or "fork" not in multiprocessing.get_all_start_methods():
         return list(zip(items, fn(items)))
     batches = _deal(items, workers, key)
-    with ProcessPoolExecutor(len(batches), mp_context=multiprocessing.get_context("fork")) as pool:
-        return [pair for b, part in zip(batches, pool.map(fn, batches)) for pair in zip(b, part)]
+    pool = ProcessPoolExecutor(len(batches), mp_context=multiprocessing.get_context("fork"),
+                               initializer=_die_with_parent)
+    try:
+        out = [pair for b, part in zip(batches, pool.map(fn, batches)) for pair in zip(b, part)]
+    except BaseException:  # a signal (Ctrl-C, SIGTERM) or an error: the workers go now, not after their batch
+        for proc in list(getattr(pool, "_processes", {}).values()):
+            proc.terminate()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
+    return out
+
+
+def _die_with_parent() -> None:
+    """A search worker's start: it ends with the search whatever ends the search (Linux:
+    the kernel sends it SIGTERM when its parent dies, even by SIGKILL), and leaves
+    Ctrl-C to its parent, which stops it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # not the app's handler, forked with it: end quietly
+        signal.signal(sig, signal.SIG_DFL)
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the parent's handling above only
+        pass
+    if os.getppid() == 1:  # the parent died before the line above took effect
+        os._exit(1)
 
 
 def default_workers() -> int:
@@ -121,7 +148,10 @@ def search(space: SearchSpace, pricer: Pricer, simulate_top: int = 16, workers: 
         _PRICER = None
     t1 = time.perf_counter()
     if not closed:
-        reasons = "; ".join(sorted(refused)[:3]) or "no combination of the search's options adds up"
+        # none priced: what refused them, or (none built) what left the combinations out
+        left_out = sorted(space.skipped.items(), key=lambda kv: -kv[1])[:3]
+        reasons = "; ".join(sorted(refused)[:3]) or "; ".join(f"{why}: {k} left out" for why, k in left_out) \
+            or "no combination of the search's options adds up"
         raise ValueError(f"search: none of the {n} candidates can run ({reasons})")
     closed.sort(key=lambda q: q.step_time)
     fitting = [q for q in closed if q.fits]

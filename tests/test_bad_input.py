@@ -1,0 +1,332 @@
+"""Bad input on the newer surfaces (issue 33), met as a user meets it: the app run as a
+subprocess on a real file or value, refused in one sentence that names the key, before
+any rank starts, exit status 1, and no run folder left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+slow = pytest.mark.slow  # a subprocess each
+
+
+def _app(module: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "WANDB_"))}
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=180)
+
+
+def _refused(module: str, args: list[str], tmp_path: Path) -> str:
+    """The app's one line on stderr, checked: exit 1, nothing on stdout, no run folder."""
+    run_dir = tmp_path / "run"
+    proc = _app(module, [*args, "logger=none", f"hydra.run.dir={run_dir}"], tmp_path)
+    err = proc.stderr.strip()
+    assert proc.returncode == 1, (proc.returncode, proc.stdout[-2000:], err[-2000:])
+    assert len(err.splitlines()) == 1 and "Traceback" not in err and proc.stdout.strip() == "", err[-2000:]
+    assert not run_dir.exists(), sorted(p.name for p in run_dir.iterdir())
+    return err
+
+
+SCHEDULE_FILES = {  # one device a line, pipeflow's notation; 2 stages, 2 microbatches
+    "no backward": ("0F0,0F1\n1F0,1F1\n", "missing actions: 0B0, 1B0, 0B1, 1B1"),
+    "a deadlock": ("0F0,0B0,0F1,0B1\n1F1,1B1,1F0,1B0\n", "deadlocks after 1 of 10 actions: device 0 at 0B0"),
+    "an action twice": ("0F0,0F0,0B0,0F1,0B1\n1F0,1B0,1F1,1B1\n", "actions scheduled more than once: 0F0"),
+    "W before I": ("0F0,0F1,0W0,0I0,0I1,0W1\n1F0,1I0,1W0,1F1,1I1,1W1\n",
+                   "device 0 at 0W0 (position 2) waits for 0I0, which comes later on the same device"),
+    "not UTF-8": ("0F0,0B0,0F1,0B1\n1F0,1B0,1F1,1B1 # caf\xe9\n".encode("latin-1"),
+                  "not UTF-8 text (byte 37 is 0xe9); save it as UTF-8"),
+}
+
+
+@slow
+@pytest.mark.parametrize("case", list(SCHEDULE_FILES))
+def test_a_schedule_file_that_cannot_run_is_refused_naming_the_file(case, tmp_path):
+    text, sentence = SCHEDULE_FILES[case]
+    path = tmp_path / "mine.csv"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    err = _refused("pipeflow.train", ["schedule=file", f"schedule.path={path}", "pipeline.microbatches=2",
+                                      "trainer.steps=2"], tmp_path)
+    assert err.startswith(f"schedule.path={path}: ") and sentence in err, err
+
+
+@slow
+def test_the_simulator_refuses_the_same_file_in_the_same_sentence(tmp_path):
+    path = tmp_path / "mine.csv"
+    path.write_text(SCHEDULE_FILES["no backward"][0])
+    err = _refused("pipeflow.simulate", ["schedule=file", f"schedule.path={path}", "pipeline.microbatches=2",
+                                         "pipeline.stages=2"], tmp_path)
+    assert err == f"schedule.path={path}: missing actions: 0B0, 1B0, 0B1, 1B1"
+
+
+HF_VALUES = {  # a Hugging Face shape that transformers or a rank would have failed on, or filled in
+    "no key/value heads": (["model=llama_tiny", "model.hf.num_key_value_heads=0"],
+                           "model.hf.num_key_value_heads=0: must be a whole number of at least 1"),
+    "no query heads": (["model=llama_tiny", "model.hf.num_attention_heads=0"],
+                       "model.hf.num_attention_heads=0: must be a whole number of at least 1"),
+    "heads that do not divide the width": (
+        ["model=llama_tiny", "model.hf.num_attention_heads=3", "model.hf.num_key_value_heads=3"],
+        "model.hf.num_attention_heads=3: must divide the width 128 (hidden_size), or set model.hf.head_dim"),
+    "key/value heads that do not divide the heads": (
+        ["model=llama_tiny", "model.hf.num_key_value_heads=3"],
+        "model.hf.num_key_value_heads=3: must divide the 4 query heads (num_attention_heads)"),
+    "a width in words": (["model=llama_tiny", "model.hf.hidden_size=big"],
+                         "model.hf.hidden_size=big: must be a whole number of at least 1"),
+    "GPT-2's heads that do not divide its width": (
+        ["model=hf_causal", "model.hf.model_type=gpt2", "model.hf.n_embd=128", "model.hf.n_head=3",
+         "model.hf.n_layer=4", "model.hf.vocab_size=256", "model.hf.n_positions=256"],
+        "model.hf.n_head=3: must divide the width 128 (n_embd), or set model.hf.head_dim"),
+}
+
+
+@slow
+@pytest.mark.parametrize("case", list(HF_VALUES))
+def test_a_hugging_face_shape_that_cannot_build_is_refused_before_any_rank(case, tmp_path):
+    args, sentence = HF_VALUES[case]
+    assert _refused("pipeflow.train", [*args, "trainer.steps=2"], tmp_path) == sentence
+
+
+@slow
+def test_a_config_file_without_a_width_is_refused_not_filled_in(tmp_path):
+    """transformers fills a missing hidden_size with its preset's (Llama: 4096): the run
+    trained a model 32 times wider than the file's, silently."""
+    config = {"model_type": "llama", "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 256}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    err = _refused("pipeflow.train", ["model=hf_causal", f"model.config={path}", "trainer.steps=2"], tmp_path)
+    assert err.startswith(f"model.config={path}: gives no hidden_size; set model.hf.hidden_size=<n>"), err
+
+
+TINY = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 256,
+        "tie_word_embeddings": False}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A small Llama's config.json and its weights, as a local model folder holds them."""
+    from omegaconf import OmegaConf
+    from safetensors.torch import save_file
+
+    from pipeflow.config import compose, prepare_training
+    from pipeflow.models import hf_causal
+
+    folder = tmp_path_factory.mktemp("llama")
+    (folder / "config.json").write_text(json.dumps(TINY))
+    cfg = compose("train", ["model=hf_causal", f"model.config={folder}", "logger=none"])
+    prepare_training(cfg)
+    model = hf_causal.build_model(OmegaConf.to_container(cfg.model, resolve=True), seed=5)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
+    return folder
+
+
+def _weights(folder: Path, case: str, tmp_path: Path) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    good = folder / "model.safetensors"
+    bad = tmp_path / case
+    bad.mkdir()
+    if case == "garbage":
+        (bad / "model.safetensors").write_bytes(b"not a checkpoint\n" * 20)
+    elif case == "truncated":
+        data = good.read_bytes()
+        (bad / "model.safetensors").write_bytes(data[: len(data) // 2])
+    else:
+        tensors = load_file(str(good))
+        if case == "a shape":
+            tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"][:64].clone()
+        else:  # a layer missing
+            tensors = {k: v for k, v in tensors.items() if "layers.3." not in k}
+        save_file(tensors, str(bad / "model.safetensors"))
+    return bad
+
+
+WEIGHTS = {
+    "garbage": "model.safetensors: not a safetensors file (it does not start with a header's length",
+    "truncated": "model.safetensors: cut short: its tensors end at byte",
+    "a shape": ": model.layers.0.mlp.up_proj.weight is (64, 64) there, (128, 64) in the model's config",
+    "a layer": ": the checkpoint lacks model.layers.3.self_attn.q_proj.weight",
+}
+
+
+@slow
+@pytest.mark.parametrize("case", list(WEIGHTS))
+def test_a_checkpoint_that_does_not_fit_the_model_is_refused_before_any_rank(checkpoint, case, tmp_path):
+    """Each was a traceback from inside the ranks, about 11 s in (the shape and the missing
+    tensors from one rank only); the files' headers are read up front now."""
+    bad = _weights(checkpoint, case, tmp_path)
+    err = _refused("pipeflow.train", ["model=hf_causal", f"model.config={checkpoint}", f"model.weights={bad}",
+                                      "trainer.steps=2"], tmp_path)
+    assert err.startswith(f"model.weights={bad}") and WEIGHTS[case] in err, err
+
+
+def test_model_weights_takes_a_file_or_its_folder_and_names_what_is_neither(checkpoint, tmp_path):
+    from pipeflow.config import ConfigError, compose, prepare_training
+
+    def prepare(weights):
+        return prepare_training(compose("train", ["model=hf_causal", f"model.config={checkpoint}",
+                                                  f"model.weights={weights}", "logger=none"]))
+
+    prepare(checkpoint)
+    prepare(checkpoint / "model.safetensors")  # "no *.safetensors files there", before
+    for weights, sentence in ((tmp_path / "nowhere", "no such file or folder"),
+                              (tmp_path, "no *.safetensors files in that folder"),
+                              (checkpoint / "config.json", "not a .safetensors file")):
+        with pytest.raises(ConfigError, match="^" + re.escape(f"model.weights={weights}: {sentence}")):
+            prepare(weights)
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory) -> Path:
+    """gpt_tiny trained 2 steps at fp32 on 2 ranks: a run to resume."""
+    run = tmp_path_factory.mktemp("runs") / "base"
+    proc = _app("pipeflow.train", ["trainer.steps=2", "precision=fp32", "logger=none", f"hydra.run.dir={run}"], run.parent)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return run
+
+
+RESUMED = {
+    "another model": (["model=llama_tiny"], "this run builds llama_tiny (family gpt there, hf_causal here"),
+    "another width": (["model.n_embd=64"], "this run builds gpt_tiny (n_embd 128 there, 64 here)"),
+}
+
+
+@slow
+@pytest.mark.parametrize("case", list(RESUMED))
+def test_resuming_with_another_model_is_refused_before_any_rank(trained_run, case, tmp_path):
+    """It failed inside the ranks, loading the state dict, with dozens of key names."""
+    args, sentence = RESUMED[case]
+    err = _refused("pipeflow.train", [f"resume={trained_run}", *args, "trainer.steps=3"], tmp_path)
+    assert err.startswith(f"resume={trained_run}: the checkpoint holds model gpt_tiny, ") and sentence in err, err
+    assert err.endswith("resume with model=gpt_tiny and its shape")
+
+
+@slow
+def test_resuming_with_other_training_settings_says_what_changed(trained_run):
+    from pipeflow.config import compose, prepare_training
+    from pipeflow.config.groups.resume import resume_changes
+
+    cfg = compose("train", [f"resume={trained_run}", "precision=bf16", "pipeline.microbatch_size=2",
+                            "trainer.steps=3", "logger=none"])
+    prepare_training(cfg)
+    assert resume_changes(cfg) == [
+        f"resuming with {key}={new}, where the checkpoint was written with {key}={old}: its weights and "
+        f"optimizer state carry over" for key, new, old in (("precision", "bf16", "fp32"),
+                                                              ("pipeline.microbatch_size", 2, 4))]
+
+
+SEARCHES = {
+    "no devices": (["search.devices=0"], "search.devices=0: must be a whole number >= 1"),
+    "a batch nothing divides": (["search.global_batch=7", "search.stages=[1]"],
+                                "search: none of the 0 candidates can run (the global batch does not divide into "
+                                "data_parallel x microbatch_size: "),
+    "a binary calibration": (["topology=local_cpu", "search.devices=2", "search.calibration=[{file}]"],
+                             "search.calibration={file}: not a calibration file (not UTF-8 text: byte 0 is 0x93)"),
+}
+
+
+@slow
+@pytest.mark.parametrize("case", list(SEARCHES))
+def test_a_search_that_cannot_run_says_why_naming_the_key_the_user_set(case, tmp_path):
+    """search.devices=0 was reported as topology.num_devices=0; a batch that nothing
+    divides as "none of the 0 candidates can run" with no reason; a binary calibration
+    file as a codec's message naming neither the key nor the file."""
+    file = tmp_path / "calibration.json"
+    file.write_bytes(b"\x93\x00\xff not json")
+    args, sentence = SEARCHES[case]
+    err = _refused("pipeflow.search", [a.format(file=file) for a in args], tmp_path)
+    assert err.startswith(sentence.format(file=file)), err
+
+
+def _compare(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return _app("pipeflow.compare.cli", args, cwd)
+
+
+@slow
+def test_compare_names_a_file_it_cannot_read_and_goes_on(tmp_path):
+    """A cut-short summary.json showed the run as "incomplete" naming no file; a binary
+    metrics.jsonl was a UnicodeDecodeError traceback."""
+    from test_compare import cfg, write_run
+
+    write_run(tmp_path, "runs/good", cfg("1f1b"), [2.0, 1.0])
+    cut = write_run(tmp_path, "runs/cut", cfg("gpipe"), [2.0, 1.5])
+    (cut / "summary.json").write_text('{"kind": "meas')
+    binary = write_run(tmp_path, "runs/binary", cfg("zb_h1"), [2.0, 1.2])
+    (binary / "metrics.jsonl").write_bytes(b"\x93\xff\x00" * 50)
+    proc = _compare([str(tmp_path / "runs"), f"out={tmp_path / 'report'}"], tmp_path)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"{cut / 'summary.json'} cannot be read as a JSON object" in proc.stdout
+    assert f"{binary / 'metrics.jsonl'} cannot be read as text (not UTF-8)" in proc.stdout
+    assert (tmp_path / "report" / "report.html").exists()
+
+
+@slow
+def test_compare_refuses_to_write_over_a_report_or_into_a_run(tmp_path):
+    from test_compare import cfg, write_run
+
+    run = write_run(tmp_path, "runs/a", cfg("1f1b"), [2.0, 1.0])
+    out = tmp_path / "report"
+    assert _compare([str(tmp_path / "runs"), f"out={out}"], tmp_path).returncode == 0
+    before = (out / "report.html").stat().st_mtime_ns
+    again = _compare([str(tmp_path / "runs"), f"out={out}"], tmp_path)
+    assert again.returncode == 2 and again.stderr.strip() == (
+        f"pipeflow-compare: out={out}: the folder holds another report (report.html, runs.csv, configurations.csv); "
+        f"give a new folder, or overwrite=true to write over it")
+    assert (out / "report.html").stat().st_mtime_ns == before
+    into = _compare([str(tmp_path / "runs"), f"out={run}"], tmp_path)
+    assert into.returncode == 2 and into.stderr.strip().startswith(
+        f"pipeflow-compare: out={run}: it is (or lies inside) {tmp_path / 'runs'}, a run being compared")
+    assert not (run / "report.html").exists()
+    assert _compare([str(tmp_path / "runs"), f"out={out}", "overwrite=true"], tmp_path).returncode == 0
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry))
+    return kids
+
+
+@slow
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process table from /proc")
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT, started with SIGINT ignored"])
+def test_a_stopped_search_takes_its_workers_with_it(how, tmp_path):
+    """SIGTERM left both forked workers running, reparented to init; a search started as a
+    script's background job (SIGINT ignored) ignored Ctrl-C."""
+    import signal
+    import time
+
+    sig = signal.SIGTERM if how == "SIGTERM" else signal.SIGINT
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sig == signal.SIGINT else None
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "WANDB_"))}
+    proc = subprocess.Popen([sys.executable, "-m", "pipeflow.search", "search.global_batch=100000", "search.workers=2",
+                             "logger=none", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ignore)
+    try:
+        start = time.monotonic()
+        while len(_children(proc.pid)) < 2 and time.monotonic() - start < 120 and proc.poll() is None:
+            time.sleep(0.2)
+        workers = _children(proc.pid)
+        assert len(workers) == 2, (workers, proc.poll())
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + sig and err.strip().endswith(f"pipeflow-search: stopped by {sig.name}"), err
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{w}").exists() for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [w for w in workers if Path(f"/proc/{w}").exists()]
