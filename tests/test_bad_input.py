@@ -330,3 +330,39 @@ def test_a_stopped_search_takes_its_workers_with_it(how, tmp_path):
     while any(Path(f"/proc/{w}").exists() for w in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [w for w in workers if Path(f"/proc/{w}").exists()]
+
+
+@slow
+@pytest.mark.parametrize("multirun", [False, True], ids=["without -m", "-m, no Slurm here"])
+def test_the_slurm_launcher_submits_or_says_what_is_missing_and_leaves_nothing(multirun, tmp_path):
+    """Without -m the run trained here, exit 0, no notice; with -m and no srun or sbatch,
+    a Hydra traceback and multirun.yaml or .submitit/ left behind."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "WANDB_"))}
+    env["PATH"] = str(Path(sys.executable).parent)  # this Python's, and no Slurm
+    args = [*(["-m"] if multirun else []), "hydra/launcher=slurm", "trainer.steps=1", "logger=none"]
+    proc = subprocess.run([sys.executable, "-m", "pipeflow.train", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    err = proc.stderr.strip()
+    assert proc.returncode == 1 and len(err.splitlines()) == 1, err[-2000:]
+    if multirun:
+        assert err.startswith("hydra/launcher=slurm: sbatch and srun not found on PATH"), err
+    else:
+        assert err.startswith("hydra/launcher=slurm: a launcher runs a multirun's jobs, so without -m"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_the_slurm_launcher_names_the_extra_it_needs_and_passes_where_slurm_is(tmp_path, monkeypatch):
+    from pipeflow.config import ConfigError
+    from pipeflow.config.cli import check_launcher
+
+    for name in ("sbatch", "srun"):  # a login node's commands
+        tool = tmp_path / name
+        tool.write_text("#!/bin/sh\nexit 0\n")
+        tool.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    check_launcher(["-m", "hydra/launcher=slurm"])
+    check_launcher(["hydra/launcher=basic"])
+    monkeypatch.setitem(sys.modules, "hydra_plugins.hydra_submitit_launcher", None)  # not installed
+    with pytest.raises(ConfigError, match=re.escape("hydra/launcher=slurm: needs the slurm extra (pip install -e "
+                                                    "'.[slurm]'")):
+        check_launcher(["-m", "hydra/launcher=slurm"])

@@ -184,6 +184,29 @@ def check_run_dir(args: Sequence[str]) -> None:
 FREE_FORM = ("model.hf.",)
 
 
+def check_launcher(args: Sequence[str]) -> None:
+    """``hydra/launcher=slurm``: refused in one sentence, before Hydra writes anything
+    (its multirun.yaml, submitit's folder), where it cannot submit: without ``-m`` (a
+    launcher runs a multirun's jobs; the run would train here), without the ``slurm``
+    extra, or on a machine with no ``sbatch``/``srun``."""
+    chosen = [a.split("=", 1)[1] for a in args if "=" in a and a.split("=", 1)[0].lstrip("+~") == "hydra/launcher"]
+    if not chosen or chosen[-1] != "slurm":
+        return
+    if not any(a in ("-m", "--multirun") for a in args):
+        raise ConfigError("hydra/launcher=slurm: a launcher runs a multirun's jobs, so without -m nothing is "
+                          "submitted and the run would train here; add -m (pipeflow-train -m hydra/launcher=slurm "
+                          "...), or leave hydra/launcher out")
+    try:
+        import hydra_plugins.hydra_submitit_launcher  # noqa: F401
+    except ImportError:
+        raise ConfigError("hydra/launcher=slurm: needs the slurm extra (pip install -e '.[slurm]', which installs "
+                          "hydra-submitit-launcher)") from None
+    missing = [c for c in ("sbatch", "srun") if shutil.which(c) is None]
+    if missing:
+        raise ConfigError(f"hydra/launcher=slurm: {' and '.join(missing)} not found on PATH, so this machine cannot "
+                          f"submit to Slurm; run from a Slurm login node, or leave hydra/launcher out to train here")
+
+
 def free_form(args: list[str]) -> list[str]:
     """``model.hf.rope_theta=1e4`` as ``++model.hf.rope_theta=1e4``: Hydra adds a key only
     when told to, and a transformers config field is the user's to add."""
@@ -209,6 +232,7 @@ def run_app(app, config_name: str, argv: Sequence[str] | None = None) -> None:
     if argv is None:
         sys.argv[1:] = args  # what Hydra parses
     try:
+        check_launcher(args)
         check_group_choices(args)
         check_overrides(config_name, args)
         check_run_dir(args)
