@@ -193,6 +193,12 @@ def _train(cfg: DictConfig, hydra_cfg, run_dir: str, inputs) -> None:
         log.info(str(err).splitlines()[0])
         _stop(str(err), hydra_cfg)
     log.info(format_summary(summary, run_dir))
+    if summary.get("status") == "diverged":
+        log.info(f"the loss is not finite from step {summary['diverged_at']}: the run diverged "
+                 f"(a lower optim.lr, or precision=bf16 rather than fp16, may hold it)")
+    elif summary.get("status") == "no_updates":
+        log.info("every step's gradients overflowed and were skipped: nothing was trained "
+                 "(precision=bf16 or fp32 needs no loss scaling)")
 
 
 def main() -> None:

@@ -366,3 +366,35 @@ def test_the_slurm_launcher_names_the_extra_it_needs_and_passes_where_slurm_is(t
     with pytest.raises(ConfigError, match=re.escape("hydra/launcher=slurm: needs the slurm extra (pip install -e "
                                                     "'.[slurm]'")):
         check_launcher(["-m", "hydra/launcher=slurm"])
+
+
+@slow
+def test_a_diverged_run_says_so_and_its_metrics_stay_strict_json(tmp_path):
+    """A loss gone non-finite was written as NaN (not JSON: strict readers refuse the
+    file) and the run ended "finished"."""
+    run = tmp_path / "run"
+    proc = _app("pipeflow.train", ["trainer.steps=3", "optim.lr=1e9", "logger=none", f"hydra.run.dir={run}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "diverged" and summary["diverged_at"] == 2, summary
+    assert "the loss is not finite from step 2: the run diverged" in proc.stdout + proc.stderr
+
+    def refuse(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+
+    rows = [json.loads(line, parse_constant=refuse) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] is None for r in rows] == [False, True, True]
+    json.loads((run / "summary.json").read_text(), parse_constant=refuse)
+
+
+@slow
+def test_a_run_whose_every_update_was_skipped_says_nothing_was_trained(tmp_path):
+    """fp16 with a loss scale every step overflows at: each step skipped, and the run
+    ended "finished"."""
+    run = tmp_path / "run"
+    proc = _app("pipeflow.train", ["trainer.steps=2", "precision=fp16", "runtime.loss_scale=1e300", "logger=none",
+                                   f"hydra.run.dir={run}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["status"], summary["skipped_steps"]) == ("no_updates", 2), summary
+    assert "every step's gradients overflowed and were skipped: nothing was trained" in proc.stdout + proc.stderr

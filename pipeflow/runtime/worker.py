@@ -10,6 +10,7 @@ Rank 0 records the metrics and the summary.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -240,8 +241,22 @@ def _train_steps(rank, job, device, setup: RankSetup, data, sink, progress, stat
         "wall_time": time.perf_counter() - t_start,
         "run_key": run_key(cfg, **pipeline_shape(schedule, pipe_cfg["stages"])),
     }
+    summary.update(_verdict(history, summary))
     sink.finish(summary)
     return summary
+
+
+def _verdict(history: list[dict], summary: dict) -> dict:
+    """A finished run whose loss went non-finite is ``diverged`` (from which step), one
+    whose every update was skipped (fp16's overflows) ``no_updates``: the status says so,
+    and the launcher's last line."""
+    finite = [math.isfinite(float(h["loss"])) for h in history]
+    if finite and not finite[-1]:  # non-finite to the end (an fp16 step that overflowed and recovered is not)
+        bad = len(finite) - next(i for i, ok in enumerate(reversed(finite)) if ok) if any(finite) else 0
+        return {"status": "diverged", "diverged_at": int(summary["last_step"]) - len(history) + 1 + bad}
+    if history and summary.get("skipped_steps", 0) >= len(history):
+        return {"status": "no_updates"}
+    return {}
 
 
 def _busy_and_saved(busy: float, ex, world_size: int) -> tuple[float, dict, float]:

@@ -13,6 +13,7 @@ Torch-free and Hydra-free: composed configs and plain dicts alike.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -94,12 +95,23 @@ def write_summary(run_dir: str | os.PathLike, summary: Mapping, key: Mapping | N
     return write_whole(Path(run_dir) / "summary.json", record, default)
 
 
+def strict(value: Any) -> Any:
+    """``value`` with every non-finite float (NaN, infinity) as None: strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict(v) for v in value]
+    return value
+
+
 def write_whole(path: Path, record: Mapping, default=str) -> Path:
     """Write ``record`` as JSON whole or not at all: the text goes to a temporary file
     renamed into place, so a full disk leaves no empty or cut-short file behind."""
     tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.write_text(json.dumps(record, indent=2, default=default) + "\n")
+        tmp.write_text(json.dumps(strict(dict(record)), indent=2, default=default) + "\n")
         os.replace(tmp, path)
     except OSError:
         tmp.unlink(missing_ok=True)

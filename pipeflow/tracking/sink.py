@@ -179,7 +179,10 @@ class MetricsSink:
         try:
             if self._file is None:
                 self._file = open(self.metrics_path, "a", encoding="utf-8")
-            self._file.write(json.dumps(row, default=_json_default) + "\n")
+            # strict JSON: a non-finite number (a diverged loss) is null, not NaN
+            from .record import strict
+
+            self._file.write(json.dumps(strict(row), default=_json_default) + "\n")
             # flushed line by line: a crashed run keeps every step it logged
             self._file.flush()
         except OSError as err:  # a full disk, a folder gone: name the file
