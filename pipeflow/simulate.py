@@ -33,7 +33,7 @@ from pipeflow.config import (
 )
 from pipeflow.schedules.data_parallel import pipeline_shape
 from pipeflow.schedules.export import write_torch_csv
-from pipeflow.config.assembly import refusal, schedule_source
+from pipeflow.config.assembly import schedule_refusal
 from pipeflow.schedules.validate import ScheduleError, check_complete, check_overlaps, validate
 from pipeflow.sim.engine import SimulationError, simulate
 from pipeflow.sim.gantt import draw_timeline, unreadable
@@ -76,7 +76,7 @@ def _run_simulation(cfg: DictConfig, out_dir: str | Path, notes: list[str] | Non
     try:
         result = _simulate_checked(schedule, cost, topology)
     except ScheduleError as err:  # a schedule that cannot run, named where it came from
-        raise ConfigError(refusal(schedule_source(cfg), str(err), prefix=f"schedule '{schedule.name}'")) from None
+        raise schedule_refusal(err, schedule, cfg) from None
     sim_summary = result.summary()
 
     out = Path(out_dir)

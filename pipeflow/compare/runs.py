@@ -129,11 +129,12 @@ def read_run(path: Path) -> Run:
     """Read one run directory; never raises for missing or cut-short files."""
     summary = _json(path / "summary.json")
     config = _json(path / "config.json") or _hydra_config(path) or {}
+    rows = _metrics(path / "metrics.jsonl")  # None: there, but not text
     unreadable = [f"{path / name} cannot be read as {what}" for name, what, ok in (
         ("summary.json", "a JSON object (cut short or overwritten)", summary is not None),
-        ("metrics.jsonl", "text (not UTF-8)", _is_text(path / "metrics.jsonl")))
+        ("metrics.jsonl", "text (not UTF-8)", rows is not None))
         if (path / name).is_file() and not ok]
-    rows = _metrics(path / "metrics.jsonl")
+    rows = rows or []
     failure = _json(path / "failure.json")
     simulated = summary is not None and (summary.get("kind") == "simulated" or "makespan" in summary)
     kind = "simulated" if simulated else "measured"
@@ -174,21 +175,13 @@ def _json(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def _is_text(path: Path) -> bool:
-    try:
-        path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        return False
-    except OSError:
-        return True  # missing: said otherwise
-    return True
-
-
-def _metrics(path: Path) -> list[dict]:
-    rows = []
+def _metrics(path: Path) -> list[dict] | None:
+    rows: list[dict] = []
     try:
         text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
+    except UnicodeDecodeError:
+        return None
+    except OSError:
         return rows
     for line in text.splitlines():
         try:

@@ -151,7 +151,12 @@ def validated(schedule: Schedule, cfg: DictConfig) -> None:
     try:
         validate(schedule)
     except ScheduleError as err:
-        raise ConfigError(refusal(schedule_source(cfg), str(err), prefix=f"schedule '{schedule.name}'")) from None
+        raise schedule_refusal(err, schedule, cfg) from None
+
+
+def schedule_refusal(err: Exception, schedule: Schedule, cfg: DictConfig) -> ConfigError:
+    """The validator's ``err`` about ``schedule`` as the config error train and simulate raise."""
+    return ConfigError(refusal(schedule_source(cfg), str(err), prefix=f"schedule '{schedule.name}'"))
 
 
 def refusal(where: str, message: str, prefix: str = "") -> str:
