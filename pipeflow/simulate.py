@@ -47,12 +47,16 @@ register_configs()
 DRAW_VALUES = ("auto", True, False)
 
 
-def run_simulation(cfg: DictConfig, out_dir: str | Path, notes: list[str] | None = None) -> dict:
+def run_simulation(cfg: DictConfig, out_dir: str | Path, notes: list[str] | None = None,
+                   actions: list | None = None) -> dict:
     """Simulate the configured run and write its files into ``out_dir``; return the summary.
 
     Raises ConfigError (one sentence naming the key) before any work if the config
     cannot be simulated. ``notes``, when given, receives a line for the console about
-    what was not written and why (a picture too dense to read).
+    what was not written and why (a picture too dense to read). ``actions`` (per
+    device, an action's name such as "1I3", or None) adds each device's
+    ``memory_at_action``: what the simulator says that action holds at its most
+    (``benchmarks/bench_memory.py`` asks for the action where a rank measured its peak).
     """
     # Checking, simulating and writing 64 x 1024 allocate millions of objects and no
     # reference cycles; left on, the cyclic collector rescans them again and again (half
@@ -60,13 +64,13 @@ def run_simulation(cfg: DictConfig, out_dir: str | Path, notes: list[str] | None
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _run_simulation(cfg, out_dir, notes)
+        return _run_simulation(cfg, out_dir, notes, actions)
     finally:
         if was_enabled:
             gc.enable()
 
 
-def _run_simulation(cfg: DictConfig, out_dir: str | Path, notes: list[str] | None) -> dict:
+def _run_simulation(cfg: DictConfig, out_dir: str | Path, notes: list[str] | None, actions: list | None) -> dict:
     if cfg.draw not in DRAW_VALUES:
         raise ConfigError(f"draw={cfg.draw}: allowed values: auto (the picture when it can be read), "
                           f"true (always), false (never)")
@@ -98,8 +102,8 @@ def _run_simulation(cfg: DictConfig, out_dir: str | Path, notes: list[str] | Non
         write_torch_csv(schedule, out / "schedule.csv")
         files.append("schedule.csv")
 
-    categories = (device_memory(schedule, cost, result.per_device, library_workspace(topology, schedule.num_devices))
-                  if cost.name != "unit" else None)
+    categories = (device_memory(schedule, cost, result.per_device, library_workspace(topology, schedule.num_devices),
+                                actions) if cost.name != "unit" else None)
     memory = memory_fit(schedule, cost, topology, sim_summary["per_device"], categories)
     summary = {
         "kind": "simulated",  # predicted by the simulator; pipeflow-train's summaries are measured
@@ -157,6 +161,9 @@ def memory_fit(schedule, cost, topology, per_device: list[dict], categories: lis
         if categories is not None:  # the peak of the sum over time, by category (pipeflow.sim.memory)
             d["peak_memory_bytes"] = categories[dev]["peak_bytes"]
             d["memory_at_peak"] = categories[dev]["at_peak"]
+            d["memory_peak_action"] = categories[dev]["peak_action"]  # "1I3": stage 1's I of microbatch 3
+            if "at_action" in categories[dev]:
+                d["memory_at_action"] = categories[dev]["at_action"]
             d["memory_category_peaks"] = categories[dev]["category_peaks"]
         else:
             d["peak_memory_bytes"] = d["model_state_bytes"] + d["peak_activation_bytes"]

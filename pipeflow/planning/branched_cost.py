@@ -11,12 +11,13 @@ predicts the masked text bytes (one vocabulary projection per text token).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping, Sequence
 
 from ..topology.topology import Device
 from .cbm_shape import cbm_shape
 from .cost import CostModel, _check_int, _check_number, layer_cost
-from .working_set import mlp_product_scratch, weight_phase_bytes, weight_product_scratch
+from .working_set import BackwardWorkingSet, mlp_product_scratch, weight_phase_bytes, weight_product_scratch
 from .transformer import (TransformerSpec, norm_saved_bytes, layer_forward_flops, layer_linear_flops, layer_params,
                           weight_residual_width)
 
@@ -139,10 +140,19 @@ class BranchedAnalyticCost(CostModel):
             per_pair = (Hv + Ht) * c + 2 * Ht * c + 8
             return float(b * (xv * (4 * Hv + 8) + xt * per_text + per_pair))
         spec, x = self.spec[branch], self.tokens[branch]
+        a = (hi - lo) * layer_cost(spec, x, x, b, c).saved + self._cross_saved(stage)
+        if lo == 0:
+            a += b * self.patch_dim * c * x if branch == "vision" else 8.0 * b * x + 8.0 * x
+        return float(a)
+
+    def _cross_saved(self, stage: int) -> float:
+        """What the stage's interaction blocks' cross-attentions keep (see :meth:`activation_bytes`)."""
+        branch, lo, hi = self.stages[stage]
+        b, c = self.microbatch_size, self.dtype_bytes
+        spec, x = self.spec[branch], self.tokens[branch]
         other = "text" if branch == "vision" else "vision"
         H, Ho, y = spec.n_embd, self.spec[other].n_embd, self.tokens[other]
-        one = layer_cost(spec, x, x, b, c)
-        a = (hi - lo) * one.saved
+        a = 0.0
         for blk in range(lo, hi):
             if blk not in self.interactions:
                 continue
@@ -155,9 +165,17 @@ class BranchedAnalyticCost(CostModel):
                 # (one copy when the widths match: MultiheadAttention then packs the
                 # key and value projections into one product of the one input)
                 a += b * y * (4 * Ho + 8 + (1 if Ho == H else 2) * Ho * c + 2 * H * c)
-        if lo == 0:
-            a += b * self.patch_dim * c * x if branch == "vision" else 8.0 * b * x + 8.0 * x
         return float(a)
+
+    def _cross_residual(self, stage: int) -> float:
+        """What the stage's interaction blocks' cross-attentions keep from I for W (see
+        :meth:`weight_residual_bytes`)."""
+        branch, lo, hi = self.stages[stage]
+        spec, x = self.spec[branch], self.tokens[branch]
+        other = "text" if branch == "vision" else "vision"
+        H, Ho, y = spec.n_embd, self.spec[other].n_embd, self.tokens[other]
+        n = sum(4 * H * x + (Ho + 2 * H) * y for blk in range(lo, hi) if blk in self.interactions)
+        return float(n * self.microbatch_size * self.dtype_bytes)
 
     def input_gradient_bytes(self, stage: int, segment: int) -> float:
         """The gradients a backward makes for its stage's inputs (fp32): the branch's
@@ -224,6 +242,50 @@ class BranchedAnalyticCost(CostModel):
         rebuilt = self.transient_bytes(stage, segment)
         return float(max(rebuilt, grads) if self.recompute == "selective" else rebuilt + grads)
 
+    def input_workspace_bytes(self, stage: int, segment: int) -> float:
+        """The zero-bubble I's most on top of the level before it: a block stage's walks
+        as a GPT block stage's of the branch's shape
+        (:meth:`BackwardWorkingSet._input_workspace`; an interaction block's
+        cross-attention is not its peak); the head's is its backward's."""
+        if self.stages[stage][0] == "head":
+            return self.workspace_bytes(stage, segment)
+        return self._input_split(stage)[0]
+
+    def input_kept_bytes(self, stage: int, segment: int) -> float:
+        """What I has kept for W by its peak: a block stage's walks as a GPT block
+        stage's of the branch's shape (:meth:`BackwardWorkingSet._input_workspace`; an
+        interaction block's cross-attention comes last, after the peak); the head's
+        none (its peak is the loss's gradients, before it keeps anything)."""
+        return self._input_split(stage)[1]
+
+    def input_freed_bytes(self, stage: int, segment: int) -> float:
+        """What I has taken from the forward's saved activations by then (see
+        :meth:`input_kept_bytes`)."""
+        return self._input_split(stage)[2]
+
+    def _input_split(self, stage: int) -> tuple[float, float, float]:
+        branch, lo, hi = self.stages[stage]
+        if branch == "head":
+            return 0.0, 0.0, 0.0
+        walk = BackwardWorkingSet()
+        walk.spec, walk.microbatch_size, walk.dtype_bytes = self.spec[branch], self.microbatch_size, self.dtype_bytes
+        x = self.tokens[branch]
+        # the region it rebuilds is the stage's own (an interaction block's cross-attention)
+        one = dataclasses.replace(layer_cost(walk.spec, x, x, self.microbatch_size, self.dtype_bytes),
+                                  transient=self.transient_bytes(stage, 0))
+        phase: list = []
+        most, kept, freed = walk._input_workspace(hi - lo, one, x, False, phase)
+        # An interaction block's cross-attention runs between its MLP's and its
+        # self-attention's: behind the peak where the peak is at the stage's last block's
+        # attention, every block before it having traded what it saved for what W keeps,
+        # or in a block before the last (measured: cbm ZB-H1 selective, the text stage's I
+        # peaks in its last block's self-attention, past the cross-attention)
+        rise = (hi - lo - 1) * (one.residual - one.saved) > 0
+        if any(blk in self.interactions for blk in range(lo + 1, hi)) or (rise and phase[0] == 1 and lo in self.interactions):
+            resid, saved = self._cross_residual(stage), self._cross_saved(stage)
+            most, kept, freed = most + resid - saved, kept + resid, freed + saved
+        return most, kept, freed
+
     def transient_bytes(self, stage: int, segment: int) -> float:
         """model.recompute: the region a backward rebuilds, one at a time, and holds while
         it runs (full: a block with its cross-attention; selective: the larger attention
@@ -263,11 +325,7 @@ class BranchedAnalyticCost(CostModel):
             per_pair = Hv + Ht + Ht + Ht + 1
             return float(b * c * (per_pair + self.tokens["text"] * (Ht + self.vocab)))
         spec, x = self.spec[branch], self.tokens[branch]
-        other = "text" if branch == "vision" else "vision"
-        H, Ho, y = spec.n_embd, self.spec[other].n_embd, self.tokens[other]
-        n = (hi - lo) * weight_residual_width(spec, c) * x
-        n += sum(4 * H * x + (Ho + 2 * H) * y for blk in range(lo, hi) if blk in self.interactions)
-        return float(n * b * c)
+        return float((hi - lo) * weight_residual_width(spec, c) * x * b * c + self._cross_residual(stage))
 
     def cast_phase_bytes(self, stage: int, segment: int) -> float:
         """A backward through shared casts an earlier forward made (the transformer's

@@ -81,6 +81,27 @@ def weight_phase_bytes(products: list[tuple[int, int, int]], dtype_bytes: int, s
     return float(max(most, 0.0))
 
 
+def rerun_rotation_bytes(spec: TransformerSpec, tokens: int, c: int) -> tuple[float, float]:
+    """A recomputed attention's rerun at its rotary rotation, on top of what was live
+    before it: (what it holds, of that what I keeps for W). The Q, K and V projections
+    (compute dtype; at 16 bits from their own casts of the region's input, which W keeps,
+    :func:`matrix_inputs`, and the weights' casts made anew), and the rotation of Q, then
+    of K beside Q's result: x cos (fp32: the tables are), the half-rotated copy (compute
+    dtype), at 16 bits its fp32 promotion, and x sin (fp32); measured, llama ZB-H2 bf16
+    selective (its I peaks there). Nothing without rotary positions."""
+    if spec.position_embedding != "rotary":
+        return 0.0, 0.0
+    H = spec.n_embd
+    q, kv = spec.n_head * spec.head_dim, spec.kv_heads * spec.head_dim
+    r = 2 * RESIDUAL_BYTES + c + (RESIDUAL_BYTES if c < 4 else 0)
+    # (and, kept too, the output projection's output gradient: its 16-bit cast of the
+    # stream's gradient, made before its backward unpacked the region and started the rerun)
+    casts = (matrix_inputs(spec, c)[0] + 1) * tokens * H * c if c < 4 else 0.0
+    held = tokens * (q + 2 * kv) * c + ((q + 2 * kv) * H * c if c < 4 else 0.0)
+    rotation = tokens * max(q * r, RESIDUAL_BYTES * q + kv * r)
+    return float(casts + held + rotation), float(casts)
+
+
 class BackwardWorkingSet:
     """B's and I's working sets of a transformer stage (see the module's docstring), what
     a backward hands back and holds to its end, and what the optimizer step holds."""
@@ -280,7 +301,7 @@ class BackwardWorkingSet:
         the level's move (kept less freed) are the gradients on the way."""
         return self._input_ws[stage][self._seg(segment)][2]
 
-    def _input_workspace(self, n: int, one, x: int, last: bool) -> tuple[float, float]:
+    def _input_workspace(self, n: int, one, x: int, last: bool, phase: list | None = None) -> tuple[float, float, float]:
         """I's most on top of its level, for a stage of ``n`` blocks of ``x`` tokens.
 
         I walks down the stage as B does, but W still needs each matrix product's input
@@ -300,7 +321,8 @@ class BackwardWorkingSet:
         last stage the head runs first, holding the two fp32 rows of V of B, and moves
         the level by what it keeps for W (its input and the logits' gradient) less what
         it saved. Returns (the most, what I has kept by then, what it has taken from the
-        saved activations by then: :meth:`input_kept_bytes`, :meth:`input_freed_bytes`),
+        saved activations by then: :meth:`input_kept_bytes`, :meth:`input_freed_bytes`;
+        ``phase``, a list, gets the block's phase: 0 the MLP's, 1 the attention's),
         split as the runtime's profile names them (runtime.memory=profile): at the MLP's
         activation the activation function's input is freed and the down projection's
         input taken (GeLU's output; a gated MLP's product later); at the attention the
@@ -361,6 +383,14 @@ class BackwardWorkingSet:
                         (t + attention, attn_kept, 0.0)]
         elif spec.recompute == "selective":
             branches = [(mlp, mlp_kept, act_in), (t + attention + behind, attn_kept, mlp_saved)]
+            rotation, casts = rerun_rotation_bytes(spec, x_b, c)
+            if rotation:
+                # the attention's rerun, first unpacked by its output projection's backward,
+                # peaks rotating Q (or K): the MLP sub-layer behind, the stream's gradient
+                # (and the restored message) beside the rebuilt projections
+                stream = x_b * spec.n_embd * RESIDUAL_BYTES if c < 4 else 0.0
+                received = 0.0 if (last or c >= 4) else x_b * spec.n_embd * (RESIDUAL_BYTES - c)
+                branches.append((behind + stream + received + rotation, mlp_resid + casts, mlp_saved))
         else:
             branches = [(mlp, mlp_kept, act_in), (attention + behind, attn_kept, mlp_saved + taken)]
         if spec.post_norm:
@@ -374,6 +404,8 @@ class BackwardWorkingSet:
                         (branches[1][0] - (norm if spec.recompute != "full" else 0.0), branches[1][1],
                          branches[1][2] + (norm if spec.recompute == "none" else 0.0))]
         block, kept, freed = max(branches, key=lambda p: p[0])
+        if phase is not None:  # which: 0 the MLP's, 1 the attention's, 2 its rerun's rotation
+            phase.append(branches.index((block, kept, freed)))
         rise = max(0.0, (n - 1) * (one.residual - one.saved))
         if rise:  # the most is at the last block: the others have traded their saved bytes for residuals
             kept += (n - 1) * one.residual

@@ -35,7 +35,7 @@ them contributes zeros, never a guess.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -43,6 +43,7 @@ from ..schedules.ir import Kind, WeightPolicy
 from ..schedules.lowering import action_positions, message_position
 from ..schedules.versions import tied_update_plan
 from ..schedules.zero import zero_owners
+from .memory_terms import term_value  # noqa: F401 - the walk values its terms with it (and is imported from here)
 
 CATEGORIES = ("parameters", "optimizer_state", "weight_versions", "gradients", "casts", "activations", "residuals",
               "outputs", "inputs", "temporaries")
@@ -70,90 +71,45 @@ class Tape:
 
     terms: list[tuple]
     steps: list[tuple[int, int, int]]
+    # (the step each action's walk starts at, the action as the runtime names it: "1I3")
+    starts: list[tuple[int, str]] = field(default_factory=list)
 
     def values(self, cost, per_device=None, cache: dict | None = None) -> np.ndarray:
         cache = {} if cache is None else cache
         return np.array([term_value(k, cost, per_device, cache) for k in self.terms], dtype=float)
 
-    def walk(self, values: np.ndarray) -> dict:
-        """The bytes: ``peak_bytes``, ``at_peak`` and ``category_peaks`` (see :func:`device_memory`)."""
+    def walk(self, values: np.ndarray, action: str | None = None) -> dict:
+        """The bytes: ``peak_bytes``, ``at_peak``, ``peak_action`` and ``category_peaks``
+        (see :func:`device_memory`); with ``action`` (a name such as "1I3") also
+        ``at_action``: that action's own most and what holds it then."""
         values = [float(v) for v in values]
         live = [0.0] * len(CATEGORIES)
         own = [0.0] * len(CATEGORIES)
-        best, at = -1.0, live
-        for cat, term, n in self.steps:
+        best, at, best_action = -1.0, live, None
+        mine, mine_at = -1.0, None
+        starts = iter(self.starts)
+        upcoming, current = next(starts, (None, None)), None
+        for i, (cat, term, n) in enumerate(self.steps):
+            while upcoming[0] is not None and upcoming[0] <= i:
+                current, upcoming = upcoming[1], next(starts, (None, None))
             if cat >= 0:
                 live[cat] += n * values[term]
                 continue
             extra = values[term] if term >= 0 else 0.0
             total = sum(live) + extra
             if total > best:
-                best, at = total, list(live)
+                best, at, best_action = total, list(live), current
                 at[_TEMP] += extra
+            if action is not None and current == action and total > mine:
+                mine, mine_at = total, list(live)
+                mine_at[_TEMP] += extra
             for c, v in enumerate(live):
                 own[c] = max(own[c], v + extra if c == _TEMP else v)
-        return {"peak_bytes": best, "at_peak": dict(zip(CATEGORIES, at)), "category_peaks": dict(zip(CATEGORIES, own))}
-
-
-def term_value(key: tuple, cost, per_device=None, cache: dict | None = None) -> float:
-    """A term's bytes from the cost model (a cost model without the method: 0, never a guess)."""
-    if cache is not None and key in cache:
-        return cache[key]
-    name = key[0]
-    if name == "state":  # ("state", stage, category)
-        fn = getattr(cost, "state_bytes", None)
-        if fn is not None:
-            v = float(fn(key[1])[key[2]])
-        else:  # a cost model that does not split its model state: weights, and the rest of it
-            w = float(cost.param_bytes(key[1]))
-            rest = max(0.0, float(getattr(cost, "model_state_bytes", lambda s: 0.0)(key[1])) - w)
-            v = {"parameters": w, "optimizer_state": rest}.get(key[2], 0.0)
-    elif name == "during_backward":  # ("during_backward", stage, segment)
-        # a cost model that prices the backward's working set as a whole (workspace_bytes
-        # includes the rebuilt layer) or only the rebuilt layer (transient_bytes)
-        v = term_value(("workspace_bytes", *key[1:]), cost, per_device, cache)
-        if not v:
-            v = term_value(("transient_bytes", *key[1:3]), cost, per_device, cache)
-        else:  # the workspace counted whole; what B has freed by then leaves the activations
-            v += term_value(("backward_freed_bytes", *key[1:]), cost, per_device, cache)
-    elif name == "held_cast_gradients":  # ("held_cast_gradients", stage, segment)
-        # At 16 bits a step's forwards share one cast of each weight (Precision.shared_casts),
-        # made by the step's first forward on the stage. The autograd engine runs the ready
-        # node with the highest sequence number first, and a cast's backward is older than
-        # every node of a later microbatch's graph: it waits for the end of that
-        # microbatch's backward, holding the 16-bit gradient of its weight until then. So
-        # near the end of such a backward, its activations freed, the stage holds every
-        # cast's 16-bit gradient, the last block's working set and the input gradients
-        # (fp32) it hands back.
-        fn = getattr(cost, "held_cast_bytes", None)  # a recomputed region's rerun casts anew
-        casts = float(fn(key[1])) if fn is not None else term_value(("state", key[1], "casts"), cost, per_device, cache)
-        v = 0.0
-        if casts:
-            ws = "held_cast_workspace_bytes" if hasattr(cost, "held_cast_workspace_bytes") else "workspace_bytes"
-            v = casts + term_value((ws, *key[1:]), cost, per_device, cache) \
-                + term_value(("input_gradient_bytes", *key[1:]), cost, per_device, cache)
-    elif name == "during_input":  # ("during_input", stage, segment): the zero-bubble I's
-        # working set, where the cost model prices it apart from B's
-        fn = getattr(cost, "input_workspace_bytes", None)
-        if fn is None:
-            v = term_value(("during_backward", *key[1:]), cost, per_device, cache)
-        else:
-            v = float(fn(*key[1:])) - term_value(("input_kept_bytes", *key[1:]), cost, per_device, cache) \
-                + term_value(("input_freed_bytes", *key[1:]), cost, per_device, cache)
-    elif name == "extra_versions":  # ("extra_versions", device, stage): its versions beyond the first
-        stats = per_device[key[1]] if per_device is not None and key[1] < len(per_device) else None
-        versions = getattr(stats, "peak_weight_versions", 1) or 1
-        v = (versions - 1) * term_value(("state", key[2], "parameters"), cost, per_device, cache)
-    elif key[-1] == "fresh":  # (name, stage, segment, "fresh"): a backward into a stage with no
-        # gradients yet, where the cost model prices it apart (fresh_<name>), else as any
-        fn = getattr(cost, f"fresh_{name}", None)
-        v = float(fn(*key[1:-1])) if fn is not None else term_value((name, *key[1:-1]), cost, per_device, cache)
-    else:
-        fn = getattr(cost, name, None)
-        v = float(fn(*key[1:])) if fn is not None else 0.0
-    if cache is not None:
-        cache[key] = v
-    return v
+        out = {"peak_bytes": best, "at_peak": dict(zip(CATEGORIES, at)), "peak_action": best_action,
+               "category_peaks": dict(zip(CATEGORIES, own))}
+        if mine_at is not None:
+            out["at_action"] = {"action": action, "bytes": mine, "at": dict(zip(CATEGORIES, mine_at))}
+        return out
 
 
 def tapes(schedule) -> list[Tape]:
@@ -249,8 +205,12 @@ def tapes(schedule) -> list[Tape]:
         # a stage whose successor runs on this device too keeps its output until its own
         # backward: (pipe, stage, microbatch, segment) -> the terms held for it
         held_local: dict = {}
+        local_grads: dict = {}  # (pipe, stage, microbatch, segment): the gradients handed to it here
         waiting: dict = {}  # (rep, microbatch, segment) -> the messages an empty I left to its W
+        restored_wait: dict = {}  # and their terms meanwhile: (at fp32 the message, at 16 bits its restore, the message)
+        starts: list[tuple[int, str]] = []
         for i, e in enumerate(mine):
+            starts.append((len(steps), str(e)))
             kind, rep, stage, seg = e.kind, (e.pipe, e.stage), e.stage, e.segment
             for s in reduces_after.get(i - 1, ()):
                 if s in replicated:  # a copy of the stage's gradients, flattened for the all-reduce
@@ -303,6 +263,16 @@ def tapes(schedule) -> list[Tape]:
                 for k in landed[i]:
                     ap((INS, k, -1))
                 ap((ACTS, act, 1))
+                for t in graph.preds[stage]:
+                    # a predecessor on this device: at full precision its output is this
+                    # stage's input, counted with this stage's activations; the runtime
+                    # names it the predecessor's output (its forward made it), held to the
+                    # predecessor's backward
+                    held = held_local.get((e.pipe, t, e.microbatch, seg))
+                    if held is not None and placement.device(e.pipe, t) == d:
+                        held.append(k := key("shared_output_bytes", t, seg))
+                        ap((ACTS, k, -1))
+                        ap((OUTS, k, 1))
                 if asynchronous:  # this microbatch's own casts, until its backward
                     ap((CASTS, key("state", stage, "casts"), 1))
                 elif rep not in casts_on:
@@ -326,11 +296,25 @@ def tapes(schedule) -> list[Tape]:
             whole = not graph.preds[stage]  # a first stage's I is empty, its W the whole backward
             if kind == I and whole:
                 # (its input needs no gradient: pipeflow.runtime.backward): the gradient
-                # that arrived for it waits for the W
+                # that arrived for it waits for the W, at 16 bits as the fp32 copy the
+                # executor restored at I (a temporary), the message let go
                 waiting[(rep, e.microbatch, seg)] = landed[i]
+                for t in neighbours(e.pipe, stage)[1]:
+                    k = key("message_bytes", stage, t, seg)
+                    m, r = key("waiting_message_bytes", stage, t, seg), key("restored_gradient_bytes", stage, t, seg)
+                    ap((INS, k, -1))
+                    ap((INS, m, 1))
+                    ap((_TEMP, r, 1))
+                    restored_wait.setdefault((rep, e.microbatch, seg), []).append((m, r, k))
                 continue
             if kind == B or kind == I or whole:
                 arrived = waiting.pop((rep, e.microbatch, seg), []) if kind == W else landed[i]
+                for m, r, k in restored_wait.pop((rep, e.microbatch, seg), ()) if kind == W else ():
+                    # back to the message a backward's working set counts it beside
+                    # (its fp32 restore is in the working set: BackwardWorkingSet)
+                    ap((_TEMP, r, -1))
+                    ap((INS, m, -1))
+                    ap((INS, k, 1))
                 if kind == I and not whole:
                     # what I has kept by its peak (less what it has freed) is held with
                     # the activations for that instant; the rest of its working set is temporary
@@ -373,6 +357,15 @@ def tapes(schedule) -> list[Tape]:
                         ap((OUTS, c[0], 1))
                 for k in arrived:
                     ap((INS, k, -1))
+                for k in local_grads.pop((e.pipe, stage, e.microbatch, seg), ()):
+                    ap((OUTS, k, -1))
+                for t in graph.preds[stage]:
+                    # a gradient handed to a stage on this device (in the wire's dtype, as
+                    # sent): held until that stage's backward is done with it
+                    if placement.device(e.pipe, t) == d:
+                        local_grads.setdefault((e.pipe, t, e.microbatch, seg), []).append(
+                            k := key("message_bytes", t, stage, seg))
+                        ap((OUTS, k, 1))
                 for p in neighbours(e.pipe, stage)[0]:  # the gradients it sends back, until proven arrived
                     k = key("message_bytes", p, stage, seg)
                     ap((OUTS, k, 1))
@@ -393,12 +386,9 @@ def tapes(schedule) -> list[Tape]:
                 for k in held_local.pop((e.pipe, stage, e.microbatch, seg), ()):
                     ap((OUTS, k, -1))
                 for t in graph.preds[stage]:
-                    # a predecessor on this device: its output, shared with this stage's
-                    # input at full precision, is the predecessor's alone from here
-                    held = held_local.get((e.pipe, t, e.microbatch, seg))
-                    if held is not None and placement.device(e.pipe, t) == d:
-                        held.append(k := key("shared_output_bytes", t, seg))
-                        ap((OUTS, k, 1))
+                    # (the shared output: out of this stage's activations since its forward)
+                    if (e.pipe, t, e.microbatch, seg) in held_local and placement.device(e.pipe, t) == d:
+                        ap((ACTS, key("shared_output_bytes", t, seg), 1))
                 if kind == I:
                     ap((RESID, key("weight_residual_bytes", stage, seg), 1))
             else:  # W: at its products, what I kept for it still held
@@ -412,7 +402,7 @@ def tapes(schedule) -> list[Tape]:
                 grads_on.add(rep)
                 ap((GRADS, key("state", stage, "gradients"), 1))
             ap((-1, -1, 0))
-        out.append(Tape(list(index), steps))
+        out.append(Tape(list(index), steps, starts))
     return out
 
 
@@ -449,20 +439,28 @@ class Peaks:
         return np.maximum.reduceat(level[self.pos] - level[self.base] + v[self.extra], self.starts)
 
 
-def device_memory(schedule, cost, per_device: list, workspace=None) -> list[dict]:
-    """Per device: ``peak_bytes``, ``at_peak`` (category -> bytes at that instant) and
+def device_memory(schedule, cost, per_device: list, workspace=None, actions: list | None = None) -> list[dict]:
+    """Per device: ``peak_bytes``, ``at_peak`` (category -> bytes at that instant),
+    ``peak_action`` (the action running then, as the runtime names it: "1I3") and
     ``category_peaks`` (each category's own most). ``per_device`` is the engine's
     :class:`DeviceStats` list (the weight versions an asynchronous policy keeps);
     ``workspace``: per device, what its math libraries keep for the whole run
-    (:attr:`~pipeflow.topology.topology.Device.workspace_bytes`), a temporary at every instant."""
+    (:attr:`~pipeflow.topology.topology.Device.workspace_bytes`), a temporary at every
+    instant. ``actions`` (per device, an action's name or None) adds ``at_action``: that
+    action's own most and what holds it then (the benchmark reads what the simulator
+    says of the action where a rank measured its peak)."""
     cache: dict = {}
-    out = [t.walk(t.values(cost, per_device, cache)) for t in tapes(schedule)]
+    out = [t.walk(t.values(cost, per_device, cache), actions[d] if actions and d < len(actions) else None)
+           for d, t in enumerate(tapes(schedule))]
     for d, mem in enumerate(out):
         held = float(workspace[d]) if workspace is not None and d < len(workspace) else 0.0
         if held:
             mem["peak_bytes"] += held
             mem["at_peak"]["temporaries"] += held
             mem["category_peaks"]["temporaries"] += held
+            if "at_action" in mem:
+                mem["at_action"]["bytes"] += held
+                mem["at_action"]["at"]["temporaries"] += held
     return out
 
 

@@ -1,0 +1,77 @@
+"""The bytes of one term of a device's memory walk (:mod:`pipeflow.sim.memory`): a key
+such as ``("activation_bytes", stage, segment)`` valued by the cost model, or one of
+the walk's own compositions of such terms (a backward's working set, the gradients
+held through shared casts, a zero-bubble I's, a first stage's waiting gradient, an
+asynchronous policy's weight versions)."""
+
+from __future__ import annotations
+
+
+def term_value(key: tuple, cost, per_device=None, cache: dict | None = None) -> float:
+    """A term's bytes from the cost model (a cost model without the method: 0, never a guess)."""
+    if cache is not None and key in cache:
+        return cache[key]
+    name = key[0]
+    if name == "state":  # ("state", stage, category)
+        fn = getattr(cost, "state_bytes", None)
+        if fn is not None:
+            v = float(fn(key[1])[key[2]])
+        else:  # a cost model that does not split its model state: weights, and the rest of it
+            w = float(cost.param_bytes(key[1]))
+            rest = max(0.0, float(getattr(cost, "model_state_bytes", lambda s: 0.0)(key[1])) - w)
+            v = {"parameters": w, "optimizer_state": rest}.get(key[2], 0.0)
+    elif name == "during_backward":  # ("during_backward", stage, segment)
+        # a cost model that prices the backward's working set as a whole (workspace_bytes
+        # includes the rebuilt layer) or only the rebuilt layer (transient_bytes)
+        v = term_value(("workspace_bytes", *key[1:]), cost, per_device, cache)
+        if not v:
+            v = term_value(("transient_bytes", *key[1:3]), cost, per_device, cache)
+        else:  # the workspace counted whole; what B has freed by then leaves the activations
+            v += term_value(("backward_freed_bytes", *key[1:]), cost, per_device, cache)
+    elif name == "held_cast_gradients":  # ("held_cast_gradients", stage, segment)
+        # At 16 bits a step's forwards share one cast of each weight (Precision.shared_casts),
+        # made by the step's first forward on the stage. The autograd engine runs the ready
+        # node with the highest sequence number first, and a cast's backward is older than
+        # every node of a later microbatch's graph: it waits for the end of that
+        # microbatch's backward, holding the 16-bit gradient of its weight until then. So
+        # near the end of such a backward, its activations freed, the stage holds every
+        # cast's 16-bit gradient, the last block's working set and the input gradients
+        # (fp32) it hands back.
+        fn = getattr(cost, "held_cast_bytes", None)  # a recomputed region's rerun casts anew
+        casts = float(fn(key[1])) if fn is not None else term_value(("state", key[1], "casts"), cost, per_device, cache)
+        v = 0.0
+        if casts:
+            ws = "held_cast_workspace_bytes" if hasattr(cost, "held_cast_workspace_bytes") else "workspace_bytes"
+            v = casts + term_value((ws, *key[1:]), cost, per_device, cache) \
+                + term_value(("input_gradient_bytes", *key[1:]), cost, per_device, cache)
+    elif name == "during_input":  # ("during_input", stage, segment): the zero-bubble I's
+        # working set, where the cost model prices it apart from B's
+        fn = getattr(cost, "input_workspace_bytes", None)
+        if fn is None:
+            v = term_value(("during_backward", *key[1:]), cost, per_device, cache)
+        else:
+            v = float(fn(*key[1:])) - term_value(("input_kept_bytes", *key[1:]), cost, per_device, cache) \
+                + term_value(("input_freed_bytes", *key[1:]), cost, per_device, cache)
+    elif name in ("waiting_message_bytes", "restored_gradient_bytes"):  # (name, stage, successor, segment)
+        # a gradient waiting for a first stage's W: at full precision the message itself,
+        # at 16 bits the fp32 copy the executor restored from it (the message let go)
+        msg = term_value(("message_bytes", *key[1:]), cost, per_device, cache)
+        c = getattr(cost, "dtype_bytes", 4)
+        if name == "restored_gradient_bytes":
+            v = msg * 4 / c if c < 4 else 0.0  # fp32
+        else:
+            v = 0.0 if c < 4 else msg
+    elif name == "extra_versions":  # ("extra_versions", device, stage): its versions beyond the first
+        stats = per_device[key[1]] if per_device is not None and key[1] < len(per_device) else None
+        versions = getattr(stats, "peak_weight_versions", 1) or 1
+        v = (versions - 1) * term_value(("state", key[2], "parameters"), cost, per_device, cache)
+    elif key[-1] == "fresh":  # (name, stage, segment, "fresh"): a backward into a stage with no
+        # gradients yet, where the cost model prices it apart (fresh_<name>), else as any
+        fn = getattr(cost, f"fresh_{name}", None)
+        v = float(fn(*key[1:-1])) if fn is not None else term_value((name, *key[1:-1]), cost, per_device, cache)
+    else:
+        fn = getattr(cost, name, None)
+        v = float(fn(*key[1:])) if fn is not None else 0.0
+    if cache is not None:
+        cache[key] = v
+    return v
