@@ -207,7 +207,7 @@ def tapes(schedule) -> list[Tape]:
         held_local: dict = {}
         local_grads: dict = {}  # (pipe, stage, microbatch, segment): the gradients handed to it here
         waiting: dict = {}  # (rep, microbatch, segment) -> the messages an empty I left to its W
-        restored_wait: dict = {}  # and their terms meanwhile: (at fp32 the message, at 16 bits its restore, the message)
+        restored_wait: dict = {}  # and meanwhile: (its fp32 restore, [(category, the message at fp32, the message)])
         starts: list[tuple[int, str]] = []
         for i, e in enumerate(mine):
             starts.append((len(steps), str(e)))
@@ -296,25 +296,33 @@ def tapes(schedule) -> list[Tape]:
             whole = not graph.preds[stage]  # a first stage's I is empty, its W the whole backward
             if kind == I and whole:
                 # (its input needs no gradient: pipeflow.runtime.backward): the gradient
-                # that arrived for it waits for the W, at 16 bits as the fp32 copy the
-                # executor restored at I (a temporary), the message let go
+                # that arrived for it waits for the W, at 16 bits as the one fp32 copy the
+                # executor restored at I (of their sum, where several successors sent
+                # one), a temporary, the messages let go
                 waiting[(rep, e.microbatch, seg)] = landed[i]
-                for t in neighbours(e.pipe, stage)[1]:
+                moved = []
+                for t in graph.succs[stage]:
+                    cat = INS if placement.device(e.pipe, t) != d else OUTS  # a local one: its maker's
                     k = key("message_bytes", stage, t, seg)
-                    m, r = key("waiting_message_bytes", stage, t, seg), key("restored_gradient_bytes", stage, t, seg)
-                    ap((INS, k, -1))
-                    ap((INS, m, 1))
+                    m = key("waiting_message_bytes", stage, t, seg)
+                    moved.append((cat, m, k))
+                    ap((cat, k, -1))
+                    ap((cat, m, 1))
+                if moved:
+                    r = key("restored_gradient_bytes", stage, graph.succs[stage][0], seg)
                     ap((_TEMP, r, 1))
-                    restored_wait.setdefault((rep, e.microbatch, seg), []).append((m, r, k))
+                    restored_wait[(rep, e.microbatch, seg)] = (r, moved)
                 continue
             if kind == B or kind == I or whole:
                 arrived = waiting.pop((rep, e.microbatch, seg), []) if kind == W else landed[i]
-                for m, r, k in restored_wait.pop((rep, e.microbatch, seg), ()) if kind == W else ():
-                    # back to the message a backward's working set counts it beside
-                    # (its fp32 restore is in the working set: BackwardWorkingSet)
+                r, moved = restored_wait.pop((rep, e.microbatch, seg), (None, ())) if kind == W else (None, ())
+                if r is not None:
+                    # back to the messages a backward's working set counts it beside (its
+                    # fp32 restore is in the working set: BackwardWorkingSet)
                     ap((_TEMP, r, -1))
-                    ap((INS, m, -1))
-                    ap((INS, k, 1))
+                for cat, m, k in moved:
+                    ap((cat, m, -1))
+                    ap((cat, k, 1))
                 if kind == I and not whole:
                     # what I has kept by its peak (less what it has freed) is held with
                     # the activations for that instant; the rest of its working set is temporary
