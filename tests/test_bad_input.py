@@ -16,8 +16,19 @@ import pytest
 slow = pytest.mark.slow  # a subprocess each
 
 
-def _app(module: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+# the checkout under test first on the path: the app run from a temporary folder would
+# otherwise import whichever checkout the environment's editable install points at
+SOURCE = str(Path(__file__).resolve().parents[1])
+
+
+def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "WANDB_"))}
+    env["PYTHONPATH"] = os.pathsep.join([SOURCE, *filter(None, [os.environ.get("PYTHONPATH")])])
+    return env
+
+
+def _app(module: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = _env()
     return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=180)
 
@@ -310,7 +321,7 @@ def test_a_stopped_search_takes_its_workers_with_it(how, tmp_path):
 
     sig = signal.SIGTERM if how == "SIGTERM" else signal.SIGINT
     ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sig == signal.SIGINT else None
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "WANDB_"))}
+    env = _env()
     proc = subprocess.Popen([sys.executable, "-m", "pipeflow.search", "search.global_batch=100000", "search.workers=2",
                              "logger=none", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ignore)
@@ -337,7 +348,7 @@ def test_a_stopped_search_takes_its_workers_with_it(how, tmp_path):
 def test_the_slurm_launcher_submits_or_says_what_is_missing_and_leaves_nothing(multirun, tmp_path):
     """Without -m the run trained here, exit 0, no notice; with -m and no srun or sbatch,
     a Hydra traceback and multirun.yaml or .submitit/ left behind."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "WANDB_"))}
+    env = _env()
     env["PATH"] = str(Path(sys.executable).parent)  # this Python's, and no Slurm
     args = [*(["-m"] if multirun else []), "hydra/launcher=slurm", "trainer.steps=1", "logger=none"]
     proc = subprocess.run([sys.executable, "-m", "pipeflow.train", *args], cwd=tmp_path, env=env,
@@ -366,35 +377,3 @@ def test_the_slurm_launcher_names_the_extra_it_needs_and_passes_where_slurm_is(t
     with pytest.raises(ConfigError, match=re.escape("hydra/launcher=slurm: needs the slurm extra (pip install -e "
                                                     "'.[slurm]'")):
         check_launcher(["-m", "hydra/launcher=slurm"])
-
-
-@slow
-def test_a_diverged_run_says_so_and_its_metrics_stay_strict_json(tmp_path):
-    """A loss gone non-finite was written as NaN (not JSON: strict readers refuse the
-    file) and the run ended "finished"."""
-    run = tmp_path / "run"
-    proc = _app("pipeflow.train", ["trainer.steps=3", "optim.lr=1e9", "logger=none", f"hydra.run.dir={run}"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["status"] == "diverged" and summary["diverged_at"] == 2, summary
-    assert "the loss is not finite from step 2: the run diverged" in proc.stdout + proc.stderr
-
-    def refuse(constant):
-        raise ValueError(f"not strict JSON: {constant}")
-
-    rows = [json.loads(line, parse_constant=refuse) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["loss"] is None for r in rows] == [False, True, True]
-    json.loads((run / "summary.json").read_text(), parse_constant=refuse)
-
-
-@slow
-def test_a_run_whose_every_update_was_skipped_says_nothing_was_trained(tmp_path):
-    """fp16 with a loss scale every step overflows at: each step skipped, and the run
-    ended "finished"."""
-    run = tmp_path / "run"
-    proc = _app("pipeflow.train", ["trainer.steps=2", "precision=fp16", "runtime.loss_scale=1e300", "logger=none",
-                                   f"hydra.run.dir={run}"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    summary = json.loads((run / "summary.json").read_text())
-    assert (summary["status"], summary["skipped_steps"]) == ("no_updates", 2), summary
-    assert "every step's gradients overflowed and were skipped: nothing was trained" in proc.stdout + proc.stderr

@@ -31,7 +31,7 @@ from omegaconf.errors import OmegaConfBaseException
 from .caution import console_caution
 from .fmt import cell, header
 from .report import Report, write_report
-from .runs import CompareInputError, Run, find_runs
+from .runs import UNFINISHED, UNTRAINED, CompareInputError, Run, find_runs
 from .table import group_table, run_table, target_loss
 
 __all__ = ["CompareConfig", "WandbReportConfig", "compare", "parse_args", "main", "REPORTS"]
@@ -224,12 +224,13 @@ def main(argv: list[str] | None = None) -> int:
         print("\ncaution: simulated step time deviates from measured beyond the target for: "
               + "; ".join(report.cautions))
         print(console_caution(report.disagreements))
-    unfinished = [r for r in table if r["status"] != "finished"]
-    if unfinished:
-        errors = {r.name: r.error for r in runs}
-        print(f"\n{len(unfinished)} of {len(table)} runs did not finish: "
-              + "; ".join(f"{r['run']} ({r['status']}" + (f": {errors[r['run']]}" if errors.get(r['run']) else "") + ")"
-                          for r in unfinished))
+    errors = {r.name: r.error for r in runs}
+    for what, statuses in (("did not finish", UNFINISHED), ("ran to the end and trained nothing usable", UNTRAINED)):
+        rows = [r for r in table if r["status"] in statuses]
+        if rows:
+            print(f"\n{len(rows)} of {len(table)} runs {what}: "
+                  + "; ".join(f"{r['run']} ({r['status']}" + (f": {errors[r['run']]}" if errors.get(r['run']) else "")
+                              + ")" for r in rows))
     print(f"\nwrote {', '.join(p.name for p in report.files)} to {report.out_dir}")
     if cfg.report == "wandb":
         print(wandb_report(runs, table, cfg, report.title))

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from .caution import direction, pairs, reasons
 from .fmt import cell, header, percent
+from .runs import UNFINISHED, UNTRAINED
 from .table import FEW_RANKS, SIM_TOLERANCE_FEW_RANKS, SIM_TOLERANCE_MANY_RANKS, sim_disagreements
 
 __all__ = ["render_page", "MAX_COLUMNS", "TRAINING_COLUMNS", "SIMULATED_COLUMNS", "FIDELITY_COLUMNS",
@@ -51,7 +52,7 @@ _CONTEXT = ("seed", "status", "stages", "microbatches", "runs", "finished", "sim
 _NONZERO = ("max_staleness",)
 # the cells marked when the simulated step time is beyond the fidelity target
 _FLAGGED = ("sim_step_time", "sim_error", "sim_flag")
-_UNFINISHED = ("crashed", "interrupted", "incomplete", "empty")
+_UNFINISHED = (*UNFINISHED, *UNTRAINED)  # rows coloured by their status
 _LABEL_CLASS = ' class="text label"'
 
 _CSS = """
@@ -66,7 +67,8 @@ td { white-space: nowrap; }
 td.text, th.text { text-align: left; }
 td.label, th.label { width: 16em; white-space: normal; overflow-wrap: anywhere; }
 td .folder { display: block; color: #777; font-size: 10px; }
-tr.crashed td { background: #fde2e2; } tr.incomplete td, tr.interrupted td { background: #fff4d6; }
+tr.crashed td, tr.diverged td { background: #fde2e2; }
+tr.incomplete td, tr.interrupted td, tr.no_updates td { background: #fff4d6; }
 tr.empty td { background: #eee; }
 img { display: block; max-width: 100%; height: auto; border: 1px solid #ddd; margin: 0.5em 0; }
 .note { color: #555; font-size: 13px; }
@@ -175,11 +177,14 @@ def render_page(*, title: str, runs: list, table: list[dict], groups: list[dict]
     ]
     if bad:
         parts.append(_caution_full(bad, len(fidelity)))
-    if problems:
-        parts.append("<p><b>Not finished:</b></p><ul>" + "".join(
-            f"<li>{_breakable(r['run'])}: {html.escape(r['status'])}"
-            f"{' after step ' + str(r['steps']) if r.get('steps') else ''}: {html.escape(r['note'] or '')}</li>"
-            for r in problems) + "</ul>")
+    for title, rows in (("Not finished", [r for r in problems if r["status"] not in UNTRAINED]),
+                        ("Ran to the end and trained nothing usable", [r for r in problems
+                                                                      if r["status"] in UNTRAINED])):
+        if rows:
+            parts.append(f"<p><b>{title}:</b></p><ul>" + "".join(
+                f"<li>{_breakable(r['run'])}: {html.escape(r['status'])}"
+                f"{' after step ' + str(r['steps']) if r.get('steps') else ''}: {html.escape(r['note'] or '')}</li>"
+                for r in rows) + "</ul>")
     if target is not None:
         parts.append(f'<p class="note">Target loss for time-to-target: {target:.4g} (the training loss, '
                      f"mean of the last {window} logged steps). Curves use the same trailing mean.</p>")

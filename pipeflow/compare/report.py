@@ -4,8 +4,9 @@ Figures (each written only when the runs have what it draws):
 
 - ``convergence.png``: loss against step, samples, optimizer updates and training time,
   one line per configuration (the mean over its seeds, with a band from the lowest to
-  the highest seed), smoothed by a trailing mean; a run that crashed or stopped early
-  is drawn dashed and ends in a cross at its last logged step;
+  the highest seed), smoothed by a trailing mean; a run that crashed or stopped early,
+  diverged or skipped every update is drawn dashed and ends in a cross at its last
+  logged step;
 - ``throughput.png``: tokens per second and the measured bubble ratio per configuration
   (bars: mean over seeds, whiskers: lowest to highest);
 - ``memory.png``: peak memory and peak saved activations per rank, and the simulator's
@@ -39,7 +40,7 @@ from matplotlib.ticker import FuncFormatter, PercentFormatter  # noqa: E402
 
 from .fmt import MIB, human_bytes, percent, significant  # noqa: E402
 from .page import render_page  # noqa: E402
-from .runs import Run  # noqa: E402
+from .runs import UNFINISHED, UNTRAINED, Run  # noqa: E402
 from .table import (GROUP_COLUMNS, RUN_COLUMNS, X_AXES, by_label, series, sim_cautions, sim_disagreements,  # noqa: E402
                     sim_in_seconds, smoothed)
 
@@ -47,7 +48,8 @@ __all__ = ["write_report", "Report", "WIDTH_IN", "DPI"]
 
 WIDTH_IN = 12.5  # every figure's width in inches: 1375 px at DPI, within a 1400 px page
 DPI = 110
-_UNFINISHED = ("crashed", "interrupted", "incomplete")  # drawn dashed, ending in a cross
+# drawn dashed, ending in a cross (an empty run has no line to draw)
+_UNFINISHED = tuple(s for s in (*UNFINISHED, *UNTRAINED) if s != "empty")
 
 
 class Report:

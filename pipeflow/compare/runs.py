@@ -19,7 +19,14 @@ found is kept, whatever state it is in; :attr:`Run.status` says which:
 - ``incomplete``: metrics but no summary and no recorded failure (killed from outside,
   or still running);
 - ``empty``: nothing was measured (the job stopped before its first step, e.g. a config
-  the up-front check refused).
+  the up-front check refused);
+- ``diverged``: summary.json says the run ended with a loss that is not finite (from its
+  ``diverged_at`` step);
+- ``no_updates``: summary.json says every step's update was skipped (fp16 gradients
+  that overflowed at every loss scale): nothing was trained.
+
+The last two ran to their end, but their numbers are no result: like the unfinished
+ones they are listed apart, drawn dashed and left out of the target loss.
 """
 
 from __future__ import annotations
@@ -31,7 +38,11 @@ from typing import Any, Iterable
 
 import yaml
 
-__all__ = ["Run", "CompareInputError", "find_runs", "read_run", "label_runs", "flatten"]
+__all__ = ["Run", "CompareInputError", "find_runs", "read_run", "label_runs", "flatten", "UNFINISHED",
+           "UNTRAINED"]
+
+UNFINISHED = ("crashed", "interrupted", "incomplete", "empty")  # stopped before their last step
+UNTRAINED = ("diverged", "no_updates")  # ran to the end, and trained nothing usable
 
 # a directory holding any of these is a run directory
 _MARKERS = ("metrics.jsonl", "summary.json", "config.json", "failure.json", ".hydra")
@@ -58,7 +69,7 @@ class Run:
 
     path: Path
     kind: str  # "measured" | "simulated"
-    status: str  # "finished" | "interrupted" | "crashed" | "incomplete" | "empty"
+    status: str  # "finished" | "interrupted" | "crashed" | "incomplete" | "empty" | "diverged" | "no_updates"
     config: dict
     summary: dict | None = None
     rows: list[dict] = field(default_factory=list)
@@ -146,6 +157,8 @@ def read_run(path: Path) -> Run:
         status, error = "crashed", str(failure.get("error") or "a rank failed")
     elif interrupted:
         status, error = "interrupted", f"stopped by {summary.get('stopped_by')} after step {summary.get('last_step')}"
+    elif summary is not None and not unreadable and summary.get("status") in UNTRAINED:
+        status, error = summary["status"], _untrained(summary)
     elif summary is not None and not unreadable:
         status, error = "finished", None
     elif unreadable:  # named, and the comparison goes on without it
@@ -156,6 +169,15 @@ def read_run(path: Path) -> Run:
         status, error = "empty", "no metrics: the job stopped before its first step"
     return Run(path=path, kind=kind, status=status, config=config, summary=summary, rows=rows, error=error,
                seed=config.get("seed"))
+
+
+def _untrained(summary: dict) -> str:
+    """Why a run that ran to its end (pipeflow.runtime.worker's verdict) trained nothing usable."""
+    if summary["status"] == "diverged":
+        return f"the loss is not finite from step {summary.get('diverged_at', '?')}"
+    skipped = summary.get("skipped_steps")
+    return (f"every step's update was skipped{f' ({skipped} steps)' if skipped else ''}: the fp16 gradients "
+            f"overflowed at every loss scale, nothing was trained")
 
 
 def _config_of_simulation(summary: dict) -> dict:
@@ -264,14 +286,35 @@ def label_runs(runs: list[Run]) -> None:
                 varying.append(key)
         varying.sort(key=lambda k: (k != "schedule.name", k))
         shorts = _short_names(varying)
+        # a file or folder reads as its name, with as many folders above as tell the runs apart
+        paths = {key: _path_tails([f[key] for f in flat if key in f]) for key in varying}
         for run, f in zip(group, flat):
             parts = []
             for key in varying:
                 if key not in f:
                     continue
-                value = _fmt_value(f[key])
+                value = paths[key].get(f[key]) or _fmt_value(f[key])
                 parts.append(value if key == "schedule.name" else f"{shorts[key]}={value}")
             run.label = ", ".join(parts) or run.schedule
+
+
+def _path_tails(values: list) -> dict[str, str]:
+    """Each path among ``values`` (a string holding ``/``: model.config, model.weights,
+    schedule.path) as its last components, as few as tell the distinct values apart:
+    ``/data/llama/config.json`` and ``/data/qwen/config.json`` read ``llama/config.json``
+    and ``qwen/config.json``; a lone ``/runs/a/weights`` reads ``weights``."""
+    distinct = list(dict.fromkeys(v for v in values if isinstance(v, str) and "/" in v))
+    parts = {v: [p for p in v.rstrip("/").split("/") if p] or [v] for v in distinct}
+    out: dict[str, str] = {}
+    for v, mine in parts.items():
+        others = [p for w, p in parts.items() if w != v]
+        n = 1
+        while n < len(mine) and any(p[-n:] == mine[-n:] for p in others):
+            n += 1
+        tail = "/".join(mine[-n:])
+        # the same tail as another's ("a/b" and "/a/b"): the whole path
+        out[v] = v if any(p[-n:] == mine[-n:] for p in others) else tail
+    return out
 
 
 def _short_names(keys: list[str]) -> dict[str, str]:

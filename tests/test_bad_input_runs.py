@@ -1,0 +1,107 @@
+"""Bad input on the newer surfaces (issue 33), continued: runs that train nothing and
+how pipeflow-compare shows them, compare's labels, the search's progress and units, a
+schedule file far larger than the run, what a resumed run records of its data, and the
+refusals of plan and compare, each met as a user meets it (the app as a subprocess, on
+real files)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from test_bad_input import _app, slow
+
+
+def _train(tmp_path_factory, name: str, args: list[str]):
+    run = tmp_path_factory.mktemp("runs") / name
+    proc = _app("pipeflow.train", [*args, "logger=none", f"hydra.run.dir={run}"], run.parent)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return run, proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def diverged(tmp_path_factory):
+    """gpt_tiny at a learning rate that sends its loss to inf after the first update."""
+    return _train(tmp_path_factory, "diverged", ["trainer.steps=3", "optim.lr=1e9"])
+
+
+@pytest.fixture(scope="module")
+def skipped(tmp_path_factory):
+    """fp16 with a loss scale every step overflows at: each step's update skipped."""
+    return _train(tmp_path_factory, "skipped", ["trainer.steps=2", "precision=fp16", "runtime.loss_scale=1e300"])
+
+
+@slow
+def test_a_diverged_run_says_so_and_its_metrics_stay_strict_json(diverged):
+    """A loss gone non-finite was written as NaN (not JSON: strict readers refuse the
+    file) and the run ended "finished"."""
+    run, said = diverged
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "diverged" and summary["diverged_at"] == 2, summary
+    assert "the loss is not finite from step 2: the run diverged" in said
+
+    def refuse(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+
+    rows = [json.loads(line, parse_constant=refuse) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] is None for r in rows] == [False, True, True]
+    json.loads((run / "summary.json").read_text(), parse_constant=refuse)
+
+
+@slow
+def test_a_run_whose_every_update_was_skipped_says_nothing_was_trained(skipped):
+    """fp16 with a loss scale every step overflows at: each step skipped, and the run
+    ended "finished"."""
+    run, said = skipped
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["status"], summary["skipped_steps"]) == ("no_updates", 2), summary
+    assert "every step's gradients overflowed and were skipped: nothing was trained" in said
+
+
+@slow
+def test_compare_shows_a_run_that_trained_nothing_as_such(diverged, skipped, tmp_path):
+    """Both were listed "finished" beside runs that trained, and the diverged one set
+    the target loss."""
+    from test_compare import cfg, write_run
+
+    good = write_run(tmp_path, "good", cfg("1f1b"), [2.0, 1.0])
+    out = tmp_path / "report"
+    proc = _app("pipeflow.compare.cli", [str(diverged[0]), str(skipped[0]), str(good), f"out={out}"], tmp_path)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    said = [line for line in proc.stdout.splitlines() if "trained nothing usable" in line]
+    assert len(said) == 1 and said[0].startswith("2 of 3 runs ran to the end and trained nothing usable: "), said
+    assert "diverged (diverged: the loss is not finite from step 2); " in said[0]
+    assert said[0].endswith("skipped (no_updates: every step's update was skipped (2 steps): the fp16 gradients "
+                            "overflowed at every loss scale, nothing was trained)"), said
+    assert "did not finish" not in proc.stdout
+    rows = {Path(r["run"]).name: r for r in csv.DictReader(open(out / "runs.csv"))}
+    assert {k: r["status"] for k, r in rows.items()} == {"diverged": "diverged", "skipped": "no_updates",
+                                                          "good": "finished"}
+    assert rows["diverged"]["final_loss"] == ""  # not its last finite loss
+    # the finished run's smoothed final loss (mean of 2.0 and 1.0), not an untrained one's (above 5)
+    assert float(rows["good"]["target_loss"]) == 1.5
+    page = (out / "report.html").read_text()
+    assert "Ran to the end and trained nothing usable:" in page and '<tr class="diverged">' in page
+
+
+@slow
+def test_compare_labels_name_files_by_what_tells_them_apart(tmp_path):
+    """Labels read config=/long/path/x.json, weights=/long/dir: the whole path of each."""
+    from test_compare import cfg, write_run
+
+    models = tmp_path / "models"
+    for name, config, weights in (("a", "llama/config.json", "llama/step_100"),
+                                  ("b", "qwen/config.json", "llama/step_200"),
+                                  ("c", "qwen/config.json", "qwen/step_200")):
+        write_run(tmp_path, f"runs/{name}", {**cfg("1f1b"), "model": {
+            "name": "hf_causal", "config": str(models / config), "weights": str(models / weights)}}, [2.0, 1.0])
+    proc = _app("pipeflow.compare.cli", [str(tmp_path / "runs"), f"out={tmp_path / 'report'}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    labels = {r["run"]: r["label"] for r in csv.DictReader(open(tmp_path / "report" / "runs.csv"))}
+    assert labels == {"a": "config=llama/config.json, weights=step_100",  # the one step_100: its name
+                      "b": "config=qwen/config.json, weights=llama/step_200",
+                      "c": "config=qwen/config.json, weights=qwen/step_200"}
+    assert str(models) not in proc.stdout
