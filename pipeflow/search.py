@@ -24,6 +24,7 @@ requirement found.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import hydra
@@ -42,6 +43,9 @@ from pipeflow.tracking.record import run_key, write_summary
 from pipeflow.config.search import (SearchAppConfig, SearchInputs, SearchOptions, compose_search,  # noqa: F401
                                     prepare_search, register_search_configs)
 
+log = logging.getLogger("pipeflow.search")
+
+
 def run_search(cfg: DictConfig, out_dir: str | Path) -> tuple[SearchResult, list[str]]:
     """Search and write the files; return the result and the file names. Raises
     ConfigError naming the key for a config that cannot be searched, or the smallest
@@ -49,7 +53,9 @@ def run_search(cfg: DictConfig, out_dir: str | Path) -> tuple[SearchResult, list
     inputs = prepare_search(cfg)
     try:
         workers = cfg.search.workers or default_workers()
-        result = search(inputs.space, inputs.pricer, int(cfg.search.simulate), int(workers))
+        every = cfg.search.get("progress")
+        result = search(inputs.space, inputs.pricer, int(cfg.search.simulate), int(workers),
+                        progress_every=None if every is None else float(every), say=log.info)
     except NothingFits as err:
         raise ConfigError(f"search.memory_limit_gb={cfg.search.memory_limit_gb}: {err}") from None
     except (ValueError, ScheduleConfigError) as err:

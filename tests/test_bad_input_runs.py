@@ -105,3 +105,31 @@ def test_compare_labels_name_files_by_what_tells_them_apart(tmp_path):
                       "b": "config=qwen/config.json, weights=llama/step_200",
                       "c": "config=qwen/config.json, weights=qwen/step_200"}
     assert str(models) not in proc.stdout
+
+
+@slow
+def test_a_long_search_says_how_far_it_is_and_its_pick_in_one_unit(tmp_path):
+    """search.global_batch=100000 ran over 90 s saying nothing; a step over 100 s was
+    said "231.0s ms a step". search.progress=0 says a line at every chance (two workers:
+    whenever the count moved), and each phase ends with its total."""
+    run = tmp_path / "run"
+    proc = _app("pipeflow.search", ["model=gpt_tiny", "topology=local_cpu", "search.devices=4", "precision=fp32",
+                                    "search.global_batch=32768", "search.microbatch_sizes=[16,32]",
+                                    "search.segments=[2]", "search.virtual_stages=[2]", "search.simulate=4",
+                                    "search.workers=2", "search.progress=0", "draw=false", "logger=none",
+                                    f"hydra.run.dir={run}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads((run / "search.json").read_text())
+    lines = proc.stdout.splitlines()
+    for phase, total in (("closed form", doc["considered"]), ("simulated", doc["simulated"])):
+        said = [line for line in lines if line.startswith(f"search: {phase} ")]
+        counts = [int(line.split()[2 + phase.count(" ")].replace(",", "")) for line in said]
+        assert said and counts == sorted(counts), said
+        assert said[-1].startswith(f"search: {phase} {total:,} of {total:,} candidates (100%), "), said
+        assert "; fastest that fits so far " in said[-1]
+    logged = (run / "search.log").read_text()
+    assert f"] search: closed form {doc['considered']:,} of {doc['considered']:,} candidates (100%)" in logged
+    pick = next(line for line in lines if line.startswith("pick"))
+    step = doc["pick"]["step_time"]
+    assert step > 100 and f": {step:,.0f} s a step, " in pick and "ms" not in pick, pick
+

@@ -299,3 +299,33 @@ def test_the_host_is_fitted_from_calibrations(tmp_path):
     other = TransformerSpec.from_config(compose("simulate", ["model=gpt_small"]).model)
     with pytest.raises(ValueError, match="search.calibration"):
         fitted_host(files, other, 0.5, 4)
+
+
+# ------------------------------------------------------------------------- the console
+
+def test_every_step_time_is_said_with_its_own_unit():
+    """The console said "231.0s ms a step" and its "step (ms)" column held "231.0s"."""
+    from dataclasses import replace
+
+    from pipeflow.planning.search.progress import duration
+    from pipeflow.planning.search.report import format_search, top_table
+
+    assert [duration(t) for t in (0.0413, 0.000172, 2.5, 59.994, 231.04, 1234.5)] == [
+        "41.3 ms", "0.172 ms", "2.50 s", "59.99 s", "231 s", "1,234 s"]
+    spec, pricer = _pricer(devices=4)
+    result = search(_space(spec, devices=4), pricer, simulate_top=4)
+
+    def column(lines: list[str], head: str) -> list[str]:  # right-aligned: the cells end where the head does
+        end = lines[0].index(head) + len(head)
+        return [line[:end].rsplit("  ", 1)[-1].strip() for line in lines[1:]]
+
+    lines = top_table(result, 5)
+    assert "step time" in lines[0] and "(ms)" not in lines[0]
+    assert all(v.endswith(" ms") for v in column(lines, "step time") + column(lines, "closed form")), lines
+    scale = 231.0 / result.best.step_time  # the issue's 70B pick: 231 s a step, and slower ones below it
+    slow = replace(result, ranked=[replace(q, step_time=q.step_time * scale) for q in result.ranked])
+    lines = top_table(slow, 5)
+    assert all(v.endswith(" s") and "ms" not in v for v in column(lines, "step time")), lines
+    pick = next(line for line in format_search(slow, "gpt_tiny", "cluster", 4, 5).splitlines()
+                if line.startswith("pick"))
+    assert ": 231 s a step, " in pick and " ms" not in pick, pick

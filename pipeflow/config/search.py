@@ -47,6 +47,7 @@ class SearchOptions:
     calibration: Optional[List[str]] = None
     top: int = 12  # rows of the console table
     write_top: int = 8  # top candidates written as candidate/NN.yaml for sweeps/search_top.yaml
+    progress: Optional[float] = 10.0  # seconds between progress lines while it prices; 0: at every chance; null: none
 
 
 @dataclass
@@ -124,6 +125,10 @@ def prepare_search(cfg: DictConfig) -> SearchInputs:
     if opts.devices is not None:  # before the topology reads it as its own num_devices
         at_least("search.devices", opts.devices, 1)
     at_least("search.write_top", opts.write_top, 0)
+    every = opts.progress
+    if every is not None and (isinstance(every, bool) or not isinstance(every, (int, float)) or every < 0):
+        raise ConfigError(f"search.progress={every}: seconds between progress lines, a number >= 0 (0: at every "
+                          f"chance), or null for none")
     limit = opts.memory_limit_gb
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0):
         raise ConfigError(f"search.memory_limit_gb={limit}: a number > 0 (GiB per device), or null for each "

@@ -15,10 +15,12 @@ import re
 import os
 import signal
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
+from typing import Callable
 
 from .price import CLOSED_FORM, SIMULATED, Priced, Pricer, pareto
+from .progress import Progress
 from .space import PARTITIONS, RECOMPUTE, SPLITS, Candidate, SearchSpace, candidates, default_schedules, searchable
 
 __all__ = ["CLOSED_FORM", "SIMULATED", "PARTITIONS", "RECOMPUTE", "SPLITS", "Candidate", "NothingFits", "Priced", "Pricer",
@@ -58,14 +60,24 @@ def _rule(c: Candidate, why: str) -> str:
 
 
 _PRICER: Pricer | None = None  # the pricer a forked worker inherits
+_PROGRESS: Progress | None = None  # and the phase's counters
+
+
+def _each(price, batch: list[Candidate]) -> list:
+    out = []
+    for c in batch:
+        out.append(price(c))
+        if _PROGRESS is not None:
+            _PROGRESS.priced(c, out[-1])
+    return out
 
 
 def _closed_forms(batch: list[Candidate]) -> list[Priced | str]:
-    return [_PRICER.closed_form(c) for c in batch]
+    return _each(_PRICER.closed_form, batch)
 
 
 def _simulate(batch: list[Candidate]) -> list[Priced]:
-    return [_PRICER.simulated(c) for c in batch]
+    return _each(_PRICER.simulated, batch)
 
 
 def _deal(items: list, workers: int, key) -> list[list]:
@@ -80,21 +92,40 @@ def _deal(items: list, workers: int, key) -> list[list]:
     return [b for b in batches if b]
 
 
-def _map(fn, items: list, workers: int, key) -> list[tuple]:
+def _map(fn, items: list, workers: int, key, phase: str = "", report: tuple = (None, None)) -> list[tuple]:
     """(item, result) pairs of fn over items, in ``workers`` forked processes when more
-    than one (each inherits the pricer; whole groups by ``key`` go to one)."""
+    than one (each inherits the pricer; whole groups by ``key`` go to one). ``report``:
+    (seconds between progress lines, where a line goes) for :class:`.progress.Progress`."""
+    global _PROGRESS
+    every, say = report
     if workers <= 1 or len(items) < 2 or "fork" not in multiprocessing.get_all_start_methods():
-        return list(zip(items, fn(items)))
+        _PROGRESS = Progress(phase, items, every, say)
+        try:
+            out = list(zip(items, fn(items)))
+            _PROGRESS.tell(final=True)
+        finally:
+            _PROGRESS = None
+        return out
     batches = _deal(items, workers, key)
+    _PROGRESS = progress = Progress(phase, items, every, say, shared=True)  # before the fork: the workers count
     pool = ProcessPoolExecutor(len(batches), mp_context=multiprocessing.get_context("fork"),
                                initializer=_die_with_parent)
     try:
-        out = [pair for b, part in zip(batches, pool.map(fn, batches)) for pair in zip(b, part)]
+        futures = [pool.submit(fn, b) for b in batches]
+        while True:
+            done, pending = wait(futures, timeout=progress.poll(), return_when=FIRST_EXCEPTION)
+            if not pending or any(f.exception() for f in done):
+                break
+            progress.tell()
+        out = [pair for b, f in zip(batches, futures) for pair in zip(b, f.result())]
+        progress.tell(final=True)
     except BaseException:  # a signal (Ctrl-C, SIGTERM) or an error: the workers go now, not after their batch
         for proc in list(getattr(pool, "_processes", {}).values()):
             proc.terminate()
         pool.shutdown(wait=False, cancel_futures=True)
         raise
+    finally:
+        _PROGRESS = None
     pool.shutdown()
     return out
 
@@ -124,10 +155,13 @@ def default_workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def search(space: SearchSpace, pricer: Pricer, simulate_top: int = 16, workers: int = 1) -> SearchResult:
+def search(space: SearchSpace, pricer: Pricer, simulate_top: int = 16, workers: int = 1,
+           progress_every: float | None = None, say: Callable[[str], None] | None = None) -> SearchResult:
     """Search ``space``: price every candidate in closed form, simulate the
     ``simulate_top`` fastest that fit plus the fastest of each schedule, rank by the
-    simulator; ``workers`` processes price and simulate side by side. Raises NothingFits
+    simulator; ``workers`` processes price and simulate side by side; ``say`` gets a
+    progress line every ``progress_every`` seconds (0: at every chance; None: none)
+    while a phase lasts (:mod:`.progress`). Raises NothingFits
     (naming the smallest requirement) when no candidate fits the limit, ValueError when no
     candidate can be built at all."""
     global _PRICER
@@ -138,7 +172,8 @@ def search(space: SearchSpace, pricer: Pricer, simulate_top: int = 16, workers: 
     n = len(every)
     _PRICER = pricer
     try:
-        for c, q in _map(_closed_forms, every, workers, lambda c: (c.schedule, c.stages)):
+        for c, q in _map(_closed_forms, every, workers, lambda c: (c.schedule, c.stages), "closed form",
+                         (progress_every, say)):
             if isinstance(q, str):
                 rule = _rule(c, q)
                 refused[rule] = refused.get(rule, 0) + 1
@@ -171,7 +206,8 @@ def search(space: SearchSpace, pricer: Pricer, simulate_top: int = 16, workers: 
             chosen.setdefault(q.candidate, q)
     _PRICER = pricer
     try:
-        simulated = [q for _, q in _map(_simulate, list(chosen), workers, lambda c: c)]
+        simulated = [q for _, q in _map(_simulate, list(chosen), workers, lambda c: c, "simulated",
+                                        (progress_every, say))]
     finally:
         _PRICER = None
     t2 = time.perf_counter()

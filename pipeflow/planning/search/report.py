@@ -11,10 +11,7 @@ from pathlib import Path
 
 from . import GIB, SearchResult
 from .price import Priced, pareto
-
-
-def _ms(t: float) -> str:
-    return f"{t * 1e3:.1f}" if t < 100 else f"{t:.1f}s"
+from .progress import duration
 
 
 def why_lost(q: Priced, best: Priced) -> str:
@@ -33,24 +30,24 @@ def why_lost(q: Priced, best: Priced) -> str:
             cause = "a slower busiest device (its stages' split)"
         else:
             cause = "more compute on its busiest device"
-        return f"{cause}: +{_ms(d_compute)} ms compute"
+        return f"{cause}: +{duration(d_compute)} compute"
     if c.data_parallel != b.data_parallel and c.data_parallel > 1:
         cause = f"waits (bubble, {c.data_parallel}-way all-reduce)"
     else:
         cause = "waits (bubble and messages)"
-    return f"{cause}: +{_ms(d_waits)} ms"
+    return f"{cause}: +{duration(d_waits)}"
 
 
 def top_table(result: SearchResult, rows: int) -> list[str]:
     best = result.best
-    cols = ("#", "candidate", "step (ms)", "tokens/s", "bubble", "peak GiB", "closed form", "why it lost")
+    cols = ("#", "candidate", "step time", "tokens/s", "bubble", "peak GiB", "closed form", "why it lost")
     closed = {q.candidate: q for q in result.closed}
     out = []
     for n, q in enumerate(result.ranked[:rows], 1):
         cf = closed.get(q.candidate)
-        out.append((str(n), q.candidate.label(), _ms(q.step_time), f"{q.tokens_per_s:,.0f}", f"{q.bubble:.3f}",
+        out.append((str(n), q.candidate.label(), duration(q.step_time), f"{q.tokens_per_s:,.0f}", f"{q.bubble:.3f}",
                     f"{q.peak_memory / GIB:.1f}/{q.memory_limit / GIB:.0f}",
-                    _ms(cf.step_time) if cf else "", why_lost(q, best)))
+                    duration(cf.step_time) if cf else "", why_lost(q, best)))
     return _table(cols, out)
 
 
@@ -62,9 +59,9 @@ def schedule_table(result: SearchResult) -> list[str]:
         if q.candidate.schedule in seen:
             continue
         seen.add(q.candidate.schedule)
-        rows.append((q.candidate.schedule, q.candidate.label(), _ms(q.step_time), f"{q.step_time / best.step_time:.3f}",
+        rows.append((q.candidate.schedule, q.candidate.label(), duration(q.step_time), f"{q.step_time / best.step_time:.3f}",
                      f"{q.bubble:.3f}", f"{q.peak_memory / GIB:.1f}", why_lost(q, best)))
-    return _table(("schedule", "its fastest", "step (ms)", "vs pick", "bubble", "peak GiB", "why it lost"), rows)
+    return _table(("schedule", "its fastest", "step time", "vs pick", "bubble", "peak GiB", "why it lost"), rows)
 
 
 def _unfit_schedules(result: SearchResult) -> list[str]:
@@ -91,7 +88,7 @@ def format_search(result: SearchResult, model: str, topology: str, devices: int,
         f"searched      {result.considered} candidates in {result.seconds:.1f} s: {len(result.closed)} priced in "
         f"closed form, {len(result.simulated)} simulated"
         + (f", {sum(result.refused.values())} refused by a schedule's rule" if result.refused else ""),
-        f"pick          {b.candidate.label()}: {_ms(b.step_time)} ms a step, {b.tokens_per_s:,.0f} tokens/s, "
+        f"pick          {b.candidate.label()}: {duration(b.step_time)} a step, {b.tokens_per_s:,.0f} tokens/s, "
         f"peak {b.peak_memory / GIB:.1f} of {b.memory_limit / GIB:.0f} GiB (simulated)",
         f"              pipeflow-train {' '.join(b.candidate.overrides())}",
         "",
@@ -170,7 +167,7 @@ def _keys(c, attention: str, precision: str) -> list[str]:
 def train_config(q: Priced, model: str, header: str, attention: str = "sdpa", precision: str = "bf16") -> str:
     """A primary config for ``pipeflow-train --config-dir <dir> --config-name <name>``."""
     c = q.candidate
-    lines = [f"# {header}", f"# {c.label()}: predicted {q.step_time * 1e3:.3f} ms a step, "
+    lines = [f"# {header}", f"# {c.label()}: predicted {duration(q.step_time)} a step, "
              f"peak {q.peak_memory / GIB:.2f} GiB ({q.how})",
              "defaults:", "  - train", f"  - override model: {model}", f"  - override schedule: {c.schedule}",
              f"  - override partition: {c.partition}", "  - _self_", ""]
@@ -180,7 +177,7 @@ def train_config(q: Priced, model: str, header: str, attention: str = "sdpa", pr
 def candidate_config(q: Priced, n: int, model: str, attention: str = "sdpa", precision: str = "bf16") -> str:
     """One of the top candidates as a config group option (``+candidate=cN`` in a sweep)."""
     c = q.candidate
-    lines = ["# @package _global_", f"# #{n}: {c.label()}: predicted {q.step_time * 1e3:.3f} ms a step ({q.how})",
+    lines = ["# @package _global_", f"# #{n}: {c.label()}: predicted {duration(q.step_time)} a step ({q.how})",
              "defaults:", f"  - override /model: {model}", f"  - override /schedule: {c.schedule}",
              f"  - override /partition: {c.partition}", ""]
     return "\n".join(lines + _keys(c, attention, precision)) + "\n"
