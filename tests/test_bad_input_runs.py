@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from test_bad_input import _app, slow
+from test_bad_input import _app, _refused, slow
 
 
 def _train(tmp_path_factory, name: str, args: list[str]):
@@ -133,3 +133,25 @@ def test_a_long_search_says_how_far_it_is_and_its_pick_in_one_unit(tmp_path):
     step = doc["pick"]["step_time"]
     assert step > 100 and f": {step:,.0f} s a step, " in pick and "ms" not in pick, pick
 
+
+HUGE = {  # (the file's lines, the sentence): far more devices, or far more actions on a line, than the run needs
+    "200,000 device lines": (["0F0,0F1,0B0,0B1", "1F0,1F1,1B0,1B1"] * 100_000,
+                             "200,000 device lines, far more than the 2 of this run (pipeline.stages=2)"),
+    "a line of 400,000 cells": ([",".join(f"{d}F{m}" for m in range(200_000)) + "," + ",".join(
+        f"{d}B{m}" for m in range(200_000)) for d in (0, 1)],
+        "line 1 holds 400,000 cells, far more than this run can need (12 actions in all: "),
+}
+
+
+@slow
+@pytest.mark.parametrize("case", list(HUGE))
+def test_a_schedule_file_far_larger_than_the_run_is_refused_before_it_is_read(case, tmp_path):
+    """A 200,000-line (40 MB) file took 40 s to refuse, in a 1.46 MB line listing every
+    device; its size is compared with what the run can need before any cell is read."""
+    lines, sentence = HUGE[case]
+    path = tmp_path / "huge.csv"
+    path.write_text("\n".join(lines) + "\n")
+    err = _refused("pipeflow.train", ["schedule=file", f"schedule.path={path}", "pipeline.microbatches=2",
+                                      "trainer.steps=1"], tmp_path)
+    assert err.startswith(f"schedule.path={path}: {sentence}"), err
+    assert len(err) < 400

@@ -106,7 +106,8 @@ def schedule_from_orders(orders: list[list[Action]], name: str = "file", source:
     shared = {s: sorted(ds) for s, ds in where.items() if len(ds) > 1}
     if shared:
         s, ds = next(iter(shared.items()))
-        raise ScheduleConfigError(f"schedule.path: {source} runs stage {s} on devices {ds}; a stage lives on "
+        shown = ", ".join(map(str, ds[:8])) + (f", ... ({len(ds):,} devices)" if len(ds) > 8 else "")
+        raise ScheduleConfigError(f"schedule.path: {source} runs stage {s} on devices [{shown}]; a stage lives on "
                                   f"one device")
     mbs = sorted({a.microbatch for order in orders for a in order})
     if mbs != list(range(len(mbs))):
@@ -119,6 +120,41 @@ def schedule_from_orders(orders: list[list[Action]], name: str = "file", source:
     return finish_sync(name, StageGraph.chain(len(stages)), Placement.single(device_of_stage, len(orders)),
                        [list(o) for o in orders], len(mbs), num_segments=segments, meta=meta,
                        overlapped=tuple(overlapped))
+
+
+FAR = 4  # a file with this many times the lines or cells a run can need is refused before it is read
+
+
+def check_size(text: str, path: str, stages: int, microbatches: int, virtual_stages: int = 1,
+               segments: int = 1) -> None:
+    """Refuse, before any cell is read, a file far larger than the run can need: more
+    than :data:`FAR` times ``stages`` lines (one device a line), or a line of more than
+    :data:`FAR` times the compute actions of the whole schedule (every device's F, I and
+    W of every stage, microbatch and segment; a CSV's communication and idle cells are
+    fewer than twice that). A 200,000-line file took 40 s to read, build and refuse."""
+    def whole(n) -> int:  # a size the config's own checks refuse counts as 1 here
+        return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
+
+    p, m, v, s = whole(stages), whole(microbatches), whole(virtual_stages), whole(segments)
+    need = p * v * m * s * 3
+    lines = 0
+    for k, line in enumerate(text.splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        lines += 1
+        if lines > FAR * p:
+            devices = sum(1 for x in text.splitlines() if x.strip() and not x.lstrip().startswith("#"))
+            raise ScheduleConfigError(
+                f"schedule.path={path}: {devices:,} device lines, far more than the {p} of this run "
+                f"(pipeline.stages={stages}); a schedule file holds one line per device: give the file written "
+                f"for these settings, or set pipeline.stages to its device count")
+        cells = line.count(",") + 1 if "," in line else len(line.split())
+        if cells > FAR * need:
+            raise ScheduleConfigError(
+                f"schedule.path={path}: line {k} holds {cells:,} cells, far more than this run can need "
+                f"({need:,} actions in all: pipeline.stages={stages} x virtual_stages {v} x pipeline.microbatches="
+                f"{microbatches} x segments {s} x F, I and W); give the file written for these settings, or set "
+                f"pipeline.microbatches to the file's")
 
 
 def from_file(stages: int, microbatches: int, virtual_stages: int = 1, segments: int = 1,
@@ -136,6 +172,7 @@ def from_file(stages: int, microbatches: int, virtual_stages: int = 1, segments:
     except UnicodeDecodeError as err:
         raise ScheduleConfigError(f"schedule.path={path}: not UTF-8 text (byte {err.start} is "
                                   f"0x{err.object[err.start]:02x}); save it as UTF-8") from None
+    check_size(text, path, stages, microbatches, virtual_stages, segments)
     orders, pairs = read_schedule_text(text, path)
     sched = schedule_from_orders(orders, source=path, overlapped=tuple(pairs))
     sched.meta["path"] = path
