@@ -232,6 +232,49 @@ def test_resuming_with_other_training_settings_says_what_changed(trained_run):
                                                               ("pipeline.microbatch_size", 2, 4))]
 
 
+@slow
+def test_resuming_with_a_larger_position_table_is_refused_naming_it(trained_run, tmp_path):
+    """Longer sequences need a larger learned position table, which the checkpoint's
+    table does not load into; it was refused naming n_positions among the shape keys."""
+    err = _refused("pipeflow.train", [f"resume={trained_run}", "model.n_positions=512", "model.seq_len=512",
+                                      "trainer.steps=3"], tmp_path)
+    assert err == (f"resume={trained_run}: the checkpoint's position table holds 256 positions (model.n_positions="
+                   f"256), this run's 512, and a table loads only at its own size; resume with model.n_positions=256 "
+                   f"and a model.seq_len of at most 256")
+
+
+@slow
+def test_resuming_with_other_sequences_and_data_says_so_and_records_them(trained_run, tmp_path):
+    """The checkpoint recorded neither the sequence length nor the data: a resumed run
+    that changed them said nothing."""
+    run = tmp_path / "resumed"
+    proc = _app("pipeflow.train", [f"resume={trained_run}", "model.seq_len=64", "data.max_bytes=1000000",
+                                   "trainer.steps=3", "logger=none", f"hydra.run.dir={run}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    said = proc.stdout + proc.stderr
+    assert ("resuming with model.seq_len=64, where the checkpoint was written with model.seq_len=128: its weights "
+            "and optimizer state carry over, and each sequence from here on is 64 tokens") in said
+    assert ("resuming with data.max_bytes=1000000, where the checkpoint was written with data.max_bytes=3000000: "
+            "its weights and optimizer state carry over, and the batches from here on come from this run's data"
+            ) in said
+    step = (run / "checkpoints" / "latest").read_text().strip()
+    meta = json.loads((run / "checkpoints" / f"step_{int(step):07d}" / "meta.json").read_text())["meta"]
+    assert meta["training"]["model.seq_len"] == 64 and meta["training"]["data.name"] == "text_corpus"
+
+
+def test_a_rotary_models_longest_sequence_is_no_weights_shape():
+    """Rotary positions (Llama, Qwen2) have no table: raising max_position_embeddings on
+    resuming loads the same weights; a learned table (GPT, BERT) does not."""
+    from pipeflow.formats.checkpoint import model_difference
+
+    rotary = {"name": "llama_tiny", "family": "hf_causal", "n_embd": 128, "n_positions": 256, "positions": "rotary"}
+    assert model_difference(rotary, {**rotary, "n_positions": 1024}) is None
+    assert "n_embd 128 there, 64 here" in model_difference(rotary, {**rotary, "n_positions": 1024, "n_embd": 64})
+    learned = {"name": "gpt_tiny", "family": "gpt", "n_positions": 256}
+    assert model_difference(learned, {**learned, "n_positions": 1024}).startswith(
+        "the checkpoint's position table holds 256 positions")
+
+
 SEARCHES = {
     "no devices": (["search.devices=0"], "search.devices=0: must be a whole number >= 1"),
     "a batch nothing divides": (["search.global_batch=7", "search.stages=[1]"],

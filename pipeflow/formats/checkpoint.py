@@ -22,6 +22,10 @@ BRANCH_SHAPE = ("n_layer", "n_embd", "n_head", "vocab_size", "image_size", "patc
 TRAINING = {"precision": ("precision",), "model.recompute": ("model", "recompute"),
             "pipeline.microbatches": ("pipeline", "microbatches"),
             "pipeline.microbatch_size": ("pipeline", "microbatch_size"), "seed": ("seed",)}
+# what shapes a batch and where it comes from: also said, with what it changes
+BATCH = {"model.seq_len": ("model", "seq_len"), "model.text.seq_len": ("model", "text", "seq_len"),
+         "data.name": ("data", "name"), "data.files": ("data", "files"), "data.tokenizer": ("data", "tokenizer"),
+         "data.max_bytes": ("data", "max_bytes"), "model.n_positions": ("model", "n_positions")}
 
 
 def model_record(model) -> dict:
@@ -38,21 +42,31 @@ def model_record(model) -> dict:
 
 
 def training_record(cfg) -> dict:
-    """The settings a resumed run may change (:data:`TRAINING`), as the checkpoint records them."""
+    """The settings a resumed run may change (:data:`TRAINING`, :data:`BATCH`), as the
+    checkpoint records them (plain values: a list of files as a list)."""
+    from omegaconf import OmegaConf
+
     out = {}
-    for key, path in TRAINING.items():
+    for key, path in {**TRAINING, **BATCH}.items():
         value = cfg
         for part in path:
-            value = value.get(part) if value is not None else None
-        out[key] = value
+            value = value.get(part) if hasattr(value, "get") else None
+        out[key] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
     return out
 
 
 def model_difference(saved: dict, here: dict) -> str | None:
     """None, or what differs between the model a checkpoint holds and this run's."""
     keys = [k for k in (*MODEL_SHAPE, "text", "vision") if saved.get(k) != here.get(k) and (k in saved or k in here)]
+    if saved.get("positions") == here.get("positions") == "rotary" and "n_positions" in keys:
+        keys.remove("n_positions")  # rotary positions have no table: the longest sequence is no weight's shape
     if not keys:
         return None
+    if keys == ["n_positions"]:  # a learned table (GPT, BERT, GPT-2): its rows are the positions
+        old = saved.get("n_positions")
+        return (f"the checkpoint's position table holds {old} positions (model.n_positions={old}), this run's "
+                f"{here.get('n_positions')}, and a table loads only at its own size; resume with "
+                f"model.n_positions={old} and a model.seq_len of at most {old}")
     def said(v):
         return "unset" if v is None else v
 

@@ -46,5 +46,23 @@ def resume_changes(cfg: DictConfig) -> list[str]:
     folder, _ = resolve(str(Path(cfg.resume).expanduser()))
     saved = read_meta(folder, cfg.resume)["meta"].get("training") or {}
     here = training_record(cfg)
-    return [f"resuming with {key}={here[key]}, where the checkpoint was written with {key}={saved[key]}: "
-            f"its weights and optimizer state carry over" for key in here if key in saved and saved[key] != here[key]]
+    return [f"resuming with {key}={_said(here[key])}, where the checkpoint was written with {key}={_said(saved[key])}: "
+            f"its weights and optimizer state carry over{_then(key, here[key])}"
+            for key in here if key in saved and saved[key] != here[key]]
+
+
+def _said(value) -> str:
+    if isinstance(value, list):
+        return "[" + ",".join(map(str, value)) + "]"
+    return "null" if value is None else str(value)
+
+
+def _then(key: str, value) -> str:
+    """What else a changed batch setting changes from the checkpoint on."""
+    if key.endswith("seq_len"):
+        return f", and each sequence from here on is {value} tokens"
+    if key == "model.n_positions":
+        return f" (rotary positions have no table), and sequences may be up to {value} tokens"
+    if key.startswith("data."):
+        return ", and the batches from here on come from this run's data"
+    return ""
