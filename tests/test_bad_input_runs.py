@@ -155,3 +155,30 @@ def test_a_schedule_file_far_larger_than_the_run_is_refused_before_it_is_read(ca
                                       "trainer.steps=1"], tmp_path)
     assert err.startswith(f"schedule.path={path}: {sentence}"), err
     assert len(err) < 400
+
+
+@slow
+@pytest.mark.parametrize("args, sentence", [
+    (["plan.memory_limit_gb=-1"], "plan.memory_limit_gb=-1.0: must be a number > 0"),
+    (["plan.memory_limit_gb=0.001", "baselines=false"],  # refused after planning, as the planner found it
+     "plan.memory_limit_gb=0.001: model 'gpt_1.5b' does not fit in 0.001 GB per device"),
+], ids=["before planning", "after planning"])
+def test_a_refused_plan_leaves_no_run_folder(args, sentence, tmp_path):
+    assert _refused("pipeflow.plan", args, tmp_path).startswith(sentence)
+
+
+@slow
+@pytest.mark.parametrize("args, sentence", [
+    (["{run}", "{tmp}/nowhere", "out={tmp}/new/report"], "pipeflow-compare: {tmp}/nowhere: no such directory"),
+    (["{run}", "smooth=0"], "pipeflow-compare: smooth=0: must be 1 or more (1: no smoothing)"),
+], ids=["a folder that is not there", "a bad setting"])
+def test_a_refused_comparison_leaves_no_report_folder(args, sentence, tmp_path):
+    """Its report folder (out=, or outputs/compare/<date>/<time> under the current
+    folder) is made only once every run is read."""
+    from test_compare import cfg, write_run
+
+    run = write_run(tmp_path, "runs/a", cfg("1f1b"), [2.0, 1.0])
+    proc = _app("pipeflow.compare.cli", [a.format(run=run, tmp=tmp_path) for a in args], tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip() == sentence.format(tmp=tmp_path), proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
+    assert sorted(p.name for p in run.iterdir()) == ["config.json", "metrics.jsonl", "summary.json"]
