@@ -37,8 +37,9 @@ def resume_expect(cfg: DictConfig, schedule) -> dict:
 
 def resume_changes(cfg: DictConfig) -> list[str]:
     """What a resumed run changes of the settings its checkpoint was written with
-    (:data:`~pipeflow.formats.checkpoint.TRAINING`: allowed, the same weights train on),
-    one sentence each; none for a checkpoint that does not record them."""
+    (:data:`~pipeflow.formats.checkpoint.TRAINING` and ``BATCH``: allowed, the same
+    weights train on), one sentence each, with what a changed sequence length or data set
+    changes from there; none for a checkpoint that does not record them."""
     if cfg.get("resume") is None:
         return []
     from pipeflow.formats.checkpoint import read_meta, resolve, training_record
