@@ -17,6 +17,7 @@ from pipeflow.compare.table import sim_key
 from pipeflow.config import CONF_DIR, ConfigError, compose, prepare_training
 from pipeflow.planning.search import (Candidate, NothingFits, Pricer, SearchSpace, candidates, default_schedules,
                                       pareto, search)
+from pipeflow.planning.search.progress import duration
 from pipeflow.planning.transformer import TransformerSpec
 from pipeflow.schedules.registry import get_spec
 from pipeflow.search import compose_search, prepare_search, register_search_configs, run_search
@@ -307,7 +308,6 @@ def test_every_step_time_is_said_with_its_own_unit():
     """The console said "231.0s ms a step" and its "step (ms)" column held "231.0s"."""
     from dataclasses import replace
 
-    from pipeflow.planning.search.progress import duration
     from pipeflow.planning.search.report import format_search, top_table
 
     assert [duration(t) for t in (0.0413, 0.000172, 2.5, 59.994, 231.04, 1234.5)] == [
@@ -329,3 +329,21 @@ def test_every_step_time_is_said_with_its_own_unit():
     pick = next(line for line in format_search(slow, "gpt_tiny", "cluster", 4, 5).splitlines()
                 if line.startswith("pick"))
     assert ": 231 s a step, " in pick and " ms" not in pick, pick
+
+
+def test_one_process_says_its_progress_between_candidates():
+    """search.workers=1: a line after every candidate at search.progress=0, none when null."""
+    spec, pricer = _pricer(devices=4)
+    lines: list[str] = []
+    result = search(_space(spec, devices=4), pricer, simulate_top=4, workers=1, progress_every=0, say=lines.append)
+    closed = [line for line in lines if line.startswith("search: closed form ")]
+    simulated = [line for line in lines if line.startswith("search: simulated ")]
+    assert len(closed) == result.considered and len(simulated) == len(result.simulated)
+    assert closed[0].startswith(f"search: closed form 1 of {result.considered:,} candidates (")
+    assert simulated[-1].startswith(f"search: simulated {len(result.simulated)} of {len(result.simulated)} "
+                                    f"candidates (100%), ")
+    assert simulated[-1].endswith(f"; fastest that fits so far {duration(result.best.step_time)} a step: "
+                                  f"{result.best.candidate.label()}")
+    quiet: list[str] = []
+    search(_space(spec, devices=4), pricer, simulate_top=4, workers=1, progress_every=None, say=quiet.append)
+    assert quiet == []
