@@ -275,15 +275,18 @@ class BranchedAnalyticCost(CostModel):
                                   transient=self.transient_bytes(stage, 0))
         phase: list = []
         most, kept, freed = walk._input_workspace(hi - lo, one, x, False, phase)
-        # An interaction block's cross-attention runs between its MLP's and its
-        # self-attention's: behind the peak where the peak is at the stage's last block's
-        # attention, every block before it having traded what it saved for what W keeps,
-        # or in a block before the last (measured: cbm ZB-H1 selective, the text stage's I
-        # peaks in its last block's self-attention, past the cross-attention)
+        # An interaction block's cross-attention (between its MLP's and its self-attention's) is
+        # behind a peak at the stage's last block's attention, or in a block before the last
+        # (measured: cbm ZB-H1 selective, the text stage's I peaks in its last self-attention)
         rise = (hi - lo - 1) * (one.residual - one.saved) > 0
-        if any(blk in self.interactions for blk in range(lo + 1, hi)) or (rise and phase[0] == 1 and lo in self.interactions):
+        behind = rise and phase[0] == 1 and lo in self.interactions
+        if behind or any(blk in self.interactions for blk in range(lo + 1, hi)):
             resid, saved = self._cross_residual(stage), self._cross_saved(stage)
             most, kept, freed = most + resid - saved, kept + resid, freed + saved
+        if phase[0] == 1:
+            # nn.MultiheadAttention's backward holds a copy of its output's gradient and the packed
+            # in-projection's (3H) beside the kernel's: 4H a token more than GPT's (cbm ZB-H1 selective)
+            most += 4.0 * self.microbatch_size * x * walk.spec.n_embd * self.dtype_bytes
         return most, kept, freed
 
     def transient_bytes(self, stage: int, segment: int) -> float:
