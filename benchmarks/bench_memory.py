@@ -27,6 +27,7 @@ Run from the repository root (each case spawns its ranks, 5-15 s):
     .venv/bin/python -m benchmarks.bench_memory --quick         # one case per concern
     .venv/bin/python -m benchmarks.bench_memory --only zb_h1 --json out.json
     .venv/bin/python -m benchmarks.bench_memory --sample 40   # drawn from the whole product
+    .venv/bin/python -m benchmarks.bench_memory --product --only "cbm zb_h1,cbm zb_h2"   # every such case of it
     .venv/bin/python -m benchmarks.bench_memory --case "model=cbm_tiny schedule=zb_h1 pipeline.stages=2"
     .venv/bin/python -m benchmarks.bench_memory --device cuda --quick   # the ranks on the GPU
     .venv/bin/python -m benchmarks.bench_memory --device cuda --set "model.seq_len=2048 model.n_positions=2048"
@@ -237,14 +238,16 @@ def table(rows: list[dict]) -> str:
 
 
 def results(quick: bool = False, only: str | None = None, device: str = "cpu", one_stage: bool = False,
-            extra: tuple = (), sample: int = 0, seed: int = 0, shard: tuple[int, int] = (0, 1)) -> list[dict]:
+            extra: tuple = (), sample: int = 0, seed: int = 0, shard: tuple[int, int] = (0, 1),
+            whole: bool = False) -> list[dict]:
     """The rows of the chosen cases (``only``: comma-separated substrings of their
     labels; ``sample``: that many drawn from :func:`product` instead, those of the matrix
-    left out; ``shard`` (k, n): every n-th case from the k-th, for n runs side by side); a
-    case that cannot run here is reported on stderr and left out."""
+    left out; ``whole``: every case of the product; ``shard`` (k, n): every n-th case from
+    the k-th, for n runs side by side); a case that cannot run here is reported on stderr
+    and left out."""
     wanted = [w.strip() for w in only.split(",")] if only else None
-    pool = cases(quick)
-    if sample:
+    pool = product() if whole else cases(quick)
+    if sample and not whole:
         import random
 
         matrix = {c[0] for c in pool}
@@ -271,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="this many cases drawn from the whole product (every schedule, rank count, model, precision "
                          "and recomputation), outside the matrix")
     ap.add_argument("--seed", type=int, default=0, help="--sample's draw")
+    ap.add_argument("--product", action="store_true",
+                    help="every case of the whole product, the matrix's too (684; --only picks among them: "
+                         "--product --only 'cbm zb_h1,cbm zb_h2')")
     ap.add_argument("--case", action="append", default=[],
                     help="one case of your own instead, its overrides space-separated (repeatable): "
                          "--case 'model=cbm_tiny schedule=zb_h2 pipeline.stages=2 precision=fp32'")
@@ -286,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         k, n = (int(x) for x in args.shard.split("/"))
         rows = results(args.quick, args.only, args.device, args.one_stage, tuple(args.set.split()), args.sample,
-                       args.seed, (k, n))
+                       args.seed, (k, n), args.product)
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
