@@ -277,6 +277,39 @@ def test_the_branched_models_16_bit_backward_is_simulated_as_it_holds_its_casts_
     assert run["memory_profile"][0]["at_peak"]["casts"] > 0
 
 
+@pytest.mark.parametrize("over", [
+    ("model=llama_tiny", "schedule=zb_h2", "pipeline.stages=4", "precision=bf16", "model.recompute=selective"),
+    ("model=llama_tiny", "schedule=zb_h2", "pipeline.stages=2", "precision=bf16", "model.recompute=full"),
+    ("model=cbm_tiny", "schedule=zb_h1", "pipeline.stages=2", "precision=fp32", "model.recompute=selective")],
+    ids=["llama rotary rerun", "llama waiting gradients", "cbm multihead attention"])
+def test_a_zero_bubble_i_is_walked_as_the_rank_runs_it(over, tmp_path: Path):
+    """Three I phases the walk once missed, each measured on its ranks. Llama ZB-H2 bf16
+    with selective recomputation on 4 ranks: the middle ranks' I peaks inside the
+    attention's rerun, rotating Q and K in fp32 beside the rebuilt projections (the walk
+    peaked at the MLP's: activations +6.6% of the peak). Llama ZB-H2 bf16 with full
+    recomputation: the first stage's I is empty, and the gradients waiting for its W are
+    fp32 copies restored from the 16-bit messages (the walk held the messages: 0.968).
+    cbm ZB-H1 fp32 with selective recomputation: the text stage's I walked as a GPT
+    stage's, with its cross-attention behind and nn.MultiheadAttention's extra gradients
+    at its self-attention (it was priced as B: 0.944)."""
+    from pipeflow.config import compose
+    from pipeflow.simulate import run_simulation
+
+    over = [*over, "pipeline.microbatches=8", "pipeline.microbatch_size=4"]
+    run = pipeline_runs.train(tmp_path / "run", [*over, "trainer.steps=2", "trainer.val_every=0", "logger=none",
+                                                 "runtime.memory=profile"])["summary"]
+    actions = [m.get("peak_action") for m in run["memory_profile"]]
+    sim = run_simulation(compose("simulate", [*over, "draw=false", "topology=local_cpu"]), tmp_path / "sim",
+                         actions=actions)
+    _assert_the_same_memory(run, sim)
+    # every I-peaking rank's peak action is one the simulator prices as it measured it
+    for meas, predicted in zip(run["memory_profile"], sim["per_device"]):
+        if "I" in (meas.get("peak_action") or ""):
+            at = predicted["memory_at_action"]
+            assert at["action"] == meas["peak_action"]
+            assert at["bytes"] == pytest.approx(meas["peak_bytes"], rel=0.03)
+
+
 def test_a_v_shaped_stage_keeps_its_output_for_its_successor_on_the_same_device(tmp_path: Path):
     """DualPipeV on 2 ranks puts stages 1 and 2 on one device: stage 1 keeps its output
     (fp32) until its own backward although nothing is sent, and at 16 bits stage 2
