@@ -257,8 +257,8 @@ def test_the_branched_models_16_bit_backward_is_simulated_as_it_holds_its_casts_
     GPipe with selective recomputation the vision stage's later backwards peak in the
     cross-attention's key/value product, three MLPs' 16-bit gradients beside it (0.938;
     there the first stages' peaks are within 3% but the model's fall at other instants,
-    so their categories differ: the totals and the vision stage's temporaries are
-    checked)."""
+    so their categories differ: the totals are checked, and the vision stage's
+    temporaries within 5% of its peak)."""
     from pipeflow.config import compose
     from pipeflow.simulate import run_simulation
 
@@ -270,8 +270,8 @@ def test_the_branched_models_16_bit_backward_is_simulated_as_it_holds_its_casts_
     if schedule == "gpipe":  # (its first stages peak at other instants than the model's: totals only, see below)
         for meas, predicted in zip(run["memory_profile"], sim["per_device"]):
             assert predicted["peak_memory_bytes"] == pytest.approx(meas["peak_bytes"], rel=0.03)
-        vision = sim["per_device"][1]["memory_at_peak"]["temporaries"]
-        assert vision == pytest.approx(run["memory_profile"][1]["at_peak"]["temporaries"], rel=0.15)
+        vision, meas = sim["per_device"][1]["memory_at_peak"]["temporaries"], run["memory_profile"][1]
+        assert abs(vision - meas["at_peak"]["temporaries"]) <= 0.05 * meas["peak_bytes"]
     else:
         _assert_the_same_memory(run, sim)
     assert run["memory_profile"][0]["at_peak"]["casts"] > 0

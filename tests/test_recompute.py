@@ -130,6 +130,37 @@ def test_cbm_recomputation_covers_attention_and_cross_attention():
                for b in stage.modules() if isinstance(b, cbm.Block))
 
 
+def test_a_region_keeps_the_random_state_only_where_its_forward_drew_from_it():
+    """With dropout a rerun must draw the forward's masks again (the same gradients as
+    none); without, the region lets its generator's state go (5056 bytes a region and
+    microbatch on CPU, which the memory model does not count)."""
+    from pipeflow.models import recompute
+
+    kept = []
+    real = recompute._Region.forget_unused_rng
+
+    def spy(region):
+        real(region)
+        kept.append(region.rng is not None)
+
+    cfg = _model("cbm_tiny", dropout=0.1)
+    image, ids = torch.randn(2, 1, 8, 8), torch.randint(0, 256, (2, 32))
+
+    def run(model):
+        model.train()
+        torch.manual_seed(7)  # the same masks in every mode's forward
+        return model(image, ids)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(recompute._Region, "forget_unused_rng", spy)
+        _same_grads_in_every_mode(lambda m: apply_recompute(cbm.build_cbm_model(cfg, seed=2), m, (cbm.Block,)), run)
+        assert kept and all(kept)
+        kept.clear()
+        model = apply_recompute(cbm.build_cbm_model(dict(cfg, dropout=0.0), seed=2), "selective", (cbm.Block,))
+        model(image, ids).float().pow(2).mean().backward()
+        assert kept and not any(kept)
+
+
 # -------------------------------------------------------------------- on real ranks
 
 SMALL = [*pipeline_runs.GPT_SMALL, "trainer.timeline_step=null", "trainer.steps=1", "runtime.dump_grads=true"]

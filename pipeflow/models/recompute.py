@@ -101,9 +101,9 @@ class _Slot:
 
 
 class _Region:
-    """One call of a recomputed region: its inputs (detached), the random and autocast
-    states of its forward, and the tensors of its latest rerun with the backward
-    (autograd graph task) it was for."""
+    """One call of a recomputed region: its inputs (detached), the random states of its
+    forward (those it drew from) and its autocast state, and the tensors of its latest
+    rerun with the backward (autograd graph task) it was for."""
 
     def __init__(self, fn, args: tuple, kwargs: dict) -> None:
         self.fn = fn
@@ -121,6 +121,15 @@ class _Region:
         self.autocast = [(dt, torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt))
                          for dt in ("cpu", "cuda") if torch.is_autocast_enabled(dt)]
         self.autocast_cache = torch.is_autocast_cache_enabled()
+
+    def forget_unused_rng(self) -> None:
+        """After the forward: a generator it drew nothing from (no dropout, or p = 0) needs
+        no restoring in the rerun, so its state is let go (the CPU generator's is 5056
+        bytes, which a stage would otherwise keep per region and microbatch in flight)."""
+        if self.rng is not None and torch.equal(self.rng, torch.get_rng_state()):
+            self.rng = None
+        kept = [(d, s) for d, s in zip(self.cuda, self.cuda_rng) if not torch.equal(s, torch.cuda.get_rng_state(d))]
+        self.cuda, self.cuda_rng = [d for d, _ in kept], [s for _, s in kept]
 
     def pack(self, tensor: torch.Tensor) -> _Slot:
         self.count += 1
@@ -162,8 +171,10 @@ class _Region:
             # nothing to it (its casts bypass it)
             torch.autocast_increment_nesting()
             stack.callback(torch.autocast_decrement_nesting)
-            stack.enter_context(torch.random.fork_rng(devices=self.cuda))
-            torch.set_rng_state(self.rng)
+            if self.rng is not None or self.cuda:
+                stack.enter_context(torch.random.fork_rng(devices=self.cuda))
+            if self.rng is not None:
+                torch.set_rng_state(self.rng)
             for d, state in zip(self.cuda, self.cuda_rng):
                 torch.cuda.set_rng_state(state, d)
             for dt, enabled, dtype in self.autocast:
@@ -211,7 +222,9 @@ def recomputed(fn):
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(region.pack, region.unpack))
             for dt, enabled, dtype in region.autocast:  # the region's casts its own: see _Region._rerun
                 stack.enter_context(torch.autocast(dt, dtype=dtype, enabled=enabled, cache_enabled=False))
-            return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
+        region.forget_unused_rng()
+        return out
 
     return run
 

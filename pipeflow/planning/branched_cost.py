@@ -11,14 +11,13 @@ predicts the masked text bytes (one vocabulary projection per text token).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Mapping, Sequence
 
 from ..topology.topology import Device
 from .cbm_shape import cbm_shape
 from .cost import CostModel, _check_int, _check_number, layer_cost
-from .working_set import BackwardWorkingSet, mlp_product_scratch, weight_phase_bytes, weight_product_scratch
-from .transformer import (TransformerSpec, norm_saved_bytes, layer_forward_flops, layer_linear_flops, layer_params,
+from .branched_memory import BranchedWorkingSet
+from .transformer import (TransformerSpec, layer_forward_flops, layer_linear_flops, layer_params,
                           weight_residual_width)
 
 
@@ -27,7 +26,7 @@ def _branch_spec(name: str, branch, tokens: int, vocab: int, recompute: str = "n
                            vocab_size=vocab, seq_len=tokens, causal=False, recompute=recompute)
 
 
-class BranchedAnalyticCost(CostModel):
+class BranchedAnalyticCost(BranchedWorkingSet, CostModel):
     """Stage times from FLOPs for a stage DAG whose stages hold [lo, hi) blocks of one branch.
 
     ``stages``: (branch, lo, hi) per stage, branch in vision | text | head.
@@ -221,98 +220,6 @@ class BranchedAnalyticCost(CostModel):
         branch = self.stages[stage][0]
         return float(self.microbatch_size * self.tokens[branch] * self.spec[branch].n_embd * 4)
 
-    def workspace_bytes(self, stage: int, segment: int) -> float:
-        """What a backward holds at its most on top of what the forward kept: in a block
-        the MLP's hidden gradient (4H wide, c) beside the stream's (H, fp32) and, at fp32,
-        the down projection's weight gradient; the head's
-        backward, the loss's and the log-softmax's gradients over the vocabulary (two
-        fp32 rows of V per text token)."""
-        branch = self.stages[stage][0]
-        b = self.microbatch_size
-        if branch == "head":
-            return float(2.0 * b * self.tokens["text"] * self.vocab * 4)
-        spec, x = self.spec[branch], self.tokens[branch]
-        grads = b * x * (spec.ffn_width * self.dtype_bytes + spec.n_embd * 4) \
-            + mlp_product_scratch(spec, b * x, self.dtype_bytes, getattr(self, "product_scratch", None))
-        # at fp32 the down projection's weight gradient beside its input's, before it is
-        # added into .grad (measured: cbm GPipe fp32 full, the text stage; at 16 bits it is
-        # its shared cast's, counted with the casts' gradients held to the backward's end)
-        if self.dtype_bytes >= 4:
-            grads += 4 * spec.n_embd * spec.ffn_width
-        rebuilt = self.transient_bytes(stage, segment)
-        return float(max(rebuilt, grads) if self.recompute == "selective" else rebuilt + grads)
-
-    def input_workspace_bytes(self, stage: int, segment: int) -> float:
-        """The zero-bubble I's most on top of the level before it: a block stage's walks
-        as a GPT block stage's of the branch's shape
-        (:meth:`BackwardWorkingSet._input_workspace`; an interaction block's
-        cross-attention is not its peak); the head's is its backward's."""
-        if self.stages[stage][0] == "head":
-            return self.workspace_bytes(stage, segment)
-        return self._input_split(stage)[0]
-
-    def input_kept_bytes(self, stage: int, segment: int) -> float:
-        """What I has kept for W by its peak: a block stage's walks as a GPT block
-        stage's of the branch's shape (:meth:`BackwardWorkingSet._input_workspace`; an
-        interaction block's cross-attention comes last, after the peak); the head's
-        none (its peak is the loss's gradients, before it keeps anything)."""
-        return self._input_split(stage)[1]
-
-    def input_freed_bytes(self, stage: int, segment: int) -> float:
-        """What I has taken from the forward's saved activations by then (see
-        :meth:`input_kept_bytes`)."""
-        return self._input_split(stage)[2]
-
-    def _input_split(self, stage: int) -> tuple[float, float, float]:
-        branch, lo, hi = self.stages[stage]
-        if branch == "head":
-            return 0.0, 0.0, 0.0
-        walk = BackwardWorkingSet()
-        walk.spec, walk.microbatch_size, walk.dtype_bytes = self.spec[branch], self.microbatch_size, self.dtype_bytes
-        x = self.tokens[branch]
-        # the region it rebuilds is the stage's own (an interaction block's cross-attention)
-        one = dataclasses.replace(layer_cost(walk.spec, x, x, self.microbatch_size, self.dtype_bytes),
-                                  transient=self.transient_bytes(stage, 0))
-        phase: list = []
-        most, kept, freed = walk._input_workspace(hi - lo, one, x, False, phase)
-        # An interaction block's cross-attention (between its MLP's and its self-attention's) is
-        # behind a peak at the stage's last block's attention, or in a block before the last
-        # (measured: cbm ZB-H1 selective, the text stage's I peaks in its last self-attention)
-        rise = (hi - lo - 1) * (one.residual - one.saved) > 0
-        behind = rise and phase[0] == 1 and lo in self.interactions
-        if behind or any(blk in self.interactions for blk in range(lo + 1, hi)):
-            resid, saved = self._cross_residual(stage), self._cross_saved(stage)
-            most, kept, freed = most + resid - saved, kept + resid, freed + saved
-        if phase[0] == 1:
-            # nn.MultiheadAttention's backward holds a copy of its output's gradient and the packed
-            # in-projection's (3H) beside the kernel's: 4H a token more than GPT's (cbm ZB-H1 selective)
-            most += 4.0 * self.microbatch_size * x * walk.spec.n_embd * self.dtype_bytes
-        return most, kept, freed
-
-    def transient_bytes(self, stage: int, segment: int) -> float:
-        """model.recompute: the region a backward rebuilds, one at a time, and holds while
-        it runs (full: a block with its cross-attention; selective: the larger attention
-        sub-layer), with its weights' 16-bit casts, made anew."""
-        branch, lo, hi = self.stages[stage]
-        if branch == "head" or self.recompute == "none":
-            return 0.0
-        b, c = self.microbatch_size, self.dtype_bytes
-        spec, x = self.spec[branch], self.tokens[branch]
-        other = "text" if branch == "vision" else "vision"
-        H, Ho, y = spec.n_embd, self.spec[other].n_embd, self.tokens[other]
-        one = layer_cost(spec, x, x, b, c).transient
-        cross_kept = b * x * (3 * H * c + 4 * spec.n_head) + b * y * ((1 if Ho == H else 2) * Ho * c + 2 * H * c)
-        cross_casts = (2 * H * H + 2 * H * Ho) * c if c < 4 else 0
-        most = 0.0
-        for blk in range(lo, hi):
-            cross = blk in self.interactions
-            if self.recompute == "full":
-                t = one + (cross_kept + b * x * (4 * H + 8) + b * y * (4 * Ho + 8) + cross_casts if cross else 0)
-            else:
-                t = max(one, cross_kept + cross_casts if cross else 0)
-            most = max(most, t)
-        return float(most)
-
     def weight_residual_bytes(self, stage: int, segment: int) -> float:
         """What a zero-bubble I keeps for W: each matrix product's input and output
         gradient (compute dtype). A block's are a GPT block's
@@ -330,88 +237,6 @@ class BranchedAnalyticCost(CostModel):
         spec, x = self.spec[branch], self.tokens[branch]
         return float((hi - lo) * weight_residual_width(spec, c) * x * b * c + self._cross_residual(stage))
 
-    def cast_phase_bytes(self, stage: int, segment: int) -> float:
-        """A backward through shared casts an earlier forward made (the transformer's
-        :meth:`~pipeflow.planning.working_set.BackwardWorkingSet.cast_phase_bytes`), at
-        the attention of the first or the last block it passes: that attention's working
-        set and the 16-bit gradients of the shared casts it has passed (the MLP's of each
-        block so far, the attention's of the blocks behind where nothing is recomputed).
-        An interaction block's cross-attention runs its backward first: the rebuilt
-        sub-layer (recomputation), the gradients of its queries, of the keys and values
-        over the other branch's tokens and of both streams, and the product of the
-        key/value weight gradient (its result and the host's scratch). Measured: cbm
-        GPipe bf16 with selective recomputation on 4 ranks, the vision stage's later
-        backwards peak in that product, three MLPs' gradients beside it."""
-        return self._cast_phase(stage)[0]
-
-    def cast_phase_freed_bytes(self, stage: int, segment: int) -> float:
-        """What that backward has freed of the microbatch's saved bytes by then: the blocks'
-        behind it and its block's MLP's."""
-        return self._cast_phase(stage)[1]
-
-    def _cast_phase(self, stage: int) -> tuple[float, float]:
-        branch, lo, hi = self.stages[stage]
-        b, c = self.microbatch_size, self.dtype_bytes
-        if c >= 4 or branch == "head":
-            return 0.0, 0.0
-        spec, x = self.spec[branch], b * self.tokens[branch]
-        other = "text" if branch == "vision" else "vision"
-        H, I, Ho, y = spec.n_embd, spec.ffn_width, self.spec[other].n_embd, b * self.tokens[other]
-        one = layer_cost(spec, self.tokens[branch], self.tokens[branch], b, c)
-        scratch = getattr(self, "product_scratch", None)
-        mlp_cast = 0 if self.recompute == "full" else 2 * H * I * c
-        mlp_saved = 0 if self.recompute == "full" else x * ((H + 2 * I) * c + norm_saved_bytes(spec))
-        rebuilt = self.transient_bytes(stage, 0)
-        best = (float("-inf"), 0.0)
-        for j in {0, hi - lo - 1}:
-            blk = hi - 1 - j
-            behind = range(blk + 1, hi)
-            held = (j + 1) * mlp_cast
-            if self.recompute == "none":
-                held += sum(4 * H * H + ((2 * H * H + 2 * H * Ho) if k in self.interactions else 0) for k in behind) * c
-            freed = j * one.saved + mlp_saved
-            stream = x * H * 4
-            work = rebuilt + 4 * x * H * c + stream  # the self-attention's: Q, K, V and output gradients
-            if blk in self.interactions:
-                work = max(work, rebuilt + x * H * c + y * 2 * H * c + stream + y * Ho * 4 + 2 * H * Ho * c
-                           + weight_product_scratch(scratch, 2 * H, y, Ho))
-            if held + work - freed > best[0] - best[1]:
-                best = (held + work, freed)
-        return float(best[0]), float(best[1])
-
-    def weight_workspace_bytes(self, stage: int, segment: int) -> float:
-        """What a zero-bubble W holds at its most on top of its level, before it lets go of
-        what I kept for it (:func:`~pipeflow.planning.working_set.weight_phase_bytes`)."""
-        return weight_phase_bytes(self._weight_products(stage), self.dtype_bytes,
-                                  getattr(self, "product_scratch", None), False)
-
-    def fresh_weight_workspace_bytes(self, stage: int, segment: int) -> float:
-        """:meth:`weight_workspace_bytes` of a W into a stage with no gradients yet."""
-        return weight_phase_bytes(self._weight_products(stage), self.dtype_bytes,
-                                  getattr(self, "product_scratch", None), True)
-
-    def _weight_products(self, stage: int) -> list[tuple[int, int, int]]:
-        """(rows, columns, tokens) of the weights W computes by a matrix product, in the
-        order it runs them: the head's MLM projection and matching MLP; a block's MLP down
-        and up projections, an interaction block's cross-attention (output, the packed
-        projection's key/value piece over the other branch's tokens, its query piece), the
-        self-attention's output and packed Q/K/V projections."""
-        branch, lo, hi = self.stages[stage]
-        b = self.microbatch_size
-        if branch == "head":
-            Hv, Ht = self.spec["vision"].n_embd, self.spec["text"].n_embd
-            return [(self.vocab, Ht, b * self.tokens["text"]), (1, Ht, b), (Ht, Hv + Ht, b)]
-        spec, x = self.spec[branch], b * self.tokens[branch]
-        other = "text" if branch == "vision" else "vision"
-        H, Ho, y = spec.n_embd, self.spec[other].n_embd, b * self.tokens[other]
-        out = []
-        for blk in reversed(range(lo, hi)):
-            out += [(H, spec.ffn_width, x), (spec.ffn_width, H, x)]
-            if blk in self.interactions:
-                out += [(H, H, x), (2 * H, Ho, y), (H, H, x)]
-            out += [(H, H, x), (3 * H, H, x)]
-        return out
-
     def _params(self, stage: int) -> float:
         """The stage's parameters, counted on pipeflow/models/cbm.py: a branch's blocks
         (a GPT block each), an interaction block's cross-attention (a norm for each side,
@@ -424,17 +249,21 @@ class BranchedAnalyticCost(CostModel):
         if branch == "head":
             Hv = self.spec["vision"].n_embd
             return float(2 * Hv + 2 * Ht + (Hv + Ht) * Ht + Ht + Ht + 1 + Ht * V + V)
-        spec = self.spec[branch]
-        H = spec.n_embd
-        Ho = self.spec["text" if branch == "vision" else "vision"].n_embd
-        n = (hi - lo) * layer_params(spec)
-        cross = 2 * H + 2 * Ho + H * H + 2 * H * Ho + 3 * H + H * H + H
-        n += sum(cross for b in range(lo, hi) if b in self.interactions)
+        H = self.spec[branch].n_embd
+        n = sum(self._block_params(branch, blk) for blk in range(lo, hi))
         if lo == 0 and branch == "vision":
             n += self.patch_dim * H + H + self.tokens["vision"] * H
         elif lo == 0:
             n += V * H + self.tokens["text"] * H
         return float(n)
+
+    def _block_params(self, branch: str, blk: int) -> float:
+        """A block's parameters (see :meth:`_params`): a GPT block's, an interaction block's
+        cross-attention's besides."""
+        spec = self.spec[branch]
+        H, Ho = spec.n_embd, self.spec["text" if branch == "vision" else "vision"].n_embd
+        cross = 2 * H + 2 * Ho + H * H + 2 * H * Ho + 3 * H + H * H + H if blk in self.interactions else 0
+        return float(layer_params(spec) + cross)
 
     def param_bytes(self, stage: int) -> float:
         return self._params(stage) * self.dtype_bytes

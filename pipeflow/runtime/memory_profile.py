@@ -73,6 +73,8 @@ class StepMemory:
     allocator_peak_bytes: int | None = None  # CUDA: torch.cuda.max_memory_allocated over the step
     peak_action: str | None = None  # the schedule's action running at the peak ("1B3": stage 1, B, microbatch 3)
     peak_time: float | None = None  # when the peak was (the event's time), not reported
+    # with PIPEFLOW_MEMORY_DUMP: each action's own most, (bytes, category -> bytes then)
+    action_peaks: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {"peak_bytes": self.peak_bytes, "at_peak": self.at_peak, "category_peaks": self.category_peaks,
@@ -183,7 +185,7 @@ def analyse(result, device: torch.device) -> StepMemory:
                     ptr = getattr(meta, "storage_data_ptr", None)
                     if ptr and _same(getattr(meta, "device", None), device):
                         events.append((ev.start_time_ns, 1, "tag", ptr, category, int(nbytes)))
-    out = _replay(events, actions)
+    out = _replay(events, actions, per_action=bool(dump))
     if dump:
         _dump_cpu_peak(f"{dump}.cpu.{os.getpid()}.json", events, made_by, out, actions)
     return out
@@ -234,14 +236,15 @@ def _dump_cpu_peak(path: str, events: list, made_by: dict, step: StepMemory, act
     rows.sort(key=lambda r: -r["bytes"])
     with open(path, "w") as f:
         json.dump({"peak_bytes": step.peak_bytes, "at_peak": step.at_peak, "peak_action": step.peak_action,
-                   "live": rows}, f, indent=1)
+                   "action_peaks": step.action_peaks, "live": rows}, f, indent=1)
 
 
-def _replay(events: list, actions: list, live_at_start: int | None = None) -> StepMemory:
+def _replay(events: list, actions: list, live_at_start: int | None = None, per_action: bool = False) -> StepMemory:
     """Walk a step's allocations, frees and tags (``(time, order, kind, ptr, size or
     category, nbytes)``) in time order: the live bytes per category at each instant.
     ``live_at_start``: where the allocator says how much was live when the step began,
-    what of it no event names counts as temporaries from the start."""
+    what of it no event names counts as temporaries from the start. ``per_action``: each
+    action's own most too (``StepMemory.action_peaks``; a debugging aid)."""
     events.sort(key=lambda e: (e[0], e[1]))
     # pass 1: the allocations' lives and categories
     lives = []  # [size, category, preexisting]
@@ -277,6 +280,7 @@ def _replay(events: list, actions: list, live_at_start: int | None = None) -> St
     out = StepMemory(peak_bytes=sum(live.values()), at_peak=dict(live), category_peaks=dict(live))
     total = out.peak_bytes
     n, k, peak_at = len(order), 0, None
+    spans = sorted(actions) if per_action else []
     while k < n:
         t = order[k][0]
         while k < n and order[k][0] == t:  # an instant is whole once every event at its time is in
@@ -294,6 +298,13 @@ def _replay(events: list, actions: list, live_at_start: int | None = None) -> St
             total += sign * size
         if total > out.peak_bytes:
             out.peak_bytes, out.at_peak, peak_at = total, dict(live), t
+        if per_action:
+            while spans and spans[0][1] < t:
+                spans.pop(0)
+            if spans and spans[0][0] <= t:
+                name = spans[0][2]
+                if total > out.action_peaks.get(name, (-1,))[0]:
+                    out.action_peaks[name] = (total, dict(live))
         for c in CATEGORIES:
             out.category_peaks[c] = max(out.category_peaks[c], live[c])
     out.peak_time = peak_at
@@ -454,4 +465,4 @@ def _dump_peak(path: str, trace: list, log: "_CudaLog", step: StepMemory) -> Non
     rows.sort(key=lambda r: -r["bytes"])
     with open(path, "w") as f:
         json.dump({"peak_bytes": step.peak_bytes, "at_peak": step.at_peak, "peak_action": step.peak_action,
-                   "live": rows}, f, indent=1)
+                   "action_peaks": step.action_peaks, "live": rows}, f, indent=1)

@@ -112,6 +112,29 @@ class Tape:
         return out
 
 
+    def action_peaks(self, values: np.ndarray) -> dict:
+        """Each action's own most: name -> (bytes, category -> bytes then) (a debugging
+        aid, beside the runtime's ``StepMemory.action_peaks``)."""
+        values = [float(v) for v in values]
+        live = [0.0] * len(CATEGORIES)
+        out: dict = {}
+        bounds = [s for s, _ in self.starts] + [len(self.steps)]
+        for cat, term, n in self.steps[:bounds[0]]:  # what is held before the first action
+            if cat >= 0:
+                live[cat] += n * values[term]
+        for (start, name), end in zip(self.starts, bounds[1:]):
+            for cat, term, n in self.steps[start:end]:
+                if cat >= 0:
+                    live[cat] += n * values[term]
+                    continue
+                extra = values[term] if term >= 0 else 0.0
+                if sum(live) + extra > out.get(name, (-1.0,))[0]:
+                    at = list(live)
+                    at[_TEMP] += extra
+                    out[name] = (sum(live) + extra, dict(zip(CATEGORIES, at)))
+        return out
+
+
 def tapes(schedule) -> list[Tape]:
     """Each device's :class:`Tape`, walking its actions in its order (a device runs them
     one at a time, so the order is the time order; no timeline is needed)."""
@@ -281,13 +304,18 @@ def tapes(schedule) -> list[Tape]:
                     ap((CASTS, key("state", stage, "casts"), 1))
                 ap((-1, -1, 0))
                 if neighbours(e.pipe, stage)[1]:
+                    # the output and the copy it is sent as (output_bytes), at 16 bits one
+                    # copy for each successor elsewhere (the executor casts it per send),
+                    # each let go once its own peer proves it arrived
                     held_out[(rep, e.microbatch, seg)] = k = key("output_bytes", stage, seg)
                     ap((OUTS, k, 1))
+                    sent = key("sent_copy_bytes", stage, seg)
+                    for t in neighbours(e.pipe, stage)[1][1:]:
+                        ap((OUTS, sent, 1))
                     ap((-1, -1, 0))
-                    copies[(e.pipe, stage, e.microbatch, seg)] = [
-                        key("sent_copy_bytes", stage, seg),
-                        [message_position(position, (False, stage, t, e.microbatch, e.pipe, seg), consumer=True)
-                         for t in neighbours(e.pipe, stage)[1]], False]
+                    for t in neighbours(e.pipe, stage)[1]:
+                        copies[(e.pipe, stage, e.microbatch, seg, t)] = [sent, [message_position(
+                            position, (False, stage, t, e.microbatch, e.pipe, seg), consumer=True)], False]
                 elif graph.succs[stage]:  # every successor here (one elsewhere holds the output already)
                     k = key("local_output_bytes", stage, seg)
                     held_local[(e.pipe, stage, e.microbatch, seg)] = [k]
@@ -360,9 +388,12 @@ def tapes(schedule) -> list[Tape]:
                 out_k = held_out.pop((rep, e.microbatch, seg), None)  # kept through its backward
                 if out_k is not None:
                     ap((OUTS, out_k, -1))
-                    c = copies.pop((e.pipe, stage, e.microbatch, seg), None)
-                    if c is not None and c[2]:  # its copy went earlier
-                        ap((OUTS, c[0], 1))
+                    for n, t in enumerate(neighbours(e.pipe, stage)[1]):
+                        c = copies.pop((e.pipe, stage, e.microbatch, seg, t), None)
+                        if n:  # the copies beyond output_bytes' one
+                            ap((OUTS, key("sent_copy_bytes", stage, seg), -1))
+                        if c is not None and c[2]:  # that copy went earlier
+                            ap((OUTS, c[0], 1))
                 for k in arrived:
                     ap((INS, k, -1))
                 for k in local_grads.pop((e.pipe, stage, e.microbatch, seg), ()):

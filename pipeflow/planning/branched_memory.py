@@ -1,0 +1,233 @@
+"""The working sets of a concurrent-branch model's backwards (B, I, W), and the region a
+recomputation rebuilds: what :class:`~pipeflow.planning.branched_cost.BranchedAnalyticCost`
+prices on top of what its stages keep, each instant the simulator's memory walk
+(:mod:`pipeflow.sim.memory`) may peak at. A branch's blocks are GPT blocks (their
+walks are a transformer's, :mod:`pipeflow.planning.working_set`, of the branch's
+shape); an interaction block's cross-attention and the fused head add their own."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .cost import layer_cost
+from .transformer import norm_saved_bytes
+from .working_set import BackwardWorkingSet, mlp_product_scratch, weight_phase_bytes, weight_product_scratch
+
+
+class BranchedWorkingSet:
+    """B's, I's and W's working sets of a concurrent-branch stage (mixed into
+    :class:`~pipeflow.planning.branched_cost.BranchedAnalyticCost`: ``stages``, ``spec``,
+    ``tokens``, ``interactions``, ``microbatch_size``, ``dtype_bytes``, ``recompute``)."""
+
+    def workspace_bytes(self, stage: int, segment: int) -> float:
+        """What a backward holds at its most on top of what the forward kept: in a block
+        the MLP's hidden gradient (4H wide, c) beside the stream's (H, fp32) and, at fp32,
+        the down projection's weight gradient; the head's
+        backward, the loss's and the log-softmax's gradients over the vocabulary (two
+        fp32 rows of V per text token)."""
+        branch = self.stages[stage][0]
+        b = self.microbatch_size
+        if branch == "head":
+            return float(2.0 * b * self.tokens["text"] * self.vocab * 4)
+        spec, x = self.spec[branch], self.tokens[branch]
+        grads = b * x * (spec.ffn_width * self.dtype_bytes + spec.n_embd * 4) \
+            + mlp_product_scratch(spec, b * x, self.dtype_bytes, getattr(self, "product_scratch", None))
+        # at fp32 the down projection's weight gradient beside its input's, before it is
+        # added into .grad (measured: cbm GPipe fp32 full, the text stage; at 16 bits it is
+        # its shared cast's, counted with the casts' gradients held to the backward's end)
+        if self.dtype_bytes >= 4:
+            grads += 4 * spec.n_embd * spec.ffn_width
+        rebuilt = self.transient_bytes(stage, segment)
+        return float(max(rebuilt, grads) if self.recompute == "selective" else rebuilt + grads)
+
+    def input_workspace_bytes(self, stage: int, segment: int) -> float:
+        """The zero-bubble I's most on top of the level before it: a block stage's walks
+        as a GPT block stage's of the branch's shape
+        (:meth:`BackwardWorkingSet._input_workspace`; an interaction block's
+        cross-attention is not its peak); the head's is its backward's."""
+        if self.stages[stage][0] == "head":
+            return self.workspace_bytes(stage, segment)
+        return self._input_split(stage)[0]
+
+    def input_kept_bytes(self, stage: int, segment: int) -> float:
+        """What I has kept for W by its peak: a block stage's walks as a GPT block
+        stage's of the branch's shape (:meth:`BackwardWorkingSet._input_workspace`; an
+        interaction block's cross-attention comes last, after the peak); the head's
+        none (its peak is the loss's gradients, before it keeps anything)."""
+        return self._input_split(stage)[1]
+
+    def input_freed_bytes(self, stage: int, segment: int) -> float:
+        """What I has taken from the forward's saved activations by then (see
+        :meth:`input_kept_bytes`)."""
+        return self._input_split(stage)[2]
+
+    def _input_split(self, stage: int) -> tuple[float, float, float]:
+        branch, lo, hi = self.stages[stage]
+        if branch == "head":
+            return 0.0, 0.0, 0.0
+        walk = BackwardWorkingSet()
+        walk.spec, walk.microbatch_size, walk.dtype_bytes = self.spec[branch], self.microbatch_size, self.dtype_bytes
+        x = self.tokens[branch]
+        # the region it rebuilds is the stage's own (an interaction block's cross-attention)
+        one = dataclasses.replace(layer_cost(walk.spec, x, x, self.microbatch_size, self.dtype_bytes),
+                                  transient=self.transient_bytes(stage, 0))
+        phase: list = []
+        most, kept, freed = walk._input_workspace(hi - lo, one, x, False, phase)
+        # An interaction block's cross-attention (between its MLP's and its self-attention's) is
+        # behind a peak at the stage's last block's attention, or in a block before the last
+        # (measured: cbm ZB-H1 selective, the text stage's I peaks in its last self-attention)
+        rise = (hi - lo - 1) * (one.residual - one.saved) > 0
+        behind = rise and phase[0] == 1 and lo in self.interactions
+        if behind or any(blk in self.interactions for blk in range(lo + 1, hi)):
+            resid, saved = self._cross_residual(stage), self._cross_saved(stage)
+            most, kept, freed = most + resid - saved, kept + resid, freed + saved
+        if phase[0] == 1:
+            # nn.MultiheadAttention's backward holds a copy of its output's gradient and the packed
+            # in-projection's (3H) beside the kernel's: 4H a token more than GPT's (cbm ZB-H1 selective)
+            most += 4.0 * self.microbatch_size * x * walk.spec.n_embd * self.dtype_bytes
+        return most, kept, freed
+
+    def transient_bytes(self, stage: int, segment: int) -> float:
+        """model.recompute: the region a backward rebuilds, one at a time, and holds while
+        it runs (full: a block with its cross-attention; selective: the larger attention
+        sub-layer), with its weights' 16-bit casts, made anew."""
+        branch, lo, hi = self.stages[stage]
+        return max((self._block_transient(branch, blk) for blk in range(lo, hi)), default=0.0)
+
+    def _block_transient(self, branch: str, blk: int) -> float:
+        """:meth:`transient_bytes` of one block of a branch."""
+        if branch == "head" or self.recompute == "none":
+            return 0.0
+        b, c = self.microbatch_size, self.dtype_bytes
+        spec, x = self.spec[branch], self.tokens[branch]
+        other = "text" if branch == "vision" else "vision"
+        H, Ho, y = spec.n_embd, self.spec[other].n_embd, self.tokens[other]
+        one = layer_cost(spec, x, x, b, c).transient
+        cross_kept = b * x * (3 * H * c + 4 * spec.n_head) + b * y * ((1 if Ho == H else 2) * Ho * c + 2 * H * c)
+        cross_casts = (2 * H * H + 2 * H * Ho) * c if c < 4 else 0
+        cross = blk in self.interactions
+        if self.recompute == "full":
+            return float(one + (cross_kept + b * x * (4 * H + 8) + b * y * (4 * Ho + 8) + cross_casts if cross else 0))
+        return float(max(one, cross_kept + cross_casts if cross else 0))
+
+    def fresh_workspace_bytes(self, stage: int, segment: int) -> float:
+        """:meth:`workspace_bytes` of a backward into a stage that holds no parameter
+        gradients yet (the step's first on it), beside :meth:`backward_grads_made_bytes`."""
+        return self._fresh_phase(stage, segment)[0]
+
+    def backward_grads_made_bytes(self, stage: int, segment: int) -> float:
+        """The parameter gradients (fp32) such a backward has made by the instant of
+        :meth:`fresh_workspace_bytes` (see :meth:`_fresh_phase`)."""
+        return self._fresh_phase(stage, segment)[1]
+
+    def _fresh_phase(self, stage: int, segment: int) -> tuple[float, float]:
+        """A backward into a stage with no gradients makes them as it goes. At a block's
+        MLP, where its working set is the most (:meth:`workspace_bytes`), the down
+        projection's weight gradient is made by then: at full precision into ``.grad``
+        (not beside it), at 16 bits where the rerun of full recomputation cast its weight
+        anew (a shared cast's waits for the cast's backward). With full recomputation each
+        block is rebuilt in turn, so the most is at the block, of those it passes, where
+        the rebuilt region and the gradients made by then (the blocks' it passed, whole)
+        are: measured, cbm GPipe bf16 full on 2 ranks, the text stage of blocks 1-2
+        peaks in its first backward at block 1's MLP (the interaction block: its rebuilt
+        region is the larger), block 2's gradients and the down projection's made."""
+        branch, lo, hi = self.stages[stage]
+        ws = self.workspace_bytes(stage, segment)
+        if branch == "head":
+            return ws, 0.0
+        spec, c = self.spec[branch], self.dtype_bytes
+        H, I = spec.n_embd, spec.ffn_width
+        beside = 4.0 * H * I if c >= 4 else 0.0  # the fp32 down gradient workspace_bytes holds beside .grad
+        down = 4.0 * (H * I + H)
+        if self.recompute != "full":
+            return (ws - beside, down) if c >= 4 else (ws, 0.0)
+        base = ws - self.transient_bytes(stage, segment) - beside
+        best, made = (float("-inf"), 0.0), 0.0
+        for blk in reversed(range(lo, hi)):
+            here = (base + self._block_transient(branch, blk), made + down)
+            if sum(here) > sum(best):
+                best = here
+            made += 4.0 * self._block_params(branch, blk)
+        return float(best[0]), float(best[1])
+
+    def cast_phase_bytes(self, stage: int, segment: int) -> float:
+        """A backward through shared casts an earlier forward made (the transformer's
+        :meth:`~pipeflow.planning.working_set.BackwardWorkingSet.cast_phase_bytes`), at
+        the attention of the first or the last block it passes: that attention's working
+        set and the 16-bit gradients of the shared casts it has passed (the MLP's of each
+        block so far, the attention's of the blocks behind where nothing is recomputed).
+        An interaction block's cross-attention runs its backward first: the rebuilt
+        sub-layer (recomputation), the gradients of its queries, of the keys and values
+        over the other branch's tokens and of both streams, and the product of the
+        key/value weight gradient (its result and the host's scratch). Measured: cbm
+        GPipe bf16 with selective recomputation on 4 ranks, the vision stage's later
+        backwards peak in that product, three MLPs' gradients beside it."""
+        return self._cast_phase(stage)[0]
+
+    def cast_phase_freed_bytes(self, stage: int, segment: int) -> float:
+        """What that backward has freed of the microbatch's saved bytes by then: the blocks'
+        behind it and its block's MLP's."""
+        return self._cast_phase(stage)[1]
+
+    def _cast_phase(self, stage: int) -> tuple[float, float]:
+        branch, lo, hi = self.stages[stage]
+        b, c = self.microbatch_size, self.dtype_bytes
+        if c >= 4 or branch == "head":
+            return 0.0, 0.0
+        spec, x = self.spec[branch], b * self.tokens[branch]
+        other = "text" if branch == "vision" else "vision"
+        H, I, Ho, y = spec.n_embd, spec.ffn_width, self.spec[other].n_embd, b * self.tokens[other]
+        one = layer_cost(spec, self.tokens[branch], self.tokens[branch], b, c)
+        scratch = getattr(self, "product_scratch", None)
+        mlp_cast = 0 if self.recompute == "full" else 2 * H * I * c
+        mlp_saved = 0 if self.recompute == "full" else x * ((H + 2 * I) * c + norm_saved_bytes(spec))
+        rebuilt = self.transient_bytes(stage, 0)
+        best = (float("-inf"), 0.0)
+        for j in {0, hi - lo - 1}:
+            blk = hi - 1 - j
+            behind = range(blk + 1, hi)
+            held = (j + 1) * mlp_cast
+            if self.recompute == "none":
+                held += sum(4 * H * H + ((2 * H * H + 2 * H * Ho) if k in self.interactions else 0) for k in behind) * c
+            freed = j * one.saved + mlp_saved
+            stream = x * H * 4
+            work = rebuilt + 4 * x * H * c + stream  # the self-attention's: Q, K, V and output gradients
+            if blk in self.interactions:
+                work = max(work, rebuilt + x * H * c + y * 2 * H * c + stream + y * Ho * 4 + 2 * H * Ho * c
+                           + weight_product_scratch(scratch, 2 * H, y, Ho))
+            if held + work - freed > best[0] - best[1]:
+                best = (held + work, freed)
+        return float(best[0]), float(best[1])
+
+    def weight_workspace_bytes(self, stage: int, segment: int) -> float:
+        """What a zero-bubble W holds at its most on top of its level, before it lets go of
+        what I kept for it (:func:`~pipeflow.planning.working_set.weight_phase_bytes`)."""
+        return weight_phase_bytes(self._weight_products(stage), self.dtype_bytes,
+                                  getattr(self, "product_scratch", None), False)
+
+    def fresh_weight_workspace_bytes(self, stage: int, segment: int) -> float:
+        """:meth:`weight_workspace_bytes` of a W into a stage with no gradients yet."""
+        return weight_phase_bytes(self._weight_products(stage), self.dtype_bytes,
+                                  getattr(self, "product_scratch", None), True)
+
+    def _weight_products(self, stage: int) -> list[tuple[int, int, int]]:
+        """(rows, columns, tokens) of the weights W computes by a matrix product, in the
+        order it runs them: the head's MLM projection and matching MLP; a block's MLP down
+        and up projections, an interaction block's cross-attention (output, the packed
+        projection's key/value piece over the other branch's tokens, its query piece), the
+        self-attention's output and packed Q/K/V projections."""
+        branch, lo, hi = self.stages[stage]
+        b = self.microbatch_size
+        if branch == "head":
+            Hv, Ht = self.spec["vision"].n_embd, self.spec["text"].n_embd
+            return [(self.vocab, Ht, b * self.tokens["text"]), (1, Ht, b), (Ht, Hv + Ht, b)]
+        spec, x = self.spec[branch], b * self.tokens[branch]
+        other = "text" if branch == "vision" else "vision"
+        H, Ho, y = spec.n_embd, self.spec[other].n_embd, b * self.tokens[other]
+        out = []
+        for blk in reversed(range(lo, hi)):
+            out += [(H, spec.ffn_width, x), (spec.ffn_width, H, x)]
+            if blk in self.interactions:
+                out += [(H, H, x), (2 * H, Ho, y), (H, H, x)]
+            out += [(H, H, x), (3 * H, H, x)]
+        return out
