@@ -19,26 +19,76 @@ class BranchedWorkingSet:
     :class:`~pipeflow.planning.branched_cost.BranchedAnalyticCost`: ``stages``, ``spec``,
     ``tokens``, ``interactions``, ``microbatch_size``, ``dtype_bytes``, ``recompute``)."""
 
+    def forward_workspace_bytes(self, stage: int, segment: int) -> float:
+        """What the head's forward holds at its most on top of what it keeps: at the loss's
+        log-softmax, the head's output (the matching logit and the MLM logits, concatenated
+        in the compute dtype: one tensor to send) and the fp32 MLM logits the softmax reads
+        (a copy: the logits' slice of that output is not contiguous; at 16 bits the
+        contiguous 16-bit copy is let go once cast). Measured: cbm GPipe on 4 ranks, the
+        head's forward and its first backward within a few bytes of each other. The blocks'
+        forwards: not priced (below their backwards' working sets)."""
+        if self.stages[stage][0] != "head":
+            return 0.0
+        b, c, tv = self.microbatch_size, self.dtype_bytes, self.tokens["text"] * self.vocab
+        return float(b * ((1 + tv) * c + tv * max(c, 4)))
+
     def workspace_bytes(self, stage: int, segment: int) -> float:
-        """What a backward holds at its most on top of what the forward kept: in a block
-        the MLP's hidden gradient (4H wide, c) beside the stream's (H, fp32) and, at fp32,
-        the down projection's weight gradient; the head's
-        backward, the loss's and the log-softmax's gradients over the vocabulary (two
-        fp32 rows of V per text token)."""
+        """What a backward holds at its most on top of the level before its frees
+        (:meth:`_mlp_phase`); the head's, the loss's and the log-softmax's gradients over
+        the vocabulary (two fp32 rows of V per text token)."""
+        return self._mlp_phase(stage, segment)[0]
+
+    def backward_freed_bytes(self, stage: int, segment: int) -> float:
+        """What a backward has freed of the saved activations by the instant of
+        :meth:`workspace_bytes` (see :meth:`_mlp_phase`)."""
+        return self._mlp_phase(stage, segment)[1]
+
+    def held_cast_workspace_bytes(self, stage: int, segment: int) -> float:
+        """:meth:`workspace_bytes` near a backward's end through shared casts (the
+        simulator's ``held_cast_gradients``, which counts every cast's 16-bit gradient
+        itself): the MLP's working set without its weights' gradients or frees."""
+        return self._mlp_phase(stage, segment, end=True)[0]
+
+    def _mlp_phase(self, stage: int, segment: int, end: bool = False) -> tuple[float, float]:
+        """A block's backward peaks in its MLP's: the hidden gradient (I wide, c) beside
+        the gradient that arrived, as the executor hands it to the backward (fp32: several
+        successors' summed, at 16 bits restored to fp32, the messages let go; the walk
+        holds the messages to the backward's end, so only the difference is on top), at
+        full precision in the down projection's product (its weight gradient beside
+        ``.grad``, measured: cbm 1F1B fp32 on 4 ranks, the text embedding stage). At 16
+        bits where the MLP's weights are shared casts (no recomputation of it) the peak
+        is later, in the up projection's weight-gradient product: both projections'
+        16-bit weight gradients held for the casts' backward, the up projection's input
+        gradient, and the activation's input and the down projection's input freed
+        (measured: cbm 1F1B bf16 on 4 ranks, the text stages' backwards). Full
+        recomputation adds the rebuilt block; selective, the larger of the two."""
         branch = self.stages[stage][0]
-        b = self.microbatch_size
+        b, c = self.microbatch_size, self.dtype_bytes
         if branch == "head":
-            return float(2.0 * b * self.tokens["text"] * self.vocab * 4)
+            return float(2.0 * b * self.tokens["text"] * self.vocab * 4), 0.0
         spec, x = self.spec[branch], self.tokens[branch]
-        grads = b * x * (spec.ffn_width * self.dtype_bytes + spec.n_embd * 4) \
-            + mlp_product_scratch(spec, b * x, self.dtype_bytes, getattr(self, "product_scratch", None))
-        # at fp32 the down projection's weight gradient beside its input's, before it is
-        # added into .grad (measured: cbm GPipe fp32 full, the text stage; at 16 bits it is
-        # its shared cast's, counted with the casts' gradients held to the backward's end)
-        if self.dtype_bytes >= 4:
-            grads += 4 * spec.n_embd * spec.ffn_width
+        H, I = spec.n_embd, spec.ffn_width
+        arrived = b * x * H * 4 - sum(self.message_bytes(stage, t, segment) for t in self._succs(stage))
+        grads = b * x * I * c + arrived + mlp_product_scratch(spec, b * x, c, getattr(self, "product_scratch", None))
+        freed = 0.0
+        if c >= 4:
+            grads += 4 * H * I
+        elif self.recompute != "full" and not end:
+            grads += b * x * H * c + 2 * H * I * c
+            freed = 2.0 * b * x * I * c
+            grads -= freed
         rebuilt = self.transient_bytes(stage, segment)
-        return float(max(rebuilt, grads) if self.recompute == "selective" else rebuilt + grads)
+        return float(max(rebuilt, grads) if self.recompute == "selective" else rebuilt + grads), freed
+
+    def _succs(self, stage: int) -> list[int]:
+        """The stages reading a branch stage's output (pipeflow.planning.cbm_shape's
+        graph): its branch's next stage (the head after the last), and the other
+        branch's stage starting at the same depth where that block is an interaction."""
+        branch, lo, hi = self.stages[stage]
+        other = "text" if branch == "vision" else "vision"
+        same = [i for i, (br, l, _) in enumerate(self.stages) if br == branch and l == hi]
+        same = same or [i for i, (br, _, _) in enumerate(self.stages) if br == "head"]
+        return same + [i for i, (br, l, _) in enumerate(self.stages) if br == other and l == hi and hi in self.interactions]
 
     def input_workspace_bytes(self, stage: int, segment: int) -> float:
         """The zero-bubble I's most on top of the level before it: a block stage's walks

@@ -73,7 +73,7 @@ class StepMemory:
     allocator_peak_bytes: int | None = None  # CUDA: torch.cuda.max_memory_allocated over the step
     peak_action: str | None = None  # the schedule's action running at the peak ("1B3": stage 1, B, microbatch 3)
     peak_time: float | None = None  # when the peak was (the event's time), not reported
-    # with PIPEFLOW_MEMORY_DUMP: each action's own most, (bytes, category -> bytes then)
+    # with PIPEFLOW_MEMORY_DUMP: each action's own most, (bytes, category -> bytes then, when)
     action_peaks: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -208,12 +208,14 @@ def _dump_cpu_peak(path: str, events: list, made_by: dict, step: StepMemory, act
     its address, the operators that made it), largest first."""
     import json
 
+    # PIPEFLOW_MEMORY_DUMP_ACTION=<action> ("2B1"): what is live at that action's own most instead
+    when = step.action_peaks.get(os.environ.get("PIPEFLOW_MEMORY_DUMP_ACTION", ""), (0, 0, step.peak_time))[2]
     live: dict = {}
     named: dict = {}  # ptr -> its category at the peak, as _replay names it (a later tag names a whole life)
     freed: dict = {}  # ptr -> the action running when what was live at the peak is freed
     for e in events:  # in time order (_replay sorted them)
         t, _, kind, ptr, x, _ = e
-        after = step.peak_time is not None and t > step.peak_time
+        after = when is not None and t > when
         if kind == "tag":
             if ptr in freed:
                 continue
@@ -304,7 +306,7 @@ def _replay(events: list, actions: list, live_at_start: int | None = None, per_a
             if spans and spans[0][0] <= t:
                 name = spans[0][2]
                 if total > out.action_peaks.get(name, (-1,))[0]:
-                    out.action_peaks[name] = (total, dict(live))
+                    out.action_peaks[name] = (total, dict(live), t)
         for c in CATEGORIES:
             out.category_peaks[c] = max(out.category_peaks[c], live[c])
     out.peak_time = peak_at

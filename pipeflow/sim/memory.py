@@ -22,7 +22,8 @@ runtime's memory profile measures (``runtime.memory=profile``,
 - ``inputs``: a message's receive buffer, from the action before the one that needs it
   (the runtime posts receives one action ahead) until its forward starts or its
   backward is done;
-- ``temporaries``: while a backward runs, the gradients it makes and frees as it goes
+- ``temporaries``: while a forward runs, what it holds on top of what it keeps
+  (``forward_workspace_bytes``: the loss's operands of a concurrent-branch head); while a backward runs, the gradients it makes and frees as it goes
   and the layer it rebuilds (recomputation): ``workspace_bytes`` (a zero-bubble I:
   ``input_workspace_bytes``, which also counts how the level moves as I trades each
   block's activations for what W keeps); while an optimizer
@@ -302,7 +303,9 @@ def tapes(schedule) -> list[Tape]:
                     casts_on.add(rep)
                     cast_by[rep] = (e.microbatch, seg)
                     ap((CASTS, key("state", stage, "casts"), 1))
-                ap((-1, -1, 0))
+                # its most: what it keeps, and what it holds for a moment on top (where the
+                # cost model prices it: the loss's operands on a head)
+                ap((-1, key("forward_workspace_bytes", stage, seg), 0))
                 if neighbours(e.pipe, stage)[1]:
                     # the output and the copy it is sent as (output_bytes), at 16 bits one
                     # copy for each successor elsewhere (the executor casts it per send),
