@@ -230,6 +230,9 @@ def tapes(schedule) -> list[Tape]:
         # backward: (pipe, stage, microbatch, segment) -> the terms held for it
         held_local: dict = {}
         local_grads: dict = {}  # (pipe, stage, microbatch, segment): the gradients handed to it here
+        # (pipe, stage, microbatch, segment) -> the outputs of predecessors here that it read as
+        # its input at full precision, which they hold (with the copies they sent elsewhere)
+        shared_in: dict = {}
         waiting: dict = {}  # (rep, microbatch, segment) -> the messages an empty I left to its W
         restored_wait: dict = {}  # and meanwhile: (its fp32 restore, [(category, the message at fp32, the message)])
         starts: list[tuple[int, str]] = []
@@ -292,11 +295,17 @@ def tapes(schedule) -> list[Tape]:
                     # stage's input, counted with this stage's activations; the runtime
                     # names it the predecessor's output (its forward made it), held to the
                     # predecessor's backward
+                    if placement.device(e.pipe, t) != d:
+                        continue
                     held = held_local.get((e.pipe, t, e.microbatch, seg))
-                    if held is not None and placement.device(e.pipe, t) == d:
-                        held.append(k := key("shared_output_bytes", t, seg))
+                    k = key("shared_output_bytes", t, seg)
+                    if held is not None:
+                        held.append(k)
                         ap((ACTS, k, -1))
                         ap((OUTS, k, 1))
+                    elif ((e.pipe, t), e.microbatch, seg) in held_out:  # held with its sent copy already
+                        shared_in.setdefault((e.pipe, stage, e.microbatch, seg), []).append(k)
+                        ap((ACTS, k, -1))
                 if asynchronous:  # this microbatch's own casts, until its backward
                     ap((CASTS, key("state", stage, "casts"), 1))
                 elif rep not in casts_on:
@@ -431,6 +440,8 @@ def tapes(schedule) -> list[Tape]:
                     # (the shared output: out of this stage's activations since its forward)
                     if (e.pipe, t, e.microbatch, seg) in held_local and placement.device(e.pipe, t) == d:
                         ap((ACTS, key("shared_output_bytes", t, seg), 1))
+                for k in shared_in.pop((e.pipe, stage, e.microbatch, seg), ()):
+                    ap((ACTS, k, 1))
                 if kind == I:
                     ap((RESID, key("weight_residual_bytes", stage, seg), 1))
             else:  # W: at its products, what I kept for it still held
