@@ -165,40 +165,56 @@ class BranchedWorkingSet:
         gradients yet (the step's first on it), beside :meth:`backward_grads_made_bytes`."""
         return self._fresh_phase(stage, segment)[0]
 
+    def fresh_backward_freed_bytes(self, stage: int, segment: int) -> float:
+        """:meth:`backward_freed_bytes` at the instant of :meth:`fresh_workspace_bytes`."""
+        return self._fresh_phase(stage, segment)[1]
+
     def backward_grads_made_bytes(self, stage: int, segment: int) -> float:
         """The parameter gradients (fp32) such a backward has made by the instant of
         :meth:`fresh_workspace_bytes` (see :meth:`_fresh_phase`)."""
-        return self._fresh_phase(stage, segment)[1]
+        return self._fresh_phase(stage, segment)[2]
 
-    def _fresh_phase(self, stage: int, segment: int) -> tuple[float, float]:
-        """A backward into a stage with no gradients makes them as it goes. At a block's
-        MLP, where its working set is the most (:meth:`workspace_bytes`), the down
-        projection's weight gradient is made by then: at full precision into ``.grad``
-        (not beside it), at 16 bits where the rerun of full recomputation cast its weight
-        anew (a shared cast's waits for the cast's backward). With full recomputation each
-        block is rebuilt in turn, so the most is at the block, of those it passes, where
-        the rebuilt region and the gradients made by then (the blocks' it passed, whole)
-        are: measured, cbm GPipe bf16 full on 2 ranks, the text stage of blocks 1-2
-        peaks in its first backward at block 1's MLP (the interaction block: its rebuilt
-        region is the larger), block 2's gradients and the down projection's made."""
+    def _fresh_phase(self, stage: int, segment: int) -> tuple[float, float, float]:
+        """A backward into a stage with no gradients makes them as it goes: at full
+        precision into ``.grad``, at 16 bits where its microbatch's forward made the
+        casts (the step's first backward is the first forward's) each cast's backward as
+        soon as its block's is done (it is younger than every node of the blocks before
+        it). At a block's MLP the down projection's is made by then (its 16-bit gradient
+        not held); at the self-attention of the first or the last block it passes, or an
+        interaction block's cross-attention, the blocks' it passed and its MLP's (and
+        cross-attention's) are made and their saved bytes freed (the phases of
+        :meth:`cast_phase_bytes`; measured: cbm GPipe bf16 selective on 4 ranks, the text
+        stage of blocks 1-2 peaks in its first backward at block 1's self-attention).
+        With full recomputation each block is rebuilt in turn, so the most is at a
+        block's MLP, of those it passes, where the rebuilt region and the gradients made
+        by then (the blocks' it passed, whole) are: measured, cbm GPipe bf16 full on 2
+        ranks, the same stage peaks at block 1's MLP (the interaction block: its rebuilt
+        region is the larger), block 2's gradients and the down projection's made.
+        Returns (on top of the level before its frees, freed, made)."""
         branch, lo, hi = self.stages[stage]
-        ws = self.workspace_bytes(stage, segment)
+        ws, freed = self._mlp_phase(stage, segment)
         if branch == "head":
-            return ws, 0.0
+            return ws, 0.0, 0.0
         spec, c = self.spec[branch], self.dtype_bytes
         H, I = spec.n_embd, spec.ffn_width
-        beside = 4.0 * H * I if c >= 4 else 0.0  # the fp32 down gradient workspace_bytes holds beside .grad
+        # the down projection's weight gradient: fp32, held beside .grad (or at 16 bits
+        # shared, held for the cast) where the stage has gradients; made here
+        beside = 4.0 * H * I if c >= 4 else (H * I * c if self.recompute != "full" else 0.0)
         down = 4.0 * (H * I + H)
         if self.recompute != "full":
-            return (ws - beside, down) if c >= 4 else (ws, 0.0)
+            best = (ws - beside, freed, down)
+            for work, gone, made in self._attention_phases(stage, fresh=True):
+                if work - gone + made > best[0] + best[2]:
+                    best = (work - gone, gone, made)
+            return float(best[0]), float(best[1]), float(best[2])
         base = ws - self.transient_bytes(stage, segment) - beside
-        best, made = (float("-inf"), 0.0), 0.0
+        best, made = (float("-inf"), 0.0, 0.0), 0.0
         for blk in reversed(range(lo, hi)):
-            here = (base + self._block_transient(branch, blk), made + down)
-            if sum(here) > sum(best):
+            here = (base + self._block_transient(branch, blk), 0.0, made + down)
+            if here[0] + here[2] > best[0] + best[2]:
                 best = here
             made += 4.0 * self._block_params(branch, blk)
-        return float(best[0]), float(best[1])
+        return float(best[0]), float(best[1]), float(best[2])
 
     def cast_phase_bytes(self, stage: int, segment: int) -> float:
         """A backward through shared casts an earlier forward made (the transformer's
@@ -220,34 +236,47 @@ class BranchedWorkingSet:
         return self._cast_phase(stage)[1]
 
     def _cast_phase(self, stage: int) -> tuple[float, float]:
+        if self.dtype_bytes >= 4:
+            return 0.0, 0.0
+        held, freed, _ = max(self._attention_phases(stage, fresh=False), key=lambda p: p[0] - p[1],
+                             default=(0.0, 0.0, 0.0))
+        return float(held), float(freed)
+
+    def _attention_phases(self, stage: int, fresh: bool) -> list[tuple[float, float, float]]:
+        """(held, freed, made) at the attention of the first and of the last block a
+        backward passes (see :meth:`cast_phase_bytes`): through shared casts (``fresh``
+        false) the casts' 16-bit gradients held; into a stage with no gradients where its
+        microbatch made the casts (``fresh``), their gradients made instead."""
         branch, lo, hi = self.stages[stage]
         b, c = self.microbatch_size, self.dtype_bytes
-        if c >= 4 or branch == "head":
-            return 0.0, 0.0
+        if branch == "head" or hi <= lo:
+            return []
         spec, x = self.spec[branch], b * self.tokens[branch]
         other = "text" if branch == "vision" else "vision"
         H, I, Ho, y = spec.n_embd, spec.ffn_width, self.spec[other].n_embd, b * self.tokens[other]
         one = layer_cost(spec, self.tokens[branch], self.tokens[branch], b, c)
         scratch = getattr(self, "product_scratch", None)
-        mlp_cast = 0 if self.recompute == "full" else 2 * H * I * c
+        mlp_cast = 0 if self.recompute == "full" or fresh else 2 * H * I * c
         mlp_saved = 0 if self.recompute == "full" else x * ((H + 2 * I) * c + norm_saved_bytes(spec))
+        mlp_params = 2 * H * I + I + H + 2 * H
         rebuilt = self.transient_bytes(stage, 0)
-        best = (float("-inf"), 0.0)
+        out = []
         for j in {0, hi - lo - 1}:
             blk = hi - 1 - j
             behind = range(blk + 1, hi)
             held = (j + 1) * mlp_cast
-            if self.recompute == "none":
+            if self.recompute == "none" and not fresh:
                 held += sum(4 * H * H + ((2 * H * H + 2 * H * Ho) if k in self.interactions else 0) for k in behind) * c
+            made = 4.0 * (sum(self._block_params(branch, k) for k in behind) + mlp_params) if fresh else 0.0
             freed = j * one.saved + mlp_saved
             stream = x * H * 4
-            work = rebuilt + 4 * x * H * c + stream  # the self-attention's: Q, K, V and output gradients
-            if blk in self.interactions:
-                work = max(work, rebuilt + x * H * c + y * 2 * H * c + stream + y * Ho * 4 + 2 * H * Ho * c
-                           + weight_product_scratch(scratch, 2 * H, y, Ho))
-            if held + work - freed > best[0] - best[1]:
-                best = (held + work, freed)
-        return float(best[0]), float(best[1])
+            # the self-attention's: Q, K, V and output gradients (past the cross-attention's)
+            cross = 4.0 * (self._block_params(branch, blk) - self._block_params(branch, -1)) if fresh else 0.0
+            out.append((held + rebuilt + 4 * x * H * c + stream, freed, made + cross))
+            if blk in self.interactions:  # its cross-attention's, before it
+                out.append((held + rebuilt + x * H * c + y * 2 * H * c + stream + y * Ho * 4 + 2 * H * Ho * c
+                            + weight_product_scratch(scratch, 2 * H, y, Ho), freed, made))
+        return out
 
     def weight_workspace_bytes(self, stage: int, segment: int) -> float:
         """What a zero-bubble W holds at its most on top of its level, before it lets go of
