@@ -157,7 +157,8 @@ class BranchedWorkingSet:
         cross_casts = (2 * H * H + 2 * H * Ho) * c if c < 4 else 0
         cross = blk in self.interactions
         if self.recompute == "full":
-            return float(one + (cross_kept + b * x * (4 * H + 8) + b * y * (4 * Ho + 8) + cross_casts if cross else 0))
+            # (the other branch's norm reads the block's input: its statistics are new)
+            return float(one + (cross_kept + b * x * (4 * H + 8) + b * y * 8 + cross_casts if cross else 0))
         return float(max(one, cross_kept + cross_casts if cross else 0))
 
     def fresh_workspace_bytes(self, stage: int, segment: int) -> float:
