@@ -15,7 +15,7 @@ Two parts, both cheap enough for tens of thousands of candidates:
   weights, gradients, optimizer state, a (stage, segment)'s activations, residuals,
   outputs, messages, a backward's workspace) each step allocates or frees, and which
   instants can be a peak. A candidate's peak is then a cumulative sum of its own bytes
-  per term along those steps, at most at those instants (:class:`~pipeflow.sim.memory.Peaks`):
+  per term along those steps, at most at those instants (:class:`~pipeflow.sim.memory_peaks.Peaks`):
   the level the simulator's walk reaches, for any cost (an asynchronous policy's extra
   weight versions excepted: they come from the simulator's timeline).
 
@@ -33,7 +33,8 @@ import numpy as np
 from pipeflow.schedules.common import ScheduleConfigError
 from pipeflow.schedules.ir import Kind, Schedule, WeightPolicy
 from pipeflow.schedules.registry import build_schedule
-from pipeflow.sim.memory import Peaks, tapes
+from pipeflow.sim.memory import tapes
+from pipeflow.sim.memory_peaks import Peaks
 
 # idle(p, m, v, s, F, I, W, overlap) -> idle time per device, in the unit times' units
 IdleFormula = Callable[[int, int, int, int, float, float, float, float], float]
