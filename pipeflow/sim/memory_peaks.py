@@ -3,19 +3,14 @@ search's pricing): the tapes of :mod:`pipeflow.sim.memory` as arrays."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
-
-if TYPE_CHECKING:
-    from .memory import Tape
 
 class Peaks:
     """Every device's peak for many cost models at once: the tapes' walks as arrays
     over one list of terms (``terms``), so that a cost's peaks are a few array
     operations (:meth:`peaks`) rather than a walk."""
 
-    def __init__(self, tapes: list[Tape]) -> None:
+    def __init__(self, tapes: list) -> None:  # pipeflow.sim.memory.tapes(schedule)
         index: dict[tuple, int] = {}
         idx, coef, pos, base, extra, starts = [], [], [], [], [], []
         n = 0  # adds so far, over every device
