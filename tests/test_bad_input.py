@@ -420,3 +420,29 @@ def test_the_slurm_launcher_names_the_extra_it_needs_and_passes_where_slurm_is(t
     with pytest.raises(ConfigError, match=re.escape("hydra/launcher=slurm: needs the slurm extra (pip install -e "
                                                     "'.[slurm]'")):
         check_launcher(["-m", "hydra/launcher=slurm"])
+
+
+def _check_many(path: str, times: int) -> str:
+    from pipeflow.config.cli import check_output_dir
+
+    try:
+        for _ in range(times):
+            check_output_dir("hydra.run.dir", path)
+    except Exception as err:  # noqa: BLE001 - the message is the result
+        return str(err)
+    return ""
+
+
+def test_processes_checking_one_run_folder_at_once_all_pass_and_leave_nothing(tmp_path: Path):
+    """torchrun's nodes (and a multirun's jobs) check one hydra.run.dir at the same time:
+    a folder another made meanwhile, or let go of under it, is no reason to refuse (two
+    nodes once refused with 'cannot write there (File exists)'). No probe file is left
+    (a folder one process made while another was writing in it may stay, empty: the
+    run is about to use it)."""
+    import multiprocessing
+
+    target = tmp_path / "runs" / "nodes"
+    with multiprocessing.get_context("fork").Pool(6) as pool:
+        errors = pool.starmap(_check_many, [(str(target), 100)] * 6)
+    assert errors == [""] * 6
+    assert [p for p in tmp_path.rglob("*") if not p.is_dir()] == []

@@ -127,29 +127,46 @@ def check_output_dir(key: str, path: str | os.PathLike) -> None:
     read-only disk) in one sentence naming the key, the path and the reason. Creates
     nothing that is left behind."""
     target = Path(path).expanduser().absolute()
-    missing, probe = [], target
-    while not probe.exists():
-        missing.append(probe)
-        probe = probe.parent
-    if not probe.is_dir():
-        raise ConfigError(f"{key}={path}: {probe} is a file, not a folder")
-    made = []
-    try:
-        for folder in reversed(missing):
-            folder.mkdir()
-            made.append(folder)
-        with open(target / ".pipeflow-write-check", "w"):
-            pass
-        (target / ".pipeflow-write-check").unlink()
-    except OSError as err:
-        raise ConfigError(f"{key}={path}: cannot write there ({err.strerror or err}); give a folder you can write") \
-            from None
-    finally:
-        for folder in reversed(made):
-            try:
-                folder.rmdir()
-            except OSError:
+    # Several processes may check one folder at once (torchrun's nodes, a multirun's
+    # jobs): a folder another made meanwhile is used as it is, each probes with a file of
+    # its own, and a folder another made and let go of under it is made again
+    tries = 50
+    for attempt in range(tries):
+        made, missing, probe = [], [], target
+        while not probe.exists():
+            missing.append(probe)
+            probe = probe.parent
+        if not probe.is_dir():
+            if probe.exists():
+                raise ConfigError(f"{key}={path}: {probe} is a file, not a folder")
+            continue  # let go of by another meanwhile
+        try:
+            for folder in reversed(missing):
+                try:
+                    folder.mkdir()
+                    made.append(folder)
+                except FileExistsError:
+                    pass
+            probe = target / f".pipeflow-write-check-{os.getpid()}"
+            with open(probe, "w"):
                 pass
+            probe.unlink()
+            return
+        except FileNotFoundError as err:
+            if attempt == tries - 1:
+                raise ConfigError(f"{key}={path}: cannot write there ({err.strerror or err}); give a folder you "
+                                  f"can write") from None
+        except OSError as err:
+            raise ConfigError(f"{key}={path}: cannot write there ({err.strerror or err}); give a folder you can write") \
+                from None
+        finally:
+            for folder in reversed(made):
+                try:
+                    folder.rmdir()
+                except OSError:
+                    pass
+    raise ConfigError(f"{key}={path}: cannot write there (its folders kept disappearing while checked); "
+                      f"give a folder you can write")
 
 
 def drop_empty_run_dir(run_dir: str | os.PathLike) -> None:
