@@ -244,6 +244,7 @@ def tapes(schedule) -> list[Tape]:
                 if s in replicated:  # a copy of the stage's gradients, flattened for the all-reduce
                     flats.append(key("state", s, "gradients"))
                     ap((_TEMP, flats[-1], 1))
+                    ap((-1, -1, 0))  # each held to the step: the last all-reduce holds them all
             if posted[i]:
                 for k in posted[i]:
                     ap((INS, k, 1))
