@@ -260,10 +260,12 @@ class BranchedAnalyticCost(BranchedWorkingSet, CostModel):
     def _block_params(self, branch: str, blk: int) -> float:
         """A block's parameters (see :meth:`_params`): a GPT block's, an interaction block's
         cross-attention's besides."""
-        spec = self.spec[branch]
-        H, Ho = spec.n_embd, self.spec["text" if branch == "vision" else "vision"].n_embd
-        cross = 2 * H + 2 * Ho + H * H + 2 * H * Ho + 3 * H + H * H + H if blk in self.interactions else 0
-        return float(layer_params(spec) + cross)
+        return float(layer_params(self.spec[branch]) + (self._cross_params(branch) if blk in self.interactions else 0))
+
+    def _cross_params(self, branch: str) -> float:
+        """An interaction block's cross-attention's parameters (see :meth:`_params`)."""
+        H, Ho = self.spec[branch].n_embd, self.spec["text" if branch == "vision" else "vision"].n_embd
+        return float(2 * H + 2 * Ho + H * H + 2 * H * Ho + 3 * H + H * H + H)
 
     def param_bytes(self, stage: int) -> float:
         return self._params(stage) * self.dtype_bytes

@@ -272,7 +272,7 @@ class BranchedWorkingSet:
             freed = j * one.saved + mlp_saved
             stream = x * H * 4
             # the self-attention's: Q, K, V and output gradients (past the cross-attention's)
-            cross = 4.0 * (self._block_params(branch, blk) - self._block_params(branch, -1)) if fresh else 0.0
+            cross = 4.0 * self._cross_params(branch) if fresh and blk in self.interactions else 0.0
             # at its last product, the packed in-projection's weight gradient (its result, the
             # host's scratch), what of the rebuilt attention that product reads (its input and
             # the cast of its weight) all that is left of it (measured: cbm GPipe bf16

@@ -80,15 +80,16 @@ class Tape:
         cache = {} if cache is None else cache
         return np.array([term_value(k, cost, per_device, cache) for k in self.terms], dtype=float)
 
-    def walk(self, values: np.ndarray, action: str | None = None) -> dict:
+    def walk(self, values: np.ndarray, action: str | None = None, every: bool = False) -> dict:
         """The bytes: ``peak_bytes``, ``at_peak``, ``peak_action`` and ``category_peaks``
         (see :func:`device_memory`); with ``action`` (a name such as "1I3") also
-        ``at_action``: that action's own most and what holds it then."""
+        ``at_action``: that action's own most and what holds it then; with ``every``,
+        ``action_peaks``: each action's own most, name -> (bytes, category -> bytes then)."""
         values = [float(v) for v in values]
         live = [0.0] * len(CATEGORIES)
         own = [0.0] * len(CATEGORIES)
         best, at, best_action = -1.0, live, None
-        mine, mine_at = -1.0, None
+        most: dict = {}  # action -> (its most, what holds it then), for the actions asked for
         starts = iter(self.starts)
         upcoming, current = next(starts, (None, None)), None
         for i, (cat, term, n) in enumerate(self.steps):
@@ -102,39 +103,24 @@ class Tape:
             if total > best:
                 best, at, best_action = total, list(live), current
                 at[_TEMP] += extra
-            if action is not None and current == action and total > mine:
-                mine, mine_at = total, list(live)
-                mine_at[_TEMP] += extra
+            if current is not None and (every or current == action) and total > most.get(current, (-1.0,))[0]:
+                held = list(live)
+                held[_TEMP] += extra
+                most[current] = (total, dict(zip(CATEGORIES, held)))
             for c, v in enumerate(live):
                 own[c] = max(own[c], v + extra if c == _TEMP else v)
         out = {"peak_bytes": best, "at_peak": dict(zip(CATEGORIES, at)), "peak_action": best_action,
                "category_peaks": dict(zip(CATEGORIES, own))}
-        if mine_at is not None:
-            out["at_action"] = {"action": action, "bytes": mine, "at": dict(zip(CATEGORIES, mine_at))}
+        if action in most:
+            out["at_action"] = {"action": action, "bytes": most[action][0], "at": most[action][1]}
+        if every:
+            out["action_peaks"] = most
         return out
-
 
     def action_peaks(self, values: np.ndarray) -> dict:
         """Each action's own most: name -> (bytes, category -> bytes then) (a debugging
         aid, beside the runtime's ``StepMemory.action_peaks``)."""
-        values = [float(v) for v in values]
-        live = [0.0] * len(CATEGORIES)
-        out: dict = {}
-        bounds = [s for s, _ in self.starts] + [len(self.steps)]
-        for cat, term, n in self.steps[:bounds[0]]:  # what is held before the first action
-            if cat >= 0:
-                live[cat] += n * values[term]
-        for (start, name), end in zip(self.starts, bounds[1:]):
-            for cat, term, n in self.steps[start:end]:
-                if cat >= 0:
-                    live[cat] += n * values[term]
-                    continue
-                extra = values[term] if term >= 0 else 0.0
-                if sum(live) + extra > out.get(name, (-1.0,))[0]:
-                    at = list(live)
-                    at[_TEMP] += extra
-                    out[name] = (sum(live) + extra, dict(zip(CATEGORIES, at)))
-        return out
+        return self.walk(values, every=True)["action_peaks"]
 
 
 def tapes(schedule) -> list[Tape]:
