@@ -1,8 +1,9 @@
 """Does the simulator predict what each rank allocates? Measured against simulated memory,
 per device and by category, for the runtime's schedules, families and precisions.
 
-Each case trains 2 steps on CPU ranks with ``runtime.memory=profile`` (every allocation
-of the last step, by what holds it: :mod:`pipeflow.runtime.memory_profile`) and
+Each case trains 2 steps (an asynchronous schedule 3: :func:`_steps`) on CPU ranks with
+``runtime.memory=profile`` (every allocation of the last step, by what holds it:
+:mod:`pipeflow.runtime.memory_profile`) and
 simulates the same config (``pipeflow-simulate``, ``topology=local_cpu``, the same
 precision); per device it prints the measured peak (the most bytes live at one
 instant), the simulated peak (:mod:`pipeflow.sim.memory`), their ratio, the action
@@ -166,6 +167,7 @@ def measure(label: str, overrides: list[str], work: Path, device: str = "cpu", o
     gpu = ["runtime.backend=gloo"] if device == "cuda" else []  # ranks share the GPU
     cfg = compose("train", [*over, "trainer.steps=2", "trainer.val_every=0", "logger=none", "runtime.memory=profile",
                             f"runtime.device={device}", *gpu])
+    cfg.trainer.steps = _steps(cfg)
     inputs = prepare_training(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     launch(TrainJob(OmegaConf.to_container(cfg, resolve=True), str(run_dir), inputs.plan))
@@ -200,6 +202,16 @@ def measure(label: str, overrides: list[str], work: Path, device: str = "cpu", o
                      **({"allocator_peak_bytes": meas["allocator_peak_bytes"], "profile_peak_bytes": meas["peak_bytes"]}
                         if "allocator_peak_bytes" in meas else {})})
     return rows
+
+
+def _steps(cfg) -> int:
+    """How many steps a case trains: 2, so the measured step has every optimizer state and
+    every buffer the first step makes; 3 for an asynchronous schedule, whose last stage's
+    copy of a tied weight takes its first update (and AdamW makes its moments) only at
+    the second step's end, after that step's peak (:func:`~pipeflow.schedules.versions.tied_update_plan`)."""
+    from pipeflow.schedules.registry import get_spec
+
+    return 3 if get_spec(cfg.schedule.name).asynchronous else 2
 
 
 def _most_off(measured: dict, simulated: dict, peak: float) -> tuple[str, float]:
