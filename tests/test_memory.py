@@ -130,6 +130,26 @@ def test_a_cuda_step_is_replayed_from_the_allocators_history_with_its_tags_in_pl
     assert step.peak_action == "0B0"
 
 
+def test_what_a_stage_sends_is_an_output_from_the_send_on():
+    """The gradient a stage sends back is the stream's gradient its backward made and
+    carried as a temporary; the send's tag names it an output only from then on. A
+    gradient tagged at the optimizer step is one for its whole life."""
+    from pipeflow.runtime.memory_profile import _replay
+
+    events = [(1, 0, "alloc", 10, 1000, 0),  # the stream's gradient
+              (2, 0, "alloc", 20, 500, 0),  # a product's scratch beside it: the backward's most
+              (3, 0, "alloc", 30, 300, 0),  # a weight's gradient
+              (4, 0, "alloc", 20, -500, 0),
+              (5, 1, "tag", 10, "outputs", 1000),  # sent back
+              (6, 0, "alloc", 40, 2000, 0),  # the next action's: the step's peak
+              (7, 1, "tag", 30, "gradients", 300)]
+    step = _replay(events, [(0, 4, "1B0"), (6, 7, "1F1")], per_action=True)
+    assert step.peak_bytes == 1000 + 300 + 2000 and step.peak_action == "1F1"
+    assert step.at_peak["outputs"] == 1000 and step.at_peak["gradients"] == 300
+    most, split, _ = step.action_peaks["1B0"]  # in the backward, before the send
+    assert most == 1800 and split["temporaries"] == 1500 and split["gradients"] == 300 and split["outputs"] == 0
+
+
 def test_a_backward_through_an_earlier_forwards_casts_holds_their_gradients_to_its_end():
     """At 16 bits a step's forwards share one cast of each weight (Precision.shared_casts),
     and the autograd engine runs the ready node with the highest sequence number first:

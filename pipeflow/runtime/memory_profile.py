@@ -17,7 +17,8 @@ range; only while profiling) so that the profile links the storage to its role:
 - ``activations``: what autograd saves for a backward (the meter's pack hook tags it);
   ``residuals``: what the zero-bubble split
   holds from I until W; ``kv``: a Seq1F1B segment's keys and values held for later
-  segments; ``outputs``: a stage's output and the copy it is sent as; ``inputs``: the
+  segments; ``outputs``: a stage's output and the copy it is sent as, from the moment
+  it is sent (a gradient sent back was the backward's until then); ``inputs``: the
   buffers messages are received into;
 - ``temporaries``: every other allocation (a backward's intermediate gradients, the
   optimizer's foreach buffers, a recomputed layer, autocast's casts before a save).
@@ -58,6 +59,11 @@ _PRIORITY = {c: n for n, c in enumerate(("parameters", "weight_versions", "optim
 # zero-bubble I takes for W was an activation until then); any other tag names the
 # allocation's whole life (a gradient I makes for W is a residual from the start)
 _FROM_TAG = {"residuals"}
+# held for this from the tag on, whatever the allocation was until then: what a stage
+# sends is an output from the moment it is sent (the gradient a last stage sends back is
+# the residual stream's, which its backward made at the head's and carried through
+# every block as a temporary)
+_FROM_SEND = {"outputs"}
 _PREFIX = "pipeflow::tag::"
 _active = False  # tags are recorded only while a step is profiled
 _cuda = None  # the step's _CudaLog while a CUDA step is profiled
@@ -159,7 +165,8 @@ def analyse(result, device: torch.device) -> StepMemory:
     Allocations are paired with their frees by address (an allocator never hands out an
     address that is still live), and a tag names the allocation live at its address at
     the tag's time, for the allocation's whole life (a gradient made in a backward and
-    tagged at the optimizer step was a gradient from the start). A tag, or a free, at an
+    tagged at the optimizer step was a gradient from the start), except what a stage
+    sends and what I hands to W, which are held for that from their tag on. A tag, or a free, at an
     address with nothing allocated there in the step is a storage the step found live:
     it counts from the step's start."""
     from torch.profiler._memory_profiler import OpTree, _EventType
@@ -220,7 +227,7 @@ def _dump_cpu_peak(path: str, events: list, made_by: dict, step: StepMemory, act
             if ptr in freed:
                 continue
             was = named.get(ptr)
-            if was is not None and x in _FROM_TAG and was != x:
+            if (was is not None and x in _FROM_TAG or x in _FROM_SEND) and was != x:
                 if not after:  # held for this from the tag on
                     named[ptr] = x
             elif was is None or _PRIORITY[x] < _PRIORITY[was]:
@@ -258,7 +265,7 @@ def _replay(events: list, actions: list, live_at_start: int | None = None, per_a
             if i is None:  # found live: counts from the start until its free, if any
                 i = live_at[ptr] = len(lives)
                 lives.append([nbytes, x, True])
-            elif x in _FROM_TAG and lives[i][1] is not None and lives[i][1] != x:
+            elif (x in _FROM_TAG and lives[i][1] is not None or x in _FROM_SEND) and lives[i][1] != x:
                 # held for this from now: what it was named until then
                 order.append((t, 0, (i, x)))
             elif lives[i][1] is None or _PRIORITY[x] < _PRIORITY[lives[i][1]]:
