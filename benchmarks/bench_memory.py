@@ -253,7 +253,7 @@ def results(quick: bool = False, only: str | None = None, device: str = "cpu", o
             extra: tuple = (), sample: int = 0, seed: int = 0, shard: tuple[int, int] = (0, 1),
             whole: bool = False) -> list[dict]:
     """The rows of the chosen cases (``only``: comma-separated substrings of their
-    labels; ``sample``: that many drawn from :func:`product` instead, those of the matrix
+    labels, each of them one or several joined by ``&``, all in the label; ``sample``: that many drawn from :func:`product` instead, those of the matrix
     left out; ``whole``: every case of the product; ``shard`` (k, n): every n-th case from
     the k-th, for n runs side by side); a case that cannot run here is reported on stderr
     and left out."""
@@ -264,7 +264,8 @@ def results(quick: bool = False, only: str | None = None, device: str = "cpu", o
 
         matrix = {c[0] for c in pool}
         pool = random.Random(seed).sample([c for c in product() if c[0] not in matrix], sample)
-    chosen = [c for c in pool if wanted is None or any(w in c[0] for w in wanted)][shard[0]::shard[1]]
+    chosen = [c for c in pool if wanted is None or any(all(p in c[0] for p in w.split("&")) for w in wanted)
+              ][shard[0]::shard[1]]
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench_memory_") as tmp:
         for label, over in chosen:
@@ -278,7 +279,8 @@ def results(quick: bool = False, only: str | None = None, device: str = "cpu", o
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one case per concern")
-    ap.add_argument("--only", default=None, help="cases whose label contains one of these (comma-separated)")
+    ap.add_argument("--only", default=None, help="cases whose label contains one of these (comma-separated; "
+                                                 "'llama&recompute=full': both)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--one-stage", action="store_true", help="every case as one stage in one process")
     ap.add_argument("--set", default="", help="overrides added to every case, space-separated (model.seq_len=1024 ...)")

@@ -11,7 +11,8 @@ import dataclasses
 
 from .cost import layer_cost
 from .transformer import norm_saved_bytes
-from .working_set import BackwardWorkingSet, mlp_product_scratch, weight_phase_bytes, weight_product_scratch
+from .products import mlp_product_scratch, weight_phase_bytes, weight_product_scratch
+from .working_set import BackwardWorkingSet
 
 
 class BranchedWorkingSet:
@@ -69,7 +70,8 @@ class BranchedWorkingSet:
         spec, x = self.spec[branch], self.tokens[branch]
         H, I = spec.n_embd, spec.ffn_width
         arrived = b * x * H * 4 - sum(self.message_bytes(stage, t, segment) for t in self._succs(stage))
-        grads = b * x * I * c + arrived + mlp_product_scratch(spec, b * x, c, getattr(self, "product_scratch", None))
+        scratch = mlp_product_scratch(spec, b * x, c, getattr(self, "product_scratch", None), up=True)
+        grads = b * x * I * c + arrived + scratch
         freed = 0.0
         if c >= 4:
             grads += 4 * H * I

@@ -71,6 +71,7 @@ class TransformerSpec:
     # torch's memory-efficient kernel takes no key/value groups (kv_repeat_on)
     kv_repeat: bool = False
     post_norm: bool = False  # BERT: each sub-layer ends with its norm (GPT and the decoders: pre-norm)
+    weights_in_out: bool = False  # GPT-2's Conv1D: weights [in, out] (nn.Linear [out, in]); products' scratch
     # matrix products that read the attention's input: 1 (GPT's fused c_attn) or 3 (separate
     # Q, K and V: BERT, Llama-style decoders); at 16 bits each saves its own autocast copy
     qkv_inputs: int = 1
@@ -183,6 +184,7 @@ class TransformerSpec:
             recompute=str(get("recompute") or "none"),
             attention=str(get("attention") or "sdpa"),
             post_norm=family == "bert",
+            weights_in_out=family == "gpt",
             **shape,
         )
 
@@ -469,16 +471,14 @@ def stage_shared_saved(spec: TransformerSpec, tokens: int) -> float:
 
 
 def own_key_bytes(spec: TransformerSpec, dtype_bytes: int) -> int:
-    """Bytes per element of the keys a segment hands its later segments: the rotation's
-    output with rotary positions, fp32 under autocast (its cos and sin tables are the
-    fp32 stream's dtype); otherwise the projection's, in the compute dtype."""
+    """Bytes per element of the keys a segment hands its later segments: the rotation's output with
+    rotary positions, fp32 under autocast (its tables are the stream's dtype); else the compute dtype."""
     return RESIDUAL_BYTES if spec.position_embedding == "rotary" else dtype_bytes
 
 
 def head_residual_width(spec: TransformerSpec) -> int:
-    """Elements per token the head keeps from I until W: the LM head's input and the
-    logits' gradient (H + V), and BERT's MLM transform's dense layer's input and output
-    gradient (2H more)."""
+    """Elements per token the head keeps from I until W: the LM head's input and the logits'
+    gradient (H + V), and BERT's MLM transform's dense layer's input and output gradient (2H more)."""
     return (3 if spec.post_norm else 1) * spec.n_embd + spec.vocab_size
 
 

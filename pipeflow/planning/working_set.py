@@ -7,99 +7,9 @@ stage) and ``benchmarks/bench_memory.py`` (every device of a run)."""
 
 from __future__ import annotations
 
-from .transformer import (RESIDUAL_BYTES, TransformerSpec, head_params, head_residual_width, last_stage_saved,
-                          layer_params, matrix_inputs, norm_params, norm_saved_bytes, recomputed_matrix_params, shared_head_params)
-
-
-def weight_product_scratch(scratch, rows: int, tokens: int, cols: int) -> float:
-    """The host's scratch (``scratch``: :func:`pipeflow.topology.host.product_scratch`, or
-    None) for a weight gradient's product over ``tokens``, ``rows`` x ``cols``: its first
-    operand transposed, either way round by how the matrix is stored, so the larger."""
-    if scratch is None:
-        return 0.0
-    return float(max(scratch(rows, tokens, cols, True), scratch(cols, tokens, rows, True)))
-
-
-def mlp_product_scratch(spec: TransformerSpec, tokens: int, dtype_bytes: int, scratch) -> float:
-    """What the host's math library allocates inside a product that runs while a block's
-    MLP hidden gradient is live (``scratch``: :func:`pipeflow.topology.host.product_scratch`,
-    set from a CPU topology at 16 bits; None elsewhere). Both weight gradients, the down
-    projection's (after its input's, with a bias) and the up projection's (after the
-    activation's backward), run beside one such gradient: each is a product with its
-    first operand transposed, ``hidden^T @ grad`` or ``grad^T @ hidden`` by how the
-    matrix is stored, so the larger scratch of the two orientations. Without a bias the
-    down projection's input gradient comes last, its product beside its result. A gated
-    MLP holds the most in its product of the gate and the up projection, where no
-    matrix product runs."""
-    if scratch is None or dtype_bytes >= 4 or spec.mlp == "gated":
-        return 0.0
-    H, I = spec.n_embd, spec.ffn_width
-    most = weight_product_scratch(scratch, I, tokens, H)
-    if not spec.mlp_bias:
-        most = max(most, scratch(tokens, H, I, False))
-    return float(most)
-
-
-def weight_products(spec: TransformerSpec, blocks: int, head: bool, tokens: int) -> list[tuple[int, int, int]]:
-    """(rows, columns, tokens) of each weight a stage's W computes the gradient of by a
-    matrix product, in the order the runtime's W runs them (the order I reached them,
-    walking from the stage's output: the head's first, then each block's from its last
-    product to its first): BERT's decoder and dense transform, or the LM head; a block's
-    MLP down projection, its up (and gate) projection, the attention's output
-    projection, and its fused Q/K/V (GPT-2's c_attn) or V, K and Q apart."""
-    H, I = spec.n_embd, spec.ffn_width
-    q, kv = spec.n_head * spec.head_dim, spec.kv_heads * spec.head_dim
-    out = []
-    if head:
-        out.append((spec.vocab_size, H, tokens))
-        if spec.post_norm:
-            out.append((H, H, tokens))
-    qkv = [(q + 2 * kv, H)] if spec.qkv_inputs == 1 else [(kv, H), (kv, H), (q, H)]
-    block = [(H, I), *[(I, H)] * (spec.mlp_matrices - 1), (H, q), *qkv]
-    out += [(r, c, tokens) for _ in range(blocks) for r, c in block]
-    return out
-
-
-def weight_phase_bytes(products: list[tuple[int, int, int]], dtype_bytes: int, scratch, fresh: bool) -> float:
-    """What W holds at its most on top of its level (what I kept for it is held until W
-    returns, pipeflow.runtime.backward), over its products (:func:`weight_products`):
-    each product's result (compute dtype) beside the host's scratch for it
-    (:func:`mlp_product_scratch`'s ``scratch``, either orientation) or, at 16 bits, the
-    fp32 copy it is cast to before it is added. ``fresh`` (a W into a stage with no
-    gradients yet, which the simulator has added whole): that copy becomes the gradient,
-    and at each product the gradients of it and the products after it are not yet made,
-    so the most is near the end (measured: cbm ZB-H2's first W on the text stage, at the
-    first block's Q/K/V, every other gradient made)."""
-    c = dtype_bytes
-    left = 4.0 * sum(r * k for r, k, _ in products) if fresh else 0.0
-    most = 0.0 if fresh else float("-inf")
-    for r, k, tokens in products:
-        e = r * k
-        room = weight_product_scratch(scratch, r, tokens, k) if c < 4 else 0.0
-        most = max(most, c * e + max(room, 4 * e if c < 4 else 0) - left)
-        left -= 4.0 * e if fresh else 0.0
-    return float(max(most, 0.0))
-
-
-def rerun_rotation_bytes(spec: TransformerSpec, tokens: int, c: int) -> tuple[float, float]:
-    """A recomputed attention's rerun at its rotary rotation, on top of what was live
-    before it: (what it holds, of that what I keeps for W). The Q, K and V projections
-    (compute dtype; at 16 bits from their own casts of the region's input, which W keeps,
-    :func:`matrix_inputs`, and the weights' casts made anew), and the rotation of Q, then
-    of K beside Q's result: x cos (fp32: the tables are), the half-rotated copy (compute
-    dtype), at 16 bits its fp32 promotion, and x sin (fp32); measured, llama ZB-H2 bf16
-    selective (its I peaks there). Nothing without rotary positions."""
-    if spec.position_embedding != "rotary":
-        return 0.0, 0.0
-    H = spec.n_embd
-    q, kv = spec.n_head * spec.head_dim, spec.kv_heads * spec.head_dim
-    r = 2 * RESIDUAL_BYTES + c + (RESIDUAL_BYTES if c < 4 else 0)
-    # (and, kept too, the output projection's output gradient: its 16-bit cast of the
-    # stream's gradient, made before its backward unpacked the region and started the rerun)
-    casts = (matrix_inputs(spec, c)[0] + 1) * tokens * H * c if c < 4 else 0.0
-    held = tokens * (q + 2 * kv) * c + ((q + 2 * kv) * H * c if c < 4 else 0.0)
-    rotation = tokens * max(q * r, RESIDUAL_BYTES * q + kv * r)
-    return float(casts + held + rotation), float(casts)
+from .products import down_weight_scratch, mlp_product_scratch, rerun_rotation_bytes, weight_phase_bytes, weight_products
+from .transformer import (RESIDUAL_BYTES, head_params, head_residual_width, last_stage_saved, layer_params,
+                          matrix_inputs, norm_params, norm_saved_bytes, recomputed_matrix_params, shared_head_params)
 
 
 class BackwardWorkingSet:
@@ -181,7 +91,20 @@ class BackwardWorkingSet:
         # output gradient the products took (measured, gpt 1F1B bf16's first stage)
         down = spec.n_embd * spec.ffn_width
         mlp_made = 0.0
-        if c < 4:
+        if c < 4 and spec.recompute == "full" and spec.mlp == "gated":
+            # the rebuilt block casts its weights anew (models.recompute), so the down
+            # projection's 16-bit weight gradient and its output gradient's 16-bit copy
+            # go with its backward: most there (beside the hidden gradient and its
+            # product's scratch, or the weight gradient's product's) or in the gate and
+            # up product's after, its two I-wide gradients made where the hidden product
+            # and the down projection's cast have gone (measured, llama 1F1B bf16)
+            hidden = x * b * spec.ffn_width * c
+            scratch = getattr(self, "product_scratch", None)
+            at_down = down * c + x * b * spec.n_embd * c + max(
+                down_weight_scratch(spec, x * b, scratch),
+                hidden + (scratch(x * b, spec.n_embd, spec.ffn_width, False) if scratch else 0))
+            mlp += max(at_down, 2 * hidden - down * c) - 2 * hidden
+        elif c < 4:
             mlp += (0 if end else down * c) + x * b * spec.n_embd * c
         elif fresh:
             mlp_made = 4.0 * (down + (spec.n_embd if spec.mlp_bias else 0))
@@ -379,8 +302,13 @@ class BackwardWorkingSet:
             # its MLP's phase the attention's and the MLP's inputs (a gated MLP's down
             # projection input, the product, too)
             rebuilt_kept = taken + mlp_in * spec.n_embd * x_b * c + (act_in if gated else 0.0)
+            # at the attention the rebuilt MLP sub-layer is behind: what it saved and W
+            # does not keep has gone, its output gradients are kept, and its weights'
+            # 16-bit casts (the rerun's own) went with their backward (measured, bert
+            # ZB-H1 bf16: the attention's instant 0.7 MiB under the MLP's)
+            casts = spec.mlp_matrices * spec.n_embd * spec.ffn_width * c if c < 4 else 0.0
             branches = [(t + mlp, mlp_kept + rebuilt_kept, 0.0),
-                        (t + attention, attn_kept, 0.0)]
+                        (t + attention + behind - casts, attn_kept, 0.0)]
         elif spec.recompute == "selective":
             branches = [(mlp, mlp_kept, act_in), (t + attention + behind, attn_kept, mlp_saved)]
             rotation, casts = rerun_rotation_bytes(spec, x_b, c)
@@ -397,12 +325,11 @@ class BackwardWorkingSet:
             # a post-norm block starts with its norm's backward, which frees the input it
             # saved (rebuilt, with full recomputation); the attention sub-layer ends with
             # the other, whose backward runs before the attention's: its saved input freed
-            # too (without recomputation; rebuilt, with selective; the MLP's norm is behind)
+            # too (without recomputation; rebuilt, with selective or full; the MLP's norm is behind)
             norm = x_b * norm_saved_bytes(spec)
             saved = spec.recompute != "full"
             branches = [(branches[0][0] - norm, branches[0][1], branches[0][2] + (norm if saved else 0.0)),
-                        (branches[1][0] - (norm if spec.recompute != "full" else 0.0), branches[1][1],
-                         branches[1][2] + (norm if spec.recompute == "none" else 0.0))]
+                        (branches[1][0] - norm, branches[1][1], branches[1][2] + (norm if spec.recompute == "none" else 0.0))]
         block, kept, freed = max(branches, key=lambda p: p[0])
         if phase is not None:  # which: 0 the MLP's, 1 the attention's, 2 its rerun's rotation
             phase.append(branches.index((block, kept, freed)))

@@ -184,7 +184,9 @@ def analyse(result, device: torch.device) -> StepMemory:
             if _same(fields.device, device):
                 events.append((ev.start_time_ns, 0, "alloc", fields.ptr, fields.alloc_size, 0))
                 if dump:
-                    made_by[id(events[-1])] = _operators(ev)
+                    from .memory_dump import operators
+
+                    made_by[id(events[-1])] = operators(ev)
         elif ev.name.startswith(_PREFIX):
             category, nbytes = ev.name[len(_PREFIX):].split("::")
             for child in ev.children:
@@ -194,58 +196,11 @@ def analyse(result, device: torch.device) -> StepMemory:
                         events.append((ev.start_time_ns, 1, "tag", ptr, category, int(nbytes)))
     out = _replay(events, actions, per_action=bool(dump))
     if dump:
-        _dump_cpu_peak(f"{dump}.cpu.{os.getpid()}.json", events, made_by, out, actions)
+        from .memory_dump import dump_cpu_peak
+
+        dump_cpu_peak(f"{dump}.cpu.{os.getpid()}.json", events, made_by, out, actions,
+                      (_PRIORITY, _FROM_TAG, _FROM_SEND))
     return out
-
-
-def _operators(ev, depth: int = 12) -> list[str]:
-    """The names of the operators (and ranges) an event ran in, innermost first."""
-    names = []
-    p = ev.parent
-    while p is not None and len(names) < depth:
-        shapes = [list(getattr(m, "sizes", ()) or ()) for m in getattr(p.typed[1], "inputs", ()) or ()
-                  if getattr(m, "sizes", None) is not None] if not names else []
-        names.append(p.name + (str(shapes) if shapes else ""))
-        p = p.parent
-    return names
-
-
-def _dump_cpu_peak(path: str, events: list, made_by: dict, step: StepMemory, actions: list = ()) -> None:
-    """Debugging aid: every allocation live at a CPU step's peak (its size, the last tag at
-    its address, the operators that made it), largest first."""
-    import json
-
-    # PIPEFLOW_MEMORY_DUMP_ACTION=<action> ("2B1"): what is live at that action's own most instead
-    when = step.action_peaks.get(os.environ.get("PIPEFLOW_MEMORY_DUMP_ACTION", ""), (0, 0, step.peak_time))[2]
-    live: dict = {}
-    named: dict = {}  # ptr -> its category at the peak, as _replay names it (a later tag names a whole life)
-    freed: dict = {}  # ptr -> the action running when what was live at the peak is freed
-    for e in events:  # in time order (_replay sorted them)
-        t, _, kind, ptr, x, _ = e
-        after = when is not None and t > when
-        if kind == "tag":
-            if ptr in freed:
-                continue
-            was = named.get(ptr)
-            if (was is not None and x in _FROM_TAG or x in _FROM_SEND) and was != x:
-                if not after:  # held for this from the tag on
-                    named[ptr] = x
-            elif was is None or _PRIORITY[x] < _PRIORITY[was]:
-                named[ptr] = x
-        elif after:
-            if x < 0 and ptr in live and ptr not in freed:
-                freed[ptr] = next((name for start, end, name in actions if start <= t <= end), "between actions")
-        elif x > 0:
-            live[ptr] = (x, made_by.get(id(e), []))
-            named.pop(ptr, None)
-        else:
-            live.pop(ptr, None)
-    rows = [{"bytes": size, "tag": named.get(ptr), "operators": ops, "freed_in": freed.get(ptr)}
-            for ptr, (size, ops) in live.items()]
-    rows.sort(key=lambda r: -r["bytes"])
-    with open(path, "w") as f:
-        json.dump({"peak_bytes": step.peak_bytes, "at_peak": step.at_peak, "peak_action": step.peak_action,
-                   "action_peaks": step.action_peaks, "live": rows}, f, indent=1)
 
 
 def _replay(events: list, actions: list, live_at_start: int | None = None, per_action: bool = False) -> StepMemory:
@@ -290,6 +245,11 @@ def _replay(events: list, actions: list, live_at_start: int | None = None, per_a
     total = out.peak_bytes
     n, k, peak_at = len(order), 0, None
     spans = sorted(actions) if per_action else []
+    # PIPEFLOW_MEMORY_DUMP_ACTION=<action>@<j> (with per_action): the split after the j-th
+    # allocation or free of that action (the dump's timeline numbers them from 0)
+    probe_name, _, probe_j = (os.environ.get("PIPEFLOW_MEMORY_DUMP_ACTION", "") if per_action else "").partition("@")
+    probe_span = next(((s, e) for s, e, name in actions if name == probe_name), None) if probe_j else None
+    seen = 0
     while k < n:
         t = order[k][0]
         while k < n and order[k][0] == t:  # an instant is whole once every event at its time is in
@@ -305,6 +265,10 @@ def _replay(events: list, actions: list, live_at_start: int | None = None, per_a
             size, category, _ = lives[i]
             live[category or "temporaries"] += sign * size
             total += sign * size
+            if probe_span is not None and probe_span[0] <= t <= probe_span[1]:
+                if seen == int(probe_j):
+                    out.action_peaks["probe"] = (total, dict(live), t)
+                seen += 1
         if total > out.peak_bytes:
             out.peak_bytes, out.at_peak, peak_at = total, dict(live), t
         if per_action:

@@ -1,0 +1,76 @@
+"""Debugging aids of ``runtime.memory=profile`` on CPU (``PIPEFLOW_MEMORY_DUMP=<prefix>``):
+each rank writes what was live at its step's peak, each allocation with the operators
+that made it, and each action's own most; ``PIPEFLOW_MEMORY_DUMP_ACTION=<action>`` (``2B1``)
+dumps what was live at that action's most instead, with that action's allocations and
+frees in order, and ``<action>@<j>`` the split after its j-th (:mod:`pipeflow.runtime.memory_profile`)."""
+
+from __future__ import annotations
+
+import os
+
+
+def operators(ev, depth: int = 12) -> list[str]:
+    """The names of the operators (and ranges) an event ran in, innermost first."""
+    names = []
+    p = ev.parent
+    while p is not None and len(names) < depth:
+        shapes = [list(getattr(m, "sizes", ()) or ()) for m in getattr(p.typed[1], "inputs", ()) or ()
+                  if getattr(m, "sizes", None) is not None] if not names else []
+        names.append(p.name + (str(shapes) if shapes else ""))
+        p = p.parent
+    return names
+
+
+def dump_cpu_peak(path: str, events: list, made_by: dict, step, actions: list, rules: tuple) -> None:
+    """Every allocation live at a CPU step's (a ``StepMemory``'s) peak: its size, the last tag at
+    its address, the operators that made it, largest first; ``rules``: the profile's naming
+    (its categories' priority, those held from their tag on, those from their send on)."""
+    priority, from_tag, from_send = rules
+    import json
+
+    # PIPEFLOW_MEMORY_DUMP_ACTION=<action> ("2B1"): what is live at that action's own most instead
+    when = step.action_peaks.get("probe", step.action_peaks.get(
+        os.environ.get("PIPEFLOW_MEMORY_DUMP_ACTION", "").partition("@")[0], (0, 0, step.peak_time)))[2]
+    live: dict = {}
+    named: dict = {}  # ptr -> its category at the peak, as _replay names it (a later tag names a whole life)
+    freed: dict = {}  # ptr -> the action running when what was live at the peak is freed
+    for e in events:  # in time order (_replay sorted them)
+        t, _, kind, ptr, x, _ = e
+        after = when is not None and t > when
+        if kind == "tag":
+            if ptr in freed:
+                continue
+            was = named.get(ptr)
+            if (was is not None and x in from_tag or x in from_send) and was != x:
+                if not after:  # held for this from the tag on
+                    named[ptr] = x
+            elif was is None or priority[x] < priority[was]:
+                named[ptr] = x
+        elif after:
+            if x < 0 and ptr in live and ptr not in freed:
+                freed[ptr] = next((name for start, end, name in actions if start <= t <= end), "between actions")
+        elif x > 0:
+            live[ptr] = (x, made_by.get(id(e), []))
+            named.pop(ptr, None)
+        else:
+            live.pop(ptr, None)
+    rows = [{"bytes": size, "tag": named.get(ptr), "operators": ops, "freed_in": freed.get(ptr)}
+            for ptr, (size, ops) in live.items()]
+    rows.sort(key=lambda r: -r["bytes"])
+    # and, with PIPEFLOW_MEMORY_DUMP_ACTION, that action's allocations and frees in order:
+    # (bytes, +size or -size, the operators that made what is allocated or freed)
+    span = next(((s, e) for s, e, name in actions
+                 if name == os.environ.get("PIPEFLOW_MEMORY_DUMP_ACTION", "").partition("@")[0]), None)
+    timeline, total, made = [], 0, {}
+    for e in events:
+        t, _, kind, ptr, x, _ = e
+        if kind == "tag":
+            continue
+        total += x
+        if x > 0:
+            made[ptr] = made_by.get(id(e), [])[:3]
+        if span is not None and span[0] <= t <= span[1]:
+            timeline.append((total, x, made.get(ptr, [])))
+    with open(path, "w") as f:
+        json.dump({"peak_bytes": step.peak_bytes, "at_peak": step.at_peak, "peak_action": step.peak_action,
+                   "action_peaks": step.action_peaks, "live": rows, "timeline": timeline}, f, indent=1)
