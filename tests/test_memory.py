@@ -330,6 +330,29 @@ def test_a_zero_bubble_i_is_walked_as_the_rank_runs_it(over, tmp_path: Path):
             assert at["bytes"] == pytest.approx(meas["peak_bytes"], rel=0.03)
 
 
+@pytest.mark.parametrize("over,within", [
+    (("model=bert_tiny", "schedule=zb_h1", "model.recompute=full"), 0.03),
+    (("model=llama_tiny", "schedule=1f1b", "model.recompute=full"), 0.015)], ids=["bert I", "llama B"])
+def test_a_rebuilt_layers_16_bit_backward_peaks_where_the_rank_does(over, within, tmp_path: Path):
+    """Full recomputation at bf16 on 4 ranks. BERT ZB-H1: a middle rank's I peaks at the
+    MLP's activation, the rebuilt layer whole; by its attention the MLP sub-layer, its
+    casts and the first norm's input are gone (the walk put the peak there, 0.59 MiB too
+    high: temporaries -6.7% and residuals +4.5% of the peak). Llama 1F1B: the rebuilt
+    block's own casts let the down projection's 16-bit gradients go with its backward,
+    so the gated MLP peaks in that product (the walk added the gate-up product's two
+    gradients to them: 1.024 to 1.030)."""
+    from pipeflow.config import compose
+    from pipeflow.simulate import run_simulation
+
+    over = [*over, "pipeline.stages=4", "precision=bf16", "pipeline.microbatches=8", "pipeline.microbatch_size=4"]
+    run = pipeline_runs.train(tmp_path / "run", [*over, "trainer.steps=2", "trainer.val_every=0", "logger=none",
+                                                 "runtime.memory=profile"])["summary"]
+    sim = run_simulation(compose("simulate", [*over, "draw=false", "topology=local_cpu"]), tmp_path / "sim")
+    _assert_the_same_memory(run, sim)
+    for meas, predicted in zip(run["memory_profile"], sim["per_device"]):
+        assert predicted["peak_memory_bytes"] == pytest.approx(meas["peak_bytes"], rel=within)
+
+
 def test_a_v_shaped_stage_keeps_its_output_for_its_successor_on_the_same_device(tmp_path: Path):
     """DualPipeV on 2 ranks puts stages 1 and 2 on one device: stage 1 keeps its output
     (fp32) until its own backward although nothing is sent, and at 16 bits stage 2

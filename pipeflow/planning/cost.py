@@ -460,7 +460,10 @@ class AnalyticCost(BackwardWorkingSet, HeldOutputs, CostModel):
         keeps fp32 weights whatever the precision and casts them under autocast, one cast
         per weight per step shared by every microbatch (``Precision.shared_casts``)."""
         p = float(self._params[stage])
-        return {"parameters": 4.0 * p, "gradients": 4.0 * p, "optimizer_state": 8.0 * p,
+        # transformers' BertEmbeddings keeps two int64 index rows as buffers (position and
+        # token-type ids, a table's length each), held by the first stage with its weights
+        rows = 2.0 * 8 * self.spec.positions if stage == 0 and self.spec.post_norm else 0.0
+        return {"parameters": 4.0 * p + rows, "gradients": 4.0 * p, "optimizer_state": 8.0 * p,
                 "casts": self.held_cast_bytes(stage)}
 
     def tied_gradient_bytes(self, stage: int) -> float:
