@@ -271,7 +271,9 @@ def test_spec_reads_the_shape_keys():
     assert (spec.qkv_bias, spec.o_bias, spec.mlp_bias, spec.tied, spec.position_embedding) == (
         True, False, False, True, "rotary")
     gpt = TransformerSpec.from_config(_model_cfg("gpt_small"))
-    assert gpt == TransformerSpec("gpt_small", 12, 12, 768, 50257, 1024, n_positions=1024)
+    # GPT-2's Conv1D stores its weights [in, out] (the others' nn.Linear: [out, in])
+    assert gpt == TransformerSpec("gpt_small", 12, 12, 768, 50257, 1024, n_positions=1024, weights_in_out=True)
+    assert spec.weights_in_out is False
     assert (gpt.kv_heads, gpt.head_dim, gpt.mlp, gpt.tied, gpt.dropout_masks) == (12, 64, "gelu", True, False)
     assert gpt.attention == "sdpa"
     assert TransformerSpec.from_config({**_model_cfg("gpt_small"), "dropout": 0.1}).dropout_masks is True
