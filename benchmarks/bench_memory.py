@@ -253,10 +253,10 @@ def results(quick: bool = False, only: str | None = None, device: str = "cpu", o
             extra: tuple = (), sample: int = 0, seed: int = 0, shard: tuple[int, int] = (0, 1),
             whole: bool = False) -> list[dict]:
     """The rows of the chosen cases (``only``: comma-separated substrings of their
-    labels, each of them one or several joined by ``&``, all in the label; ``sample``: that many drawn from :func:`product` instead, those of the matrix
-    left out; ``whole``: every case of the product; ``shard`` (k, n): every n-th case from
-    the k-th, for n runs side by side); a case that cannot run here is reported on stderr
-    and left out."""
+    labels, each of them one or several joined by ``&``, all in the label; ``sample``:
+    that many drawn from :func:`product` instead, those of the matrix left out; ``whole``:
+    every case of the product; ``shard`` (k, n): every n-th case from the k-th, for n runs
+    side by side); a case that cannot run here is reported on stderr and left out."""
     wanted = [w.strip() for w in only.split(",")] if only else None
     pool = product() if whole else cases(quick)
     if sample and not whole:
