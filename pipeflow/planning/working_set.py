@@ -133,7 +133,7 @@ class BackwardWorkingSet:
             # backward: a post-norm block's first norm, its rebuilt input gone, and at 16
             # bits the output projection, its cast (the rerun's own) gone with it
             # (measured, bert GPipe bf16: 0.285 MiB of the rebuilt region gone there)
-            gone = norm + (spec.n_embd * spec.n_head * spec.head_dim * c if c < 4 else 0.0) if spec.post_norm else 0.0
+            gone = norm + (spec.n_embd * spec.n_head * spec.head_dim * c if c < 4 and spec.post_norm else 0.0)
             phases = [(mlp, mlp_freed, mlp_made), (rebuilt + attention - behind - gone, behind, made)]
         else:
             phases = [(mlp, mlp_freed, mlp_made), (attention - behind, behind, made)]

@@ -175,6 +175,8 @@ def analyse(result, device: torch.device) -> StepMemory:
     actions = []  # (start, end, name) of each action the executor named
     dump = os.environ.get("PIPEFLOW_MEMORY_DUMP")  # a path: what is live at the peak, with its operators
     made_by: dict = {}  # id of an allocation event -> the operators it was made in (dump only)
+    if dump:
+        from .memory_dump import dump_cpu_peak, operators
     for ev in OpTree(result).dfs():
         if ev.name.startswith(_ACTION):
             actions.append((ev.start_time_ns, ev.end_time_ns, ev.name[len(_ACTION):]))
@@ -184,8 +186,6 @@ def analyse(result, device: torch.device) -> StepMemory:
             if _same(fields.device, device):
                 events.append((ev.start_time_ns, 0, "alloc", fields.ptr, fields.alloc_size, 0))
                 if dump:
-                    from .memory_dump import operators
-
                     made_by[id(events[-1])] = operators(ev)
         elif ev.name.startswith(_PREFIX):
             category, nbytes = ev.name[len(_PREFIX):].split("::")
@@ -196,8 +196,6 @@ def analyse(result, device: torch.device) -> StepMemory:
                         events.append((ev.start_time_ns, 1, "tag", ptr, category, int(nbytes)))
     out = _replay(events, actions, per_action=bool(dump))
     if dump:
-        from .memory_dump import dump_cpu_peak
-
         dump_cpu_peak(f"{dump}.cpu.{os.getpid()}.json", events, made_by, out, actions,
                       (_PRIORITY, _FROM_TAG, _FROM_SEND))
     return out
