@@ -117,6 +117,43 @@ def test_a_segments_fused_call_keeps_no_mask_and_matches_the_masked_kernel(windo
     torch.testing.assert_close(eager, out, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("queries,keys,causal", [(32, 32, True), (32, 32, False), (16, 48, True)],
+                         ids=["whole", "bidirectional", "segment"])
+def test_what_the_host_measures_of_the_backward_is_what_the_models_call_allocates(queries, keys, causal, dtype):
+    """The simulator prices the fused attention's backward by
+    :func:`pipeflow.topology.host.attention_scratch`, which calls torch's kernels as
+    :func:`pipeflow.models.attention.attention` does (config may not import the models):
+    the same bytes as a backward through the models' own call, beyond dQ, dK and dV, and
+    more than nothing (a segment's backward: its rebuilt mask at least)."""
+    from pipeflow.topology.host import attention_scratch, profile_allocations
+
+    dt = getattr(torch, dtype)
+    b, heads, kv_heads, d = 2, 4, 2, 16
+    q = torch.randn(b, queries, heads, d).to(dt).transpose(1, 2).requires_grad_()
+    k, v = (torch.randn(b, keys, kv_heads, d).to(dt).transpose(1, 2) for _ in range(2))
+    if keys != queries:  # a later segment's keys: the prefix's concatenation
+        k, v = k.contiguous(), v.contiguous()
+    k.requires_grad_(), v.requires_grad_()
+    out = attn.attention(q, k, v, attn.Pattern("sdpa", causal=causal, offset=keys - queries))
+    g = torch.randn(b, queries, heads, d).to(dt).transpose(1, 2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a rank's (runtime.threads_per_rank): the kernel's blocks are per thread
+    try:
+        with profile_allocations() as sizes:
+            grads = torch.autograd.grad(out, (q, k, v), g)
+    finally:
+        torch.set_num_threads(threads)
+    live = peak = 0
+    for size in sizes:
+        live += size
+        peak = max(peak, live)
+    want = peak - sum(t.numel() * t.element_size() for t in grads)
+    assert attention_scratch(b, heads, kv_heads, queries, keys, d, causal, dtype) == want > 0
+    if keys != queries:
+        assert want >= queries * keys * dt.itemsize
+
+
 def test_the_attention_modes_and_the_pattern_are_checked():
     with pytest.raises(ValueError, match=r"model.attention=flash: allowed values: sdpa, eager"):
         attn.Pattern("flash")

@@ -110,12 +110,18 @@ def prepare_simulation(cfg: DictConfig) -> SimulationInputs:
     # torch's AdamW steps CPU tensors one at a time (its foreach path is for accelerators)
     if isinstance(cost, AnalyticCost):
         cost.step_per_tensor = not topology.on_gpus
-    if not topology.on_gpus and precision in ("bf16", "fp16"):
-        # this host's math library: its scratch inside a 16-bit product (the analytic
-        # and the branched cost models price it)
-        from pipeflow.topology.host import product_scratch
+    if not topology.on_gpus:
+        # this host's kernels: the math library's scratch inside a 16-bit product (the
+        # analytic and the branched cost models price it), the fused attention's backward's
+        from pipeflow.topology.host import attention_scratch, product_scratch
 
-        cost.product_scratch = functools.partial(product_scratch, dtype={"bf16": "bfloat16", "fp16": "float16"}[precision])
+        # (on a rank's threads: both allocate per thread; a simulate config has no runtime
+        # group, and a rank runs one by default)
+        dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(precision, "float32")
+        threads = int(OmegaConf.select(cfg, "runtime.threads_per_rank", default=None) or 1)
+        if precision in ("bf16", "fp16"):
+            cost.product_scratch = functools.partial(product_scratch, dtype=dtype, threads=threads)
+        cost.attention_scratch = functools.partial(attention_scratch, dtype=dtype, threads=threads)
     if cfg.export == "torch_csv":
         try:
             check_exportable(schedule)

@@ -7,6 +7,8 @@ stage) and ``benchmarks/bench_memory.py`` (every device of a run)."""
 
 from __future__ import annotations
 
+import copy
+
 from .products import down_weight_scratch, mlp_product_scratch, rerun_rotation_bytes, weight_phase_bytes, weight_products
 from .transformer import (RESIDUAL_BYTES, head_params, head_residual_width, last_stage_saved, layer_params,
                           matrix_inputs, norm_params, norm_saved_bytes, recomputed_matrix_params, shared_head_params)
@@ -111,7 +113,8 @@ class BackwardWorkingSet:
         else:
             mlp += 4.0 * down
         kv_heads = spec.n_head if spec.kv_repeat else spec.kv_heads  # the kernel's K/V gradients
-        attention = b * c * (2 * x * spec.n_head + 2 * P * kv_heads) * spec.head_dim + stream + received
+        attention = (b * c * (2 * x * spec.n_head + 2 * P * kv_heads) * spec.head_dim + stream + received
+                     + self._attention_scratch(x, P))
         rebuilt = self._transient[stage][seg]
         behind = self._mlp_saved(x * b)
         made = 4.0 * self._mlp_params() if fresh else 0.0
@@ -135,8 +138,22 @@ class BackwardWorkingSet:
             # (measured, bert GPipe bf16: 0.285 MiB of the rebuilt region gone there)
             gone = norm + (spec.n_embd * spec.n_head * spec.head_dim * c if c < 4 and spec.post_norm else 0.0)
             phases = [(mlp, mlp_freed, mlp_made), (rebuilt + attention - behind - gone, behind, made)]
+            if spec.post_norm:
+                # the rerun itself, first unpacked by the first norm's backward, ends past
+                # the region's last save: its first norm's output (fp32) and the output
+                # projection's beside the rebuilt region, the MLP sub-layer behind
+                # (measured, bert GPipe bf16's first stage: 0B0's peak at the rerun's end)
+                rerun = x * b * spec.n_embd * (RESIDUAL_BYTES + c)
+                phases.append((rebuilt + rerun + stream + received - behind, behind, made))
         else:
             phases = [(mlp, mlp_freed, mlp_made), (attention - behind, behind, made)]
+        if getattr(self, "_own_casts", False) and c < 4 and spec.recompute != "full":
+            # an asynchronous schedule's microbatch casts the weights for itself (the
+            # simulator holds them to its backward's end): each cast goes with its
+            # weight's backward, so past the MLP's phase its casts have gone (measured,
+            # bert PipeDream bf16 selective: 0.25 MiB)
+            casts = spec.mlp_matrices * spec.n_embd * spec.ffn_width * c
+            phases = phases[:1] + [(net - casts, freed, made) for net, freed, made in phases[1:]]
         if stage == self.num_stages - 1:
             head = last_stage_saved(spec, x, b, self.dtype_bytes)
             head_made = 4.0 * (head_params(spec) - (shared_head_params(spec) if stage == 0 else 0)) if fresh else 0.0
@@ -146,6 +163,14 @@ class BackwardWorkingSet:
             return phases[1]
         net, freed, made = max(phases, key=lambda p: p[0] + p[2])
         return float(net), float(freed), float(made)
+
+    def own_casts(self) -> "BackwardWorkingSet":
+        """This cost as an asynchronous schedule's backward sees it, each microbatch
+        holding casts of its own (see :meth:`_backward_phase`): the simulator's
+        ``own_casts`` terms."""
+        view = copy.copy(self)
+        view._own_casts = True
+        return view
 
     def cast_phase_bytes(self, stage: int, segment: int) -> float:
         """A backward through shared casts an earlier forward made, at the attention of the
@@ -195,6 +220,16 @@ class BackwardWorkingSet:
         tokens = self.microbatch_size * self.segment_lengths[self._seg(segment)]
         products = weight_products(self.spec, self.layers_per_stage[stage], stage == self.num_stages - 1, tokens)
         return weight_phase_bytes(products, self.dtype_bytes, getattr(self, "product_scratch", None), fresh)
+
+    def _attention_scratch(self, queries: int, keys: int) -> float:
+        """What the fused attention's backward holds beyond the gradients of Q, K and V on
+        this host (``attention_scratch``: :func:`pipeflow.topology.host.attention_scratch`,
+        set where the stages run on CPUs; nothing where the scores are computed eagerly)."""
+        scratch, spec = getattr(self, "attention_scratch", None), self.spec
+        if scratch is None or spec.attention != "sdpa" or spec.dropout_masks:
+            return 0.0
+        kv_heads = spec.n_head if spec.kv_repeat else spec.kv_heads
+        return float(scratch(self.microbatch_size, spec.n_head, kv_heads, queries, keys, spec.head_dim, spec.causal))
 
     def _mlp_product_scratch(self, tokens: int) -> float:
         return mlp_product_scratch(self.spec, tokens, self.dtype_bytes, getattr(self, "product_scratch", None))
@@ -267,7 +302,7 @@ class BackwardWorkingSet:
         # gradients of Q, K and V (at full precision the attention output's gradient is
         # not live beside all three; at 16 bits it is, below)
         q, kv = spec.n_head * spec.head_dim, spec.kv_heads * spec.head_dim
-        attention = (spec.n_embd + q + 2 * kv) * x_b * c
+        attention = (spec.n_embd + q + 2 * kv) * x_b * c + self._attention_scratch(x, x)
         t = one.transient
         # by then the activation's backward has freed the input it saved (I wide; measured,
         # gated or not), unless the MLP was rebuilt: a rebuilt layer is a temporary; and

@@ -367,12 +367,13 @@ def tapes(schedule) -> list[Tape]:
                     # through casts an earlier forward made: their gradients wait for the
                     # casts' backward at its end (see held_cast_gradients)
                     through = rep in casts_on and cast_by.get(rep) != (e.microbatch, seg)
-                    freed = key("backward_freed_bytes", stage, seg, *fresh)
+                    own = ("own_casts",) if asynchronous else ()  # casts of its own, each gone with its weight's backward
+                    freed = key("backward_freed_bytes", stage, seg, *fresh, *own)
                     ap((ACTS, freed, -1))
                     if fresh:
-                        made = key("backward_grads_made_bytes", stage, seg)
+                        made = key("backward_grads_made_bytes", stage, seg, *own)
                         ap((GRADS, made, 1))
-                    ap((-1, key("during_backward", stage, seg, *fresh), 0))
+                    ap((-1, key("during_backward", stage, seg, *fresh, *own), 0))
                     ap((ACTS, freed, 1))
                     if through:  # at its blocks' attention, beside the gradients it has made so far
                         cf = key("cast_phase_freed_bytes", stage, seg)

@@ -65,6 +65,10 @@ def term_value(key: tuple, cost, per_device=None, cache: dict | None = None) -> 
         stats = per_device[key[1]] if per_device is not None and key[1] < len(per_device) else None
         versions = getattr(stats, "peak_weight_versions", 1) or 1
         v = (versions - 1) * term_value(("state", key[2], "parameters"), cost, per_device, cache)
+    elif key[-1] == "own_casts":  # (..., "own_casts"): an asynchronous schedule's, whose
+        # microbatches cast the weights for themselves, where the cost model prices it apart
+        view = getattr(cost, "own_casts", None)
+        v = term_value(key[:-1], view() if view is not None else cost, per_device)
     elif key[-1] == "fresh":  # (name, stage, segment, "fresh"): a backward into a stage with no
         # gradients yet, where the cost model prices it apart (fresh_<name>), else as any
         fn = getattr(cost, f"fresh_{name}", None)
