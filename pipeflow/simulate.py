@@ -110,6 +110,7 @@ def _run_simulation(cfg: DictConfig, out_dir: str | Path, notes: list[str] | Non
         "schedule": schedule.name,
         # stages, and data_parallel replicas of the pipeline (a plan's own): devices = data_parallel x stages
         **pipeline_shape(schedule, pipe.stages),
+        "shard": schedule.shard,
         "microbatches": pipe.microbatches,
         "virtual_stages": pipe.virtual_stages,
         "segments": pipe.segments,

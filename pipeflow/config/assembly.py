@@ -16,7 +16,7 @@ from pipeflow.planning.machine_cost import CalibratedCost
 from pipeflow.planning.seqsplit import split_sequence
 from pipeflow.planning.transformer import TransformerSpec
 from pipeflow.schedules.common import ScheduleConfigError
-from pipeflow.schedules.ir import Schedule
+from pipeflow.schedules.ir import Schedule, WeightPolicy
 from pipeflow.schedules.registry import build_schedule, get_spec, load_spec, register, specs
 from pipeflow.schedules.spec import ScheduleSpec
 from pipeflow.topology.presets import build_topology
@@ -178,16 +178,29 @@ def generate_schedule(cfg: DictConfig) -> Schedule:
         if pipe.get("data_parallel", 1) != 1:
             raise ConfigError(f"pipeline.data_parallel={pipe.data_parallel}: schedule '{spec.name}' is assembled "
                               f"whole (the planner places its own replicas); use pipeline.data_parallel=1")
-        return spec.assemble(cfg)
+        return sharded(spec.assemble(cfg), pipe.get("shard", "none"))
     # The schedule's own size rules (even stages for Chimera, ...) live with the
     # generators; generating is cheap, validating is not needed to learn the sizes.
     try:
-        return build_schedule(
+        schedule = build_schedule(
             cfg.schedule.name, pipe.stages, pipe.microbatches, pipe.virtual_stages, pipe.segments, check=False,
             data_parallel=pipe.get("data_parallel", 1), **options,
         )
     except ScheduleConfigError as err:
         raise ConfigError(str(err)) from None
+    return sharded(schedule, pipe.get("shard", "none"))
+
+
+def sharded(schedule: Schedule, shard: str) -> Schedule:
+    """The schedule with what its replicas of a stage shard (``pipeline.shard``): a
+    synchronous schedule's replicas (data parallelism, Chimera's two pipes, a plan's
+    replicas) run AdamW on their slices; an asynchronous one shards with its own option."""
+    if shard != "none" and schedule.policy != WeightPolicy.SYNC:
+        raise ConfigError(f"pipeline.shard={shard}: schedule '{schedule.name}' is asynchronous; its replicas "
+                          f"shard the optimizer state with schedule.zero=true where it has them "
+                          f"(allowed values here: none)")
+    schedule.shard = shard
+    return schedule
 
 
 def model_spec(cfg: DictConfig, schedule: Schedule) -> TransformerSpec:
@@ -276,6 +289,9 @@ def branched_schedule(cfg: DictConfig) -> tuple[Schedule, list]:
     if cfg.pipeline.get("data_parallel", 1) != 1:
         raise ConfigError(f"pipeline.data_parallel={cfg.pipeline.data_parallel}: a branched model's stages are "
                           f"placed by its own graph; data parallelism wraps chain models (use pipeline.data_parallel=1)")
+    if cfg.pipeline.get("shard", "none") != "none":
+        raise ConfigError(f"pipeline.shard={cfg.pipeline.shard}: a branched model's stages are not sharded "
+                          f"(allowed values: none)")
     plain = OmegaConf.to_container(cfg.model, resolve=True)
     sched_spec = schedule_spec(cfg.schedule)
     bapp = sched_spec.branch_aware

@@ -97,8 +97,8 @@ def load(resume: str, rank: int, stages: dict, meta: dict, step: int | None = No
         folder, found = _step_dir(folder.parent.parent, step), step
     state = torch.load(folder / f"rank{rank}.pt", map_location="cpu", weights_only=False)
     saved = state["meta"]
-    for key in ("schedule", "stages", "world_size", "layers_per_stage", "placement"):
-        if saved.get(key) != meta.get(key):
+    for key in ("schedule", "stages", "world_size", "layers_per_stage", "placement", "shard"):
+        if saved.get(key, "none" if key == "shard" else None) != meta.get(key):  # (shard: unsharded before it was recorded)
             raise ValueError(
                 f"resume={resume}: the checkpoint was written with {key}={saved.get(key)}, "
                 f"this run has {key}={meta.get(key)}; resume with the same pipeline configuration"

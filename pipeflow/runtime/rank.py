@@ -16,6 +16,7 @@ from .async_executor import AsyncExecutor, ChunkStats
 from .executor import Executor, Groups, StageState
 from .optim import make_optimizer
 from .precision import Precision
+from .sharded import ShardedAdamW
 
 
 @dataclass
@@ -84,6 +85,7 @@ def build_rank(plan: RunPlan, cfg: dict, rank: int, device: torch.device, on_gra
     # owner-based sharding: a replicated stage's optimizer state lives on its owner only
     # (the other replicas keep state for their tied copies alone, which they update themselves)
     owners = zero_owners(schedule.placement) if schedule.zero else {}
+    groups = Groups(schedule, adapter.tied_stages)
     for pipe, stage in schedule.placement.stages_on(rank):
         module = adapter.build_stage(stage)
         graph = schedule.graph  # sources read the batch, sinks compute the loss
@@ -93,10 +95,11 @@ def build_rank(plan: RunPlan, cfg: dict, rank: int, device: torch.device, on_gra
         replicated = len({d for _, d in schedule.placement.replicas(stage)}) > 1
         if owners and replicated and owners[stage] != rank:
             st.optimizer = make_optimizer(module, optim, params=list(st.tied)) if st.tied else None
+        elif schedule.shard == "optimizer" and replicated:  # ZeRO-1: this replica's slice of the state
+            st.optimizer = ShardedAdamW(module, optim, st.params, st.tied, groups.replica_group[stage])
         else:
             st.optimizer = make_optimizer(module, optim)
         stages[(pipe, stage)] = st
-    groups = Groups(schedule, adapter.tied_stages)
     clip = optim.get("grad_clip")
     if schedule.policy == WeightPolicy.SYNC:
         executor = Executor(schedule, rank, stages, adapter, groups, grad_clip=clip, on_grads=on_grads,

@@ -101,6 +101,7 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
         "world_size": job.world_size,
         "layers_per_stage": layers,
         "placement": schedule.placement.as_lists(),
+        "shard": schedule.shard,  # a replica's optimizer checkpoint is its slice: resumed onto the same sharding
         "model": model_record(cfg["model"]),  # a resumed run of another model is refused up front
         "training": training_record(cfg),  # what a resumed run changed is said, not refused
     }
@@ -203,6 +204,7 @@ def _train_steps(rank, job, device, setup: RankSetup, data, sink, progress, stat
         "status": "finished",
         "schedule": schedule.name,
         **pipeline_shape(schedule, pipe_cfg["stages"]),  # stages; data_parallel replicas (a plan's own)
+        "shard": schedule.shard,  # what the replicas of a stage shard (pipeline.shard)
         # per step, as configured (an asynchronous schedule's IR spans schedule.windows steps)
         "microbatches": int(pipe_cfg["microbatches"]),
         "microbatch_size": mbs,

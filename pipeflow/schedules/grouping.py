@@ -76,6 +76,7 @@ def place_graph(chain: Schedule, graph: StageGraph, groups: Sequence[Sequence[in
         windows=chain.windows,
         microbatches_per_step=chain.microbatches_per_step,
         zero=chain.zero,
+        shard=chain.shard,
         update_of_microbatch=chain.update_of_microbatch,
         meta={**chain.meta, "groups": groups},
     )

@@ -274,9 +274,12 @@ class Schedule:
     # covers ``windows`` steps (updates) of ``microbatches_per_step`` microbatches each,
     # without a flush; a synchronous one is one step of all its microbatches. ``zero``:
     # a replicated stage's optimizer state lives on one owner replica (AMDP's sharding).
+    # ``shard`` (pipeline.shard): what a synchronous schedule's replicas of a stage shard,
+    # "none" or "optimizer" (ZeRO-1: each its slice of the optimizer state)
     windows: int = 1
     microbatches_per_step: int = 0  # 0: num_microbatches / windows
     zero: bool = False
+    shard: str = "none"
     meta: dict = field(default_factory=dict)  # descriptive only (policy chosen, plan, groups, ...)
     # (forward, backward) pairs run as one overlapped unit (DualPipeV's overlapped F&B): the
     # backward right after its forward on one device, the pair starting once both are

@@ -149,6 +149,18 @@ def _simulate(cs: CompiledSchedule, cost, topology, record: bool, want_waits: bo
             if first is not None:
                 dur[first] += sync
 
+    # ---- ZeRO-1 (pipeline.shard=optimizer; pipeflow.runtime.sharded): a replicated stage's
+    # STEP updates its replica's n-th of the parameters and all-gathers the updated
+    # slices (fp32), before the stage computes again
+    if getattr(sched, "shard", "none") == "optimizer":
+        table = sched.placement.table
+        for i in range(n):
+            if kind[i] == Kind.STEP:
+                devs = sorted({row[stage[i]] for row in table})
+                if len(devs) > 1:
+                    weights = cost.state_bytes(stage[i])["parameters"]
+                    dur[i] = dur[i] / len(devs) + float(topology.allgather_time(devs, weights))
+
     # ---- the host time of a message on its sender's and its receiver's compute (CPU ranks)
     host = float(getattr(topology, "message_host", 0.0) or 0.0)
     if host > 0:

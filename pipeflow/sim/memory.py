@@ -174,7 +174,9 @@ def tapes(schedule) -> list[Tape]:
         reps = placement.stages_on(d)
         for _, s in reps:
             ap((PARAMS, key("state", s, "parameters"), 1))
-            if owners is None or owners[s] == d:
+            if getattr(schedule, "shard", "none") == "optimizer" and s in replicated:  # ZeRO-1: this replica's slice
+                ap((OPT, key("sharded_optimizer_state", s, len({row[s] for row in placement.table})), 1))
+            elif owners is None or owners[s] == d:
                 ap((OPT, key("state", s, "optimizer_state"), 1))
             ap((VERS, key("extra_versions", d, s), 1 / len(reps)))
         ap((-1, -1, 0))

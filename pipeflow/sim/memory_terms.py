@@ -61,6 +61,12 @@ def term_value(key: tuple, cost, per_device=None, cache: dict | None = None) -> 
             v = msg * 4 / c if c < 4 else 0.0  # fp32
         else:
             v = 0.0 if c < 4 else msg
+    elif name == "sharded_optimizer_state":  # (name, stage, replicas): ZeRO-1's slice of a stage's
+        # optimizer state (pipeflow.runtime.sharded): its moments of one replica's share of
+        # the parameters laid end to end; a tied copy's own stay whole on every replica
+        whole = term_value(("state", key[1], "optimizer_state"), cost, per_device, cache)
+        tied = 2.0 * term_value(("tied_gradient_bytes", key[1]), cost, per_device, cache)
+        v = tied + max(0.0, whole - tied) / key[2]
     elif name == "extra_versions":  # ("extra_versions", device, stage): its versions beyond the first
         stats = per_device[key[1]] if per_device is not None and key[1] < len(per_device) else None
         versions = getattr(stats, "peak_weight_versions", 1) or 1

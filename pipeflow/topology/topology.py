@@ -185,15 +185,32 @@ class Topology:
         at the same time and each gets 1/k of it. With no shared resource this is
         exactly the textbook formula.
         """
+        n, bw, lat = self._ring(devices, "all-reduce")
+        if n <= 1 or nbytes <= 0 or math.isinf(bw):  # (inf: every ring member is the same device)
+            return 0.0
+        return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * lat
+
+    def allgather_time(self, devices: Sequence[int], nbytes: float) -> float:
+        """Ring all-gather of ``nbytes`` in all (each device contributing ``nbytes / n``)
+        over ``devices``: (n-1)/n * nbytes / B + (n-1) * L, the all-reduce's second half
+        (its ring bandwidth and latency as :meth:`allreduce_time` finds them). ZeRO-1's
+        parameters after a sharded step."""
+        n, bw, lat = self._ring(devices, "all-gather")
+        if n <= 1 or nbytes <= 0 or math.isinf(bw):
+            return 0.0
+        return (n - 1) / n * nbytes / bw + (n - 1) * lat
+
+    def _ring(self, devices: Sequence[int], what: str) -> tuple[int, float, float]:
+        """A ring collective's size, bandwidth and latency over ``devices`` in that order."""
         ring = list(devices)
         n = len(ring)
         for d in ring:
             if not 0 <= d < self.num_devices:
                 raise ValueError(
-                    f"all-reduce over device {d}: topology '{self.name}' has devices 0..{self.num_devices - 1}"
+                    f"{what} over device {d}: topology '{self.name}' has devices 0..{self.num_devices - 1}"
                 )
-        if n <= 1 or nbytes <= 0:
-            return 0.0
+        if n <= 1:
+            return n, math.inf, 0.0
         hops = [self._routes[ring[i]][ring[(i + 1) % n]] for i in range(n)]
         uses: dict[int, int] = {}
         for hop in hops:
@@ -202,10 +219,7 @@ class Topology:
         bw = min((self.resource_bandwidth[x] / k for x, k in uses.items()), default=math.inf)
         if self.collective_bandwidth is not None and not math.isinf(bw):
             bw = min(bw, self.collective_bandwidth)
-        lat = max(hop.latency for hop in hops)
-        if math.isinf(bw):  # every ring member is the same device
-            return 0.0
-        return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * lat
+        return n, bw, max(hop.latency for hop in hops)
 
     # ------------------------------------------------------------ derivation
 

@@ -11,6 +11,11 @@ from pipeflow.checks import is_whole
 
 from ..values import ConfigError
 
+# what data-parallel replicas of a stage shard (pipeflow.runtime.sharded): nothing, or the
+# optimizer state (ZeRO-1: each replica updates its slice of the stage, then all gather)
+SHARD_LEVELS = ("none", "optimizer")
+
+
 @dataclass
 class PipelineConfig:
     stages: int = 4  # pipeline depth p (devices of one pipeline)
@@ -19,6 +24,7 @@ class PipelineConfig:
     segments: int = 1  # sequence segments per microbatch (Seq1F1B)
     microbatch_size: int = 1  # sequences per microbatch
     data_parallel: int = 1  # replicas of the whole pipeline (n x stages devices); microbatches is per replica
+    shard: str = "none"  # what the replicas shard: none | optimizer (ZeRO-1)
 
 def check_pipeline(cfg: DictConfig) -> None:
     pipe = cfg.pipeline
@@ -26,3 +32,6 @@ def check_pipeline(cfg: DictConfig) -> None:
         value = pipe[key]
         if not is_whole(value) or value < 1:
             raise ConfigError(f"pipeline.{key}={value}: must be a whole number >= 1")
+    shard = pipe.get("shard", "none")
+    if shard not in SHARD_LEVELS:
+        raise ConfigError(f"pipeline.shard={shard}: allowed values: {', '.join(SHARD_LEVELS)}")

@@ -32,7 +32,7 @@ def resume_expect(cfg: DictConfig, schedule) -> dict:
     from pipeflow.formats.checkpoint import model_record
 
     return {"schedule": schedule.name, "stages": cfg.pipeline.stages, "world_size": schedule.num_devices,
-            "placement": schedule.placement.as_lists(), "model": model_record(cfg.model)}
+            "placement": schedule.placement.as_lists(), "shard": schedule.shard, "model": model_record(cfg.model)}
 
 
 def resume_changes(cfg: DictConfig) -> list[str]:
