@@ -51,16 +51,18 @@ def test_sharded_replicas_match_one_device_on_the_global_batch(name, extra, refe
 def test_sharding_the_optimizer_state_lowers_each_ranks_memory_as_simulated(tmp_path):
     """gpt_tiny 1F1B, 2 replicas of 2 stages, fp32: per rank the optimizer state the
     profile measures is the simulator's to the byte (a tied copy's moments stay whole),
-    and the peak falls by it, as simulated (within the memory model's 3%)."""
+    and the peak falls by it, as simulated (within the memory model's 3%); the losses are
+    the unsharded run's, bit for bit."""
     from pipeflow.simulate import run_simulation
 
     over = ["model=gpt_tiny", "schedule=1f1b", "pipeline.stages=2", "pipeline.data_parallel=2", "precision=fp32",
             "pipeline.microbatches=8", "pipeline.microbatch_size=4"]
-    peaks = {}
+    peaks, losses = {}, {}
     for shard in ("none", "optimizer"):
         mine = [*over, f"pipeline.shard={shard}"]
-        run = pipeline_runs.train(tmp_path / shard, [*mine, "trainer.steps=2", "trainer.val_every=0", "logger=none",
-                                                     "runtime.memory=profile"])["summary"]
+        trained = pipeline_runs.train(tmp_path / shard, [*mine, "trainer.steps=2", "trainer.val_every=0",
+                                                         "logger=none", "runtime.memory=profile"])
+        run, losses[shard] = trained["summary"], trained["losses"]
         sim = run_simulation(compose("simulate", [*mine, "draw=false", "topology=local_cpu"]), tmp_path / f"sim_{shard}")
         for meas, predicted in zip(run["memory_profile"], sim["per_device"]):
             assert predicted["memory_at_peak"]["optimizer_state"] == pytest.approx(
@@ -68,6 +70,7 @@ def test_sharding_the_optimizer_state_lowers_each_ranks_memory_as_simulated(tmp_
             assert predicted["peak_memory_bytes"] == pytest.approx(meas["peak_bytes"], rel=0.03)
         peaks[shard] = ([m["peak_bytes"] for m in run["memory_profile"]],
                         [d["peak_memory_bytes"] for d in sim["per_device"]])
+    assert losses["optimizer"] == losses["none"]  # AdamW's update of each slice, op for op: the same weights
     for (measured, simulated), (measured_sharded, simulated_sharded) in [(peaks["none"], peaks["optimizer"])]:
         for a, b, c, d in zip(measured, measured_sharded, simulated, simulated_sharded):
             assert b < a and d < c

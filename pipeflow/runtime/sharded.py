@@ -6,8 +6,9 @@ The slice is of the stage's parameters laid end to end (one flat per weight-deca
 padded to a multiple of n), not whole tensors: every replica holds the same share, a
 byte count the simulator prices exactly (``pipeflow.sim.memory``), and the slice is the
 one a reduce-scatter fills (ZeRO-2's next step). Built by hand rather than with torch's
-``ZeroRedundancyOptimizer``, which assigns whole parameters to replicas (GPT-tiny's
-stages: a quarter of the state on one replica, more on another) and has no such slice.
+``ZeroRedundancyOptimizer``, which assigns whole parameters to replicas (shares as even
+as the tensors' sizes allow, which an embedding can dominate on a small stage) and has
+no such slice.
 
 The gradients are all-reduced as without sharding (the executor's REDUCE), so every
 replica holds the whole gradient for the clip norm and the gradient dump; the update of
