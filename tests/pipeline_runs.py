@@ -100,3 +100,9 @@ SWEEP_SCHEDULES = ["gpipe", "1f1b", "pipedream"]
 SWEEP_ARGS = ["model.n_layer=4", "model.n_embd=32", "model.n_head=2", "model.seq_len=32", "pipeline.microbatches=4",
               "pipeline.microbatch_size=2", "trainer.steps=6", "trainer.val_every=3", "trainer.val_batches=1",
               "trainer.timeline_step=2", "data.max_bytes=200000"]
+
+
+def global_batch_reference(run_dir: Path, small: list[str]) -> dict:
+    """One device on the global batch of two replicas (2 x 4 microbatches): what
+    data-parallel runs of ``small`` (GPT_SMALL and their trainer settings) must match."""
+    return train(run_dir, [*small, "pipeline.stages=1", "pipeline.microbatches=8"], tied=GPT_TIED)

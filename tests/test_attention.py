@@ -126,7 +126,7 @@ def test_what_the_host_measures_of_the_backward_is_what_the_models_call_allocate
     :func:`pipeflow.models.attention.attention` does (config may not import the models):
     the same bytes as a backward through the models' own call, beyond dQ, dK and dV, and
     more than nothing (a segment's backward: its rebuilt mask at least)."""
-    from pipeflow.topology.host import attention_scratch, profile_allocations
+    from pipeflow.topology.host import attention_scratch, most_live, profile_allocations
 
     dt = getattr(torch, dtype)
     b, heads, kv_heads, d = 2, 4, 2, 16
@@ -144,11 +144,7 @@ def test_what_the_host_measures_of_the_backward_is_what_the_models_call_allocate
             grads = torch.autograd.grad(out, (q, k, v), g)
     finally:
         torch.set_num_threads(threads)
-    live = peak = 0
-    for size in sizes:
-        live += size
-        peak = max(peak, live)
-    want = peak - sum(t.numel() * t.element_size() for t in grads)
+    want = most_live(sizes) - sum(t.numel() * t.element_size() for t in grads)
     assert attention_scratch(b, heads, kv_heads, queries, keys, d, causal, dtype) == want > 0
     if keys != queries:
         assert want >= queries * keys * dt.itemsize

@@ -71,8 +71,7 @@ CASES = [("gpipe", []), ("1f1b", []), ("interleaved_1f1b", ["pipeline.virtual_st
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """One device, the global batch of two replicas: 2 x 4 microbatches."""
-    return pipeline_runs.train(tmp_path_factory.mktemp("ref"), [*SMALL, "pipeline.stages=1", "pipeline.microbatches=8"],
-                               tied=pipeline_runs.GPT_TIED)
+    return pipeline_runs.global_batch_reference(tmp_path_factory.mktemp("ref"), SMALL)
 
 
 @slow

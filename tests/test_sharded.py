@@ -29,8 +29,7 @@ def test_a_sharding_the_run_cannot_take_is_refused_before_any_rank_starts(over, 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """One device, the global batch of two replicas (2 x 4 microbatches), 5 steps."""
-    return pipeline_runs.train(tmp_path_factory.mktemp("ref"), [*SMALL, "pipeline.stages=1", "pipeline.microbatches=8"],
-                               tied=pipeline_runs.GPT_TIED)
+    return pipeline_runs.global_batch_reference(tmp_path_factory.mktemp("ref"), SMALL)
 
 
 @slow

@@ -93,11 +93,17 @@ def attention_scratch(batch: int, heads: int, kv_heads: int, queries: int, keys:
                     grad.contiguous(), q.detach(), k, v, out, lse, 0.0, False, attn_mask=mask())
     finally:
         torch.set_num_threads(old)
+    return int(max(0, most_live(sizes) - sum(g.numel() * g.element_size() for g in grads)))
+
+
+def most_live(sizes: list[int]) -> int:
+    """The most bytes live at once over :func:`profile_allocations`' sizes (allocations
+    positive, frees negative, in order), counted from the block's start."""
     live = peak = 0
     for size in sizes:
         live += size
         peak = max(peak, live)
-    return int(max(0, peak - sum(g.numel() * g.element_size() for g in grads)))
+    return peak
 
 
 @contextlib.contextmanager
