@@ -183,6 +183,46 @@ def test_schedules_torch_cannot_run_are_refused(change, reason):
         to_torch_csv(sched)
 
 
+SHARDED = [("gpipe", 2, 4, 1, "none", None), ("1f1b", 2, 4, 1, "gradients", None), ("1f1b", 4, 8, 1, "full", "step"),
+           ("interleaved_1f1b", 2, 4, 2, "full", "chunk"), ("zb_h1", 2, 4, 1, "full", "microbatch"),
+           ("zb_v", 2, 4, 2, "full", "chunk"), ("dualpipe_v", 2, 4, 2, "full", "microbatch")]
+
+
+@pytest.mark.parametrize("name,p,m,v,shard,gather", SHARDED, ids=[f"{c[0]}-{c[4]}-{c[5]}" for c in SHARDED])
+def test_a_data_parallel_schedule_exports_its_replica_with_its_reductions_and_gathers(
+        tmp_path, fake_group, name, p, m, v, shard, gather):
+    """2 replicas, exported as the first one's ranks in torch's compute_comms format: torch
+    loads it as written (validating the stage -> rank map), each of our GATHER, FREE and
+    REDUCE is its UNSHARD, RESHARD and REDUCE_GRAD in our place, and its dry run runs the
+    compute and the messages to the end (it has no cases for the other three)."""
+    from pipeflow.config.assembly import sharded
+    from pipeflow.schedules.data_parallel import replicate
+
+    sched = sharded(replicate(build_schedule(name, p, m, virtual_stages=v), 2), shard, gather or "step")
+    path = tmp_path / "schedule.csv"
+    write_torch_csv(sched, path)
+    fake_group(p)
+    stages = [PipelineStage(nn.Linear(4, 4), stage, sched.num_stages, torch.device("cpu"))
+              for _pipe, stage in sched.placement.stages_on(0)]
+    runtime = _PipelineScheduleRuntime(stages, m, loss_fn=lambda out, target: out.sum())
+    runtime._load_csv(str(path), format="compute_comms")
+    assert runtime.stage_index_to_group_rank == {s: sched.placement.device(0, s) for s in range(sched.num_stages)}
+    lowered = runtime.pipeline_order_with_comms
+    kinds = {Kind.GATHER: "UNSHARD", Kind.FREE: "RESHARD", Kind.REDUCE: "REDUCE_GRAD"}
+    for rank in range(p):
+        ours = [f"{a.stage}{kinds[a.kind]}" for a in sched.orders[rank] if a.kind in kinds]
+        assert [str(a) for a in lowered[rank] if str(a).endswith(tuple(kinds.values()))] == ours
+        assert (shard == "full") == any(a.kind == Kind.GATHER for a in sched.orders[rank])
+        compute = [str(a) for a in lowered[rank] if a.computation_type in COMPUTE]
+        second = {b for _f, b in sched.overlapped}  # (a pair is one OVERLAP_F_B cell)
+        assert len(compute) == len([a for a in sched.orders[rank] if a.kind in Kind.COMPUTE and a not in second])
+    to_simulate = {r: [x for a in acts if a.computation_type in SIMULATED for x in (a.sub_actions or (a,))]
+                   for r, acts in lowered.items()}
+    timeline = _simulate_comms_compute(to_simulate, lambda s: runtime.stage_index_to_group_rank[s], sched.num_stages)
+    assert {r: sorted(str(a) for a in steps if a is not None) for r, steps in timeline.items()} == \
+        {r: sorted(map(str, acts)) for r, acts in to_simulate.items()}
+
+
 # ------------------------------------------------------------------ torch runs it for real
 
 WIDTH = 8

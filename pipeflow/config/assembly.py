@@ -18,6 +18,7 @@ from pipeflow.planning.transformer import TransformerSpec
 from pipeflow.schedules.common import ScheduleConfigError
 from pipeflow.schedules.ir import Schedule, WeightPolicy
 from pipeflow.schedules.registry import build_schedule, get_spec, load_spec, register, specs
+from pipeflow.schedules.sharding import with_gathers
 from pipeflow.schedules.spec import ScheduleSpec
 from pipeflow.topology.presets import build_topology
 from pipeflow.topology.topology import Topology
@@ -178,7 +179,7 @@ def generate_schedule(cfg: DictConfig) -> Schedule:
         if pipe.get("data_parallel", 1) != 1:
             raise ConfigError(f"pipeline.data_parallel={pipe.data_parallel}: schedule '{spec.name}' is assembled "
                               f"whole (the planner places its own replicas); use pipeline.data_parallel=1")
-        return sharded(spec.assemble(cfg), pipe.get("shard", "none"))
+        return sharded(spec.assemble(cfg), pipe.get("shard", "none"), pipe.get("gather", "step"))
     # The schedule's own size rules (even stages for Chimera, ...) live with the
     # generators; generating is cheap, validating is not needed to learn the sizes.
     try:
@@ -188,17 +189,22 @@ def generate_schedule(cfg: DictConfig) -> Schedule:
         )
     except ScheduleConfigError as err:
         raise ConfigError(str(err)) from None
-    return sharded(schedule, pipe.get("shard", "none"))
+    return sharded(schedule, pipe.get("shard", "none"), pipe.get("gather", "step"))
 
 
-def sharded(schedule: Schedule, shard: str) -> Schedule:
+def sharded(schedule: Schedule, shard: str, gather: str = "step") -> Schedule:
     """The schedule with what its replicas of a stage shard (``pipeline.shard``): a
     synchronous schedule's replicas (data parallelism, Chimera's two pipes, a plan's
-    replicas) run AdamW on their slices; an asynchronous one shards with its own option."""
+    replicas) run AdamW on their slices, and under ``full`` gather their parameters by
+    the GATHER and FREE actions ``pipeline.gather`` places
+    (:func:`pipeflow.schedules.sharding.with_gathers`); an asynchronous one shards with
+    its own option."""
     if shard != "none" and schedule.policy != WeightPolicy.SYNC:
         raise ConfigError(f"pipeline.shard={shard}: schedule '{schedule.name}' is asynchronous; its replicas "
                           f"shard the optimizer state with schedule.zero=true where it has them "
                           f"(allowed values here: none)")
+    if shard == "full":
+        schedule = with_gathers(schedule, gather)
     schedule.shard = shard
     return schedule
 

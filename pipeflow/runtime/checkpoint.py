@@ -25,6 +25,7 @@ from pathlib import Path
 # the checkpoint folder's layout and its torch-free reading (the up-front check's)
 from ..formats.checkpoint import LATEST, META, read_meta, resolve, verify  # noqa: F401 - re-exported
 from ..formats.checkpoint import step_dir as _step_dir
+from .sharded import whole_weights
 
 # torch is imported where it is used
 
@@ -48,6 +49,14 @@ def _write(path: Path, write) -> None:
 
 def save(run_dir: str, step: int, rank: int, stages: dict, meta: dict, chunk_start: int | None = None,
          scaler=None) -> None:
+    """Write this rank's checkpoint of ``step`` (fully sharded stages: their weights
+    gathered while it is written, so the module's state is whole)."""
+    with whole_weights(stages):
+        _save(run_dir, step, rank, stages, meta, chunk_start, scaler)
+
+
+def _save(run_dir: str, step: int, rank: int, stages: dict, meta: dict, chunk_start: int | None = None,
+          scaler=None) -> None:
     """Save this rank's state at ``step``; ``chunk_start``: the step the chunk that ended
     here began after, when that is not ``step`` itself (a run that ended inside a chunk);
     ``scaler``: fp16's loss scaler, whose scale a resumed run goes on with."""
@@ -88,6 +97,13 @@ def save(run_dir: str, step: int, rank: int, stages: dict, meta: dict, chunk_sta
 
 
 def load(resume: str, rank: int, stages: dict, meta: dict, step: int | None = None, scaler=None) -> int:
+    """Load this rank's checkpoint into ``stages`` (fully sharded stages: into their
+    gathered weights, whose shares the optimizer then takes); returns its step."""
+    with whole_weights(stages):
+        return _load(resume, rank, stages, meta, step, scaler)
+
+
+def _load(resume: str, rank: int, stages: dict, meta: dict, step: int | None = None, scaler=None) -> int:
     """Load this rank's state from the checkpoint ``resume`` names (or, given ``step``,
     from the same run's checkpoint at that step), fp16's loss scale into ``scaler``; return its step."""
     import torch

@@ -42,6 +42,7 @@ from . import memory_profile
 from .memory_profile import tag, tag_stage
 from .messages import MessageIO
 from .precision import LossScaler, Precision
+from .sharded import gather_handlers
 from .stage import Groups, Messages, StageState, StepStats
 
 
@@ -129,12 +130,12 @@ class Executor(MessageIO):
                 if after is not None:
                     after(a, pos)
             end = time.perf_counter()
-            if a.kind != Kind.REDUCE:  # REDUCE only issues an asynchronous all-reduce
+            if a.kind not in Kind.COLLECTIVE:  # REDUCE and GATHER only issue an asynchronous collective
                 busy += end - start
             if record:
                 events.append(
                     Event(self.rank, str(a), a.kind, a.stage, a.microbatch, a.pipe, a.segment, start - t0, end - t0,
-                          "collective" if a.kind == Kind.REDUCE else "compute")
+                          "collective" if a.kind in Kind.COLLECTIVE else "compute")
                 )
         self._flush(tail, io.outbox, io.inbox, io.sends)
         return busy, events, io
@@ -183,6 +184,8 @@ class Executor(MessageIO):
 
         handlers = {**self._compute_handlers(batch, normalizer, loss_sum),
                     Kind.REDUCE: lambda a, io: reduces.append(self._reduce(a)), Kind.STEP: step}
+        if self.schedule.shard == "full":  # ZeRO-3: the schedule's GATHERs and FREEs
+            handlers = gather_handlers(self.stages, self.meter, handlers)
         with self.precision.shared_casts():
             busy, events, io = self._walk(self.plan, self.tail, handlers, record, t0, before=before)
         self._finish(io, "iteration")
@@ -335,6 +338,8 @@ class Executor(MessageIO):
         if group is None:
             return None
         st = self.stages[(a.pipe, a.stage)]
+        if getattr(st.optimizer, "scatter", False):  # ZeRO-2: into this replica's slice (runtime.sharded)
+            return (st.optimizer, st.optimizer.reduce_scatter())
         tied = {id(p) for p in st.tied}
         params = [p for p in st.params if id(p) not in tied]  # the tied copies are summed separately
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
@@ -348,6 +353,9 @@ class Executor(MessageIO):
         for r in reduces:
             if r is None:
                 continue
+            if len(r) == 2:  # ZeRO-2: the slices become the optimizer's gradients
+                r[0].finish(r[1])
+                continue
             work, flat, params, grads = r
             work.wait()
             for p, g in zip(params, _unflatten_dense_tensors(flat, grads)):
@@ -355,24 +363,41 @@ class Executor(MessageIO):
                     p.grad = g.view_as(p).clone()
                 else:  # in place: a new gradient beside the old one (still listed) is a third copy
                     p.grad.copy_(g.view_as(p))
-        reduces.clear()  # the flat buffers go before the optimizer steps
+            # the flat goes now, before the optimizer steps and the clip norm's temporaries
+            # (not when gloo's thread lets go of its work, which races with them)
+            flat.untyped_storage().resize_(0)
+        reduces.clear()
         self._sync_tied()
         scale = None if self.scaler is None else self.scaler.scale
+        scattered = [st.optimizer for st in self.stages.values() if getattr(st.optimizer, "scatter", False)]
         if scale is not None:  # fp16: back to the true gradients (an overflow stays inf)
             for st in self.stages.values():
                 for p in st.params:
                     if p.grad is not None:
                         p.grad.mul_(1.0 / scale)
+            for opt in scattered:
+                for g in opt.slices():
+                    g.mul_(1.0 / scale)
         if self.on_grads is not None:
+            for opt in scattered:  # the dump's whole gradients, gathered (a test hook's cost)
+                opt.whole_gradients()
             self.on_grads(self.stages)
+            for opt in scattered:
+                for group in opt.param_groups:
+                    for p in group["params"]:
+                        p.grad = None
         # one world all-reduce: the squared gradient norm (each parameter counted once:
         # replicas only on pipe 0, the tied embedding only on the first stage) and the loss
+        # (ZeRO-2: every replica's slices, each part of the gradient on one replica only)
         sq = torch.zeros((), dtype=torch.float64, device=self.adapter.device)
         for (pipe, stage), st in self.stages.items():
             tied = {id(p) for p in st.tied}
             for p in st.params:
                 if p.grad is not None and pipe == 0 and (id(p) not in tied or st.first):
                     sq += p.grad.detach().double().pow(2).sum()
+        for opt in scattered:
+            for g in opt.slices():
+                sq += g.double().pow(2).sum()
         vec = torch.stack([sq, loss_sum.double()])
         dist.all_reduce(vec)
         norm = math.sqrt(vec[0].item())
@@ -385,6 +410,9 @@ class Executor(MessageIO):
                     for p in st.params:
                         if p.grad is not None:
                             p.grad.mul_(coef)
+                for opt in scattered:
+                    for g in opt.slices():
+                        g.mul_(coef)
         return norm, vec[1].item(), scale
 
     def _sync_tied(self) -> None:

@@ -140,7 +140,8 @@ def tag_stage(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None) 
     if not _active:
         return
     for p in module.parameters():
-        tag(p, "parameters")
+        if p.untyped_storage().nbytes():  # (a fully sharded stage's, let go: its shard below)
+            tag(p, "parameters")
         if p.grad is not None:
             tag(p.grad, "gradients")
     for b in module.buffers():
@@ -149,6 +150,12 @@ def tag_stage(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None) 
         for state in optimizer.state.values():
             for v in state.values():
                 tag(v, "optimizer_state")
+        for g in getattr(optimizer, "gradients", None) or ():  # ZeRO-2: its slices of the gradients
+            if g is not None:
+                tag(g, "gradients")
+        for w in getattr(optimizer, "shards", None) or ():  # ZeRO-3: its share of the parameters
+            if w is not None:
+                tag(w, "parameters")
 
 
 def _same(d, device: torch.device) -> bool:

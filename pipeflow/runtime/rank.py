@@ -95,8 +95,9 @@ def build_rank(plan: RunPlan, cfg: dict, rank: int, device: torch.device, on_gra
         replicated = len({d for _, d in schedule.placement.replicas(stage)}) > 1
         if owners and replicated and owners[stage] != rank:
             st.optimizer = make_optimizer(module, optim, params=list(st.tied)) if st.tied else None
-        elif schedule.shard == "optimizer" and replicated:  # ZeRO-1: this replica's slice of the state
-            st.optimizer = ShardedAdamW(module, optim, st.params, st.tied, groups.replica_group[stage])
+        elif schedule.shard != "none" and replicated:  # ZeRO-1/2/3: this replica's slice
+            st.optimizer = ShardedAdamW(module, optim, st.params, st.tied, groups.replica_group[stage],
+                                        scatter=schedule.shard == "gradients", full=schedule.shard == "full")
         else:
             st.optimizer = make_optimizer(module, optim)
         stages[(pipe, stage)] = st

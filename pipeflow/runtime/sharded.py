@@ -1,6 +1,9 @@
-"""ZeRO-1 for a replicated stage (``pipeline.shard=optimizer``): each of a stage's n
-data-parallel replicas keeps AdamW's moments for one n-th of the stage's parameters,
-updates that slice at the step, and the replicas all-gather the updated slices.
+"""ZeRO-1 and ZeRO-2 for a replicated stage. ``pipeline.shard=optimizer``: each of a
+stage's n data-parallel replicas keeps AdamW's moments for one n-th of the stage's
+parameters, updates that slice at the step, and the replicas all-gather the updated
+slices. ``pipeline.shard=gradients`` adds: the stage's REDUCE reduce-scatters its
+gradients, so each replica keeps only its slice of the summed gradient (the whole
+gradients, accumulated over the step's microbatches, go at the REDUCE).
 
 The slice is of the stage's parameters laid end to end (one flat per weight-decay group,
 padded to a multiple of n), not whole tensors: every replica holds the same share, a
@@ -10,8 +13,9 @@ one a reduce-scatter fills (ZeRO-2's next step). Built by hand rather than with 
 as the tensors' sizes allow, which an embedding can dominate on a small stage) and has
 no such slice.
 
-The gradients are all-reduced as without sharding (the executor's REDUCE), so every
-replica holds the whole gradient for the clip norm and the gradient dump; the update of
+Under ZeRO-1 the gradients are all-reduced as without sharding (the executor's REDUCE),
+so every replica holds the whole gradient; under ZeRO-2 the executor sums the squared
+norm of the slices across the replicas and clips the slices. The update of
 a slice is torch's single-tensor AdamW written out, op for op, so a sharded run's
 weights are the unsharded run's. A tied embedding's copies (summed across their stages
 by the executor) keep a plain AdamW of their own on every replica, as without sharding.
@@ -19,9 +23,13 @@ by the executor) keep a plain AdamW of their own on every replica, as without sh
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
+from ..schedules.ir import Kind
+from .memory_profile import tag
 from .optim import make_optimizer
 
 
@@ -31,8 +39,15 @@ class ShardedAdamW:
     ``zero_grad``, ``state`` (what the memory profile names optimizer state),
     ``state_dict`` and ``load_state_dict`` (a checkpoint of this replica's slice)."""
 
-    def __init__(self, module: torch.nn.Module, optim: dict, params: list, tied: list, group) -> None:
+    def __init__(self, module: torch.nn.Module, optim: dict, params: list, tied: list, group,
+                 scatter: bool = False, full: bool = False) -> None:
         self.group, self.n, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
+        self.full = full  # ZeRO-3: the parameters too, gathered by the schedule's GATHERs
+        self.scatter = scatter or full  # ZeRO-2/3: the stage's REDUCE reduce-scatters into ``gradients``
+        # gloo has no reduce-scatter of its own (it all-reduces a clone of the input and keeps
+        # the share): all-reducing the flat in place sends the same and copies nothing more;
+        # its all-gather copies too (see _all_gather)
+        self.via_allreduce = dist.get_backend(group) == "gloo"
         self.betas = (float(optim["beta1"]), float(optim["beta2"]))
         self.eps = float(optim["eps"])
         lr = float(optim["lr"])
@@ -43,8 +58,41 @@ class ShardedAdamW:
             {"params": [p for p in own if p.dim() >= 2], "weight_decay": float(optim["weight_decay"]), "lr": lr},
             {"params": [p for p in own if p.dim() < 2], "weight_decay": 0.0, "lr": lr}]
         self.tied = make_optimizer(module, optim, params=list(tied)) if tied else None
+        # each group's parameters live end to end in one flat (padded to n shares), as
+        # Megatron's distributed optimizer keeps them: a replica updates its share of the
+        # flat in place and the all-gather writes the others' shares straight into it
+        self.flats: list[torch.Tensor | None] = []
+        with torch.no_grad():
+            for group in self.param_groups:
+                total, share, _ = self.shard(group)
+                if not total:
+                    self.flats.append(None)
+                    continue
+                first = group["params"][0]
+                flat = torch.zeros(share * self.n, dtype=first.dtype, device=first.device)
+                at = 0
+                for p in group["params"]:
+                    flat[at:at + p.numel()].copy_(p.view(-1))
+                    p.data = flat[at:at + p.numel()].view_as(p)
+                    at += p.numel()
+                self.flats.append(flat)
+        # ZeRO-3: this replica's share of each flat, kept; the flat's storage is let go
+        # between a FREE and the next GATHER (the parameters stay views of it, as do the
+        # tensors autograd saved of them, which see the gathered values again), and while
+        # it is gathered the share is its part of it (a checkpoint loaded into the
+        # gathered weights is loaded into the shares too)
+        self.shards: list[torch.Tensor | None] = [None] * len(self.flats)
+        self.gathering: list = []  # the all-gathers a GATHER started, waited on before compute
+        if full:
+            for i, (group, flat) in enumerate(zip(self.param_groups, self.flats)):
+                if flat is not None:
+                    _, share, start = self.shard(group)
+                    self.shards[i] = flat[start:start + share].clone()
+                    flat.untyped_storage().resize_(0)
         self.steps = 0
         self.moments: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self.param_groups)
+        # ZeRO-2: this replica's slice of each group's summed gradient, from reduce_scatter
+        self.gradients: list[torch.Tensor | None] = [None] * len(self.param_groups)
 
     def shard(self, group: dict) -> tuple[int, int, int]:
         """(the flat's length, each replica's share, where this replica's starts)."""
@@ -57,6 +105,112 @@ class ShardedAdamW:
         moments = {i: {"exp_avg": m[0], "exp_avg_sq": m[1]} for i, m in enumerate(self.moments) if m is not None}
         return {**moments, **({("tied", k): v for k, v in self.tied.state.items()} if self.tied else {})}
 
+    # ---- ZeRO-3: the parameters, gathered and let go -----------------------------------
+    @torch.no_grad()
+    def gather(self) -> None:
+        """GATHER: start the all-gather of the stage's parameters from every replica's
+        share into their flats (:meth:`wait_gathered` before they are used)."""
+        for i, (group, flat) in enumerate(zip(self.param_groups, self.flats)):
+            if flat is None or flat.untyped_storage().nbytes():
+                continue  # (already gathered)
+            _, share, start = self.shard(group)
+            flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+            tag(flat, "parameters")
+            flat[start:start + share].copy_(self.shards[i])
+            self.shards[i] = flat[start:start + share]  # (while gathered the share is the flat's)
+            self.gathering.append(self._all_gather(flat, start, share, async_op=True))
+
+    def _all_gather(self, flat: torch.Tensor, start: int, share: int, async_op: bool = False):
+        """Every replica's share of ``flat`` (this one's at ``start``) into all of it, in
+        place. gloo's all-gather stages its output in a copy of its own, which lives until
+        its thread lets go of the work: on gloo the other shares are zeroed and the flat
+        all-reduced in place instead (twice the bytes, no copy, the same values)."""
+        if self.via_allreduce:
+            flat[:start].zero_()
+            flat[start + share:].zero_()
+            return dist.all_reduce(flat, group=self.group, async_op=async_op)
+        return dist.all_gather_single(flat, flat[start:start + share], group=self.group, async_op=async_op)
+
+    def wait_gathered(self) -> None:
+        for work in self.gathering:
+            work.wait()
+        self.gathering = []
+
+    def release(self) -> None:
+        """FREE: let the gathered parameters go, this replica's share kept."""
+        self.wait_gathered()
+        for i, (group, flat) in enumerate(zip(self.param_groups, self.flats)):
+            if flat is not None and flat.untyped_storage().nbytes():
+                _, share, start = self.shard(group)
+                self.shards[i] = flat[start:start + share].clone()
+                flat.untyped_storage().resize_(0)
+
+    def storages(self) -> set[int]:
+        """Where the gathered flats live now (what the executor's meter must not count)."""
+        return {f.untyped_storage().data_ptr() for f in self.flats if f is not None and f.untyped_storage().nbytes()}
+
+    # ---- ZeRO-2: the gradients, reduce-scattered --------------------------------------
+    @torch.no_grad()
+    def reduce_scatter(self) -> list:
+        """Start the reduce-scatter of the stage's gradients (the tied copies' apart): per
+        group, the gradients laid end to end (zero where a parameter has none, padded to
+        n shares) into this replica's share. The whole gradients go now (the flat holds
+        them until :meth:`finish`). Returns what :meth:`finish` waits on."""
+        pending = []
+        for i, group in enumerate(self.param_groups):
+            total, share, _ = self.shard(group)
+            if not total:
+                continue
+            params = group["params"]
+            pieces = [p.grad.view(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+                      for p in params]
+            if share * self.n > total:
+                pieces.append(torch.zeros(share * self.n - total, dtype=params[0].dtype, device=params[0].device))
+            flat = torch.cat(pieces)
+            del pieces
+            for p in params:
+                tag(p.grad, "gradients")  # runtime.memory=profile: what they were, before they go
+                p.grad = None
+            out = torch.empty(share, dtype=flat.dtype, device=flat.device)
+            if self.via_allreduce:  # gloo: the same sum, in place, and the share kept at finish
+                work = dist.all_reduce(flat, group=self.group, async_op=True)
+            else:
+                work = dist.reduce_scatter_single(out, flat, group=self.group, async_op=True)
+            pending.append((work, flat, out, i))
+        return pending
+
+    def finish(self, pending: list) -> None:
+        """Wait for :meth:`reduce_scatter`; the slices become this replica's gradients."""
+        for work, flat, out, i in pending:
+            work.wait()
+            if self.via_allreduce:
+                share = out.numel()
+                out.copy_(flat[self.rank * share:(self.rank + 1) * share])
+            self.gradients[i] = out
+            # the flat goes now, not when the backend's thread lets go of its work (a race)
+            flat.untyped_storage().resize_(0)
+        pending.clear()
+
+    def slices(self) -> list[torch.Tensor]:
+        """ZeRO-2: the gradient slices this replica holds (the clip norm's and the
+        loss scale's), the tied copies' whole gradients apart."""
+        return [g for g in self.gradients if g is not None]
+
+    @torch.no_grad()
+    def whole_gradients(self) -> None:
+        """ZeRO-2: put the whole summed gradients back on the parameters, all-gathered from
+        the slices (``runtime.dump_grads`` only; :meth:`zero_grad` lets them go again)."""
+        for i, group in enumerate(self.param_groups):
+            if self.gradients[i] is None:
+                continue
+            total, share, _ = self.shard(group)
+            flat = torch.empty(share * self.n, dtype=self.gradients[i].dtype, device=self.gradients[i].device)
+            dist.all_gather_single(flat, self.gradients[i], group=self.group)
+            at = 0
+            for p in group["params"]:
+                p.grad = flat[at:at + p.numel()].view_as(p).clone()
+                at += p.numel()
+
     @torch.no_grad()
     def step(self) -> None:
         self.steps += 1
@@ -66,17 +220,20 @@ class ShardedAdamW:
             if not total:
                 continue
             params = group["params"]
-            param = torch.zeros(share, dtype=params[0].dtype, device=params[0].device)
-            grad = torch.zeros_like(param)
-            for p, lo, hi, at in self._pieces(params, start, start + share):  # this replica's slice, gathered
-                param[at:at + hi - lo] = p.view(-1)[lo:hi]
-                if p.grad is not None:
-                    grad[at:at + hi - lo] = p.grad.view(-1)[lo:hi]
+            # this replica's share of the parameters, in place (ZeRO-3: the share it keeps)
+            param = self.shards[i] if self.full else self.flats[i][start:start + share]
+            grad = self.gradients[i]  # ZeRO-2: the reduce-scattered slice itself
+            if grad is None:  # ZeRO-1: the slice of the whole gradients, gathered
+                grad = torch.zeros_like(param)
+                for p, lo, hi, at in self._pieces(params, start, start + share):
+                    if p.grad is not None:
+                        grad[at:at + hi - lo] = p.grad.view(-1)[lo:hi]
             if self.moments[i] is None:
                 self.moments[i] = (torch.zeros_like(param), torch.zeros_like(param))
             exp_avg, exp_avg_sq = self.moments[i]
             lr, decay = group["lr"], group["weight_decay"]
-            # torch.optim.AdamW's single-tensor update (torch.optim.adam._single_tensor_adam)
+            # torch.optim.AdamW's single-tensor update (torch.optim.adam._single_tensor_adam),
+            # its denominator computed in place (the same values, one temporary)
             if decay != 0:
                 param.mul_(1 - lr * decay)
             exp_avg.lerp_(grad, 1 - beta1)
@@ -84,18 +241,13 @@ class ShardedAdamW:
             step = float(self.steps)
             bias_correction1 = 1 - beta1**step
             bias_correction2 = 1 - beta2**step
-            denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(self.eps)
+            denom = exp_avg_sq.sqrt().div_(bias_correction2**0.5).add_(self.eps)
             param.addcdiv_(exp_avg, denom, value=-(lr / bias_correction1))
             del grad, denom
-            # every replica's updated slice, end to end, back into the parameters
-            flat = torch.empty(share * self.n, dtype=param.dtype, device=param.device)
-            dist.all_gather(list(flat.split(share)), param, group=self.group)
-            del param
-            at = 0
-            for p in params:
-                p.view(-1).copy_(flat[at:at + p.numel()])
-                at += p.numel()
-            del flat
+            # every replica's updated share, straight into the flat the parameters view
+            # (ZeRO-3: at the next GATHER)
+            if not self.full:
+                self._all_gather(self.flats[i], start, share)
         if self.tied is not None:
             for g in self.tied.param_groups:
                 g["lr"] = self.param_groups[0]["lr"]
@@ -116,6 +268,7 @@ class ShardedAdamW:
         for group in self.param_groups:
             for p in group["params"]:
                 p.grad = None if set_to_none else (p.grad.zero_() if p.grad is not None else None)
+        self.gradients = [None] * len(self.param_groups)
         if self.tied is not None:
             self.tied.zero_grad(set_to_none=set_to_none)
 
@@ -134,3 +287,48 @@ class ShardedAdamW:
         self.moments = [None if m is None else (m[0].clone(), m[1].clone()) for m in state["moments"]]
         if self.tied is not None and state["tied"] is not None:
             self.tied.load_state_dict(state["tied"])
+
+
+@contextlib.contextmanager
+def whole_weights(stages: dict):
+    """Every fully sharded stage's parameters gathered for a while (evaluation, writing
+    and loading a checkpoint), let go after; nothing for the other levels."""
+    opts = [st.optimizer for st in stages.values() if getattr(st.optimizer, "full", False)]
+    for opt in opts:
+        opt.gather()
+    for opt in opts:
+        opt.wait_gathered()
+    try:
+        yield
+    finally:
+        for opt in opts:
+            opt.release()
+
+
+def gather_handlers(stages: dict, meter, handlers: dict) -> dict:
+    """A synchronous step's handlers under ``pipeline.shard=full``: GATHER starts the
+    stage's all-gather (and tells the executor's activation ``meter`` that the gathered
+    weights autograd saves are no activations), every compute action first waits for
+    its stage's gather, FREE lets the parameters go (and the meter forgets them: the
+    allocator may hand those addresses to activations now)."""
+    def gather(a, io=None) -> None:
+        opt = stages[(a.pipe, a.stage)].optimizer
+        opt.gather()
+        meter.exclude |= opt.storages()
+
+    def free(a, io=None) -> None:
+        opt = stages[(a.pipe, a.stage)].optimizer
+        gone = opt.storages()
+        opt.release()
+        meter.exclude -= gone
+
+    def gathered_first(handler):
+        def run(a, io) -> None:
+            opt = stages[(a.pipe, a.stage)].optimizer
+            if getattr(opt, "gathering", None):
+                opt.wait_gathered()
+            handler(a, io)
+        return run
+
+    return {**{k: gathered_first(h) if k in Kind.COMPUTE else h for k, h in handlers.items()},
+            Kind.GATHER: gather, Kind.FREE: free}

@@ -31,6 +31,7 @@ from .device import device_and_backend, join_group, keep_freed_memory, peak_memo
 from .launch import TrainJob, check_stop, deferred_stop, stop_behind
 from .memory_profile import profile_step
 from .optim import lr_at
+from .sharded import whole_weights
 from .rank import RankSetup, build_rank
 
 
@@ -205,6 +206,7 @@ def _train_steps(rank, job, device, setup: RankSetup, data, sink, progress, stat
         "schedule": schedule.name,
         **pipeline_shape(schedule, pipe_cfg["stages"]),  # stages; data_parallel replicas (a plan's own)
         "shard": schedule.shard,  # what the replicas of a stage shard (pipeline.shard)
+        "gather": schedule.meta.get("gather"),  # full: when a stage's parameters are gathered (else null)
         # per step, as configured (an asynchronous schedule's IR spans schedule.windows steps)
         "microbatches": int(pipe_cfg["microbatches"]),
         "microbatch_size": mbs,
@@ -391,8 +393,9 @@ def _train_chunk(rank, job, setup: RankSetup, data, sink, progress, state: RunSt
                 metrics.update({k: st[k] for k in ("max_staleness", "mean_staleness", "max_mismatch")})
             metrics_of.append(metrics)
     if _falls_in(val_every, first, end) or end == steps:
-        vl = [setup.evaluator.eval_loss(b, setup.adapter.normalizer(b))
-              for b in data.val_batches(batch_size, int(trainer["val_batches"]))]
+        with whole_weights(setup.stages):  # (pipeline.shard=full: the whole weights, for the forwards alone)
+            vl = [setup.evaluator.eval_loss(b, setup.adapter.normalizer(b))
+                  for b in data.val_batches(batch_size, int(trainer["val_batches"]))]
         if vl and rank == 0:
             metrics_of[-1]["val_loss"] = sum(vl) / len(vl)
             state.val_losses.append(metrics_of[-1]["val_loss"])

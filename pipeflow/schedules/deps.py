@@ -9,6 +9,10 @@ REDUCE(s, j, k)    needs every weight-gradient action (B or W) of stage s on pip
                    for the microbatches of update k
 STEP(s, j, k)      needs REDUCE(s, j, k) when the stage is replicated, else the same
                    weight-gradient actions REDUCE would have needed.
+F|B|I|W of a fully sharded stage (pipeline.shard=full) also needs the GATHER of its
+                   stage and pipe that precedes it on its device
+                   (pipeflow.schedules.sharding); GATHER and FREE wait for their
+                   device's previous action only.
 
 A dependency *carries a tensor* when it is an activation or a gradient between
 stages; on different devices that is a message, which the lowering pass turns into
@@ -57,6 +61,17 @@ class DepResolver:
         # look-up is needed (this method runs once per action in the simulator's compile).
         kinds = set(self._backward_kind.values())
         self._only_kind = kinds.pop() if len(kinds) == 1 else None
+        # pipeline.shard=full: each compute action of a sharded stage -> its GATHER
+        self._gathered_by: dict[Action, Action] = {}
+        for order in schedule.orders:
+            held: dict[tuple[int, int], Action] = {}
+            for a in order:
+                if a.kind == Kind.GATHER:
+                    held[(a.pipe, a.stage)] = a
+                elif a.kind == Kind.FREE:
+                    held.pop((a.pipe, a.stage), None)
+                elif a.kind in Kind.COMPUTE and (a.pipe, a.stage) in held:
+                    self._gathered_by[a] = held[(a.pipe, a.stage)]
 
     def backward_of(self, stage: int, mb: int, pipe: int, seg: int) -> Action:
         """The action producing the input gradient of (stage, mb, seg): its B or its I."""
@@ -64,6 +79,14 @@ class DepResolver:
         return Action(kind, stage, mb, pipe, seg)
 
     def deps(self, a: Action) -> list[Dep]:
+        out = self._deps(a)
+        if self._gathered_by:
+            g = self._gathered_by.get(a)
+            if g is not None:
+                out = [*out, Dep(g, False)]
+        return out
+
+    def _deps(self, a: Action) -> list[Dep]:
         k, s, mb, pipe, seg, version = a
         new = tuple.__new__  # plain tuple construction: this runs once per action
         if k == Kind.F:
@@ -92,8 +115,9 @@ class DepResolver:
         return []
 
     def reduce_group(self, a: Action) -> list[Action]:
-        """All REDUCE actions that form one collective with ``a`` (same stage and update)."""
+        """All the actions that form one collective with ``a``: a REDUCE's of the same
+        stage and update, a GATHER's of the same stage and count, on every pipe."""
         return [
-            Action(Kind.REDUCE, a.stage, -1, pipe, 0, a.version)
+            Action(a.kind, a.stage, -1, pipe, 0, a.version)
             for pipe in range(self.schedule.placement.num_pipes)
         ]

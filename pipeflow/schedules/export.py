@@ -11,6 +11,15 @@ Only what torch's runtime can express is exported: one pipeline (torch maps ever
 to exactly one rank), no sequence segments, synchronous weights (torch flushes every
 step), and a chain of stages (torch only talks to stage +-1). REDUCE and STEP are
 dropped: torch adds its own gradient reduction and the optimizer step is the caller's.
+
+A data-parallel schedule (``pipeline.data_parallel``, with or without ``pipeline.shard``)
+exports its first replica (the others run the same lists on their own ranks, torch's
+FSDP across them) in torch's "compute_comms" format instead, where the file says
+everything and torch lowers nothing: every action in our order with our sends and
+receives (``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B``), a stage's REDUCE as its
+``REDUCE_GRAD``, and under ``pipeline.shard=full`` each GATHER and FREE as ``UNSHARD`` and
+``RESHARD`` (:mod:`pipeflow.schedules.sharding`). torch loads it with
+``_load_csv(path, format="compute_comms")``.
 """
 
 from __future__ import annotations
@@ -20,12 +29,21 @@ import io
 from os import PathLike
 
 from .ir import Kind, Schedule, WeightPolicy
+from .lowering import Comm, lower
+
+# our REDUCE, GATHER and FREE as torch names them
+_TORCH_KIND = {Kind.REDUCE: "REDUCE_GRAD", Kind.GATHER: "UNSHARD", Kind.FREE: "RESHARD"}
+
+
+def replicated(schedule: Schedule) -> bool:
+    """Data-parallel replicas of one pipeline each (what the compute_comms export takes)."""
+    return schedule.placement.num_pipes > 1 and schedule.meta.get("data_parallel", 1) == schedule.placement.num_pipes
 
 
 def check_exportable(schedule: Schedule) -> None:
     """Raise ValueError saying why torch's runtime could not run this schedule."""
     name = schedule.name
-    if schedule.placement.num_pipes != 1:
+    if schedule.placement.num_pipes != 1 and not replicated(schedule):
         raise ValueError(
             f"schedule '{name}' runs {schedule.placement.num_pipes} pipeline replicas; torch's CSV format "
             f"maps each stage to one rank, so only single-pipeline schedules can be exported"
@@ -64,11 +82,60 @@ def torch_csv_rows(schedule: Schedule) -> list[list[str]]:
     ]
 
 
+def torch_comms_rows(schedule: Schedule) -> list[list[str]]:
+    """The first replica's ranks in torch's compute_comms cells, in our order: compute
+    (an overlapped pair as one cell), our sends and receives, REDUCE_GRAD, UNSHARD and
+    RESHARD; STEP is the caller's."""
+    check_exportable(schedule)
+    partner = schedule.overlap_partner()
+    paired = set(partner.values())
+    lowered = lower(schedule)
+
+    def cell(x) -> str | None:
+        if isinstance(x, Comm):
+            if x.op == "send":
+                return f"{x.dst_stage}SEND_B{x.microbatch}" if x.grad else f"{x.src_stage}SEND_F{x.microbatch}"
+            return f"{x.src_stage}RECV_B{x.microbatch}" if x.grad else f"{x.dst_stage}RECV_F{x.microbatch}"
+        if x.kind in Kind.COMPUTE:
+            if x in paired:
+                return None
+            own = f"{x.stage}{x.kind}{x.microbatch}"
+            if x in partner:
+                b = partner[x]
+                return f"({own};{b.stage}{b.kind}{b.microbatch})OVERLAP_F_B"
+            return own
+        return f"{x.stage}{_TORCH_KIND[x.kind]}" if x.kind in _TORCH_KIND else None
+
+    rows = []
+    for d in sorted(set(schedule.placement.table[0])):
+        row: list[str] = []
+        at: dict = {}  # an overlapped pair's forward -> where its cell is
+        held: list[str] = []  # the receives met since the last action
+        for x in lowered[d]:
+            if isinstance(x, Comm) and x.op == "recv":
+                held.append(cell(x))
+                continue
+            if isinstance(x, Comm) or x.kind not in Kind.COMPUTE or x not in paired:
+                if x in partner:
+                    at[partner[x]] = len(row) + len(held)
+                row.extend(held)
+                held = []
+            else:  # the pair's backward: its receives go before the pair's one cell
+                row[at[x]:at[x]] = held
+                held = []
+            c = cell(x)
+            if c is not None:
+                row.append(c)
+        rows.append(row + held)
+    return rows
+
+
 def to_torch_csv(schedule: Schedule) -> str:
-    """The schedule as torch's compute_only CSV text; ValueError says why if it cannot be."""
+    """The schedule as torch's CSV text (compute_only; a data-parallel schedule's first
+    replica in compute_comms, see the module docstring); ValueError says why if it cannot be."""
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
-    writer.writerows(torch_csv_rows(schedule))
+    writer.writerows(torch_comms_rows(schedule) if replicated(schedule) else torch_csv_rows(schedule))
     return buf.getvalue()
 
 

@@ -31,13 +31,16 @@ class Kind:
     B = "B"  # full backward (input and weight gradients together)
     I = "I"  # backward for the input gradient only (zero-bubble split)  # noqa: E741
     W = "W"  # backward for the weight gradient only (zero-bubble split)
-    REDUCE = "R"  # gradient reduction across the replicas of a stage
+    REDUCE = "R"  # gradient reduction across the replicas of a stage (ZeRO-2/3: a reduce-scatter)
     STEP = "S"  # optimizer update of a stage
+    GATHER = "G"  # all-gather of a fully sharded stage's parameters (pipeline.shard=full)
+    FREE = "X"  # a fully sharded stage lets its gathered parameters go
 
     COMPUTE = frozenset("FBIW")
     BACKWARD = frozenset("BI")  # the actions that produce the input gradient
     WEIGHT_GRAD = frozenset("BW")  # the actions that produce the weight gradient
-    ALL = frozenset("FBIWRS")
+    COLLECTIVE = frozenset("RG")  # issued on the compute stream, run across a stage's replicas
+    ALL = frozenset("FBIWRSGX")
 
 
 class WeightPolicy(str, Enum):
@@ -62,7 +65,9 @@ class Action(NamedTuple):
 
     For compute actions ``microbatch`` is the global microbatch id (unique across the
     pipeline replicas) and ``version`` is -1. For REDUCE and STEP ``microbatch`` is -1
-    and ``version`` is the index of the weight update they belong to.
+    and ``version`` is the index of the weight update they belong to; for GATHER and FREE
+    it counts the stage's gathers in the step (the k-th GATHER of every replica of a
+    stage is one all-gather, and FREE k lets gather k go).
     """
 
     kind: str
@@ -92,7 +97,7 @@ class Action(NamedTuple):
         if m is None:
             raise ValueError(
                 f"cannot parse action {text!r}: expected [pipe:]<stage><F|B|I|W><mb>[s<seg>] "
-                f"or [pipe:]<stage><R|S>@<version>, e.g. '0F3', '1:2B0s1', '4S@0'"
+                f"or [pipe:]<stage><R|S|G|X>@<version>, e.g. '0F3', '1:2B0s1', '4S@0'"
             )
         pipe, stage, kind, mb, seg, version = m.groups()
         pipe_i = int(pipe) if pipe else 0
@@ -101,11 +106,11 @@ class Action(NamedTuple):
                 raise ValueError(f"cannot parse action {text!r}: compute actions need a microbatch")
             return Action(kind, int(stage), int(mb), pipe_i, int(seg) if seg else 0)
         if version is None or mb is not None or seg is not None:
-            raise ValueError(f"cannot parse action {text!r}: R and S take '@<version>', e.g. '4R@0'")
+            raise ValueError(f"cannot parse action {text!r}: R, S, G and X take '@<version>', e.g. '4R@0'")
         return Action(kind, int(stage), -1, pipe_i, 0, int(version))
 
 
-_ACTION_RE = re.compile(r"(?:(\d+):)?(\d+)([FBIWRS])(?:(\d+)(?:s(\d+))?|@(\d+))")
+_ACTION_RE = re.compile(r"(?:(\d+):)?(\d+)([FBIWRSGX])(?:(\d+)(?:s(\d+))?|@(\d+))")
 
 
 def F(stage: int, mb: int, pipe: int = 0, seg: int = 0) -> Action:
@@ -275,7 +280,8 @@ class Schedule:
     # without a flush; a synchronous one is one step of all its microbatches. ``zero``:
     # a replicated stage's optimizer state lives on one owner replica (AMDP's sharding).
     # ``shard`` (pipeline.shard): what a synchronous schedule's replicas of a stage shard,
-    # "none" or "optimizer" (ZeRO-1: each its slice of the optimizer state)
+    # "none", "optimizer" (ZeRO-1: each its slice of the optimizer state) or "gradients"
+    # (ZeRO-2: and of the gradients, its REDUCE a reduce-scatter)
     windows: int = 1
     microbatches_per_step: int = 0  # 0: num_microbatches / windows
     zero: bool = False

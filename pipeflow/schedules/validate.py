@@ -203,9 +203,9 @@ def dry_run(schedule: Schedule, resolver: DepResolver | None = None) -> list[Act
                         [a, d],
                     )
     done: set[Action] = set()
-    issued: Counter = Counter()  # REDUCE collectives: (stage, version) -> replicas issued
+    issued: Counter = Counter()  # collectives (REDUCE, GATHER): (kind, stage, version) -> replicas issued
     npipes = schedule.placement.num_pipes
-    pending_reduce: dict[tuple[int, int], list[Action]] = {}
+    pending_reduce: dict[tuple, list[Action]] = {}
     ptr = [0] * ndev
     completion: list[Action] = []
     total = sum(len(o) for o in orders)
@@ -221,8 +221,8 @@ def dry_run(schedule: Schedule, resolver: DepResolver | None = None) -> list[Act
                     break
                 p += 1
                 progress = True
-                if a.kind == Kind.REDUCE and npipes > 1:
-                    key = (a.stage, a.version)
+                if a.kind in Kind.COLLECTIVE and npipes > 1:
+                    key = (a.kind, a.stage, a.version)
                     issued[key] += 1
                     pending_reduce.setdefault(key, []).append(a)
                     if issued[key] == npipes:
@@ -252,8 +252,8 @@ def dry_run(schedule: Schedule, resolver: DepResolver | None = None) -> list[Act
                 waits.append(f"{d}, which comes later on the same device (position {dpos})")
             else:
                 waits.append(f"{d} on device {ddev}")
-        if not waits and a.kind == Kind.REDUCE:
-            waits.append("the other replicas to issue the same reduction")
+        if not waits and a.kind in Kind.COLLECTIVE:
+            waits.append("the other replicas to issue the same " + ("reduction" if a.kind == Kind.REDUCE else "gather"))
         reasons.append(f"device {dev} at {a} (position {ptr[dev]}) waits for " + "; ".join(waits))
     raise ScheduleError(
         f"schedule {schedule.name!r} deadlocks after {len(done)} of {total} actions: " + " | ".join(reasons),

@@ -40,13 +40,13 @@ def _waits(cs: CompiledSchedule, start, end, issue_time: dict[int, float], trans
     """
     actions, kind, stage, device, offsets = cs.actions, cs.kind, cs.stage, cs.device, cs.offsets
     branch = cs.schedule.graph.branch
-    R, F = Kind.REDUCE, Kind.F
+    R, F = Kind.COLLECTIVE, Kind.F  # a REDUCE or a GATHER: issued, then run across the replicas
     new = tuple.__new__
     gaps: list[tuple[int, float, float, int]] = []  # device, from, to, waiting action (-1: drain)
     for d in range(cs.num_devices):
         prev = 0.0
         for i in range(offsets[d], offsets[d + 1]):
-            if kind[i] == R:
+            if kind[i] in R:
                 continue
             s = start[i]
             if s > prev:
@@ -71,7 +71,7 @@ def _waits(cs: CompiledSchedule, start, end, issue_time: dict[int, float], trans
                         lst.append((r, "reduce"))
         for c, lst in tied.items():
             q = c - 1  # the device predecessor: a REDUCE releases the stream when issued
-            if q >= offsets[device[c]] and (issue_time.get(q, end[q]) if kind[q] == R else end[q]) == start[c]:
+            if q >= offsets[device[c]] and (issue_time.get(q, end[q]) if kind[q] in R else end[q]) == start[c]:
                 lst.append((q, "stream"))
 
     rank = {k: r for r, k in enumerate(WAIT_KINDS)}
@@ -88,7 +88,7 @@ def _waits(cs: CompiledSchedule, start, end, issue_time: dict[int, float], trans
             for dep, _ in resolver.deps(actions[c]):
                 p = cs.index[dep]
                 if end[p] == b:
-                    lst.append((p, "reduce" if kind[p] == R else "stream"))
+                    lst.append((p, "reduce" if kind[p] in R else "stream"))
         best_p, best_kind, best_rank = -1, "stream", len(WAIT_KINDS)
         for p, k in lst:
             if k is None:

@@ -178,12 +178,12 @@ def _compile(schedule: Schedule) -> CompiledSchedule:
             next_on_device[hi - 1] = -1
             num_waits[lo + 1 : hi] = [w + 1 for w in num_waits[lo + 1 : hi]]
     for p, c in zip(range(n), next_on_device):
-        if c >= 0 and kind[p] != Kind.REDUCE:
+        if c >= 0 and kind[p] not in Kind.COLLECTIVE:
             local_out[p].append(c)
 
     group_of = [-1] * n
     groups: list[list[int]] = []
-    for i in [i for i, k in enumerate(kind) if k == Kind.REDUCE]:
+    for i in [i for i, k in enumerate(kind) if k in Kind.COLLECTIVE]:
         if group_of[i] >= 0:
             continue
         members = []
@@ -191,8 +191,8 @@ def _compile(schedule: Schedule) -> CompiledSchedule:
             j = index.get(r)
             if j is None:
                 raise SimulationError(
-                    f"schedule {schedule.name!r}: {actions[i]} is an all-reduce with {r}, which is not in the "
-                    f"schedule, so it would wait forever; every replica of a stage must issue its REDUCE"
+                    f"schedule {schedule.name!r}: {actions[i]} is a collective with {r}, which is not in the "
+                    f"schedule, so it would wait forever; every replica of a stage must issue its REDUCE (and GATHER)"
                 )
             members.append(j)
         for j in members:

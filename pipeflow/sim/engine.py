@@ -16,8 +16,9 @@ The rules (tests compare them with closed forms, so they are exact, not approxim
   dependencies are resolved, it is issued and the device moves on (the all-reduce
   overlaps later work, as Chimera does). When every replica has issued it, the
   collective runs on the members' collective streams for
-  ``topology.allreduce_time(devices, cost.param_bytes(stage))``; all members' REDUCEs
-  end together. With one replica a REDUCE is a zero-time no-op.
+  ``topology.allreduce_time(devices, cost.param_bytes(stage))`` (ZeRO-2, which
+  reduce-scatters, ``topology.reducescatter_time``); all members' REDUCEs end together.
+  With one replica a REDUCE is a zero-time no-op.
 
 Weight versions (asynchronous schedules) change no timing. The simulator follows each
 device's list, so the version every forward and backward sees is the one
@@ -124,7 +125,7 @@ def _simulate(cs: CompiledSchedule, cost, topology, record: bool, want_waits: bo
     dcache: dict[tuple, float] = {}
     for i in range(n):
         k = kind[i]
-        if k == Kind.REDUCE:
+        if k in Kind.COLLECTIVE or k == Kind.FREE:  # (a FREE lets memory go: no time)
             continue
         key = (k, stage[i], segment[i], device[i])
         v = dcache.get(key)
@@ -152,14 +153,16 @@ def _simulate(cs: CompiledSchedule, cost, topology, record: bool, want_waits: bo
     # ---- ZeRO-1 (pipeline.shard=optimizer; pipeflow.runtime.sharded): a replicated stage's
     # STEP updates its replica's n-th of the parameters and all-gathers the updated
     # slices (fp32), before the stage computes again
-    if getattr(sched, "shard", "none") == "optimizer":
+    # (full, ZeRO-3: the STEP updates the shard alone; the next step's GATHERs gather)
+    shard = getattr(sched, "shard", "none")
+    if shard in ("optimizer", "gradients", "full"):
         table = sched.placement.table
         for i in range(n):
             if kind[i] == Kind.STEP:
                 devs = sorted({row[stage[i]] for row in table})
                 if len(devs) > 1:
                     weights = cost.state_bytes(stage[i])["parameters"]
-                    dur[i] = dur[i] / len(devs) + float(topology.allgather_time(devs, weights))
+                    dur[i] = dur[i] / len(devs) + (0.0 if shard == "full" else float(topology.allgather_time(devs, weights)))
 
     # ---- the host time of a message on its sender's and its receiver's compute (CPU ranks)
     host = float(getattr(topology, "message_host", 0.0) or 0.0)
@@ -218,7 +221,12 @@ def _simulate(cs: CompiledSchedule, cost, topology, record: bool, want_waits: bo
             continue  # one replica (or all on one device): nothing to exchange
         nbytes = float(cost.param_bytes(stage[members[0]]))
         gbytes[g] = nbytes
-        gdur[g] = float(topology.allreduce_time(list(devs), nbytes))
+        if kind[members[0]] == Kind.GATHER:  # full: the stage's fp32 weights, from every one's shard
+            gdur[g] = float(topology.allgather_time(list(devs), nbytes))
+        elif shard in ("gradients", "full"):  # ZeRO-2/3: half the ring, into each one's slice
+            gdur[g] = float(topology.reducescatter_time(list(devs), nbytes))
+        else:
+            gdur[g] = float(topology.allreduce_time(list(devs), nbytes))
         for d in devs:
             coll_bytes[d] += nbytes
 
@@ -229,7 +237,7 @@ def _simulate(cs: CompiledSchedule, cost, topology, record: bool, want_waits: bo
     if num_launched < n:
         raise SimulationError(_deadlock_message(cs, waits))
     if topology.shares_compute:
-        dur = [e - s if k != Kind.REDUCE else 0.0 for s, e, k in zip(start, end, kind)]  # busy = elapsed
+        dur = [e - s if k not in Kind.COLLECTIVE else 0.0 for s, e, k in zip(start, end, kind)]  # busy = elapsed
     makespan = now if n else 0.0
 
     # ---- weights: versions seen (asynchronous policies), versions kept, optimizer state
@@ -389,7 +397,7 @@ def _events(cs: CompiledSchedule, dur, specs, num_slots, groups, gdevs, gdur, re
     # n <= key < 2n: REDUCE ``key - n`` was issued. key >= 2n: REDUCE ``key - 2n`` done.
     # Keys are unique, so equal times pop in key order: deterministic.
     n2 = 2 * n
-    launch_key = [i + n if k == Kind.REDUCE else i for i, k in enumerate(kind)]
+    launch_key = [i + n if k in Kind.COLLECTIVE else i for i, k in enumerate(kind)]
     ready = [0.0] * n
     waits = cs.num_waits.copy()
     start = [0.0] * n
@@ -497,7 +505,7 @@ def _events_shared(cs: CompiledSchedule, dur, specs, num_slots, groups, gdevs, g
     n2 = 2 * n
     # Heap keys: k < n: compute action k starts; n <= k < 2n: REDUCE k - n issued;
     # 2n <= k < 3n: REDUCE k - 2n done. Compute ends are not in the heap: they move.
-    launch_key = [i + n if k == Kind.REDUCE else i for i, k in enumerate(kind)]
+    launch_key = [i + n if k in Kind.COLLECTIVE else i for i, k in enumerate(kind)]
     ready = [0.0] * n
     waits = cs.num_waits.copy()
     start = [0.0] * n
@@ -520,7 +528,7 @@ def _events_shared(cs: CompiledSchedule, dur, specs, num_slots, groups, gdevs, g
         nonlocal num_launched
         num_launched += 1
         start[c] = s
-        if kind[c] == Kind.REDUCE:
+        if kind[c] in Kind.COLLECTIVE:
             end[c] = s
             push(heap, (s, launch_key[c]))
         else:

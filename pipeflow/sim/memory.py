@@ -7,11 +7,12 @@ runtime's memory profile measures (``runtime.memory=profile``,
 :mod:`pipeflow.runtime.memory_profile`), so the two compare term by term:
 
 - ``parameters`` and ``optimizer_state``: every stage the device holds, for the whole run
-  (with ZeRO, the optimizer state of the stages it owns); ``weight_versions``: the extra
-  weight copies an asynchronous policy keeps at its most;
-- ``gradients``: a stage's, from its first backward (B or W) to its optimizer step;
-- ``casts``: at 16 bits, the 16-bit copy of the weights a stage's matrix products use,
-  from its first forward to its step;
+  (AMDP's ZeRO: the optimizer state of the stages it owns; ``pipeline.shard``: a slice of
+  the state, ZeRO-3's parameters a slice but from a GATHER to its FREE); ``weight_versions``:
+  the extra weight copies an asynchronous policy keeps at its most;
+- ``gradients``: a stage's, from its first backward (B or W) to its optimizer step (ZeRO-2/3:
+  to its REDUCE, then a slice); ``casts``: at 16 bits, the 16-bit copy of the weights a
+  stage's matrix products use, from its first forward to its step;
 - ``activations``: what forwards keep for their backwards (a segment's keys and values
   included), as the engine walks them; ``residuals``: what a zero-bubble I keeps for its
   W, from I (what it has kept by its peak, at that instant) until W;
@@ -22,12 +23,12 @@ runtime's memory profile measures (``runtime.memory=profile``,
 - ``inputs``: a message's receive buffer, from the action before the one that needs it
   (the runtime posts receives one action ahead) until its forward starts or its
   backward is done;
-- ``temporaries``: while a forward runs, what it holds on top of what it keeps
-  (``forward_workspace_bytes``: the loss's operands of a concurrent-branch head); while a backward runs, the gradients it makes and frees as it goes
-  and the layer it rebuilds (recomputation): ``workspace_bytes`` (a zero-bubble I:
-  ``input_workspace_bytes``, which also counts how the level moves as I trades each
-  block's activations for what W keeps); while an optimizer
-  step runs, its buffers (``step_workspace_bytes``).
+- ``temporaries``: a forward's on top of what it keeps (``forward_workspace_bytes``: a
+  concurrent-branch head's loss operands); a backward's gradients made and freed as it
+  goes and the layer it rebuilds (``workspace_bytes``; a zero-bubble I's
+  ``input_workspace_bytes`` also moves as I trades activations for what W keeps); an
+  optimizer step's buffers (``step_workspace_bytes``); a replicated stage's gradients
+  laid end to end for their REDUCE, to the step.
 
 Terms come from the cost model (:meth:`~pipeflow.planning.cost.CostModel.state_bytes`,
 ``activation_bytes``, ``output_bytes``, ``workspace_bytes``...): a cost model without
@@ -36,22 +37,13 @@ them contributes zeros, never a guess.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-import numpy as np
-
 from ..schedules.ir import Kind, WeightPolicy
 from ..schedules.lowering import action_positions, message_position
 from ..schedules.versions import tied_update_plan
 from ..schedules.zero import zero_owners
 from .memory_terms import term_value  # noqa: F401 - the walk values its terms with it (and is imported from here)
 from .memory_peaks import Peaks  # noqa: F401 - the walks as arrays (imported from here too)
-
-CATEGORIES = ("parameters", "optimizer_state", "weight_versions", "gradients", "casts", "activations", "residuals",
-              "outputs", "inputs", "temporaries")
-_CAT = {c: i for i, c in enumerate(CATEGORIES)}
-_TEMP = _CAT["temporaries"]
-
+from .memory_tape import _CAT, _TEMP, CATEGORIES, Tape  # noqa: F401 - the tape and its categories (here too)
 
 # the measured categories (pipeflow.runtime.memory_profile) and the simulated ones they
 # compare with: what the benchmark and the tests set side by side. One by one, but for
@@ -62,67 +54,6 @@ COMPARED["activations"] = (("activations", "kv"), ("activations",))
 COMPARED.update({c: ((c,), (c,)) for c in ("residuals", "outputs", "inputs", "temporaries")})
 
 
-@dataclass
-class Tape:
-    """One device's memory over a step, without its bytes: the terms it holds (keys such
-    as ``("activation_bytes", stage, segment)``, valued by :func:`term_value`) and the
-    walk as a list of steps, each ``(category, term, count)`` (that many of the term
-    join the category, or leave it when negative) or ``(-1, extra, 0)``, an instant
-    that may be the peak, with ``extra`` a term held on top of the level for that
-    instant only (a backward's workspace, an optimizer step's buffers; -1: none)."""
-
-    terms: list[tuple]
-    steps: list[tuple[int, int, int]]
-    # (the step each action's walk starts at, the action as the runtime names it: "1I3")
-    starts: list[tuple[int, str]] = field(default_factory=list)
-
-    def values(self, cost, per_device=None, cache: dict | None = None) -> np.ndarray:
-        cache = {} if cache is None else cache
-        return np.array([term_value(k, cost, per_device, cache) for k in self.terms], dtype=float)
-
-    def walk(self, values: np.ndarray, action: str | None = None, every: bool = False) -> dict:
-        """The bytes: ``peak_bytes``, ``at_peak``, ``peak_action`` and ``category_peaks``
-        (see :func:`device_memory`); with ``action`` (a name such as "1I3") also
-        ``at_action``: that action's own most and what holds it then; with ``every``,
-        ``action_peaks``: each action's own most, name -> (bytes, category -> bytes then)."""
-        values = [float(v) for v in values]
-        live = [0.0] * len(CATEGORIES)
-        own = [0.0] * len(CATEGORIES)
-        best, at, best_action = -1.0, live, None
-        most: dict = {}  # action -> (its most, what holds it then), for the actions asked for
-        starts = iter(self.starts)
-        upcoming, current = next(starts, (None, None)), None
-        for i, (cat, term, n) in enumerate(self.steps):
-            while upcoming[0] is not None and upcoming[0] <= i:
-                current, upcoming = upcoming[1], next(starts, (None, None))
-            if cat >= 0:
-                live[cat] += n * values[term]
-                continue
-            extra = values[term] if term >= 0 else 0.0
-            total = sum(live) + extra
-            if total > best:
-                best, at, best_action = total, list(live), current
-                at[_TEMP] += extra
-            if current is not None and (every or current == action) and total > most.get(current, (-1.0,))[0]:
-                held = list(live)
-                held[_TEMP] += extra
-                most[current] = (total, dict(zip(CATEGORIES, held)))
-            for c, v in enumerate(live):
-                own[c] = max(own[c], v + extra if c == _TEMP else v)
-        out = {"peak_bytes": best, "at_peak": dict(zip(CATEGORIES, at)), "peak_action": best_action,
-               "category_peaks": dict(zip(CATEGORIES, own))}
-        if action in most:
-            out["at_action"] = {"action": action, "bytes": most[action][0], "at": most[action][1]}
-        if every:
-            out["action_peaks"] = most
-        return out
-
-    def action_peaks(self, values: np.ndarray) -> dict:
-        """Each action's own most: name -> (bytes, category -> bytes then) (a debugging
-        aid, beside the runtime's ``StepMemory.action_peaks``)."""
-        return self.walk(values, every=True)["action_peaks"]
-
-
 def tapes(schedule) -> list[Tape]:
     """Each device's :class:`Tape`, walking its actions in its order (a device runs them
     one at a time, so the order is the time order; no timeline is needed)."""
@@ -130,7 +61,10 @@ def tapes(schedule) -> list[Tape]:
     nseg = max(1, schedule.num_segments)
     owners = zero_owners(placement) if getattr(schedule, "zero", False) else None
     # the stages held by more than one device: their REDUCE flattens the gradients
-    replicated = {s for s in range(len(placement.table[0])) if len({row[s] for row in placement.table}) > 1}
+    count = {s: len({row[s] for row in placement.table}) for s in range(len(placement.table[0]))}
+    replicated = {s for s, c in count.items() if c > 1}
+    shard = getattr(schedule, "shard", "none")  # pipeline.shard: what the replicas of a stage shard
+    sliced = replicated if shard != "none" else set()  # ZeRO-1/2/3: each replica a slice
     PARAMS, OPT, VERS, GRADS, CASTS, ACTS, RESID, OUTS, INS = (_CAT[c] for c in (
         "parameters", "optimizer_state", "weight_versions", "gradients", "casts", "activations", "residuals", "outputs",
         "inputs"))
@@ -172,21 +106,22 @@ def tapes(schedule) -> list[Tape]:
             return got
 
         reps = placement.stages_on(d)
-        for _, s in reps:
-            ap((PARAMS, key("state", s, "parameters"), 1))
-            if getattr(schedule, "shard", "none") == "optimizer" and s in replicated:  # ZeRO-1: this replica's slice
-                ap((OPT, key("sharded_optimizer_state", s, len({row[s] for row in placement.table})), 1))
+        for _, s in reps:  # (full: the parameters' shard; GATHER adds the whole ones, FREE takes them)
+            ap((PARAMS, key("parameter_shard", s, count[s]) if shard == "full" and s in sliced
+                else key("state", s, "parameters"), 1))
+            if s in sliced:
+                ap((OPT, key("sharded_optimizer_state", s, count[s]), 1))
             elif owners is None or owners[s] == d:
                 ap((OPT, key("state", s, "optimizer_state"), 1))
             ap((VERS, key("extra_versions", d, s), 1 / len(reps)))
         ap((-1, -1, 0))
-        mine = [a for a in order if a.kind in (F, B, I, W, Kind.STEP)]
+        mine = [a for a in order if a.kind in (F, B, I, W, Kind.STEP, Kind.GATHER, Kind.FREE)]
         reduces_after: dict[int, list] = {}  # index into mine -> the REDUCEs that follow it
         seen = -1
         for a in order:
             if a.kind == Kind.REDUCE:
                 reduces_after.setdefault(seen, []).append(a.stage)
-            elif a.kind in (F, B, I, W, Kind.STEP):
+            elif a.kind in (F, B, I, W, Kind.STEP, Kind.GATHER, Kind.FREE):
                 seen += 1
         flats: list[int] = []  # a replicated stage's gradients, flattened for their all-reduce
         # a message from another device lands in a buffer posted before the action ahead
@@ -225,24 +160,46 @@ def tapes(schedule) -> list[Tape]:
         waiting: dict = {}  # (rep, microbatch, segment) -> the messages an empty I left to its W
         restored_wait: dict = {}  # and meanwhile: (its fp32 restore, [(category, the message at fp32, the message)])
         starts: list[tuple[int, str]] = []
+        scattered: dict = {}  # ZeRO-2: rep -> its gradient slice's term, from its REDUCE to its STEP
         for i, e in enumerate(mine):
             starts.append((len(steps), str(e)))
             kind, rep, stage, seg = e.kind, (e.pipe, e.stage), e.stage, e.segment
             for s in reduces_after.get(i - 1, ()):
-                if s in replicated:  # a copy of the stage's gradients, flattened for the all-reduce
-                    flats.append(key("state", s, "gradients"))
+                if s in sliced and shard != "optimizer":  # laid end to end (the tied copy's apart)
+                    flats.append(key("flat_gradients", s))  # for the reduce-scatter; then they
+                    ap((_TEMP, flats[-1], 1))  # go, and this replica's slice arrives
+                    ap((-1, -1, 0))
+                    ap((GRADS, flats[-1], -1))
+                    for r in (r for r in reps if r[1] == s):
+                        scattered[r] = key("gradient_slice", s, count[s])
+                        ap((GRADS, scattered[r], 1))
+                elif s in replicated:  # a copy of the stage's gradients, flattened for the all-reduce
+                    flats.append(key("flat_gradients", s))
                     ap((_TEMP, flats[-1], 1))
                     ap((-1, -1, 0))  # each held to the step: the last all-reduce holds them all
             if posted[i]:
                 for k in posted[i]:
                     ap((INS, k, 1))
                 ap((-1, -1, 0))
+            if kind == Kind.GATHER or kind == Kind.FREE:  # full: the whole parameters, gathered or let go
+                whole, own = key("flat_parameters", stage), key("own_share", stage, count[stage])
+                ap((PARAMS, whole if kind == Kind.GATHER else own, 1))  # (while gathered the
+                ap((-1, -1, 0))  # share is the flat's part)
+                ap((PARAMS, own if kind == Kind.GATHER else whole, -1))
+                continue
             if kind == Kind.STEP:
                 for k in flats:  # the step's synchronisation copies them back and lets them go
                     ap((_TEMP, k, -1))
                 flats.clear()
-                ap((-1, key("step_workspace_bytes", stage), 0))  # the optimizer's buffers, beside the gradients
-                if rep in grads_on:
+                # the optimizer's buffers, beside the gradients (ZeRO-1/2: of a slice)
+                ap((-1, key("sharded_step_workspace", stage, count[stage], shard) if stage in sliced
+                    else key("step_workspace_bytes", stage), 0))
+                if rep in scattered:  # ZeRO-2: what is left of its gradients, the tied copy's and the slice
+                    ap((GRADS, key("state", stage, "gradients"), -1))
+                    ap((GRADS, key("flat_gradients", stage), 1))
+                    ap((GRADS, scattered.pop(rep), -1))
+                    grads_on.discard(rep)
+                elif rep in grads_on:
                     ap((GRADS, key("state", stage, "gradients"), -1))
                     grads_on.discard(rep)
                 if rep in casts_on:

@@ -67,6 +67,33 @@ def term_value(key: tuple, cost, per_device=None, cache: dict | None = None) -> 
         whole = term_value(("state", key[1], "optimizer_state"), cost, per_device, cache)
         tied = 2.0 * term_value(("tied_gradient_bytes", key[1]), cost, per_device, cache)
         v = tied + max(0.0, whole - tied) / key[2]
+    elif name == "flat_gradients":  # (name, stage): a replicated stage's gradients laid end to
+        # end for its all-reduce or (ZeRO-2) reduce-scatter, the tied copy's apart (summed on
+        # their own); ZeRO-2's padding to n shares (under n elements a group) left out
+        v = max(0.0, term_value(("state", key[1], "gradients"), cost, per_device, cache)
+                - term_value(("tied_gradient_bytes", key[1]), cost, per_device, cache))
+    elif name == "sharded_step_workspace":  # (name, stage, replicas, level): what a ZeRO-1/2 step
+        # holds beside the state (pipeflow.runtime.sharded): its share's denominator and,
+        # under ZeRO-1, the share's gradient gathered from the whole ones (fp32; the two
+        # weight-decay groups priced as one, over by the vectors' share); then the tied
+        # copy's own AdamW, as the unsharded step prices it per parameter
+        tied = term_value(("tied_gradient_bytes", key[1]), cost, per_device, cache)
+        flat = term_value(("flat_parameters", key[1]), cost, per_device, cache)
+        v = max((2.0 if key[3] == "optimizer" else 1.0) * flat / key[2],  # (ZeRO-3: as ZeRO-2)
+                tied * (2.0 if getattr(cost, "step_per_tensor", False) else 1.0))
+    elif name == "gradient_slice":  # (name, stage, replicas): ZeRO-2's slice of the summed gradient
+        v = term_value(("flat_gradients", key[1]), cost, per_device, cache) / key[2]
+    elif name == "flat_parameters":  # (name, stage): a fully sharded stage's fp32 parameters as a
+        # GATHER lays them end to end, the tied copy's apart (never sharded)
+        v = max(0.0, term_value(("state", key[1], "parameters"), cost, per_device, cache)
+                - term_value(("tied_gradient_bytes", key[1]), cost, per_device, cache))
+    elif name == "own_share":  # (name, stage, replicas): a fully sharded stage's share of its
+        # parameters laid end to end, the tied copy's apart
+        v = term_value(("flat_parameters", key[1]), cost, per_device, cache) / key[2]
+    elif name == "parameter_shard":  # (name, stage, replicas): a fully sharded stage's own share of
+        # its fp32 parameters between gathers, the tied copy whole
+        tied = term_value(("tied_gradient_bytes", key[1]), cost, per_device, cache)
+        v = tied + max(0.0, term_value(("state", key[1], "parameters"), cost, per_device, cache) - tied) / key[2]
     elif name == "extra_versions":  # ("extra_versions", device, stage): its versions beyond the first
         stats = per_device[key[1]] if per_device is not None and key[1] < len(per_device) else None
         versions = getattr(stats, "peak_weight_versions", 1) or 1

@@ -12,6 +12,7 @@ from ..formats.timeline import Timeline
 
 
 # what an idle gap of a compute stream waited for (see the module doc), in tie-break order
+# ("reduce": a collective, a REDUCE's or, with pipeline.shard=full, a GATHER's)
 WAIT_KINDS = ("interaction", "head", "chain", "reduce", "stream", "drain")
 
 

@@ -194,8 +194,23 @@ class Topology:
         """Ring all-gather of ``nbytes`` in all (each device contributing ``nbytes / n``)
         over ``devices``: (n-1)/n * nbytes / B + (n-1) * L, the all-reduce's second half
         (its ring bandwidth and latency as :meth:`allreduce_time` finds them). ZeRO-1's
-        parameters after a sharded step."""
-        n, bw, lat = self._ring(devices, "all-gather")
+        parameters after a sharded step, ZeRO-3's GATHERs. Without accelerators the
+        all-reduce's time: gloo's all-gather copies its output, so the runtime all-reduces
+        in place there (pipeflow.runtime.sharded)."""
+        return self._half_ring(devices, nbytes, "all-gather")
+
+    def reducescatter_time(self, devices: Sequence[int], nbytes: float) -> float:
+        """Ring reduce-scatter of ``nbytes`` over ``devices`` (each device left with the sum
+        of its ``nbytes / n``): the all-reduce's first half, as long as :meth:`allgather_time`.
+        ZeRO-2's gradients into the replicas' slices. Without accelerators the all-reduce's
+        time: gloo has no reduce-scatter of its own (it all-reduces a copy and keeps the
+        share), so the runtime all-reduces its flat in place there."""
+        return self._half_ring(devices, nbytes, "reduce-scatter")
+
+    def _half_ring(self, devices: Sequence[int], nbytes: float, what: str) -> float:
+        if not self.on_gpus:  # gloo's CPU ranks: an all-reduce in place (see the two above)
+            return self.allreduce_time(devices, nbytes)
+        n, bw, lat = self._ring(devices, what)
         if n <= 1 or nbytes <= 0 or math.isinf(bw):
             return 0.0
         return (n - 1) / n * nbytes / bw + (n - 1) * lat

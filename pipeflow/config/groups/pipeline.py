@@ -9,11 +9,15 @@ from omegaconf import DictConfig
 
 from pipeflow.checks import is_whole
 
+from pipeflow.schedules.sharding import GATHER_POLICIES
+
 from ..values import ConfigError
 
-# what data-parallel replicas of a stage shard (pipeflow.runtime.sharded): nothing, or the
-# optimizer state (ZeRO-1: each replica updates its slice of the stage, then all gather)
-SHARD_LEVELS = ("none", "optimizer")
+# what data-parallel replicas of a stage shard (pipeflow.runtime.sharded): nothing, the
+# optimizer state (ZeRO-1: each replica updates its slice of the stage, then all gather),
+# the gradients too (ZeRO-2: the stage's gradients reduce-scattered into the slices), or
+# the parameters too (ZeRO-3/FSDP: gathered by the schedule's GATHERs, pipeline.gather)
+SHARD_LEVELS = ("none", "optimizer", "gradients", "full")
 
 
 @dataclass
@@ -24,7 +28,8 @@ class PipelineConfig:
     segments: int = 1  # sequence segments per microbatch (Seq1F1B)
     microbatch_size: int = 1  # sequences per microbatch
     data_parallel: int = 1  # replicas of the whole pipeline (n x stages devices); microbatches is per replica
-    shard: str = "none"  # what the replicas shard: none | optimizer (ZeRO-1)
+    shard: str = "none"  # what the replicas shard: none | optimizer (ZeRO-1) | gradients (ZeRO-2) | full (ZeRO-3)
+    gather: str = "step"  # full: when a stage's parameters are gathered: step | chunk | microbatch
 
 def check_pipeline(cfg: DictConfig) -> None:
     pipe = cfg.pipeline
@@ -35,3 +40,6 @@ def check_pipeline(cfg: DictConfig) -> None:
     shard = pipe.get("shard", "none")
     if shard not in SHARD_LEVELS:
         raise ConfigError(f"pipeline.shard={shard}: allowed values: {', '.join(SHARD_LEVELS)}")
+    gather = pipe.get("gather", "step")
+    if gather not in GATHER_POLICIES:
+        raise ConfigError(f"pipeline.gather={gather}: allowed values: {', '.join(GATHER_POLICIES)}")

@@ -1,0 +1,77 @@
+"""One device's memory over a simulated step as a tape of terms (:class:`Tape`): what
+:func:`pipeflow.sim.memory.tapes` records and walks, and the categories it holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .memory_terms import term_value
+
+CATEGORIES = ("parameters", "optimizer_state", "weight_versions", "gradients", "casts", "activations", "residuals",
+              "outputs", "inputs", "temporaries")
+_CAT = {c: i for i, c in enumerate(CATEGORIES)}
+_TEMP = _CAT["temporaries"]
+
+
+
+@dataclass
+class Tape:
+    """One device's memory over a step, without its bytes: the terms it holds (keys such
+    as ``("activation_bytes", stage, segment)``, valued by :func:`term_value`) and the
+    walk as a list of steps, each ``(category, term, count)`` (that many of the term
+    join the category, or leave it when negative) or ``(-1, extra, 0)``, an instant
+    that may be the peak, with ``extra`` a term held on top of the level for that
+    instant only (a backward's workspace, an optimizer step's buffers; -1: none)."""
+
+    terms: list[tuple]
+    steps: list[tuple[int, int, int]]
+    # (the step each action's walk starts at, the action as the runtime names it: "1I3")
+    starts: list[tuple[int, str]] = field(default_factory=list)
+
+    def values(self, cost, per_device=None, cache: dict | None = None) -> np.ndarray:
+        cache = {} if cache is None else cache
+        return np.array([term_value(k, cost, per_device, cache) for k in self.terms], dtype=float)
+
+    def walk(self, values: np.ndarray, action: str | None = None, every: bool = False) -> dict:
+        """The bytes: ``peak_bytes``, ``at_peak``, ``peak_action`` and ``category_peaks``
+        (see :func:`device_memory`); with ``action`` (a name such as "1I3") also
+        ``at_action``: that action's own most and what holds it then; with ``every``,
+        ``action_peaks``: each action's own most, name -> (bytes, category -> bytes then)."""
+        values = [float(v) for v in values]
+        live = [0.0] * len(CATEGORIES)
+        own = [0.0] * len(CATEGORIES)
+        best, at, best_action = -1.0, live, None
+        most: dict = {}  # action -> (its most, what holds it then), for the actions asked for
+        starts = iter(self.starts)
+        upcoming, current = next(starts, (None, None)), None
+        for i, (cat, term, n) in enumerate(self.steps):
+            while upcoming[0] is not None and upcoming[0] <= i:
+                current, upcoming = upcoming[1], next(starts, (None, None))
+            if cat >= 0:
+                live[cat] += n * values[term]
+                continue
+            extra = values[term] if term >= 0 else 0.0
+            total = sum(live) + extra
+            if total > best:
+                best, at, best_action = total, list(live), current
+                at[_TEMP] += extra
+            if current is not None and (every or current == action) and total > most.get(current, (-1.0,))[0]:
+                held = list(live)
+                held[_TEMP] += extra
+                most[current] = (total, dict(zip(CATEGORIES, held)))
+            for c, v in enumerate(live):
+                own[c] = max(own[c], v + extra if c == _TEMP else v)
+        out = {"peak_bytes": best, "at_peak": dict(zip(CATEGORIES, at)), "peak_action": best_action,
+               "category_peaks": dict(zip(CATEGORIES, own))}
+        if action in most:
+            out["at_action"] = {"action": action, "bytes": most[action][0], "at": most[action][1]}
+        if every:
+            out["action_peaks"] = most
+        return out
+
+    def action_peaks(self, values: np.ndarray) -> dict:
+        """Each action's own most: name -> (bytes, category -> bytes then) (a debugging
+        aid, beside the runtime's ``StepMemory.action_peaks``)."""
+        return self.walk(values, every=True)["action_peaks"]
