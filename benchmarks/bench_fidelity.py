@@ -4,9 +4,11 @@ For each world size (2 and 4 CPU ranks by default) and each schedule the runtime
 (synchronous: gpipe, 1f1b, zb_h1, chimera, interleaved_1f1b, zb_h2, interleaved_zb, zb_v,
 dualpipe_v, looped_bfs; asynchronous: pipedream,
 pipedream_2bw, amdp; segmented: seq1f1b; planned; branched: bapp and chimera on the
-concurrent-branch model), with the same model and global batch (gpt_tiny, or cbm_tiny
-for the branched pair; 8 microbatches of 4; on 4 ranks gpt_tiny with 8 layers, two per
-stage as on 2, and cbm_tiny with 4-layer branches, which BAPP cuts into 4 stages each):
+concurrent-branch model; sharded: 1F1B under ZeRO-2 and interleaved 1F1B under ZeRO-3,
+each 2 replicas of a pipeline half the ranks deep, so twice the global batch), with the
+same model and global batch (gpt_tiny, or cbm_tiny for the branched pair; 8 microbatches
+of 4; on 4 ranks gpt_tiny with 8 layers, two per stage as on 2, and cbm_tiny with
+4-layer branches, which BAPP cuts into 4 stages each):
 
 - **measured**: ``pipeflow-train`` for real, schedules alternating and repeated; the
   median step time of the steady steps (the second half; an asynchronous step is its
@@ -78,14 +80,20 @@ CASES: dict[str, list[str]] = {
     "planned": ["schedule=planned"],
     "bapp": ["model=cbm_tiny", "data=image_text", "schedule=bapp"],
     "chimera_cbm": ["model=cbm_tiny", "data=image_text", "schedule=chimera"],
+    # issue 34's: 2 replicas of a pipeline half as deep, their stages sharded (ZeRO-2, and
+    # ZeRO-3 interleaved, gathering a chunk whenever the rank turns to it)
+    "1f1b_zero2": ["schedule=1f1b", "pipeline.data_parallel=2", "pipeline.shard=gradients"],
+    "interleaved_zero3": ["schedule=interleaved_1f1b", "pipeline.virtual_stages=2", "pipeline.data_parallel=2",
+                          "pipeline.shard=full", "pipeline.gather=chunk"],
 }
+SHARDING = ("pipeline.shard=", "pipeline.gather=")  # what the calibration leaves out (see results)
 
 
 BRANCHED = {"bapp", "chimera_cbm"}  # the concurrent-branch model: compared with each other only
 
 
-def base(p: int, steps: int) -> list[str]:
-    return ["model=gpt_tiny", f"pipeline.stages={p}", f"pipeline.microbatches={MICROBATCHES}",
+def base(p: int, steps: int, replicas: int = 1) -> list[str]:
+    return ["model=gpt_tiny", f"pipeline.stages={p // replicas}", f"pipeline.microbatches={MICROBATCHES}",
             f"pipeline.microbatch_size={MICROBATCH_SIZE}", f"trainer.steps={steps}", "trainer.val_every=0",
             "trainer.val_batches=1", "trainer.timeline_step=null", "runtime.threads_per_rank=1", "logger=none"]
 
@@ -177,9 +185,14 @@ def results(ranks=(2, 4), repeats: int = 2, steps: int = 16, names: list[str] | 
             for r in range(repeats):
                 # alternate the order between repeats so drifting load hits every schedule alike
                 for name in (names if r % 2 == 0 else names[::-1]):
-                    overrides = [*base(p, steps), *CASES[name], *sized(name, p)]
+                    replicas = 2 if "pipeline.data_parallel=2" in CASES[name] else 1
+                    overrides = [*base(p, steps, replicas), *CASES[name], *sized(name, p)]
                     path = Path(tmp) / f"p{p}-{name}-{r}.json"
-                    calibrations[name].append(calibrate(compose("train", overrides), path))
+                    # a sharded case is calibrated unsharded: the same compute, its whole
+                    # optimizer step, whose share and collectives the simulator prices
+                    # (the replay runs no GATHER, and a sharded step's all-gather is a wait)
+                    plain = [o for o in overrides if not o.startswith(SHARDING)]
+                    calibrations[name].append(calibrate(compose("train", plain), path))
                     simulated[name].append(predict(overrides, path))
                     t, acts = measure(overrides, Path(tmp) / f"p{p}-{name}-{r}", steps)
                     measured[name].append(t)

@@ -106,7 +106,8 @@ def predicted_summary(q, cfg: DictConfig, topology, rank: int) -> dict:
         "kind": "simulated", "source": "pipeflow-search", "rank": rank, "schedule": c.schedule,
         "stages": c.stages, "data_parallel": c.data_parallel, "world_size": c.devices,
         "microbatches": c.microbatches, "virtual_stages": c.virtual_stages, "segments": c.segments,
-        "microbatch_size": c.microbatch_size, "partition": c.partition, "split": c.split,
+        "microbatch_size": c.microbatch_size, "partition": c.partition, "split": c.split, "shard": c.shard,
+        "gather": c.gather if c.shard == "full" else None,
         "num_devices": c.devices, "makespan": q.step_time, "bubble_ratio": q.bubble,
         "peak_memory_bytes": q.peak_memory, "memory_limit_bytes": q.memory_limit, "fits": q.fits,
         "tokens_per_s": q.tokens_per_s, "model": model,
@@ -116,7 +117,7 @@ def predicted_summary(q, cfg: DictConfig, topology, rank: int) -> dict:
         # the run best.yaml (or the sweep's +candidate=cN) trains
         "run_key": run_key({"pipeline": {key: getattr(c, key) for key in ("stages", "microbatches", "virtual_stages",
                                                                           "segments", "microbatch_size",
-                                                                          "data_parallel")},
+                                                                          "data_parallel", "shard", "gather")},
                             "schedule": {"name": c.schedule}, "model": model, "partition": {"name": c.partition},
                             "precision": cfg.precision, "topology": {"name": cfg.topology.name}}),
     }

@@ -69,19 +69,43 @@ def test_a_candidates_overrides_are_a_training_run():
     assert inputs.world_size == 2
     assert (cfg.pipeline.microbatches, cfg.pipeline.microbatch_size, cfg.pipeline.segments) == (4, 2, 2)
     assert (cfg.model.recompute, cfg.partition.name, cfg.schedule.split) == ("full", "parameters", "compute")
+    sharded = Candidate("zb_v", 2, 2, 4, 1, 2, 1, "none", "uniform", "uniform", "full", "chunk")
+    cfg = compose("train", ["model=gpt_tiny", "logger=none", *sharded.overrides()])
+    inputs = prepare_training(cfg)
+    assert inputs.world_size == 4 and (cfg.pipeline.shard, cfg.pipeline.gather) == ("full", "chunk")
+    assert inputs.plan.schedule.shard == "full" and inputs.plan.schedule.meta["gather"] == "chunk"
+    assert sharded.label() == "zb_v p2xdp2 m4x1 v2 zero3-chunk"
+
+
+def test_sharding_is_searched_where_there_are_replicas():
+    """Each pipeline.shard level (full with each gather policy asked for) for candidates
+    with data-parallel replicas; "none" alone without them."""
+    space = SearchSpace(devices=4, global_batch=8, n_layer=4, schedules=["1f1b"], microbatch_sizes=(1,),
+                        recompute=("none",), partitions=("uniform",), gathers=("step", "microbatch"))
+    got = {(c.data_parallel, c.shard, c.gather) for c in candidates(space)}
+    assert got == {(1, "none", "step"), *{(dp, sh, g) for dp in (2, 4) for sh, g in
+                                          [("none", "step"), ("optimizer", "step"), ("gradients", "step"),
+                                           ("full", "step"), ("full", "microbatch")]}}
 
 
 # ------------------------------------------------------------------------- closed form
 
+SHARDINGS = [("optimizer", "step"), ("gradients", "step"), ("full", "step"), ("full", "chunk"),
+             ("full", "microbatch")]
+
+
 @pytest.mark.parametrize("name", SYNC)
 def test_closed_form_memory_is_the_simulators(name):
     """The walk of each device's order gives the simulator's peak, model state and all,
-    for any bytes per stage: with and without recomputation and the zero-bubble residual."""
+    for any bytes per stage: with and without recomputation and the zero-bubble residual,
+    and with 2 replicas each sharding level and gather policy (their reductions, shards,
+    gathers: the first replica's walk, its slices priced for the replicas)."""
     _, pricer = _pricer(model="gpt_small", devices=8)
     for v, s, m in _sizes(name):
         for recompute in ("none", "full"):
-            for dp in (1, 2):
-                c = Candidate(name, 4, dp, m, 2, v, s, recompute, "parameters")
+            for dp, shard, gather in [(1, "none", "step"), (2, "none", "step"),
+                                      *[(2, *x) for x in SHARDINGS if recompute == "none"]]:
+                c = Candidate(name, 4, dp, m, 2, v, s, recompute, "parameters", "uniform", shard, gather)
                 closed, simulated = pricer.closed_form(c), pricer.simulated(c)
                 assert not isinstance(closed, str), closed
                 assert closed.peak_memory == pytest.approx(simulated.peak_memory, rel=1e-9), c.label()

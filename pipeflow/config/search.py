@@ -12,7 +12,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from pipeflow.families import family_of
-from pipeflow.planning.search import (GIB, PARTITIONS, RECOMPUTE, SPLITS, Pricer, SearchSpace, default_schedules,
+from pipeflow.planning.search import (GATHERS, GIB, PARTITIONS, RECOMPUTE, SHARDS, SPLITS, Pricer, SearchSpace, default_schedules,
                                       searchable)
 from pipeflow.planning.search.host import fitted_host
 from pipeflow.planning.transformer import TransformerSpec
@@ -40,6 +40,8 @@ class SearchOptions:
     recompute: List[str] = field(default_factory=lambda: list(RECOMPUTE))
     partitions: List[str] = field(default_factory=lambda: list(PARTITIONS))
     splits: List[str] = field(default_factory=lambda: list(SPLITS))
+    shard: List[str] = field(default_factory=lambda: list(SHARDS))  # pipeline.shard of candidates with replicas
+    gather: List[str] = field(default_factory=lambda: ["step"])  # pipeline.gather of shard=full candidates
     simulate: int = 16  # the fastest fitting candidates simulated (plus each schedule's fastest)
     workers: Optional[int] = None  # processes pricing side by side; null: one per core this process may use
     # topology=local_cpu: calibration.json files of this model (python -m pipeflow.calibrate), one or several
@@ -170,7 +172,8 @@ def prepare_search(cfg: DictConfig) -> SearchInputs:
         segments=_whole("search.segments", opts.segments),
         recompute=_choices("search.recompute", opts.recompute, RECOMPUTE),
         partitions=_choices("search.partitions", opts.partitions, PARTITIONS),
-        splits=_choices("search.splits", opts.splits, SPLITS))
+        splits=_choices("search.splits", opts.splits, SPLITS),
+        shards=_choices("search.shard", opts.shard, SHARDS), gathers=_choices("search.gather", opts.gather, GATHERS))
     if space.stages is not None and not space.stage_counts():
         raise ConfigError(f"search.stages={list(space.stages)}: none divides the {space.devices} devices")
     pricer = Pricer(spec, topology, float(cfg.cost.efficiency), dtype, float(cfg.cost.get("overlap") or 0.0),

@@ -51,11 +51,14 @@ def finish_sync(
     num_segments: int = 1,
     meta: dict | None = None,
     overlapped: tuple = (),
+    replicated: bool | None = None,
 ) -> Schedule:
     """Close a synchronous iteration: after the last weight-gradient action of each
     replicated stage on a device, issue its REDUCE (so the all-reduce overlaps the
-    remaining work, as Chimera does); then STEP every stage the device holds."""
-    replicated = placement.num_pipes > 1
+    remaining work, as Chimera does); then STEP every stage the device holds.
+    ``replicated``: whether stages have replicas (None: whether the placement has more
+    than one pipe; True: as one replica among several, see data_parallel.as_replica)."""
+    replicated = placement.num_pipes > 1 if replicated is None else replicated
     out: list[list[Action]] = []
     for dev, order in enumerate(orders):
         last_wgrad: dict[tuple[int, int], int] = {}

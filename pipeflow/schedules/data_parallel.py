@@ -95,6 +95,17 @@ def replicate_onto(replicas: Sequence[Schedule], devices: Sequence[Sequence[int]
                        num_segments=first.num_segments, meta=meta, overlapped=tuple(overlapped))
 
 
+def as_replica(schedule: Schedule) -> Schedule:
+    """The first replica's lists of ``replicate(schedule, n)``, for any n >= 2, on the
+    schedule's own placement: its orders with each stage's REDUCE where the replicated
+    step issues it. What the search walks for a replica's memory without building the
+    other replicas (pipeflow.planning.search.closed_form)."""
+    orders = [[a for a in order if a.kind not in (Kind.REDUCE, Kind.STEP)] for order in schedule.orders]
+    return finish_sync(schedule.name, schedule.graph, schedule.placement, orders, schedule.num_microbatches,
+                       pipe_of_microbatch=schedule.pipe_of_microbatch, num_segments=schedule.num_segments,
+                       meta=dict(schedule.meta), overlapped=schedule.overlapped, replicated=True)
+
+
 def pipeline_shape(schedule: Schedule, stages: int) -> dict:
     """What a run's summary says of its shape: ``stages`` (``pipeline.stages``, or a plan's
     own stage count) and ``data_parallel`` (the replicas of the pipeline, from

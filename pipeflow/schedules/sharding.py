@@ -38,13 +38,14 @@ from .ir import Action, Kind, Schedule
 GATHER_POLICIES = ("step", "chunk", "microbatch")
 
 
-def with_gathers(schedule: Schedule, policy: str) -> Schedule:
+def with_gathers(schedule: Schedule, policy: str, every_stage: bool = False) -> Schedule:
     """``schedule`` with its GATHER and FREE actions (module docstring); its ``meta``
-    records the policy under ``"gather"``."""
+    records the policy under ``"gather"``. ``every_stage``: every stage counts as
+    replicated (one replica's lists, data_parallel.as_replica)."""
     if policy not in GATHER_POLICIES:
         raise ValueError(f"pipeline.gather={policy}: allowed values: {', '.join(GATHER_POLICIES)}")
     table = schedule.placement.table
-    replicated = {s for s in range(schedule.num_stages) if len({row[s] for row in table}) > 1}
+    replicated = {s for s in range(schedule.num_stages) if every_stage or len({row[s] for row in table}) > 1}
     partner = schedule.overlap_partner()  # an overlapped F&B pair stays one unit: gathered around both
     orders = []
     for order in schedule.orders:

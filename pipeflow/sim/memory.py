@@ -54,14 +54,16 @@ COMPARED["activations"] = (("activations", "kv"), ("activations",))
 COMPARED.update({c: ((c,), (c,)) for c in ("residuals", "outputs", "inputs", "temporaries")})
 
 
-def tapes(schedule) -> list[Tape]:
-    """Each device's :class:`Tape`, walking its actions in its order (a device runs them
-    one at a time, so the order is the time order; no timeline is needed)."""
+def tapes(schedule, devices=None, replicas: int = 1) -> list[Tape]:
+    """Each device's :class:`Tape` (of ``devices`` only, where given), walking its actions
+    in its order (a device runs them one at a time, so the order is the time order; no
+    timeline is needed). ``replicas``: the schedule is one replica among that many, each
+    stage's copies that many times its own (data_parallel.as_replica's lists)."""
     placement, graph = schedule.placement, schedule.graph
     nseg = max(1, schedule.num_segments)
     owners = zero_owners(placement) if getattr(schedule, "zero", False) else None
     # the stages held by more than one device: their REDUCE flattens the gradients
-    count = {s: len({row[s] for row in placement.table}) for s in range(len(placement.table[0]))}
+    count = {s: replicas * len({row[s] for row in placement.table}) for s in range(len(placement.table[0]))}
     replicated = {s for s, c in count.items() if c > 1}
     shard = getattr(schedule, "shard", "none")  # pipeline.shard: what the replicas of a stage shard
     sliced = replicated if shard != "none" else set()  # ZeRO-1/2/3: each replica a slice
@@ -83,7 +85,8 @@ def tapes(schedule) -> list[Tape]:
     position = action_positions(schedule)
 
     out = []
-    for d, order in enumerate(schedule.orders):
+    for d in range(len(schedule.orders)) if devices is None else devices:
+        order = schedule.orders[d]
         index: dict[tuple, int] = {}
         steps: list[tuple] = []
         ap = steps.append
@@ -169,7 +172,7 @@ def tapes(schedule) -> list[Tape]:
                     flats.append(key("flat_gradients", s))  # for the reduce-scatter; then they
                     ap((_TEMP, flats[-1], 1))  # go, and this replica's slice arrives
                     ap((-1, -1, 0))
-                    ap((GRADS, flats[-1], -1))
+                    ap((GRADS, key("scattered_gradients", s), -1))
                     for r in (r for r in reps if r[1] == s):
                         scattered[r] = key("gradient_slice", s, count[s])
                         ap((GRADS, scattered[r], 1))
@@ -196,7 +199,7 @@ def tapes(schedule) -> list[Tape]:
                     else key("step_workspace_bytes", stage), 0))
                 if rep in scattered:  # ZeRO-2: what is left of its gradients, the tied copy's and the slice
                     ap((GRADS, key("state", stage, "gradients"), -1))
-                    ap((GRADS, key("flat_gradients", stage), 1))
+                    ap((GRADS, key("scattered_gradients", stage), 1))
                     ap((GRADS, scattered.pop(rep), -1))
                     grads_on.discard(rep)
                 elif rep in grads_on:

@@ -81,6 +81,10 @@ def term_value(key: tuple, cost, per_device=None, cache: dict | None = None) -> 
         flat = term_value(("flat_parameters", key[1]), cost, per_device, cache)
         v = max((2.0 if key[3] == "optimizer" else 1.0) * flat / key[2],  # (ZeRO-3: as ZeRO-2)
                 tied * (2.0 if getattr(cost, "step_per_tensor", False) else 1.0))
+    elif name == "scattered_gradients":  # (name, stage): ZeRO-2/3's gradients that go at the
+        # reduce-scatter, the tied copy's apart (the flat's bytes; a term of its own, so that
+        # the search can price a walk of ZeRO-2 as ZeRO-1's: pipeflow.planning.search)
+        v = term_value(("flat_gradients", key[1]), cost, per_device, cache)
     elif name == "gradient_slice":  # (name, stage, replicas): ZeRO-2's slice of the summed gradient
         v = term_value(("flat_gradients", key[1]), cost, per_device, cache) / key[2]
     elif name == "flat_parameters":  # (name, stage): a fully sharded stage's fp32 parameters as a

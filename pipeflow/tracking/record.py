@@ -21,11 +21,11 @@ from typing import Any
 
 # The configuration key: a simulated run predicts a measured one when all of these agree.
 KEY_FIELDS = ("schedule", "stages", "microbatches", "virtual_stages", "segments", "microbatch_size", "model",
-              "attention", "precision", "recompute", "partition", "data_parallel", "topology")
+              "attention", "precision", "recompute", "partition", "data_parallel", "shard", "topology")
 
 # How a field reads in a sentence, where its name alone would not say it
 _SPOKEN = {"microbatch_size": "microbatch size", "virtual_stages": "virtual stages", "data_parallel":
-           "data-parallel replicas", "recompute": "recomputation"}
+           "data-parallel replicas", "recompute": "recomputation", "shard": "sharding"}
 
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:
@@ -61,8 +61,15 @@ def run_key(cfg: Mapping, *, schedule: str | None = None, stages: int | None = N
         # the planner's cut is schedule=planned's own: it counts as the uniform one
         "partition": "uniform" if cut == "planner" else cut,
         "data_parallel": _int(data_parallel if data_parallel is not None else _get(pipe, "data_parallel", 1)),
+        # what the replicas shard (full: and when they gather, "full/step")
+        "shard": _shard(pipe),
         "topology": _get(_get(cfg, "topology", {}), "name"),
     }
+
+
+def _shard(pipe) -> str:
+    shard = _get(pipe, "shard", "none") or "none"
+    return f"full/{_get(pipe, 'gather', 'step') or 'step'}" if shard == "full" else shard
 
 
 def key_tuple(key: Mapping) -> tuple:

@@ -21,9 +21,10 @@ from typing import Callable
 
 from .price import CLOSED_FORM, SIMULATED, Priced, Pricer, pareto
 from .progress import Progress
-from .space import PARTITIONS, RECOMPUTE, SPLITS, Candidate, SearchSpace, candidates, default_schedules, searchable
+from .space import (GATHERS, PARTITIONS, RECOMPUTE, SHARDS, SPLITS, Candidate, SearchSpace, candidates,
+                    default_schedules, searchable)
 
-__all__ = ["CLOSED_FORM", "SIMULATED", "PARTITIONS", "RECOMPUTE", "SPLITS", "Candidate", "NothingFits", "Priced", "Pricer",
+__all__ = ["CLOSED_FORM", "SIMULATED", "GATHERS", "PARTITIONS", "RECOMPUTE", "SHARDS", "SPLITS", "Candidate", "NothingFits", "Priced", "Pricer",
            "SearchResult", "SearchSpace", "candidates", "default_schedules", "default_workers", "pareto", "search", "searchable"]
 
 GIB = 2**30

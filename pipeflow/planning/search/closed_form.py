@@ -31,6 +31,8 @@ from typing import Callable
 import numpy as np
 
 from pipeflow.schedules.common import ScheduleConfigError
+from pipeflow.schedules.data_parallel import as_replica
+from pipeflow.schedules.sharding import gathers_per_step, with_gathers
 from pipeflow.schedules.ir import Kind, Schedule, WeightPolicy
 from pipeflow.schedules.registry import build_schedule
 from pipeflow.sim.memory import tapes
@@ -128,6 +130,47 @@ class Structure:
         self.overlapped = len(sched.overlapped)
         self.microbatches_per_update = sched.microbatches_per_step or sched.num_microbatches
         self.updates = max(1, sched.num_microbatches // self.microbatches_per_update) if self.asynchronous else 1
+        self._replicated: dict[tuple, tuple] = {}
+
+    def replicated(self, shard: str, gather: str) -> tuple[Peaks, dict]:
+        """(memory, all-gathers a step per stage) of one replica among data-parallel ones,
+        each stage's replicas sharding ``shard`` (pipeline.shard, gathering by ``gather``
+        under full): one replica's walks (as_replica: its REDUCE's flats, its shards, its
+        GATHERs and FREEs) as if among 2; :func:`priced_as` says what each term is for a
+        level and a number of replicas, which changes no order. One walk, ZeRO-2's, serves
+        none, ZeRO-1 and ZeRO-2: theirs differ only in what its terms are worth (nothing
+        goes at the REDUCE, the optimizer state or its step whole or sliced)."""
+        walk = ("full", gather) if shard == "full" else ("gradients", "")
+        got = self._replicated.get(walk)
+        if got is None:  # (one replica's lists: the others walk alike)
+            sched = as_replica(self.schedule)
+            if shard == "full":
+                sched = with_gathers(sched, gather, every_stage=True)
+            sched.shard = walk[0]
+            got = self._replicated[walk] = (Peaks(tapes(sched, replicas=2)), gathers_per_step(sched))
+        return got
+
+
+# the memory terms that carry a stage's replica count (pipeflow.sim.memory_terms)
+_SLICED = frozenset({"sharded_optimizer_state", "gradient_slice", "own_share", "parameter_shard",
+                     "sharded_step_workspace"})
+
+
+def priced_as(key: tuple, shard: str, replicas: int) -> tuple:
+    """A term of a walk built with 2 replicas (ZeRO-2's, or ZeRO-3's), as ``shard`` with
+    ``replicas`` prices it: a stage's count of copies is its copies in one replica
+    (Chimera's 2) times the replicas; without ZeRO-2's reduce-scatter nothing goes at
+    the REDUCE and no slice arrives; without sharding the state and the step are whole."""
+    name = key[0]
+    if shard in ("none", "optimizer") and name in ("scattered_gradients", "gradient_slice"):
+        return ("nothing",)
+    if shard == "none" and name == "sharded_optimizer_state":
+        return ("state", key[1], "optimizer_state")
+    if shard == "none" and name == "sharded_step_workspace":
+        return ("step_workspace_bytes", key[1])
+    if name == "sharded_step_workspace":
+        return (name, key[1], key[2] * replicas // 2, shard)
+    return (*key[:2], key[2] * replicas // 2, *key[3:]) if name in _SLICED else key
 
 
 class StructureCache:

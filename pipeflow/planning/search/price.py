@@ -16,6 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from pipeflow.schedules.data_parallel import replicate
+from pipeflow.schedules.sharding import with_gathers
 from pipeflow.sim.engine import simulate
 from pipeflow.sim.memory import device_memory, library_workspace, term_value
 from pipeflow.topology.topology import Topology
@@ -24,7 +25,7 @@ from ..cost import AnalyticCost
 from ..partition import partition_layers
 from ..seqsplit import split_sequence
 from ..transformer import TransformerSpec, kv_repeat_on
-from .closed_form import Structure, StructureCache, idle_formula
+from .closed_form import Structure, StructureCache, idle_formula, priced_as
 from .space import Candidate
 
 CLOSED_FORM, SIMULATED = "closed form", "simulated"
@@ -160,17 +161,24 @@ class Pricer:
         m1 = 4 * p + (m - 4 * p) % (2 * p)
         return (m1, m1 - 2 * p)
 
-    def _needs(self, st: Structure, cost: AnalyticCost) -> np.ndarray:
+    def _needs(self, st: Structure, cost: AnalyticCost, c: Candidate) -> np.ndarray:
         """Bytes each device of one replica needs at its peak, as the simulator's memory
-        walk counts them (model state, activations, messages, workspaces)."""
-        key = (id(cost), id(st))
+        walk counts them (model state, activations, messages, workspaces; with replicas,
+        their reductions' buffers and what they shard)."""
+        replicas = c.data_parallel > 1 and not st.asynchronous
+        key = (id(cost), id(st), *((c.shard, c.gather, c.data_parallel) if replicas else ()))
         got = self._needs_cache.get(key)
         if got is not None:
             return got
         values = self._terms.setdefault(id(cost), {})
-        mem = st.memory
+        if replicas:  # (the walk's terms as this level and these replicas price them)
+            mem = st.replicated(c.shard, c.gather)[0]
+            terms = [priced_as(k, c.shard, c.data_parallel) for k in mem.terms]
+        else:
+            mem = st.memory
+            terms = mem.terms
         got = self._needs_cache[key] = mem.peaks(
-            [v if (v := values.get(k)) is not None else term_value(k, cost, None, values) for k in mem.terms])
+            [v if (v := values.get(k)) is not None else term_value(k, cost, None, values) for k in terms])
         return got
 
     def _worst(self, c: Candidate, needs: np.ndarray) -> tuple[float, float, int]:
@@ -214,15 +222,15 @@ class Pricer:
         scale = c.microbatches / sizes[0]  # every device's work grows with m
         sched, topo = st.schedule, self.topology
         p = sched.num_devices
-        per = []  # (work, F, I, W per unit, optimizer step) of each device
+        per = []  # (work, F, I, W per unit, optimizer step, device) of each device
         busy_all = 0.0
         for d in range(p):
             f, i, w, step, units = self._work(st, cost, d, scale)
             busy_all += f + i + w + step
             if units:
-                per.append((f + i + w, f / units, i / units, w / units, step))
+                per.append((f + i + w, f / units, i / units, w / units, step, d))
         busiest = max(per, key=lambda x: x[0] + x[4])
-        work, step = busiest[0], busiest[4]
+        work, step, busiest_device = busiest[0], busiest[4], busiest[5]
         # the fill and the drain pass through the other devices: the bubble formula takes
         # their mean unit times (the busiest device's own with one device)
         others = [x for x in per if x is not busiest] or [busiest]
@@ -234,7 +242,8 @@ class Pricer:
         msg = self.tables(cost).message
         hop = max((topo.transfer_time(sched.placement.device(0, s), sched.placement.device(0, s + 1), msg)
                    for s in range(sched.num_stages - 1)), default=0.0)
-        waits = idle + 2 * (p - 1) * hop + self._exposed_allreduce(c, st, cost) + self.tied_sync(c, st)
+        step, sharding = self._sharded_step(c, st, cost, busiest_device, step, scale)
+        waits = idle + 2 * (p - 1) * hop + self._exposed_allreduce(c, st, cost) + self.tied_sync(c, st) + sharding
         if st.asynchronous:  # per update, in the steady state
             work, waits, busy_all = work / st.updates, 0.0, busy_all / st.updates
         total = work + step + waits
@@ -244,9 +253,9 @@ class Pricer:
             agg = max(n * topo.compute_rate(n) for n in range(1, c.devices + 1))
             total = max(total, busy_all * c.data_parallel / agg)
         bubble = max(0.0, 1 - busy_all / (p * total)) if total > 0 else 0.0
-        needs = self._needs(st, cost)
+        needs = self._needs(st, cost, c)
         if len(built) > 1:  # each device's peak extrapolated from two smaller sizes: saturating ones stay
-            lower = self._needs(built[1], cost)
+            lower = self._needs(built[1], cost, c)
             needs = needs + (needs - lower) * (c.microbatches - sizes[0]) / (sizes[0] - sizes[1])
         peak, limit, worst = self._worst(c, needs)
         return Priced(c, CLOSED_FORM, total, work + step, waits, bubble, peak, limit, worst,
@@ -270,10 +279,40 @@ class Pricer:
                                                                   4.0 * self.spec.vocab_size * self.spec.n_embd)
         return got
 
+    def _ring(self, ring: tuple, nbytes: float, what: str) -> float:
+        key = (ring, nbytes, what)
+        got = self._rings.get(key)
+        if got is None:
+            fn = {"all-reduce": self.topology.allreduce_time, "all-gather": self.topology.allgather_time,
+                  "reduce-scatter": self.topology.reducescatter_time}[what]
+            got = self._rings[key] = fn(ring, nbytes)
+        return got
+
+    def _sharded_step(self, c: Candidate, st: Structure, cost: AnalyticCost, d: int, step: float,
+                      scale: float) -> tuple[float, float]:
+        """(the busiest device's optimizer step, the all-gathers it waits for) under
+        ``c.shard``: a slice's step (1/data_parallel of it); ZeRO-1/2 then all-gather each
+        stage's weights, ZeRO-3 gathers them where its GATHERs stand, every one counted
+        exposed (the simulator's pass over the fastest candidates sees what overlaps)."""
+        if c.shard == "none" or c.data_parallel == 1 or st.asynchronous:
+            return step, 0.0
+        p = st.schedule.num_devices
+        params = self.tables(cost).params
+        gathers = st.replicated(c.shard, c.gather)[1] if c.shard == "full" else {}
+        waited = 0.0
+        for s in st.stages_on[d]:
+            ring = tuple(r * p + dd for r in range(c.data_parallel) for dd in st.replica_devices[s])
+            # (a stand-in size's count, scaled with m but once a step)
+            n = max((k for (pipe, stage), k in gathers.items() if stage == s), default=0) * \
+                (1.0 if c.gather == "step" else scale) if c.shard == "full" else 1.0
+            waited += n * self._ring(ring, float(params[s]), "all-gather")
+        return step / c.data_parallel, waited
+
     def _exposed_allreduce(self, c: Candidate, st: Structure, cost: AnalyticCost) -> float:
-        """The all-reduces the last device to finish its backward waits for: each stage's
+        """The reductions the last device to finish its backward waits for: each stage's
         replicas (data-parallel copies, and Chimera's second pipeline) reduce after its
-        last weight gradient, one stage after another on a device."""
+        last weight gradient, one stage after another on a device (ZeRO-2/3: a
+        reduce-scatter)."""
         p = st.schedule.num_devices
         if c.data_parallel == 1 and st.schedule.placement.num_pipes == 1:
             return 0.0
@@ -284,11 +323,8 @@ class Pricer:
             for s in st.stages_on[d]:
                 ring = tuple(r * p + dd for r in range(c.data_parallel) for dd in st.replica_devices[s])
                 if len(ring) > 1:
-                    key = (ring, float(params[s]))
-                    got = self._rings.get(key)
-                    if got is None:
-                        got = self._rings[key] = self.topology.allreduce_time(ring, params[s])
-                    t += got
+                    t += self._ring(ring, float(params[s]),
+                                    "reduce-scatter" if c.shard in ("gradients", "full") else "all-reduce")
             worst = max(worst, t)
         return worst
 
@@ -302,6 +338,9 @@ class Pricer:
         if isinstance(st, str) or isinstance(cost, str):
             raise ValueError(st if isinstance(st, str) else cost)
         sched = replicate(st.schedule, c.data_parallel) if c.data_parallel > 1 else st.schedule
+        if c.shard != "none" and c.data_parallel > 1:  # (what pipeflow.config.assembly.sharded does)
+            sched = with_gathers(sched, c.gather) if c.shard == "full" else sched
+            sched.shard = c.shard
         res = simulate(sched, cost, self.topology, record=False, waits=False)
         per = res.per_device
         busiest = max(per, key=lambda d: d.busy)

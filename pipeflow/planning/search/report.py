@@ -6,6 +6,7 @@ and the top candidates as configs the sweep ``sweeps/search_top.yaml`` trains.""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 from pathlib import Path
 
@@ -91,6 +92,7 @@ def format_search(result: SearchResult, model: str, topology: str, devices: int,
         f"pick          {b.candidate.label()}: {duration(b.step_time)} a step, {b.tokens_per_s:,.0f} tokens/s, "
         f"peak {b.peak_memory / GIB:.1f} of {b.memory_limit / GIB:.0f} GiB (simulated)",
         f"              pipeflow-train {' '.join(b.candidate.overrides())}",
+        *sharding_lines(result),
         "",
         "top candidates (simulated; 'closed form' is the pre-filter's estimate):",
         *top_table(result, rows),
@@ -102,6 +104,36 @@ def format_search(result: SearchResult, model: str, topology: str, devices: int,
         *oom_lines(result, min(rows, 5)),
     ]
     return "\n".join(lines)
+
+
+def only_sharded(result: SearchResult) -> list[tuple[Priced, Priced]]:
+    """(candidate, its unsharded twin) for every candidate that fits only because its
+    replicas shard (``pipeline.shard``): the twin, the same but unsharded, does not."""
+    twins = {q.candidate: q for q in result.closed if q.candidate.shard == "none"}
+    out = []
+    for q in result.ranked + [q for q in result.closed if q.fits and q.how != "simulated"]:
+        if q.candidate.shard != "none":
+            twin = twins.get(dataclasses.replace(q.candidate, shard="none", gather="step"))
+            if twin is not None and not twin.fits:
+                out.append((q, twin))
+    return out
+
+
+def sharding_lines(result: SearchResult) -> list[str]:
+    """What sharding the replicas does for the search: how many candidates fit only
+    sharded, and whether the pick is one of them."""
+    pairs = only_sharded(result)
+    if not pairs:
+        return []
+    fitting = {q.candidate for q in result.closed if q.fits}
+    b = result.best
+    lines = [f"sharding      {len({q.candidate for q, _ in pairs})} of the {len(fitting)} candidates that fit do so "
+             f"only because their replicas shard (pipeline.shard)"]
+    mine = next((twin for q, twin in pairs if q.candidate == b.candidate), None)
+    if mine is not None:
+        lines.append(f"              the pick fits only sharded: unsharded it needs {mine.peak_memory / GIB:.1f} GiB "
+                     f"(closed form)")
+    return lines
 
 
 _TEXT = ("candidate", "its fastest", "schedule", "why it lost")  # left-aligned columns
@@ -159,7 +191,8 @@ def _keys(c, attention: str, precision: str) -> list[str]:
     with and its split as YAML lines."""
     lines = [f"precision: {precision}", "pipeline:"]
     lines += [f"  {key}: {getattr(c, key)}" for key in
-              ("stages", "microbatches", "virtual_stages", "segments", "microbatch_size", "data_parallel")]
+              ("stages", "microbatches", "virtual_stages", "segments", "microbatch_size", "data_parallel", "shard")]
+    lines += [f"  gather: {c.gather}"] if c.shard == "full" else []
     lines += ["model:", f"  recompute: {c.recompute}", f"  attention: {attention}"]
     return lines + (["schedule:", f"  split: {c.split}"] if c.segments > 1 else [])
 

@@ -1,6 +1,6 @@
 """What the schedule search walks: every (schedule, stages, data parallelism,
-microbatches, microbatch size, chunks, segments, recomputation, partition) that uses the
-devices and the global batch it is given.
+microbatches, microbatch size, chunks, segments, recomputation, partition, sharding of
+the replicas) that uses the devices and the global batch it is given.
 
 A candidate runs ``data_parallel`` replicas of a ``stages``-device pipeline on
 ``stages x data_parallel`` devices (all of them), each replica ``microbatches``
@@ -18,6 +18,8 @@ from pipeflow.schedules.registry import get_spec, specs
 from pipeflow.schedules.spec import ScheduleSpec
 
 RECOMPUTE = ("none", "selective", "full")
+SHARDS = ("none", "optimizer", "gradients", "full")  # pipeline.shard (with data parallelism)
+GATHERS = ("step", "chunk", "microbatch")  # pipeline.gather (with pipeline.shard=full)
 PARTITIONS = ("uniform", "parameters")
 SPLITS = ("uniform", "compute")
 
@@ -36,6 +38,8 @@ class Candidate:
     recompute: str = "none"  # model.recompute
     partition: str = "uniform"  # partition.name
     split: str = "uniform"  # schedule.split: how a segmented schedule cuts the sequence (uniform, compute)
+    shard: str = "none"  # pipeline.shard: what the data-parallel replicas of a stage shard
+    gather: str = "step"  # pipeline.gather: when a fully sharded stage gathers (shard=full only)
 
     @property
     def devices(self) -> int:
@@ -51,7 +55,9 @@ class Candidate:
                 f"pipeline.data_parallel={self.data_parallel}", f"pipeline.microbatches={self.microbatches}",
                 f"pipeline.microbatch_size={self.microbatch_size}", f"pipeline.virtual_stages={self.virtual_stages}",
                 f"pipeline.segments={self.segments}", f"model.recompute={self.recompute}",
-                f"partition={self.partition}", *([f"schedule.split={self.split}"] if self.segments > 1 else [])]
+                f"partition={self.partition}", *([f"schedule.split={self.split}"] if self.segments > 1 else []),
+                *([f"pipeline.shard={self.shard}"] if self.shard != "none" else []),
+                *([f"pipeline.gather={self.gather}"] if self.shard == "full" else [])]
 
     def label(self) -> str:
         """A short name: 1f1b p4xdp2 m8x2 v2 s4 full params."""
@@ -67,6 +73,8 @@ class Candidate:
             out.append(self.partition)
         if self.split != "uniform":
             out.append(f"{self.split}-split")
+        if self.shard != "none":  # ZeRO-1, 2, 3 (and when a fully sharded stage gathers)
+            out.append({"optimizer": "zero1", "gradients": "zero2"}.get(self.shard, f"zero3-{self.gather}"))
         return " ".join(out)
 
     def to_dict(self) -> dict:
@@ -88,6 +96,8 @@ class SearchSpace:
     recompute: Sequence[str] = RECOMPUTE
     partitions: Sequence[str] = PARTITIONS
     splits: Sequence[str] = SPLITS  # for schedules that cut sequences into segments
+    shards: Sequence[str] = SHARDS  # for candidates with data-parallel replicas
+    gathers: Sequence[str] = ("step",)  # for shards=full
     skipped: dict = field(default_factory=dict)  # why combinations were left out -> how many
 
     def stage_counts(self) -> list[int]:
@@ -149,4 +159,14 @@ def candidates(space: SearchSpace) -> Iterator[Candidate]:
                             for r in space.recompute:
                                 # one stage: every partition is the same
                                 for part in (space.partitions if p * v > 1 else space.partitions[:1]):
-                                    yield Candidate(name, p, dp, per_replica, int(mbs), v, s, r, part, split)
+                                    for shard, gather in _shardings(space, dp, spec):
+                                        yield Candidate(name, p, dp, per_replica, int(mbs), v, s, r, part, split,
+                                                        shard, gather)
+
+
+def _shardings(space: SearchSpace, dp: int, spec: ScheduleSpec) -> list[tuple[str, str]]:
+    """(pipeline.shard, pipeline.gather) options: with replicas each level asked for (full
+    with each gather policy), without them (or asynchronous) none but "none"."""
+    if dp == 1 or spec.asynchronous:
+        return [("none", "step")]
+    return [(sh, g) for sh in space.shards for g in (space.gathers if sh == "full" else ("step",))]
