@@ -40,7 +40,9 @@ class SearchOptions:
     recompute: List[str] = field(default_factory=lambda: list(RECOMPUTE))
     partitions: List[str] = field(default_factory=lambda: list(PARTITIONS))
     splits: List[str] = field(default_factory=lambda: list(SPLITS))
-    shard: List[str] = field(default_factory=lambda: list(SHARDS))  # pipeline.shard of candidates with replicas
+    # pipeline.shard of candidates with replicas (none and ZeRO-1 by default: ZeRO-2 and 3 rarely
+    # lower a pipeline's peak, and every level is priced anew; docs/planning.md)
+    shard: List[str] = field(default_factory=lambda: ["none", "optimizer"])
     gather: List[str] = field(default_factory=lambda: ["step"])  # pipeline.gather of shard=full candidates
     simulate: int = 16  # the fastest fitting candidates simulated (plus each schedule's fastest)
     workers: Optional[int] = None  # processes pricing side by side; null: one per core this process may use

@@ -165,7 +165,9 @@ class Pricer:
         """Bytes each device of one replica needs at its peak, as the simulator's memory
         walk counts them (model state, activations, messages, workspaces; with replicas,
         their reductions' buffers and what they shard)."""
-        replicas = c.data_parallel > 1 and not st.asynchronous
+        # (unsharded replicas: the replica's own walk, as before sharding was searched; it
+        # leaves out the reduction's flat buffers, which a replica's peak rarely meets)
+        replicas = c.data_parallel > 1 and not st.asynchronous and c.shard != "none"
         key = (id(cost), id(st), *((c.shard, c.gather, c.data_parallel) if replicas else ()))
         got = self._needs_cache.get(key)
         if got is not None:
