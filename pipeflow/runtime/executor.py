@@ -370,14 +370,14 @@ class Executor(MessageIO):
         self._sync_tied()
         scale = None if self.scaler is None else self.scaler.scale
         scattered = [st.optimizer for st in self.stages.values() if getattr(st.optimizer, "scatter", False)]
+        slices = [g for opt in scattered for g in opt.slices()]  # ZeRO-2/3: this replica's of the gradients
         if scale is not None:  # fp16: back to the true gradients (an overflow stays inf)
             for st in self.stages.values():
                 for p in st.params:
                     if p.grad is not None:
                         p.grad.mul_(1.0 / scale)
-            for opt in scattered:
-                for g in opt.slices():
-                    g.mul_(1.0 / scale)
+            for g in slices:
+                g.mul_(1.0 / scale)
         if self.on_grads is not None:
             for opt in scattered:  # the dump's whole gradients, gathered (a test hook's cost)
                 opt.whole_gradients()
@@ -395,9 +395,8 @@ class Executor(MessageIO):
             for p in st.params:
                 if p.grad is not None and pipe == 0 and (id(p) not in tied or st.first):
                     sq += p.grad.detach().double().pow(2).sum()
-        for opt in scattered:
-            for g in opt.slices():
-                sq += g.double().pow(2).sum()
+        for g in slices:
+            sq += g.double().pow(2).sum()
         vec = torch.stack([sq, loss_sum.double()])
         dist.all_reduce(vec)
         norm = math.sqrt(vec[0].item())
@@ -410,9 +409,8 @@ class Executor(MessageIO):
                     for p in st.params:
                         if p.grad is not None:
                             p.grad.mul_(coef)
-                for opt in scattered:
-                    for g in opt.slices():
-                        g.mul_(coef)
+                for g in slices:
+                    g.mul_(coef)
         return norm, vec[1].item(), scale
 
     def _sync_tied(self) -> None:
