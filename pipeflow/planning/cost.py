@@ -307,11 +307,14 @@ class AnalyticCost(BackwardWorkingSet, HeldOutputs, CostModel):
         kv_width = spec.kv_heads * spec.head_dim
         last = self.num_stages - 1
         split = self.num_segments > 1
-        fwd, wgt, act, res, extra, trans, kvg, iws = [], [], [], [], [], [], [], []
+        # a stage's rows depend on its layers, first or not, last or not: built once per kind
+        ones = [layer_cost(spec, x, P, b, dt, segmented=split) for x, P in zip(self.segment_lengths, self.prefixes)]
+        rows: dict[tuple, tuple] = {}
         for s, n in enumerate(self.layers_per_stage):
+            if (kind := (n, s == 0, s == last)) in rows:
+                continue
             f_row, w_row, a_row, r_row, e_row, t_row, g_row, i_row = [], [], [], [], [], [], [], []
-            for x, P in zip(self.segment_lengths, self.prefixes):
-                one = layer_cost(spec, x, P, b, dt, segmented=split)
+            for one, x, P in zip(ones, self.segment_lengths, self.prefixes):
                 f = n * one.forward
                 w = n * one.weight
                 e = n * one.recompute  # FLOPs the backward spends recomputing (model.recompute)
@@ -347,14 +350,9 @@ class AnalyticCost(BackwardWorkingSet, HeldOutputs, CostModel):
                 a_row.append(float(a))
                 r_row.append(float(r))
                 t_row.append(float(t))
-            fwd.append(f_row)
-            iws.append(i_row)
-            trans.append(t_row)
-            kvg.append(g_row)
-            extra.append(e_row)
-            wgt.append(w_row)
-            act.append(a_row)
-            res.append(r_row)
+            rows[kind] = (f_row, i_row, t_row, g_row, e_row, w_row, a_row, r_row)
+        fwd, iws, trans, kvg, extra, wgt, act, res = zip(*(rows[(n, s == 0, s == last)]
+                                                          for s, n in enumerate(self.layers_per_stage)))
         # recomputation runs in B, or in I (the first to unpack what the region saved)
         self._flops = {
             "F": fwd,
@@ -386,6 +384,12 @@ class AnalyticCost(BackwardWorkingSet, HeldOutputs, CostModel):
         }
 
     # ---------------------------------------------------------------- queries
+
+    def stage_kinds(self) -> list[int]:
+        """Per stage, the first of its kind (its layers, first or not, last or not): every
+        per-stage number here depends on nothing else (tests/test_search.py checks the terms)."""
+        first: dict[tuple, int] = {}
+        return [first.setdefault((n, s == 0, s == self.num_stages - 1), s) for s, n in enumerate(self.layers_per_stage)]
 
     def stage_params(self, stage: int) -> int:
         spec = self.spec

@@ -37,6 +37,8 @@ them contributes zeros, never a guess.
 
 from __future__ import annotations
 
+import heapq
+
 from ..schedules.ir import Kind, WeightPolicy
 from ..schedules.lowering import action_positions, message_position
 from ..schedules.versions import tied_update_plan
@@ -150,6 +152,16 @@ def tapes(schedule, devices=None, replicas: int = 1) -> list[Tape]:
         # ((pipe, stage, microbatch, segment)) and a gradient sent back (("sent", pipe,
         # to, from, microbatch, segment)) -> [its term, its consumers' positions, dropped]
         copies: dict = {}
+        # consumer's device -> heap of (consumer's position, order made, name, copy)
+        unproven: dict[int, list] = {}
+
+        def hold_sent(name: tuple, term: int, consumer) -> None:
+            c = copies[name] = [term, [consumer], False]
+            if consumer is not None:  # (a send no one consumes is never proven)
+                heapq.heappush(unproven.setdefault(consumer[0], []), (consumer[1], len(copies_made), name, c))
+            copies_made.append(name)
+
+        copies_made: list = []
         plan_here = tied_plan.get(d, {})
         cast_by: dict = {}  # rep -> (microbatch, segment) of the forward that made its casts
         held_out: dict = {}
@@ -229,12 +241,18 @@ def tapes(schedule, devices=None, replicas: int = 1) -> list[Tape]:
                 for m in makers:
                     if m is None:
                         continue
-                    for name, c in list(copies.items()):
-                        if not c[2] and all(u is not None and u[0] == m[0] and u[1] < m[1] for u in c[1]):
-                            c[2] = True
-                            ap((OUTS, c[0], -1))
-                            if name[0] == "sent":  # a gradient sent back: nothing more to hold
-                                del copies[name]
+                    # the copies whose consumer ran on the maker's device before it, in the
+                    # order they were made (a heap per consumer's device, by position)
+                    due, heap = [], unproven.get(m[0], ())
+                    while heap and heap[0][0] < m[1]:
+                        _, n, name, c = heapq.heappop(heap)
+                        if copies.get(name) is c and not c[2]:
+                            due.append((n, name, c))
+                    for _, name, c in sorted(due):
+                        c[2] = True
+                        ap((OUTS, c[0], -1))
+                        if name[0] == "sent":  # a gradient sent back: nothing more to hold
+                            del copies[name]
             act = key("activation_bytes", stage, seg)
             if kind == F:
                 for k in landed[i]:
@@ -276,8 +294,8 @@ def tapes(schedule, devices=None, replicas: int = 1) -> list[Tape]:
                         ap((OUTS, sent, 1))
                     ap((-1, -1, 0))
                     for t in neighbours(e.pipe, stage)[1]:
-                        copies[(e.pipe, stage, e.microbatch, seg, t)] = [sent, [message_position(
-                            position, (False, stage, t, e.microbatch, e.pipe, seg), consumer=True)], False]
+                        hold_sent((e.pipe, stage, e.microbatch, seg, t), sent, message_position(
+                            position, (False, stage, t, e.microbatch, e.pipe, seg), consumer=True))
                 elif graph.succs[stage]:  # every successor here (one elsewhere holds the output already)
                     k = key("local_output_bytes", stage, seg)
                     held_local[(e.pipe, stage, e.microbatch, seg)] = [k]
@@ -371,9 +389,8 @@ def tapes(schedule, devices=None, replicas: int = 1) -> list[Tape]:
                 for p in neighbours(e.pipe, stage)[0]:  # the gradients it sends back, until proven arrived
                     k = key("message_bytes", p, stage, seg)
                     ap((OUTS, k, 1))
-                    copies[("sent", e.pipe, p, stage, e.microbatch, seg)] = [
-                        k, [message_position(position, (True, p, stage, e.microbatch, e.pipe, seg), consumer=True)],
-                        False]
+                    hold_sent(("sent", e.pipe, p, stage, e.microbatch, seg), k,
+                         message_position(position, (True, p, stage, e.microbatch, e.pipe, seg), consumer=True))
                 # Seq1F1B (the engine's rule, sim.engine._kv_gradient): a microbatch's first
                 # backward on a stage (its last segment's) allocates the key/value gradients
                 # of every earlier segment; each earlier segment's backward frees its own

@@ -116,3 +116,26 @@ def term_value(key: tuple, cost, per_device=None, cache: dict | None = None) -> 
     if cache is not None:
         cache[key] = v
     return v
+
+
+# the terms of one stage (the stage at key[1]) and of a stage boundary (key[1] and key[2])
+ONE_STAGE = frozenset({
+    "state", "activation_bytes", "during_backward", "backward_freed_bytes", "backward_grads_made_bytes",
+    "during_input", "input_kept_bytes", "input_freed_bytes", "weight_residual_bytes", "weight_workspace_bytes",
+    "forward_workspace_bytes", "output_bytes", "sent_copy_bytes", "local_output_bytes", "shared_output_bytes",
+    "kv_gradient_bytes", "cast_phase_bytes", "cast_phase_freed_bytes", "held_cast_gradients",
+    "step_workspace_bytes", "tied_gradient_bytes", "sharded_optimizer_state", "flat_gradients",
+    "scattered_gradients", "gradient_slice", "flat_parameters", "own_share", "parameter_shard",
+    "sharded_step_workspace", "workspace_bytes", "transient_bytes", "input_gradient_bytes"})
+TWO_STAGES = frozenset({"message_bytes", "waiting_message_bytes", "restored_gradient_bytes"})
+
+
+def like_stage(key: tuple, kind_of: list[int]) -> tuple:
+    """The term of the first stage of each stage's kind (``kind_of[stage]``, a cost
+    model's :meth:`stage_kinds`): the same bytes, valued once for every stage alike."""
+    name = key[0]
+    if name in ONE_STAGE:
+        return (name, kind_of[key[1]], *key[2:])
+    if name in TWO_STAGES:
+        return (name, kind_of[key[1]], kind_of[key[2]], *key[3:])
+    return key

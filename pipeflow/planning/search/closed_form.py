@@ -36,7 +36,7 @@ from pipeflow.schedules.sharding import gathers_per_step, with_gathers
 from pipeflow.schedules.ir import Kind, Schedule, WeightPolicy
 from pipeflow.schedules.registry import build_schedule
 from pipeflow.sim.memory import tapes
-from pipeflow.sim.memory_peaks import Peaks
+from pipeflow.sim.memory_peaks import NotPeriodic, Periodic, Peaks, encoded
 
 # idle(p, m, v, s, F, I, W, overlap) -> idle time per device, in the unit times' units
 IdleFormula = Callable[[int, int, int, int, float, float, float, float], float]
@@ -93,6 +93,42 @@ IDLE: dict[str, IdleFormula] = {
 }
 
 
+# Periodic walks: from ``fill`` microbatches on, one more ``period`` of microbatches
+# inserts one block of steps into every device's walk, the same block each time
+# (:class:`pipeflow.sim.memory_peaks.Periodic`), so three small walks give the peak at
+# any larger count exactly. (fill, period) per schedule, in p, v, s and the candidate's
+# m; the smallest fills the tests found, one microbatch (or group) more
+# (tests/test_search.py walks each rule, and a search checks it on a third walk). The
+# interleaved schedules move microbatches in groups of g = ceil(p/s): with m a multiple
+# of g the groups are equal from the start, and a period is one more group; otherwise
+# they settle into equal ones once there are more groups than microbatches left over,
+# g(g+1). GPipe, ZB-H2 and looped BFS insert their blocks at two places (the forwards
+# and the backwards) and have no rule: they extrapolate the peak from two stand-in sizes.
+PeriodRule = Callable[[int, int, int, int], tuple[int, int]]
+
+
+def _group(p: int, s: int) -> int:
+    return -(-p // s)
+
+
+def _interleaved(p: int, v: int, s: int, m: int) -> tuple[int, int]:
+    g = _group(p, s)
+    return (4 * g if m % g == 0 else max(3, g * (g + 1)) + 1), g
+
+
+PERIODS: dict[str, PeriodRule] = {
+    "1f1b": lambda p, v, s, m: (p + 2, 1),
+    "zb_h1": lambda p, v, s, m: (p + 2, 1),
+    "seq1f1b": lambda p, v, s, m: (_group(p - 1, s) + 3, 1),
+    "zb_v": lambda p, v, s, m: (2 * p + 1, 1),
+    "dualpipe_v": lambda p, v, s, m: (2 * p + 1, 1),
+    "chimera": lambda p, v, s, m: (p + 2, p),  # (p even: an even fill and period keep m's parity)
+    "interleaved_1f1b": _interleaved,
+    "interleaved_zb": _interleaved,
+    "seq1f1b_interleaved": _interleaved,
+}
+
+
 def idle_formula(name: str) -> tuple[IdleFormula, bool]:
     """(formula, whether it is the schedule's own; False: 1F1B's stands in)."""
     own = IDLE.get(name)
@@ -110,8 +146,7 @@ class Structure:
                                                  segments=segments, check=False, **(options or {}))
         sched = self.schedule
         self.asynchronous = sched.policy != WeightPolicy.SYNC
-        # per device: the terms its memory holds and the instants that can be its peak
-        self.memory = Peaks(tapes(sched))
+        self._memory: Peaks | None = None
         # per device: the (stage, segment) keys it computes and how many F, B, I and W of
         # each it runs, as index arrays (stages, segments) and a (4, keys) count matrix
         self.counts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
@@ -132,6 +167,37 @@ class Structure:
         self.updates = max(1, sched.num_microbatches // self.microbatches_per_update) if self.asynchronous else 1
         self._replicated: dict[tuple, tuple] = {}
 
+    @property
+    def memory(self) -> Peaks:
+        """Per device: the terms its memory holds and the instants that can be its peak
+        (walked when first asked for: the simulated phase never asks)."""
+        if self._memory is None:
+            self._memory = Peaks(tapes(self.schedule))
+        return self._memory
+
+    @staticmethod
+    def walk_of(shard: str, gather: str, replicas: bool) -> tuple:
+        """Which walk prices a candidate's memory: ("plain",) one replica alone, or a
+        replicated one, ZeRO-2's for none, optimizer and gradients, one per gather policy
+        of full (:meth:`replicated`)."""
+        if not replicas:
+            return ("plain",)
+        return ("full", gather) if shard == "full" else ("gradients", "")
+
+    def encoded_tapes(self, walk: tuple, index: dict) -> list[np.ndarray]:
+        """The walk's tapes (:meth:`walk_of`), each device's steps :func:`encoded` over
+        ``index`` (the terms' numbers, shared by the walks to compare)."""
+        if walk == ("plain",):
+            return [encoded(t, index) for t in tapes(self.schedule)]
+        return [encoded(t, index) for t in tapes(self._replica(walk), replicas=2)]
+
+    def _replica(self, walk: tuple) -> Schedule:
+        sched = as_replica(self.schedule)
+        if walk[0] == "full":
+            sched = with_gathers(sched, walk[1], every_stage=True)
+        sched.shard = walk[0]
+        return sched
+
     def replicated(self, shard: str, gather: str) -> tuple[Peaks, dict]:
         """(memory, all-gathers a step per stage) of one replica among data-parallel ones,
         each stage's replicas sharding ``shard`` (pipeline.shard, gathering by ``gather``
@@ -140,14 +206,19 @@ class Structure:
         level and a number of replicas, which changes no order. One walk, ZeRO-2's, serves
         none, ZeRO-1 and ZeRO-2: theirs differ only in what its terms are worth (nothing
         goes at the REDUCE, the optimizer state or its step whole or sliced)."""
-        walk = ("full", gather) if shard == "full" else ("gradients", "")
+        walk = self.walk_of(shard, gather, True)
         got = self._replicated.get(walk)
         if got is None:  # (one replica's lists: the others walk alike)
-            sched = as_replica(self.schedule)
-            if shard == "full":
-                sched = with_gathers(sched, gather, every_stage=True)
-            sched.shard = walk[0]
+            sched = self._replica(walk)
             got = self._replicated[walk] = (Peaks(tapes(sched, replicas=2)), gathers_per_step(sched))
+        return got
+
+    def gathers(self, gather: str) -> dict:
+        """ZeRO-3's all-gathers a step per (pipe, stage) under ``gather``, without a walk."""
+        key = ("gathers", gather)
+        got = self._replicated.get(key)
+        if got is None:
+            got = self._replicated[key] = gathers_per_step(self._replica(("full", gather)))
         return got
 
 
@@ -191,5 +262,23 @@ class StructureCache:
             self._cache[key] = got
         return got
 
+    def periodic(self, name: str, p: int, m: int, period: int, v: int, s: int, walk: tuple) -> Periodic | None:
+        """The periodic walk (:class:`Periodic`) of the schedule from m microbatches on,
+        one period being ``period`` more, checked on a third walk two periods on; None
+        when a size is refused or the walks are not periodic there."""
+        key = ("periodic", name, p, m, period, v, s, walk)
+        got = self._cache.get(key)
+        if got is None:
+            built = [self.get(name, p, x, v, s) for x in (m, m + period, m + 2 * period)]
+            try:
+                if any(isinstance(b, str) for b in built):
+                    raise NotPeriodic("a size is refused")
+                index: dict = {}
+                got = Periodic(*(b.encoded_tapes(walk, index) for b in built), list(index))
+            except NotPeriodic:
+                got = False
+            self._cache[key] = got
+        return got or None
+
     def __len__(self) -> int:
-        return len(self._cache)
+        return sum(isinstance(v, Structure) for v in self._cache.values())

@@ -10,6 +10,7 @@ every message on the topology's links.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -19,13 +20,14 @@ from pipeflow.schedules.data_parallel import replicate
 from pipeflow.schedules.sharding import with_gathers
 from pipeflow.sim.engine import simulate
 from pipeflow.sim.memory import device_memory, library_workspace, term_value
+from pipeflow.sim.memory_terms import like_stage
 from pipeflow.topology.topology import Topology
 
 from ..cost import AnalyticCost
 from ..partition import partition_layers
 from ..seqsplit import split_sequence
 from ..transformer import TransformerSpec, kv_repeat_on
-from .closed_form import Structure, StructureCache, idle_formula, priced_as
+from .closed_form import PERIODS, Structure, StructureCache, idle_formula, priced_as
 from .space import Candidate
 
 CLOSED_FORM, SIMULATED = "closed form", "simulated"
@@ -91,6 +93,9 @@ class Pricer:
         self._tables: dict[int, _Tables] = {}
         self._terms: dict[int, dict] = {}  # id(cost) -> memory term -> bytes
         self._needs_cache: dict[tuple, np.ndarray] = {}  # (id(cost), id(structure)) -> bytes per device
+        self._work_cache: dict[tuple, tuple] = {}  # (id(structure), id(cost)) -> work per device, hop
+        self._kinds: dict[int, tuple] = {}  # id(cost) -> each stage's first of its kind
+        self._term_index: dict[tuple, tuple] = {}  # (id(a walk's terms), [shard, replicas,] kinds) -> index
         self._layers: dict[tuple, list[int]] = {}
         self._rings: dict[tuple, float] = {}
         repeat = kv_repeat_on(spec, dtype_bytes, topology.on_gpus)  # fp32 grouped-query attention on GPUs
@@ -138,11 +143,13 @@ class Pricer:
         dev = self.topology.devices[device]
         kind = (dev.name, dev.peak_flops, dev.fp32_flops, dev.memory_bandwidth)
         got = tab.times.get(kind)
-        if got is None:
-            n, g = cost.num_stages, cost.num_segments
+        if got is None:  # (once per kind of stage: cost.stage_kinds)
+            g, like = cost.num_segments, np.array(cost.stage_kinds())
+            firsts = sorted(set(like.tolist()))
+            row = np.searchsorted(firsts, like)
             got = tab.times[kind] = tuple(
-                np.array([[cost.compute_time(k, s, x, dev) for x in range(g)] for s in range(n)]) for k in "FBIW"
-            ) + (np.array([cost.compute_time("S", s, 0, dev) for s in range(n)]),)
+                np.array([[cost.compute_time(k, s, x, dev) for x in range(g)] for s in firsts])[row] for k in "FBIW"
+            ) + (np.array([cost.compute_time("S", s, 0, dev) for s in firsts])[row],)
         return got
 
     def structure(self, c: Candidate, m: int | None = None) -> Structure | str:
@@ -161,26 +168,69 @@ class Pricer:
         m1 = 4 * p + (m - 4 * p) % (2 * p)
         return (m1, m1 - 2 * p)
 
+    def periodic(self, c: Candidate) -> tuple[int, int, int] | None:
+        """(m0, period, k): the candidate's m is k periods past m0, a size from which the
+        schedule's walks repeat one block a period (closed_form.PERIODS); None where the
+        schedule has no rule or m is too small for one."""
+        rule = PERIODS.get(c.schedule)
+        if rule is None:
+            return None
+        fill, q = rule(c.stages, c.virtual_stages, c.segments, c.microbatches)
+        if c.microbatches < fill + 2 * q:
+            return None
+        m0 = fill + (c.microbatches - fill) % q
+        return m0, q, (c.microbatches - m0) // q
+
+    def _values(self, cost: AnalyticCost, terms: list, c: Candidate, replicas: bool) -> np.ndarray:
+        """The bytes of a walk's ``terms`` under ``cost``, as ``c``'s level and replicas
+        price them (``replicas``: a replicated walk's terms, :func:`priced_as`); each
+        distinct term valued once per cost, a stage's as the first of its kind's
+        (AnalyticCost.stage_kinds: the terms' index into those is built once per walk,
+        level, replicas and kinds of stage)."""
+        kinds = self._kinds.get(id(cost))
+        if kinds is None:
+            kinds = self._kinds[id(cost)] = tuple(cost.stage_kinds())
+        key = (id(terms), *((c.shard, c.data_parallel) if replicas else ()), kinds)
+        got = self._term_index.get(key)
+        if got is None:
+            priced = [priced_as(k, c.shard, c.data_parallel) for k in terms] if replicas else terms
+            distinct: dict[tuple, int] = {}
+            index = np.array([distinct.setdefault(like_stage(k, kinds), len(distinct)) for k in priced], dtype=np.int64)
+            got = self._term_index[key] = (terms, list(distinct), index)  # (terms: its id stays theirs)
+        _, distinct, index = got
+        values = self._terms.setdefault(id(cost), {})
+        return np.array([v if (v := values.get(k)) is not None else term_value(k, cost, None, values)
+                         for k in distinct], dtype=float)[index]
+
+    def needs(self, c: Candidate, cost: AnalyticCost) -> np.ndarray | None:
+        """Bytes each device of one replica needs at its peak at the candidate's own m,
+        from the schedule's periodic walks (:meth:`periodic`), or None where they do not
+        serve. With replicas, the walk of one among them (their reductions' buffers and
+        what they shard)."""
+        at = self.periodic(c)
+        if at is None:
+            return None
+        m0, q, k = at  # (every schedule with a rule is synchronous)
+        walk = Structure.walk_of(c.shard, c.gather, c.data_parallel > 1)
+        mem = self.structures.periodic(c.schedule, c.stages, m0, q, c.virtual_stages, c.segments, walk)
+        if mem is None:
+            return None
+        key = (id(cost), id(mem), k, *((c.shard, c.data_parallel) if walk != ("plain",) else ()))
+        got = self._needs_cache.get(key)
+        if got is None:
+            got = self._needs_cache[key] = mem.peaks(self._values(cost, mem.terms, c, walk != ("plain",)), k)
+        return got
+
     def _needs(self, st: Structure, cost: AnalyticCost, c: Candidate) -> np.ndarray:
         """Bytes each device of one replica needs at its peak, as the simulator's memory
         walk counts them (model state, activations, messages, workspaces; with replicas,
         their reductions' buffers and what they shard)."""
-        # (unsharded replicas: the replica's own walk, as before sharding was searched; it
-        # leaves out the reduction's flat buffers, which a replica's peak rarely meets)
-        replicas = c.data_parallel > 1 and not st.asynchronous and c.shard != "none"
+        replicas = c.data_parallel > 1 and not st.asynchronous
         key = (id(cost), id(st), *((c.shard, c.gather, c.data_parallel) if replicas else ()))
         got = self._needs_cache.get(key)
-        if got is not None:
-            return got
-        values = self._terms.setdefault(id(cost), {})
-        if replicas:  # (the walk's terms as this level and these replicas price them)
-            mem = st.replicated(c.shard, c.gather)[0]
-            terms = [priced_as(k, c.shard, c.data_parallel) for k in mem.terms]
-        else:
-            mem = st.memory
-            terms = mem.terms
-        got = self._needs_cache[key] = mem.peaks(
-            [v if (v := values.get(k)) is not None else term_value(k, cost, None, values) for k in terms])
+        if got is None:
+            mem = st.replicated(c.shard, c.gather)[0] if replicas else st.memory
+            got = self._needs_cache[key] = mem.peaks(self._values(cost, mem.terms, c, replicas))
         return got
 
     def _worst(self, c: Candidate, needs: np.ndarray) -> tuple[float, float, int]:
@@ -195,16 +245,26 @@ class Pricer:
                     worst = (float(held), self.limit(dev), dev)
         return worst
 
-    def _work(self, st: Structure, cost: AnalyticCost, d: int, scale: float = 1.0) -> tuple[float, float, float, float, float]:
-        """Device d's time over the step (every action it runs, ``scale`` times the
-        structure's): its F, its input-gradient and weight-gradient shares of the
-        backward (a full B split as B - W and W), its optimizer step, and its units."""
-        F, B, I, W, S = self.times(cost, d)  # noqa: E741
-        i, g, n = st.counts[d]
-        f_, b_, i_, w_ = (n * scale * np.stack([F[i, g], B[i, g], I[i, g], W[i, g]])).sum(axis=1)
-        nb = (n[1] * scale) @ W[i, g]  # the weight-gradient share of the full backwards
-        return (float(f_), float(b_ - nb + i_), float(nb + w_), float(S[st.stages_on[d]].sum()),
-                float(n[0].sum() * scale))
+    def _work(self, st: Structure, cost: AnalyticCost) -> tuple[np.ndarray, ...]:
+        """Each device's time over the structure's step (every action it runs): its F, its
+        input-gradient and weight-gradient shares of the backward (a full B split as B - W
+        and W), its optimizer step, and its units of work; and the longest message hop
+        between stages. Built once per structure and cost."""
+        key = (id(st), id(cost))
+        got = self._work_cache.get(key)
+        if got is None:
+            rows = []
+            for d in range(st.schedule.num_devices):
+                F, B, I, W, S = self.times(cost, d)  # noqa: E741
+                i, g, n = st.counts[d]
+                f_, b_, i_, w_ = (n * np.stack([F[i, g], B[i, g], I[i, g], W[i, g]])).sum(axis=1)
+                nb = n[1] @ W[i, g]  # the weight-gradient share of the full backwards
+                rows.append((f_, b_ - nb + i_, nb + w_, S[st.stages_on[d]].sum(), n[0].sum()))
+            sched, msg = st.schedule, self.tables(cost).message
+            hop = max((self.topology.transfer_time(sched.placement.device(0, s), sched.placement.device(0, s + 1), msg)
+                       for s in range(sched.num_stages - 1)), default=0.0)
+            got = self._work_cache[key] = (*np.array(rows, dtype=float).T, hop)
+        return got
 
     # ---------------------------------------------------------------- closed form
 
@@ -212,39 +272,46 @@ class Pricer:
         """The pre-filter's price: the busiest device's work, the schedule's bubble formula
         in its unit times, a message per stage boundary on the way in and out, the
         optimizer step and the exposed all-reduce; the memory as the simulator counts it."""
-        sizes = self.stand_in_sizes(c.stages, c.microbatches)
-        built = [self.structure(c, m) for m in sizes]
-        for m, st in zip(sizes, built):
-            if isinstance(st, str):  # the generator's rule, said of the candidate's own m
-                return st.replace(f"pipeline.microbatches={m}:", f"pipeline.microbatches={c.microbatches}:")
-        cost = self.cost(c)
-        if isinstance(cost, str):
-            return cost
+        at, needs, cost = self.periodic(c), None, None
+        for periodic in (True, False):
+            if periodic and at is None:
+                continue
+            sizes = (at[0] + at[1], at[0]) if periodic else self.stand_in_sizes(c.stages, c.microbatches)
+            built = [self.structure(c, m) for m in sizes]
+            for m, st in zip(sizes, built):
+                if isinstance(st, str):  # the generator's rule, said of the candidate's own m
+                    return st.replace(f"pipeline.microbatches={m}:", f"pipeline.microbatches={c.microbatches}:")
+            cost = self.cost(c) if cost is None else cost
+            if isinstance(cost, str):
+                return cost
+            needs = self.needs(c, cost) if periodic else None
+            if needs is not None or not periodic:
+                break  # (else the walks were not periodic there: two stand-in sizes instead)
         st = built[0]
-        scale = c.microbatches / sizes[0]  # every device's work grows with m
-        sched, topo = st.schedule, self.topology
-        p = sched.num_devices
-        per = []  # (work, F, I, W per unit, optimizer step, device) of each device
-        busy_all = 0.0
-        for d in range(p):
-            f, i, w, step, units = self._work(st, cost, d, scale)
-            busy_all += f + i + w + step
-            if units:
-                per.append((f + i + w, f / units, i / units, w / units, step, d))
-        busiest = max(per, key=lambda x: x[0] + x[4])
-        work, step, busiest_device = busiest[0], busiest[4], busiest[5]
+        # what grows with m (each device's work, its units, the F&B pairs) is the larger
+        # size's plus t times what the smaller lacks: exact past a schedule's fill, where
+        # one more period adds the same actions
+        t = (c.microbatches - sizes[0]) / (sizes[0] - sizes[1]) if len(sizes) > 1 else 0.0
+        topo = self.topology
+        p = st.schedule.num_devices
+        f, i, w, steps, units, hop = self._work(st, cost)
+        if t:
+            f0, i0, w0, _, u0, _ = self._work(built[1], cost)
+            f, i, w, units = f + t * (f - f0), i + t * (i - i0), w + t * (w - w0), units + t * (units - u0)
+        busy_all = float((f + i + w + steps).sum())
+        working = np.flatnonzero(units > 0)  # (work, F, I, W per unit, optimizer step) of each device with any
+        busiest_device = int(working[np.argmax((f + i + w + steps)[working])])
+        work, step = float(f[busiest_device] + i[busiest_device] + w[busiest_device]), float(steps[busiest_device])
         # the fill and the drain pass through the other devices: the bubble formula takes
         # their mean unit times (the busiest device's own with one device)
-        others = [x for x in per if x is not busiest] or [busiest]
-        F, I, W = (sum(x[k] for x in others) / len(others) for k in (1, 2, 3))  # noqa: E741
+        others = working[working != busiest_device] if len(working) > 1 else working
+        F, I, W = (float((x[others] / units[others]).mean()) for x in (f, i, w))  # noqa: E741
         if st.overlapped and self.overlap:
-            work -= self.overlap * min(F, I + W) * st.overlapped * scale / p
+            pairs = st.overlapped + t * (st.overlapped - built[-1].overlapped)
+            work -= self.overlap * min(F, I + W) * pairs / p
         formula, own = idle_formula(c.schedule)
         idle = formula(p, c.microbatches, c.virtual_stages, c.segments, F, I, W, self.overlap)
-        msg = self.tables(cost).message
-        hop = max((topo.transfer_time(sched.placement.device(0, s), sched.placement.device(0, s + 1), msg)
-                   for s in range(sched.num_stages - 1)), default=0.0)
-        step, sharding = self._sharded_step(c, st, cost, busiest_device, step, scale)
+        step, sharding = self._sharded_step(c, built, t, cost, busiest_device, step)
         waits = idle + 2 * (p - 1) * hop + self._exposed_allreduce(c, st, cost) + self.tied_sync(c, st) + sharding
         if st.asynchronous:  # per update, in the steady state
             work, waits, busy_all = work / st.updates, 0.0, busy_all / st.updates
@@ -255,10 +322,10 @@ class Pricer:
             agg = max(n * topo.compute_rate(n) for n in range(1, c.devices + 1))
             total = max(total, busy_all * c.data_parallel / agg)
         bubble = max(0.0, 1 - busy_all / (p * total)) if total > 0 else 0.0
-        needs = self._needs(st, cost, c)
-        if len(built) > 1:  # each device's peak extrapolated from two smaller sizes: saturating ones stay
-            lower = self._needs(built[1], cost, c)
-            needs = needs + (needs - lower) * (c.microbatches - sizes[0]) / (sizes[0] - sizes[1])
+        if needs is None:  # (the periodic walks' peaks are the candidate's own)
+            needs = self._needs(st, cost, c)
+            if len(built) > 1:  # each device's peak extrapolated from two smaller sizes: saturating ones stay
+                needs = needs + (needs - self._needs(built[1], cost, c)) * t
         peak, limit, worst = self._worst(c, needs)
         return Priced(c, CLOSED_FORM, total, work + step, waits, bubble, peak, limit, worst,
                       c.global_batch * self.spec.seq_len,
@@ -290,23 +357,26 @@ class Pricer:
             got = self._rings[key] = fn(ring, nbytes)
         return got
 
-    def _sharded_step(self, c: Candidate, st: Structure, cost: AnalyticCost, d: int, step: float,
-                      scale: float) -> tuple[float, float]:
+    def _sharded_step(self, c: Candidate, built: list[Structure], t: float, cost: AnalyticCost, d: int,
+                      step: float) -> tuple[float, float]:
         """(the busiest device's optimizer step, the all-gathers it waits for) under
         ``c.shard``: a slice's step (1/data_parallel of it); ZeRO-1/2 then all-gather each
         stage's weights, ZeRO-3 gathers them where its GATHERs stand, every one counted
         exposed (the simulator's pass over the fastest candidates sees what overlaps)."""
+        st = built[0]
         if c.shard == "none" or c.data_parallel == 1 or st.asynchronous:
             return step, 0.0
         p = st.schedule.num_devices
         params = self.tables(cost).params
-        gathers = st.replicated(c.shard, c.gather)[1] if c.shard == "full" else {}
+        gathers = [b.gathers(c.gather) if c.shard == "full" else {} for b in built]
         waited = 0.0
         for s in st.stages_on[d]:
             ring = tuple(r * p + dd for r in range(c.data_parallel) for dd in st.replica_devices[s])
-            # (a stand-in size's count, scaled with m but once a step)
-            n = max((k for (pipe, stage), k in gathers.items() if stage == s), default=0) * \
-                (1.0 if c.gather == "step" else scale) if c.shard == "full" else 1.0
+            if c.shard == "full":  # (a stand-in size's count, extrapolated with m as the work is)
+                n0, *n1 = (max((k for (pipe, stage), k in g.items() if stage == s), default=0) for g in gathers)
+                n = n0 + t * (n0 - n1[0]) if n1 else n0
+            else:
+                n = 1.0
             waited += n * self._ring(ring, float(params[s]), "all-gather")
         return step / c.data_parallel, waited
 
@@ -334,30 +404,72 @@ class Pricer:
 
     def simulated(self, c: Candidate) -> Priced:
         """The simulator's price: the candidate's whole schedule (every replica) on the
-        topology, messages and all-reduces included; memory as pipeflow-simulate counts it."""
-        st = self.structure(c)
+        topology, messages and all-reduces included; memory as pipeflow-simulate counts it.
+        A schedule with a period (:meth:`periodic`) is simulated at three sizes a period
+        apart past its fill; where the three step times and busy times move by the same
+        amount from one to the next, the candidate's are that amount more per period (the
+        simulation is deterministic, and one more period repeats the same events),
+        otherwise the candidate's own size is simulated."""
         cost = self.cost(c)
-        if isinstance(st, str) or isinstance(cost, str):
-            raise ValueError(st if isinstance(st, str) else cost)
+        if isinstance(cost, str):
+            raise ValueError(cost)
+        at = self.periodic(c)
+        got = self._simulated_periods(c, cost, *at) if at is not None else None
+        st = self.structure(c, at[0] if got is not None else None)
+        if isinstance(st, str):
+            raise ValueError(st)
+        if got is None:
+            res = self._simulate(c, st, cost)
+            makespan, busy, bubble = res.makespan, [d.busy for d in res.per_device], res.bubble_ratio
+        else:
+            makespan, busy, bubble = got
+        # the tied embedding's all-reduce closes the step on its ranks: a collective (the
+        # ranks wait on it), after the last backward, before the optimizer step
+        makespan = makespan / st.updates + (0.0 if st.asynchronous else self.tied_sync(c, st))
+        if st.asynchronous:  # an asynchronous policy's weight versions come from the timeline
+            sched = replicate(st.schedule, c.data_parallel) if c.data_parallel > 1 else st.schedule
+            worst = (-np.inf, 0.0, 0)
+            held = library_workspace(self.topology, sched.num_devices)  # the math libraries' own, throughout
+            for d, mem in enumerate(device_memory(sched, cost, res.per_device, held)):
+                need = mem["peak_bytes"]
+                if need - self.limit(d) > worst[0] - worst[1]:
+                    worst = (need, self.limit(d), d)
+        else:  # the simulator's walk of one replica (the others walk alike), as the closed form's
+            needs = self.needs(c, cost) if at is not None else None
+            if needs is None:
+                full = self.structure(c)
+                mem = full.replicated(c.shard, c.gather)[0] if c.data_parallel > 1 else full.memory
+                needs = mem.peaks(self._values(cost, mem.terms, c, c.data_parallel > 1))
+            worst = self._worst(c, needs)
+        compute = max(busy) / st.updates
+        return Priced(c, SIMULATED, makespan, compute, makespan - compute, bubble, worst[0], worst[1],
+                      worst[2], c.global_batch * self.spec.seq_len)
+
+    def _simulate(self, c: Candidate, st: Structure, cost: AnalyticCost):
         sched = replicate(st.schedule, c.data_parallel) if c.data_parallel > 1 else st.schedule
         if c.shard != "none" and c.data_parallel > 1:  # (what pipeflow.config.assembly.sharded does)
             sched = with_gathers(sched, c.gather) if c.shard == "full" else sched
             sched.shard = c.shard
-        res = simulate(sched, cost, self.topology, record=False, waits=False)
-        per = res.per_device
-        busiest = max(per, key=lambda d: d.busy)
-        # the tied embedding's all-reduce closes the step on its ranks: a collective (the
-        # ranks wait on it), after the last backward, before the optimizer step
-        makespan = res.makespan / st.updates + (0.0 if st.asynchronous else self.tied_sync(c, st))
-        worst = (-np.inf, 0.0, 0)
-        held = library_workspace(self.topology, sched.num_devices)  # the math libraries' own, throughout
-        for d, mem in enumerate(device_memory(sched, cost, per, held)):
-            need = mem["peak_bytes"]
-            if need - self.limit(d) > worst[0] - worst[1]:
-                worst = (need, self.limit(d), d)
-        compute = busiest.busy / st.updates
-        return Priced(c, SIMULATED, makespan, compute, makespan - compute, res.bubble_ratio, worst[0], worst[1],
-                      worst[2], c.global_batch * self.spec.seq_len)
+        return simulate(sched, cost, self.topology, record=False, waits=False)
+
+    def _simulated_periods(self, c: Candidate, cost: AnalyticCost, m0: int, q: int, k: int):
+        """(step time, busy time per device, bubble) at k periods past m0, from the
+        simulations at m0, m0 + q and m0 + 2q; None where they do not move alike."""
+        runs = []
+        for m in (m0, m0 + q, m0 + 2 * q):
+            st = self.structure(c, m)
+            if isinstance(st, str):
+                return None
+            res = self._simulate(c, st, cost)
+            runs.append((res.makespan, np.array([d.busy for d in res.per_device])))
+        (t0, b0), (t1, b1), (t2, b2) = runs
+        if not (math.isclose(t2 - t1, t1 - t0, rel_tol=1e-9, abs_tol=1e-12 * t2)
+                and np.allclose(b2 - b1, b1 - b0, rtol=1e-9, atol=1e-12 * t2)):
+            return None
+        makespan = t0 + k * (t1 - t0)
+        busy = b0 + k * (b1 - b0)
+        bubble = 1.0 - busy.sum() / (len(busy) * makespan) if makespan > 0 else 0.0
+        return makespan, [float(x) for x in busy], bubble
 
 
 def pareto(priced: Sequence[Priced]) -> list[Priced]:
