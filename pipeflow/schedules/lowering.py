@@ -164,7 +164,7 @@ def message_position(positions: dict, key: tuple, consumer: bool) -> tuple[int, 
     grad, src, dst, mb, pipe, seg = key
     stage = (src if consumer else dst) if grad else (dst if consumer else src)
     for kind in (Kind.B, Kind.I) if grad else (Kind.F,):
-        found = positions.get(Action(kind, stage, mb, pipe, seg))
+        found = positions.get((kind, stage, mb, pipe, seg, -1))  # (an Action is this tuple: no need to build one)
         if found is not None:
             return found
     return None

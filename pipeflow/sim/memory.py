@@ -177,7 +177,7 @@ def tapes(schedule, devices=None, replicas: int = 1) -> list[Tape]:
         starts: list[tuple[int, str]] = []
         scattered: dict = {}  # ZeRO-2: rep -> its gradient slice's term, from its REDUCE to its STEP
         for i, e in enumerate(mine):
-            starts.append((len(steps), str(e)))
+            starts.append((len(steps), e))  # (named as the runtime names it where a walk reports it)
             kind, rep, stage, seg = e.kind, (e.pipe, e.stage), e.stage, e.segment
             for s in reduces_after.get(i - 1, ()):
                 if s in sliced and shard != "optimizer":  # laid end to end (the tied copy's apart)

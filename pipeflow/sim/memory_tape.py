@@ -27,8 +27,8 @@ class Tape:
 
     terms: list[tuple]
     steps: list[tuple[int, int, int]]
-    # (the step each action's walk starts at, the action as the runtime names it: "1I3")
-    starts: list[tuple[int, str]] = field(default_factory=list)
+    # (the step each action's walk starts at, the action: str() names it as the runtime does, "1I3")
+    starts: list[tuple] = field(default_factory=list)
 
     def values(self, cost, per_device=None, cache: dict | None = None) -> np.ndarray:
         cache = {} if cache is None else cache
@@ -48,7 +48,7 @@ class Tape:
         upcoming, current = next(starts, (None, None)), None
         for i, (cat, term, n) in enumerate(self.steps):
             while upcoming[0] is not None and upcoming[0] <= i:
-                current, upcoming = upcoming[1], next(starts, (None, None))
+                current, upcoming = str(upcoming[1]), next(starts, (None, None))
             if cat >= 0:
                 live[cat] += n * values[term]
                 continue

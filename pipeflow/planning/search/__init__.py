@@ -173,7 +173,8 @@ def search(space: SearchSpace, pricer: Pricer, simulate_top: int = 16, workers: 
     n = len(every)
     _PRICER = pricer
     try:
-        for c, q in _map(_closed_forms, every, workers, lambda c: (c.schedule, c.stages), "closed form",
+        for c, q in _map(_closed_forms, every, workers, lambda c: (c.schedule, c.stages, c.virtual_stages, c.segments),
+                         "closed form",
                          (progress_every, say)):
             if isinstance(q, str):
                 rule = _rule(c, q)
