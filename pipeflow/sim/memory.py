@@ -179,6 +179,7 @@ def tapes(schedule, devices=None, replicas: int = 1) -> list[Tape]:
         for i, e in enumerate(mine):
             starts.append((len(steps), e))  # (named as the runtime names it where a walk reports it)
             kind, rep, stage, seg = e.kind, (e.pipe, e.stage), e.stage, e.segment
+            away_in, away_out = neighbours(e.pipe, stage)
             for s in reduces_after.get(i - 1, ()):
                 if s in sliced and shard != "optimizer":  # laid end to end (the tied copy's apart)
                     flats.append(key("flat_gradients", s))  # for the reduce-scatter; then they
@@ -234,9 +235,9 @@ def tapes(schedule, devices=None, replicas: int = 1) -> list[Tape]:
             if copies and kind in (F, B, I):
                 # the messages this action waits for prove the sends their makers had consumed
                 if kind == F:
-                    keys = [(False, t, stage, e.microbatch, e.pipe, seg) for t in neighbours(e.pipe, stage)[0]]
+                    keys = [(False, t, stage, e.microbatch, e.pipe, seg) for t in away_in]
                 else:
-                    keys = [(True, stage, t, e.microbatch, e.pipe, seg) for t in neighbours(e.pipe, stage)[1]]
+                    keys = [(True, stage, t, e.microbatch, e.pipe, seg) for t in away_out]
                 makers = [message_position(position, k, consumer=False) for k in keys]
                 for m in makers:
                     if m is None:
@@ -283,17 +284,17 @@ def tapes(schedule, devices=None, replicas: int = 1) -> list[Tape]:
                 # its most: what it keeps, and what it holds for a moment on top (where the
                 # cost model prices it: the loss's operands on a head)
                 ap((-1, key("forward_workspace_bytes", stage, seg), 0))
-                if neighbours(e.pipe, stage)[1]:
+                if away_out:
                     # the output and the copy it is sent as (output_bytes), at 16 bits one
                     # copy for each successor elsewhere (the executor casts it per send),
                     # each let go once its own peer proves it arrived
                     held_out[(rep, e.microbatch, seg)] = k = key("output_bytes", stage, seg)
                     ap((OUTS, k, 1))
                     sent = key("sent_copy_bytes", stage, seg)
-                    for t in neighbours(e.pipe, stage)[1][1:]:
+                    for t in away_out[1:]:
                         ap((OUTS, sent, 1))
                     ap((-1, -1, 0))
-                    for t in neighbours(e.pipe, stage)[1]:
+                    for t in away_out:
                         hold_sent((e.pipe, stage, e.microbatch, seg, t), sent, message_position(
                             position, (False, stage, t, e.microbatch, e.pipe, seg), consumer=True))
                 elif graph.succs[stage]:  # every successor here (one elsewhere holds the output already)
@@ -369,7 +370,7 @@ def tapes(schedule, devices=None, replicas: int = 1) -> list[Tape]:
                 out_k = held_out.pop((rep, e.microbatch, seg), None)  # kept through its backward
                 if out_k is not None:
                     ap((OUTS, out_k, -1))
-                    for n, t in enumerate(neighbours(e.pipe, stage)[1]):
+                    for n, t in enumerate(away_out):
                         c = copies.pop((e.pipe, stage, e.microbatch, seg, t), None)
                         if n:  # the copies beyond output_bytes' one
                             ap((OUTS, key("sent_copy_bytes", stage, seg), -1))
@@ -386,7 +387,7 @@ def tapes(schedule, devices=None, replicas: int = 1) -> list[Tape]:
                         local_grads.setdefault((e.pipe, t, e.microbatch, seg), []).append(
                             k := key("message_bytes", t, stage, seg))
                         ap((OUTS, k, 1))
-                for p in neighbours(e.pipe, stage)[0]:  # the gradients it sends back, until proven arrived
+                for p in away_in:  # the gradients it sends back, until proven arrived
                     k = key("message_bytes", p, stage, seg)
                     ap((OUTS, k, 1))
                     hold_sent(("sent", e.pipe, p, stage, e.microbatch, seg), k,
