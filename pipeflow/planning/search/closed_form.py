@@ -97,7 +97,7 @@ IDLE: dict[str, IdleFormula] = {
 # inserts one block of steps into every device's walk, the same block each time
 # (:class:`pipeflow.sim.memory_peaks.Periodic`), so three small walks give the peak at
 # any larger count exactly. (fill, period) per schedule, in p, v, s and the candidate's
-# m; the smallest fills the tests found, one microbatch (or group) more
+# m; the smallest fills the tests found, one microbatch more (the smallest whole groups)
 # (tests/test_search.py walks each rule, and a search checks it on a third walk). The
 # interleaved schedules move microbatches in groups of g = ceil(p/s): with m a multiple
 # of g the groups are equal from the start, and a period is one more group; otherwise
@@ -113,7 +113,7 @@ def _group(p: int, s: int) -> int:
 
 def _interleaved(p: int, v: int, s: int, m: int) -> tuple[int, int]:
     g = _group(p, s)
-    return (4 * g if m % g == 0 else max(3, g * (g + 1)) + 1), g
+    return (3 * g if m % g == 0 else max(3, g * (g + 1)) + 1), g
 
 
 PERIODS: dict[str, PeriodRule] = {

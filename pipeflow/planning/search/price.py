@@ -171,12 +171,13 @@ class Pricer:
     def periodic(self, c: Candidate) -> tuple[int, int, int] | None:
         """(m0, period, k): the candidate's m is k periods past m0, a size from which the
         schedule's walks repeat one block a period (closed_form.PERIODS); None where the
-        schedule has no rule or m is too small for one."""
+        schedule has no rule or m is below its fill. (k may be 0 or 1: m is then one of
+        the three walks, which the larger m of the same schedule walk anyway.)"""
         rule = PERIODS.get(c.schedule)
         if rule is None:
             return None
         fill, q = rule(c.stages, c.virtual_stages, c.segments, c.microbatches)
-        if c.microbatches < fill + 2 * q:
+        if c.microbatches < fill:
             return None
         m0 = fill + (c.microbatches - fill) % q
         return m0, q, (c.microbatches - m0) // q
@@ -414,6 +415,8 @@ class Pricer:
         if isinstance(cost, str):
             raise ValueError(cost)
         at = self.periodic(c)
+        if at is not None and at[2] < 2:  # (m itself is no larger than the three sizes)
+            at = None
         got = self._simulated_periods(c, cost, *at) if at is not None else None
         st = self.structure(c, at[0] if got is not None else None)
         if isinstance(st, str):
