@@ -17,7 +17,9 @@ Two parts, both cheap enough for tens of thousands of candidates:
   instants can be a peak. A candidate's peak is then a cumulative sum of its own bytes
   per term along those steps, at most at those instants (:class:`~pipeflow.sim.memory_peaks.Peaks`):
   the level the simulator's walk reaches, for any cost (an asynchronous policy's extra
-  weight versions excepted: they come from the simulator's timeline).
+  weight versions excepted: they come from the simulator's timeline). Past a
+  schedule's fill its walk repeats one block per period (:data:`PERIODS`): three small
+  walks stand for any larger m (:class:`~pipeflow.sim.memory_peaks.Periodic`).
 
 The structure also says whether the sizes are valid at all: it is built by the
 schedule's own generator, whose refusal names the rule.
@@ -97,8 +99,9 @@ IDLE: dict[str, IdleFormula] = {
 # inserts one block of steps into every device's walk, the same block each time
 # (:class:`pipeflow.sim.memory_peaks.Periodic`), so three small walks give the peak at
 # any larger count exactly. (fill, period) per schedule, in p, v, s and the candidate's
-# m; the smallest fills the tests found, one microbatch more (the smallest whole groups)
-# (tests/test_search.py walks each rule, and a search checks it on a third walk). The
+# m: the smallest fill a walk-by-walk comparison found, one microbatch more (for whole
+# groups, the smallest found) (tests/test_search.py holds each rule; a search checks it
+# on its third walk and, where it fails, extrapolates as below). The
 # interleaved schedules move microbatches in groups of g = ceil(p/s): with m a multiple
 # of g the groups are equal from the start, and a period is one more group; otherwise
 # they settle into equal ones once there are more groups than microbatches left over,
