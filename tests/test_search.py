@@ -201,8 +201,8 @@ def test_stage_kinds_price_every_term_alike():
                 cost, st = pricer.cost(c), pricer.structure(c)
                 kinds = cost.stage_kinds()
                 alike += len(kinds) - len(set(kinds))
-                for mem, walk in ((st.memory, None), (st.replicated("gradients", "")[0], "gradients"),
-                                  (st.replicated("full", "chunk")[0], "full")):
+                for mem, walk in ((st.memory, None), (st.replicated("gradients", ""), "gradients"),
+                                  (st.replicated("full", "chunk"), "full")):
                     for key in mem.terms:
                         key = priced_as(key, walk, 2) if walk else key
                         assert term_value(key, cost) == term_value(like_stage(key, kinds), cost), (model, key)

@@ -38,6 +38,7 @@ them contributes zeros, never a guess.
 from __future__ import annotations
 
 import heapq
+import itertools
 
 from ..schedules.ir import Kind, WeightPolicy
 from ..schedules.lowering import action_positions, message_position
@@ -154,14 +155,12 @@ def tapes(schedule, devices=None, replicas: int = 1) -> list[Tape]:
         copies: dict = {}
         # consumer's device -> heap of (consumer's position, order made, name, copy)
         unproven: dict[int, list] = {}
+        sent_order = itertools.count()
 
         def hold_sent(name: tuple, term: int, consumer) -> None:
             c = copies[name] = [term, [consumer], False]
             if consumer is not None:  # (a send no one consumes is never proven)
-                heapq.heappush(unproven.setdefault(consumer[0], []), (consumer[1], len(copies_made), name, c))
-            copies_made.append(name)
-
-        copies_made: list = []
+                heapq.heappush(unproven.setdefault(consumer[0], []), (consumer[1], next(sent_order), name, c))
         plan_here = tied_plan.get(d, {})
         cast_by: dict = {}  # rep -> (microbatch, segment) of the forward that made its casts
         held_out: dict = {}

@@ -168,7 +168,8 @@ class Structure:
         self.overlapped = len(sched.overlapped)
         self.microbatches_per_update = sched.microbatches_per_step or sched.num_microbatches
         self.updates = max(1, sched.num_microbatches // self.microbatches_per_update) if self.asynchronous else 1
-        self._replicated: dict[tuple, tuple] = {}
+        self._replicated: dict[tuple, Peaks] = {}  # walk -> one replica's memory
+        self._gathers: dict[str, dict] = {}  # pipeline.gather -> all-gathers a step per (pipe, stage)
 
     @property
     def memory(self) -> Peaks:
@@ -201,27 +202,25 @@ class Structure:
         sched.shard = walk[0]
         return sched
 
-    def replicated(self, shard: str, gather: str) -> tuple[Peaks, dict]:
-        """(memory, all-gathers a step per stage) of one replica among data-parallel ones,
-        each stage's replicas sharding ``shard`` (pipeline.shard, gathering by ``gather``
-        under full): one replica's walks (as_replica: its REDUCE's flats, its shards, its
-        GATHERs and FREEs) as if among 2; :func:`priced_as` says what each term is for a
-        level and a number of replicas, which changes no order. One walk, ZeRO-2's, serves
-        none, ZeRO-1 and ZeRO-2: theirs differ only in what its terms are worth (nothing
-        goes at the REDUCE, the optimizer state or its step whole or sliced)."""
+    def replicated(self, shard: str, gather: str) -> Peaks:
+        """The memory of one replica among data-parallel ones, each stage's replicas
+        sharding ``shard`` (pipeline.shard, gathering by ``gather`` under full): one
+        replica's walks (as_replica: its REDUCE's flats, its shards, its GATHERs and
+        FREEs) as if among 2; :func:`priced_as` says what each term is for a level and a
+        number of replicas, which changes no order. One walk, ZeRO-2's, serves none,
+        ZeRO-1 and ZeRO-2: theirs differ only in what its terms are worth (nothing goes at
+        the REDUCE, the optimizer state or its step whole or sliced)."""
         walk = self.walk_of(shard, gather, True)
         got = self._replicated.get(walk)
         if got is None:  # (one replica's lists: the others walk alike)
-            sched = self._replica(walk)
-            got = self._replicated[walk] = (Peaks(tapes(sched, replicas=2)), gathers_per_step(sched))
+            got = self._replicated[walk] = Peaks(tapes(self._replica(walk), replicas=2))
         return got
 
     def gathers(self, gather: str) -> dict:
         """ZeRO-3's all-gathers a step per (pipe, stage) under ``gather``, without a walk."""
-        key = ("gathers", gather)
-        got = self._replicated.get(key)
+        got = self._gathers.get(gather)
         if got is None:
-            got = self._replicated[key] = gathers_per_step(self._replica(("full", gather)))
+            got = self._gathers[gather] = gathers_per_step(self._replica(("full", gather)))
         return got
 
 

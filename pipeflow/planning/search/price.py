@@ -230,7 +230,7 @@ class Pricer:
         key = (id(cost), id(st), *((c.shard, c.gather, c.data_parallel) if replicas else ()))
         got = self._needs_cache.get(key)
         if got is None:
-            mem = st.replicated(c.shard, c.gather)[0] if replicas else st.memory
+            mem = st.replicated(c.shard, c.gather) if replicas else st.memory
             got = self._needs_cache[key] = mem.peaks(self._values(cost, mem.terms, c, replicas))
         return got
 
@@ -441,7 +441,7 @@ class Pricer:
             needs = self.needs(c, cost) if at is not None else None
             if needs is None:
                 full = self.structure(c)
-                mem = full.replicated(c.shard, c.gather)[0] if c.data_parallel > 1 else full.memory
+                mem = full.replicated(c.shard, c.gather) if c.data_parallel > 1 else full.memory
                 needs = mem.peaks(self._values(cost, mem.terms, c, c.data_parallel > 1))
             worst = self._worst(c, needs)
         compute = max(busy) / st.updates
