@@ -55,6 +55,21 @@ class BackwardWorkingSet:
 
     def _backward_phase(self, stage: int, segment: int, fresh: bool | None = False,
                         end: bool = False) -> tuple[float, float, float]:
+        """:meth:`_backward_phase_of`, once per (stage, segment, fresh, end): several terms
+        of the memory walk read each (and per this host's kernels' scratch, which a
+        run's preparation may set after the cost is built)."""
+        cache = self.__dict__.get("_phases")
+        if cache is None:
+            cache = self._phases = {}
+        key = (stage, segment, fresh, end, getattr(self, "product_scratch", None),
+               getattr(self, "attention_scratch", None))
+        got = cache.get(key)
+        if got is None:
+            got = cache[key] = self._backward_phase_of(stage, segment, fresh, end)
+        return got
+
+    def _backward_phase_of(self, stage: int, segment: int, fresh: bool | None = False,
+                           end: bool = False) -> tuple[float, float, float]:
         """B's most on top of the level before it, what it has freed of the saved
         activations by then, and (``fresh``: into a stage with no gradients) the
         gradients it has made by then. A block's backward runs its MLP's first: the MLP's
@@ -170,6 +185,7 @@ class BackwardWorkingSet:
         ``own_casts`` terms."""
         view = copy.copy(self)
         view._own_casts = True
+        view._phases = {}  # (its phases are its own)
         return view
 
     def cast_phase_bytes(self, stage: int, segment: int) -> float:

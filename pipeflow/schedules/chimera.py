@@ -17,44 +17,55 @@ other costs only change its timing.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from .common import check_basic, finish_sync, require
 from .ir import Action, Kind, Placement, Schedule, StageGraph
 from .spec import ScheduleSpec
 
 
-def _unit_orders(p: int, first_mb: int, size: int, placement: Placement) -> list[list[Action]]:
+@lru_cache(maxsize=64)
+def _unit_template(p: int, size: int) -> tuple[tuple[tuple[str, int, int, int], ...], ...]:
+    """Each device's order for one basic unit of ``size`` microbatches numbered from 0, as
+    (kind, stage, microbatch, pipe) tuples (the list scheduling of the module docstring;
+    the units of a schedule differ only in their first microbatch)."""
     half = size // 2
     pipe_of = [0] * half + [1] * (size - half)
-    finished: dict[Action, int] = {}
-    todo: set[Action] = set()
+    device = [list(range(p)), list(reversed(range(p)))]  # pipe -> stage -> device
+    never = 1 << 60
+    # finished[kind][pipe][stage][microbatch]: the time unit an action ends (never: not yet)
+    done = {k: [[[never] * size for _ in range(p)] for _ in range(2)] for k in (Kind.F, Kind.B)}
+    # per device, its actions not yet run, in the priority order (backward first, deeper
+    # stage first, older microbatch first): the first ready one runs
+    todo: list[list[tuple]] = [[] for _ in range(p)]
     for i in range(size):
         for s in range(p):
-            todo.add(Action(Kind.F, s, first_mb + i, pipe_of[i]))
-            todo.add(Action(Kind.B, s, first_mb + i, pipe_of[i]))
-    by_device: list[list[Action]] = [[] for _ in range(p)]
-    for a in todo:
-        by_device[placement.device(a.pipe, a.stage)].append(a)
-    orders: list[list[Action]] = [[] for _ in range(p)]
-    never = 1 << 60
-
-    def ready(a: Action, t: int) -> bool:
-        if a.kind == Kind.F:
-            return a.stage == 0 or finished.get(Action(Kind.F, a.stage - 1, a.microbatch, a.pipe), never) <= t
-        return finished.get(Action(Kind.F, a.stage, a.microbatch, a.pipe), never) <= t and (
-            a.stage == p - 1 or finished.get(Action(Kind.B, a.stage + 1, a.microbatch, a.pipe), never) <= t
-        )
-
-    t = 0
-    while todo:
+            for kind in (Kind.F, Kind.B):
+                todo[device[pipe_of[i]][s]].append((kind == Kind.F, -s, i, kind, s, pipe_of[i]))
+    for row in todo:
+        row.sort()
+    orders: list[list[tuple]] = [[] for _ in range(p)]
+    t, left = 0, 2 * size * p
+    while left:
         for d in range(p):
-            cands = [a for a in by_device[d] if a in todo and ready(a, t)]
-            if cands:
-                a = min(cands, key=lambda a: (a.kind == Kind.F, -a.stage, a.microbatch))
-                todo.discard(a)
-                finished[a] = t + 1
-                orders[d].append(a)
+            row = todo[d]
+            for j, (_, _, mb, kind, s, pipe) in enumerate(row):
+                if kind == Kind.F:
+                    ok = s == 0 or done[Kind.F][pipe][s - 1][mb] <= t
+                else:
+                    ok = done[Kind.F][pipe][s][mb] <= t and (s == p - 1 or done[Kind.B][pipe][s + 1][mb] <= t)
+                if ok:
+                    del row[j]
+                    done[kind][pipe][s][mb] = t + 1
+                    orders[d].append((kind, s, mb, pipe))
+                    left -= 1
+                    break
         t += 1
-    return orders
+    return tuple(tuple(o) for o in orders)
+
+
+def _unit_orders(p: int, first_mb: int, size: int) -> list[list[Action]]:
+    return [[Action(kind, s, first_mb + mb, pipe) for kind, s, mb, pipe in order] for order in _unit_template(p, size)]
 
 
 def chimera(stages: int, microbatches: int) -> Schedule:
@@ -69,7 +80,7 @@ def chimera(stages: int, microbatches: int) -> Schedule:
     for first in range(0, m, p):
         size = min(p, m - first)
         pipe_of += [0] * (size // 2) + [1] * (size - size // 2)
-        for d, unit in enumerate(_unit_orders(p, first, size, placement)):
+        for d, unit in enumerate(_unit_orders(p, first, size)):
             orders[d].extend(unit)
     return finish_sync(
         name,

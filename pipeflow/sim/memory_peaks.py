@@ -3,7 +3,14 @@ search's pricing): the tapes of :mod:`pipeflow.sim.memory` as arrays."""
 
 from __future__ import annotations
 
+from itertools import chain
+
 import numpy as np
+
+
+def _rows(steps: list) -> np.ndarray:
+    """A tape's steps, (category, term, count) tuples, as a float array of rows."""
+    return np.fromiter(chain.from_iterable(steps), dtype=float, count=3 * len(steps)).reshape(-1, 3)
 
 class Peaks:
     """Every device's peak for many cost models at once: the tapes' walks as arrays
@@ -16,7 +23,7 @@ class Peaks:
         n = 0  # adds so far, over every device
         for t in tapes:
             remap = np.array([index.setdefault(k, len(index)) for k in t.terms] + [-1], dtype=np.int64)
-            steps = np.array(t.steps, dtype=float).reshape(-1, 3)
+            steps = _rows(t.steps)
             adds = steps[:, 0] >= 0
             term = steps[:, 1].astype(np.int64)  # -1 (no extra term) maps to -1
             starts.append(sum(len(x) for x in pos))
@@ -47,52 +54,100 @@ def encoded(tape, index: dict) -> np.ndarray:
     replaced by each term's number in ``index`` (shared by the walks to compare, which
     it grows), so that the tapes of one schedule at two sizes compare step by step."""
     ids = np.array([index.setdefault(k, len(index)) for k in tape.terms] + [-1], dtype=float)
-    steps = np.array(tape.steps, dtype=float).reshape(-1, 3)
+    steps = _rows(tape.steps)
     steps[:, 1] = ids[steps[:, 1].astype(np.int64)]  # (-1, no term, stays -1)
     return steps
 
 
-def split_period(small: np.ndarray, big: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(P, X, S) with ``small == P + S`` and ``big == P + X + S`` (encoded steps): the
-    block that one more period of the schedule inserts, found as the longest common
-    prefix. Raises NotPeriodic when the two differ otherwise."""
+def _common(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading rows ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero((a[:n] != b[:n]).any(axis=1))
+    return int(differ[0]) if len(differ) else n
+
+
+def split_periods(small: np.ndarray, big: np.ndarray) -> list[tuple[np.ndarray, bool]]:
+    """``small`` as blocks (steps, repeated): ``big``, the walk two periods later, is
+    ``small`` with every repeated block inserted twice where it stands, and the walk k
+    periods past ``small`` is ``small`` with each inserted k times. A schedule inserts
+    its period at one place (the steady phase: 1F1B) or at several (GPipe: among its
+    forwards, among the sends its first backward proves arrived, among its backwards).
+    Found by walking both: where they part, a stretch of ``big`` whose halves agree and
+    after which the two agree again is the inserted block, the shortest first, a longer
+    one where the rest then fails (a block whose first steps also follow it is found
+    rotated, which repeats alike). Raises NotPeriodic when ``big`` is not ``small`` with
+    doubled blocks."""
     n, extra = len(small), len(big) - len(small)
-    if extra <= 0:
+    if extra <= 0 or extra % 2:
         raise NotPeriodic(f"the larger walk has {len(big)} steps, the smaller {n}")
-    differ = np.flatnonzero((small != big[:n]).any(axis=1))
-    i = int(differ[0]) if len(differ) else n
-    if not np.array_equal(small[i:], big[i + extra:]):
-        raise NotPeriodic(f"the walks part at step {i} and do not meet again")
-    return small[:i], big[i:i + extra], small[i:]
+
+    tries = [4096]  # (a walk the blocks do not fit is given up on, not searched through)
+
+    def rest(i: int, j: int) -> list[tuple[int, int, int]] | None:  # the insertions (i, j, half) from (i, j)
+        tries[0] -= 1
+        if tries[0] < 0:
+            return None
+        run = _common(small[i:], big[j:])
+        i, j = i + run, j + run
+        if i == n and j == len(big):
+            return []
+        left = extra - (j - i)  # of the inserted steps
+        # the halves' lengths worth a look: the second half starts as the first does, and
+        # the walks agree again on the step after the block
+        halves = np.arange(1, left // 2 + 1)
+        near = big[j:j + left + 1]
+        maybe = (near[halves] == big[j]).all(axis=1)
+        maybe &= (near[2 * halves] == small[i]).all(axis=1) if i < n else 2 * halves == left
+        for half in halves[maybe].tolist():
+            if np.array_equal(big[j:j + half], big[j + half:j + 2 * half]):
+                after = rest(i, j + 2 * half)
+                if after is not None:
+                    return [(i, j, half), *after]
+        return None
+
+    found = rest(0, 0)
+    if found is None:
+        raise NotPeriodic("the walks part and no doubled blocks bring them together")
+    blocks: list[tuple[np.ndarray, bool]] = []
+    start = 0
+    for i, j, half in found:
+        blocks += [(small[start:i], False), (big[j:j + half], True)]
+        start = i
+    blocks.append((small[start:], False))
+    return blocks
 
 
 class Periodic:
     """Every device's peak at k more periods of a schedule than a walked size, without
-    walking them: each device's walk at that size is P + S and one period later
-    P + X + S (:func:`split_period`), so at k periods more it is P + X (k times) + S.
-    Within the j-th copy of X the level is P's end plus j times X's net change, so the
-    copies' highest instant is the first's or the last's: the peak is the most of P's
-    instants, X's (raised by (k - 1) net changes where they grow) and S's (raised by k),
-    exact for any k. The walks are :func:`encoded` over ``terms`` (the index's keys, in
-    order); ``check`` (the walk two periods later) must be P + X + X + S, or NotPeriodic
-    is raised: the period the caller assumed does not hold at this size."""
+    walking them: each device's walk at that size is a list of blocks, some repeated
+    once a period (:func:`split_periods`), and at k periods more each repeated block
+    stands k times. Within the j-th copy of a block the level is the copies' start plus
+    j times the block's net change, so the copies' highest instant is the first's or
+    the last's: the peak is the most over the blocks of their own highest instant,
+    raised by what the blocks before them add (k times for a repeated one) and, within
+    a repeated block, by (k - 1) of its net changes where it grows: exact for any k.
+    ``small`` and ``big`` (two periods later) are each device's steps :func:`encoded`
+    over ``terms`` (the index's keys, in order)."""
 
-    def __init__(self, small: list, big: list, check: list | None, terms: list) -> None:
-        rows = []  # per device: P, X, S
+    def __init__(self, small: list, big: list, terms: list) -> None:
+        rows, device, repeated = [], [], []
         for d, (a, b) in enumerate(zip(small, big)):
-            P, X, S = split_period(a, b)
-            if check is not None and not np.array_equal(check[d], np.concatenate((P, X, X, S))):
-                raise NotPeriodic(f"device {d}: two periods more is not the block repeated")
-            rows += [P, X, S]
+            for block, again in split_periods(a, b):
+                rows.append(block)
+                device.append(d)
+                repeated.append(again)
         self.terms = list(terms)
         self.devices = len(small)
+        self._device = np.array(device, dtype=np.int64)
+        self._repeated = np.array(repeated, dtype=bool)
+        self._first = np.concatenate(([0], np.flatnonzero(np.diff(self._device)) + 1)) if rows else np.zeros(0, int)
         lengths = np.array([len(r) for r in rows], dtype=np.int64)
         steps = np.concatenate(rows) if len(rows) else np.zeros((0, 3))
         row = np.repeat(np.arange(len(rows)), lengths)
         adds = steps[:, 0] >= 0
         term = steps[:, 1].astype(np.int64)
         # the levels as Peaks keeps them: a cumulative sum over every add; an instant's
-        # level is its row's part of that sum, plus the term held for the instant only
+        # level is its block's part of that sum, plus the term held for the instant only
         self.idx, self.coef = term[adds], steps[adds, 2]
         counted = np.cumsum(adds)
         first_add = np.concatenate(([0], np.cumsum(np.bincount(row[adds], minlength=len(rows)))))[:-1]
@@ -101,7 +156,7 @@ class Periodic:
         per_row = np.bincount(row[at], minlength=len(rows))
         self._empty = per_row == 0
         self.starts = np.concatenate(([0], np.cumsum(per_row)))[:-1]
-        # each row's net change, per term: the level at P's end and X's change are products
+        # each block's net change, per term: the level at a block's start is a product
         self._net = np.zeros((len(rows), len(self.terms) + 1))
         np.add.at(self._net, (row[adds], self.idx), self.coef)
 
@@ -110,12 +165,14 @@ class Periodic:
         v = np.append(np.asarray(values, dtype=float), 0.0)  # index -1: no extra term
         level = np.concatenate(([0.0], np.cumsum(self.coef * v[self.idx])))
         at = level[self.pos] - level[self.base] + v[self.extra]
-        top = np.full(len(self.starts), -np.inf)
+        top = np.full(len(self._device), -np.inf)  # each block's highest instant, from its start
         full = ~self._empty
         top[full] = np.maximum.reduceat(at, self.starts[full])
-        top = top.reshape(self.devices, 3)
-        net = (self._net @ v).reshape(self.devices, 3)
-        start_x, grow = net[:, 0], net[:, 1]
-        in_x = start_x + top[:, 1] + max(k - 1, 0) * np.maximum(grow, 0.0) if k > 0 else np.full(self.devices, -np.inf)
-        in_s = start_x + k * grow + top[:, 2]
-        return np.maximum(np.maximum(top[:, 0], in_x), in_s)
+        net = self._net @ v
+        added = np.where(self._repeated, k * net, net)  # what each block adds at k periods
+        ends = np.cumsum(added)
+        start = ends - added - np.repeat((ends - added)[self._first], np.diff(np.append(self._first, len(added))))
+        high = start + top + np.where(self._repeated, max(k - 1, 0) * np.maximum(net, 0.0), 0.0)
+        if k == 0:
+            high[self._repeated] = -np.inf
+        return np.maximum.reduceat(high, self._first)

@@ -81,21 +81,19 @@ def _simulate(batch: list[Candidate]) -> list[Priced]:
     return _each(_PRICER.simulated, batch)
 
 
-def _deal(items: list, workers: int, key) -> list[list]:
-    """Items into ``workers`` batches, whole groups (same ``key``) together, largest first
-    to the lightest batch, so each worker builds a schedule's structures once."""
+def _groups(items: list, key) -> list[list]:
+    """Items in groups of the same ``key``, the largest first: a worker takes the next
+    group when it is done with one (whole groups to one worker, so it builds what they
+    share once; the largest first, so none is left alone with a large one at the end)."""
     groups: dict = {}
     for it in items:
         groups.setdefault(key(it), []).append(it)
-    batches: list[list] = [[] for _ in range(workers)]
-    for g in sorted(groups.values(), key=len, reverse=True):
-        min(batches, key=len).extend(g)
-    return [b for b in batches if b]
+    return sorted(groups.values(), key=len, reverse=True)
 
 
 def _map(fn, items: list, workers: int, key, phase: str = "", report: tuple = (None, None)) -> list[tuple]:
     """(item, result) pairs of fn over items, in ``workers`` forked processes when more
-    than one (each inherits the pricer; whole groups by ``key`` go to one). ``report``:
+    than one (each inherits the pricer and takes whole groups by ``key``). ``report``:
     (seconds between progress lines, where a line goes) for :class:`.progress.Progress`."""
     global _PROGRESS
     every, say = report
@@ -107,9 +105,9 @@ def _map(fn, items: list, workers: int, key, phase: str = "", report: tuple = (N
         finally:
             _PROGRESS = None
         return out
-    batches = _deal(items, workers, key)
+    batches = _groups(items, key)
     _PROGRESS = progress = Progress(phase, items, every, say, shared=True)  # before the fork: the workers count
-    pool = ProcessPoolExecutor(len(batches), mp_context=multiprocessing.get_context("fork"),
+    pool = ProcessPoolExecutor(min(workers, len(batches)), mp_context=multiprocessing.get_context("fork"),
                                initializer=_die_with_parent)
     try:
         futures = [pool.submit(fn, b) for b in batches]
@@ -173,7 +171,9 @@ def search(space: SearchSpace, pricer: Pricer, simulate_top: int = 16, workers: 
     n = len(every)
     _PRICER = pricer
     try:
-        for c, q in _map(_closed_forms, every, workers, lambda c: (c.schedule, c.stages, c.virtual_stages, c.segments),
+        # (a worker gets whole groups of the same stages x chunks and segments: every
+        # schedule's structures, and the cost models and terms they share, built once)
+        for c, q in _map(_closed_forms, every, workers, lambda c: (c.stages * c.virtual_stages, c.segments),
                          "closed form",
                          (progress_every, say)):
             if isinstance(q, str):

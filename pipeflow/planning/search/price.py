@@ -18,16 +18,16 @@ import numpy as np
 
 from pipeflow.schedules.data_parallel import replicate
 from pipeflow.schedules.sharding import with_gathers
-from pipeflow.sim.engine import simulate
-from pipeflow.sim.memory import device_memory, library_workspace, term_value
-from pipeflow.sim.memory_terms import like_stage
+from pipeflow.sim.engine import compile_schedule, simulate
+from pipeflow.sim.memory import device_memory, library_workspace
 from pipeflow.topology.topology import Topology
 
 from ..cost import AnalyticCost
 from ..partition import partition_layers
 from ..seqsplit import split_sequence
 from ..transformer import TransformerSpec, kv_repeat_on
-from .closed_form import PERIODS, Structure, StructureCache, idle_formula, priced_as
+from .closed_form import TIMED, Structure, StructureCache, idle_formula
+from .memory import MemoryPrices
 from .space import Candidate
 
 CLOSED_FORM, SIMULATED = "closed form", "simulated"
@@ -79,7 +79,7 @@ class _Tables:
     times: dict  # device kind -> (F, B, I, W arrays [stage, segment], S array [stage]) in seconds
 
 
-class Pricer:
+class Pricer(MemoryPrices):
     """Prices candidates for one model on one topology (``devices`` of it), within
     ``memory_limit`` bytes per device (None: each device's own memory)."""
 
@@ -92,10 +92,12 @@ class Pricer:
         self._costs: dict[tuple, AnalyticCost | str] = {}
         self._tables: dict[int, _Tables] = {}
         self._terms: dict[int, dict] = {}  # id(cost) -> memory term -> bytes
+        self._value_arrays: dict[int, dict] = {}  # id(cost) -> term index's key -> a walk's terms' bytes
         self._needs_cache: dict[tuple, np.ndarray] = {}  # (id(cost), id(structure)) -> bytes per device
         self._work_cache: dict[tuple, tuple] = {}  # (id(structure), id(cost)) -> work per device, hop
         self._kinds: dict[int, tuple] = {}  # id(cost) -> each stage's first of its kind
         self._term_index: dict[tuple, tuple] = {}  # (id(a walk's terms), [shard, replicas,] kinds) -> index
+        self._compiled: dict[tuple, object] = {}  # (id(structure), replicas, level, gather) -> its simulation's input
         self._layers: dict[tuple, list[int]] = {}
         self._rings: dict[tuple, float] = {}
         repeat = kv_repeat_on(spec, dtype_bytes, topology.on_gpus)  # fp32 grouped-query attention on GPUs
@@ -168,84 +170,6 @@ class Pricer:
         m1 = 4 * p + (m - 4 * p) % (2 * p)
         return (m1, m1 - 2 * p)
 
-    def periodic(self, c: Candidate) -> tuple[int, int, int] | None:
-        """(m0, period, k): the candidate's m is k periods past m0, a size from which the
-        schedule's walks repeat one block a period (closed_form.PERIODS); None where the
-        schedule has no rule or m is below its fill. (k may be 0 or 1: m is then one of
-        the three walks, which the larger m of the same schedule walk anyway.)"""
-        rule = PERIODS.get(c.schedule)
-        if rule is None:
-            return None
-        fill, q = rule(c.stages, c.virtual_stages, c.segments, c.microbatches)
-        if c.microbatches < fill:
-            return None
-        m0 = fill + (c.microbatches - fill) % q
-        return m0, q, (c.microbatches - m0) // q
-
-    def _values(self, cost: AnalyticCost, terms: list, c: Candidate, replicas: bool) -> np.ndarray:
-        """The bytes of a walk's ``terms`` under ``cost``, as ``c``'s level and replicas
-        price them (``replicas``: a replicated walk's terms, :func:`priced_as`); each
-        distinct term valued once per cost, a stage's as the first of its kind's
-        (AnalyticCost.stage_kinds: the terms' index into those is built once per walk,
-        level, replicas and kinds of stage)."""
-        kinds = self._kinds.get(id(cost))
-        if kinds is None:
-            kinds = self._kinds[id(cost)] = tuple(cost.stage_kinds())
-        key = (id(terms), *((c.shard, c.data_parallel) if replicas else ()), kinds)
-        got = self._term_index.get(key)
-        if got is None:
-            priced = [priced_as(k, c.shard, c.data_parallel) for k in terms] if replicas else terms
-            distinct: dict[tuple, int] = {}
-            index = np.array([distinct.setdefault(like_stage(k, kinds), len(distinct)) for k in priced], dtype=np.int64)
-            got = self._term_index[key] = (terms, list(distinct), index)  # (terms: its id stays theirs)
-        _, distinct, index = got
-        values = self._terms.setdefault(id(cost), {})
-        return np.array([v if (v := values.get(k)) is not None else term_value(k, cost, None, values)
-                         for k in distinct], dtype=float)[index]
-
-    def needs(self, c: Candidate, cost: AnalyticCost) -> np.ndarray | None:
-        """Bytes each device of one replica needs at its peak at the candidate's own m,
-        from the schedule's periodic walks (:meth:`periodic`), or None where they do not
-        serve. With replicas, the walk of one among them (their reductions' buffers and
-        what they shard)."""
-        at = self.periodic(c)
-        if at is None:
-            return None
-        m0, q, k = at  # (every schedule with a rule is synchronous)
-        walk = Structure.walk_of(c.shard, c.gather, c.data_parallel > 1)
-        mem = self.structures.periodic(c.schedule, c.stages, m0, q, c.virtual_stages, c.segments, walk)
-        if mem is None:
-            return None
-        key = (id(cost), id(mem), k, *((c.shard, c.data_parallel) if walk != ("plain",) else ()))
-        got = self._needs_cache.get(key)
-        if got is None:
-            got = self._needs_cache[key] = mem.peaks(self._values(cost, mem.terms, c, walk != ("plain",)), k)
-        return got
-
-    def _needs(self, st: Structure, cost: AnalyticCost, c: Candidate) -> np.ndarray:
-        """Bytes each device of one replica needs at its peak, as the simulator's memory
-        walk counts them (model state, activations, messages, workspaces; with replicas,
-        their reductions' buffers and what they shard)."""
-        replicas = c.data_parallel > 1 and not st.asynchronous
-        key = (id(cost), id(st), *((c.shard, c.gather, c.data_parallel) if replicas else ()))
-        got = self._needs_cache.get(key)
-        if got is None:
-            mem = st.replicated(c.shard, c.gather) if replicas else st.memory
-            got = self._needs_cache[key] = mem.peaks(self._values(cost, mem.terms, c, replicas))
-        return got
-
-    def _worst(self, c: Candidate, needs: np.ndarray) -> tuple[float, float, int]:
-        """(peak bytes, limit, device) of the fullest device relative to its limit, over every replica."""
-        worst = (-np.inf, 0.0, 0)
-        p = len(needs)
-        for d, need in enumerate(needs):
-            for r in range(c.data_parallel):
-                dev = r * p + d
-                held = need + self.topology.workspace_bytes(dev)  # the math libraries' own, throughout
-                if held - self.limit(dev) > worst[0] - worst[1]:
-                    worst = (float(held), self.limit(dev), dev)
-        return worst
-
     def _work(self, st: Structure, cost: AnalyticCost) -> tuple[np.ndarray, ...]:
         """Each device's time over the structure's step (every action it runs): its F, its
         input-gradient and weight-gradient shares of the backward (a full B split as B - W
@@ -277,7 +201,7 @@ class Pricer:
         for periodic in (True, False):
             if periodic and at is None:
                 continue
-            sizes = (at[0] + at[1], at[0]) if periodic else self.stand_in_sizes(c.stages, c.microbatches)
+            sizes = (at[0] + 2 * at[1], at[0]) if periodic else self.stand_in_sizes(c.stages, c.microbatches)
             built = [self.structure(c, m) for m in sizes]
             for m, st in zip(sizes, built):
                 if isinstance(st, str):  # the generator's rule, said of the candidate's own m
@@ -367,12 +291,12 @@ class Pricer:
         st = built[0]
         if c.shard == "none" or c.data_parallel == 1 or st.asynchronous:
             return step, 0.0
-        p = st.schedule.num_devices
         params = self.tables(cost).params
         gathers = [b.gathers(c.gather) if c.shard == "full" else {} for b in built]
         waited = 0.0
+        rings = self._stage_rings(st, c.data_parallel)
         for s in st.stages_on[d]:
-            ring = tuple(r * p + dd for r in range(c.data_parallel) for dd in st.replica_devices[s])
+            ring = rings[s]
             if c.shard == "full":  # (a stand-in size's count, extrapolated with m as the work is)
                 n0, *n1 = (max((k for (pipe, stage), k in g.items() if stage == s), default=0) for g in gathers)
                 n = n0 + t * (n0 - n1[0]) if n1 else n0
@@ -390,16 +314,24 @@ class Pricer:
         if c.data_parallel == 1 and st.schedule.placement.num_pipes == 1:
             return 0.0
         params = self.tables(cost).params
-        worst = 0.0
-        for d in range(p):
-            t = 0.0
-            for s in st.stages_on[d]:
-                ring = tuple(r * p + dd for r in range(c.data_parallel) for dd in st.replica_devices[s])
-                if len(ring) > 1:
-                    t += self._ring(ring, float(params[s]),
-                                    "reduce-scatter" if c.shard in ("gradients", "full") else "all-reduce")
-            worst = max(worst, t)
-        return worst
+        what = "reduce-scatter" if c.shard in ("gradients", "full") else "all-reduce"
+        key = (id(st), id(params), c.data_parallel, what)
+        got = self._rings.get(key)
+        if got is None:
+            rings = self._stage_rings(st, c.data_parallel)
+            got = self._rings[key] = max(sum(self._ring(rings[s], float(params[s]), what)
+                                             for s in st.stages_on[d] if len(rings[s]) > 1) for d in range(p))
+        return got
+
+    def _stage_rings(self, st: Structure, replicas: int) -> list[tuple]:
+        """Each stage's devices over ``replicas`` replicas of the structure's pipeline."""
+        key = (id(st), replicas, "rings")
+        got = self._rings.get(key)
+        if got is None:
+            p = st.schedule.num_devices
+            got = self._rings[key] = [tuple(r * p + dd for r in range(replicas) for dd in devs)
+                                      for devs in st.replica_devices]
+        return got
 
     # ---------------------------------------------------------------- simulated
 
@@ -414,7 +346,7 @@ class Pricer:
         cost = self.cost(c)
         if isinstance(cost, str):
             raise ValueError(cost)
-        at = self.periodic(c)
+        at = self.periodic(c) if c.schedule in TIMED else None
         if at is not None and at[2] < 2:  # (m itself is no larger than the three sizes)
             at = None
         got = self._simulated_periods(c, cost, *at) if at is not None else None
@@ -438,7 +370,7 @@ class Pricer:
                 if need - self.limit(d) > worst[0] - worst[1]:
                     worst = (need, self.limit(d), d)
         else:  # the simulator's walk of one replica (the others walk alike), as the closed form's
-            needs = self.needs(c, cost) if at is not None else None
+            needs = self.needs(c, cost)
             if needs is None:
                 full = self.structure(c)
                 mem = full.replicated(c.shard, c.gather) if c.data_parallel > 1 else full.memory
@@ -449,11 +381,17 @@ class Pricer:
                       worst[2], c.global_batch * self.spec.seq_len)
 
     def _simulate(self, c: Candidate, st: Structure, cost: AnalyticCost):
-        sched = replicate(st.schedule, c.data_parallel) if c.data_parallel > 1 else st.schedule
-        if c.shard != "none" and c.data_parallel > 1:  # (what pipeflow.config.assembly.sharded does)
-            sched = with_gathers(sched, c.gather) if c.shard == "full" else sched
-            sched.shard = c.shard
-        return simulate(sched, cost, self.topology, record=False, waits=False)
+        """The simulation of the structure's schedule, replicated and sharded as ``c``
+        (compiled once: the candidates of one schedule and level differ in their costs)."""
+        key = (id(st), c.data_parallel, c.shard if c.data_parallel > 1 else "none", c.gather)
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            sched = replicate(st.schedule, c.data_parallel) if c.data_parallel > 1 else st.schedule
+            if c.shard != "none" and c.data_parallel > 1:  # (what pipeflow.config.assembly.sharded does)
+                sched = with_gathers(sched, c.gather) if c.shard == "full" else sched
+                sched.shard = c.shard
+            compiled = self._compiled[key] = compile_schedule(sched)
+        return simulate(compiled, cost, self.topology, record=False, waits=False)
 
     def _simulated_periods(self, c: Candidate, cost: AnalyticCost, m0: int, q: int, k: int):
         """(step time, busy time per device, bubble) at k periods past m0, from the
@@ -468,6 +406,8 @@ class Pricer:
         (t0, b0), (t1, b1), (t2, b2) = runs
         if not (math.isclose(t2 - t1, t1 - t0, rel_tol=1e-9, abs_tol=1e-12 * t2)
                 and np.allclose(b2 - b1, b1 - b0, rtol=1e-9, atol=1e-12 * t2)):
+            return None
+        if t1 - t0 < (b1 - b0).max() * (1 - 1e-9):  # (a step cannot grow by less than its busiest device's work)
             return None
         makespan = t0 + k * (t1 - t0)
         busy = b0 + k * (b1 - b0)

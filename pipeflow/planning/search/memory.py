@@ -1,0 +1,121 @@
+"""A search candidate's memory: each device's peak as the simulator's walk counts it, from
+the schedule's walks (:mod:`.closed_form`) and the candidate's own bytes per term (a
+mixin of :class:`~.price.Pricer`: it reads the pricer's structures, costs and caches)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pipeflow.sim.memory import term_value
+from pipeflow.sim.memory_terms import like_stage
+
+from ..cost import AnalyticCost
+from .closed_form import PERIODS, Structure, priced_as
+from .space import Candidate
+
+
+class MemoryPrices:
+    """Each device's peak bytes for a candidate: its schedule's periodic walks where they
+    serve (:meth:`needs`), else the walk at its own size (:meth:`_needs`); its fullest
+    device against its limit (:meth:`_worst`)."""
+
+    def periodic(self, c: Candidate) -> tuple[int, int, int] | None:
+        """(m0, period, k): the candidate's m is k periods past m0, a size from which the
+        schedule's walks repeat one block a period (closed_form.PERIODS); None where the
+        schedule has no rule or m is below its fill. (The walks are at m0 and m0 + 2
+        periods; k may be anything from 0: the blocks stand k times.)"""
+        rule = PERIODS.get(c.schedule)
+        if rule is None:
+            return None
+        fill, q = rule(c.stages, c.virtual_stages, c.segments, c.microbatches)
+        if c.microbatches < fill:
+            return None
+        m0 = fill + (c.microbatches - fill) % q
+        return m0, q, (c.microbatches - m0) // q
+
+    def _values(self, cost: AnalyticCost, terms: list, c: Candidate, replicas: bool) -> np.ndarray:
+        """The bytes of a walk's ``terms`` under ``cost``, as ``c``'s level and replicas
+        price them (``replicas``: a replicated walk's terms, :func:`priced_as`); each
+        distinct term valued once per cost, a stage's as the first of its kind's
+        (AnalyticCost.stage_kinds). The walk's terms as they stand are valued once per
+        cost; a level and a number of replicas change a few of them (the shards, the
+        slices), valued on top."""
+        kinds = self._kinds.get(id(cost))
+        if kinds is None:
+            kinds = self._kinds[id(cost)] = tuple(cost.stage_kinds())
+        key = (id(terms), kinds)
+        got = self._term_index.get(key)
+        if got is None:  # (built once per walk and kinds of stage)
+            distinct: dict[tuple, int] = {}
+            index = np.array([distinct.setdefault(like_stage(k, kinds), len(distinct)) for k in terms], dtype=np.int64)
+            got = self._term_index[key] = (terms, list(distinct), index)  # (terms: its id stays theirs)
+        values = self._terms.setdefault(id(cost), {})
+        arrays = self._value_arrays.setdefault(id(cost), {})
+        out = arrays.get(key)
+        if out is None:
+            _, distinct, index = got
+            out = arrays[key] = np.array([v if (v := values.get(k)) is not None else term_value(k, cost, None, values)
+                                          for k in distinct], dtype=float)[index]
+        if not replicas:
+            return out
+        level = (id(terms), c.shard, c.data_parallel, kinds)
+        moved = self._term_index.get(level)
+        if moved is None:  # the terms the level and the replicas price otherwise: where, and as what
+            pos, keys = [], []
+            for i, k in enumerate(terms):
+                q = priced_as(k, c.shard, c.data_parallel)
+                if q != k:
+                    pos.append(i)
+                    keys.append(like_stage(q, kinds))
+            moved = self._term_index[level] = (np.array(pos, dtype=np.int64), keys)
+        pos, keys = moved
+        if not len(pos):
+            return out
+        out = out.copy()
+        out[pos] = [v if (v := values.get(k)) is not None else term_value(k, cost, None, values) for k in keys]
+        return out
+
+    def needs(self, c: Candidate, cost: AnalyticCost) -> np.ndarray | None:
+        """Bytes each device of one replica needs at its peak at the candidate's own m,
+        from the schedule's periodic walks (:meth:`periodic`), or None where they do not
+        serve. With replicas, the walk of one among them (their reductions' buffers and
+        what they shard)."""
+        at = self.periodic(c)
+        if at is None:
+            return None
+        m0, q, k = at  # (every schedule with a rule is synchronous)
+        walk = Structure.walk_of(c.shard, c.gather, c.data_parallel > 1)
+        mem = self.structures.periodic(c.schedule, c.stages, m0, q, c.virtual_stages, c.segments, walk)
+        if mem is None:
+            return None
+        key = (id(cost), id(mem), k, *((c.shard, c.data_parallel) if walk != ("plain",) else ()))
+        got = self._needs_cache.get(key)
+        if got is None:
+            got = self._needs_cache[key] = mem.peaks(self._values(cost, mem.terms, c, walk != ("plain",)), k)
+        return got
+
+    def _needs(self, st: Structure, cost: AnalyticCost, c: Candidate) -> np.ndarray:
+        """Bytes each device of one replica needs at its peak, as the simulator's memory
+        walk counts them (model state, activations, messages, workspaces; with replicas,
+        their reductions' buffers and what they shard)."""
+        replicas = c.data_parallel > 1 and not st.asynchronous
+        key = (id(cost), id(st), *((c.shard, c.gather, c.data_parallel) if replicas else ()))
+        got = self._needs_cache.get(key)
+        if got is None:
+            mem = st.replicated(c.shard, c.gather) if replicas else st.memory
+            got = self._needs_cache[key] = mem.peaks(self._values(cost, mem.terms, c, replicas))
+        return got
+
+    def _worst(self, c: Candidate, needs: np.ndarray) -> tuple[float, float, int]:
+        """(peak bytes, limit, device) of the fullest device relative to its limit, over every replica."""
+        p = len(needs)
+        key = (p, c.data_parallel, "devices")
+        got = self._rings.get(key)
+        if got is None:  # the devices [stage device, replica], their workspaces and limits
+            dev = np.arange(p)[:, None] + p * np.arange(c.data_parallel)[None, :]
+            got = self._rings[key] = (dev, np.array([[self.topology.workspace_bytes(int(x)) for x in row] for row in dev]),
+                                      np.array([[self.limit(int(x)) for x in row] for row in dev], dtype=float))
+        dev, workspace, limit = got
+        held = np.asarray(needs, dtype=float)[:, None] + workspace  # the math libraries' own, throughout
+        at = int(np.argmax(held - limit))  # (the first of the fullest, stage device first)
+        return float(held.flat[at]), float(limit.flat[at]), int(dev.flat[at])
