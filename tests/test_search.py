@@ -24,7 +24,7 @@ from pipeflow.planning.search.progress import duration
 from pipeflow.schedules.data_parallel import replicate
 from pipeflow.schedules.sharding import with_gathers
 from pipeflow.sim.engine import simulate
-from pipeflow.sim.memory import device_memory, library_workspace
+from pipeflow.sim.memory import device_memory, library_workspace, tapes
 from pipeflow.sim.memory_peaks import split_periods
 from pipeflow.sim.memory_terms import like_stage, term_value
 from pipeflow.planning.transformer import TransformerSpec
@@ -172,6 +172,45 @@ def test_periodic_walks_repeat_one_block(name):
                                        for w, blocks in zip(whole, parts)), (name, p, v, s, m0, walk, k)
                             checked += 1
     assert checked
+
+
+@pytest.mark.parametrize("name, p, m, v, s", [("1f1b", 3, 5, 1, 1), ("zb_v", 2, 6, 2, 1), ("chimera", 4, 6, 1, 1),
+                                               ("seq1f1b_interleaved", 4, 5, 2, 3), ("gpipe", 1, 3, 1, 1)])
+def test_one_pass_walks_zero2_beside_zero3(name, p, m, v, s):
+    """A fully sharded replica's walk and its bare twin (the same lists without GATHER and
+    FREE, under gradients) from one pass are the walks each alone gives, step by step:
+    where receives are posted, where REDUCEs fall, the parameters and the step's buffers."""
+    st = Structure(name, p, m, v, s)
+    full_alone = tapes(st._replica(("full", "step")), replicas=2)
+    bare_alone = tapes(st._replica(("gradients", "")), replicas=2)
+    full, bare = tapes(st._replica(("full", "step")), replicas=2, bare="gradients")
+
+    def steps(t):
+        return [(c, t.terms[k] if k >= 0 else None, n) for c, k, n in t.steps], [(i, str(a)) for i, a in t.starts]
+
+    assert [steps(t) for t in full] == [steps(t) for t in full_alone]
+    assert [steps(t) for t in bare] == [steps(t) for t in bare_alone]
+    assert any(len(a.steps) != len(b.steps) for a, b in zip(full, bare)) or p == 1
+    with pytest.raises(ValueError, match="bare"):
+        tapes(st._replica(("gradients", "")), replicas=2, bare="gradients")
+
+
+def test_paired_walks_price_as_the_walks_alone():
+    """A search over ZeRO-2 and ZeRO-3 walks both from one pass (StructureCache.pairs):
+    every candidate's closed-form peak is the one the walks alone give, periodic or not."""
+    (_, alone), (_, paired) = _pricer(model="gpt_small", devices=8), _pricer(model="gpt_small", devices=8)
+    paired.structures.pairs = True
+    seen = 0
+    for name, v in (("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h2", 1)):
+        for m in (3, 8, 21):
+            for shard in ("full", "gradients", "none"):
+                c = Candidate(name, 4, 2, m, 1, v, 1, "none", "uniform", shard=shard)
+                a, b = alone.closed_form(c), paired.closed_form(c)
+                if isinstance(a, str):
+                    continue
+                assert b.peak_memory == a.peak_memory and b.step_time == a.step_time, c.label()
+                seen += 1
+    assert seen >= 18
 
 
 def test_a_period_that_does_not_hold_falls_back_to_the_stand_ins(monkeypatch):

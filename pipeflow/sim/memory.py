@@ -57,11 +57,21 @@ COMPARED["activations"] = (("activations", "kv"), ("activations",))
 COMPARED.update({c: ((c,), (c,)) for c in ("residuals", "outputs", "inputs", "temporaries")})
 
 
-def tapes(schedule, devices=None, replicas: int = 1) -> list[Tape]:
+def tapes(schedule, devices=None, replicas: int = 1, bare: str | None = None):
     """Each device's :class:`Tape` (of ``devices`` only, where given), walking its actions
     in its order (a device runs them one at a time, so the order is the time order; no
     timeline is needed). ``replicas``: the schedule is one replica among that many, each
-    stage's copies that many times its own (data_parallel.as_replica's lists)."""
+    stage's copies that many times its own (data_parallel.as_replica's lists).
+
+    ``bare``: the schedule is a fully sharded one (``pipeline.shard=full``, its GATHERs
+    and FREEs lowered: schedules.sharding.with_gathers); the walk of the same schedule
+    without them under ``pipeline.shard=bare`` (gradients) comes with it, from one pass:
+    the two differ only in the parameters' terms, where a receive is posted and a REDUCE
+    walked (an action ahead, a GATHER or FREE counting as one), the GATHERs and FREEs
+    and the optimizer step's buffers. Returns (its tapes, the bare tapes); each pair of a
+    device's tapes shares one list of terms."""
+    if bare is not None and (getattr(schedule, "shard", "none") != "full" or bare != "gradients"):
+        raise ValueError(f"tapes(bare={bare!r}): a fully sharded schedule's twin under gradients only")
     placement, graph = schedule.placement, schedule.graph
     nseg = max(1, schedule.num_segments)
     owners = zero_owners(placement) if getattr(schedule, "zero", False) else None
@@ -87,12 +97,24 @@ def tapes(schedule, devices=None, replicas: int = 1) -> list[Tape]:
     # consumed a send proves that send arrived (pipeflow.runtime.messages._drop_arrived)
     position = action_positions(schedule)
 
-    out = []
+    out, twins = [], []
     for d in range(len(schedule.orders)) if devices is None else devices:
         order = schedule.orders[d]
         index: dict[tuple, int] = {}
         steps: list[tuple] = []
-        ap = steps.append
+        twin: list[tuple] = []  # the bare walk (bare=...): what both walk goes to both
+        apf = steps.append  # to this walk alone
+        if bare is None:
+            ap = apf
+
+            def apb(step):  # (no twin)
+                pass
+        else:
+            apb = twin.append
+
+            def ap(step):
+                steps.append(step)
+                twin.append(step)
 
         def key(*k) -> int:
             got = index.get(k)
@@ -113,8 +135,10 @@ def tapes(schedule, devices=None, replicas: int = 1) -> list[Tape]:
 
         reps = placement.stages_on(d)
         for _, s in reps:  # (full: the parameters' shard; GATHER adds the whole ones, FREE takes them)
-            ap((PARAMS, key("parameter_shard", s, count[s]) if shard == "full" and s in sliced
-                else key("state", s, "parameters"), 1))
+            apf((PARAMS, key("parameter_shard", s, count[s]) if shard == "full" and s in sliced
+                 else key("state", s, "parameters"), 1))
+            if bare:
+                apb((PARAMS, key("state", s, "parameters"), 1))
             if s in sliced:
                 ap((OPT, key("sharded_optimizer_state", s, count[s]), 1))
             elif owners is None or owners[s] == d:
@@ -122,30 +146,34 @@ def tapes(schedule, devices=None, replicas: int = 1) -> list[Tape]:
             ap((VERS, key("extra_versions", d, s), 1 / len(reps)))
         ap((-1, -1, 0))
         mine = [a for a in order if a.kind in (F, B, I, W, Kind.STEP, Kind.GATHER, Kind.FREE)]
-        reduces_after: dict[int, list] = {}  # index into mine -> the REDUCEs that follow it
-        seen = -1
-        for a in order:
-            if a.kind == Kind.REDUCE:
-                reduces_after.setdefault(seen, []).append(a.stage)
-            elif a.kind in (F, B, I, W, Kind.STEP, Kind.GATHER, Kind.FREE):
-                seen += 1
+        reduces_after = _reduces_after(order, (F, B, I, W, Kind.STEP, Kind.GATHER, Kind.FREE))
+        # the bare twin's: its list without the GATHERs and FREEs
+        mine_b = [a for a in mine if a.kind != Kind.GATHER and a.kind != Kind.FREE] if bare else []
+        reduces_b = _reduces_after(order, (F, B, I, W, Kind.STEP)) if bare else {}
+        reduced: dict[int, list] = {}  # a REDUCE's number -> its steps (walked once, placed in each walk)
         flats: list[int] = []  # a replicated stage's gradients, flattened for their all-reduce
         # a message from another device lands in a buffer posted before the action ahead
         # of the one that needs it; a gradient's buffer lives until its backward is done,
         # an activation's becomes the stage's input (an activation) when its forward starts
-        posted: list[list[int]] = [[] for _ in range(len(mine) + 1)]
-        landed: list[list[int]] = [[] for _ in range(len(mine) + 1)]
-        for i, e in enumerate(mine):
-            if e.kind == F:
-                for t in neighbours(e.pipe, e.stage)[0]:
-                    k = key("message_bytes", t, e.stage, e.segment)
-                    posted[max(0, i - 1)].append(k)
-                    landed[i].append(k)
-            elif e.kind == B or e.kind == I:
-                for t in neighbours(e.pipe, e.stage)[1]:
-                    k = key("message_bytes", e.stage, t, e.segment)
-                    posted[max(0, i - 1)].append(k)
-                    landed[i].append(k)
+        def receives(actions: list) -> tuple[list, list]:  # (posted, landed) per index into actions
+            posted: list[list[int]] = [[] for _ in range(len(actions) + 1)]
+            landed: list[list[int]] = [[] for _ in range(len(actions) + 1)]
+            for i, e in enumerate(actions):
+                if e.kind == F:
+                    for t in neighbours(e.pipe, e.stage)[0]:
+                        k = key("message_bytes", t, e.stage, e.segment)
+                        posted[max(0, i - 1)].append(k)
+                        landed[i].append(k)
+                elif e.kind == B or e.kind == I:
+                    for t in neighbours(e.pipe, e.stage)[1]:
+                        k = key("message_bytes", e.stage, t, e.segment)
+                        posted[max(0, i - 1)].append(k)
+                        landed[i].append(k)
+            return posted, landed
+
+        posted, landed = receives(mine)
+        posted_b = receives(mine_b)[0]
+        ib = -1  # the bare twin's index into mine_b
         grads_on: set = set()
         casts_on: set = set()
         tied_held: set = set()  # (rep, update) whose tied gradient waits for its STEP
@@ -174,41 +202,59 @@ def tapes(schedule, devices=None, replicas: int = 1) -> list[Tape]:
         waiting: dict = {}  # (rep, microbatch, segment) -> the messages an empty I left to its W
         restored_wait: dict = {}  # and meanwhile: (its fp32 restore, [(category, the message at fp32, the message)])
         starts: list[tuple[int, str]] = []
+        starts_b: list[tuple[int, str]] = []
         scattered: dict = {}  # ZeRO-2: rep -> its gradient slice's term, from its REDUCE to its STEP
+        def reduce_steps(s: int, n: int) -> list:  # REDUCE n's steps (and what it leaves to the STEP)
+            got = reduced.get(n)
+            if got is not None:
+                return got
+            got = reduced[n] = []
+            if s in sliced and shard != "optimizer":  # laid end to end (the tied copy's apart)
+                flats.append(key("flat_gradients", s))  # for the reduce-scatter; then they
+                got += [(_TEMP, flats[-1], 1), (-1, -1, 0),  # go, and this replica's slice arrives
+                        (GRADS, key("scattered_gradients", s), -1)]
+                for r in (r for r in reps if r[1] == s):
+                    scattered[r] = key("gradient_slice", s, count[s])
+                    got.append((GRADS, scattered[r], 1))
+            elif s in replicated:  # a copy of the stage's gradients, flattened for the all-reduce
+                flats.append(key("flat_gradients", s))
+                got += [(_TEMP, flats[-1], 1), (-1, -1, 0)]  # each held to the step: the last all-reduce holds them all
+            return got
+
+        def walk_in(put, reduces, posts) -> None:  # an action's REDUCEs and posted receives, into a walk
+            for s, n in reduces:
+                for step in reduce_steps(s, n):
+                    put(step)
+            if posts:
+                for k in posts:
+                    put((INS, k, 1))
+                put((-1, -1, 0))
+
         for i, e in enumerate(mine):
             starts.append((len(steps), e))  # (named as the runtime names it where a walk reports it)
             kind, rep, stage, seg = e.kind, (e.pipe, e.stage), e.stage, e.segment
             away_in, away_out = neighbours(e.pipe, stage)
-            for s in reduces_after.get(i - 1, ()):
-                if s in sliced and shard != "optimizer":  # laid end to end (the tied copy's apart)
-                    flats.append(key("flat_gradients", s))  # for the reduce-scatter; then they
-                    ap((_TEMP, flats[-1], 1))  # go, and this replica's slice arrives
-                    ap((-1, -1, 0))
-                    ap((GRADS, key("scattered_gradients", s), -1))
-                    for r in (r for r in reps if r[1] == s):
-                        scattered[r] = key("gradient_slice", s, count[s])
-                        ap((GRADS, scattered[r], 1))
-                elif s in replicated:  # a copy of the stage's gradients, flattened for the all-reduce
-                    flats.append(key("flat_gradients", s))
-                    ap((_TEMP, flats[-1], 1))
-                    ap((-1, -1, 0))  # each held to the step: the last all-reduce holds them all
-            if posted[i]:
-                for k in posted[i]:
-                    ap((INS, k, 1))
-                ap((-1, -1, 0))
+            walk_in(apf, reduces_after.get(i - 1, ()), posted[i])
             if kind == Kind.GATHER or kind == Kind.FREE:  # full: the whole parameters, gathered or let go
                 whole, own = key("flat_parameters", stage), key("own_share", stage, count[stage])
-                ap((PARAMS, whole if kind == Kind.GATHER else own, 1))  # (while gathered the
-                ap((-1, -1, 0))  # share is the flat's part)
-                ap((PARAMS, own if kind == Kind.GATHER else whole, -1))
+                apf((PARAMS, whole if kind == Kind.GATHER else own, 1))  # (while gathered the
+                apf((-1, -1, 0))  # share is the flat's part)
+                apf((PARAMS, own if kind == Kind.GATHER else whole, -1))
                 continue
+            if bare:
+                ib += 1
+                starts_b.append((len(twin), e))
+                walk_in(apb, reduces_b.get(ib - 1, ()), posted_b[ib])
             if kind == Kind.STEP:
                 for k in flats:  # the step's synchronisation copies them back and lets them go
                     ap((_TEMP, k, -1))
                 flats.clear()
                 # the optimizer's buffers, beside the gradients (ZeRO-1/2: of a slice)
-                ap((-1, key("sharded_step_workspace", stage, count[stage], shard) if stage in sliced
-                    else key("step_workspace_bytes", stage), 0))
+                apf((-1, key("sharded_step_workspace", stage, count[stage], shard) if stage in sliced
+                     else key("step_workspace_bytes", stage), 0))
+                if bare:
+                    apb((-1, key("sharded_step_workspace", stage, count[stage], bare) if stage in sliced
+                         else key("step_workspace_bytes", stage), 0))
                 if rep in scattered:  # ZeRO-2: what is left of its gradients, the tied copy's and the slice
                     ap((GRADS, key("state", stage, "gradients"), -1))
                     ap((GRADS, key("scattered_gradients", stage), 1))
@@ -424,6 +470,22 @@ def tapes(schedule, devices=None, replicas: int = 1) -> list[Tape]:
                 ap((GRADS, key("state", stage, "gradients"), 1))
             ap((-1, -1, 0))
         out.append(Tape(list(index), steps, starts))
+        if bare:
+            twins.append(Tape(out[-1].terms, twin, starts_b))
+    return out if bare is None else (out, twins)
+
+
+def _reduces_after(order: list, kinds: tuple) -> dict[int, list]:
+    """Index into the device's list of ``kinds`` -> the REDUCEs that follow it, each as
+    (stage, which REDUCE of the device's order it is)."""
+    out: dict[int, list] = {}
+    seen, n = -1, 0
+    for a in order:
+        if a.kind == Kind.REDUCE:
+            out.setdefault(seen, []).append((a.stage, n))
+            n += 1
+        elif a.kind in kinds:
+            seen += 1
     return out
 
 

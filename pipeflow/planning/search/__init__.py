@@ -169,6 +169,10 @@ def search(space: SearchSpace, pricer: Pricer, simulate_top: int = 16, workers: 
     closed: list[Priced] = []
     every = list(candidates(space))
     n = len(every)
+    # both ZeRO-2's walk (none, optimizer, gradients) and ZeRO-3's gathered once a step
+    # wanted: one pass walks both
+    pricer.structures.pairs = "full" in space.shards and "step" in space.gathers and bool(
+        {"none", "optimizer", "gradients"} & set(space.shards))
     _PRICER = pricer
     try:
         # (a worker gets whole groups of the same stages x chunks and segments: every

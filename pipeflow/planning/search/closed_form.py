@@ -187,6 +187,7 @@ class Structure:
         self._replicated: dict[tuple, Peaks] = {}  # walk -> one replica's memory
         self._gathers: dict[str, dict] = {}  # pipeline.gather -> all-gathers a step per (pipe, stage)
         self._replicas: dict[tuple, Schedule] = {}  # walk -> one replica's schedule
+        self.pairs = False  # ZeRO-2's and ZeRO-3's (step) walks together (StructureCache.pairs)
 
     @property
     def memory(self) -> Peaks:
@@ -208,9 +209,17 @@ class Structure:
     def encoded_tapes(self, walk: tuple, index: dict) -> list[np.ndarray]:
         """The walk's tapes (:meth:`walk_of`), each device's steps :func:`encoded` over
         ``index`` (the terms' numbers, shared by the walks to compare)."""
+        return [encoded(t, index) for t in self._tapes(walk)[walk]]
+
+    def _tapes(self, walk: tuple) -> dict[tuple, list]:
+        """walk -> its tapes: the walk's, and with ``pairs`` ZeRO-2's and ZeRO-3's gathered
+        once a step together (one pass: :func:`tapes`' bare twin)."""
         if walk == ("plain",):
-            return [encoded(t, index) for t in tapes(self.schedule)]
-        return [encoded(t, index) for t in tapes(self._replica(walk), replicas=2)]
+            return {walk: tapes(self.schedule)}
+        if self.pairs and walk in PAIRED:
+            full, bare = tapes(self._replica(PAIRED[1]), replicas=2, bare="gradients")
+            return {PAIRED[0]: bare, PAIRED[1]: full}
+        return {walk: tapes(self._replica(walk), replicas=2)}
 
     def _replica(self, walk: tuple) -> Schedule:
         """One replica's schedule for the walk (built once: its walks and its gathers read it)."""
@@ -234,7 +243,9 @@ class Structure:
         walk = self.walk_of(shard, gather, True)
         got = self._replicated.get(walk)
         if got is None:  # (one replica's lists: the others walk alike)
-            got = self._replicated[walk] = Peaks(tapes(self._replica(walk), replicas=2))
+            for w, walked in self._tapes(walk).items():
+                self._replicated[w] = Peaks(walked)
+            got = self._replicated[walk]
         return got
 
     def gathers(self, gather: str) -> dict:
@@ -244,6 +255,9 @@ class Structure:
             got = self._gathers[gather] = gathers_per_step(self._replica(("full", gather)))
         return got
 
+
+# the walks one pass gives together (Structure._tapes): ZeRO-2's, and ZeRO-3's gathered once a step
+PAIRED = (("gradients", ""), ("full", "step"))
 
 # the memory terms that carry a stage's replica count (pipeflow.sim.memory_terms)
 _SLICED = frozenset({"sharded_optimizer_state", "gradient_slice", "own_share", "parameter_shard",
@@ -272,6 +286,9 @@ class StructureCache:
 
     def __init__(self) -> None:
         self._cache: dict[tuple, Structure | str] = {}
+        # walk ZeRO-2's and ZeRO-3's (gathered once a step) walks of a structure together,
+        # where a search prices both (one pass: what they share walked once)
+        self.pairs = False
 
     def get(self, name: str, p: int, m: int, v: int, s: int) -> Structure | str:
         """The structure, or the generator's one-sentence refusal."""
@@ -280,6 +297,7 @@ class StructureCache:
         if got is None:
             try:
                 got = Structure(name, p, m, v, s)
+                got.pairs = self.pairs
             except ScheduleConfigError as err:
                 got = str(err)
             self._cache[key] = got
@@ -294,14 +312,18 @@ class StructureCache:
         got = self._cache.get(key)
         if got is None:
             built = [self.get(name, p, x, v, s) for x in (m, m + 2 * period)]
-            try:
-                if any(isinstance(b, str) for b in built):
-                    raise NotPeriodic("a size is refused")
+            if any(isinstance(b, str) for b in built):
+                self._cache[key] = False
+                return None
+            walked = [b._tapes(walk) for b in built]  # (with pairs, both walks of the pair)
+            for w in walked[0]:
                 index: dict = {}
-                got = Periodic(*(b.encoded_tapes(walk, index) for b in built), list(index))
-            except NotPeriodic:
-                got = False
-            self._cache[key] = got
+                try:
+                    periodic = Periodic(*([encoded(t, index) for t in x[w]] for x in walked), list(index))
+                except NotPeriodic:
+                    periodic = False
+                self._cache[("periodic", name, p, m, period, v, s, w)] = periodic
+            got = self._cache[key]
         return got or None
 
     def __len__(self) -> int:
