@@ -47,6 +47,8 @@ from ..schedules.zero import zero_owners
 from .memory_terms import term_value  # noqa: F401 - the walk values its terms with it (and is imported from here)
 from .memory_peaks import Peaks  # noqa: F401 - the walks as arrays (imported from here too)
 from .memory_tape import _CAT, _TEMP, CATEGORIES, Tape  # noqa: F401 - the tape and its categories (here too)
+from .memory_tape import library_workspace  # noqa: F401 - (imported from here)
+from .memory_tape import reduces_after as reduces_of
 
 # the measured categories (pipeflow.runtime.memory_profile) and the simulated ones they
 # compare with: what the benchmark and the tests set side by side. One by one, but for
@@ -63,13 +65,11 @@ def tapes(schedule, devices=None, replicas: int = 1, bare: str | None = None):
     timeline is needed). ``replicas``: the schedule is one replica among that many, each
     stage's copies that many times its own (data_parallel.as_replica's lists).
 
-    ``bare``: the schedule is a fully sharded one (``pipeline.shard=full``, its GATHERs
-    and FREEs lowered: schedules.sharding.with_gathers); the walk of the same schedule
-    without them under ``pipeline.shard=bare`` (gradients) comes with it, from one pass:
-    the two differ only in the parameters' terms, where a receive is posted and a REDUCE
-    walked (an action ahead, a GATHER or FREE counting as one), the GATHERs and FREEs
-    and the optimizer step's buffers. Returns (its tapes, the bare tapes); each pair of a
-    device's tapes shares one list of terms."""
+    ``bare`` (gradients): the schedule is fully sharded (its GATHERs and FREEs lowered),
+    and its twin without them under ``pipeline.shard=bare`` is walked in the same pass:
+    they differ in the parameters' terms, where receives are posted and REDUCEs walked
+    (a GATHER or FREE is an action too), and the step's buffers. Returns (its tapes, the
+    twin's); a device's two share one list of terms."""
     if bare is not None and (getattr(schedule, "shard", "none") != "full" or bare != "gradients"):
         raise ValueError(f"tapes(bare={bare!r}): a fully sharded schedule's twin under gradients only")
     placement, graph = schedule.placement, schedule.graph
@@ -146,10 +146,10 @@ def tapes(schedule, devices=None, replicas: int = 1, bare: str | None = None):
             ap((VERS, key("extra_versions", d, s), 1 / len(reps)))
         ap((-1, -1, 0))
         mine = [a for a in order if a.kind in (F, B, I, W, Kind.STEP, Kind.GATHER, Kind.FREE)]
-        reduces_after = _reduces_after(order, (F, B, I, W, Kind.STEP, Kind.GATHER, Kind.FREE))
+        reduces_after = reduces_of(order, (F, B, I, W, Kind.STEP, Kind.GATHER, Kind.FREE))
         # the bare twin's: its list without the GATHERs and FREEs
         mine_b = [a for a in mine if a.kind != Kind.GATHER and a.kind != Kind.FREE] if bare else []
-        reduces_b = _reduces_after(order, (F, B, I, W, Kind.STEP)) if bare else {}
+        reduces_b = reduces_of(order, (F, B, I, W, Kind.STEP)) if bare else {}
         reduced: dict[int, list] = {}  # a REDUCE's number -> its steps (walked once, placed in each walk)
         flats: list[int] = []  # a replicated stage's gradients, flattened for their all-reduce
         # a message from another device lands in a buffer posted before the action ahead
@@ -475,20 +475,6 @@ def tapes(schedule, devices=None, replicas: int = 1, bare: str | None = None):
     return out if bare is None else (out, twins)
 
 
-def _reduces_after(order: list, kinds: tuple) -> dict[int, list]:
-    """Index into the device's list of ``kinds`` -> the REDUCEs that follow it, each as
-    (stage, which REDUCE of the device's order it is)."""
-    out: dict[int, list] = {}
-    seen, n = -1, 0
-    for a in order:
-        if a.kind == Kind.REDUCE:
-            out.setdefault(seen, []).append((a.stage, n))
-            n += 1
-        elif a.kind in kinds:
-            seen += 1
-    return out
-
-
 def device_memory(schedule, cost, per_device: list, workspace=None, actions: list | None = None) -> list[dict]:
     """Per device: ``peak_bytes``, ``at_peak`` (category -> bytes at that instant),
     ``peak_action`` (the action running then, as the runtime names it: "1I3") and
@@ -512,8 +498,3 @@ def device_memory(schedule, cost, per_device: list, workspace=None, actions: lis
                 mem["at_action"]["bytes"] += held
                 mem["at_action"]["at"]["temporaries"] += held
     return out
-
-
-def library_workspace(topology, num_devices: int) -> list[float]:
-    """Each of the first ``num_devices`` devices' :meth:`Topology.workspace_bytes`."""
-    return [topology.workspace_bytes(d) for d in range(num_devices)]

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..schedules.ir import Kind
 from .memory_terms import term_value
 
 CATEGORIES = ("parameters", "optimizer_state", "weight_versions", "gradients", "casts", "activations", "residuals",
@@ -75,3 +76,22 @@ class Tape:
         """Each action's own most: name -> (bytes, category -> bytes then) (a debugging
         aid, beside the runtime's ``StepMemory.action_peaks``)."""
         return self.walk(values, every=True)["action_peaks"]
+
+
+def reduces_after(order: list, kinds: tuple) -> dict[int, list]:
+    """Index into the device's list of ``kinds`` -> the REDUCEs that follow it, each as
+    (stage, which REDUCE of the device's order it is)."""
+    out: dict[int, list] = {}
+    seen, n = -1, 0
+    for a in order:
+        if a.kind == Kind.REDUCE:
+            out.setdefault(seen, []).append((a.stage, n))
+            n += 1
+        elif a.kind in kinds:
+            seen += 1
+    return out
+
+
+def library_workspace(topology, num_devices: int) -> list[float]:
+    """Each of the first ``num_devices`` devices' :meth:`Topology.workspace_bytes`."""
+    return [topology.workspace_bytes(d) for d in range(num_devices)]
