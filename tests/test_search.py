@@ -142,6 +142,8 @@ def test_search_prices_memory_and_time_as_the_whole_simulation(name):
                 assert closed.device % 4 == simulated.device % 4 == device % 4
                 assert simulated.step_time == pytest.approx(step, rel=1e-9), c.label()
                 assert simulated.bubble == pytest.approx(bubble, rel=1e-9, abs=1e-12), c.label()
+                assert closed.walked  # (the search's simulated phase takes the closed form's memory then)
+                assert pricer.simulated(c, closed).peak_memory == simulated.peak_memory
                 periodic += pricer.periodic(c) is not None
     assert periodic or name not in PERIODS  # (every schedule with a rule meets it at m = 30)
 

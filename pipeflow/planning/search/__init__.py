@@ -77,8 +77,11 @@ def _closed_forms(batch: list[Candidate]) -> list[Priced | str]:
     return _each(_PRICER.closed_form, batch)
 
 
+_CLOSED: dict = {}  # candidate -> its closed-form price, for the simulated phase (forked with it)
+
+
 def _simulate(batch: list[Candidate]) -> list[Priced]:
-    return _each(_PRICER.simulated, batch)
+    return _each(lambda c: _PRICER.simulated(c, _CLOSED.get(c)), batch)
 
 
 def _groups(items: list, key) -> list[list]:
@@ -211,11 +214,13 @@ def search(space: SearchSpace, pricer: Pricer, simulate_top: int = 16, workers: 
             seen.add(q.candidate.schedule)
             chosen.setdefault(q.candidate, q)
     _PRICER = pricer
+    _CLOSED.update(chosen)
     try:
         simulated = [q for _, q in _map(_simulate, list(chosen), workers, lambda c: c, "simulated",
                                         (progress_every, say))]
     finally:
         _PRICER = None
+        _CLOSED.clear()
     t2 = time.perf_counter()
     ranked = sorted((q for q in simulated if q.fits), key=lambda q: q.step_time)
     sim_oom = [q for q in simulated if not q.fits]

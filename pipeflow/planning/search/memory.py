@@ -45,17 +45,9 @@ class MemoryPrices:
             kinds = self._kinds[id(cost)] = tuple(cost.stage_kinds())
         key = (id(terms), kinds)
         got = self._term_index.get(key)
-        if got is None:  # (built once per walk and kinds of stage)
-            distinct: dict[tuple, int] = {}
-            index = np.array([distinct.setdefault(like_stage(k, kinds), len(distinct)) for k in terms], dtype=np.int64)
-            got = self._term_index[key] = (terms, list(distinct), index)  # (terms: its id stays theirs)
-        values = self._terms.setdefault(id(cost), {})
-        arrays = self._value_arrays.setdefault(id(cost), {})
-        out = arrays.get(key)
-        if out is None:
-            _, distinct, index = got
-            out = arrays[key] = np.array([v if (v := values.get(k)) is not None else term_value(k, cost, None, values)
-                                          for k in distinct], dtype=float)[index]
+        if got is None:  # (built once per walk and kinds of stage: each term's number among all)
+            got = self._term_index[key] = (terms, self._numbers([like_stage(k, kinds) for k in terms]))
+        out = self._valued(cost, got[1])
         if not replicas:
             return out
         level = (id(terms), c.shard, c.data_parallel, kinds)
@@ -67,12 +59,42 @@ class MemoryPrices:
                 if q != k:
                     pos.append(i)
                     keys.append(like_stage(q, kinds))
-            moved = self._term_index[level] = (np.array(pos, dtype=np.int64), keys)
-        pos, keys = moved
-        if not len(pos):
-            return out
-        out = out.copy()
-        out[pos] = [v if (v := values.get(k)) is not None else term_value(k, cost, None, values) for k in keys]
+            moved = self._term_index[level] = (np.array(pos, dtype=np.int64), self._numbers(keys))
+        pos, numbers = moved
+        if len(pos):
+            out[pos] = self._valued(cost, numbers)
+        return out
+
+    def _numbers(self, keys: list) -> np.ndarray:
+        """Each term's number among every term the pricer has met."""
+        number, named = self._term_numbers, self._term_keys
+        out = []
+        for k in keys:
+            n = number.get(k)
+            if n is None:
+                n = number[k] = len(named)
+                named.append(k)
+            out.append(n)
+        return np.array(out, dtype=np.int64)
+
+    def _valued(self, cost: AnalyticCost, numbers: np.ndarray) -> np.ndarray:
+        """The bytes of the terms ``numbers`` under ``cost`` (a new array): each term valued
+        once per cost, kept in an array by its number."""
+        known = self._term_bytes.get(id(cost))
+        size = len(self._term_numbers)
+        if known is None or len(known) < size:
+            grown = np.full(size, np.nan)
+            if known is not None:
+                grown[:len(known)] = known
+            known = self._term_bytes[id(cost)] = grown
+        out = known[numbers]
+        missing = np.isnan(out)
+        if missing.any():
+            keys = self._term_keys
+            values = self._terms.setdefault(id(cost), {})
+            for n in np.unique(numbers[missing]).tolist():
+                known[n] = term_value(keys[n], cost, None, values)
+            out = known[numbers]
         return out
 
     def needs(self, c: Candidate, cost: AnalyticCost) -> np.ndarray | None:

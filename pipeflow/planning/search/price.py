@@ -48,6 +48,7 @@ class Priced:
     device: int  # which device that is
     tokens: int  # tokens per update
     note: str = ""  # e.g. that the closed form had no formula of its own for this schedule
+    walked: bool = False  # the memory is the walk's at the candidate's own m (not extrapolated)
 
     @property
     def over(self) -> float:
@@ -92,9 +93,12 @@ class Pricer(MemoryPrices):
         self._costs: dict[tuple, AnalyticCost | str] = {}
         self._tables: dict[int, _Tables] = {}
         self._terms: dict[int, dict] = {}  # id(cost) -> memory term -> bytes
-        self._value_arrays: dict[int, dict] = {}  # id(cost) -> term index's key -> a walk's terms' bytes
+        self._term_numbers: dict[tuple, int] = {}  # every memory term met (as like_stage gives it) -> its number
+        self._term_keys: list[tuple] = []  # and back
+        self._term_bytes: dict[int, np.ndarray] = {}  # id(cost) -> bytes by term number (nan: not yet valued)
         self._needs_cache: dict[tuple, np.ndarray] = {}  # (id(cost), id(structure)) -> bytes per device
         self._work_cache: dict[tuple, tuple] = {}  # (id(structure), id(cost)) -> work per device, hop
+        self._flat: dict[int, tuple] = {}  # id(structure) -> its devices' work keys in one list
         self._kinds: dict[int, tuple] = {}  # id(cost) -> each stage's first of its kind
         self._term_index: dict[tuple, tuple] = {}  # (id(a walk's terms), [shard, replicas,] kinds) -> index
         self._compiled: dict[tuple, object] = {}  # (id(structure), replicas, level, gather) -> its simulation's input
@@ -178,17 +182,48 @@ class Pricer(MemoryPrices):
         key = (id(st), id(cost))
         got = self._work_cache.get(key)
         if got is None:
-            rows = []
-            for d in range(st.schedule.num_devices):
-                F, B, I, W, S = self.times(cost, d)  # noqa: E741
-                i, g, n = st.counts[d]
-                f_, b_, i_, w_ = (n * np.stack([F[i, g], B[i, g], I[i, g], W[i, g]])).sum(axis=1)
-                nb = n[1] @ W[i, g]  # the weight-gradient share of the full backwards
-                rows.append((f_, b_ - nb + i_, nb + w_, S[st.stages_on[d]].sum(), n[0].sum()))
+            p = st.schedule.num_devices
+            flat = self._flat.get(id(st))
+            if flat is None:  # every device's (stage, segment) keys in one list, and its stages
+                dev = np.concatenate([np.full(len(i), d) for d, (i, _, _) in enumerate(st.counts)]).astype(np.int64)
+                held = [(d, s) for d, stages in enumerate(st.stages_on) for s in stages]
+                flat = self._flat[id(st)] = (
+                    dev, np.concatenate([i for i, _, _ in st.counts]), np.concatenate([g for _, g, _ in st.counts]),
+                    np.concatenate([n for _, _, n in st.counts], axis=1),
+                    np.array([d for d, _ in held], dtype=np.int64), np.array([s for _, s in held], dtype=np.int64))
+            dev, i, g, n, step_dev, step_stage = flat
+            f_, b_, i_, w_, nb, steps = (np.zeros(p) for _ in range(6))
+            for d0, devices in self._kinds_among(p).items():  # (once per kind of device)
+                F, B, I, W, S = self.times(cost, d0)  # noqa: E741
+                on = np.isin(dev, devices) if len(devices) < p else slice(None)
+                at = (i[on], g[on])
+                for row, (out, x) in enumerate(((f_, F), (b_, B), (i_, I), (w_, W))):  # (n's rows: F, B, I, W)
+                    out += np.bincount(dev[on], n[row, on] * x[at], minlength=p)
+                nb += np.bincount(dev[on], n[1, on] * W[at], minlength=p)  # the weight-gradient share of full Bs
+                mine = np.isin(step_dev, devices) if len(devices) < p else slice(None)
+                steps += np.bincount(step_dev[mine], S[step_stage[mine]], minlength=p)
+            units = np.bincount(dev, n[0], minlength=p)
             sched, msg = st.schedule, self.tables(cost).message
-            hop = max((self.topology.transfer_time(sched.placement.device(0, s), sched.placement.device(0, s + 1), msg)
-                       for s in range(sched.num_stages - 1)), default=0.0)
-            got = self._work_cache[key] = (*np.array(rows, dtype=float).T, hop)
+            hop_key = (id(st), msg, "hop")
+            hop = self._rings.get(hop_key)
+            if hop is None:
+                hop = self._rings[hop_key] = max((self.topology.transfer_time(
+                    sched.placement.device(0, s), sched.placement.device(0, s + 1), msg)
+                    for s in range(sched.num_stages - 1)), default=0.0)
+            got = self._work_cache[key] = (f_, b_ - nb + i_, nb + w_, steps, units, hop)
+        return got
+
+    def _kinds_among(self, p: int) -> dict[int, list[int]]:
+        """The first p devices by kind: the first of each kind -> the devices of that kind."""
+        got = self._rings.get((p, "kinds"))
+        if got is None:
+            got = {}
+            first: dict[tuple, int] = {}
+            for d in range(p):
+                x = self.topology.devices[d]
+                d0 = first.setdefault((x.name, x.peak_flops, x.fp32_flops, x.memory_bandwidth), d)
+                got.setdefault(d0, []).append(d)
+            self._rings[(p, "kinds")] = got
         return got
 
     # ---------------------------------------------------------------- closed form
@@ -247,6 +282,7 @@ class Pricer(MemoryPrices):
             agg = max(n * topo.compute_rate(n) for n in range(1, c.devices + 1))
             total = max(total, busy_all * c.data_parallel / agg)
         bubble = max(0.0, 1 - busy_all / (p * total)) if total > 0 else 0.0
+        walked = needs is not None or len(built) == 1  # (not extrapolated from stand-in sizes)
         if needs is None:  # (the periodic walks' peaks are the candidate's own)
             needs = self._needs(st, cost, c)
             if len(built) > 1:  # each device's peak extrapolated from two smaller sizes: saturating ones stay
@@ -254,7 +290,7 @@ class Pricer(MemoryPrices):
         peak, limit, worst = self._worst(c, needs)
         return Priced(c, CLOSED_FORM, total, work + step, waits, bubble, peak, limit, worst,
                       c.global_batch * self.spec.seq_len,
-                      "" if own else "no bubble formula of its own: 1F1B's stands in")
+                      "" if own else "no bubble formula of its own: 1F1B's stands in", walked)
 
     def tied_sync(self, c: Candidate, st: Structure) -> float:
         """The step's synchronisation of a tied embedding: before the optimizer step the
@@ -335,14 +371,15 @@ class Pricer(MemoryPrices):
 
     # ---------------------------------------------------------------- simulated
 
-    def simulated(self, c: Candidate) -> Priced:
+    def simulated(self, c: Candidate, closed: Priced | None = None) -> Priced:
         """The simulator's price: the candidate's whole schedule (every replica) on the
         topology, messages and all-reduces included; memory as pipeflow-simulate counts it.
         A schedule with a period (:meth:`periodic`) is simulated at three sizes a period
         apart past its fill; where the three step times and busy times move by the same
         amount from one to the next, the candidate's are that amount more per period (the
         simulation is deterministic, and one more period repeats the same events),
-        otherwise the candidate's own size is simulated."""
+        otherwise the candidate's own size is simulated. ``closed``: its closed-form price,
+        whose memory, where walked at its own m, is the simulated phase's too."""
         cost = self.cost(c)
         if isinstance(cost, str):
             raise ValueError(cost)
@@ -369,6 +406,8 @@ class Pricer(MemoryPrices):
                 need = mem["peak_bytes"]
                 if need - self.limit(d) > worst[0] - worst[1]:
                     worst = (need, self.limit(d), d)
+        elif closed is not None and closed.walked:  # the same walk's peak, as the closed form found it
+            worst = (closed.peak_memory, closed.memory_limit, closed.device)
         else:  # the simulator's walk of one replica (the others walk alike), as the closed form's
             needs = self.needs(c, cost)
             if needs is None:
