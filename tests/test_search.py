@@ -217,13 +217,13 @@ def test_paired_walks_price_as_the_walks_alone():
 
 def test_a_period_that_does_not_hold_falls_back_to_the_stand_ins(monkeypatch):
     """A rule whose period is wrong for a schedule (Chimera repeats every p microbatches,
-    not every one) fails the third walk's check: the candidate is priced from two
-    stand-in sizes instead, as a schedule without a rule is."""
+    not every two) fails the check (the walk two periods on is not the smaller one with
+    blocks standing twice): the candidate is priced from two stand-in sizes instead."""
     _, pricer = _pricer(model="gpt_small", devices=8)
     monkeypatch.setitem(PERIODS, "chimera", lambda p, v, s, m: (p + 2, 2))
     c = Candidate("chimera", 4, 1, 30, 1, 1, 1, "none", "uniform")
     assert pricer.periodic(c) == (6, 2, 12)
-    assert pricer.needs(c, pricer.cost(c)) is None  # (the walks at 6, 8 and 10 are not one block repeated)
+    assert pricer.needs(c, pricer.cost(c)) is None  # (the walks at 6 and 10 differ by a unit of 4, not twice a block)
     closed, (_, _, peak, _) = pricer.closed_form(c), _whole(pricer, c)
     assert closed.peak_memory == pytest.approx(peak, rel=0.02)
 
