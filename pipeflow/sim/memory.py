@@ -102,17 +102,12 @@ def tapes(schedule, devices=None, replicas: int = 1, bare: str | None = None):
         order = schedule.orders[d]
         index: dict[tuple, int] = {}
         steps: list[tuple] = []
-        twin: list[tuple] = []  # the bare walk (bare=...): what both walk goes to both
-        apf = steps.append  # to this walk alone
+        twin: list[tuple] = []  # the bare walk (bare=...)
+        apf, apb = steps.append, twin.append  # to this walk alone, to the twin alone
         if bare is None:
             ap = apf
-
-            def apb(step):  # (no twin)
-                pass
         else:
-            apb = twin.append
-
-            def ap(step):
+            def ap(step):  # to both
                 steps.append(step)
                 twin.append(step)
 

@@ -12,38 +12,6 @@ def _rows(steps: list) -> np.ndarray:
     """A tape's steps, (category, term, count) tuples, as a float array of rows."""
     return np.fromiter(chain.from_iterable(steps), dtype=float, count=3 * len(steps)).reshape(-1, 3)
 
-class Peaks:
-    """Every device's peak for many cost models at once: the tapes' walks as arrays
-    over one list of terms (``terms``), so that a cost's peaks are a few array
-    operations (:meth:`peaks`) rather than a walk."""
-
-    def __init__(self, tapes: list) -> None:  # pipeflow.sim.memory.tapes(schedule)
-        index: dict[tuple, int] = {}
-        idx, coef, pos, base, extra, starts = [], [], [], [], [], []
-        n = 0  # adds so far, over every device
-        for t in tapes:
-            remap = np.array([index.setdefault(k, len(index)) for k in t.terms] + [-1], dtype=np.int64)
-            steps = _rows(t.steps)
-            adds = steps[:, 0] >= 0
-            term = steps[:, 1].astype(np.int64)  # -1 (no extra term) maps to -1
-            starts.append(sum(len(x) for x in pos))
-            idx.append(remap[term[adds]])
-            coef.append(steps[adds, 2])
-            pos.append(n + np.cumsum(adds)[~adds])
-            base.append(np.full(int((~adds).sum()), n, dtype=np.int64))
-            extra.append(remap[term[~adds]])
-            n += int(adds.sum())
-        self.terms = list(index)
-        self.idx, self.coef = np.concatenate(idx), np.concatenate(coef)
-        self.pos, self.base, self.extra = np.concatenate(pos), np.concatenate(base), np.concatenate(extra)
-        self.starts = np.array(starts, dtype=np.int64)
-
-    def peaks(self, values: np.ndarray) -> np.ndarray:
-        """Each device's peak bytes, with ``values[i]`` the bytes of ``terms[i]``."""
-        v = np.append(np.asarray(values, dtype=float), 0.0)  # index -1: no extra term
-        level = np.concatenate(([0.0], np.cumsum(self.coef * v[self.idx])))
-        return np.maximum.reduceat(level[self.pos] - level[self.base] + v[self.extra], self.starts)
-
 
 class NotPeriodic(ValueError):
     """Two walks of a schedule do not differ by one repeated block of steps."""
@@ -130,14 +98,18 @@ class Periodic:
     over ``terms`` (the index's keys, in order)."""
 
     def __init__(self, small: list, big: list, terms: list) -> None:
+        self._build([split_periods(a, b) for a, b in zip(small, big)], terms)
+
+    def _build(self, blocks: list[list[tuple[np.ndarray, bool]]], terms: list) -> None:
+        """The arrays :meth:`peaks` reads, from each device's blocks (steps, repeated)."""
         rows, device, repeated = [], [], []
-        for d, (a, b) in enumerate(zip(small, big)):
-            for block, again in split_periods(a, b):
+        for d, own in enumerate(blocks):
+            for block, again in own:
                 rows.append(block)
                 device.append(d)
                 repeated.append(again)
         self.terms = list(terms)
-        self.devices = len(small)
+        self.devices = len(blocks)
         self._device = np.array(device, dtype=np.int64)
         self._repeated = np.array(repeated, dtype=bool)
         self._first = np.concatenate(([0], np.flatnonzero(np.diff(self._device)) + 1)) if rows else np.zeros(0, int)
@@ -160,8 +132,9 @@ class Periodic:
         self._net = np.zeros((len(rows), len(self.terms) + 1))
         np.add.at(self._net, (row[adds], self.idx), self.coef)
 
-    def peaks(self, values, k: int) -> np.ndarray:
-        """Each device's peak bytes at k periods past the smaller walk (k >= 0)."""
+    def peaks(self, values, k: int = 0) -> np.ndarray:
+        """Each device's peak bytes at k periods past the smaller walk (k >= 0), with
+        ``values[i]`` the bytes of ``terms[i]``."""
         v = np.append(np.asarray(values, dtype=float), 0.0)  # index -1: no extra term
         level = np.concatenate(([0.0], np.cumsum(self.coef * v[self.idx])))
         at = level[self.pos] - level[self.base] + v[self.extra]
@@ -176,3 +149,14 @@ class Periodic:
         if k == 0:
             high[self._repeated] = -np.inf
         return np.maximum.reduceat(high, self._first)
+
+
+class Peaks(Periodic):
+    """Every device's peak for many cost models at once: the tapes' walks as arrays
+    over one list of terms (``terms``), so that a cost's peaks are a few array
+    operations (:meth:`peaks`, k = 0) rather than a walk: a walk without a period,
+    each device's tape one block."""
+
+    def __init__(self, tapes: list) -> None:  # pipeflow.sim.memory.tapes(schedule)
+        index: dict = {}
+        self._build([[(encoded(t, index), False)] for t in tapes], list(index))

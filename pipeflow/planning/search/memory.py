@@ -110,32 +110,32 @@ class MemoryPrices:
         mem = self.structures.periodic(c.schedule, c.stages, m0, q, c.virtual_stages, c.segments, walk)
         if mem is None:
             return None
-        key = (id(cost), id(mem), k, *((c.shard, c.data_parallel) if walk != ("plain",) else ()))
-        got = self._needs_cache.get(key)
-        if got is None:
-            got = self._needs_cache[key] = mem.peaks(self._values(cost, mem.terms, c, walk != ("plain",)), k)
-        return got
+        return self._peaks(mem, cost, c, walk != ("plain",), k)
 
     def _needs(self, st: Structure, cost: AnalyticCost, c: Candidate) -> np.ndarray:
         """Bytes each device of one replica needs at its peak, as the simulator's memory
         walk counts them (model state, activations, messages, workspaces; with replicas,
         their reductions' buffers and what they shard)."""
         replicas = c.data_parallel > 1 and not st.asynchronous
-        key = (id(cost), id(st), *((c.shard, c.gather, c.data_parallel) if replicas else ()))
+        return self._peaks(st.replicated(c.shard, c.gather) if replicas else st.memory, cost, c, replicas)
+
+    def _peaks(self, mem, cost: AnalyticCost, c: Candidate, replicas: bool, k: int = 0) -> np.ndarray:
+        """A walk's (:class:`~pipeflow.sim.memory_peaks.Peaks`, or ``Periodic`` at k
+        periods) peak per device under ``cost``, at ``c``'s level and replicas (once each)."""
+        key = (id(cost), id(mem), k, *((c.shard, c.data_parallel) if replicas else ()))
         got = self._needs_cache.get(key)
         if got is None:
-            mem = st.replicated(c.shard, c.gather) if replicas else st.memory
-            got = self._needs_cache[key] = mem.peaks(self._values(cost, mem.terms, c, replicas))
+            got = self._needs_cache[key] = mem.peaks(self._values(cost, mem.terms, c, replicas), k)
         return got
 
     def _worst(self, c: Candidate, needs: np.ndarray) -> tuple[float, float, int]:
         """(peak bytes, limit, device) of the fullest device relative to its limit, over every replica."""
         p = len(needs)
         key = (p, c.data_parallel, "devices")
-        got = self._rings.get(key)
+        got = self._memo.get(key)
         if got is None:  # the devices [stage device, replica], their workspaces and limits
             dev = np.arange(p)[:, None] + p * np.arange(c.data_parallel)[None, :]
-            got = self._rings[key] = (dev, np.array([[self.topology.workspace_bytes(int(x)) for x in row] for row in dev]),
+            got = self._memo[key] = (dev, np.array([[self.topology.workspace_bytes(int(x)) for x in row] for row in dev]),
                                       np.array([[self.limit(int(x)) for x in row] for row in dev], dtype=float))
         dev, workspace, limit = got
         held = np.asarray(needs, dtype=float)[:, None] + workspace  # the math libraries' own, throughout

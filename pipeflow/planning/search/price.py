@@ -96,14 +96,14 @@ class Pricer(MemoryPrices):
         self._term_numbers: dict[tuple, int] = {}  # every memory term met (as like_stage gives it) -> its number
         self._term_keys: list[tuple] = []  # and back
         self._term_bytes: dict[int, np.ndarray] = {}  # id(cost) -> bytes by term number (nan: not yet valued)
-        self._needs_cache: dict[tuple, np.ndarray] = {}  # (id(cost), id(structure)) -> bytes per device
+        self._needs_cache: dict[tuple, np.ndarray] = {}  # (id(cost), id(walk), k[, level, replicas]) -> bytes per device
         self._work_cache: dict[tuple, tuple] = {}  # (id(structure), id(cost)) -> work per device, hop
         self._flat: dict[int, tuple] = {}  # id(structure) -> its devices' work keys in one list
         self._kinds: dict[int, tuple] = {}  # id(cost) -> each stage's first of its kind
         self._term_index: dict[tuple, tuple] = {}  # (id(a walk's terms), [shard, replicas,] kinds) -> index
         self._compiled: dict[tuple, object] = {}  # (id(structure), replicas, level, gather) -> its simulation's input
         self._layers: dict[tuple, list[int]] = {}
-        self._rings: dict[tuple, float] = {}
+        self._memo: dict[tuple, object] = {}  # collectives' times and per-structure arrays, by tagged keys
         repeat = kv_repeat_on(spec, dtype_bytes, topology.on_gpus)  # fp32 grouped-query attention on GPUs
         self._specs = {r: dataclasses.replace(spec, recompute=r, kv_repeat=repeat)
                        for r in ("none", "selective", "full")}
@@ -147,7 +147,7 @@ class Pricer(MemoryPrices):
         """(F, B, I, W [stage, segment], S [stage]) in seconds on ``device`` (cached per device kind)."""
         tab = self.tables(cost)
         dev = self.topology.devices[device]
-        kind = (dev.name, dev.peak_flops, dev.fp32_flops, dev.memory_bandwidth)
+        kind = self._device_kind(device)
         got = tab.times.get(kind)
         if got is None:  # (once per kind of stage: cost.stage_kinds)
             g, like = cost.num_segments, np.array(cost.stage_kinds())
@@ -205,25 +205,28 @@ class Pricer(MemoryPrices):
             units = np.bincount(dev, n[0], minlength=p)
             sched, msg = st.schedule, self.tables(cost).message
             hop_key = (id(st), msg, "hop")
-            hop = self._rings.get(hop_key)
+            hop = self._memo.get(hop_key)
             if hop is None:
-                hop = self._rings[hop_key] = max((self.topology.transfer_time(
+                hop = self._memo[hop_key] = max((self.topology.transfer_time(
                     sched.placement.device(0, s), sched.placement.device(0, s + 1), msg)
                     for s in range(sched.num_stages - 1)), default=0.0)
             got = self._work_cache[key] = (f_, b_ - nb + i_, nb + w_, steps, units, hop)
         return got
 
+    def _device_kind(self, d: int) -> tuple:
+        """What a device's times depend on: devices alike share a cost's times."""
+        x = self.topology.devices[d]
+        return x.name, x.peak_flops, x.fp32_flops, x.memory_bandwidth
+
     def _kinds_among(self, p: int) -> dict[int, list[int]]:
         """The first p devices by kind: the first of each kind -> the devices of that kind."""
-        got = self._rings.get((p, "kinds"))
+        got = self._memo.get((p, "kinds"))
         if got is None:
             got = {}
             first: dict[tuple, int] = {}
             for d in range(p):
-                x = self.topology.devices[d]
-                d0 = first.setdefault((x.name, x.peak_flops, x.fp32_flops, x.memory_bandwidth), d)
-                got.setdefault(d0, []).append(d)
-            self._rings[(p, "kinds")] = got
+                got.setdefault(first.setdefault(self._device_kind(d), d), []).append(d)
+            self._memo[(p, "kinds")] = got
         return got
 
     # ---------------------------------------------------------------- closed form
@@ -303,19 +306,19 @@ class Pricer(MemoryPrices):
         if len(held) < 2:
             return 0.0
         key = (tuple(sorted(held)), "tied")
-        got = self._rings.get(key)
+        got = self._memo.get(key)
         if got is None:
-            got = self._rings[key] = self.topology.allreduce_time(sorted(held),
+            got = self._memo[key] = self.topology.allreduce_time(sorted(held),
                                                                   4.0 * self.spec.vocab_size * self.spec.n_embd)
         return got
 
     def _ring(self, ring: tuple, nbytes: float, what: str) -> float:
         key = (ring, nbytes, what)
-        got = self._rings.get(key)
+        got = self._memo.get(key)
         if got is None:
             fn = {"all-reduce": self.topology.allreduce_time, "all-gather": self.topology.allgather_time,
                   "reduce-scatter": self.topology.reducescatter_time}[what]
-            got = self._rings[key] = fn(ring, nbytes)
+            got = self._memo[key] = fn(ring, nbytes)
         return got
 
     def _sharded_step(self, c: Candidate, built: list[Structure], t: float, cost: AnalyticCost, d: int,
@@ -352,20 +355,20 @@ class Pricer(MemoryPrices):
         params = self.tables(cost).params
         what = "reduce-scatter" if c.shard in ("gradients", "full") else "all-reduce"
         key = (id(st), id(params), c.data_parallel, what)
-        got = self._rings.get(key)
+        got = self._memo.get(key)
         if got is None:
             rings = self._stage_rings(st, c.data_parallel)
-            got = self._rings[key] = max(sum(self._ring(rings[s], float(params[s]), what)
+            got = self._memo[key] = max(sum(self._ring(rings[s], float(params[s]), what)
                                              for s in st.stages_on[d] if len(rings[s]) > 1) for d in range(p))
         return got
 
     def _stage_rings(self, st: Structure, replicas: int) -> list[tuple]:
         """Each stage's devices over ``replicas`` replicas of the structure's pipeline."""
         key = (id(st), replicas, "rings")
-        got = self._rings.get(key)
+        got = self._memo.get(key)
         if got is None:
             p = st.schedule.num_devices
-            got = self._rings[key] = [tuple(r * p + dd for r in range(replicas) for dd in devs)
+            got = self._memo[key] = [tuple(r * p + dd for r in range(replicas) for dd in devs)
                                       for devs in st.replica_devices]
         return got
 
@@ -411,9 +414,7 @@ class Pricer(MemoryPrices):
         else:  # the simulator's walk of one replica (the others walk alike), as the closed form's
             needs = self.needs(c, cost)
             if needs is None:
-                full = self.structure(c)
-                mem = full.replicated(c.shard, c.gather) if c.data_parallel > 1 else full.memory
-                needs = mem.peaks(self._values(cost, mem.terms, c, c.data_parallel > 1))
+                needs = self._needs(self.structure(c), cost, c)
             worst = self._worst(c, needs)
         compute = max(busy) / st.updates
         return Priced(c, SIMULATED, makespan, compute, makespan - compute, bubble, worst[0], worst[1],
