@@ -144,8 +144,8 @@ class TrainingInputs:
 
     @property
     def world_size(self) -> int:
-        """One rank per device of the schedule."""
-        return self.schedule.num_devices
+        """One rank per device of the schedule and tensor-parallel rank."""
+        return self.plan.world_size
 
 
 def prepare_training(cfg: DictConfig) -> TrainingInputs:
@@ -225,12 +225,18 @@ def prepare_training(cfg: DictConfig) -> TrainingInputs:
         check_profiled_partition(cfg.partition, spec, schedule.num_stages)
     check_trainer(cfg.trainer)
     check_optim(cfg.optim)
-    check_runtime(cfg.runtime, schedule.num_devices)
+    check_runtime(cfg.runtime, schedule.num_devices * int(pipe.get("tensor_parallel", 1)))
     check_precision(cfg, schedule)
     check_recompute(cfg.model)
     check_logger(cfg.logger)
     check_data_files(cfg.data)
     check_text_data(cfg.data, spec.seq_len)
+    try:  # TEMP until pipeflow/config/tensor.py lands
+        from .tensor import check_tensor_parallel
+    except ImportError:
+        check_tensor_parallel = None
+    if check_tensor_parallel is not None:
+        check_tensor_parallel(cfg, schedule, spec, segment_lengths(cfg))
     check_resume(cfg.resume, resume_expect(cfg, schedule))
 
     # Generators are tested to be valid, but the runtime would deadlock on a schedule that
@@ -247,6 +253,10 @@ def prepare_training(cfg: DictConfig) -> TrainingInputs:
 
 def _prepare_branched(cfg: DictConfig) -> TrainingInputs:
     """A concurrent-branch model: its stage DAG grouped onto the schedule's chain of devices."""
+    if cfg.pipeline.get("tensor_parallel", 1) != 1:
+        raise ConfigError(f"pipeline.tensor_parallel={cfg.pipeline.tensor_parallel}: a concurrent-branch model's "
+                          f"stages (vision and text branches, their interaction) are not split across tensor-parallel "
+                          f"ranks; allowed values: 1")
     schedule, specs = branched_schedule(cfg)
     if cfg.data.name != _family(cfg).data:
         raise ConfigError(

@@ -50,7 +50,10 @@ def build_run_plan(cfg: DictConfig, schedule: Schedule, spec: TransformerSpec | 
         adapter = AdapterRef(family.adapter, dict(model_cfg=model, layers_per_stage=layers, microbatch_size=mbs,
                                                   seq_len=spec.seq_len, seed=seed,
                                                   **({"segment_lengths": lengths} if lengths else {})))
-    plan = RunPlan(schedule, layers, adapter, str(cfg.precision), str(model.get("attention") or "sdpa"), lengths)
+    plan = RunPlan(schedule, layers, adapter, str(cfg.precision), str(model.get("attention") or "sdpa"), lengths,
+                   tensor_parallel=int(pipe.get("tensor_parallel", 1)),
+                   sequence_parallel=bool(pipe.get("sequence_parallel", False)),
+                   data_parallel=int(pipe.get("data_parallel", 1)))
     if schedule.policy != WeightPolicy.SYNC:
         _asynchronous(plan, cfg, family.branched)
     return plan

@@ -44,11 +44,16 @@ class RunPlan:
     # and a chunk of L steps without a flush runs the schedule generated for L windows
     eval_schedule: Schedule | None = None
     chunk_schedules: dict[int, Schedule] = field(default_factory=dict)
+    # pipeline.tensor_parallel: each device of the schedule is this many ranks, which
+    # split its stages (ranks device * T .. device * T + T - 1); sequence_parallel with it
+    tensor_parallel: int = 1
+    sequence_parallel: bool = False
+    data_parallel: int = 1  # the replicas of the pipeline (the device mesh's first dimension)
 
     @property
     def world_size(self) -> int:
-        """One rank per device of the schedule."""
-        return self.schedule.num_devices
+        """One rank per device of the schedule and tensor-parallel rank."""
+        return self.schedule.num_devices * self.tensor_parallel
 
     def chunk_schedule(self, windows: int) -> Schedule:
         """The schedule of a chunk of ``windows`` steps (an asynchronous run's last chunk

@@ -33,6 +33,7 @@ from transformers.models.bert.modeling_bert import BertEmbeddings, BertLayer, Be
 from pipeflow.models.attention import IMPLEMENTATION, Pattern, check_mode
 from pipeflow.models.common import block_output, family_spec, layer_bounds, seeded_normal_
 from pipeflow.models.recompute import apply_recompute
+from pipeflow.models.tensor_parallel import enter, head_input
 
 INIT_STD = 0.02  # BERT's initializer_range
 IGNORE_INDEX = -100  # labels of positions that are not scored (not masked)
@@ -132,13 +133,13 @@ class BertStage(nn.Module):
                     f"sequence of {T} tokens is longer than model.n_positions={self.config.max_position_embeddings}; "
                     f"use seq_len <= {self.config.max_position_embeddings}"
                 )
-            x = self.embeddings(input_ids=x)  # token type 0 everywhere: one segment per sequence
+            x = enter(self, self.embeddings(input_ids=x))  # token type 0 everywhere: one segment per sequence
         # full bidirectional attention over the window: the MLM data never pads
         pattern = Pattern(self.attention, causal=False)
         for block in self.layer.values():
             x = block_output(block(x, attention_mask=pattern))
         if self.last:
-            x = self.cls.transform(x)
+            x = head_input(self, self.cls.transform(x))
             x = F.linear(x, self.decoder_weight(), self.cls.bias)
         return x
 

@@ -34,6 +34,7 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 from pipeflow.models.attention import IMPLEMENTATION, Pattern, SegmentCache, check_mode
 from pipeflow.models.common import block_output, family_spec, layer_bounds, seeded_normal_
 from pipeflow.models.recompute import apply_recompute
+from pipeflow.models.tensor_parallel import enter, head_input
 
 INIT_STD = 0.02  # GPT-2's initializer_range
 
@@ -125,14 +126,14 @@ class GPTStage(nn.Module):
                     f"use seq_len <= {self.config.n_positions}"
                 )
             pos = torch.arange(T, device=x.device)
-            x = self.drop(self.wte(x) + self.wpe(pos))
+            x = enter(self, self.drop(self.wte(x) + self.wpe(pos)))
         pattern = Pattern(self.attention, causal=True)
         for block in self.h.values():
             x = block_output(block(x, attention_mask=pattern))
         return self._head(x) if self.last else x
 
     def _head(self, x: Tensor) -> Tensor:
-        x = self.ln_f(x)
+        x = head_input(self, self.ln_f(x))  # (tensor parallel: every token, before the head's slice)
         return F.linear(x, self.wte.weight if self.first else self.lm_head.weight)
 
     def forward_segment(
@@ -155,7 +156,7 @@ class GPTStage(nn.Module):
                     f"use seq_len <= {self.config.n_positions}"
                 )
             pos = torch.arange(offset, offset + T, device=x.device)
-            x = self.drop(self.wte(x) + self.wpe(pos))
+            x = enter(self, self.drop(self.wte(x) + self.wpe(pos)))
         pattern = Pattern(self.attention, causal=True, offset=offset)
         kvs: list[tuple[Tensor, Tensor]] = []
         for i, block in enumerate(self.h.values()):

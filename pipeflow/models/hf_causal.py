@@ -38,6 +38,7 @@ from pipeflow.hf import architecture, load_hf_config
 from pipeflow.models.attention import IMPLEMENTATION, Pattern, SegmentCache, check_mode
 from pipeflow.models.common import block_output, layer_bounds, seeded_normal_
 from pipeflow.models.recompute import apply_recompute
+from pipeflow.models.tensor_parallel import enter, head_input, tokens
 
 
 class HFCausalStage(nn.Module):
@@ -160,16 +161,16 @@ class HFCausalStage(nn.Module):
             x = x + getattr(base, a.positions)(torch.arange(offset, offset + T, device=ids.device))
         if a.dropout:
             x = getattr(base, a.dropout)(x)
-        return x
+        return enter(self, x)  # (sequence parallel: this rank's slice of the tokens)
 
     def _head(self, x: Tensor) -> Tensor:
-        x = getattr(self._base, self.arch.norm)(x)
+        x = head_input(self, getattr(self._base, self.arch.norm)(x))
         if self.tied and self.first:
             return F.linear(x, getattr(self._base, self.arch.embed).weight)
         return getattr(self, self.arch.head)(x)
 
     def _layer_kwargs(self, x: Tensor, offset: int) -> dict:
-        T = x.size(1)
+        T = tokens(self, x.size(1))  # (sequence parallel: the rotary tables of every token)
         # a sliding window, where there is one, comes from each layer's attention module
         kw = {"attention_mask": Pattern(self.attention, causal=True, offset=offset)}
         if self.arch.rotary:

@@ -63,9 +63,27 @@ class GPTAdapter:
         self._hidden = hidden_shape(model_cfg, microbatch_size, seq_len)
         # the embedding (first stage) and the LM head (last stage) share one weight
         self.tied_stages = (0, self.num_stages - 1)
+        # pipeline.tensor_parallel: this rank's tensor group (set by the rank before any
+        # stage is built; pipeflow.models.tensor_parallel)
+        self.tensor = None
 
     def build_stage(self, stage: int) -> torch.nn.Module:
-        return build_stage(self.model_cfg, self.layers_per_stage, stage, self.seed).to(self.device)
+        return self._split(build_stage(self.model_cfg, self.layers_per_stage, stage, self.seed)).to(self.device)
+
+    def _split(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The stage cut across this rank's tensor group, or whole without one."""
+        if self.tensor is None:
+            return module
+        from ..models.tensor_parallel import shard_stage
+        from ..planning.transformer import TransformerSpec
+
+        spec = TransformerSpec.from_config(self.model_cfg)
+        self._vocab = spec.vocab_size
+        return shard_stage(module, self.tensor, spec.n_head, spec.n_kv_head)
+
+    def _vocabulary_parallel(self, logits: torch.Tensor) -> bool:
+        """Whether the head's logits are this rank's slice of the vocabulary."""
+        return self.tensor is not None and logits.size(-1) * self.tensor.size == self._vocab
 
     def _rows(self, t: torch.Tensor, mb: int) -> torch.Tensor:
         return t[mb * self.mbs : (mb + 1) * self.mbs].to(self.device, non_blocking=True)
@@ -84,13 +102,20 @@ class GPTAdapter:
 
     def loss(self, logits: torch.Tensor, batch, mb: int, normalizer: float, segment: int = 0) -> torch.Tensor:
         # a segment's token sum over the whole batch's token count: the segments add up to the unsplit loss
-        return lm_loss(logits, self._segment(self._rows(batch[1], mb), segment), normalizer)
+        targets = self._segment(self._rows(batch[1], mb), segment)
+        if self._vocabulary_parallel(logits):
+            from ..models.tensor_parallel import parallel_cross_entropy
+
+            return parallel_cross_entropy(logits, targets, self.tensor) / normalizer
+        return lm_loss(logits, targets, normalizer)
 
     def message_spec(self, src_stage: int, dst_stage: int, segment: int = 0) -> tuple[tuple[int, ...], torch.dtype]:
-        if self.segment_lengths is None:
-            return self._hidden, torch.float32
-        mbs, _, width = self._hidden
-        return (mbs, self.segment_lengths[segment], width), torch.float32
+        mbs, tokens, width = self._hidden
+        if self.segment_lengths is not None:
+            tokens = self.segment_lengths[segment]
+        if self.tensor is not None and self.tensor.sequence_parallel:  # this rank's slice of the tokens
+            tokens //= self.tensor.size
+        return (mbs, tokens, width), torch.float32
 
     def tokens_per_microbatch(self) -> int:
         return self.mbs * self.seq_len
@@ -112,9 +137,13 @@ class BertAdapter(GPTAdapter):
     decoder (last stage) are tied the same way."""
 
     def build_stage(self, stage: int) -> torch.nn.Module:
-        return bert.build_stage(self.model_cfg, self.layers_per_stage, stage, self.seed).to(self.device)
+        return self._split(bert.build_stage(self.model_cfg, self.layers_per_stage, stage, self.seed)).to(self.device)
 
     def loss(self, logits: torch.Tensor, batch, mb: int, normalizer: float, segment: int = 0) -> torch.Tensor:
+        if self._vocabulary_parallel(logits):
+            from ..models.tensor_parallel import parallel_cross_entropy
+
+            return parallel_cross_entropy(logits, self._rows(batch[1], mb), self.tensor, IGNORE_INDEX) / normalizer
         return bert.mlm_loss(logits, self._rows(batch[1], mb), normalizer)
 
     def build_data(self, data_cfg: Mapping):
@@ -141,7 +170,8 @@ class HFCausalAdapter(GPTAdapter):
     def build_stage(self, stage: int) -> torch.nn.Module:
         from ..models import hf_causal
 
-        return hf_causal.build_stage(self.model_cfg, self.layers_per_stage, stage, self.seed).to(self.device)
+        return self._split(hf_causal.build_stage(self.model_cfg, self.layers_per_stage, stage,
+                                                 self.seed)).to(self.device)
 
 
 class CBMAdapter:

@@ -42,6 +42,7 @@ from . import memory_profile
 from .memory_profile import tag, tag_stage
 from .messages import MessageIO
 from .precision import LossScaler, Precision
+from ..models.tensor_parallel import reduce_partial_gradients
 from .sharded import gather_handlers
 from .stage import Groups, Messages, StageState, StepStats
 
@@ -59,7 +60,12 @@ class Executor(MessageIO):
         precision: Precision | None = None,
         p2p: str = "tagged",
         host_staging: bool | None = None,
+        mesh=None,
     ):
+        # with tensor parallelism this rank is one of its device's ranks: ``rank`` is the
+        # device, messages go to the same tensor rank of another device (runtime.mesh)
+        self._rank_of = (lambda d: d) if mesh is None else mesh.rank_of
+        self._tensor = getattr(adapter, "tensor", None)
         self._staged_p2p = host_staging  # None: messages pass through host memory where gloo serves a GPU
         self.precision = precision or Precision("fp32", adapter.device.type)
         self.scaler = LossScaler(self.precision.loss_scale) if self.precision.name == "fp16" else None
@@ -338,6 +344,7 @@ class Executor(MessageIO):
         if group is None:
             return None
         st = self.stages[(a.pipe, a.stage)]
+        self._tensor_partials(st)
         if getattr(st.optimizer, "scatter", False):  # ZeRO-2: into this replica's slice (runtime.sharded)
             return (st.optimizer, st.optimizer.reduce_scatter())
         tied = {id(p) for p in st.tied}
@@ -347,9 +354,18 @@ class Executor(MessageIO):
         work = dist.all_reduce(flat, group=group, async_op=True)
         return (work, flat, params, grads)
 
+    def _tensor_partials(self, st: StageState) -> None:
+        """Tensor parallelism: the gradients this stage's ranks hold in parts (sequence-
+        parallel norms and biases, replicated key/value heads) summed across them, once a
+        step, before any data-parallel reduction."""
+        if self._tensor is not None and not st.tensor_reduced:
+            reduce_partial_gradients(st.params)
+            st.tensor_reduced = True
+
     def _synchronise(self, reduces, loss_sum: torch.Tensor) -> tuple[float, float, float | None]:
         for st in self.stages.values():  # runtime.memory=profile: the gradients the reductions replace
             tag_stage(st.module, None)
+            self._tensor_partials(st)
         for r in reduces:
             if r is None:
                 continue
@@ -394,10 +410,13 @@ class Executor(MessageIO):
             tied = {id(p) for p in st.tied}
             for p in st.params:
                 if p.grad is not None and pipe == 0 and (id(p) not in tied or st.first):
-                    sq += p.grad.detach().double().pow(2).sum()
-        for g in slices:
-            sq += g.double().pow(2).sum()
-        vec = torch.stack([sq, loss_sum.double()])
+                    # (tensor parallelism: a parameter its device's ranks hold whole, once)
+                    sq += p.grad.detach().double().pow(2).sum() / getattr(p, "_tp_copies", 1)
+        for opt in scattered:
+            sq += opt.squares()
+        for st in self.stages.values():
+            st.tensor_reduced = False
+        vec = torch.stack([sq, self._once(loss_sum).double()])
         dist.all_reduce(vec)
         norm = math.sqrt(vec[0].item())
         # every rank sees the same norm, so every rank skips the same steps
@@ -412,6 +431,10 @@ class Executor(MessageIO):
                 for g in slices:
                     g.mul_(coef)
         return norm, vec[1].item(), scale
+
+    def _once(self, loss: torch.Tensor) -> torch.Tensor:
+        """A loss every tensor rank of a device computed alike: counted by the first alone."""
+        return loss if self._tensor is None or self._tensor.rank == 0 else torch.zeros_like(loss)
 
     def _sync_tied(self) -> None:
         """Every copy of the tied embedding gets the sum of all copies' gradients."""
@@ -443,7 +466,7 @@ class Executor(MessageIO):
 
         _, _, io = self._walk(self.eval_plan, self.eval_tail, {Kind.F: evaluate})
         self._finish(io, "evaluation")
-        vec = loss_sum.reshape(1).clone()
+        vec = self._once(loss_sum).reshape(1).clone()
         dist.all_reduce(vec)
         return vec.item()
 

@@ -38,14 +38,14 @@ class MessageIO:
                 # autograd may hand back a strided view; the wire needs contiguous memory
                 tensor = outbox.pop(self._key(c)).contiguous()
                 self.sent_bytes += tensor.numel() * tensor.element_size()
-                ops.append(dist.P2POp(dist.isend, tensor.cpu() if staged else tensor, c.peer,
+                ops.append(dist.P2POp(dist.isend, tensor.cpu() if staged else tensor, self._rank_of(c.peer),
                                       tag=0 if self.ordered else c.tag))
             else:
                 shape, dtype = self.adapter.message_spec(c.src_stage, c.dst_stage, c.segment)
                 tensor = torch.empty(shape, dtype=self.precision.wire_dtype(dtype), device=self.adapter.device)
                 tag(tensor, "inputs")
                 wire = torch.empty(shape, dtype=tensor.dtype) if staged else tensor
-                ops.append(dist.P2POp(dist.irecv, wire, c.peer, tag=0 if self.ordered else c.tag))
+                ops.append(dist.P2POp(dist.irecv, wire, self._rank_of(c.peer), tag=0 if self.ordered else c.tag))
             held.append(tensor)
         for c, op, tensor, work in zip(comms, ops, held, dist.batch_isend_irecv(ops)):
             if c.op == "send":

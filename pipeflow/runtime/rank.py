@@ -82,10 +82,14 @@ def build_rank(plan: RunPlan, cfg: dict, rank: int, device: torch.device, on_gra
     schedule, layers = plan.schedule, plan.layers_per_stage
     adapter = plan.adapter.build(device)
     stages: dict[tuple[int, int], StageState] = {}
+    # the device mesh: with tensor parallelism this rank is tensor rank t of its device,
+    # which it runs the schedule of (pipeflow.runtime.mesh)
+    mesh, adapter.tensor = _mesh(plan, rank, device)
+    rank = mesh.device
     # owner-based sharding: a replicated stage's optimizer state lives on its owner only
     # (the other replicas keep state for their tied copies alone, which they update themselves)
     owners = zero_owners(schedule.placement) if schedule.zero else {}
-    groups = Groups(schedule, adapter.tied_stages)
+    groups = Groups(schedule, adapter.tied_stages, mesh if mesh.tensor > 1 else None)
     for pipe, stage in schedule.placement.stages_on(rank):
         module = adapter.build_stage(stage)
         graph = schedule.graph  # sources read the batch, sinks compute the loss
@@ -104,7 +108,7 @@ def build_rank(plan: RunPlan, cfg: dict, rank: int, device: torch.device, on_gra
     clip = optim.get("grad_clip")
     if schedule.policy == WeightPolicy.SYNC:
         executor = Executor(schedule, rank, stages, adapter, groups, grad_clip=clip, on_grads=on_grads,
-                            precision=precision, p2p=p2p, host_staging=staging)
+                            precision=precision, p2p=p2p, host_staging=staging, mesh=mesh)
         return RankSetup(schedule, layers, adapter, stages, executor, device=device)
 
     def make_chunk(windows: int) -> AsyncExecutor:
@@ -122,3 +126,15 @@ def build_rank(plan: RunPlan, cfg: dict, rank: int, device: torch.device, on_gra
                              precision=precision, p2p=p2p, host_staging=staging)
     return RankSetup(schedule, layers, adapter, stages, executor, eval_executor,
                      {schedule.windows: executor}, make_chunk, device)
+
+
+def _mesh(plan: RunPlan, rank: int, device: torch.device):
+    """This rank's place in the device mesh and its tensor group (None without tensor parallelism)."""
+    from ..planning.transformer import TransformerSpec
+    from .mesh import RankMesh, build_mesh
+
+    if plan.tensor_parallel == 1:
+        return RankMesh(1, rank, 0), None
+    spec = TransformerSpec.from_config(plan.adapter.kwargs["model_cfg"])
+    return build_mesh(rank, plan.schedule.num_devices, plan.tensor_parallel, plan.data_parallel,
+                      plan.sequence_parallel, device.type, spec.n_head, spec.n_kv_head)

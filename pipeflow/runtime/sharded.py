@@ -89,6 +89,8 @@ class ShardedAdamW:
                     _, share, start = self.shard(group)
                     self.shards[i] = flat[start:start + share].clone()
                     flat.untyped_storage().resize_(0)
+        self._copies_of: dict = {}
+        self.flats_device = params[0].device if params else torch.device("cpu")
         self.steps = 0
         self.moments: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self.param_groups)
         # ZeRO-2: this replica's slice of each group's summed gradient, from reduce_scatter
@@ -195,6 +197,35 @@ class ShardedAdamW:
         """ZeRO-2: the gradient slices this replica holds (the clip norm's and the
         loss scale's), the tied copies' whole gradients apart."""
         return [g for g in self.gradients if g is not None]
+
+    def squares(self) -> torch.Tensor:
+        """ZeRO-2: the squared norm of this replica's slices (fp64), a parameter that the
+        ranks of a tensor-parallel device each hold whole counted once among them."""
+        total = torch.zeros((), dtype=torch.float64, device=self.flats_device)
+        for i, g in enumerate(self.gradients):
+            if g is None:
+                continue
+            sq = g.double().pow(2)
+            copies = self._copies(i)
+            total += (sq if copies is None else sq / copies).sum()
+        return total
+
+    def _copies(self, i: int) -> torch.Tensor | None:
+        """Per element of group i's slice, how many tensor ranks hold its parameter whole
+        (None where every one holds a piece or none is split)."""
+        if i not in self._copies_of:
+            group = self.param_groups[i]
+            if all(getattr(p, "_tp_copies", 1) == 1 for p in group["params"]):
+                self._copies_of[i] = None
+            else:
+                total, share, start = self.shard(group)
+                flat = torch.ones(share * self.n, dtype=torch.float64, device=self.flats_device)
+                at = 0
+                for p in group["params"]:
+                    flat[at:at + p.numel()] = float(getattr(p, "_tp_copies", 1))
+                    at += p.numel()
+                self._copies_of[i] = flat[start:start + share].clone()
+        return self._copies_of[i]
 
     @torch.no_grad()
     def whole_gradients(self) -> None:

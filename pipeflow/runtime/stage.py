@@ -29,6 +29,7 @@ class StageState:
     kv_grad: dict = field(default_factory=dict)  # (mb, seg) -> per block (dK, dV) from later segments
     pending_w: dict = field(default_factory=dict)  # (mb, seg) -> what W needs after I (PendingWeight)
     accumulators: frozenset | None = None  # the parameters' autograd accumulators, held for I (zero bubble)
+    tensor_reduced: bool = False  # tensor parallelism: this step's partial gradients summed
 
 
 @dataclass
@@ -58,13 +59,15 @@ class Groups:
     (so their all-reduces never interfere, whatever order ranks issue them in), and one
     for the ranks holding copies of the tied embedding."""
 
-    def __init__(self, schedule: Schedule, tied_stages: tuple[int, ...]):
+    def __init__(self, schedule: Schedule, tied_stages: tuple[int, ...], mesh=None):
         placement = schedule.placement
+        # over devices; with tensor parallelism each device's ranks of this one's tensor rank
+        new_group = dist.new_group if mesh is None else mesh.new_group
         self.replica_group: dict[int, object] = {}
         for stage in range(schedule.num_stages):
             devices = sorted({d for _, d in placement.replicas(stage)})
             if len(devices) > 1:
-                self.replica_group[stage] = dist.new_group(devices)
+                self.replica_group[stage] = new_group(devices)
         tied_devices = sorted({d for s in tied_stages for _, d in placement.replicas(s)})
         self.tied_devices = tied_devices
-        self.tied_group = dist.new_group(tied_devices) if len(tied_devices) > 1 else None
+        self.tied_group = new_group(tied_devices) if len(tied_devices) > 1 else None

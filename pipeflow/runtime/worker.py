@@ -31,6 +31,7 @@ from .device import device_and_backend, join_group, keep_freed_memory, peak_memo
 from .launch import TrainJob, check_stop, deferred_stop, stop_behind
 from .memory_profile import profile_step
 from .optim import lr_at
+from ..models.tensor_parallel import whole_gradient
 from .sharded import whole_weights
 from .rank import RankSetup, build_rank
 
@@ -78,13 +79,15 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
             return
         dumped.append(True)
         dump_dir.mkdir(parents=True, exist_ok=True)
+        tensor = setup.adapter.tensor  # tensor parallelism: each gradient put back together, written once
         grads = {
-            f"{pipe}:{name}": p.grad.detach().clone()
+            f"{pipe}:{name}": (p.grad.detach() if tensor is None else whole_gradient(p, p.grad.detach(), tensor)).clone()
             for (pipe, _stage), st in states.items()
             for name, p in st.module.named_parameters()
             if p.grad is not None
         }
-        torch.save(grads, dump_dir / f"rank{rank}.pt")
+        if tensor is None or tensor.rank == 0:
+            torch.save(grads, dump_dir / f"rank{rank}.pt")
 
     setup = build_rank(job.plan, cfg, rank, device, on_grads=dump_grads if runtime.get("dump_grads") else None)
     schedule, layers, stages = setup.schedule, setup.layers_per_stage, setup.stages
@@ -207,6 +210,8 @@ def _train_steps(rank, job, device, setup: RankSetup, data, sink, progress, stat
         **pipeline_shape(schedule, pipe_cfg["stages"]),  # stages; data_parallel replicas (a plan's own)
         "shard": schedule.shard,  # what the replicas of a stage shard (pipeline.shard)
         "gather": schedule.meta.get("gather"),  # full: when a stage's parameters are gathered (else null)
+        "tensor_parallel": job.plan.tensor_parallel,  # ranks splitting each device's stages
+        "sequence_parallel": job.plan.sequence_parallel,
         # per step, as configured (an asynchronous schedule's IR spans schedule.windows steps)
         "microbatches": int(pipe_cfg["microbatches"]),
         "microbatch_size": mbs,

@@ -39,6 +39,11 @@ def _int(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
+def _tensor(pipe) -> str | int:
+    t = _int(_get(pipe, "tensor_parallel", 1))
+    return f"{t}+sp" if t and t > 1 and _get(pipe, "sequence_parallel", False) else t
+
+
 def run_key(cfg: Mapping, *, schedule: str | None = None, stages: int | None = None,
             data_parallel: int | None = None, partition: str | None = None) -> dict:
     """The key of the run a composed config describes (any app's: train, simulate, plan,
@@ -63,6 +68,8 @@ def run_key(cfg: Mapping, *, schedule: str | None = None, stages: int | None = N
         "data_parallel": _int(data_parallel if data_parallel is not None else _get(pipe, "data_parallel", 1)),
         # what the replicas shard (full: and when they gather, "full/step")
         "shard": _shard(pipe),
+        # each device split across tensor-parallel ranks (sequence parallel: "2+sp")
+        "tensor_parallel": _tensor(pipe),
         "topology": _get(_get(cfg, "topology", {}), "name"),
     }
 

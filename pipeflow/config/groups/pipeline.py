@@ -30,10 +30,13 @@ class PipelineConfig:
     data_parallel: int = 1  # replicas of the whole pipeline (n x stages devices); microbatches is per replica
     shard: str = "none"  # what the replicas shard: none | optimizer (ZeRO-1) | gradients (ZeRO-2) | full (ZeRO-3)
     gather: str = "step"  # full: when a stage's parameters are gathered: step | chunk | microbatch
+    tensor_parallel: int = 1  # ranks each device's stages are split across, Megatron style (T x devices ranks)
+    sequence_parallel: bool = False  # tensor_parallel > 1: norms, dropout and stage messages on s/T tokens
 
 def check_pipeline(cfg: DictConfig) -> None:
     pipe = cfg.pipeline
-    for key in ("stages", "microbatches", "virtual_stages", "segments", "microbatch_size", "data_parallel"):
+    for key in ("stages", "microbatches", "virtual_stages", "segments", "microbatch_size", "data_parallel",
+                "tensor_parallel"):
         value = pipe[key]
         if not is_whole(value) or value < 1:
             raise ConfigError(f"pipeline.{key}={value}: must be a whole number >= 1")
@@ -43,3 +46,9 @@ def check_pipeline(cfg: DictConfig) -> None:
     gather = pipe.get("gather", "step")
     if gather not in GATHER_POLICIES:
         raise ConfigError(f"pipeline.gather={gather}: allowed values: {', '.join(GATHER_POLICIES)}")
+    sp = pipe.get("sequence_parallel", False)
+    if not isinstance(sp, bool):
+        raise ConfigError(f"pipeline.sequence_parallel={sp}: allowed values: true, false")
+    if sp and pipe.get("tensor_parallel", 1) == 1:
+        raise ConfigError("pipeline.sequence_parallel=true: it splits the sequence across a stage's tensor-parallel "
+                          "ranks; use it with pipeline.tensor_parallel > 1 (or sequence_parallel=false)")

@@ -1,0 +1,442 @@
+"""Tensor (and sequence) parallelism inside a pipeline stage, Megatron-LM style
+(``pipeline.tensor_parallel=T``, ``pipeline.sequence_parallel``).
+
+A stage is built whole (every split draws the same weights, :mod:`pipeflow.models.common`)
+and then cut in place across the T ranks of its tensor group by :func:`shard_stage`:
+
+- the attention's query/key/value projections and the MLP's first projection(s) are
+  *column-parallel*: each rank keeps 1/T of their output features (whole heads; a fused
+  Q|K|V matrix is cut block by block; grouped-query key/value heads are split when T
+  divides them and otherwise replicated, T/kv ranks holding the same head);
+- the attention's output projection and the MLP's last projection are *row-parallel*:
+  each rank keeps 1/T of their input features and their partial products are summed
+  across the group (an all-reduce), the bias added once, after the sum;
+- the token embedding is *vocabulary-parallel* (each rank embeds the ids of its 1/T of
+  the vocabulary, the others give zero, and the group sums), and so is the LM head,
+  whose logits stay cut by vocabulary: :func:`parallel_cross_entropy` takes the loss over
+  them with three small all-reduces (maximum, sum of exponentials, target logit). Where T
+  does not divide the vocabulary, the embedding and the head are replicated.
+
+The communication sits where the activations enter the attention and the MLP
+(:data:`COLUMN_INPUT`: identity forward, all-reduce of the input gradient backward) and
+where the row-parallel products leave them. With sequence parallelism the residual
+stream, the norms and the dropouts run on the rank's 1/T of the tokens: the entry
+becomes an all-gather along the sequence (its backward a reduce-scatter), the exit a
+reduce-scatter (its backward an all-gather); the stage's messages are the rank's
+slice of the tokens (Megatron's scatter/gather between stages, for free). Parameters
+that then see only the rank's tokens (norms, row-parallel biases) get partial
+gradients, summed across the group before the step (:func:`reduce_partial_gradients`).
+
+The collectives run inside the autograd functions below and nowhere else, so every
+schedule's actions (the zero-bubble I/W split included: the input path holds them all,
+the weight gradients need none) run unchanged on each rank of the group, in the same
+order on all of them. Parameter names stay global; :func:`whole_gradient` puts a
+gradient's pieces back together (the gradient dump of the parity tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class TensorGroup:
+    """This rank's tensor-parallel group: ``size`` ranks, this one ``rank`` among them,
+    the process ``group``; ``sequence_parallel``; ``kv_group`` the ranks sharing this
+    rank's key/value heads where they are replicated (None otherwise)."""
+
+    size: int
+    rank: int
+    group: object
+    sequence_parallel: bool = False
+    kv_group: object = None
+    kv_copies: int = 1
+    gloo: bool = field(default=True)
+
+    # ---- the sequence dimension (dim 1 of a [batch, tokens, features] activation) ----------
+    def enter(self, x: Tensor) -> Tensor:
+        """After the embedding: the rank's slice of the tokens under sequence parallelism."""
+        return _SplitSeq.apply(x, self) if self.sequence_parallel else x
+
+    def column_input(self, x: Tensor) -> Tensor:
+        """The input of a group of column-parallel projections (the attention, the MLP)."""
+        return _GatherSeq.apply(x, self) if self.sequence_parallel else _CopyToGroup.apply(x, self)
+
+    def row_output(self, x: Tensor) -> Tensor:
+        """The partial products of a row-parallel projection, summed (and cut by tokens)."""
+        return _ScatterSeq.apply(x, self) if self.sequence_parallel else _ReduceFromGroup.apply(x, self)
+
+    def tokens(self, local: int) -> int:
+        """Tokens of the whole (segment of the) sequence, from the rank's slice."""
+        return local * self.size if self.sequence_parallel else local
+
+    # ---- collectives ---------------------------------------------------------------------
+    def all_reduce(self, x: Tensor, op=dist.ReduceOp.SUM) -> Tensor:
+        x = x.contiguous().clone()
+        dist.all_reduce(x, op=op, group=self.group)
+        return x
+
+    def all_gather(self, x: Tensor, dim: int) -> Tensor:
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x, group=self.group)
+        return torch.cat(parts, dim)
+
+    def reduce_scatter(self, x: Tensor, dim: int) -> Tensor:
+        if self.gloo:  # gloo has no reduce-scatter: the same bytes as an all-reduce, then the share
+            return self.all_reduce(x).chunk(self.size, dim)[self.rank].contiguous()
+        parts = [p.contiguous() for p in x.chunk(self.size, dim)]
+        out = torch.empty_like(parts[0])
+        dist.reduce_scatter(out, parts, group=self.group)
+        return out
+
+    def own(self, x: Tensor, dim: int) -> Tensor:
+        size = x.size(dim)
+        if size % self.size:
+            raise ValueError(f"{size} tokens do not split across pipeline.tensor_parallel={self.size} ranks")
+        return x.chunk(self.size, dim)[self.rank].contiguous()
+
+
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.tp.all_reduce(g), None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        return tp.all_reduce(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return tp.all_gather(x, 1)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.tp.reduce_scatter(g, 1), None
+
+
+class _ScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return tp.reduce_scatter(x, 1)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.tp.all_gather(g, 1), None
+
+
+class _SplitSeq(torch.autograd.Function):
+    """Replicated tokens to the rank's slice (the gradient: every rank's slices gathered)."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return tp.own(x, 1)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.tp.all_gather(g, 1), None
+
+
+class _GatherSeqReplicated(torch.autograd.Function):
+    """The rank's slice to all tokens, for work every rank then repeats whole (a
+    replicated head): the gradient is each rank's own slice of the same whole."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return tp.all_gather(x, 1)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.tp.own(g, 1), None
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+class ParallelLinear(nn.Module):
+    """A linear layer's piece: ``weight`` [out, in] (``transposed``: [in, out], GPT-2's
+    Conv1D) and ``bias``. Row-parallel: the partial product is summed across the group
+    (:meth:`TensorGroup.row_output`) before the bias, which every rank keeps whole."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, transposed: bool, row: bool, tp: TensorGroup):
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach().clone())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
+        self.transposed, self.row, self.tp = transposed, row, tp
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.weight.t() if self.transposed else self.weight
+        if not self.row:
+            return F.linear(x, w, self.bias)
+        y = self.tp.row_output(F.linear(x, w))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows ``[lo, hi)`` of a token embedding: ids outside give zero, and the group sums."""
+
+    def __init__(self, weight: Tensor, tp: TensorGroup):
+        super().__init__()
+        rows = weight.size(0) // tp.size
+        self.lo, self.hi, self.tp = tp.rank * rows, (tp.rank + 1) * rows, tp
+        self.weight = nn.Parameter(weight.detach()[self.lo:self.hi].clone())
+
+    def forward(self, ids: Tensor) -> Tensor:
+        outside = (ids < self.lo) | (ids >= self.hi)
+        local = torch.where(outside, 0, ids - self.lo)
+        out = F.embedding(local, self.weight) * (~outside).unsqueeze(-1).to(self.weight.dtype)
+        return _ReduceFromGroup.apply(out, self.tp)
+
+
+class _ParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy per token over logits cut by vocabulary (this rank's ``[lo, lo + V/T)``)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, lo, tp, ignore_index):
+        logits = logits.float()
+        top = tp.all_reduce(logits.max(-1).values, dist.ReduceOp.MAX)
+        shifted = logits - top.unsqueeze(-1)
+        exp = shifted.exp()
+        total = tp.all_reduce(exp.sum(-1))
+        rows = logits.size(-1)
+        ignored = targets == ignore_index
+        local = targets - lo
+        mine = (local >= 0) & (local < rows) & ~ignored
+        picked = shifted.gather(-1, torch.where(mine, local, 0).unsqueeze(-1)).squeeze(-1) * mine
+        picked = tp.all_reduce(picked)
+        loss = (total.log() - picked) * ~ignored
+        ctx.save_for_backward(exp.div_(total.unsqueeze(-1)), local, mine, ignored)
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        softmax, local, mine, ignored = ctx.saved_tensors
+        g = g * ~ignored
+        grad = softmax * g.unsqueeze(-1)
+        grad.scatter_add_(-1, torch.where(mine, local, 0).unsqueeze(-1), (-g * mine).unsqueeze(-1))
+        return grad, None, None, None, None
+
+
+def parallel_cross_entropy(logits: Tensor, targets: Tensor, tp: TensorGroup, ignore_index: int = -100) -> Tensor:
+    """Summed cross-entropy of ``logits`` [..., V/T] (this rank's vocabulary slice) against ``targets``."""
+    lo = tp.rank * logits.size(-1)
+    return _ParallelCrossEntropy.apply(logits, targets, lo, tp, ignore_index).sum()
+
+
+# ----------------------------------------------------------------------------- cutting a stage
+
+# a layer's projections by their qualified name's ending: GPT-2 (pipeflow's and Hugging
+# Face's), Llama-style decoders (Llama, Mistral, Qwen2), GPT-NeoX and BERT
+COLUMN = ("attn.c_attn", "mlp.c_fc", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "query_key_value",
+          "dense_h_to_4h", "self.query", "self.key", "self.value", "intermediate.dense")
+ROW = ("attn.c_proj", "mlp.c_proj", "o_proj", "down_proj", "attention.dense", "dense_4h_to_h", "output.dense")
+# where the activations enter a group of column-parallel projections: the attention and MLP modules
+ENTRIES = ("attn", "mlp", "self_attn", "attention.self", "intermediate", "attention")
+KV = ("k_proj", "v_proj")
+FUSED_QKV = "attn.c_attn"  # GPT-2's one matrix of Q|K|V: each of the three cut apart
+
+
+def _qualified(module: nn.Module):
+    return [(name, m) for name, m in module.named_modules() if name]
+
+
+def shard_stage(module: nn.Module, tp: TensorGroup, n_head: int, n_kv_head: int | None = None) -> nn.Module:
+    """Cut a whole stage across its tensor group in place (module docstring); returns it.
+    Marks each parameter with how its gradient comes together (``_tp_split``: (dim, blocks)
+    of a piece; ``_tp_partial``: a group its gradient is summed over; ``_tp_copies``: how
+    many ranks of the group hold it whole)."""
+    T = tp.size
+    n_kv = n_kv_head or n_head
+    if n_head % T or (n_kv % T and T % n_kv):
+        raise ValueError(f"pipeline.tensor_parallel={T}: {n_head} heads ({n_kv} key/value heads) do not split")
+    layers = _layers(module)
+    for prefix, layer in layers:
+        for name, child in _qualified(layer):
+            parent_name, _, attr = name.rpartition(".")
+            parent = layer.get_submodule(parent_name) if parent_name else layer
+            if name.endswith(COLUMN) and _is_linear(child):
+                blocks = 3 if name.endswith(FUSED_QKV) else 1
+                kv = name.endswith(KV) or (name.endswith("self.key") or name.endswith("self.value"))
+                setattr(parent, attr, _column(child, tp, blocks, n_kv if kv and n_kv != n_head else None))
+            elif name.endswith(ROW) and _is_linear(child):
+                setattr(parent, attr, _row(child, tp))
+        for name, child in _qualified(layer):
+            if name.endswith(ENTRIES) and not _is_linear(child) and any(
+                    isinstance(c, ParallelLinear) and not c.row for c in child.children()):
+                child.register_forward_pre_hook(_entry_hook(tp), with_kwargs=True)
+        for attn in layer.modules():  # GPT-2's attention splits its fused output by this width
+            if hasattr(attn, "split_size") and hasattr(attn, "c_attn"):
+                attn.split_size //= T
+    _cut_vocabulary(module, tp)
+    _mark(module, tp, {p for _, layer in layers for p in layer.parameters()})
+    module.tp = tp
+    return module
+
+
+def _layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The stage's transformer layers (a ModuleDict of them: h, layer, layers)."""
+    for name, child in module.named_modules():
+        if isinstance(child, nn.ModuleDict) and name.rpartition(".")[2] in ("h", "layer", "layers"):
+            return [(f"{name}.{k}", v) for k, v in child.items()]
+    raise ValueError(f"{type(module).__name__}: no transformer layers to split (pipeline.tensor_parallel)")
+
+
+def _is_linear(m: nn.Module) -> bool:
+    return isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"
+
+
+def _column(m: nn.Module, tp: TensorGroup, blocks: int, kv_heads: int | None) -> ParallelLinear:
+    transposed = not isinstance(m, nn.Linear)
+    dim = 1 if transposed else 0
+    w, b = m.weight.detach(), None if m.bias is None else m.bias.detach()
+    if kv_heads is not None and kv_heads < tp.size:  # replicated key/value heads: this rank's group's
+        head = tp.rank * kv_heads // tp.size
+        w = w.chunk(kv_heads, dim)[head]
+        b = None if b is None else b.chunk(kv_heads, 0)[head]
+        out = ParallelLinear(w, b, transposed, False, tp)
+        for p in out.parameters():
+            p._tp_split = (dim if p.dim() > 1 else 0, 1, kv_heads)
+            p._tp_partial = "kv"
+        return out
+    w = torch.cat([c.chunk(tp.size, dim)[tp.rank] for c in w.chunk(blocks, dim)], dim)
+    if b is not None:
+        b = torch.cat([c.chunk(tp.size, 0)[tp.rank] for c in b.chunk(blocks, 0)], 0)
+    out = ParallelLinear(w, b, transposed, False, tp)
+    out.weight._tp_split = (dim, blocks, None)
+    if out.bias is not None:
+        out.bias._tp_split = (0, blocks, None)
+    return out
+
+
+def _row(m: nn.Module, tp: TensorGroup) -> ParallelLinear:
+    transposed = not isinstance(m, nn.Linear)
+    dim = 0 if transposed else 1
+    w = m.weight.detach().chunk(tp.size, dim)[tp.rank]
+    out = ParallelLinear(w, None if m.bias is None else m.bias.detach(), transposed, True, tp)
+    out.weight._tp_split = (dim, 1, None)
+    return out
+
+
+def _entry_hook(tp: TensorGroup):
+    def hook(module, args, kwargs):
+        if args:
+            return (tp.column_input(args[0]), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": tp.column_input(kwargs["hidden_states"])}
+    return hook
+
+
+def _cut_vocabulary(module: nn.Module, tp: TensorGroup) -> None:
+    """The token embedding and the LM head by vocabulary, where T divides it."""
+    emb = [(n, m) for n, m in module.named_modules() if isinstance(m, nn.Embedding)
+           and n.rpartition(".")[2] in ("wte", "embed_tokens", "word_embeddings", "embed_in")]
+    heads = [(n, m) for n, m in module.named_modules() if isinstance(m, nn.Linear)
+             and n.rpartition(".")[2] in ("lm_head", "decoder", "embed_out")]
+    vocab = (emb or heads)[0][1].weight.size(0) if (emb or heads) else 0
+    module.tp_vocab = bool(vocab) and vocab % tp.size == 0
+    if not module.tp_vocab:
+        return
+    for name, m in emb:
+        parent_name, _, attr = name.rpartition(".")
+        setattr(module.get_submodule(parent_name) if parent_name else module, attr, VocabParallelEmbedding(m.weight, tp))
+    for _, m in heads:
+        m.weight = nn.Parameter(m.weight.detach().chunk(tp.size, 0)[tp.rank].clone())
+    for name, p in module.named_parameters():
+        if any(name == f"{n}.weight" for n, _ in (*emb, *heads)):
+            p._tp_split = (0, 1, None)
+    bias = getattr(getattr(module, "cls", None), "bias", None)  # BERT's MLM decoder bias
+    if bias is not None:
+        module.cls.bias = nn.Parameter(bias.detach().chunk(tp.size, 0)[tp.rank].clone())
+        module.cls.bias._tp_split = (0, 1, None)
+
+
+def _mark(module: nn.Module, tp: TensorGroup, in_layers: set) -> None:
+    """How many ranks hold each parameter whole, and which gradients are partial."""
+    norm_after = {id(p) for n, m in module.named_modules() if n.rpartition(".")[2] in ("ln_f", "norm", "final_layer_norm")
+                  for p in m.parameters()}
+    transform = getattr(getattr(module, "cls", None), "transform", None)
+    head_side = {id(p) for p in transform.parameters()} if transform is not None else set()
+    for p in module.parameters():
+        split = getattr(p, "_tp_split", None)
+        if split is not None and getattr(p, "_tp_partial", None) == "kv":
+            p._tp_copies = tp.kv_copies
+            p._tp_partial = tp.kv_group
+            continue
+        if split is not None:
+            p._tp_copies = 1
+            continue
+        p._tp_copies = tp.size
+        # sequence parallel: what sees only this rank's tokens has a partial gradient
+        if tp.sequence_parallel and (p in in_layers or id(p) in norm_after or id(p) in head_side):
+            p._tp_partial = tp.group
+
+
+def head_input(module: nn.Module, x: Tensor) -> Tensor:
+    """What the LM head multiplies: every token, with the gradient the head's layout needs."""
+    tp = getattr(module, "tp", None)
+    if tp is None:
+        return x
+    if module.tp_vocab:
+        return tp.column_input(x)
+    return _GatherSeqReplicated.apply(x, tp) if tp.sequence_parallel else x
+
+
+def enter(module: nn.Module, x: Tensor) -> Tensor:
+    tp = getattr(module, "tp", None)
+    return x if tp is None else tp.enter(x)
+
+
+def tokens(module: nn.Module, local: int) -> int:
+    tp = getattr(module, "tp", None)
+    return local if tp is None else tp.tokens(local)
+
+
+def reduce_partial_gradients(params: list) -> None:
+    """Sum the partial gradients (sequence-parallel norms and biases, replicated key/value
+    heads) across the ranks that hold the parameter; one flat all-reduce per group."""
+    by_group: dict = {}
+    for p in params:
+        group = getattr(p, "_tp_partial", None)
+        if group is not None and p.grad is not None:
+            by_group.setdefault(id(group), (group, []))[1].append(p)
+    for group, ps in by_group.values():
+        flat = torch.cat([p.grad.reshape(-1) for p in ps])
+        dist.all_reduce(flat, group=group)
+        at = 0
+        for p in ps:
+            p.grad.copy_(flat[at:at + p.numel()].view_as(p.grad))
+            at += p.numel()
+
+
+def whole_gradient(p: Tensor, grad: Tensor, tp: TensorGroup) -> Tensor:
+    """A piece's gradient put back together from every rank of the group (a test hook)."""
+    split = getattr(p, "_tp_split", None)
+    if split is None:
+        return grad
+    dim, blocks, heads = split
+    parts = tp.all_gather(grad.unsqueeze(0), 0).unbind(0)
+    if heads is not None and heads < tp.size:  # replicated key/value heads: one copy of each
+        parts = parts[::tp.size // heads]
+    pieces = [part.chunk(blocks, dim) for part in parts]
+    return torch.cat([torch.cat([pc[b] for pc in pieces], dim) for b in range(blocks)], dim)

@@ -1,0 +1,73 @@
+"""Where a rank sits in the job's device mesh (data x pipeline x tensor), and the process
+groups it needs beyond the schedule's own.
+
+The schedule's IR knows devices: ``data_parallel`` replicas of a pipeline of devices.
+With ``pipeline.tensor_parallel=T`` each device is T ranks that split its stages
+(:mod:`pipeflow.models.tensor_parallel`): rank ``device * T + t``, the tensor dimension
+innermost, so that a device's ranks are neighbours (one node's GPUs under torchrun).
+Every rank walks its device's actions; a message between two devices goes between
+their ranks of the same ``t``, and a group of devices (a stage's replicas, the copies
+of a tied embedding) is one group per ``t``. The tensor groups themselves come from
+torch's :class:`~torch.distributed.device_mesh.DeviceMesh` of shape
+(data, pipeline, tensor), which runs over gloo on CPU ranks and NCCL on GPUs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from ..models.tensor_parallel import TensorGroup
+
+
+@dataclass
+class RankMesh:
+    """This rank's place: ``device`` (the schedule's), ``t`` of ``tensor`` ranks there."""
+
+    tensor: int = 1
+    device: int = 0
+    t: int = 0
+
+    def rank_of(self, device: int) -> int:
+        """The rank that talks to this one on ``device``: the same tensor rank."""
+        return device * self.tensor + self.t
+
+    def new_group(self, devices: list[int]):
+        """A group over ``devices`` (this rank's tensor rank of each): every rank calls
+        this with the same devices, in the same order, as ``dist.new_group``."""
+        if self.tensor == 1:
+            return dist.new_group(devices)
+        mine = None
+        for t in range(self.tensor):
+            group = dist.new_group([d * self.tensor + t for d in devices])
+            if t == self.t:
+                mine = group
+        return mine
+
+
+def build_mesh(rank: int, num_devices: int, tensor: int, data_parallel: int, sequence_parallel: bool,
+               device_type: str, n_head: int, n_kv_head: int | None) -> tuple[RankMesh, TensorGroup | None]:
+    """This rank's :class:`RankMesh` and, with T > 1, its tensor group (collective: every
+    rank calls it)."""
+    mesh = RankMesh(tensor, rank // tensor, rank % tensor)
+    if tensor == 1:
+        return mesh, None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dp = data_parallel if num_devices % data_parallel == 0 else 1
+    dm = init_device_mesh(device_type, (dp, num_devices // dp, tensor), mesh_dim_names=("data", "pipeline", "tensor"))
+    group = dm.get_group("tensor")
+    n_kv = n_kv_head or n_head
+    kv_group, copies = None, 1
+    if n_kv < tensor:  # replicated key/value heads: the ranks holding the same head sum its gradient
+        copies = tensor // n_kv
+        for d in range(num_devices):
+            for k in range(n_kv):
+                ranks = [d * tensor + k * copies + i for i in range(copies)]
+                g = dist.new_group(ranks)
+                if rank in ranks:
+                    kv_group = g
+    tp = TensorGroup(tensor, mesh.t, group, sequence_parallel, kv_group, copies,
+                     gloo=dist.get_backend(group) == dist.Backend.GLOO)
+    return mesh, tp
