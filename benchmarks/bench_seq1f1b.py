@@ -13,20 +13,31 @@ predicts the same rows with pipeflow's simulator:
   Megatron-LM scripts (TP 8 inside a node, PP across nodes). p = 4 is also what the
   published m = 16 / m = 8 1F1B speed-up at 32k (55333 / 48189 = 1.148) points to:
   the 1F1B bubble gives (16/19) / (8/11) = 1.158 at p = 4 and 1.30 at p = 8.
-- per-GPU cost: :class:`TensorParallelCost`, the analytic cost of a stage divided by t
-  (compute, messages, activations and model state): Megatron's tensor + sequence
-  parallelism splits every matmul and every saved tensor t ways. The TP all-gathers
-  and reduce-scatters are not timed (they are folded into the efficiency, 0.5 of the
-  A100's 312 TFLOP/s as conf/cost/analytic.yaml). As in the paper's runs: flash
-  attention (no seq x seq scores are kept), no dropout, no recomputation, rotary
-  positions (no position table), untied output layer, bf16 with mixed-precision Adam
-  (18 bytes per parameter of model state).
-- topology: ``cluster`` with one device per node (p nodes, 25 GB/s InfiniBand per GPU;
-  each of the t GPUs of a stage sends its 1/t slice of the activation).
-- memory per GPU = simulated peak activations + weights, gradients and optimizer state,
-  the largest over the pipeline's devices; a configuration over 80 GB (80e9 bytes;
-  the A100 has 80 GiB, the rest left to the CUDA context, NCCL and the allocator's
-  fragmentation) is marked OOM, as it would fail to run.
+- per-GPU cost: the product's own tensor-parallel pricing (docs/simulation.md, "Tensor
+  parallelism"): the run is composed as ``pipeflow-simulate model=gpt_7b
+  topology=cluster topology.nodes=4 pipeline.stages=4 pipeline.tensor_parallel=8
+  pipeline.sequence_parallel=true`` would compose it, so the analytic cost prices one
+  rank of each stage's tensor group (heads, MLP width and vocabulary split 8 ways, the
+  norms and the stream on s/8 tokens), and each action waits for its group's
+  all-gathers and reduce-scatters on the node's NVSwitch. 0.5 of the A100's 312
+  TFLOP/s (conf/cost/analytic.yaml), bf16 with pipeflow's mixed precision (fp32
+  weights, gradients and AdamW moments, a bf16 cast of each matrix: 18 bytes per
+  parameter), fused attention (no seq x seq score is kept), no dropout, no
+  recomputation. The model is conf/model/gpt_7b.yaml: GPT-2's shape (a learned
+  position table of seq rows, which each rank keeps whole, and a tied head), where
+  the paper's Megatron model had rotary positions and an untied head.
+- topology: ``cluster`` of p DGX A100 nodes (NVSwitch inside, 25 GB/s InfiniBand per
+  GPU); a stage's 8 GPUs are one node, and each sends its 1/8 of the activation to its
+  match on the next node.
+- memory per GPU = the simulator's walk of every category (model state, activations,
+  outputs, buffers, temporaries, the math libraries' workspace), the largest over the
+  pipeline's devices; a configuration over 80 GB (80e9 bytes; the A100 has 80 GiB, the
+  rest left to the CUDA context, NCCL and the allocator's fragmentation) is marked OOM,
+  as it would fail to run.
+- sequence parallelism cuts each segment into 8 slices, so a segment must be a
+  multiple of 8 tokens: the compute split's lengths (the paper's, ``lengths`` in the
+  rows) are rounded to multiples of 8 for the run (``simulated_lengths``), the first
+  s - 1 to the nearest, the last the rest.
 - schedules: 1f1b, interleaved_1f1b (v = 2), seq1f1b with split uniform and compute at
   s = 4 (the paper's), or the smallest s in 4, 8, 16 that fits in memory.
 
@@ -47,12 +58,12 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeflow.planning.cost import AnalyticCost  # noqa: E402
+from pipeflow.config import compose, prepare_simulation  # noqa: E402
 from pipeflow.planning.seqsplit import segment_flops, split_sequence  # noqa: E402
-from pipeflow.planning.transformer import TransformerSpec, layer_params  # noqa: E402
-from pipeflow.schedules.registry import build_schedule  # noqa: E402
+from pipeflow.planning.transformer import TransformerSpec  # noqa: E402
 from pipeflow.sim.engine import simulate  # noqa: E402
-from pipeflow.topology import get_topology  # noqa: E402
+from pipeflow.sim.memory import device_memory  # noqa: E402
+from pipeflow.sim.memory_tape import library_workspace  # noqa: E402
 
 STAGES = 4  # pipeline depth p
 TP = 8  # tensor-parallel GPUs per stage
@@ -82,85 +93,47 @@ def spec_for(seq: int) -> TransformerSpec:
     return TransformerSpec("gpt_7b", n_layer=32, n_head=32, n_embd=4096, vocab_size=50304, seq_len=seq, n_inner=16384)
 
 
-class TensorParallelCost(AnalyticCost):
-    """The analytic cost of one pipeline stage run by ``tp`` GPUs with Megatron's tensor
-    and sequence parallelism, per GPU: FLOPs, messages, saved activations and model
-    state all divided by ``tp``.
+def tensor_lengths(lengths: list[int], tp: int = TP) -> list[int]:
+    """A split's lengths as multiples of ``tp`` (sequence parallelism cuts each segment
+    into ``tp`` slices): the first ones rounded to the nearest, the last the rest."""
+    head = [max(tp, tp * round(x / tp)) for x in lengths[:-1]]
+    return head + [sum(lengths) - sum(head)]
 
-    Saved activations per layer and token, flash attention and no dropout: the inputs
-    of the two LayerNorms, of the QKV, output-projection and two FFN matmuls, Q, K, V
-    and the GeLU input, (8H + 2Fw) * 2 bytes (Korthikanti et al. without the dropout
-    masks and the seq x seq attention scores); with sequence segments also each
-    segment's K/V gradient, accumulated until its own backward. The last stage keeps
-    the final LayerNorm and head inputs and the fp32 logits. Parameters: rotary
-    positions (no position table) and an output layer of its own (untied).
-    """
 
-    name = "analytic_tp"
-
-    def __init__(self, spec: TransformerSpec, num_stages: int, tp: int, segment_lengths=None, **kw) -> None:
-        self.tp = tp
-        super().__init__(spec, num_stages, segment_lengths=segment_lengths, **kw)
-        H, Fw, V, dt = spec.n_embd, spec.ffn_width, spec.vocab_size, self.dtype_bytes
-        last = num_stages - 1
-        self._activation = []
-        for s, n in enumerate(self.layers_per_stage):
-            row = []
-            for x in self.segment_lengths:
-                a = n * x * (8 * H + 2 * Fw) * dt
-                if s == last:
-                    a += 2 * x * H * dt + 4 * x * V
-                row.append(a / tp)
-            self._activation.append(row)
-
-    def stage_params(self, stage: int) -> int:
-        spec = self.spec
-        n = self.layers_per_stage[stage] * layer_params(spec)
-        if stage == 0:
-            n += spec.vocab_size * spec.n_embd
-        if stage == self.num_stages - 1:
-            n += spec.vocab_size * spec.n_embd + 2 * spec.n_embd
-        return n
-
-    def compute_time(self, kind, stage, segment, device):
-        return super().compute_time(kind, stage, segment, device) / self.tp
-
-    def message_bytes(self, src_stage, dst_stage, segment):
-        return super().message_bytes(src_stage, dst_stage, segment) / self.tp
-
-    def weight_residual_bytes(self, stage, segment):
-        return super().weight_residual_bytes(stage, segment) / self.tp
-
-    def kv_gradient_bytes(self, stage, segment):
-        return super().kv_gradient_bytes(stage, segment) / self.tp
-
-    def param_bytes(self, stage):
-        return super().param_bytes(stage) / self.tp
-
-    def model_state_bytes(self, stage):
-        return super().model_state_bytes(stage) / self.tp
+def overrides(name: str, seq: int, virtual: int = 1, split: str | None = None, lengths=None) -> list[str]:
+    """The pipeflow-simulate overrides of one row."""
+    out = ["model=gpt_7b", f"model.seq_len={seq}", f"model.n_positions={seq}", f"schedule={name}",
+           "topology=cluster", f"topology.nodes={STAGES}", f"topology.gpus_per_node={TP}",
+           f"pipeline.stages={STAGES}", f"pipeline.microbatches={MICROBATCHES}", f"pipeline.tensor_parallel={TP}",
+           "pipeline.sequence_parallel=true", f"cost.efficiency={EFFICIENCY}", "precision=bf16", "draw=false"]
+    if split:
+        out += [f"schedule.split={split}", f"pipeline.segments={len(lengths)}",
+                f"cost.segment_lengths=[{','.join(map(str, lengths))}]"]
+    elif virtual > 1:
+        out.append(f"pipeline.virtual_stages={virtual}")
+    return out
 
 
 def run(label: str, seq: int, segments: int = 1) -> dict:
     """Tokens/s and per-GPU memory (GB, the largest device) of one schedule at one length."""
     name, v, split, _ = SCHEDULES[label]
-    spec = spec_for(seq)
-    lengths = split_sequence(split, seq, segments, spec) if split else None
-    opts = {"split": split, "segments": segments} if split else {"virtual_stages": v}
-    sched = build_schedule(name, STAGES, MICROBATCHES, **opts)
-    cost = TensorParallelCost(spec, sched.num_stages, TP, segment_lengths=lengths, efficiency=EFFICIENCY)
-    topo = get_topology("cluster", STAGES, nodes=STAGES, gpus_per_node=1)
+    lengths = split_sequence(split, seq, segments, spec_for(seq)) if split else None
+    used = tensor_lengths(lengths) if split else None
+    inputs = prepare_simulation(compose("simulate", overrides(name, seq, v, split, used)))
+    sched, cost, topo = inputs.schedule, inputs.cost, inputs.topology
     r = simulate(sched, cost, topo, record=False)
-    mem = [(d.peak_activation_bytes + d.weight_bytes + d.optimizer_bytes) / 1e9 for d in r.per_device]
-    act = [d.peak_activation_bytes / 1e9 for d in r.per_device]
+    walked = device_memory(sched, cost, r.per_device, library_workspace(topo, sched.num_devices))
+    mem = [m["peak_bytes"] / 1e9 for m in walked]
+    worst = mem.index(max(mem))
     return {
         "tok": MICROBATCHES * seq / r.makespan,
         "mem": max(mem),
-        "act": act[mem.index(max(mem))],
+        "act": walked[worst]["at_peak"]["activations"] / 1e9,
         "oom": max(mem) > LIMIT_GB,
         "bubble": r.bubble_ratio,
         "segments": segments,
         "lengths": lengths,
+        "simulated_lengths": used,
     }
 
 
@@ -198,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"7B GPT (32 layers, hidden 4096, 32 heads, vocab 50304) on {STAGES * TP} A100s: p={STAGES} pipeline "
         f"stages x t={TP} tensor parallel, DP 1; m={MICROBATCHES}, microbatch 1; efficiency {EFFICIENCY}; "
-        f"flash attention, sequence parallel, no recomputation; OOM above {LIMIT_GB:.0f} GB per GPU\n"
+        f"flash attention, sequence parallel (priced by pipeline.tensor_parallel={TP}), no recomputation; "
+        f"OOM above {LIMIT_GB:.0f} GB per GPU\n"
     )
     rows = results()
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import pipeline_runs
+from pipeflow.config import ConfigError, compose, prepare_training
 
 slow = pytest.mark.slow  # starts ranks: make test-fast leaves these out
 
@@ -112,3 +113,22 @@ def test_every_family_splits_across_tensor_ranks(family, tmp_path):
     assert run["summary"]["world_size"] == 2 * t
     pipeline_runs.assert_same_grads(run["grads"], ref["grads"], close=_close(_scale(ref["grads"])), msg=family)
     assert run["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+
+
+@pytest.mark.parametrize("over,says", [
+    (["schedule=amdp", "pipeline.tensor_parallel=2"], "pipeline.tensor_parallel=2: schedule 'amdp' updates weights asynchronously"),
+    (["model=cbm_tiny", "schedule=gpipe", "pipeline.tensor_parallel=2"],
+     "pipeline.tensor_parallel=2: a concurrent-branch model's stages"),
+    (["pipeline.sequence_parallel=true"], "pipeline.sequence_parallel=true: it splits the sequence"),
+    (["pipeline.tensor_parallel=3"], "pipeline.tensor_parallel=3: model 'gpt_tiny' has 4 attention heads"),
+    (["model=llama_tiny", "pipeline.tensor_parallel=4", "model.hf.intermediate_size=342"],
+     "pipeline.tensor_parallel=4: model 'llama_tiny''s MLP width 342"),
+    (["pipeline.tensor_parallel=2", "pipeline.sequence_parallel=true", "model.seq_len=33"],
+     "pipeline.sequence_parallel=true: model.seq_len=33 tokens do not split"),
+    (["pipeline.tensor_parallel=2", "pipeline.sequence_parallel=true", "schedule=seq1f1b", "pipeline.segments=3",
+      "model.seq_len=98"], "pipeline.sequence_parallel=true: sequence segment"),
+])
+def test_a_split_the_model_cannot_take_is_refused_before_any_rank_starts(over, says):
+    """Nothing starts: the sentence names the key and why (pipeflow.config.tensor)."""
+    with pytest.raises(ConfigError, match="^" + says.replace("(", r"\(").replace(")", r"\)")):
+        prepare_training(compose("train", over))

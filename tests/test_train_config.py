@@ -564,7 +564,7 @@ def test_asynchronous_schedule_options_are_checked_before_start(args, message):
     [
         ("+trainer.precision=bf16", r"^trainer\.precision=bf16: unknown key; trainer has steps, log_every, "),
         ("++trainer.stepz=5", r"^trainer\.stepz=5: unknown key; trainer has steps, "),
-        ("+pipeline.tensor_parallel=2", r"^pipeline\.tensor_parallel=2: unknown key; pipeline has stages, microbatches, "),
+        ("+pipeline.expert_parallel=2", r"^pipeline\.expert_parallel=2: unknown key; pipeline has stages, microbatches, "),
         ("+runtime.dtype=bf16", r"^runtime\.dtype=bf16: unknown key; runtime has name, backend, "),
         ("+foo=1", r"^foo=1: unknown key; the config has pipeline, schedule, "),
     ],
@@ -587,7 +587,7 @@ def test_a_key_that_moved_is_refused_with_its_new_spelling():
     check_overrides("train", ["precision=bf16", "logger=none"])  # the new spelling composes
 
 
-@pytest.mark.parametrize("override,key", [("+pipeline.tensor_parallel=2", "pipeline.tensor_parallel=2"),
+@pytest.mark.parametrize("override,key", [("+pipeline.expert_parallel=2", "pipeline.expert_parallel=2"),
                                           ("++cost.efficiency_typo=0.5", "cost.efficiency_typo=0.5"),
                                           ("+foo=1", "foo=1")])
 def test_simulate_refuses_a_forced_unknown_key(override, key):

@@ -21,6 +21,7 @@ from pipeflow.schedules.registry import build_schedule, get_spec, load_spec, reg
 from pipeflow.schedules.sharding import with_gathers
 from pipeflow.schedules.spec import ScheduleSpec
 from pipeflow.topology.presets import build_topology
+from pipeflow.topology.tensor import tensor_topology
 from pipeflow.topology.topology import Topology
 
 from .derive import schedule_schema
@@ -108,7 +109,14 @@ def planned_schedule(cfg: Any):
             raise ConfigError(f"schedule.plan={path}: not a plan.json written by pipeflow-plan ({err})") from None
     else:
         spec = TransformerSpec.from_config(cfg.model)
-        topology = build_topology(cfg.topology, pipe.stages, needed_for=devices_needed_for(cfg))
+        # with pipeline.tensor_parallel=T the plan maps stages onto the T-GPU groups (its
+        # cost still prices whole stages: the planner knows no tensor parallelism)
+        tensor = int(pipe.get("tensor_parallel", 1) or 1)
+        topology = build_topology(cfg.topology, pipe.stages * tensor, needed_for=devices_needed_for(cfg))
+        try:
+            topology = tensor_topology(topology, tensor)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         try:
             p = make_plan(spec, topology, pipe.microbatches, pipe.microbatch_size,
                           memory_limit_bytes=None if limit is None else float(limit) * 1e9)
@@ -275,15 +283,25 @@ def simulation_segments(cfg: DictConfig, schedule: Schedule) -> list[int] | None
     return lengths
 
 
-def run_topology(cfg: DictConfig, schedule: Schedule, cost: CostModel | None = None) -> Topology:
+def run_topology(cfg: DictConfig, schedule: Schedule, cost: CostModel | None = None, tensor: int = 1) -> Topology:
+    """The topology the run's devices sit on. ``tensor`` > 1 (pipeline.tensor_parallel, the
+    simulator's): T physical devices per schedule device, seen as their tensor groups
+    (:class:`pipeflow.topology.tensor.TensorTopology`, T consecutive devices of one node)."""
     topo_cfg = cfg.topology
     if isinstance(cost, CalibratedCost) and cfg.topology.name == "local_cpu":
         # the calibrated host: its cores, their contention, and a gloo message's cost
         topo_cfg = {**OmegaConf.to_container(cfg.topology, resolve=True), **cost.host}
+    needed = devices_needed_for(cfg)
+    if tensor > 1:
+        needed += f" and pipeline.tensor_parallel={tensor}: {schedule.num_devices} x {tensor} devices"
     try:
-        return build_topology(topo_cfg, schedule.num_devices, needed_for=devices_needed_for(cfg))
+        physical = build_topology(topo_cfg, schedule.num_devices * tensor, needed_for=needed)
     except ValueError as err:
         raise naming_key("topology", cfg.topology.name, err) from None
+    try:
+        return tensor_topology(physical, tensor)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def branched_schedule(cfg: DictConfig) -> tuple[Schedule, list]:

@@ -45,6 +45,7 @@ from .groups.resume import check_resume, resume_expect
 from .groups.runtime import check_runtime
 from .groups.trainer import check_trainer
 from .runplan import build_run_plan
+from .tensor import check_tensor_parallel, tensor_degree
 from .values import EXPORT_FORMATS, ConfigError, naming_key, number
 
 
@@ -77,7 +78,9 @@ def prepare_simulation(cfg: DictConfig) -> SimulationInputs:
     check_known_keys(cfg)
     resolve_model(cfg)
     check_pipeline(cfg)
+    tensor, sequence = tensor_degree(cfg)
     if _family(cfg).branched:
+        check_tensor_parallel(cfg, None, None, None)
         schedule, specs = branched_schedule(cfg)
         spec, lengths = None, None
         # the precision the run would train in sets the bytes per element, as below
@@ -87,8 +90,9 @@ def prepare_simulation(cfg: DictConfig) -> SimulationInputs:
         schedule = generate_schedule(cfg)
         spec = model_spec(cfg, schedule)
         lengths = simulation_segments(cfg, schedule)
+        check_tensor_parallel(cfg, schedule, spec, lengths)
         cost_cfg = cfg.cost
-        devices = run_topology(cfg, schedule)
+        devices = run_topology(cfg, schedule, tensor=tensor)
         precision = resolve_precision(cfg, devices)
         if kv_repeat_on(spec, 4 if precision == "fp32" else 2, devices.on_gpus):
             spec = dataclasses.replace(spec, kv_repeat=True)
@@ -103,10 +107,13 @@ def prepare_simulation(cfg: DictConfig) -> SimulationInputs:
             # the split drives the analytic cost: unequal segments, unequal times and memory
             cost_cfg = {**OmegaConf.to_container(cfg.cost, resolve=True), **cost_cfg, "segment_lengths": lengths}
         try:
-            cost = build_cost_model(cost_cfg, schedule.num_stages, spec, cfg.pipeline.microbatch_size)
+            cost = build_cost_model(cost_cfg, schedule.num_stages, spec, cfg.pipeline.microbatch_size,
+                                    tensor_parallel=tensor, sequence_parallel=sequence)
         except ValueError as err:
             raise naming_key("cost", cfg.cost.name, err) from None
-    topology = run_topology(cfg, schedule, cost)
+    topology = run_topology(cfg, schedule, cost, tensor=tensor)
+    if tensor > 1:  # each device's tensor group's collectives, on the group's own links
+        cost.place_tensor_groups(topology)
     # torch's AdamW steps CPU tensors one at a time (its foreach path is for accelerators)
     if isinstance(cost, AnalyticCost):
         cost.step_per_tensor = not topology.on_gpus
@@ -231,12 +238,9 @@ def prepare_training(cfg: DictConfig) -> TrainingInputs:
     check_logger(cfg.logger)
     check_data_files(cfg.data)
     check_text_data(cfg.data, spec.seq_len)
-    try:  # TEMP until pipeflow/config/tensor.py lands
-        from .tensor import check_tensor_parallel
-    except ImportError:
-        check_tensor_parallel = None
-    if check_tensor_parallel is not None:
-        check_tensor_parallel(cfg, schedule, spec, segment_lengths(cfg))
+    check_tensor_parallel(cfg, schedule, spec, segment_lengths(cfg))
+    if tensor_degree(cfg)[0] > 1:  # T devices per schedule device, each group inside a node
+        run_topology(cfg, schedule, tensor=tensor_degree(cfg)[0])
     check_resume(cfg.resume, resume_expect(cfg, schedule))
 
     # Generators are tested to be valid, but the runtime would deadlock on a schedule that

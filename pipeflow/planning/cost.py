@@ -20,33 +20,26 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import Sequence
 
 from ..topology.topology import Device
+from .layer_cost import LayerCost, layer_cost  # noqa: F401 - re-exported (branched_cost, plans, tests)
+from .tensor_cost import TensorShards, sequence_parallel_layer, shard_spec
 from .working_set import BackwardWorkingSet, HeldOutputs
 from .transformer import (
     RESIDUAL_BYTES,
-    recomputed_matrix_params,
     TransformerSpec,
-    attention_linear_flops,
-    attention_score_flops,
     embedding_params,
     first_stage_saved,
     head_forward_flops,
     head_params,
     head_residual_width,
     last_stage_saved,
-    layer_forward_flops,
-    layer_linear_flops,
     layer_matrix_params,
     layer_params,
-    layer_saved_widths,
     shared_head_params,
     own_key_bytes,
-    segment_own_kv,
     stage_shared_saved,
-    weight_residual_width,
 )
 
 KINDS = ("F", "B", "I", "W", "S")
@@ -144,68 +137,6 @@ def _check_int(key: str, value, minimum: int = 1) -> int:
     return value
 
 
-@dataclass(frozen=True)
-class LayerCost:
-    """One layer's share of an action, for the last ``tokens`` tokens of a ``prefix``:
-    FLOPs for one sequence, bytes for the whole microbatch (see :func:`layer_cost`)."""
-
-    forward: float  # forward FLOPs
-    weight: float  # of which weight matmuls (the W part of the backward)
-    recompute: float  # FLOPs the backward reruns (model.recompute)
-    saved: int  # bytes the forward keeps for the backward
-    transient: float  # bytes a backward rebuilds and holds while it runs (recomputation)
-    residual: int  # bytes kept from I until W (zero-bubble split)
-
-
-def layer_cost(spec: TransformerSpec, tokens: int, prefix: int, microbatch_size: int = 1,
-               dtype_bytes: int = 2, segmented: bool = False) -> LayerCost:
-    """One layer's FLOPs and bytes for the last ``tokens`` tokens of a ``prefix`` (its
-    whole sequence, or a segment's prefix in a ``segmented`` run), with model.recompute
-    applied: what it keeps is :func:`~pipeflow.planning.transformer.layer_saved_widths`
-    (docs/planning.md). :class:`AnalyticCost` and the planner's closed form both price
-    layers with it."""
-    x, P, b, dt = tokens, prefix, microbatch_size, dtype_bytes
-    f = layer_forward_flops(spec, x, P)
-    w = layer_saved_widths(spec, dt)
-    # eager attention's batched matrix products copy K and V (repeated to every query
-    # head) unless one sequence over one key/value head lets them take views
-    key = w.key
-    if spec.attention == "eager" and b == 1 and spec.kv_heads == 1:
-        key = 2 * spec.head_dim * dt
-    own = segment_own_kv(spec, x, P, b, dt) if segmented else 0.0
-    attention = x * w.attention_token + P * key + x * P * w.pair
-    a = b * (x * w.token + P * key + x * P * w.pair + own)
-    e, t = 0.0, 0.0
-    if spec.recompute == "full":
-        # the block keeps only its input (and a segment's keys and values, held for the
-        # later segments); the backward reruns the block's forward
-        # the rerun reads the block's input, kept, where its saved bytes counted it again:
-        # the first norm's input (pre-norm), the Q/K/V products' at fp32 (post-norm)
-        t = float(a) - (b * x * w.block_input if not spec.post_norm or dt >= 4 else 0)
-        if spec.qkv_inputs != 1:
-            # the rerun hands its keys and values to no one (the segment's cache holds the
-            # forward's): its own projections' outputs go once the attention has read them
-            t -= b * own
-        a = b * (x * w.block_input + own)
-        e = f
-    elif spec.recompute == "selective":
-        # the attention sub-layer keeps only its input; its forward (projections and
-        # scores) runs again in the backward, and holds what it rebuilt meanwhile
-        a -= b * (attention - x * w.region_input)
-        if dt >= 4:  # at full precision the projections read the region's input itself, kept
-            attention -= x * spec.n_embd * dt
-        if P > x and spec.qkv_inputs == 1:  # the rerun's own keys and values, views in the fused
-            attention += x * 2 * spec.kv_heads * spec.head_dim * dt  # output, beside the prefix's copy
-        t = float(b * attention)
-        e = attention_score_flops(spec, x, P) + attention_linear_flops(spec, x)
-    if dt < 4:  # the rerun casts the weights it uses anew, held while the block's backward runs
-        t += recomputed_matrix_params(spec) * dt
-    # what W still needs after I: each weight matmul's input and output gradient,
-    # GPT (3H + Fw) + (5H + Fw) per token — the zero-bubble paper's 32*b*s*H at 2 bytes
-    r = weight_residual_width(spec, dt) * x * b * dt
-    return LayerCost(f, layer_linear_flops(spec, x), e, float(a), t, r)
-
-
 def uniform_layers(n_layer: int, num_stages: int) -> list[int]:
     """Layers per stage as even as possible; the first stages take the remainder
     (the last stage already carries the LM head)."""
@@ -213,7 +144,7 @@ def uniform_layers(n_layer: int, num_stages: int) -> list[int]:
     return [base + (1 if s < extra else 0) for s in range(num_stages)]
 
 
-class AnalyticCost(BackwardWorkingSet, HeldOutputs, CostModel):
+class AnalyticCost(TensorShards, BackwardWorkingSet, HeldOutputs, CostModel):
     """Times from transformer FLOPs, memory from Korthikanti et al. 2022.
 
     Stage s holds ``layers_per_stage[s]`` blocks; the embedding sits on stage 0, the
@@ -238,8 +169,14 @@ class AnalyticCost(BackwardWorkingSet, HeldOutputs, CostModel):
         dtype_bytes: int | None = None,  # None: 2 (bf16/fp16); pipeflow-simulate sets it from its precision
         layers_per_stage: Sequence[int] | None = None,
         segment_lengths: Sequence[int] | None = None,
+        tensor_parallel: int = 1,  # pipeline.tensor_parallel: this prices one rank of a group of T (tensor_cost)
+        sequence_parallel: bool = False,
     ) -> None:
         dtype_bytes = 2 if dtype_bytes is None else dtype_bytes
+        self.tensor_parallel = _check_int("pipeline.tensor_parallel", tensor_parallel)
+        self.sequence_parallel = bool(sequence_parallel) and tensor_parallel > 1
+        self.full_spec = spec  # the whole model; self.spec is one tensor rank's shard of it
+        spec = shard_spec(spec, tensor_parallel)
         self.spec = spec
         self.num_stages = _check_int("pipeline.stages", num_stages)
         self.microbatch_size = _check_int("microbatch_size", microbatch_size)
@@ -309,6 +246,9 @@ class AnalyticCost(BackwardWorkingSet, HeldOutputs, CostModel):
         split = self.num_segments > 1
         # a stage's rows depend on its layers, first or not, last or not: built once per kind
         ones = [layer_cost(spec, x, P, b, dt, segmented=split) for x, P in zip(self.segment_lengths, self.prefixes)]
+        if self.sequence_parallel:  # norms, dropouts and the stream on the rank's x/T tokens
+            ones = [sequence_parallel_layer(spec, one, x, b, self.tensor_parallel)
+                    for one, x in zip(ones, self.segment_lengths)]
         rows: dict[tuple, tuple] = {}
         for s, n in enumerate(self.layers_per_stage):
             if (kind := (n, s == 0, s == last)) in rows:
@@ -417,9 +357,11 @@ class AnalyticCost(BackwardWorkingSet, HeldOutputs, CostModel):
         # the device's peak for this precision (fp32: its fp32 or TF32 rate), or the time
         # to move the action's weight traffic, whichever is longer (a roofline)
         compute = self.flops(kind, stage, segment) / (device.flops(self.dtype_bytes) * self.efficiency)
-        if device.memory_bandwidth <= 0:
-            return compute
-        return max(compute, self._traffic[kind][stage] / device.memory_bandwidth)
+        if device.memory_bandwidth > 0:
+            compute = max(compute, self._traffic[kind][stage] / device.memory_bandwidth)
+        if self.tensor_parallel > 1:  # and it waits for its tensor group's collectives
+            compute += self.tensor_time(kind, stage, segment, device)
+        return compute
 
     def weight_traffic_bytes(self, kind: str, stage: int) -> float:
         """Bytes one action of ``kind`` moves for its stage's weights and their gradients,
@@ -431,6 +373,8 @@ class AnalyticCost(BackwardWorkingSet, HeldOutputs, CostModel):
 
     def message_bytes(self, src_stage: int, dst_stage: int, segment: int) -> float:
         x = self.segment_lengths[self._seg(segment)]
+        if self.sequence_parallel:  # each tensor rank sends its x/T tokens to its match on the next device
+            x //= self.tensor_parallel
         return float(self.microbatch_size * x * self.spec.n_embd * self.dtype_bytes)
 
     def activation_bytes(self, stage: int, segment: int) -> float:
@@ -496,4 +440,6 @@ class AnalyticCost(BackwardWorkingSet, HeldOutputs, CostModel):
             "dtype_bytes": self.dtype_bytes,
             "stage_params": list(self._params),
             "stage_forward_flops": [sum(row) for row in self._flops["F"]],
+            **({"tensor_parallel": self.tensor_parallel, "sequence_parallel": self.sequence_parallel}
+               if self.tensor_parallel > 1 else {}),
         }

@@ -14,7 +14,7 @@ from .transformer import TransformerSpec
 COST_MODELS = {"unit": UnitCost, "analytic": AnalyticCost, "profiled": ProfiledCost,
                "calibrated": CalibratedCost}
 # filled from the run, not from the cost config
-_FROM_RUN = {"num_stages", "spec", "microbatch_size"}
+_FROM_RUN = {"num_stages", "spec", "microbatch_size", "tensor_parallel", "sequence_parallel"}
 
 
 def cost_params(name: str) -> list[str]:
@@ -24,9 +24,12 @@ def cost_params(name: str) -> list[str]:
 
 
 def build_cost_model(
-    cfg: Mapping, num_stages: int, spec: TransformerSpec | None, microbatch_size: int
+    cfg: Mapping, num_stages: int, spec: TransformerSpec | None, microbatch_size: int,
+    tensor_parallel: int = 1, sequence_parallel: bool = False,
 ) -> CostModel:
     """The cost model the ``cost`` config group names; its other keys are that model's parameters.
+    ``tensor_parallel`` and ``sequence_parallel`` (pipeline.*) price one rank of each
+    device's tensor group: the analytic model's alone (the others know no per-rank shape).
 
     A key set to null keeps the parameter's default, except where the default itself is
     None (e.g. ``cost.comm`` for unit costs), where null is a value of its own."""
@@ -51,6 +54,11 @@ def build_cost_model(
     if isinstance(overlap, bool) or not isinstance(overlap, (int, float)) or not 0 <= overlap <= 1:
         raise ValueError(f"cost.overlap={overlap!r}: the hidden share of an overlapped F&B pair's shorter half; "
                          f"a number in [0, 1] (0: one after the other)")
+    if tensor_parallel > 1:
+        if name != "analytic":
+            raise ValueError(f"pipeline.tensor_parallel={tensor_parallel}: cost model '{name}' has no shape to split "
+                             f"across a tensor group's ranks; use cost=analytic (or pipeline.tensor_parallel=1)")
+        params = {**params, "tensor_parallel": tensor_parallel, "sequence_parallel": sequence_parallel}
     model = _build(name, params, num_stages, spec, microbatch_size)
     model.overlap = float(overlap)
     return model

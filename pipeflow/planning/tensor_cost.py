@@ -1,0 +1,200 @@
+"""Tensor parallelism in the analytic cost: one rank of a schedule device's tensor group
+of T (``pipeline.tensor_parallel``, ``pipeline.sequence_parallel``), priced the way
+pipeflow.models.tensor_parallel splits a stage (docs/simulation.md, "Tensor parallelism").
+
+- **The rank's shape** (:func:`shard_spec`): h/T query heads, kv/T key/value heads (or
+  one where T is a multiple of kv: each rank the head its queries read), I/T of the
+  MLP's width and, where T divides it, V/T of the vocabulary (vocabulary-parallel
+  embedding and head). The hidden size stays H. Every FLOP, parameter and saved-tensor
+  count of :mod:`pipeflow.planning.transformer` then reads per rank: the matrix
+  products and the attention heads divide by T, the norms, the row-parallel biases and
+  the activations H wide (the inputs of the column-parallel products, the norms' own,
+  the dropout masks) stay whole, which is Korthikanti et al.'s s·b·h·(10 + 24/t)
+  in this codebase's own per-tensor count.
+- **Sequence parallelism** (:func:`sequence_parallel_layer`): the residual stream, the
+  norms and the dropouts run on the rank's x/T tokens, so what they keep divides by T;
+  the column-parallel products keep the all-gathered input they multiply (the runtime
+  saves it, where Megatron re-gathers it in the backward), which stays whole. The
+  stage's outputs, messages and the stream's gradient divide by T.
+- **Collectives** (:func:`layer_collectives`, :func:`stage_collectives`): per layer the
+  forward sums the attention's output projection and the MLP's last projection across
+  the group (two all-reduces of b·x·H elements in the compute dtype) and the backward
+  sums the gradients at the inputs of the column-parallel products (two more, fp32: the
+  residual stream's dtype). With sequence parallelism each all-reduce is a
+  reduce-scatter and an all-gather of the same tensor. The topology prices each one on
+  the group's own devices (:class:`pipeflow.topology.tensor.TensorTopology`); the
+  action waits for them (Megatron's collectives sit on the critical path).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .layer_cost import LayerCost
+from .transformer import RESIDUAL_BYTES, TransformerSpec, norm_saved_bytes
+
+AR, AG, RS = "all-reduce", "all-gather", "reduce-scatter"
+
+
+def vocabulary_split(spec: TransformerSpec, tensor: int) -> bool:
+    """Whether the embedding and the head are vocabulary-parallel (T divides V) or replicated."""
+    return tensor > 1 and spec.vocab_size % tensor == 0
+
+
+def shard_spec(spec: TransformerSpec, tensor: int) -> TransformerSpec:
+    """The shape one rank of a tensor group of ``tensor`` holds (see the module's docstring)."""
+    T = tensor
+    if T == 1:
+        return spec
+    kv = spec.kv_heads
+    return dataclasses.replace(
+        spec,
+        n_head=spec.n_head // T,
+        n_kv_head=kv // T if kv % T == 0 else 1,
+        head_dim_override=spec.head_dim,
+        n_inner=spec.ffn_width // T,
+        vocab_size=spec.vocab_size // T if vocabulary_split(spec, T) else spec.vocab_size,
+    )
+
+
+def sequence_parallel_layer(spec: TransformerSpec, one: LayerCost, tokens: int, microbatch_size: int,
+                            tensor: int) -> LayerCost:
+    """One layer's :class:`LayerCost` (of the rank's :func:`shard_spec`) with sequence
+    parallelism: what its norms and dropout masks keep, and the residual-stream input a
+    recomputed block or region keeps, on x/T tokens."""
+    H, T = spec.n_embd, tensor
+    norm, mask = norm_saved_bytes(spec), (H if spec.dropout_masks else 0)
+    if spec.recompute == "full":
+        saved, rebuilt = H * RESIDUAL_BYTES, 2 * norm + 2 * mask
+    elif spec.recompute == "selective":
+        # the region keeps its input (the stream); outside it the MLP's norm and mask (and a
+        # pre-norm block's attention norm, which sits before the region)
+        saved, rebuilt = H * RESIDUAL_BYTES + (1 if spec.post_norm else 2) * norm + mask, 0
+    else:
+        saved, rebuilt = 2 * norm + 2 * mask, 0
+    per_token = microbatch_size * tokens * (T - 1) / T
+    return dataclasses.replace(one, saved=one.saved - per_token * saved, transient=one.transient - per_token * rebuilt)
+
+
+def layer_collectives(kind: str, tokens: int, microbatch_size: int, spec: TransformerSpec, dtype_bytes: int,
+                      sequence_parallel: bool) -> list[tuple[str, float]]:
+    """(collective, bytes of the whole tensor) one layer's action of ``kind`` runs over its
+    tensor group, model.recompute's rerun included; none for W (weight gradients need none)."""
+    elems = float(microbatch_size * tokens * spec.n_embd)
+    c, r = elems * dtype_bytes, elems * RESIDUAL_BYTES
+    # forward: each sub-layer's exit sums the row-parallel product (compute dtype); with
+    # sequence parallelism its entry gathers the stream's tokens (fp32)
+    exit_, entry = [(RS, c)] if sequence_parallel else [(AR, c)], [(AG, r)] if sequence_parallel else []
+    if kind == "F":
+        return 2 * (entry + exit_)
+    if kind not in ("B", "I"):
+        return []
+    # backward: the entry's gradient summed (fp32), and with sequence parallelism the
+    # exit's gradient gathered (compute dtype)
+    back = ([(RS, r), (AG, c)] if sequence_parallel else [(AR, r)]) * 2
+    if spec.recompute == "full":
+        back += 2 * (entry + exit_)
+    elif spec.recompute == "selective":  # the attention sub-layer's rerun
+        back += entry + exit_
+    return back
+
+
+def stage_collectives(kind: str, tokens: int, microbatch_size: int, spec: TransformerSpec, dtype_bytes: int,
+                      sequence_parallel: bool, tensor: int, first: bool, last: bool) -> list[tuple[str, float]]:
+    """What a first or last stage runs over its group beyond its layers': a
+    vocabulary-parallel embedding sums its rows' lookups (fp32, the weights' dtype), and
+    with sequence parallelism cuts them to the rank's tokens (gathering their gradient
+    back); the head gathers its input's tokens (sequence parallel), and vocabulary-parallel
+    sums its input's gradient and takes the loss with three small all-reduces (maximum,
+    sum of exponentials, target logit: fp32 per token)."""
+    elems = float(microbatch_size * tokens * spec.n_embd)
+    r = elems * RESIDUAL_BYTES
+    split = vocabulary_split(spec, tensor)
+    out: list[tuple[str, float]] = []
+    if first:
+        if kind == "F" and split:
+            out.append((AR, r))
+        if kind in ("B", "I") and sequence_parallel:
+            out.append((AG, r))
+    if last:
+        if kind == "F":
+            if sequence_parallel:
+                out.append((AG, r))
+            if split:
+                out += [(AR, float(microbatch_size * tokens * 4))] * 3
+        if kind in ("B", "I") and split:
+            out.append((RS if sequence_parallel else AR, r))
+    return out
+
+
+class TensorShards:
+    """For :class:`~pipeflow.planning.cost.AnalyticCost` (a mixin): with sequence
+    parallelism a stage's output, its 16-bit copy and the stream's gradient are the
+    rank's x/T tokens; and the collectives' time an action waits for."""
+
+    tensor_parallel: int = 1
+    sequence_parallel: bool = False
+    tensor_links = None  # the run's TensorTopology (place_tensor_groups)
+
+    def place_tensor_groups(self, topology) -> None:
+        """Price the tensor groups' collectives on ``topology`` (a
+        :class:`~pipeflow.topology.tensor.TensorTopology` of this cost's T)."""
+        if self.tensor_parallel > 1 and getattr(topology, "tensor_parallel", 1) != self.tensor_parallel:
+            raise ValueError(f"pipeline.tensor_parallel={self.tensor_parallel}: topology '{topology.name}' is not "
+                             f"grouped in tensor groups of {self.tensor_parallel} (pipeflow.topology.tensor)")
+        self.tensor_links = topology
+        self._tensor_times = {}
+
+    def layer_collective_time(self, kind: str, segment: int, device) -> float:
+        """Seconds one layer's action of ``kind`` waits for its group's collectives."""
+        x = self.segment_lengths[self._seg(segment)]
+        return self._collective_time(layer_collectives(kind, x, self.microbatch_size, self.spec, self.dtype_bytes,
+                                                       self.sequence_parallel), device)
+
+    def tensor_time(self, kind: str, stage: int, segment: int, device) -> float:
+        """Seconds an action of ``kind`` on ``stage`` waits for its group's collectives
+        (0 at T = 1): its layers' and the embedding's or the head's."""
+        if self.tensor_parallel == 1:
+            return 0.0
+        key = (kind, stage, segment, device)
+        got = self._tensor_times.get(key) if self.tensor_links is not None else None
+        if got is None:
+            x = self.segment_lengths[self._seg(segment)]
+            extra = stage_collectives(kind, x, self.microbatch_size, self.spec, self.dtype_bytes,
+                                      self.sequence_parallel, self.tensor_parallel, stage == 0,
+                                      stage == self.num_stages - 1)
+            got = (self.layers_per_stage[stage] * self.layer_collective_time(kind, segment, device)
+                   + self._collective_time(extra, device))
+            if self.tensor_links is not None:
+                self._tensor_times[key] = got
+        return got
+
+    def _collective_time(self, collectives: list, device) -> float:
+        if not collectives:
+            return 0.0
+        if self.tensor_links is None:
+            raise ValueError(f"pipeline.tensor_parallel={self.tensor_parallel}: the cost model prices the tensor "
+                             f"groups' collectives on the run's topology; call place_tensor_groups(topology) first")
+        # alike collectives priced once and counted (the closed form's order: the test checks it exactly)
+        counts: dict[tuple[str, float], int] = {}
+        for one in collectives:
+            counts[one] = counts.get(one, 0) + 1
+        return sum(k * self.tensor_links.collective_time(op, device, n) for (op, n), k in counts.items())
+
+    def _per_rank(self, value: float) -> float:
+        return value / self.tensor_parallel if self.sequence_parallel else value
+
+    def output_bytes(self, stage: int, segment: int) -> float:
+        return self._per_rank(super().output_bytes(stage, segment))
+
+    def sent_copy_bytes(self, stage: int, segment: int) -> float:
+        return self._per_rank(super().sent_copy_bytes(stage, segment))
+
+    def local_output_bytes(self, stage: int, segment: int) -> float:
+        return self._per_rank(super().local_output_bytes(stage, segment))
+
+    def shared_output_bytes(self, stage: int, segment: int) -> float:
+        return self._per_rank(super().shared_output_bytes(stage, segment))
+
+    def input_gradient_bytes(self, stage: int, segment: int) -> float:
+        return self._per_rank(super().input_gradient_bytes(stage, segment))
