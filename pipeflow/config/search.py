@@ -44,6 +44,10 @@ class SearchOptions:
     # lower a pipeline's peak, and every level is priced anew; docs/planning.md)
     shard: List[str] = field(default_factory=lambda: ["none", "optimizer"])
     gather: List[str] = field(default_factory=lambda: ["step"])  # pipeline.gather of shard=full candidates
+    # pipeline.tensor_parallel: GPUs of one node splitting each pipeline device (those the model's heads, MLP
+    # width and the topology's nodes take); sequence_parallel with it (true: always cheaper in time and memory)
+    tensor_parallel: List[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    sequence_parallel: List[bool] = field(default_factory=lambda: [True])
     simulate: int = 16  # the fastest fitting candidates simulated (plus each schedule's fastest)
     workers: Optional[int] = None  # processes pricing side by side; null: one per core this process may use
     # topology=local_cpu: calibration.json files of this model (python -m pipeflow.calibrate), one or several
@@ -95,6 +99,38 @@ def _whole(key: str, given) -> list[int]:
     if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
         raise ConfigError(f"{key}={values}: give a list of whole numbers >= 1")
     return values
+
+
+def _tensor_options(opts, spec: TransformerSpec, topology) -> tuple[list[tuple[int, bool]], dict]:
+    """(tensor degree, sequence parallel) pairs to search: the degrees the model splits
+    by (heads, key/value heads, MLP width; the sequence with sequence parallelism) whose
+    groups lie inside a node; the others left out, counted by reason."""
+    degrees = _whole("search.tensor_parallel", opts.tensor_parallel)
+    sps = [bool(v) for v in _choices("search.sequence_parallel", opts.sequence_parallel, (True, False))]
+    per_node: dict[int, int] = {}
+    for d in topology.devices:
+        per_node[d.node] = per_node.get(d.node, 0) + 1
+    out, left = [], {}
+    for t in sorted(set(degrees)):
+        if t == 1:
+            out.append((1, False))
+            continue
+        n_kv = spec.n_kv_head or spec.n_head
+        why = ("its GPUs would span nodes" if any(n % t for n in per_node.values())
+               else "the heads do not split" if spec.n_head % t or (n_kv % t and t % n_kv)
+               else "the MLP width does not split" if spec.ffn_width % t else None)
+        if why is not None:
+            left[f"pipeline.tensor_parallel={t}: {why}"] = 1
+            continue
+        for sp in sps:
+            if sp and spec.seq_len % t:
+                left[f"pipeline.tensor_parallel={t} with sequence parallelism: the sequence does not split"] = 1
+                continue
+            out.append((t, sp))
+    if not out:
+        raise ConfigError(f"search.tensor_parallel={degrees}: none of them splits model '{spec.name}' inside a node of "
+                          f"the topology ({'; '.join(left)})")
+    return out, left
 
 
 @dataclass
@@ -166,8 +202,9 @@ def prepare_search(cfg: DictConfig) -> SearchInputs:
         if n not in ok:
             raise ConfigError(f"search.schedules: {n} cannot be searched ({searchable(get_spec(n))}); "
                               f"allowed values: {', '.join(ok)}")
+    tensors, left_out = _tensor_options(opts, spec, topology)
     space = SearchSpace(
-        devices=topology.num_devices, global_batch=int(opts.global_batch), n_layer=spec.n_layer, schedules=names,
+        devices=topology.num_devices, tensors=tensors, global_batch=int(opts.global_batch), n_layer=spec.n_layer, schedules=names,
         stages=None if opts.stages is None else _whole("search.stages", opts.stages),
         microbatch_sizes=_whole("search.microbatch_sizes", opts.microbatch_sizes),
         virtual_stages=_whole("search.virtual_stages", opts.virtual_stages),
@@ -176,7 +213,8 @@ def prepare_search(cfg: DictConfig) -> SearchInputs:
         partitions=_choices("search.partitions", opts.partitions, PARTITIONS),
         splits=_choices("search.splits", opts.splits, SPLITS),
         shards=_choices("search.shard", opts.shard, SHARDS), gathers=_choices("search.gather", opts.gather, GATHERS))
-    if space.stages is not None and not space.stage_counts():
+    space.skipped.update(left_out)
+    if space.stages is not None and not any(space.stage_counts(t) for t, _ in tensors):
         raise ConfigError(f"search.stages={list(space.stages)}: none divides the {space.devices} devices")
     pricer = Pricer(spec, topology, float(cfg.cost.efficiency), dtype, float(cfg.cost.get("overlap") or 0.0),
                     None if limit is None else float(limit) * GIB)

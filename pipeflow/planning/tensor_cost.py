@@ -160,11 +160,20 @@ class TensorShards:
         got = self._tensor_times.get(key) if self.tensor_links is not None else None
         if got is None:
             x = self.segment_lengths[self._seg(segment)]
-            extra = stage_collectives(kind, x, self.microbatch_size, self.spec, self.dtype_bytes,
-                                      self.sequence_parallel, self.tensor_parallel, stage == 0,
-                                      stage == self.num_stages - 1)
-            got = (self.layers_per_stage[stage] * self.layer_collective_time(kind, segment, device)
-                   + self._collective_time(extra, device))
+            first, last = stage == 0, stage == self.num_stages - 1
+            # what the time depends on: the same for every cost model of this shape on the
+            # topology (a search builds thousands), so the topology keeps it
+            shape = (kind, x, self.microbatch_size, self.spec, self.dtype_bytes, self.sequence_parallel, first,
+                     last, self.layers_per_stage[stage], device)
+            memo = getattr(self.tensor_links, "cost_memo", None)
+            got = memo.get(shape) if memo is not None else None
+            if got is None:
+                extra = stage_collectives(kind, x, self.microbatch_size, self.spec, self.dtype_bytes,
+                                          self.sequence_parallel, self.tensor_parallel, first, last)
+                got = (self.layers_per_stage[stage] * self.layer_collective_time(kind, segment, device)
+                       + self._collective_time(extra, device))
+                if memo is not None:
+                    memo[shape] = got
             if self.tensor_links is not None:
                 self._tensor_times[key] = got
         return got

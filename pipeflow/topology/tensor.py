@@ -78,6 +78,7 @@ class TensorTopology(Topology):
             collective_bandwidth=physical.collective_bandwidth,
         )
         self._collectives: dict[tuple, float] = {}  # (op, device, bytes) -> seconds
+        self.cost_memo: dict[tuple, float] = {}  # an action's collectives by what they depend on (tensor_cost)
         self._group_of_device: dict[Device, tuple[int, ...]] = {}
         for g, dev in enumerate(self.devices):
             self._group_of_device.setdefault(dev, self.groups[g])

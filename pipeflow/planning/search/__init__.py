@@ -208,11 +208,12 @@ def search(space: SearchSpace, pricer: Pricer, simulate_top: int = 16, workers: 
     chosen: dict[Candidate, Priced] = {}
     for q in fitting[:simulate_top]:
         chosen[q.candidate] = q
-    seen: set[str] = set()
-    for q in fitting:  # the fastest of every schedule, so each has a row to compare
-        if q.candidate.schedule not in seen:
-            seen.add(q.candidate.schedule)
-            chosen.setdefault(q.candidate, q)
+    seen: set = set()
+    for q in fitting:  # the fastest of every schedule and tensor degree, so each has a row to compare
+        for kind in (q.candidate.schedule, (q.candidate.tensor_parallel, q.candidate.sequence_parallel)):
+            if kind not in seen:
+                seen.add(kind)
+                chosen.setdefault(q.candidate, q)
     _PRICER = pricer
     _CLOSED.update(chosen)
     try:

@@ -20,6 +20,7 @@ from pipeflow.schedules.data_parallel import replicate
 from pipeflow.schedules.sharding import with_gathers
 from pipeflow.sim.engine import compile_schedule, simulate
 from pipeflow.sim.memory import device_memory, library_workspace
+from pipeflow.topology.tensor import tensor_topology
 from pipeflow.topology.topology import Topology
 
 from ..cost import AnalyticCost
@@ -107,6 +108,23 @@ class Pricer(MemoryPrices):
         repeat = kv_repeat_on(spec, dtype_bytes, topology.on_gpus)  # fp32 grouped-query attention on GPUs
         self._specs = {r: dataclasses.replace(spec, recompute=r, kv_repeat=repeat)
                        for r in ("none", "selective", "full")}
+        # pipeline.tensor_parallel: this pricer's degree (its topology's devices are tensor
+        # groups of that many GPUs), and the pricers of the others, made when first asked for
+        self.tensor = 1
+        self._tensors: dict[int, "Pricer"] = {1: self}
+
+    def for_tensor(self, t: int) -> "Pricer":
+        """The pricer of candidates whose devices are tensor groups of ``t`` GPUs: the same
+        model and limit on the topology seen as groups of t (:mod:`pipeflow.topology.tensor`);
+        the schedules' structures (and their walks), which no tensor degree changes, shared."""
+        got = self._tensors.get(t)
+        if got is None:
+            root = self._tensors[1]
+            got = Pricer(root.spec, tensor_topology(root.topology, t), root.efficiency, root.dtype_bytes,
+                         root.overlap, root.memory_limit)
+            got.tensor, got.structures, got._layers, got._tensors = t, root.structures, root._layers, root._tensors
+            self._tensors[t] = got
+        return got
 
     # ---------------------------------------------------------------- the pieces
 
@@ -117,7 +135,8 @@ class Pricer(MemoryPrices):
         """The candidate's analytic cost (shared by every candidate with its stages, batch
         shape and recomputation), or why it cannot be priced."""
         n = c.stages * c.virtual_stages
-        key = (n, c.microbatch_size, c.segments, c.recompute, c.partition, c.split if c.segments > 1 else "")
+        key = (n, c.microbatch_size, c.segments, c.recompute, c.partition, c.split if c.segments > 1 else "",
+               c.sequence_parallel)
         got = self._costs.get(key)
         if got is None:
             spec = self._specs[c.recompute]
@@ -127,8 +146,11 @@ class Pricer(MemoryPrices):
                     layers = self._layers[(c.partition, n)] = partition_layers(c.partition, spec, n)
                 lengths = split_sequence(c.split, spec.seq_len, c.segments, spec) if c.segments > 1 else None
                 got = AnalyticCost(spec, n, microbatch_size=c.microbatch_size, efficiency=self.efficiency,
-                                   dtype_bytes=self.dtype_bytes, layers_per_stage=layers, segment_lengths=lengths)
+                                   dtype_bytes=self.dtype_bytes, layers_per_stage=layers, segment_lengths=lengths,
+                                   tensor_parallel=self.tensor, sequence_parallel=c.sequence_parallel)
                 got.overlap = self.overlap
+                if self.tensor > 1:  # the groups' collectives on their own links
+                    got.place_tensor_groups(self.topology)
             except ValueError as err:
                 got = str(err)
             self._costs[key] = got
@@ -235,6 +257,8 @@ class Pricer(MemoryPrices):
         """The pre-filter's price: the busiest device's work, the schedule's bubble formula
         in its unit times, a message per stage boundary on the way in and out, the
         optimizer step and the exposed all-reduce; the memory as the simulator counts it."""
+        if c.tensor_parallel != self.tensor:
+            return self.for_tensor(c.tensor_parallel).closed_form(c)
         at, needs, cost = self.periodic(c), None, None
         for periodic in (True, False):
             if periodic and at is None:
@@ -282,7 +306,7 @@ class Pricer(MemoryPrices):
         if topo.shares_compute:
             # devices that share cores (CPU ranks on one host): the host cannot get through the
             # step's work faster than its cores at their best aggregate rate
-            agg = max(n * topo.compute_rate(n) for n in range(1, c.devices + 1))
+            agg = max(n * topo.compute_rate(n) for n in range(1, c.stages * c.data_parallel + 1))
             total = max(total, busy_all * c.data_parallel / agg)
         bubble = max(0.0, 1 - busy_all / (p * total)) if total > 0 else 0.0
         walked = needs is not None or len(built) == 1  # (not extrapolated from stand-in sizes)
@@ -383,6 +407,8 @@ class Pricer(MemoryPrices):
         simulation is deterministic, and one more period repeats the same events),
         otherwise the candidate's own size is simulated. ``closed``: its closed-form price,
         whose memory, where walked at its own m, is the simulated phase's too."""
+        if c.tensor_parallel != self.tensor:
+            return self.for_tensor(c.tensor_parallel).simulated(c, closed)
         cost = self.cost(c)
         if isinstance(cost, str):
             raise ValueError(cost)

@@ -27,6 +27,10 @@ def why_lost(q: Priced, best: Priced) -> str:
     if d_compute >= d_waits:
         if c.recompute != b.recompute and c.recompute != "none":
             cause = f"recomputes ({c.recompute})"
+        elif c.tensor_parallel > b.tensor_parallel:
+            cause = f"{c.tensor_parallel}-way tensor collectives in every layer (on its busiest device)"
+        elif c.tensor_parallel < b.tensor_parallel:
+            cause = f"less of each stage's work split ({c.tensor_parallel}-way tensor parallel)"
         elif c.partition != b.partition or c.stages != b.stages or c.virtual_stages != b.virtual_stages:
             cause = "a slower busiest device (its stages' split)"
         else:
@@ -65,6 +69,22 @@ def schedule_table(result: SearchResult) -> list[str]:
     return _table(("schedule", "its fastest", "step time", "vs pick", "bubble", "peak GiB", "why it lost"), rows)
 
 
+def tensor_table(result: SearchResult) -> list[str]:
+    """The fastest simulated candidate of every tensor degree (with and without sequence
+    parallelism where both were searched), against the pick."""
+    best = result.best
+    seen, rows = set(), []
+    for q in sorted(result.ranked, key=lambda q: (q.candidate.tensor_parallel, q.step_time)):
+        c = q.candidate
+        if (c.tensor_parallel, c.sequence_parallel) in seen:
+            continue
+        seen.add((c.tensor_parallel, c.sequence_parallel))
+        rows.append((f"{c.tensor_parallel}" + (" sp" if c.sequence_parallel else ""), c.label(),
+                     duration(q.step_time), f"{q.step_time / best.step_time:.3f}", f"{q.bubble:.3f}",
+                     f"{q.peak_memory / GIB:.1f}", why_lost(q, best)))
+    return _table(("tensor", "its fastest", "step time", "vs pick", "bubble", "peak GiB", "why it lost"), rows)
+
+
 def _unfit_schedules(result: SearchResult) -> list[str]:
     """The schedules none of whose candidates fits (they have no row above)."""
     fit = {q.candidate.schedule for q in result.ranked}
@@ -100,6 +120,8 @@ def format_search(result: SearchResult, model: str, topology: str, devices: int,
         "the fastest of each schedule (simulated):",
         *schedule_table(result),
         *_unfit_schedules(result),
+        *(["", "the fastest of each tensor-parallel degree (simulated):", *tensor_table(result)]
+          if len({(q.candidate.tensor_parallel, q.candidate.sequence_parallel) for q in result.closed}) > 1 else []),
         "",
         *oom_lines(result, min(rows, 5)),
     ]
@@ -136,7 +158,7 @@ def sharding_lines(result: SearchResult) -> list[str]:
     return lines
 
 
-_TEXT = ("candidate", "its fastest", "schedule", "why it lost")  # left-aligned columns
+_TEXT = ("candidate", "its fastest", "schedule", "why it lost", "tensor")  # left-aligned columns
 
 
 def _table(cols, rows) -> list[str]:
@@ -191,7 +213,9 @@ def _keys(c, attention: str, precision: str) -> list[str]:
     with and its split as YAML lines."""
     lines = [f"precision: {precision}", "pipeline:"]
     lines += [f"  {key}: {getattr(c, key)}" for key in
-              ("stages", "microbatches", "virtual_stages", "segments", "microbatch_size", "data_parallel", "shard")]
+              ("stages", "microbatches", "virtual_stages", "segments", "microbatch_size", "data_parallel", "shard",
+               "tensor_parallel")]
+    lines += [f"  sequence_parallel: {str(c.sequence_parallel).lower()}"]
     lines += [f"  gather: {c.gather}"] if c.shard == "full" else []
     lines += ["model:", f"  recompute: {c.recompute}", f"  attention: {attention}"]
     return lines + (["schedule:", f"  split: {c.split}"] if c.segments > 1 else [])

@@ -1,9 +1,10 @@
-"""What the schedule search walks: every (schedule, stages, data parallelism,
-microbatches, microbatch size, chunks, segments, recomputation, partition, sharding of
-the replicas) that uses the devices and the global batch it is given.
+"""What the schedule search walks: every (schedule, stages, data parallelism, tensor
+parallelism, microbatches, microbatch size, chunks, segments, recomputation, partition,
+sharding of the replicas) that uses the devices and the global batch it is given.
 
-A candidate runs ``data_parallel`` replicas of a ``stages``-device pipeline on
-``stages x data_parallel`` devices (all of them), each replica ``microbatches``
+A candidate runs ``data_parallel`` replicas of a ``stages``-device pipeline, each of its
+devices ``tensor_parallel`` GPUs of one node, on ``stages x data_parallel x
+tensor_parallel`` devices (all of them), each replica ``microbatches``
 microbatches of ``microbatch_size`` sequences a step, so every candidate trains on the
 same global batch, ``data_parallel x microbatches x microbatch_size`` sequences per
 update, and differs only in how.
@@ -40,10 +41,12 @@ class Candidate:
     split: str = "uniform"  # schedule.split: how a segmented schedule cuts the sequence (uniform, compute)
     shard: str = "none"  # pipeline.shard: what the data-parallel replicas of a stage shard
     gather: str = "step"  # pipeline.gather: when a fully sharded stage gathers (shard=full only)
+    tensor_parallel: int = 1  # pipeline.tensor_parallel: GPUs (of one node) splitting each pipeline device
+    sequence_parallel: bool = False  # pipeline.sequence_parallel (tensor_parallel > 1)
 
     @property
     def devices(self) -> int:
-        return self.stages * self.data_parallel
+        return self.stages * self.data_parallel * self.tensor_parallel
 
     @property
     def global_batch(self) -> int:
@@ -57,11 +60,15 @@ class Candidate:
                 f"pipeline.segments={self.segments}", f"model.recompute={self.recompute}",
                 f"partition={self.partition}", *([f"schedule.split={self.split}"] if self.segments > 1 else []),
                 *([f"pipeline.shard={self.shard}"] if self.shard != "none" else []),
-                *([f"pipeline.gather={self.gather}"] if self.shard == "full" else [])]
+                *([f"pipeline.gather={self.gather}"] if self.shard == "full" else []),
+                *([f"pipeline.tensor_parallel={self.tensor_parallel}"] if self.tensor_parallel > 1 else []),
+                *(["pipeline.sequence_parallel=true"] if self.sequence_parallel else [])]
 
     def label(self) -> str:
-        """A short name: 1f1b p4xdp2 m8x2 v2 s4 full params."""
-        out = [self.schedule, f"p{self.stages}" + (f"xdp{self.data_parallel}" if self.data_parallel > 1 else ""),
+        """A short name: 1f1b p4xdp2xtp8-sp m8x2 v2 s4 full params."""
+        out = [self.schedule, f"p{self.stages}" + (f"xdp{self.data_parallel}" if self.data_parallel > 1 else "")
+               + (f"xtp{self.tensor_parallel}" + ("-sp" if self.sequence_parallel else "")
+                  if self.tensor_parallel > 1 else ""),
                f"m{self.microbatches}x{self.microbatch_size}"]
         if self.virtual_stages > 1:
             out.append(f"v{self.virtual_stages}")
@@ -85,7 +92,7 @@ class Candidate:
 class SearchSpace:
     """The options each dimension may take (``search.*`` keys)."""
 
-    devices: int  # devices every candidate uses (stages x data_parallel)
+    devices: int  # devices every candidate uses (stages x data_parallel x tensor_parallel)
     global_batch: int  # sequences per update
     n_layer: int  # the model's layers: a stage (chunk) holds one at least
     schedules: Sequence[str]
@@ -98,12 +105,16 @@ class SearchSpace:
     splits: Sequence[str] = SPLITS  # for schedules that cut sequences into segments
     shards: Sequence[str] = SHARDS  # for candidates with data-parallel replicas
     gathers: Sequence[str] = ("step",)  # for shards=full
+    # (tensor degree, sequence parallel) options, already those the model and a node take
+    tensors: Sequence[tuple[int, bool]] = ((1, False),)
     skipped: dict = field(default_factory=dict)  # why combinations were left out -> how many
 
-    def stage_counts(self) -> list[int]:
+    def stage_counts(self, tensor: int = 1) -> list[int]:
+        """Pipeline depths that divide the devices left to pipelines (devices / tensor)."""
+        devices = self.devices // tensor
         if self.stages is not None:
-            return sorted({int(p) for p in self.stages if self.devices % int(p) == 0})
-        return [p for p in range(1, self.devices + 1) if self.devices % p == 0 and p <= self.n_layer]
+            return sorted({int(p) for p in self.stages if devices % int(p) == 0})
+        return [p for p in range(1, devices + 1) if devices % p == 0 and p <= self.n_layer]
 
 
 def default_schedules(staleness: bool) -> list[str]:
@@ -140,28 +151,37 @@ def candidates(space: SearchSpace) -> Iterator[Candidate]:
 
     for name in space.schedules:
         spec = get_spec(name)
-        for p in space.stage_counts():
-            dp = space.devices // p
-            if dp > 1 and spec.asynchronous:
-                skip("asynchronous schedules run one pipeline (no data parallelism)")
+        for t, sp in space.tensors:
+            if t > 1 and spec.asynchronous:
+                skip("asynchronous schedules keep whole stages (no tensor parallelism)")
                 continue
-            for mbs in space.microbatch_sizes:
-                per_replica, rest = divmod(space.global_batch, dp * mbs)
-                if rest or per_replica < 1:
-                    skip("the global batch does not divide into data_parallel x microbatch_size")
-                    continue
-                for v in _chunk_options(spec, space):
-                    if p * v > space.n_layer:
-                        skip("more stages (stages x virtual_stages) than layers")
-                        continue
-                    for s in _segment_options(spec, space):
-                        for split in (space.splits if s > 1 else space.splits[:1]):
-                            for r in space.recompute:
-                                # one stage: every partition is the same
-                                for part in (space.partitions if p * v > 1 else space.partitions[:1]):
-                                    for shard, gather in _shardings(space, dp, spec):
-                                        yield Candidate(name, p, dp, per_replica, int(mbs), v, s, r, part, split,
-                                                        shard, gather)
+            for p in space.stage_counts(t):
+                yield from _pipelines(space, spec, p, t, sp, skip)
+
+
+def _pipelines(space: SearchSpace, spec: ScheduleSpec, p: int, t: int, sp: bool, skip) -> Iterator[Candidate]:
+    """The candidates of one schedule on pipelines of ``p`` devices of ``t`` GPUs each."""
+    dp = space.devices // (p * t)
+    if dp > 1 and spec.asynchronous:
+        skip("asynchronous schedules run one pipeline (no data parallelism)")
+        return
+    for mbs in space.microbatch_sizes:
+        per_replica, rest = divmod(space.global_batch, dp * mbs)
+        if rest or per_replica < 1:
+            skip("the global batch does not divide into data_parallel x microbatch_size")
+            continue
+        for v in _chunk_options(spec, space):
+            if p * v > space.n_layer:
+                skip("more stages (stages x virtual_stages) than layers")
+                continue
+            for s in _segment_options(spec, space):
+                for split in (space.splits if s > 1 else space.splits[:1]):
+                    for r in space.recompute:
+                        # one stage: every partition is the same
+                        for part in (space.partitions if p * v > 1 else space.partitions[:1]):
+                            for shard, gather in _shardings(space, dp, spec):
+                                yield Candidate(spec.name, p, dp, per_replica, int(mbs), v, s, r, part, split,
+                                                shard, gather, t, sp)
 
 
 def _shardings(space: SearchSpace, dp: int, spec: ScheduleSpec) -> list[tuple[str, str]]:
