@@ -144,6 +144,7 @@ class TensorShards:
                              f"grouped in tensor groups of {self.tensor_parallel} (pipeflow.topology.tensor)")
         self.tensor_links = topology
         self._tensor_times = {}
+        self._tensor_shape = None  # this cost model's number among the shapes the topology has priced
 
     def layer_collective_time(self, kind: str, segment: int, device) -> float:
         """Seconds one layer's action of ``kind`` waits for its group's collectives."""
@@ -163,9 +164,11 @@ class TensorShards:
             first, last = stage == 0, stage == self.num_stages - 1
             # what the time depends on: the same for every cost model of this shape on the
             # topology (a search builds thousands), so the topology keeps it
-            shape = (kind, x, self.microbatch_size, self.spec, self.dtype_bytes, self.sequence_parallel, first,
-                     last, self.layers_per_stage[stage], device)
             memo = getattr(self.tensor_links, "cost_memo", None)
+            if memo is not None and self._tensor_shape is None:  # (the spec hashed once per cost model)
+                self._tensor_shape = memo.setdefault(("shape", self.spec, self.microbatch_size, self.dtype_bytes,
+                                                      self.sequence_parallel), len(memo))
+            shape = (kind, x, self._tensor_shape, first, last, self.layers_per_stage[stage], device)
             got = memo.get(shape) if memo is not None else None
             if got is None:
                 extra = stage_collectives(kind, x, self.microbatch_size, self.spec, self.dtype_bytes,

@@ -123,6 +123,9 @@ class Pricer(MemoryPrices):
             got = Pricer(root.spec, tensor_topology(root.topology, t), root.efficiency, root.dtype_bytes,
                          root.overlap, root.memory_limit)
             got.tensor, got.structures, got._layers, got._tensors = t, root.structures, root._layers, root._tensors
+            # what no cost changes: the terms' numbering and each walk's index into it, each structure's keys
+            got._term_numbers, got._term_keys, got._term_index = root._term_numbers, root._term_keys, root._term_index
+            got._flat = root._flat
             self._tensors[t] = got
         return got
 
