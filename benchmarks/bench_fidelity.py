@@ -5,10 +5,12 @@ For each world size (2 and 4 CPU ranks by default) and each schedule the runtime
 dualpipe_v, looped_bfs; asynchronous: pipedream,
 pipedream_2bw, amdp; segmented: seq1f1b; planned; branched: bapp and chimera on the
 concurrent-branch model; sharded: 1F1B under ZeRO-2 and interleaved 1F1B under ZeRO-3,
-each 2 replicas of a pipeline half the ranks deep, so twice the global batch), with the
-same model and global batch (gpt_tiny, or cbm_tiny for the branched pair; 8 microbatches
-of 4; on 4 ranks gpt_tiny with 8 layers, two per stage as on 2, and cbm_tiny with
-4-layer branches, which BAPP cuts into 4 stages each):
+each 2 replicas of a pipeline half the ranks deep, so twice the global batch; tensor
+parallel: 1f1b_tp2, 1F1B over 2 stages of 2 tensor ranks each, sequence parallel, on 4
+ranks only), with the same model and global batch (gpt_tiny, or cbm_tiny for the
+branched pair; 8 microbatches of 4; on 4 ranks gpt_tiny with 8 layers, two per stage as
+on 2 (four per stage of 1f1b_tp2), and cbm_tiny with 4-layer branches, which BAPP cuts
+into 4 stages each):
 
 - **measured**: ``pipeflow-train`` for real, schedules alternating and repeated; the
   median step time of the steady steps (the second half; an asynchronous step is its
@@ -85,11 +87,22 @@ CASES: dict[str, list[str]] = {
     "1f1b_zero2": ["schedule=1f1b", "pipeline.data_parallel=2", "pipeline.shard=gradients"],
     "interleaved_zero3": ["schedule=interleaved_1f1b", "pipeline.virtual_stages=2", "pipeline.data_parallel=2",
                           "pipeline.shard=full", "pipeline.gather=chunk"],
+    # tensor parallelism: a pipeline half the ranks deep, each device 2 ranks splitting its
+    # stages (sequence parallel); the model and global batch of the other cases at 4 ranks
+    "1f1b_tp2": ["schedule=1f1b", "pipeline.tensor_parallel=2", "pipeline.sequence_parallel=true"],
 }
+MIN_RANKS = {"1f1b_tp2": 4}  # cases that need more ranks than 2 (skipped below that)
 SHARDING = ("pipeline.shard=", "pipeline.gather=")  # what the calibration leaves out (see results)
 
 
 BRANCHED = {"bapp", "chimera_cbm"}  # the concurrent-branch model: compared with each other only
+
+
+def ranks_per_device(name: str) -> int:
+    """How many of the ranks each pipeline stage position takes: 2 for the cases of 2
+    replicas or of 2 tensor ranks (a pipeline half the ranks deep), else 1."""
+    case = CASES[name]
+    return 2 if "pipeline.data_parallel=2" in case or "pipeline.tensor_parallel=2" in case else 1
 
 
 def base(p: int, steps: int, replicas: int = 1) -> list[str]:
@@ -178,15 +191,15 @@ def results(ranks=(2, 4), repeats: int = 2, steps: int = 16, names: list[str] | 
     with tempfile.TemporaryDirectory(prefix="pipeflow-fidelity-") as tmp:
         for p in ranks:
             t0 = time.perf_counter()
-            measured: dict[str, list[float]] = {n: [] for n in names}
-            simulated: dict[str, list[float]] = {n: [] for n in names}
-            actions: dict[str, dict] = {n: {} for n in names}
-            calibrations: dict[str, list[dict]] = {n: [] for n in names}
+            here = [n for n in names if p >= MIN_RANKS.get(n, 2)]  # the 2-rank run skips 1f1b_tp2
+            measured: dict[str, list[float]] = {n: [] for n in here}
+            simulated: dict[str, list[float]] = {n: [] for n in here}
+            actions: dict[str, dict] = {n: {} for n in here}
+            calibrations: dict[str, list[dict]] = {n: [] for n in here}
             for r in range(repeats):
                 # alternate the order between repeats so drifting load hits every schedule alike
-                for name in (names if r % 2 == 0 else names[::-1]):
-                    replicas = 2 if "pipeline.data_parallel=2" in CASES[name] else 1
-                    overrides = [*base(p, steps, replicas), *CASES[name], *sized(name, p)]
+                for name in (here if r % 2 == 0 else here[::-1]):
+                    overrides = [*base(p, steps, ranks_per_device(name)), *CASES[name], *sized(name, p)]
                     path = Path(tmp) / f"p{p}-{name}-{r}.json"
                     # a sharded case is calibrated unsharded: the same compute, its whole
                     # optimizer step, whose share and collectives the simulator prices
@@ -199,7 +212,7 @@ def results(ranks=(2, 4), repeats: int = 2, steps: int = 16, names: list[str] | 
                     for k, v in acts.items():
                         actions[name].setdefault(k, []).extend(v)
             rows = {}
-            for name in names:
+            for name in here:
                 meas, sim = statistics.median(measured[name]), statistics.median(simulated[name])
                 rows[name] = {"measured": meas, "runs": measured[name], "simulated": sim,
                               "simulated_runs": simulated[name], "error": (sim - meas) / meas,

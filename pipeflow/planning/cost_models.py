@@ -29,7 +29,9 @@ def build_cost_model(
 ) -> CostModel:
     """The cost model the ``cost`` config group names; its other keys are that model's parameters.
     ``tensor_parallel`` and ``sequence_parallel`` (pipeline.*) price one rank of each
-    device's tensor group: the analytic model's alone (the others know no per-rank shape).
+    device's tensor group: the analytic model's from the rank's shape, the calibrated
+    model's as measured on such ranks (its file must be of the same T); the others know
+    no per-rank shape.
 
     A key set to null keeps the parameter's default, except where the default itself is
     None (e.g. ``cost.comm`` for unit costs), where null is a value of its own."""
@@ -54,10 +56,15 @@ def build_cost_model(
     if isinstance(overlap, bool) or not isinstance(overlap, (int, float)) or not 0 <= overlap <= 1:
         raise ValueError(f"cost.overlap={overlap!r}: the hidden share of an overlapped F&B pair's shorter half; "
                          f"a number in [0, 1] (0: one after the other)")
-    if tensor_parallel > 1:
+    if name == "calibrated":
+        # measured with the run's tensor groups (their collectives inside every time):
+        # the file must be of the same T and sequence parallelism
+        params = {**params, "tensor_parallel": tensor_parallel, "sequence_parallel": sequence_parallel}
+    elif tensor_parallel > 1:
         if name != "analytic":
             raise ValueError(f"pipeline.tensor_parallel={tensor_parallel}: cost model '{name}' has no shape to split "
-                             f"across a tensor group's ranks; use cost=analytic (or pipeline.tensor_parallel=1)")
+                             f"across a tensor group's ranks; use cost=analytic or cost=calibrated "
+                             f"(or pipeline.tensor_parallel=1)")
         params = {**params, "tensor_parallel": tensor_parallel, "sequence_parallel": sequence_parallel}
     model = _build(name, params, num_stages, spec, microbatch_size)
     model.overlap = float(overlap)

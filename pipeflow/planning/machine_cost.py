@@ -150,6 +150,10 @@ class ProfiledCost(CostModel):
 #   that drive the simulator's processor sharing and ``message_host``, the host time
 #   each message takes from its sender's and its receiver's compute.
 # - memory: the bytes autograd saved in each forward, measured.
+# - tensor parallelism (pipeline.tensor_parallel=T): the times are one rank's of each
+#   device's group of T, their collectives inside as measured, so nothing is added; the
+#   topology is the run's TensorTopology. The file records T and sequence_parallel, and
+#   a simulation of another T or sequence parallelism is refused.
 # 
 # torch-free: a calibration is plain JSON.
 
@@ -182,7 +186,8 @@ class CalibratedCost(CostModel):
 
     name = "calibrated"
 
-    def __init__(self, num_stages: int, calibration: str | None = None) -> None:
+    def __init__(self, num_stages: int, calibration: str | None = None, tensor_parallel: int = 1,
+                 sequence_parallel: bool = False) -> None:
         self.num_stages = _check_int("pipeline.stages", num_stages)
         self.path = calibration
         self.data = load_calibration(calibration)
@@ -192,6 +197,22 @@ class CalibratedCost(CostModel):
                 f"cost.calibration={calibration}: it measured {have} stages, the schedule has {self.num_stages}; "
                 f"calibrate this stage layout (pipeline.stages, pipeline.virtual_stages, the partition)"
             )
+        # tensor parallelism: the times are one rank's of each device's tensor group,
+        # collectives included as measured; only a calibration of the same groups holds them
+        self.tensor_parallel = int(tensor_parallel)
+        self.sequence_parallel = bool(sequence_parallel) and self.tensor_parallel > 1
+        made = self.data["config"]
+        for key, want, got in (
+            ("pipeline.tensor_parallel", self.tensor_parallel, int(made.get("tensor_parallel", 1))),
+            ("pipeline.sequence_parallel", self.sequence_parallel,
+             bool(made.get("sequence_parallel", False)) and int(made.get("tensor_parallel", 1)) > 1),
+        ):
+            if want != got:
+                raise ValueError(
+                    f"{key}={str(want).lower()}: cost.calibration={calibration} was measured with "
+                    f"{key}={str(got).lower()} (its times hold that tensor split and its collectives); "
+                    f"calibrate with {key}={str(want).lower()}"
+                )
         self.times: dict[tuple[str, int, int], float] = {}
         for key, v in self.data["times"].items():
             kind, stage, seg = key.split("|")
@@ -203,6 +224,15 @@ class CalibratedCost(CostModel):
         self.msg = {tuple(int(x) for x in k.split("|")): float(v) for k, v in self.data["message_bytes"].items()}
         self.params = {int(k): float(v) for k, v in self.data["param_bytes"].items()}
         self.host = {k: self.data["host"][k] for k in HOST_KEYS if k in self.data["host"]}
+
+    def place_tensor_groups(self, topology) -> None:
+        """Nothing to price: the measured times hold the tensor groups' collectives. Checks
+        that ``topology`` groups its devices as the calibration did."""
+        got = getattr(topology, "tensor_parallel", 1)
+        if got != self.tensor_parallel:
+            raise ValueError(f"pipeline.tensor_parallel={self.tensor_parallel}: topology '{topology.name}' is "
+                             f"grouped in tensor groups of {got}, cost.calibration={self.path} of "
+                             f"{self.tensor_parallel}")
 
     def compute_time(self, kind: str, stage: int, segment: int, device: Device) -> float:
         if kind not in KINDS:

@@ -31,6 +31,17 @@ runtime's own code (the executor's forward, backward, I/W split, hooks and optim
 - **the step's synchronisation**: the tied embedding's all-reduce and the world
   all-reduce of the gradient norm and the loss that precede the first STEP.
 
+With ``pipeline.tensor_parallel=T`` a device of the schedule is T ranks that run every
+action together (their collectives wait for each other): "rank" above reads "device"
+(its T ranks take their turn at once, the others wait), and the messages' ping-pong
+runs between ranks 0 and T (devices 0 and 1, tensor rank 0), as a step's messages go
+between matching tensor ranks. Each time then holds the tensor groups' collectives as
+measured; a device's time is its ranks' median (:func:`~.calibrate_fit._device_times`
+says why not their max). The host's cores are fitted for the TensorTopology the
+simulator sees (:func:`~.calibrate_fit._tensor_cores`), from the devices' measured
+slowdown and how busy their ranks keep the cores. The file records T and
+``sequence_parallel``; ``cost=calibrated`` refuses another.
+
 The file is read by ``cost=calibrated cost.calibration=<file>``
 (:class:`pipeflow.planning.cost.CalibratedCost`), which also sets the ``local_cpu``
 topology's cores, contention, message_host, latency and bandwidth from it. Since the
@@ -41,7 +52,6 @@ another schedule over the same stages still prices it, less faithfully).
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -51,6 +61,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedules.ir import Action, Kind
+from .calibrate_fit import _contention, _device_times, _fit_link, _host_cores, _tensor_cores
 from .executor import Executor
 
 FORMAT, VERSION = "pipeflow-calibration", 1
@@ -221,40 +232,23 @@ class _Bench:
         self.step(st, record)
 
 
-def _ping_pong(rank: int, numel: int, reps: int = 20) -> float:
-    """One-way time of a float32 message of ``numel`` elements between ranks 0 and 1."""
+def _ping_pong(rank: int, numel: int, reps: int = 20, peer: int | None = None) -> float:
+    """One-way time of a float32 message of ``numel`` elements between ranks 0 and
+    ``peer`` (1 unless given: with tensor parallelism, device 1's tensor rank 0)."""
     buf = torch.zeros(numel)
     times = []
+    other = 1 if peer is None else peer
     for r in range(reps + 3):
         t0 = time.perf_counter()
         if rank == 0:
-            dist.send(buf, 1)
-            dist.recv(buf, 1)
+            dist.send(buf, other)
+            dist.recv(buf, other)
         else:
             dist.recv(buf, 0)
             dist.send(buf, 0)
         if r >= 3:
             times.append((time.perf_counter() - t0) / 2)
     return statistics.median(times)
-
-
-def _fit_link(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Least squares of time = latency + bytes / bandwidth over (bytes, seconds) points."""
-    n = len(points)
-    mx = sum(b for b, _ in points) / n
-    my = sum(t for _, t in points) / n
-    sxx = sum((b - mx) ** 2 for b, _ in points)
-    slope = sum((b - mx) * (t - my) for b, t in points) / sxx if sxx > 0 else 0.0
-    slope = max(slope, 1e-15)
-    latency = max(0.0, my - slope * mx)
-    return latency, 1.0 / slope
-
-
-def _host_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def run_rank(rank: int, job) -> dict | None:
@@ -270,7 +264,18 @@ def run_rank(rank: int, job) -> dict | None:
     join_group(backend, rank, job.world_size, float(runtime.get("timeout_s", 60)) * 4)
     world = job.world_size
     setup = build_rank(job.plan, cfg, rank, device)
-    ex = Executor(setup.schedule, rank, setup.stages, setup.adapter, setup.executor.groups, grad_clip=None)
+    # tensor parallelism: this rank is tensor rank ``t`` of schedule device ``me``; the
+    # device's T ranks run every action together (their collectives need each other), so
+    # they take their turns together, as one device (runtime.mesh: rank = device x T + t)
+    T = int(getattr(job.plan, "tensor_parallel", 1) or 1)
+    me, devices = rank // T, world // T
+    mesh = None
+    if T > 1:
+        from .mesh import RankMesh
+
+        mesh = RankMesh(T, me, rank % T)
+    ex = Executor(setup.schedule, me, setup.stages, setup.adapter, setup.executor.groups, grad_clip=None,
+                  mesh=mesh)
     m, mbs = setup.schedule.num_microbatches, setup.adapter.mbs
     if rank != 0:
         dist.barrier()
@@ -283,11 +288,11 @@ def run_rank(rank: int, job) -> dict | None:
     bench = _Bench(ex, batch, setup.adapter.normalizer(batch))
     stages = list(setup.stages.values())
 
-    # 1. each stage's F, B, I, W and S alone in a tight loop, rank by rank (the fallback
-    # for kinds the schedule does not run)
+    # 1. each stage's F, B, I, W and S alone in a tight loop, device by device (the
+    # fallback for kinds the schedule does not run)
     record: dict = {}
-    for turn in range(world):
-        if turn == rank:
+    for turn in range(devices):
+        if turn == me:
             for st in stages:
                 for _ in range(WARMUP):
                     bench.round(st, None)
@@ -300,20 +305,24 @@ def run_rank(rank: int, job) -> dict | None:
         dist.barrier()
         bench.replay(None, together=True)
 
-    # 2. rounds of: the rank's own actions in the schedule's order (replay) alone, rank
-    # by rank, which is what a step runs; then every rank's replay at once (with the
+    # 2. rounds of: the device's own actions in the schedule's order (replay) alone,
+    # device by device (a device's T ranks together), which is what a step runs; then
+    # every rank's replay at once (with the
     # replicated stages' all-reduces), whose slowdown over this round's solo replay is
     # the host's contention. A ratio of neighbouring replays, not of two separate
     # blocks of them: on a shared host the speed drifts by tens of percent within a
     # calibration, and only a ratio of adjacent times cancels that drift.
     replayed: dict = {}
-    ratios, per_message = [], []
+    ratios, per_message, used = [], [], []
     for _ in range(ROUNDS):
         solo = 0.0
-        for turn in range(world):
-            if turn == rank:
+        for turn in range(devices):
+            if turn == me:
                 one: dict = {}
+                c0 = time.process_time()  # how busy the replay keeps the rank's core
                 solo = bench.replay(one)[0]
+                if solo > 0:
+                    used.append((time.process_time() - c0) / solo)
                 for k, v in one.items():
                     replayed.setdefault(k, []).append(sum(v) / len(v))  # the replay's mean per kind
             dist.barrier()
@@ -328,17 +337,18 @@ def run_rank(rank: int, job) -> dict | None:
     alone.update({k: statistics.median(v) for k, v in replayed.items()})
     slowdown = statistics.median(ratios) if ratios else 1.0
 
-    # 3. messages between ranks 0 and 1 (the others wait)
+    # 3. messages between ranks 0 and 1, or with tensor parallelism between devices 0
+    # and 1's tensor ranks 0 (ranks 0 and T), as a step's messages go (the others wait)
     sizes = sorted({int(torch.Size(shape).numel()) for shape in _message_shapes(setup, ex)} or {4096})
     # at least a MiB: the fit also prices the replicas' gradient all-reduces (REDUCE),
     # megabytes where a pipeline message may be kilobytes (data parallelism has none)
     big = max(max(sizes), LINK_FLOATS)
     link = []
-    if world >= 2:
+    if devices >= 2:
         for numel in (256, big, 4 * big):
             dist.barrier()
-            if rank in (0, 1):
-                link.append((numel * 4.0, _ping_pong(rank, numel)))
+            if rank in (0, T):
+                link.append((numel * 4.0, _ping_pong(rank, numel, peer=T if T > 1 else None)))
     dist.barrier()
 
     # 4. the synchronisation before the first STEP (after a backward, so gradients exist)
@@ -355,6 +365,7 @@ def run_rank(rank: int, job) -> dict | None:
     mine = {
         "alone": {f"{k}|{s}|{g}": v for (k, s, g), v in alone.items()},
         "slowdown": slowdown,
+        "cpu": statistics.median(used) if used else 1.0,
         "message_host": statistics.median(per_message) if per_message else 0.0,
         "link": link,
         "sync": statistics.median(sync_times),
@@ -366,7 +377,8 @@ def run_rank(rank: int, job) -> dict | None:
     dist.destroy_process_group()
     if rank != 0:
         return None
-    result = _combine(cfg, setup, gathered, world)
+    result = _combine(cfg, setup, gathered, world, tensor=T,
+                      sequence_parallel=bool(getattr(job.plan, "sequence_parallel", False)))
     Path(job.run_dir, "calibration.json").write_text(json.dumps(result, indent=1) + "\n")
     return result
 
@@ -390,24 +402,20 @@ def _message_bytes(setup, ex) -> dict:
     return {k: float(torch.Size(v).numel() * 4) for k, v in _message_specs(setup, ex).items()}
 
 
-def _combine(cfg: dict, setup, per_rank: list[dict], world: int) -> dict:
-    """Rank 0: one calibration from every rank's measurements (replicas: their median)."""
-    times: dict[str, list[float]] = {}
-    for r in per_rank:
-        for key, v in r["alone"].items():
-            times.setdefault(key, []).append(v)
-    alone = {k: statistics.median(v) for k, v in times.items()}
+def _combine(cfg: dict, setup, per_rank: list[dict], world: int, tensor: int = 1,
+             sequence_parallel: bool = False) -> dict:
+    """Rank 0: one calibration from every rank's measurements (a device's tensor ranks,
+    then its replicas: their median, :func:`_device_times`)."""
+    alone = _device_times(per_rank, tensor)
     cores = _host_cores()
     slowdown = statistics.median(r["slowdown"] for r in per_rank)
-    # slowdown = 1 / compute_rate(world): solve the topology's rate model for contention
-    busy = min(world, cores)
-    share = min(1.0, cores / world)
-    factor = min(1.0, 1.0 / (slowdown * share)) if slowdown > 0 else 1.0
-    if busy > 1 and cores > 1:
-        contention = 1.0 - (1.0 - factor) * (cores - 1) / (busy - 1)
-    else:
-        contention = 1.0
-    contention = min(1.0, max(0.05, contention))
+    # slowdown = 1 / compute_rate(devices): solve the topology's rate model for contention
+    # (with T > 1 on the TensorTopology the simulator sees: _tensor_cores)
+    topo_cores = cores
+    if tensor > 1:
+        used = statistics.median(r.get("cpu", 1.0) for r in per_rank)
+        topo_cores = tensor * _tensor_cores(slowdown, world // tensor, cores, tensor, used)
+    contention = _contention(slowdown, world // tensor, topo_cores // tensor)
     link = per_rank[0]["link"]
     latency, bandwidth = _fit_link(link) if len(link) >= 2 else (30e-6, 5e9)
     out = {
@@ -422,15 +430,19 @@ def _combine(cfg: dict, setup, per_rank: list[dict], world: int) -> dict:
             "layers_per_stage": list(setup.layers_per_stage),
             "world_size": world,
             "threads_per_rank": int(cfg["runtime"].get("threads_per_rank") or 1),
+            # each device's ranks (their times include the tensor groups' collectives)
+            "tensor_parallel": tensor,
+            "sequence_parallel": bool(sequence_parallel),
         },
         "times": {k: v for k, v in alone.items() if not k.startswith("act|")},
         "activation_bytes": {k.split("|", 1)[1]: v for k, v in alone.items() if k.startswith("act|")},
         "param_bytes": {str(s): b for r in per_rank for s, b in r["params"].items()},
         "message_bytes": per_rank[0]["messages"],
         "sync_s": statistics.median(r["sync"] for r in per_rank),
-        "host": {"cores": cores, "contention": contention, "latency": latency, "bandwidth": bandwidth,
+        "host": {"cores": topo_cores, "contention": contention, "latency": latency, "bandwidth": bandwidth,
                  "message_host": statistics.median(r["message_host"] for r in per_rank),
-                 "slowdown_all_ranks": slowdown, "link_points": link},
+                 "slowdown_all_ranks": slowdown, "link_points": link,
+                 **({"host_cores": cores, "cpu_per_rank": [r["cpu"] for r in per_rank]} if tensor > 1 else {})},
         "torch": torch.__version__,
     }
     return out
