@@ -87,7 +87,7 @@ def test_a_refused_config_leaves_no_run_folder(tmp_path):
 @pytest.mark.parametrize("override,start", [
     ("trainer.stepz=5", "trainer.stepz=5: unknown key; trainer has steps, "),
     ("+trainer.precision=bf16", "trainer.precision=bf16: unknown key; trainer has steps, "),
-    ("++pipeline.tensor_parallel=2", "pipeline.tensor_parallel=2: unknown key; pipeline has stages, "),
+    ("++pipeline.expert_parallel=2", "pipeline.expert_parallel=2: unknown key; pipeline has stages, "),
     ("trainer.steps=abc", "trainer.steps=abc: Value 'abc' of type 'str' could not be converted to Integer"),
 ])
 def test_an_unknown_key_is_refused_however_it_is_written(override, start, tmp_path):
