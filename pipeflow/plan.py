@@ -3,12 +3,15 @@
     pipeflow-plan                                          # gpt_1.5b on heterogeneous, m = 16
     pipeflow-plan model=bert_1b topology=pcie_8 plan.memory_limit_gb=40
     pipeflow-plan topology=cluster topology.nodes=4 plan.stages=16
+    pipeflow-plan model=gpt_7b topology=cluster topology.nodes=2 plan.tensor_parallel=[1,2,4,8]
 
     pipeflow-plan -m --config-dir sweeps --config-name plan_topologies   # presets x methods
 
 Chooses the number of stages, the contiguous layer cut, the mapping of stages onto
 devices and the 1F1B microbatch order (:mod:`pipeflow.planning.planner`), within
-``plan.memory_limit_gb`` per device. Prints the plan as a table and the predicted
+``plan.memory_limit_gb`` per device, at each tensor degree of ``plan.tensor_parallel``
+the model and the nodes take (each device a group of T GPUs; the fastest fitting degree
+wins, the best plan of each printed). Prints the plan as a table and the predicted
 iteration times of the baselines (uniform + identity mapping, PipeDream-style,
 DAPPLE-style; :mod:`pipeflow.planning.baselines`); ``plan.method`` picks a baseline as
 the plan instead, to compare the methods run by run. Writes plan.json, summary.json
@@ -45,8 +48,11 @@ def run_plan(cfg: DictConfig, out_dir: str | Path) -> dict:
     key) when the config cannot be planned."""
     pipe, opts = cfg.pipeline, cfg.plan
     inputs = prepare_plan(cfg)
-    spec, topology, limit, kw = inputs.spec, inputs.topology, inputs.limit, inputs.kw
-    best = _chosen_plan(opts.method, spec, topology, pipe, opts, limit, kw)
+    spec, limit, kw = inputs.spec, inputs.limit, inputs.kw
+    best, degrees = _chosen_plan(opts.method, spec, inputs, pipe, opts)
+    # the chosen degree's topology (its devices tensor groups at T > 1) and cost (one rank)
+    topology = inputs.tensors[best.tensor_parallel]
+    tkw = dict(tensor_parallel=best.tensor_parallel, sequence_parallel=inputs.sequence_parallel)
 
     baselines = {}
     if cfg.baselines:
@@ -54,7 +60,7 @@ def run_plan(cfg: DictConfig, out_dir: str | Path) -> dict:
             if name == opts.method:
                 continue
             try:
-                b = fn(spec, topology, pipe.microbatches, pipe.microbatch_size, limit, opts.stages, **kw)
+                b = fn(spec, topology, pipe.microbatches, pipe.microbatch_size, limit, opts.stages, **kw, **tkw)
             except ValueError:
                 continue
             baselines[name] = {
@@ -69,7 +75,7 @@ def run_plan(cfg: DictConfig, out_dir: str | Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     files = ["plan.json"]
     _, res = evaluate(spec, topology, best.layers_per_stage, best.device_of_stage, pipe.microbatches,
-                      pipe.microbatch_size, limit, record=cfg.draw, replica_devices=best.replica_devices, **kw)
+                      pipe.microbatch_size, limit, record=cfg.draw, replica_devices=best.replica_devices, **kw, **tkw)
     if cfg.draw:
         draw_timeline(res.timeline, out / "timeline.png", title=timeline_title(best, topology.name))
         files.append("timeline.png")
@@ -77,6 +83,7 @@ def run_plan(cfg: DictConfig, out_dir: str | Path) -> dict:
     doc = {
         **best.to_dict(),
         "baselines": baselines,
+        "tensor_degrees": degrees,
         "topology_summary": topology.to_dict(),
         "model_config": OmegaConf.to_container(cfg.model, resolve=True),
         "files": files,
@@ -84,28 +91,53 @@ def run_plan(cfg: DictConfig, out_dir: str | Path) -> dict:
     (out / "plan.json").write_text(json.dumps(doc, indent=2) + "\n")
     summary = simulated_summary(best, res, topology, cfg, fits(best, topology, limit), files)
     write_summary(out, summary)
-    return {"plan": best, "baselines": baselines, "files": files, "devices": topology.devices,
+    return {"plan": best, "baselines": baselines, "degrees": degrees, "files": files, "devices": topology.devices,
             "limit": limit, "summary": summary}
 
 
-def _chosen_plan(method: str, spec: TransformerSpec, topology: Topology, pipe: DictConfig, opts: DictConfig,
-                 limit: float | None, kw: dict) -> Plan:
-    """The plan of ``plan.method``: the topology-aware planner's, or a baseline's (one
-    pipeline, whether or not it fits the memory limit; ``fits`` in the summary says)."""
-    try:
-        if method == "planner":
-            return plan(spec, topology, pipe.microbatches, pipe.microbatch_size, limit, opts.stages,
-                        top_k=int(opts.top_k), replicas=opts.replicas, **kw)
-        return BASELINES[method](spec, topology, pipe.microbatches, pipe.microbatch_size, limit, opts.stages, **kw)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
+def _chosen_plan(method: str, spec: TransformerSpec, inputs: PlanInputs, pipe: DictConfig,
+                 opts: DictConfig) -> tuple[Plan, dict]:
+    """The plan of ``plan.method`` at each degree of plan.tensor_parallel the model and the
+    nodes take (the topology-aware planner's, or a baseline's: one pipeline, whether or not
+    it fits the memory limit; ``fits`` in the summary says), the fastest that fits of them
+    (a baseline's at the lowest degree when none does); and per degree (str keys, as in
+    plan.json) the best plan's figures, or why the degree has none."""
+    limit, kw, sp = inputs.limit, inputs.kw, inputs.sequence_parallel
+    plans: dict[int, Plan] = {}
+    degrees: dict[str, dict] = {str(t): {"left_out": why} for t, why in inputs.left_out.items()}
+    for t, topology in inputs.tensors.items():
+        try:
+            if method == "planner":
+                got = plan(spec, topology, pipe.microbatches, pipe.microbatch_size, limit, opts.stages,
+                           top_k=int(opts.top_k), replicas=opts.replicas, tensor_parallel=t, sequence_parallel=sp, **kw)
+            else:
+                got = BASELINES[method](spec, topology, pipe.microbatches, pipe.microbatch_size, limit, opts.stages,
+                                        tensor_parallel=t, sequence_parallel=sp, **kw)
+        except ValueError as err:
+            degrees[str(t)] = {"no_plan": str(err)}
+            continue
+        plans[t] = got
+        degrees[str(t)] = {"predicted_iteration_time": got.predicted_iteration_time, "stages": got.num_stages,
+                           "replicas": got.replicas, "gpus": got.num_devices_used * t,
+                           "peak_memory_bytes": got.peak_memory_bytes, "fits": fits(got, topology, limit)}
+    degrees = dict(sorted(degrees.items(), key=lambda kv: int(kv[0])))
+    if not plans:
+        last = max(inputs.tensors)
+        why = degrees[str(last)]["no_plan"]
+        if len(inputs.tensors) > 1:
+            why = f"plan.tensor_parallel={list(opts.tensor_parallel)}: no degree has a plan; at T={last}: {why}"
+        raise ConfigError(why)
+    fitting = [p for t, p in plans.items() if degrees[str(t)]["fits"]]
+    best = min(fitting, key=lambda p: p.predicted_iteration_time) if fitting else plans[min(plans)]
+    return best, degrees
 
 
 def timeline_title(p: Plan, topology: str) -> str:
     """The title of a plan's predicted timeline."""
     who = "plan" if p.method == "planner" else f"{p.method} baseline"
     reps = f" x {p.replicas} replicas" if p.replicas > 1 else ""
-    return (f"{who}: {p.num_stages} stages{reps}, m={p.microbatches}, {p.model} on {topology}, "
+    tensor = f" of {p.tensor_parallel} GPUs{' (SP)' if p.sequence_parallel else ''}" if p.tensor_parallel > 1 else ""
+    return (f"{who}: {p.num_stages} stages{reps}{tensor}, m={p.microbatches}, {p.model} on {topology}, "
             f"{p.predicted_iteration_time * 1e3:.1f} ms")
 
 
@@ -126,7 +158,9 @@ def simulated_summary(p: Plan, res: SimResult, topology: Topology, cfg: DictConf
         "replicas": p.replicas,
         "microbatches": p.microbatches,
         "microbatch_size": p.microbatch_size,
-        "num_devices": len(used),
+        "num_devices": len(used),  # schedule devices: tensor groups of tensor_parallel GPUs each
+        "tensor_parallel": p.tensor_parallel,
+        "sequence_parallel": p.sequence_parallel,
         "makespan": res.makespan,
         "bubble_ratio": 1.0 - busy / (len(used) * res.makespan) if res.makespan > 0 else 0.0,
         "peak_activation_bytes": max(d["peak_activation_bytes"] for d in per_device),
@@ -144,8 +178,15 @@ def simulated_summary(p: Plan, res: SimResult, topology: Topology, cfg: DictConf
         "precision": cfg.precision,
         "files": files,
         # what pipeflow-train schedule=planned schedule.plan=<its plan.json> measures
-        "run_key": run_key(cfg, schedule="planned", stages=p.num_stages, data_parallel=p.replicas),
+        "run_key": run_key(_with_tensor(cfg, p), schedule="planned", stages=p.num_stages, data_parallel=p.replicas),
     }
+
+
+def _with_tensor(cfg: DictConfig, p: Plan) -> dict:
+    """What run_key reads of the config, with the plan's tensor degree as its pipeline's."""
+    pipe = {**OmegaConf.to_container(cfg.pipeline, resolve=True), "tensor_parallel": p.tensor_parallel,
+            "sequence_parallel": p.sequence_parallel}
+    return {"pipeline": pipe, "model": cfg.model, "precision": cfg.precision, "topology": cfg.topology}
 
 
 def format_plan(summary: dict) -> str:
@@ -154,17 +195,25 @@ def format_plan(summary: dict) -> str:
     devs = summary["devices"]
     limit = summary["limit"]
     head = [
-        f"model         {p.model} on {p.topology} ({len(devs)} devices)",
+        f"model         {p.model} on {p.topology} ("
+        + (f"{len(devs)} devices)" if p.tensor_parallel == 1
+           else f"{len(devs)} tensor groups of {p.tensor_parallel} GPUs)"),
         *([f"method        {p.method} baseline (plan.method)"] if p.method != "planner" else []),
         f"stages        {p.num_stages}"
-        + (f" x {p.replicas} data-parallel replicas ({p.num_devices_used} devices)" if p.replicas > 1 else "")
+        + (f" x {p.replicas} data-parallel replicas ({p.num_devices_used} "
+           f"{'devices' if p.tensor_parallel == 1 else 'groups'})" if p.replicas > 1 else "")
         + f", schedule {p.schedule}, {p.microbatches} microbatches of {p.microbatch_size}",
+        *([f"tensor        T={p.tensor_parallel}: each device a group of {p.tensor_parallel} GPUs of one node"
+           + (", sequence parallel" if p.sequence_parallel else "")
+           + f" ({p.num_devices_used * p.tensor_parallel} GPUs); figures per GPU"]
+          if p.tensor_parallel > 1 or len(summary.get("degrees", {})) > 1 else []),
         f"iteration     {p.predicted_iteration_time * 1e3:.3f} ms (simulated)",
         f"memory limit  {'device memory' if limit is None else f'{limit / GB:g} GB'} per device; "
         f"peak {p.peak_memory_bytes / GB:.2f} GB",
         "",
     ]
-    cols = ("stage", "layers", "blocks", "device" if p.replicas == 1 else "devices", "kind",
+    where_col = "device" if p.tensor_parallel == 1 else "group"
+    cols = ("stage", "layers", "blocks", where_col if p.replicas == 1 else where_col + "s", "kind",
             "F+B / mb (ms)", "memory (GB)")
     rows, start = [], 0
     for s, (n, d) in enumerate(zip(p.layers_per_stage, p.device_of_stage)):
@@ -174,8 +223,21 @@ def format_plan(summary: dict) -> str:
                      f"{p.stage_compute_time[s] * 1e3:.3f}", f"{p.stage_memory_bytes[s] / GB:.2f}"))
         start += n
     lines = head + _table(cols, rows)
+    if len(summary.get("degrees", {})) > 1:
+        lines += ["", "tensor degrees (plan.tensor_parallel), the best plan of each:"]
+        for t, d in summary["degrees"].items():
+            if "predicted_iteration_time" in d:
+                reps = f" x {d['replicas']} replicas" if d["replicas"] > 1 else ""
+                mark = "   <- the plan" if int(t) == p.tensor_parallel else ""
+                lines.append(f"  T={t}: {d['predicted_iteration_time'] * 1e3:.3f} ms, {d['stages']} stages{reps}, "
+                             f"{d['gpus']} GPUs, peak {d['peak_memory_bytes'] / GB:.2f} GB"
+                             + ("" if d["fits"] else ", does NOT fit") + mark)
+            else:
+                lines.append(f"  T={t}: " + (f"left out: {d['left_out']}" if "left_out" in d
+                                              else f"no plan: {d['no_plan']}"))
     if summary["baselines"]:
-        lines += ["", "baselines (same simulator):"]
+        at = f", T={p.tensor_parallel}" if p.tensor_parallel > 1 else ""
+        lines += ["", f"baselines (same simulator{at}):"]
         brow = []
         for name, b in summary["baselines"].items():
             t = b["predicted_iteration_time"]

@@ -102,16 +102,24 @@ def planned_schedule(cfg: Any):
     if "partition" in cfg and cfg.partition.name not in ("uniform", "planner"):
         raise ConfigError(f"partition.name={cfg.partition.name}: schedule=planned cuts the model as its plan says; "
                           f"allowed values: planner (or the default uniform, which the plan replaces)")
+    tensor = int(pipe.get("tensor_parallel", 1) or 1)
+    sp = bool(pipe.get("sequence_parallel", False)) and tensor > 1
     if path:
         try:
             p = Plan.from_json(Path(str(path)).expanduser().read_text())
         except (OSError, ValueError, TypeError, KeyError) as err:
             raise ConfigError(f"schedule.plan={path}: not a plan.json written by pipeflow-plan ({err})") from None
+        if (p.tensor_parallel, p.sequence_parallel and p.tensor_parallel > 1) != (tensor, sp):
+            def said(t, s):
+                return f"pipeline.tensor_parallel={t}" + (f" pipeline.sequence_parallel={s}".lower() if t > 1 else "")
+            made = said(p.tensor_parallel, p.sequence_parallel)
+            raise ConfigError(f"schedule.plan={path}: the plan was made for {made} (its devices are tensor groups "
+                              f"of {p.tensor_parallel} GPUs), the run has {said(tensor, sp)}; run it with {made}, "
+                              f"or plan with pipeflow-plan plan.tensor_parallel=[{tensor}]")
     else:
         spec = TransformerSpec.from_config(cfg.model)
-        # with pipeline.tensor_parallel=T the plan maps stages onto the T-GPU groups (its
-        # cost still prices whole stages: the planner knows no tensor parallelism)
-        tensor = int(pipe.get("tensor_parallel", 1) or 1)
+        # with pipeline.tensor_parallel=T the plan maps stages onto the T-GPU groups, each
+        # candidate priced per tensor rank (the groups' collectives included)
         topology = build_topology(cfg.topology, pipe.stages * tensor, needed_for=devices_needed_for(cfg))
         try:
             topology = tensor_topology(topology, tensor)
@@ -119,7 +127,8 @@ def planned_schedule(cfg: Any):
             raise ConfigError(str(err)) from None
         try:
             p = make_plan(spec, topology, pipe.microbatches, pipe.microbatch_size,
-                          memory_limit_bytes=None if limit is None else float(limit) * 1e9)
+                          memory_limit_bytes=None if limit is None else float(limit) * 1e9,
+                          tensor_parallel=tensor, sequence_parallel=sp)
         except ValueError as err:
             raise ConfigError(str(err).replace("plan.memory_limit_gb", "schedule.memory_limit_gb")) from None
     used = sorted({d for row in p.pipelines for d in row})

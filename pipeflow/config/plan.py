@@ -6,7 +6,7 @@ that builds the model shape and topology.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
@@ -16,12 +16,14 @@ from pipeflow.planning.baselines import BASELINES
 from pipeflow.planning.plans import GB
 from pipeflow.planning.transformer import TransformerSpec
 from pipeflow.topology.presets import build_topology
+from pipeflow.topology.tensor import tensor_topology
 from pipeflow.topology.topology import Topology
 
 from .checks import check_known_keys
 from .groups.model import resolve_model
 from .groups.precision import resolve_precision
 from .schema import CONF_DIR, register_configs
+from .tensor import check_tensor_parallel
 from .values import ConfigError, at_least
 
 
@@ -44,6 +46,10 @@ class PlanOptions:
     dtype_bytes: Optional[int] = None  # null: from precision (fp32: 4, bf16/fp16: 2)
     top_k: int = 12
     method: str = "planner"  # planner, or a baseline of pipeflow.planning.baselines (uniform, pipedream, dapple)
+    # tensor degrees to plan with (pipeline.tensor_parallel: each device a group of T GPUs of one node);
+    # those the nodes and the model take, the fastest fitting plan of them wins
+    tensor_parallel: List[int] = field(default_factory=lambda: [1])
+    sequence_parallel: bool = True  # with T > 1 (pipeline.sequence_parallel)
 
 
 @dataclass
@@ -83,6 +89,11 @@ class PlanInputs:
     topology: Topology
     limit: float | None  # bytes per device; None: each device's own memory
     kw: dict  # efficiency and dtype_bytes, as the planner and the baselines take them
+    # plan.tensor_parallel: each degree the nodes and the model take -> the topology seen as its
+    # groups (the physical one at T = 1); and why each other degree is left out
+    tensors: dict[int, Topology] = field(default_factory=dict)
+    left_out: dict[int, str] = field(default_factory=dict)
+    sequence_parallel: bool = False  # plan.sequence_parallel (it applies at T > 1)
 
 
 def prepare_plan(cfg: DictConfig) -> PlanInputs:
@@ -120,4 +131,45 @@ def prepare_plan(cfg: DictConfig) -> PlanInputs:
     limit = None if limit_gb is None else float(limit_gb) * GB
     precision = resolve_precision(cfg, topology)
     dtype = opts.dtype_bytes if opts.dtype_bytes is not None else 4 if precision == "fp32" else 2
-    return PlanInputs(spec, topology, limit, dict(efficiency=float(opts.efficiency), dtype_bytes=int(dtype)))
+    sp = opts.sequence_parallel
+    if not isinstance(sp, bool):
+        raise ConfigError(f"plan.sequence_parallel={sp}: allowed values: true, false")
+    tensors, left_out = tensor_degrees(cfg, spec, topology)
+    return PlanInputs(spec, topology, limit, dict(efficiency=float(opts.efficiency), dtype_bytes=int(dtype)),
+                      tensors, left_out, sp)
+
+
+def tensor_degrees(cfg: DictConfig, spec: TransformerSpec, topology: Topology) -> tuple[dict, dict]:
+    """plan.tensor_parallel: ({T: the topology seen as tensor groups of T}, {T: why it is
+    left out}) by the rules a run with pipeline.tensor_parallel=T is checked by (the model's
+    heads, key/value heads, MLP width, with plan.sequence_parallel its sequence:
+    :func:`pipeflow.config.tensor.check_tensor_parallel`; a group inside a node:
+    :func:`pipeflow.topology.tensor.tensor_topology`). ConfigError when none is left."""
+    given = list(cfg.plan.tensor_parallel or [])
+    if not given or any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in given):
+        raise ConfigError(f"plan.tensor_parallel={given}: give a list of whole numbers >= 1 (tensor degrees, "
+                          f"e.g. [1, 2, 4, 8])")
+    tensors: dict[int, Topology] = {}
+    left: dict[int, str] = {}
+    for t in sorted(set(given)):
+        got = _grouped(cfg, spec, topology, t)
+        if isinstance(got, str):
+            left[t] = got
+        else:
+            tensors[t] = got
+    if not tensors:
+        most = min(sum(d.node == n for d in topology.devices) for n in {d.node for d in topology.devices})
+        allowed = [t for t in range(1, most + 1) if not isinstance(_grouped(cfg, spec, topology, t), str)]
+        raise ConfigError(f"plan.tensor_parallel={given}: no degree splits model '{spec.name}' inside a node of "
+                          f"topology '{topology.name}'; allowed values: {allowed} (" + "; ".join(left.values()) + ")")
+    return tensors, left
+
+
+def _grouped(cfg: DictConfig, spec: TransformerSpec, topology: Topology, tensor: int) -> Topology | str:
+    """The topology seen as tensor groups of ``tensor``, or why the model or the nodes refuse it."""
+    run = {"model": cfg.model, "pipeline": {"tensor_parallel": tensor, "sequence_parallel": cfg.plan.sequence_parallel}}
+    try:
+        check_tensor_parallel(run, None, spec, None)
+        return tensor_topology(topology, tensor)
+    except (ConfigError, ValueError) as err:
+        return str(err)

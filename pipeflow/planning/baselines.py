@@ -15,6 +15,9 @@ same simulator (1F1B), so iteration times compare directly.
   the cut minimising the slowest stage within the memory limit, and the stage count
   and policy minimising DAPPLE's 1F1B latency estimate.
 
+``**tensor`` (``tensor_parallel``, ``sequence_parallel``) goes to :func:`evaluate`: a
+baseline's layout on a topology of tensor groups, simulated per rank.
+
 Not here yet: the baselines' own replication (PipeDream's per-stage replicas, DAPPLE's
 data-parallel pipelines); all three plan one pipeline.
 """
@@ -124,28 +127,28 @@ def dapple_plan_layout(
 
 def uniform_plan(spec: TransformerSpec, topology: Topology, microbatches: int, microbatch_size: int = 1,
                  memory_limit_bytes: float | None = None, num_stages: int | None = None,
-                 efficiency: float = 0.5, dtype_bytes: int = 2) -> Plan:
+                 efficiency: float = 0.5, dtype_bytes: int = 2, **tensor) -> Plan:
     cut, devs = uniform_layout(spec, topology, num_stages)
     return evaluate(spec, topology, cut, devs, microbatches, microbatch_size, memory_limit_bytes,
-                    efficiency, dtype_bytes, method="uniform")[0]
+                    efficiency, dtype_bytes, method="uniform", **tensor)[0]
 
 
 def pipedream_plan(spec: TransformerSpec, topology: Topology, microbatches: int, microbatch_size: int = 1,
                    memory_limit_bytes: float | None = None, num_stages: int | None = None,
-                   efficiency: float = 0.5, dtype_bytes: int = 2) -> Plan:
+                   efficiency: float = 0.5, dtype_bytes: int = 2, **tensor) -> Plan:
     cut, devs = pipedream_plan_layout(spec, topology, microbatches, microbatch_size, efficiency, dtype_bytes,
                                       num_stages)
     return evaluate(spec, topology, cut, devs, microbatches, microbatch_size, memory_limit_bytes,
-                    efficiency, dtype_bytes, method="pipedream")[0]
+                    efficiency, dtype_bytes, method="pipedream", **tensor)[0]
 
 
 def dapple_plan(spec: TransformerSpec, topology: Topology, microbatches: int, microbatch_size: int = 1,
                 memory_limit_bytes: float | None = None, num_stages: int | None = None,
-                efficiency: float = 0.5, dtype_bytes: int = 2) -> Plan:
+                efficiency: float = 0.5, dtype_bytes: int = 2, **tensor) -> Plan:
     cut, devs = dapple_plan_layout(spec, topology, microbatches, microbatch_size, efficiency, dtype_bytes,
                                    num_stages, memory_limit_bytes)
     return evaluate(spec, topology, cut, devs, microbatches, microbatch_size, memory_limit_bytes,
-                    efficiency, dtype_bytes, method="dapple")[0]
+                    efficiency, dtype_bytes, method="dapple", **tensor)[0]
 
 
 BASELINES = {"uniform": uniform_plan, "pipedream": pipedream_plan, "dapple": dapple_plan}

@@ -46,6 +46,11 @@ directions, deduplicated up to link and device symmetry):
    the fastest whose simulated memory fits wins. So a returned plan is never slower
    than a baseline's plan that fits.
 
+Tensor parallelism: on a topology seen as tensor groups of T
+(:func:`pipeflow.topology.tensor.tensor_topology`, ``tensor_parallel=T``) every stage
+is priced per rank, the groups' collectives included (:class:`StageModel`, as the
+analytic cost); pipeflow-plan runs the search once per degree of plan.tensor_parallel.
+
 Memory limit per device: ``min(memory_limit_bytes, device.memory_bytes)`` (the
 device's own memory when the limit is None). When no candidate fits, :func:`plan`
 raises ValueError naming ``plan.memory_limit_gb``, the smallest per-device requirement
@@ -73,6 +78,7 @@ from .plans import (  # GB, Plan, StageModel, build_plan_schedule, evaluate, fit
     evaluate,
     fits,
     overshoot,
+    tensor_degree_of,
     uniform_cut,
 )
 
@@ -102,7 +108,7 @@ def chain_cuts(model: StageModel, topology: Topology, chain: Sequence[int], micr
         return [list(c) for c in _compositions(L, p)]
 
     def time_of(s, n):
-        return model.fb_time(n, s == p - 1, devs[chain[s]])
+        return model.fb_time(n, s == p - 1, devs[chain[s]], s == 0)
 
     def mem_of(s, n):
         return model.memory(n, s == 0, s == p - 1, min(p - s, m)) / limits[chain[s]]
@@ -346,12 +352,18 @@ def plan(
     top_k: int = 12,
     exhaustive_budget: int = 64,
     replicas: int | None = None,
+    tensor_parallel: int | None = None,
+    sequence_parallel: bool = False,
 ) -> Plan:
     """The fastest 1F1B plan found (see the module docstring); ValueError when nothing fits.
 
     ``replicas``: None searches data-parallel replicas of the pipeline too (1 up to the
-    devices and microbatches allow), 1 plans one pipeline, k > 1 exactly k replicas."""
+    devices and microbatches allow), 1 plans one pipeline, k > 1 exactly k replicas.
+    ``tensor_parallel`` T > 1: ``topology`` is the physical one seen as tensor groups of T
+    (:func:`pipeflow.topology.tensor.tensor_topology`; None: its own grouping), each
+    candidate priced and simulated per rank, with ``sequence_parallel`` or without."""
     _check_args(spec, topology, microbatches, microbatch_size, memory_limit_bytes, num_stages)
+    T = tensor_degree_of(topology, tensor_parallel)
     D, L = topology.num_devices, spec.n_layer
     if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int)
                                  or not 1 <= replicas <= min(D, microbatches)):
@@ -360,7 +372,7 @@ def plan(
     if num_stages is not None and replicas is not None and num_stages * replicas > D:
         raise ValueError(f"plan.stages={num_stages} x plan.replicas={replicas} needs {num_stages * replicas} "
                          f"devices; topology '{topology.name}' has {D}")
-    model = StageModel(spec, microbatch_size, efficiency, dtype_bytes)
+    model = StageModel(spec, microbatch_size, efficiency, dtype_bytes, T, sequence_parallel, topology)
     limits = device_limits(topology, memory_limit_bytes)
     full = greedy_chains(topology)
     cands: list[_Candidate] = []
@@ -414,7 +426,8 @@ def plan(
 
     def run(c: _Candidate) -> Plan:
         return evaluate(spec, topology, c.layers, c.devices, microbatches, microbatch_size, memory_limit_bytes,
-                        efficiency, dtype_bytes, replica_devices=c.replicas)[0]
+                        efficiency, dtype_bytes, replica_devices=c.replicas, tensor_parallel=T,
+                        sequence_parallel=sequence_parallel)[0]
 
     fitting = sorted((c for c in cands if c.est_mem_over <= 0), key=lambda c: c.est)
     # estimated memory is close but not exact: simulate a few beyond the estimate's edge

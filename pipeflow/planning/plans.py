@@ -24,6 +24,7 @@ from ..schedules.one_f_one_b import one_f_one_b
 from ..sim.engine import SimResult, simulate
 from ..topology.topology import Topology
 from .cost import AnalyticCost, layer_cost
+from .tensor_cost import layer_collectives, sequence_parallel_layer, shard_spec, stage_collectives
 from .transformer import (
     TransformerSpec,
     embedding_params,
@@ -66,6 +67,10 @@ class Plan:
     model: str = ""
     topology: str = ""
     method: str = "planner"
+    # each device a tensor group of this many GPUs of one node (pipeline.tensor_parallel), the
+    # numbers above one rank's; sequence_parallel: pipeline.sequence_parallel with it
+    tensor_parallel: int = 1
+    sequence_parallel: bool = False
 
     @property
     def num_stages(self) -> int:
@@ -151,15 +156,24 @@ def evaluate(
     method: str = "planner",
     record: bool = False,
     replica_devices: Sequence[Sequence[int]] = (),
+    tensor_parallel: int | None = None,
+    sequence_parallel: bool = False,
 ) -> tuple[Plan, SimResult]:
-    """Simulate one candidate; the Plan carries its iteration time and per-stage memory."""
+    """Simulate one candidate; the Plan carries its iteration time and per-stage memory.
+
+    ``tensor_parallel`` T (None: the topology's own, 1 unless it is a
+    :class:`~pipeflow.topology.tensor.TensorTopology`): each device of ``topology`` is a
+    tensor group of T GPUs, the cost prices one rank and the groups' collectives."""
+    T = tensor_degree_of(topology, tensor_parallel)
     layers, devs = list(layers_per_stage), list(device_of_stage)
     reps = [list(r) for r in replica_devices]
     table = [devs] + reps
     cost = AnalyticCost(
         spec, len(layers), microbatch_size=microbatch_size, efficiency=efficiency,
-        dtype_bytes=dtype_bytes, layers_per_stage=layers,
+        dtype_bytes=dtype_bytes, layers_per_stage=layers, tensor_parallel=T, sequence_parallel=sequence_parallel,
     )
+    if T > 1:
+        cost.place_tensor_groups(topology)
     sched = build_plan_schedule(devs, topology.num_devices, microbatches, reps)
     res = simulate(sched, cost, topology, record=record)
     mem = [max(res.per_device[row[s]].peak_activation_bytes for row in table) + cost.model_state_bytes(s)
@@ -182,8 +196,23 @@ def evaluate(
         model=spec.name,
         topology=topology.name,
         method=method,
+        tensor_parallel=T,
+        sequence_parallel=cost.sequence_parallel,
     )
     return plan, res
+
+
+def tensor_degree_of(topology: Topology, tensor_parallel: int | None) -> int:
+    """The tensor degree a plan on ``topology`` prices: ``tensor_parallel``, which must be
+    the topology's own grouping (None: that grouping; 1 on a plain topology)."""
+    own = getattr(topology, "tensor_parallel", 1)
+    if tensor_parallel is None:
+        return own
+    if tensor_parallel != own:
+        raise ValueError(f"pipeline.tensor_parallel={tensor_parallel}: topology '{topology.name}' is grouped in "
+                         f"tensor groups of {own} (plan on pipeflow.topology.tensor.tensor_topology(topology, "
+                         f"{tensor_parallel}))")
+    return tensor_parallel
 
 
 def fits(plan: Plan, topology: Topology, memory_limit_bytes: float | None) -> bool:
@@ -203,14 +232,31 @@ def overshoot(plan: Plan, topology: Topology, memory_limit_bytes: float | None) 
 class StageModel:
     """Per-layer constants of the analytic cost (whole sequences, no segments), so the
     search can price any cut on any device without building a cost model. Mirrors
-    :class:`~pipeflow.planning.cost.AnalyticCost` exactly (a test checks it)."""
+    :class:`~pipeflow.planning.cost.AnalyticCost` exactly (a test checks it).
+
+    With ``tensor_parallel`` T > 1 it prices one rank of a tensor group, as AnalyticCost
+    does (:mod:`pipeflow.planning.tensor_cost`): the rank's shard of the model, with
+    ``sequence_parallel`` its norms and dropouts and its messages on S/T tokens, and the
+    group's collectives per layer and per first or last stage, timed on ``topology``
+    (the :class:`~pipeflow.topology.tensor.TensorTopology` of T the plan runs on)."""
 
     def __init__(self, spec: TransformerSpec, microbatch_size: int = 1, efficiency: float = 0.5,
-                 dtype_bytes: int = 2) -> None:
+                 dtype_bytes: int = 2, tensor_parallel: int = 1, sequence_parallel: bool = False,
+                 topology: Topology | None = None) -> None:
+        T = tensor_parallel
+        if T > 1 and getattr(topology, "tensor_parallel", 1) != T:
+            raise ValueError(f"pipeline.tensor_parallel={T}: the planner prices the tensor groups' collectives on "
+                             f"the topology seen as groups of {T} (pipeflow.topology.tensor.tensor_topology)")
+        self.full_spec, self.T, self.sp = spec, T, bool(sequence_parallel) and T > 1
+        self.links = topology if T > 1 else None
+        self._waits: dict = {}  # (device, first, last) -> the collectives' seconds (per layer, the stage's own)
+        spec = shard_spec(spec, T)  # one rank's shape (the spec itself at T = 1)
         self.spec, self.b, self.eff, self.dt = spec, microbatch_size, efficiency, dtype_bytes
         S, b, dt = spec.seq_len, microbatch_size, dtype_bytes
         H = spec.n_embd
         one = layer_cost(spec, S, S, b, dt)  # one layer, with model.recompute applied
+        if self.sp:  # norms, dropouts and the stream on the rank's S/T tokens
+            one = sequence_parallel_layer(spec, one, S, b, T)
         self.L = spec.n_layer
         self.f_layer = one.forward * b
         self.e_layer = one.recompute * b  # FLOPs a backward reruns per layer
@@ -232,7 +278,8 @@ class StageModel:
         self.a_arrived = float(S * b * H * 4) if spec.post_norm and dt < 4 and spec.recompute == "none" else 0.0
         self.cast_last = 2.0 * spec.vocab_size * H if dt < 4 else 0.0
         self.step_per_param = 28 + (dt if dt < 4 else 0)
-        self.msg_bytes = float(b * S * H * dt)
+        # with sequence parallelism each rank sends its S/T tokens to its match (AnalyticCost.message_bytes)
+        self.msg_bytes = float(b * (S // T if self.sp else S) * H * dt)
 
     def params(self, n: int, first: bool, last: bool) -> float:
         x = n * self.p_layer + (self.p_first if first else 0) + (self.p_last if last else 0)
@@ -240,11 +287,38 @@ class StageModel:
             x -= shared_head_params(self.spec)  # one stage: a tied head is the embedding itself
         return float(x)
 
-    def fb_time(self, n: int, last: bool, device) -> float:
+    def fb_time(self, n: int, last: bool, device, first: bool = False) -> float:
         """Forward + backward (3x forward FLOPs, plus what recomputation reruns) of one
-        microbatch through n layers."""
+        microbatch through n layers; at T > 1 plus the tensor group's collectives (``first``:
+        the stage holds the embedding, whose vocabulary-parallel rows the group sums)."""
         flops = 3 * (n * self.f_layer + (self.f_head if last else 0.0)) + n * self.e_layer
-        return flops / (device.peak_flops * self.eff)
+        t = flops / (device.peak_flops * self.eff)
+        if self.T > 1:
+            per_layer, own = self.tensor_waits(device, first, last)
+            t += n * per_layer + own
+        return t
+
+    def tensor_waits(self, device, first: bool, last: bool) -> tuple[float, float]:
+        """(seconds per layer, seconds of the stage's embedding or head) a forward plus a
+        backward wait for the tensor group's collectives on ``device``: what
+        AnalyticCost.tensor_time adds to F and B (the same collectives, on the same links)."""
+        key = (device, first, last)
+        got = self._waits.get(key)
+        if got is None:
+            S, spec = self.spec.seq_len, self.spec
+            per_layer = own = 0.0
+            for kind in ("F", "B"):
+                per_layer += self._collectives(layer_collectives(kind, S, self.b, spec, self.dt, self.sp), device)
+                own += self._collectives(stage_collectives(kind, S, self.b, spec, self.dt, self.sp, self.T,
+                                                           first, last), device)
+            got = self._waits[key] = (per_layer, own)
+        return got
+
+    def _collectives(self, collectives: list, device) -> float:
+        counts: dict[tuple[str, float], int] = {}  # alike ones priced once and counted (AnalyticCost's order)
+        for one in collectives:
+            counts[one] = counts.get(one, 0) + 1
+        return sum(k * self.links.collective_time(op, device, nbytes) for (op, nbytes), k in counts.items())
 
     def step_time(self, n: int, first: bool, last: bool, device) -> float:
         if device.memory_bandwidth <= 0:
@@ -277,7 +351,7 @@ def estimate(model: StageModel, topology: Topology, layers: Sequence[int], chain
     p, d = len(layers), len(table)
     m = -(-microbatches // d)
     devs = topology.devices
-    t = [max(model.fb_time(n, s == p - 1, devs[row[s]]) for row in table) for s, n in enumerate(layers)]
+    t = [max(model.fb_time(n, s == p - 1, devs[row[s]], s == 0) for row in table) for s, n in enumerate(layers)]
     c = [max(e) for e in zip(*(_edge_times(topology, row, model.msg_bytes) for row in table))] if p > 1 else []
     step = max(model.step_time(n, s == 0, s == p - 1, devs[row[s]])
                for s, n in enumerate(layers) for row in table)
