@@ -224,3 +224,23 @@ def test_every_synchronous_chain_schedule_simulates():
         assert simulate(inputs.schedule, inputs.cost, inputs.topology).makespan > 0
         ran.append(name)
     assert {"gpipe", "1f1b", "zb_h1", "chimera", "seq1f1b", "dualpipe_v"} <= set(ran)
+
+
+def test_a_split_vocabulary_prices_the_embeddings_and_the_losss_collectives():
+    """V = 3000 on T = 4 ranks: T divides the vocabulary (750 rows a rank), so the first
+    stage's forward waits for the embedding's all-reduce (fp32, s x b x H) and the last
+    stage's for the loss's three (fp32, one value per token) and its input gradient's,
+    whether or not T also divides the shard's 750 (it does not)."""
+    inputs = _inputs(4, False, "model.vocab_size=3000")
+    cost, topo = inputs.cost, inputs.topology
+    dev = topo.devices[0]
+    tokens, H = 4096, 4096
+    ar = lambda nbytes: topo.collective_time("all-reduce", dev, nbytes)  # noqa: E731
+    n0, n1 = cost.layers_per_stage
+    assert cost.spec.vocab_size == 750 and 750 % 4
+    assert cost.tensor_time("F", 0, 0, dev) == pytest.approx(
+        n0 * cost.layer_collective_time("F", 0, dev) + ar(tokens * H * 4), rel=1e-12)
+    assert cost.tensor_time("F", 1, 0, dev) == pytest.approx(
+        n1 * cost.layer_collective_time("F", 0, dev) + 3 * ar(tokens * 4), rel=1e-12)
+    assert cost.tensor_time("B", 1, 0, dev) == pytest.approx(
+        n1 * cost.layer_collective_time("B", 0, dev) + ar(tokens * H * 4), rel=1e-12)

@@ -309,7 +309,7 @@ class StageModel:
             per_layer = own = 0.0
             for kind in ("F", "B"):
                 per_layer += self._collectives(layer_collectives(kind, S, self.b, spec, self.dt, self.sp), device)
-                own += self._collectives(stage_collectives(kind, S, self.b, spec, self.dt, self.sp, self.T,
+                own += self._collectives(stage_collectives(kind, S, self.b, self.full_spec, self.dt, self.sp, self.T,
                                                            first, last), device)
             got = self._waits[key] = (per_layer, own)
         return got

@@ -171,7 +171,8 @@ class TensorShards:
             shape = (kind, x, self._tensor_shape, first, last, self.layers_per_stage[stage], device)
             got = memo.get(shape) if memo is not None else None
             if got is None:
-                extra = stage_collectives(kind, x, self.microbatch_size, self.spec, self.dtype_bytes,
+                # (the whole model's vocabulary decides whether T splits it, not the shard's)
+                extra = stage_collectives(kind, x, self.microbatch_size, self.full_spec, self.dtype_bytes,
                                           self.sequence_parallel, self.tensor_parallel, first, last)
                 got = (self.layers_per_stage[stage] * self.layer_collective_time(kind, segment, device)
                        + self._collective_time(extra, device))
