@@ -102,74 +102,47 @@ class TensorGroup:
         return x.chunk(self.size, dim)[self.rank].contiguous()
 
 
-class _CopyToGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
+def _collective(name: str, forward, backward, doc: str) -> type:
+    """An autograd function of ``(x, tp)``: ``forward(tp, x)`` ahead, ``backward(tp, g)``
+    for the gradient of ``x`` (the group ``tp`` gets none)."""
+    def fwd(ctx, x, tp):
         ctx.tp = tp
-        return x.view_as(x)
+        return forward(tp, x)
 
-    @staticmethod
-    def backward(ctx, g):
-        return ctx.tp.all_reduce(g), None
+    def bwd(ctx, g):
+        return backward(ctx.tp, g), None
 
-
-class _ReduceFromGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        return tp.all_reduce(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd),
+                                                    "__doc__": doc})
 
 
-class _GatherSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return tp.all_gather(x, 1)
-
-    @staticmethod
-    def backward(ctx, g):
-        return ctx.tp.reduce_scatter(g, 1), None
+def _all_gather(tp, x):
+    return tp.all_gather(x, 1)
 
 
-class _ScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return tp.reduce_scatter(x, 1)
-
-    @staticmethod
-    def backward(ctx, g):
-        return ctx.tp.all_gather(g, 1), None
+def _reduce_scatter(tp, x):
+    return tp.reduce_scatter(x, 1)
 
 
-class _SplitSeq(torch.autograd.Function):
-    """Replicated tokens to the rank's slice (the gradient: every rank's slices gathered)."""
-
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return tp.own(x, 1)
-
-    @staticmethod
-    def backward(ctx, g):
-        return ctx.tp.all_gather(g, 1), None
+def _own(tp, x):
+    return tp.own(x, 1)
 
 
-class _GatherSeqReplicated(torch.autograd.Function):
-    """The rank's slice to all tokens, for work every rank then repeats whole (a
-    replicated head): the gradient is each rank's own slice of the same whole."""
-
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return tp.all_gather(x, 1)
-
-    @staticmethod
-    def backward(ctx, g):
-        return ctx.tp.own(g, 1), None
+# the sequence dimension is dim 1 of a [batch, tokens, features] activation
+_CopyToGroup = _collective("_CopyToGroup", lambda tp, x: x.view_as(x), TensorGroup.all_reduce,
+                           "Identity ahead; the gradient summed across the group.")
+_ReduceFromGroup = _collective("_ReduceFromGroup", TensorGroup.all_reduce, lambda tp, g: g,
+                               "The partial products summed across the group; the gradient as it comes.")
+_GatherSeq = _collective("_GatherSeq", _all_gather, _reduce_scatter,
+                         "The rank's tokens to all of them; the gradient summed and cut back to the rank's.")
+_ScatterSeq = _collective("_ScatterSeq", _reduce_scatter, _all_gather,
+                          "Partial products summed and cut to the rank's tokens; the gradient gathered.")
+_SplitSeq = _collective("_SplitSeq", _own, _all_gather,
+                        "Replicated tokens to the rank's slice (the gradient: every rank's slices gathered).")
+_GatherSeqReplicated = _collective(
+    "_GatherSeqReplicated", _all_gather, _own,
+    "The rank's slice to all tokens, for work every rank then repeats whole (a replicated head): the gradient is "
+    "each rank's own slice of the same whole.")
 
 
 # ----------------------------------------------------------------------------- layers
@@ -316,9 +289,9 @@ def _column(m: nn.Module, tp: TensorGroup, blocks: int, kv_heads: int | None) ->
         w = w.chunk(kv_heads, dim)[head]
         b = None if b is None else b.chunk(kv_heads, 0)[head]
         out = ParallelLinear(w, b, transposed, False, tp)
-        for p in out.parameters():
+        for p in out.parameters():  # held by T/kv ranks each, whose gradients are summed among them
             p._tp_split = (dim if p.dim() > 1 else 0, 1, kv_heads)
-            p._tp_partial = "kv"
+            p._tp_partial, p._tp_copies = tp.kv_group, tp.kv_copies
         return out
     w = torch.cat([c.chunk(tp.size, dim)[tp.rank] for c in w.chunk(blocks, dim)], dim)
     if b is not None:
@@ -379,9 +352,7 @@ def _mark(module: nn.Module, tp: TensorGroup, in_layers: set) -> None:
     head_side = {id(p) for p in transform.parameters()} if transform is not None else set()
     for p in module.parameters():
         split = getattr(p, "_tp_split", None)
-        if split is not None and getattr(p, "_tp_partial", None) == "kv":
-            p._tp_copies = tp.kv_copies
-            p._tp_partial = tp.kv_group
+        if hasattr(p, "_tp_copies"):  # (replicated key/value heads: marked where they were cut)
             continue
         if split is not None:
             p._tp_copies = 1
