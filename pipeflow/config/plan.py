@@ -16,14 +16,13 @@ from pipeflow.planning.baselines import BASELINES
 from pipeflow.planning.plans import GB
 from pipeflow.planning.transformer import TransformerSpec
 from pipeflow.topology.presets import build_topology
-from pipeflow.topology.tensor import tensor_topology
 from pipeflow.topology.topology import Topology
 
 from .checks import check_known_keys
 from .groups.model import resolve_model
 from .groups.precision import resolve_precision
 from .schema import CONF_DIR, register_configs
-from .tensor import check_tensor_parallel
+from .tensor import grouped_topology
 from .values import ConfigError, at_least
 
 
@@ -167,9 +166,4 @@ def tensor_degrees(cfg: DictConfig, spec: TransformerSpec, topology: Topology) -
 
 def _grouped(cfg: DictConfig, spec: TransformerSpec, topology: Topology, tensor: int) -> Topology | str:
     """The topology seen as tensor groups of ``tensor``, or why the model or the nodes refuse it."""
-    run = {"model": cfg.model, "pipeline": {"tensor_parallel": tensor, "sequence_parallel": cfg.plan.sequence_parallel}}
-    try:
-        check_tensor_parallel(run, None, spec, None)
-        return tensor_topology(topology, tensor)
-    except (ConfigError, ValueError) as err:
-        return str(err)
+    return grouped_topology(cfg.model, spec, topology, tensor, cfg.plan.sequence_parallel)

@@ -23,6 +23,7 @@ from .checks import check_known_keys
 from .groups.model import resolve_model
 from .groups.precision import resolve_precision
 from .schema import compose, register_configs
+from .tensor import grouped_topology
 from .values import ConfigError, at_least
 
 
@@ -101,32 +102,22 @@ def _whole(key: str, given) -> list[int]:
     return values
 
 
-def _tensor_options(opts, spec: TransformerSpec, topology) -> tuple[list[tuple[int, bool]], dict]:
-    """(tensor degree, sequence parallel) pairs to search: the degrees the model splits
-    by (heads, key/value heads, MLP width; the sequence with sequence parallelism) whose
-    groups lie inside a node; the others left out, counted by reason."""
+def _tensor_options(cfg, spec: TransformerSpec, topology) -> tuple[list[tuple[int, bool]], dict]:
+    """(tensor degree, sequence parallel) pairs to search: those a run could take
+    (:func:`pipeflow.config.tensor.grouped_topology`: the model's heads, key/value heads,
+    MLP width and, with sequence parallelism, its sequence; groups inside a node); the
+    others left out, counted by the sentence that refuses them."""
+    opts = cfg.search
     degrees = _whole("search.tensor_parallel", opts.tensor_parallel)
     sps = [bool(v) for v in _choices("search.sequence_parallel", opts.sequence_parallel, (True, False))]
-    per_node: dict[int, int] = {}
-    for d in topology.devices:
-        per_node[d.node] = per_node.get(d.node, 0) + 1
     out, left = [], {}
     for t in sorted(set(degrees)):
-        if t == 1:
-            out.append((1, False))
-            continue
-        n_kv = spec.n_kv_head or spec.n_head
-        why = ("its GPUs would span nodes" if any(n % t for n in per_node.values())
-               else "the heads do not split" if spec.n_head % t or (n_kv % t and t % n_kv)
-               else "the MLP width does not split" if spec.ffn_width % t else None)
-        if why is not None:
-            left[f"pipeline.tensor_parallel={t}: {why}"] = 1
-            continue
-        for sp in sps:
-            if sp and spec.seq_len % t:
-                left[f"pipeline.tensor_parallel={t} with sequence parallelism: the sequence does not split"] = 1
-                continue
-            out.append((t, sp))
+        for sp in ([False] if t == 1 else sps):
+            why = grouped_topology(cfg.model, spec, topology, t, sp)
+            if isinstance(why, str):
+                left[why] = 1
+            else:
+                out.append((t, sp))
     if not out:
         raise ConfigError(f"search.tensor_parallel={degrees}: none of them splits model '{spec.name}' inside a node of "
                           f"the topology ({'; '.join(left)})")
@@ -202,7 +193,7 @@ def prepare_search(cfg: DictConfig) -> SearchInputs:
         if n not in ok:
             raise ConfigError(f"search.schedules: {n} cannot be searched ({searchable(get_spec(n))}); "
                               f"allowed values: {', '.join(ok)}")
-    tensors, left_out = _tensor_options(opts, spec, topology)
+    tensors, left_out = _tensor_options(cfg, spec, topology)
     space = SearchSpace(
         devices=topology.num_devices, tensors=tensors, global_batch=int(opts.global_batch), n_layer=spec.n_layer, schedules=names,
         stages=None if opts.stages is None else _whole("search.stages", opts.stages),

@@ -64,3 +64,18 @@ def check_tensor_parallel(cfg: Any, schedule: Schedule | None, spec, lengths: Se
                               f"ranks; use segments of multiples of {T} tokens (schedule.split=uniform with "
                               f"model.seq_len a multiple of pipeline.segments x {T}, or in pipeflow-simulate "
                               f"cost.segment_lengths)")
+
+
+def grouped_topology(model_cfg: Any, spec, topology, tensor: int, sequence_parallel: bool):
+    """``topology`` seen as tensor groups of ``tensor`` GPUs for the model ``spec``
+    (:func:`pipeflow.topology.tensor.tensor_topology`), or the sentence saying why the
+    model (:func:`check_tensor_parallel`) or the nodes refuse that degree: the planner's
+    and the search's question for each degree they try."""
+    from pipeflow.topology.tensor import tensor_topology
+
+    run = {"model": model_cfg, "pipeline": {"tensor_parallel": tensor, "sequence_parallel": sequence_parallel}}
+    try:
+        check_tensor_parallel(run, None, spec, None)
+        return tensor_topology(topology, tensor)
+    except (ConfigError, ValueError) as err:
+        return str(err)
