@@ -52,8 +52,7 @@ def build_run_plan(cfg: DictConfig, schedule: Schedule, spec: TransformerSpec | 
                                                   **({"segment_lengths": lengths} if lengths else {})))
     plan = RunPlan(schedule, layers, adapter, str(cfg.precision), str(model.get("attention") or "sdpa"), lengths,
                    tensor_parallel=int(pipe.get("tensor_parallel", 1)),
-                   sequence_parallel=bool(pipe.get("sequence_parallel", False)),
-                   data_parallel=int(pipe.get("data_parallel", 1)))
+                   sequence_parallel=bool(pipe.get("sequence_parallel", False)))
     if schedule.policy != WeightPolicy.SYNC:
         _asynchronous(plan, cfg, family.branched)
     return plan

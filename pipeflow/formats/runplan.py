@@ -48,7 +48,6 @@ class RunPlan:
     # split its stages (ranks device * T .. device * T + T - 1); sequence_parallel with it
     tensor_parallel: int = 1
     sequence_parallel: bool = False
-    data_parallel: int = 1  # the replicas of the pipeline (the device mesh's first dimension)
 
     @property
     def world_size(self) -> int:
