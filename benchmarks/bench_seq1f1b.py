@@ -35,9 +35,11 @@ predicts the same rows with pipeflow's simulator:
   rest left to the CUDA context, NCCL and the allocator's fragmentation) is marked OOM,
   as it would fail to run.
 - sequence parallelism cuts each segment into 8 slices, so a segment must be a
-  multiple of 8 tokens: the compute split's lengths (the paper's, ``lengths`` in the
-  rows) are rounded to multiples of 8 for the run (``simulated_lengths``), the first
-  s - 1 to the nearest, the last the rest.
+  multiple of 8 tokens: the product's split (``schedule.split``, with
+  ``pipeline.sequence_parallel``) rounds the compute split's lengths (the paper's,
+  ``lengths`` in the rows) to multiples of 8 for the run (``simulated_lengths``), the
+  first s - 1 to the nearest, the last the rest
+  (:func:`pipeflow.planning.seqsplit.granular`).
 - schedules: 1f1b, interleaved_1f1b (v = 2), seq1f1b with split uniform and compute at
   s = 4 (the paper's), or the smallest s in 4, 8, 16 that fits in memory.
 
@@ -93,22 +95,14 @@ def spec_for(seq: int) -> TransformerSpec:
     return TransformerSpec("gpt_7b", n_layer=32, n_head=32, n_embd=4096, vocab_size=50304, seq_len=seq, n_inner=16384)
 
 
-def tensor_lengths(lengths: list[int], tp: int = TP) -> list[int]:
-    """A split's lengths as multiples of ``tp`` (sequence parallelism cuts each segment
-    into ``tp`` slices): the first ones rounded to the nearest, the last the rest."""
-    head = [max(tp, tp * round(x / tp)) for x in lengths[:-1]]
-    return head + [sum(lengths) - sum(head)]
-
-
-def overrides(name: str, seq: int, virtual: int = 1, split: str | None = None, lengths=None) -> list[str]:
+def overrides(name: str, seq: int, virtual: int = 1, split: str | None = None, segments: int = 1) -> list[str]:
     """The pipeflow-simulate overrides of one row."""
     out = ["model=gpt_7b", f"model.seq_len={seq}", f"model.n_positions={seq}", f"schedule={name}",
            "topology=cluster", f"topology.nodes={STAGES}", f"topology.gpus_per_node={TP}",
            f"pipeline.stages={STAGES}", f"pipeline.microbatches={MICROBATCHES}", f"pipeline.tensor_parallel={TP}",
            "pipeline.sequence_parallel=true", f"cost.efficiency={EFFICIENCY}", "precision=bf16", "draw=false"]
-    if split:
-        out += [f"schedule.split={split}", f"pipeline.segments={len(lengths)}",
-                f"cost.segment_lengths=[{','.join(map(str, lengths))}]"]
+    if split:  # (the product cuts each segment to a multiple of TP tokens: sequence parallelism)
+        out += [f"schedule.split={split}", f"pipeline.segments={segments}"]
     elif virtual > 1:
         out.append(f"pipeline.virtual_stages={virtual}")
     return out
@@ -118,8 +112,8 @@ def run(label: str, seq: int, segments: int = 1) -> dict:
     """Tokens/s and per-GPU memory (GB, the largest device) of one schedule at one length."""
     name, v, split, _ = SCHEDULES[label]
     lengths = split_sequence(split, seq, segments, spec_for(seq)) if split else None
-    used = tensor_lengths(lengths) if split else None
-    inputs = prepare_simulation(compose("simulate", overrides(name, seq, v, split, used)))
+    inputs = prepare_simulation(compose("simulate", overrides(name, seq, v, split, segments)))
+    used = inputs.segment_lengths if split else None
     sched, cost, topo = inputs.schedule, inputs.cost, inputs.topology
     r = simulate(sched, cost, topo, record=False)
     walked = device_memory(sched, cost, r.per_device, library_workspace(topo, sched.num_devices))

@@ -92,3 +92,20 @@ def test_errors_name_the_key(args, key):
     with pytest.raises(ValueError) as e:
         split_sequence(*args)
     assert str(e.value).startswith(key)
+
+
+@pytest.mark.parametrize("strategy", ["uniform", "compute"])
+def test_sequence_parallel_segments_are_multiples_of_the_tensor_degree(strategy):
+    """With pipeline.sequence_parallel each segment splits into T slices: the split's
+    lengths rounded to multiples of T (the first ones to the nearest, the last the rest),
+    as close to the unrounded split as that allows; a whole split stays as it is."""
+    spec = TransformerSpec("gpt_7b", n_layer=32, n_head=32, n_embd=4096, vocab_size=50304, seq_len=32768)
+    plain = split_sequence(strategy, 32768, 4, spec)
+    got = split_sequence(strategy, 32768, 4, spec, multiple=8)
+    assert sum(got) == 32768 and all(x % 8 == 0 for x in got)
+    assert all(abs(a - b) <= 4 for a, b in zip(got[:-1], plain[:-1]))
+    if all(x % 8 == 0 for x in plain):
+        assert got == plain
+    assert split_sequence(strategy, 30, 4, spec, multiple=8) == split_sequence(strategy, 30, 4, spec)  # 30 % 8
+    with pytest.raises(ValueError, match="schedule.split=uniform: 4 segments of 16 tokens"):
+        split_sequence("uniform", 16, 4, spec, multiple=8)

@@ -125,10 +125,34 @@ def test_every_family_splits_across_tensor_ranks(family, tmp_path):
      "pipeline.tensor_parallel=4: model 'llama_tiny''s MLP width 342"),
     (["pipeline.tensor_parallel=2", "pipeline.sequence_parallel=true", "model.seq_len=33"],
      "pipeline.sequence_parallel=true: model.seq_len=33 tokens do not split"),
-    (["pipeline.tensor_parallel=2", "pipeline.sequence_parallel=true", "schedule=seq1f1b", "pipeline.segments=3",
-      "model.seq_len=98"], "pipeline.sequence_parallel=true: sequence segment"),
 ])
 def test_a_split_the_model_cannot_take_is_refused_before_any_rank_starts(over, says):
     """Nothing starts: the sentence names the key and why (pipeflow.config.tensor)."""
     with pytest.raises(ConfigError, match="^" + says.replace("(", r"\(").replace(")", r"\)")):
         prepare_training(compose("train", over))
+
+
+def test_segments_given_that_do_not_split_are_refused():
+    """Lengths given by hand (pipeflow-simulate's cost.segment_lengths) are taken as they
+    are: one that the tensor ranks cannot split is refused, naming it."""
+    from pipeflow.config import prepare_simulation
+
+    with pytest.raises(ConfigError, match="^pipeline.sequence_parallel=true: sequence segment 0 has 33 tokens"):
+        prepare_simulation(compose("simulate", ["model=gpt_tiny", "model.seq_len=64", "schedule=seq1f1b",
+                                                "pipeline.segments=2", "pipeline.tensor_parallel=2",
+                                                "pipeline.sequence_parallel=true", "topology=local_cpu",
+                                                "cost.segment_lengths=[33,31]"]))
+
+
+def test_sequence_parallel_segments_split_into_the_tensor_ranks_slices():
+    """schedule.split=compute with sequence parallelism: the run's segments are the split
+    rounded to multiples of T (planning.seqsplit.granular), which the runtime trains and
+    the simulator prices alike, where the unrounded split would be refused."""
+    over = ["schedule=seq1f1b", "schedule.split=compute", "pipeline.segments=2", "model.seq_len=128",
+            "pipeline.tensor_parallel=2", "pipeline.sequence_parallel=true"]
+    plan = prepare_training(compose("train", over)).plan
+    lengths = plan.segment_lengths
+    assert lengths == [68, 60]  # the compute split's [67, 61], each a multiple of 2
+    from pipeflow.config import prepare_simulation
+
+    assert prepare_simulation(compose("simulate", [*over, "topology=local_cpu"])).segment_lengths == lengths

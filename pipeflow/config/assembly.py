@@ -261,7 +261,10 @@ def segment_lengths(cfg: Any) -> list[int] | None:
         raise naming_key("model", model.get("name"), err) from None
     split = schedule.get("split")
     try:
-        return split_sequence("uniform" if split is None else split, spec.seq_len, pipe.get("segments", 1), spec)
+        # sequence parallelism cuts each segment into tensor_parallel slices
+        tensor = int(pipe.get("tensor_parallel", 1) or 1) if pipe.get("sequence_parallel", False) else 1
+        return split_sequence("uniform" if split is None else split, spec.seq_len, pipe.get("segments", 1), spec,
+                              multiple=tensor)
     except ValueError as err:
         raise ConfigError(str(err)) from None
 

@@ -91,14 +91,33 @@ def compute_split(spec: TransformerSpec, seq_len: int, segments: int) -> list[in
     return lengths[::-1]
 
 
-def split_sequence(strategy: str, seq_len: int, segments: int, spec: TransformerSpec | None = None) -> list[int]:
+def split_sequence(strategy: str, seq_len: int, segments: int, spec: TransformerSpec | None = None,
+                   multiple: int = 1) -> list[int]:
     """Token counts of the ``segments`` sequence segments of a ``seq_len``-token sequence,
     first to last: whole numbers >= 1 adding up to ``seq_len``. ``strategy`` is
-    ``uniform`` or ``compute`` (which needs the model's ``spec``). Raises ValueError
-    naming the key (``schedule.split``, ``pipeline.segments``)."""
+    ``uniform`` or ``compute`` (which needs the model's ``spec``). ``multiple``: each
+    segment a multiple of this many tokens where ``seq_len`` is one (sequence
+    parallelism cuts every segment into that many slices; :func:`granular`). Raises
+    ValueError naming the key (``schedule.split``, ``pipeline.segments``)."""
     _check(strategy, seq_len, segments, spec)
     if strategy == "uniform" or segments == 1:
-        return uniform_split(seq_len, segments)
-    if spec is None:
+        lengths = uniform_split(seq_len, segments)
+    elif spec is None:
         raise ValueError("schedule.split=compute: the computation-wise split needs the model's shape (model.*)")
-    return compute_split(spec, seq_len, segments)
+    else:
+        lengths = compute_split(spec, seq_len, segments)
+    return granular(lengths, multiple, strategy)
+
+
+def granular(lengths: list[int], multiple: int, strategy: str = "uniform") -> list[int]:
+    """``lengths`` as multiples of ``multiple`` adding up to the same: the first ones
+    rounded to the nearest (one multiple at least), the last the rest. Unchanged where
+    their sum is no multiple (the tensor-parallel check refuses that sequence)."""
+    total = sum(lengths)
+    if multiple <= 1 or total % multiple or all(x % multiple == 0 for x in lengths):
+        return list(lengths)
+    head = [max(multiple, multiple * round(x / multiple)) for x in lengths[:-1]]
+    if total - sum(head) < multiple:
+        raise ValueError(f"schedule.split={strategy}: {len(lengths)} segments of {total} tokens do not leave each "
+                         f"a multiple of {multiple} tokens (pipeline.sequence_parallel); use fewer pipeline.segments")
+    return head + [total - sum(head)]

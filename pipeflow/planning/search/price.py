@@ -147,7 +147,9 @@ class Pricer(MemoryPrices):
                 layers = self._layers.get((c.partition, n))
                 if layers is None:
                     layers = self._layers[(c.partition, n)] = partition_layers(c.partition, spec, n)
-                lengths = split_sequence(c.split, spec.seq_len, c.segments, spec) if c.segments > 1 else None
+                lengths = split_sequence(c.split, spec.seq_len, c.segments, spec,
+                                         multiple=c.tensor_parallel if c.sequence_parallel else 1) \
+                    if c.segments > 1 else None
                 got = AnalyticCost(spec, n, microbatch_size=c.microbatch_size, efficiency=self.efficiency,
                                    dtype_bytes=self.dtype_bytes, layers_per_stage=layers, segment_lengths=lengths,
                                    tensor_parallel=self.tensor, sequence_parallel=c.sequence_parallel)
