@@ -106,6 +106,13 @@ def cases(quick: bool = False) -> list[tuple[str, list[str]]]:
                 out.append((f"{fam} {name} fp32 recompute={mode}",
                             [*f, *s, "pipeline.stages=2", "precision=fp32", f"model.recompute={mode}"]))
             out.append((f"{fam} {name} fp32 4 ranks", [*f, *s, "pipeline.stages=4", "precision=fp32"]))
+    # tensor parallelism: 2 stages x 2 tensor ranks (4 ranks), with and without sequence parallelism
+    for fam in ("gpt", "llama"):
+        for name in ("1f1b", "zb_h1", "seq1f1b"):
+            for sp in (False, True):
+                out.append((f"{fam} {name} fp32 tp2" + ("+sp" if sp else ""),
+                            [*FAMILIES[fam], *SCHEDULES[name], "pipeline.stages=2", "precision=fp32",
+                             "pipeline.tensor_parallel=2", f"pipeline.sequence_parallel={str(sp).lower()}"]))
     # every other runtime schedule once (gpt, fp32, 2 ranks), and the concurrent-branch model
     for name, s in MORE.items():
         out.append((f"gpt {name} fp32", ["model=gpt_tiny", *s, "pipeline.stages=2", "precision=fp32"]))
@@ -117,7 +124,7 @@ def cases(quick: bool = False) -> list[tuple[str, list[str]]]:
                                           "model.text.n_layer=4", "model.vision.n_layer=4"]))  # a stage per layer
     if quick:
         keep = {"gpt 1f1b fp32", "gpt gpipe fp32", "gpt zb_h1 fp32", "llama 1f1b bf16", "bert 1f1b fp32",
-                "gpt seq1f1b fp32", "gpt 1f1b fp32 recompute=full", "gpt zb_v fp32"}
+                "gpt seq1f1b fp32", "gpt 1f1b fp32 recompute=full", "gpt zb_v fp32", "gpt 1f1b fp32 tp2+sp"}
         out = [c for c in out if c[0] in keep]
     return out
 
@@ -179,12 +186,18 @@ def measure(label: str, overrides: list[str], work: Path, device: str = "cpu", o
     if plan is not None:  # schedule=planned: the plan the run trained (another topology plans its own)
         (run_dir / "plan.json").write_text(json.dumps(plan))
         shape.append(f"schedule.plan={run_dir / 'plan.json'}")
+    # a device of the schedule is T ranks with tensor parallelism (rank = device x T + t):
+    # each device's fullest rank against the device the simulator prices
+    T = int(cfg.pipeline.get("tensor_parallel", 1) or 1)
+    ranks = summary["memory_profile"]
+    profiles = [max(ranks[d:d + T], key=lambda m: m.get("allocator_peak_bytes", m["peak_bytes"]))
+                for d in range(0, len(ranks), T)]
     # what the simulator says each device holds in the action where its rank peaked, too
-    actions = [meas.get("peak_action") for meas in summary["memory_profile"]]
+    actions = [meas.get("peak_action") for meas in profiles]
     sim = run_simulation(compose("simulate", [*over, *shape, "draw=false", *topology.split()]), run_dir / "sim",
                          actions=actions)
     rows = []
-    for dev, (meas, simd) in enumerate(zip(summary["memory_profile"], sim["per_device"])):
+    for dev, (meas, simd) in enumerate(zip(profiles, sim["per_device"])):
         # on CUDA the allocator's own peak is the measurement (the history's replay counts
         # each block as asked for, rounded to 512 bytes; a reused block's slack is not in it)
         peak, predicted = meas.get("allocator_peak_bytes", meas["peak_bytes"]), simd["peak_memory_bytes"]
