@@ -73,6 +73,25 @@ def test_one_layers_collectives_are_the_rings_closed_form(T, sp):
     assert F and all(e.end - e.start == pytest.approx(cost.compute_time("F", last, 0, dev), rel=1e-12) for e in F)
 
 
+@pytest.mark.parametrize("T", [1, 4])
+def test_the_searchs_time_tables_are_compute_time_number_for_number(T):
+    """AnalyticCost.compute_table (the search's F, B, I, W tables in array operations, a
+    segment length's collectives priced once) is compute_time exactly, segments of
+    unequal lengths included."""
+    topo = TensorTopology(get_topology("cluster", nodes=1, gpus_per_node=8), T) if T > 1 \
+        else get_topology("cluster", nodes=1, gpus_per_node=8)
+    cost = AnalyticCost(SPEC, 4, microbatch_size=2, tensor_parallel=T, sequence_parallel=T > 1,
+                        segment_lengths=[1536, 1024, 1024, 512])
+    if T > 1:
+        cost.place_tensor_groups(topo)
+    dev = topo.devices[0]
+    for kind in "FBIW":
+        table = cost.compute_table(kind, [0, 1, 3], dev)
+        assert table.tolist() == [[cost.compute_time(kind, s, x, dev) for x in range(4)] for s in (0, 1, 3)]
+    with pytest.raises(ValueError, match="S"):
+        cost.compute_table("S", [0], dev)
+
+
 def test_the_tensor_groups_are_consecutive_devices_of_a_node():
     physical = get_topology("cluster", nodes=2, gpus_per_node=8)
     topo = TensorTopology(physical, 4)

@@ -22,6 +22,8 @@ import math
 from abc import ABC, abstractmethod
 from typing import Sequence
 
+import numpy as np
+
 from ..topology.topology import Device
 from .layer_cost import LayerCost, layer_cost  # noqa: F401 - re-exported (branched_cost, plans, tests)
 from .tensor_cost import TensorShards, sequence_parallel_layer, shard_spec
@@ -362,6 +364,31 @@ class AnalyticCost(TensorShards, BackwardWorkingSet, HeldOutputs, CostModel):
         if self.tensor_parallel > 1:  # and it waits for its tensor group's collectives
             compute += self.tensor_time(kind, stage, segment, device)
         return compute
+
+    def compute_table(self, kind: str, stages: Sequence[int], device: Device) -> np.ndarray:
+        """:meth:`compute_time` of ``kind`` (F, B, I or W) for every segment of each of
+        ``stages``: an array [stage, segment], the same numbers in a few array operations
+        (the search's tables; a subclass's own compute_time, element by element)."""
+        g = self.num_segments
+        if kind not in self._flops:
+            raise self._bad_kind(kind)
+        if type(self).compute_time is not AnalyticCost.compute_time:
+            return np.array([[self.compute_time(kind, s, x, device) for x in range(g)] for s in stages], dtype=float)
+        out = np.array([self._flops[kind][s] for s in stages], dtype=float).reshape(len(stages), g) \
+            / (device.flops(self.dtype_bytes) * self.efficiency)
+        if device.memory_bandwidth > 0:
+            out = np.maximum(out, np.array([self._traffic[kind][s] for s in stages], dtype=float)[:, None]
+                             / device.memory_bandwidth)
+        if self.tensor_parallel > 1:  # (a segment's collectives depend on its length alone: once per length)
+            lengths: dict[int, int] = {}
+            for x, n in enumerate(self.segment_lengths):
+                lengths.setdefault(n, x)
+            rows = []
+            for s in stages:
+                at = {n: self.tensor_time(kind, s, x, device) for n, x in lengths.items()}
+                rows.append([at[n] for n in self.segment_lengths])
+            out += np.array(rows, dtype=float)
+        return out
 
     def weight_traffic_bytes(self, kind: str, stage: int) -> float:
         """Bytes one action of ``kind`` moves for its stage's weights and their gradients,

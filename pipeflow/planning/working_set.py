@@ -205,6 +205,17 @@ class BackwardWorkingSet:
         return self._cast_phase(stage, segment)[1]
 
     def _cast_phase(self, stage: int, segment: int) -> tuple[float, float]:
+        """:meth:`_cast_phase_of`, once per (stage, segment) and scratch (as :meth:`_backward_phase`)."""
+        cache = self.__dict__.get("_phases")
+        if cache is None:
+            cache = self._phases = {}
+        key = ("cast", stage, segment, getattr(self, "product_scratch", None), getattr(self, "attention_scratch", None))
+        got = cache.get(key)
+        if got is None:
+            got = cache[key] = self._cast_phase_of(stage, segment)
+        return got
+
+    def _cast_phase_of(self, stage: int, segment: int) -> tuple[float, float]:
         spec, c, n = self.spec, self.dtype_bytes, self.layers_per_stage[stage]
         if c >= 4 or n == 0:
             return 0.0, 0.0

@@ -10,6 +10,7 @@ simulates the most promising ones that fit, the best of every schedule among the
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import re
 import os
@@ -166,6 +167,20 @@ def search(space: SearchSpace, pricer: Pricer, simulate_top: int = 16, workers: 
     while a phase lasts (:mod:`.progress`). Raises NothingFits
     (naming the smallest requirement) when no candidate fits the limit, ValueError when no
     candidate can be built at all."""
+    # The pricing makes millions of small objects, most of them kept (the caches), few
+    # in cycles: the collector's passes over them took ~15% of a search (70B on 64 GPUs,
+    # docs/planning.md); off while it runs (and in its workers), as before after it.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _search(space, pricer, simulate_top, workers, progress_every, say)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _search(space: SearchSpace, pricer: Pricer, simulate_top: int, workers: int, progress_every: float | None,
+            say: Callable[[str], None] | None) -> SearchResult:
     global _PRICER
     t0 = time.perf_counter()
     refused: dict[str, int] = {}

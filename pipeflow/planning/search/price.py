@@ -177,12 +177,11 @@ class Pricer(MemoryPrices):
         kind = self._device_kind(device)
         got = tab.times.get(kind)
         if got is None:  # (once per kind of stage: cost.stage_kinds)
-            g, like = cost.num_segments, np.array(cost.stage_kinds())
+            like = np.array(cost.stage_kinds())
             firsts = sorted(set(like.tolist()))
             row = np.searchsorted(firsts, like)
-            got = tab.times[kind] = tuple(
-                np.array([[cost.compute_time(k, s, x, dev) for x in range(g)] for s in firsts])[row] for k in "FBIW"
-            ) + (np.array([cost.compute_time("S", s, 0, dev) for s in firsts])[row],)
+            got = tab.times[kind] = tuple(cost.compute_table(k, firsts, dev)[row] for k in "FBIW") + (
+                np.array([cost.compute_time("S", s, 0, dev) for s in firsts])[row],)
         return got
 
     def structure(self, c: Candidate, m: int | None = None) -> Structure | str:
