@@ -12,7 +12,10 @@ def term_value(key: tuple, cost, per_device=None, cache: dict | None = None) -> 
     if cache is not None and key in cache:
         return cache[key]
     name = key[0]
-    if name == "state":  # ("state", stage, category)
+    if name in _METHODS and key[-1] != "fresh" and key[-1] != "own_casts":  # the cost model's own method
+        fn = getattr(cost, name, None)
+        v = float(fn(*key[1:])) if fn is not None else 0.0
+    elif name == "state":  # ("state", stage, category)
         fn = getattr(cost, "state_bytes", None)
         if fn is not None:
             v = float(fn(key[1])[key[2]])
@@ -117,6 +120,15 @@ def term_value(key: tuple, cost, per_device=None, cache: dict | None = None) -> 
         cache[key] = v
     return v
 
+
+# the terms valued by the cost model's method of that name (the last branch of term_value,
+# taken first for these: most of a walk's terms)
+_METHODS = frozenset({
+    "activation_bytes", "backward_freed_bytes", "backward_grads_made_bytes", "cast_phase_bytes",
+    "cast_phase_freed_bytes", "forward_workspace_bytes", "input_freed_bytes", "input_gradient_bytes",
+    "input_kept_bytes", "kv_gradient_bytes", "local_output_bytes", "message_bytes", "output_bytes",
+    "sent_copy_bytes", "shared_output_bytes", "step_workspace_bytes", "tied_gradient_bytes",
+    "transient_bytes", "weight_residual_bytes", "weight_workspace_bytes", "workspace_bytes"})
 
 # the terms of one stage (the stage at key[1]) and of a stage boundary (key[1] and key[2])
 ONE_STAGE = frozenset({
