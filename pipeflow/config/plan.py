@@ -150,20 +150,18 @@ def tensor_degrees(cfg: DictConfig, spec: TransformerSpec, topology: Topology) -
                           f"e.g. [1, 2, 4, 8])")
     tensors: dict[int, Topology] = {}
     left: dict[int, str] = {}
+    def grouped(t: int) -> Topology | str:
+        return grouped_topology(cfg.model, spec, topology, t, cfg.plan.sequence_parallel)
+
     for t in sorted(set(given)):
-        got = _grouped(cfg, spec, topology, t)
+        got = grouped(t)
         if isinstance(got, str):
             left[t] = got
         else:
             tensors[t] = got
     if not tensors:
         most = min(sum(d.node == n for d in topology.devices) for n in {d.node for d in topology.devices})
-        allowed = [t for t in range(1, most + 1) if not isinstance(_grouped(cfg, spec, topology, t), str)]
+        allowed = [t for t in range(1, most + 1) if not isinstance(grouped(t), str)]
         raise ConfigError(f"plan.tensor_parallel={given}: no degree splits model '{spec.name}' inside a node of "
                           f"topology '{topology.name}'; allowed values: {allowed} (" + "; ".join(left.values()) + ")")
     return tensors, left
-
-
-def _grouped(cfg: DictConfig, spec: TransformerSpec, topology: Topology, tensor: int) -> Topology | str:
-    """The topology seen as tensor groups of ``tensor``, or why the model or the nodes refuse it."""
-    return grouped_topology(cfg.model, spec, topology, tensor, cfg.plan.sequence_parallel)

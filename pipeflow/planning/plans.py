@@ -24,7 +24,8 @@ from ..schedules.one_f_one_b import one_f_one_b
 from ..sim.engine import SimResult, simulate
 from ..topology.topology import Topology
 from .cost import AnalyticCost, layer_cost
-from .tensor_cost import layer_collectives, sequence_parallel_layer, shard_spec, stage_collectives
+from .tensor_cost import (collectives_time, layer_collectives, sequence_parallel_layer, shard_spec,
+                          stage_collectives)
 from .transformer import (
     TransformerSpec,
     embedding_params,
@@ -308,17 +309,12 @@ class StageModel:
             S, spec = self.spec.seq_len, self.spec
             per_layer = own = 0.0
             for kind in ("F", "B"):
-                per_layer += self._collectives(layer_collectives(kind, S, self.b, spec, self.dt, self.sp), device)
-                own += self._collectives(stage_collectives(kind, S, self.b, self.full_spec, self.dt, self.sp, self.T,
-                                                           first, last), device)
+                layer = layer_collectives(kind, S, self.b, spec, self.dt, self.sp)
+                stage = stage_collectives(kind, S, self.b, self.full_spec, self.dt, self.sp, self.T, first, last)
+                per_layer += collectives_time(self.links, layer, device)
+                own += collectives_time(self.links, stage, device)
             got = self._waits[key] = (per_layer, own)
         return got
-
-    def _collectives(self, collectives: list, device) -> float:
-        counts: dict[tuple[str, float], int] = {}  # alike ones priced once and counted (AnalyticCost's order)
-        for one in collectives:
-            counts[one] = counts.get(one, 0) + 1
-        return sum(k * self.links.collective_time(op, device, nbytes) for (op, nbytes), k in counts.items())
 
     def step_time(self, n: int, first: bool, last: bool, device) -> float:
         if device.memory_bandwidth <= 0:

@@ -127,6 +127,17 @@ def stage_collectives(kind: str, tokens: int, microbatch_size: int, spec: Transf
     return out
 
 
+def collectives_time(links, collectives: list, device) -> float:
+    """Seconds ``device``'s tensor group spends in ``collectives`` ((op, bytes) pairs) on
+    ``links`` (a :class:`~pipeflow.topology.tensor.TensorTopology`): alike ones priced once
+    and counted (the closed form's order: tests/test_tensor_parallel_pricing.py checks it
+    exactly); the cost model's and the planner's sum."""
+    counts: dict[tuple[str, float], int] = {}
+    for one in collectives:
+        counts[one] = counts.get(one, 0) + 1
+    return sum(k * links.collective_time(op, device, n) for (op, n), k in counts.items())
+
+
 class TensorShards:
     """For :class:`~pipeflow.planning.cost.AnalyticCost` (a mixin): with sequence
     parallelism a stage's output, its 16-bit copy and the stream's gradient are the
@@ -188,11 +199,7 @@ class TensorShards:
         if self.tensor_links is None:
             raise ValueError(f"pipeline.tensor_parallel={self.tensor_parallel}: the cost model prices the tensor "
                              f"groups' collectives on the run's topology; call place_tensor_groups(topology) first")
-        # alike collectives priced once and counted (the closed form's order: the test checks it exactly)
-        counts: dict[tuple[str, float], int] = {}
-        for one in collectives:
-            counts[one] = counts.get(one, 0) + 1
-        return sum(k * self.tensor_links.collective_time(op, device, n) for (op, n), k in counts.items())
+        return collectives_time(self.tensor_links, collectives, device)
 
     def _per_rank(self, value: float) -> float:
         return value / self.tensor_parallel if self.sequence_parallel else value
