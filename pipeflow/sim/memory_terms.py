@@ -122,7 +122,8 @@ def term_value(key: tuple, cost, per_device=None, cache: dict | None = None) -> 
 
 
 # the terms valued by the cost model's method of that name (the last branch of term_value,
-# taken first for these: most of a walk's terms)
+# taken first for these: most of a walk's terms); a name term_value composes itself must
+# not be here
 _METHODS = frozenset({
     "activation_bytes", "backward_freed_bytes", "backward_grads_made_bytes", "cast_phase_bytes",
     "cast_phase_freed_bytes", "forward_workspace_bytes", "input_freed_bytes", "input_gradient_bytes",
