@@ -251,6 +251,34 @@ def test_stage_kinds_price_every_term_alike():
     assert alike > 10
 
 
+def test_cost_models_of_one_shape_share_their_terms_bytes_exactly():
+    """The pricer values a memory term once for every cost model of one shape (model,
+    microbatch, segments, recomputation, tensor group) and kind of stage, whatever the
+    stage count or partition: every walk's bytes as it prices them, after many cost
+    models have filled what they share, are each cost model's own term by term."""
+    for model in ("gpt_small", "llama_tiny"):
+        cfg = compose("simulate", [f"model={model}"])
+        resolve_model(cfg)
+        pricer = Pricer(TransformerSpec.from_config(cfg.model), build_topology({"name": "cluster", "nodes": 1}, 8))
+        shared = 0
+        for name, v, s in (("zb_h1", 1, 1), ("seq1f1b", 1, 3), ("interleaved_1f1b", 2, 1)):
+            for p, dp in ((2, 4), (4, 2), (8, 1)):
+                for partition in ("uniform", "parameters"):
+                    for recompute in ("none", "full"):
+                        c = Candidate(name, p, dp, 2 * p + 2, 1, v, s, recompute, partition, "uniform",
+                                      "optimizer" if dp > 1 else "none")
+                        cost, st = pricer.cost(c), pricer.structure(c)
+                        if isinstance(cost, str) or isinstance(st, str):
+                            continue
+                        before = len(pricer._shared_terms)
+                        mem = st.replicated(c.shard, c.gather)
+                        got = pricer._values(cost, mem.terms, c, True)
+                        shared += len(mem.terms) and len(pricer._shared_terms) == before
+                        own = [term_value(priced_as(k, c.shard, dp), cost) for k in mem.terms]
+                        assert list(got) == own, (model, c)
+        assert shared > 3  # cost models whose every term another had valued
+
+
 def test_closed_form_memory_extrapolates_past_6p_microbatches():
     """A schedule without a period rule (GPipe, ZB-H2) is walked at two smaller sizes
     past 6p microbatches and its peak extrapolated: near, where the peak saturates or

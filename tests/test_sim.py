@@ -10,7 +10,7 @@ from pipeflow.planning.unit_cost import UnitCost
 from pipeflow.planning.transformer import TransformerSpec
 from pipeflow.schedules.common import finish_sync
 from pipeflow.schedules.deps import DepResolver
-from pipeflow.schedules.ir import B, F, I, REDUCE, STEP, W, Kind, Placement, Schedule, StageGraph
+from pipeflow.schedules.ir import B, F, I, REDUCE, STEP, W, Kind, Placement, Schedule, StageGraph, WeightPolicy
 from pipeflow.schedules.registry import build_schedule
 from pipeflow.schedules.validate import validate
 from pipeflow.sim import SimulationError, compile_schedule, simulate
@@ -207,6 +207,17 @@ def test_the_memory_walk_priced_as_arrays_is_the_walk(name):
         arrays = Peaks(tapes(sched))
         assert list(arrays.peaks([term_value(k, cost, per) for k in arrays.terms])) == pytest.approx(walked, rel=1e-12)
         assert len(set(walked)) > 1  # the devices differ: the test can tell them apart
+        if sched.placement.num_pipes == 1 and sched.policy == WeightPolicy.SYNC:
+            # the search prices a candidate without replicas on the replicated walk, with
+            # one replica (nothing at its REDUCEs): the same peaks, to the byte
+            from pipeflow.planning.search.closed_form import priced_as
+            from pipeflow.schedules.data_parallel import as_replica
+
+            one = as_replica(sched)
+            one.shard = "gradients"
+            rep = Peaks(tapes(one, replicas=2))
+            assert list(rep.peaks([term_value(priced_as(k, "none", 1), cost) for k in rep.terms])) == pytest.approx(
+                walked, rel=1e-12)
 
 
 def test_an_asynchronous_walk_holds_each_microbatchs_casts_and_the_tied_updates_not_yet_applied():

@@ -173,7 +173,9 @@ class AnalyticCost(TensorShards, BackwardWorkingSet, HeldOutputs, CostModel):
         segment_lengths: Sequence[int] | None = None,
         tensor_parallel: int = 1,  # pipeline.tensor_parallel: this prices one rank of a group of T (tensor_cost)
         sequence_parallel: bool = False,
+        shared: dict | None = None,  # tables shared by the cost models of one search (_build_tables)
     ) -> None:
+        self._shared = shared
         dtype_bytes = 2 if dtype_bytes is None else dtype_bytes
         self.tensor_parallel = _check_int("pipeline.tensor_parallel", tensor_parallel)
         self.sequence_parallel = bool(sequence_parallel) and tensor_parallel > 1
@@ -246,14 +248,29 @@ class AnalyticCost(TensorShards, BackwardWorkingSet, HeldOutputs, CostModel):
         kv_width = spec.kv_heads * spec.head_dim
         last = self.num_stages - 1
         split = self.num_segments > 1
-        # a stage's rows depend on its layers, first or not, last or not: built once per kind
-        ones = [layer_cost(spec, x, P, b, dt, segmented=split) for x, P in zip(self.segment_lengths, self.prefixes)]
-        if self.sequence_parallel:  # norms, dropouts and the stream on the rank's x/T tokens
-            ones = [sequence_parallel_layer(spec, one, x, b, self.tensor_parallel)
-                    for one, x in zip(ones, self.segment_lengths)]
+        # a stage's rows depend on its layers, first or not, last or not: built once per
+        # kind, and with ``shared`` (a search's thousands of cost models) once per kind and
+        # shape (what else they depend on: the rank's spec, the microbatch, the dtype, the
+        # segments, the tensor group, the host's attention kernel)
+        shared = self._shared
+        if shared is not None:
+            shape = ("shape", spec, b, dt, self.segment_lengths, self.sequence_parallel, self.tensor_parallel,
+                     getattr(self, "attention_scratch", None))
+            self.shape_number = shared.setdefault(shape, len(shared))
+            ones = shared.get((self.shape_number, "ones"))
+        if shared is None or ones is None:
+            ones = [layer_cost(spec, x, P, b, dt, segmented=split) for x, P in zip(self.segment_lengths, self.prefixes)]
+            if self.sequence_parallel:  # norms, dropouts and the stream on the rank's x/T tokens
+                ones = [sequence_parallel_layer(spec, one, x, b, self.tensor_parallel)
+                        for one, x in zip(ones, self.segment_lengths)]
+            if shared is not None:
+                shared[(self.shape_number, "ones")] = ones
         rows: dict[tuple, tuple] = {}
         for s, n in enumerate(self.layers_per_stage):
             if (kind := (n, s == 0, s == last)) in rows:
+                continue
+            if shared is not None and (got := shared.get((self.shape_number, kind))) is not None:
+                rows[kind] = got
                 continue
             f_row, w_row, a_row, r_row, e_row, t_row, g_row, i_row = [], [], [], [], [], [], [], []
             for one, x, P in zip(ones, self.segment_lengths, self.prefixes):
@@ -293,6 +310,8 @@ class AnalyticCost(TensorShards, BackwardWorkingSet, HeldOutputs, CostModel):
                 r_row.append(float(r))
                 t_row.append(float(t))
             rows[kind] = (f_row, i_row, t_row, g_row, e_row, w_row, a_row, r_row)
+            if shared is not None:
+                shared[(self.shape_number, kind)] = rows[kind]
         fwd, iws, trans, kvg, extra, wgt, act, res = zip(*(rows[(n, s == 0, s == last)]
                                                           for s, n in enumerate(self.layers_per_stage)))
         # recomputation runs in B, or in I (the first to unpack what the region saved)

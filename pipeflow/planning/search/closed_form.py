@@ -268,8 +268,12 @@ def priced_as(key: tuple, shard: str, replicas: int) -> tuple:
     """A term of a walk built with 2 replicas (ZeRO-2's, or ZeRO-3's), as ``shard`` with
     ``replicas`` prices it: a stage's count of copies is its copies in one replica
     (Chimera's 2) times the replicas; without ZeRO-2's reduce-scatter nothing goes at
-    the REDUCE and no slice arrives; without sharding the state and the step are whole."""
+    the REDUCE and no slice arrives; without sharding the state and the step are whole;
+    with one replica (a pipeline whose stages each stand once) there is no reduction at
+    all: the REDUCE lays nothing end to end, and the walk is the schedule's own."""
     name = key[0]
+    if replicas == 1 and name == "flat_gradients":
+        return ("nothing",)
     if shard in ("none", "optimizer") and name in ("scattered_gradients", "gradient_slice"):
         return ("nothing",)
     if shard == "none" and name == "sharded_optimizer_state":

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from pipeflow.sim.memory import term_value
-from pipeflow.sim.memory_terms import like_stage
+from pipeflow.sim.memory_terms import ONE_STAGE, TWO_STAGES, like_stage
 
 from ..cost import AnalyticCost
 from .closed_form import PERIODS, Structure, priced_as
@@ -53,13 +53,16 @@ class MemoryPrices:
         level = (id(terms), c.shard, c.data_parallel, kinds)
         moved = self._term_index.get(level)
         if moved is None:  # the terms the level and the replicas price otherwise: where, and as what
-            pos, keys = [], []
-            for i, k in enumerate(terms):
-                q = priced_as(k, c.shard, c.data_parallel)
-                if q != k:
-                    pos.append(i)
-                    keys.append(like_stage(q, kinds))
-            moved = self._term_index[level] = (np.array(pos, dtype=np.int64), self._numbers(keys))
+            where = self._term_index.get(level[:3])
+            if where is None:  # (once per walk and level; the kinds of stage, per cost model)
+                pos, keys = [], []
+                for i, k in enumerate(terms):
+                    q = priced_as(k, c.shard, c.data_parallel)
+                    if q != k:
+                        pos.append(i)
+                        keys.append(q)
+                where = self._term_index[level[:3]] = (np.array(pos, dtype=np.int64), keys)
+            moved = self._term_index[level] = (where[0], self._numbers([like_stage(q, kinds) for q in where[1]]))
         pos, numbers = moved
         if len(pos):
             out[pos] = self._valued(cost, numbers)
@@ -92,10 +95,46 @@ class MemoryPrices:
         if missing.any():
             keys = self._term_keys
             values = self._terms.setdefault(id(cost), {})
+            # a term's bytes depend on the cost model's shape and on the kinds of the stages it
+            # names (AnalyticCost.stage_kinds: their layers, first or not, last or not), not
+            # on which cost model: valued once for every cost model of that shape
+            shared, shape, kind = self._shared_terms, self._shape(cost), self._stage_kinds(cost)
             for n in np.unique(numbers[missing]).tolist():
-                known[n] = term_value(keys[n], cost, None, values)
+                k = keys[n]
+                name = k[0]
+                if name in ONE_STAGE:
+                    alike = (shape, name, kind[k[1]], *k[2:])
+                elif name in TWO_STAGES:
+                    alike = (shape, name, kind[k[1]], kind[k[2]], *k[3:])
+                else:
+                    alike = None  # (a term of no stage: its own)
+                v = shared.get(alike) if alike is not None else None
+                if v is None:
+                    v = term_value(k, cost, None, values)
+                    if alike is not None:
+                        shared[alike] = v
+                known[n] = v
             out = known[numbers]
         return out
+
+    def _shape(self, cost: AnalyticCost):
+        """What a cost model's terms depend on besides the kinds of their stages (its
+        tables' shape, AnalyticCost's ``shared``, and what is set on it after them); None:
+        a cost model the pricer did not make, whose terms are its own."""
+        number = getattr(cost, "shape_number", None)
+        if number is None:
+            return ("own", id(cost))
+        return (number, getattr(cost, "product_scratch", None), getattr(cost, "attention_scratch", None),
+                getattr(cost, "step_per_tensor", False), getattr(cost, "overlap", 0.0))
+
+    def _stage_kinds(self, cost: AnalyticCost) -> list[tuple]:
+        """Each stage's kind: (its layers, first, last)."""
+        got = self._kinds.get(("tuples", id(cost)))
+        if got is None:
+            last = cost.num_stages - 1
+            got = [(n, s == 0, s == last) for s, n in enumerate(cost.layers_per_stage)]
+            self._kinds[("tuples", id(cost))] = got
+        return got
 
     def needs(self, c: Candidate, cost: AnalyticCost) -> np.ndarray | None:
         """Bytes each device of one replica needs at its peak at the candidate's own m,
@@ -106,7 +145,10 @@ class MemoryPrices:
         if at is None:
             return None
         m0, q, k = at  # (every schedule with a rule is synchronous)
-        walk = Structure.walk_of(c.shard, c.gather, c.data_parallel > 1)
+        st = self.structures.get(c.schedule, c.stages, m0, c.virtual_stages, c.segments)
+        if isinstance(st, str):
+            return None
+        walk = Structure.walk_of(c.shard, c.gather, self._replicated(c, st))
         mem = self.structures.periodic(c.schedule, c.stages, m0, q, c.virtual_stages, c.segments, walk)
         if mem is None:
             return None
@@ -116,8 +158,20 @@ class MemoryPrices:
         """Bytes each device of one replica needs at its peak, as the simulator's memory
         walk counts them (model state, activations, messages, workspaces; with replicas,
         their reductions' buffers and what they shard)."""
-        replicas = c.data_parallel > 1 and not st.asynchronous
+        replicas = self._replicated(c, st)
         return self._peaks(st.replicated(c.shard, c.gather) if replicas else st.memory, cost, c, replicas)
+
+    @staticmethod
+    def _replicated(c: Candidate, st: Structure) -> bool:
+        """Whether the candidate's memory is priced on its schedule's replicated walk: with
+        replicas, and without them too where one pipeline holds each stage once (a
+        synchronous chain: the walk without replicas is that walk with nothing at its
+        REDUCEs, :func:`priced_as` with one replica), so that one walk of the schedule
+        serves every number of replicas; else (Chimera's two pipelines reduce each stage
+        within a replica; asynchronous policies) the schedule's own walk."""
+        if st.asynchronous:
+            return False
+        return c.data_parallel > 1 or st.schedule.placement.num_pipes == 1
 
     def _peaks(self, mem, cost: AnalyticCost, c: Candidate, replicas: bool, k: int = 0) -> np.ndarray:
         """A walk's (:class:`~pipeflow.sim.memory_peaks.Peaks`, or ``Periodic`` at k

@@ -105,6 +105,9 @@ class Pricer(MemoryPrices):
         self._compiled: dict[tuple, object] = {}  # (id(structure), replicas, level, gather) -> its simulation's input
         self._layers: dict[tuple, list[int]] = {}
         self._memo: dict[tuple, object] = {}  # collectives' times and per-structure arrays, by tagged keys
+        # what cost models of one shape share (AnalyticCost's rows per kind of stage; the
+        # memory terms' bytes per kind of stage: MemoryPrices._valued), by every degree's pricer
+        self._shared_tables, self._shared_terms = {}, {}
         repeat = kv_repeat_on(spec, dtype_bytes, topology.on_gpus)  # fp32 grouped-query attention on GPUs
         self._specs = {r: dataclasses.replace(spec, recompute=r, kv_repeat=repeat)
                        for r in ("none", "selective", "full")}
@@ -126,6 +129,7 @@ class Pricer(MemoryPrices):
             # what no cost changes: the terms' numbering and each walk's index into it, each structure's keys
             got._term_numbers, got._term_keys, got._term_index = root._term_numbers, root._term_keys, root._term_index
             got._flat = root._flat
+            got._shared_tables, got._shared_terms = root._shared_tables, root._shared_terms
             self._tensors[t] = got
         return got
 
@@ -152,7 +156,8 @@ class Pricer(MemoryPrices):
                     if c.segments > 1 else None
                 got = AnalyticCost(spec, n, microbatch_size=c.microbatch_size, efficiency=self.efficiency,
                                    dtype_bytes=self.dtype_bytes, layers_per_stage=layers, segment_lengths=lengths,
-                                   tensor_parallel=self.tensor, sequence_parallel=c.sequence_parallel)
+                                   tensor_parallel=self.tensor, sequence_parallel=c.sequence_parallel,
+                                   shared=self._shared_tables)
                 got.overlap = self.overlap
                 if self.tensor > 1:  # the groups' collectives on their own links
                     got.place_tensor_groups(self.topology)
