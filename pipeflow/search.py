@@ -24,6 +24,7 @@ requirement found.
 
 from __future__ import annotations
 
+import gc
 import logging
 from pathlib import Path
 
@@ -50,6 +51,18 @@ def run_search(cfg: DictConfig, out_dir: str | Path) -> tuple[SearchResult, list
     """Search and write the files; return the result and the file names. Raises
     ConfigError naming the key for a config that cannot be searched, or the smallest
     requirement found for a budget nothing fits."""
+    # the search's millions of small objects are kept until its files are written: the
+    # collector is off until then too (one pass over them took seconds, search())
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _run_search(cfg, out_dir)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _run_search(cfg: DictConfig, out_dir: str | Path) -> tuple[SearchResult, list[str]]:
     inputs = prepare_search(cfg)
     try:
         workers = cfg.search.workers or default_workers()

@@ -104,7 +104,7 @@ def term_value(key: tuple, cost, per_device=None, cache: dict | None = None) -> 
     elif name == "extra_versions":  # ("extra_versions", device, stage): its versions beyond the first
         stats = per_device[key[1]] if per_device is not None and key[1] < len(per_device) else None
         versions = getattr(stats, "peak_weight_versions", 1) or 1
-        v = (versions - 1) * term_value(("state", key[2], "parameters"), cost, per_device, cache)
+        v = (versions - 1) * term_value(("state", key[2], "parameters"), cost, per_device, cache) if versions > 1 else 0.0
     elif key[-1] == "own_casts":  # (..., "own_casts"): an asynchronous schedule's, whose
         # microbatches cast the weights for themselves, where the cost model prices it apart
         view = getattr(cost, "own_casts", None)

@@ -128,8 +128,7 @@ class Pricer(MemoryPrices):
             got.tensor, got.structures, got._layers, got._tensors = t, root.structures, root._layers, root._tensors
             # what no cost changes: the terms' numbering and each walk's index into it, each structure's keys
             got._term_numbers, got._term_keys, got._term_index = root._term_numbers, root._term_keys, root._term_index
-            got._flat = root._flat
-            got._shared_tables, got._shared_terms = root._shared_tables, root._shared_terms
+            got._flat, got._shared_tables, got._shared_terms = root._flat, root._shared_tables, root._shared_terms
             self._tensors[t] = got
         return got
 
@@ -223,16 +222,17 @@ class Pricer(MemoryPrices):
                     np.concatenate([n for _, _, n in st.counts], axis=1),
                     np.array([d for d, _ in held], dtype=np.int64), np.array([s for _, s in held], dtype=np.int64))
             dev, i, g, n, step_dev, step_stage = flat
-            f_, b_, i_, w_, nb, steps = (np.zeros(p) for _ in range(6))
+            sums, steps = np.zeros(5 * p), np.zeros(p)  # (F, B, I, W, the W share of full Bs) per device
             for d0, devices in self._kinds_among(p).items():  # (once per kind of device)
                 F, B, I, W, S = self.times(cost, d0)  # noqa: E741
                 on = np.isin(dev, devices) if len(devices) < p else slice(None)
                 at = (i[on], g[on])
-                for row, (out, x) in enumerate(((f_, F), (b_, B), (i_, I), (w_, W))):  # (n's rows: F, B, I, W)
-                    out += np.bincount(dev[on], n[row, on] * x[at], minlength=p)
-                nb += np.bincount(dev[on], n[1, on] * W[at], minlength=p)  # the weight-gradient share of full Bs
+                w = W[at]  # (n's rows F, B, I, W times their times, full Bs' times W: one bincount, by row and device)
+                weights = np.concatenate((n[0, on] * F[at], n[1, on] * B[at], n[2, on] * I[at], n[3, on] * w, n[1, on] * w))
+                sums += np.bincount((dev[on][None, :] + p * np.arange(5)[:, None]).ravel(), weights, minlength=5 * p)
                 mine = np.isin(step_dev, devices) if len(devices) < p else slice(None)
                 steps += np.bincount(step_dev[mine], S[step_stage[mine]], minlength=p)
+            f_, b_, i_, w_, nb = sums.reshape(5, p)
             units = np.bincount(dev, n[0], minlength=p)
             sched, msg = st.schedule, self.tables(cost).message
             hop_key = (id(st), msg, "hop")

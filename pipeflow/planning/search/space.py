@@ -12,7 +12,7 @@ update, and differs only in how.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Iterator, Sequence
 
 from pipeflow.schedules.registry import get_spec, specs
@@ -85,7 +85,12 @@ class Candidate:
         return " ".join(out)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        # (its fields are plain values: no deep copy, which took most of writing a
+        # 100,000-row candidates.csv)
+        return {name: getattr(self, name) for name in _FIELDS}
+
+
+_FIELDS = tuple(f.name for f in fields(Candidate))
 
 
 @dataclass
