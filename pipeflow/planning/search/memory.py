@@ -118,14 +118,14 @@ class MemoryPrices:
         return out
 
     def _shape(self, cost: AnalyticCost):
-        """What a cost model's terms depend on besides the kinds of their stages (its
-        tables' shape, AnalyticCost's ``shared``, and what is set on it after them); None:
-        a cost model the pricer did not make, whose terms are its own."""
+        """What a cost model's terms depend on besides the kinds of their stages: its
+        tables' shape (AnalyticCost's ``shared``) and the host's kernels and optimizer step
+        set on it after them; a cost model built without ``shared`` shares with none."""
         number = getattr(cost, "shape_number", None)
         if number is None:
             return ("own", id(cost))
         return (number, getattr(cost, "product_scratch", None), getattr(cost, "attention_scratch", None),
-                getattr(cost, "step_per_tensor", False), getattr(cost, "overlap", 0.0))
+                getattr(cost, "step_per_tensor", False))
 
     def _stage_kinds(self, cost: AnalyticCost) -> list[tuple]:
         """Each stage's kind: (its layers, first, last)."""
