@@ -24,7 +24,6 @@ requirement found.
 
 from __future__ import annotations
 
-import gc
 import logging
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from pipeflow.config import CONF_DIR, ConfigError, check_logger, drop_empty_run_dir, run_app
-from pipeflow.planning.search import (NothingFits, SearchResult,
+from pipeflow.planning.search import (NothingFits, SearchResult, collector_off,
                                       default_workers, pareto, search)
 from pipeflow.planning.search.report import (candidate_config, draw_pareto, format_search, train_config,
                                              write_candidates_csv, write_json)
@@ -51,15 +50,8 @@ def run_search(cfg: DictConfig, out_dir: str | Path) -> tuple[SearchResult, list
     """Search and write the files; return the result and the file names. Raises
     ConfigError naming the key for a config that cannot be searched, or the smallest
     requirement found for a budget nothing fits."""
-    # the search's millions of small objects are kept until its files are written: the
-    # collector is off until then too (one pass over them took seconds, search())
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_off():  # (the search's objects are kept until its files are written)
         return _run_search(cfg, out_dir)
-    finally:
-        if collecting:
-            gc.enable()
 
 
 def _run_search(cfg: DictConfig, out_dir: str | Path) -> tuple[SearchResult, list[str]]:

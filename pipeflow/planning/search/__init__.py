@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+from contextlib import contextmanager
 import re
 import os
 import signal
@@ -26,7 +27,7 @@ from .space import (GATHERS, PARTITIONS, RECOMPUTE, SHARDS, SPLITS, Candidate, S
                     default_schedules, searchable)
 
 __all__ = ["CLOSED_FORM", "SIMULATED", "GATHERS", "PARTITIONS", "RECOMPUTE", "SHARDS", "SPLITS", "Candidate", "NothingFits", "Priced", "Pricer",
-           "SearchResult", "SearchSpace", "candidates", "default_schedules", "default_workers", "pareto", "search", "searchable"]
+           "SearchResult", "SearchSpace", "candidates", "collector_off", "default_schedules", "default_workers", "pareto", "search", "searchable"]
 
 GIB = 2**30
 
@@ -167,13 +168,20 @@ def search(space: SearchSpace, pricer: Pricer, simulate_top: int = 16, workers: 
     while a phase lasts (:mod:`.progress`). Raises NothingFits
     (naming the smallest requirement) when no candidate fits the limit, ValueError when no
     candidate can be built at all."""
-    # The pricing makes millions of small objects, most of them kept (the caches), few
-    # in cycles: the collector's passes over them took ~15% of a search (70B on 64 GPUs,
-    # docs/planning.md); off while it runs (and in its workers), as before after it.
+    with collector_off():
+        return _search(space, pricer, simulate_top, workers, progress_every, say)
+
+
+@contextmanager
+def collector_off():
+    """Python's cycle collector off inside, as it was after. A search makes millions of
+    small objects, most of them kept (the caches), few in cycles: the collector's passes
+    over them took ~15% of a search (70B on 64 GPUs, docs/planning.md); off while it
+    runs (and in its workers), and while pipeflow-search writes its files."""
     collecting = gc.isenabled()
     gc.disable()
     try:
-        return _search(space, pricer, simulate_top, workers, progress_every, say)
+        yield
     finally:
         if collecting:
             gc.enable()
