@@ -209,7 +209,7 @@ def test_the_memory_walk_priced_as_arrays_is_the_walk(name):
         assert len(set(walked)) > 1  # the devices differ: the test can tell them apart
         if sched.placement.num_pipes == 1 and sched.policy == WeightPolicy.SYNC:
             # the search prices a candidate without replicas on the replicated walk, with
-            # one replica (nothing at its REDUCEs): the same peaks, to the byte
+            # one replica (nothing at its REDUCEs): the same peaks as the walk's own
             from pipeflow.planning.search.closed_form import priced_as
             from pipeflow.schedules.data_parallel import as_replica
 
