@@ -270,10 +270,10 @@ def test_cost_models_of_one_shape_share_their_terms_bytes_exactly():
                         cost, st = pricer.cost(c), pricer.structure(c)
                         if isinstance(cost, str) or isinstance(st, str):
                             continue
-                        before = len(pricer._shared_terms)
+                        before = sum(map(len, pricer._shared_terms.values()))  # (each shape's table)
                         mem = st.replicated(c.shard, c.gather)
                         got = pricer._values(cost, mem.terms, c, True)
-                        shared += len(mem.terms) and len(pricer._shared_terms) == before
+                        shared += len(mem.terms) and sum(map(len, pricer._shared_terms.values())) == before
                         own = [term_value(priced_as(k, c.shard, dp), cost) for k in mem.terms]
                         assert list(got) == own, (model, c)
         assert shared > 3  # cost models whose every term another had valued
@@ -380,6 +380,27 @@ def test_two_workers_find_what_one_finds():
     assert sorted((q.candidate.label(), q.step_time) for q in one.closed) == \
         sorted((q.candidate.label(), q.step_time) for q in two.closed)
     assert one.refused == two.refused
+
+
+
+def test_a_search_that_lets_each_groups_caches_go_prices_as_one_that_keeps_them():
+    """The search prices a group of candidates (stages x chunks, segments) at a time and
+    then lets go of the group's cost models, structures and walks (Pricer.release): its
+    closed forms, time and memory, are those of a pricer that kept everything."""
+    spec, pricer = _pricer(devices=4)
+    space = _space(spec, devices=4)
+    result = search(space, pricer, simulate_top=4, workers=1)
+    assert len(pricer.structures) > 1  # (the count of those built stays)
+    spec, keeping = _pricer(devices=4)
+    kept = {c: keeping.closed_form(c) for c in candidates(space)}
+    assert len({(q.candidate.stages * q.candidate.virtual_stages, q.candidate.segments) for q in result.closed}) > 2
+    for q in result.closed:
+        own = kept[q.candidate]
+        assert (q.step_time, q.peak_memory, q.device) == (own.step_time, own.peak_memory, own.device), q.candidate
+    assert len(result.closed) == sum(not isinstance(q, str) for q in kept.values())
+    # what the search's pricer holds after it is what its simulated phase built (for its
+    # few candidates), not every group's
+    assert len(pricer._costs) <= len(result.simulated) < len(keeping._costs)
 
 
 # ------------------------------------------------------------------------- the app

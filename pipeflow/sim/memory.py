@@ -138,7 +138,8 @@ def tapes(schedule, devices=None, replicas: int = 1, bare: str | None = None):
                 ap((OPT, key("sharded_optimizer_state", s, count[s]), 1))
             elif owners is None or owners[s] == d:
                 ap((OPT, key("state", s, "optimizer_state"), 1))
-            ap((VERS, key("extra_versions", d, s), 1 / len(reps)))
+            if asynchronous:  # (a synchronous schedule's stages hold one version each)
+                ap((VERS, key("extra_versions", d, s), 1 / len(reps)))
         ap((-1, -1, 0))
         mine = [a for a in order if a.kind in (F, B, I, W, Kind.STEP, Kind.GATHER, Kind.FREE)]
         reduces_after = reduces_of(order, (F, B, I, W, Kind.STEP, Kind.GATHER, Kind.FREE))

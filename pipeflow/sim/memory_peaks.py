@@ -128,20 +128,34 @@ class Periodic:
         per_row = np.bincount(row[at], minlength=len(rows))
         self._empty = per_row == 0
         self.starts = np.concatenate(([0], np.cumsum(per_row)))[:-1]
-        # each block's net change, per term: the level at a block's start is a product
-        self._net = np.zeros((len(rows), len(self.terms) + 1))
-        np.add.at(self._net, (row[adds], self.idx), self.coef)
+        # each block's net change, per term (the level at a block's start is a sum of
+        # them), as (block, term, count) with each pair once; none where every device's
+        # walk is one block (each starts at nothing)
+        self._single = len(rows) == self.devices and not self._repeated.any()
+        if self._single:
+            self._net = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0))
+        else:
+            pair = row[adds] * (len(self.terms) + 1) + self.idx
+            pairs, inverse = np.unique(pair, return_inverse=True)
+            self._net = (pairs // (len(self.terms) + 1), pairs % (len(self.terms) + 1),
+                         np.bincount(inverse, self.coef, minlength=len(pairs)))
 
     def peaks(self, values, k: int = 0) -> np.ndarray:
         """Each device's peak bytes at k periods past the smaller walk (k >= 0), with
         ``values[i]`` the bytes of ``terms[i]``."""
         v = np.append(np.asarray(values, dtype=float), 0.0)  # index -1: no extra term
-        level = np.concatenate(([0.0], np.cumsum(self.coef * v[self.idx])))
+        level = np.empty(len(self.idx) + 1)
+        level[0] = 0.0
+        np.multiply(self.coef, v[self.idx], out=level[1:])
+        np.cumsum(level[1:], out=level[1:])
         at = level[self.pos] - level[self.base] + v[self.extra]
         top = np.full(len(self._device), -np.inf)  # each block's highest instant, from its start
         full = ~self._empty
         top[full] = np.maximum.reduceat(at, self.starts[full])
-        net = self._net @ v
+        if self._single:  # (each device's one block: its highest instant)
+            return np.maximum.reduceat(top, self._first) if len(top) else top
+        block, term, count = self._net
+        net = np.bincount(block, count * v[term], minlength=len(self._device))
         added = np.where(self._repeated, k * net, net)  # what each block adds at k periods
         ends = np.cumsum(added)
         start = ends - added - np.repeat((ends - added)[self._first], np.diff(np.append(self._first, len(added))))

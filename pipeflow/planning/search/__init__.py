@@ -76,7 +76,12 @@ def _each(price, batch: list[Candidate]) -> list:
 
 
 def _closed_forms(batch: list[Candidate]) -> list[Priced | str]:
-    return _each(_PRICER.closed_form, batch)
+    """A group's closed forms; then what the group built goes (Pricer.release: no other
+    group's candidate needs it, and a search that kept every group's would hold gigabytes)."""
+    try:
+        return _each(_PRICER.closed_form, batch)
+    finally:
+        _PRICER.release()
 
 
 _CLOSED: dict = {}  # candidate -> its closed-form price, for the simulated phase (forked with it)
@@ -100,22 +105,22 @@ def _map(fn, items: list, workers: int, key, phase: str = "", report: tuple = (N
     """(item, result) pairs of fn over items, in ``workers`` forked processes when more
     than one (each inherits the pricer and takes whole groups by ``key``). ``report``:
     (seconds between progress lines, where a line goes) for :class:`.progress.Progress`."""
-    global _PROGRESS
+    global _PROGRESS, _BATCHES
     every, say = report
     if workers <= 1 or len(items) < 2 or "fork" not in multiprocessing.get_all_start_methods():
         _PROGRESS = Progress(phase, items, every, say)
-        try:
-            out = list(zip(items, fn(items)))
+        try:  # (by groups as the workers take them: the same order, and what a group shares built once)
+            out = [pair for b in _groups(items, key) for pair in zip(b, fn(b))]
             _PROGRESS.tell(final=True)
         finally:
             _PROGRESS = None
         return out
-    batches = _groups(items, key)
+    _BATCHES = batches = _groups(items, key)  # (before the fork: a worker is sent a group's index, not the group)
     _PROGRESS = progress = Progress(phase, items, every, say, shared=True)  # before the fork: the workers count
     pool = ProcessPoolExecutor(min(workers, len(batches)), mp_context=multiprocessing.get_context("fork"),
                                initializer=_die_with_parent)
     try:
-        futures = [pool.submit(fn, b) for b in batches]
+        futures = [pool.submit(_batch, fn, i) for i in range(len(batches))]
         while True:
             done, pending = wait(futures, timeout=progress.poll(), return_when=FIRST_EXCEPTION)
             if not pending or any(f.exception() for f in done):
@@ -129,9 +134,16 @@ def _map(fn, items: list, workers: int, key, phase: str = "", report: tuple = (N
         pool.shutdown(wait=False, cancel_futures=True)
         raise
     finally:
-        _PROGRESS = None
+        _PROGRESS, _BATCHES = None, []
     pool.shutdown()
     return out
+
+
+_BATCHES: list[list] = []  # the groups a forked worker takes by index
+
+
+def _batch(fn, i: int) -> list:
+    return fn(_BATCHES[i])
 
 
 def _die_with_parent() -> None:

@@ -290,6 +290,7 @@ class StructureCache:
 
     def __init__(self) -> None:
         self._cache: dict[tuple, Structure | str] = {}
+        self.built = 0  # structures built (clear() lets them go, not the count)
         # walk ZeRO-2's and ZeRO-3's (gathered once a step) walks of a structure together,
         # where a search prices both (one pass: what they share walked once)
         self.pairs = False
@@ -302,6 +303,7 @@ class StructureCache:
             try:
                 got = Structure(name, p, m, v, s)
                 got.pairs = self.pairs
+                self.built += 1
             except ScheduleConfigError as err:
                 got = str(err)
             self._cache[key] = got
@@ -330,5 +332,10 @@ class StructureCache:
             got = self._cache[key]
         return got or None
 
+    def clear(self) -> None:
+        """Let go of every structure and walk built so far."""
+        self._cache.clear()
+
     def __len__(self) -> int:
-        return sum(isinstance(v, Structure) for v in self._cache.values())
+        """The structures built (each once while kept)."""
+        return self.built

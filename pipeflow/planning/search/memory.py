@@ -70,13 +70,14 @@ class MemoryPrices:
 
     def _numbers(self, keys: list) -> np.ndarray:
         """Each term's number among every term the pricer has met."""
-        number, named = self._term_numbers, self._term_keys
+        number, named, forms = self._term_numbers, self._term_keys, self._forms
         out = []
         for k in keys:
             n = number.get(k)
             if n is None:
                 n = number[k] = len(named)
                 named.append(k)
+                forms.add(k)
             out.append(n)
         return np.array(out, dtype=np.int64)
 
@@ -97,23 +98,24 @@ class MemoryPrices:
             values = self._terms.setdefault(id(cost), {})
             # a term's bytes depend on the cost model's shape and on the kinds of the stages it
             # names (AnalyticCost.stage_kinds: their layers, first or not, last or not), not
-            # on which cost model: valued once for every cost model of that shape
-            shared, shape, kind = self._shared_terms, self._shape(cost), self._stage_kinds(cost)
-            for n in np.unique(numbers[missing]).tolist():
-                k = keys[n]
-                name = k[0]
-                if name in ONE_STAGE:
-                    alike = (shape, name, kind[k[1]], *k[2:])
-                elif name in TWO_STAGES:
-                    alike = (shape, name, kind[k[1]], kind[k[2]], *k[3:])
-                else:
-                    alike = None  # (a term of no stage: its own)
-                v = shared.get(alike) if alike is not None else None
+            # on which cost model: valued once for every cost model of that shape, under
+            # its form and its stages' kinds as one number (TermForms)
+            shape, kinds = self._forms.of(cost, self)
+            shared = self._shared_terms.setdefault(shape, {})  # (one shape's: a small table)
+            form, first, second = self._forms.arrays()
+            todo = np.unique(numbers[missing])
+            one, two = first[todo], second[todo]
+            alike = (form[todo] << 40) | (np.where(one >= 0, kinds[one], 0) << 20) | np.where(two >= 0, kinds[two] + 1, 0)
+            got = []
+            for n, key, own in zip(todo.tolist(), alike.tolist(), (one < 0).tolist()):
+                if own:  # (a term of no stage: its own)
+                    got.append(term_value(keys[n], cost, None, values))
+                    continue
+                v = shared.get(key)
                 if v is None:
-                    v = term_value(k, cost, None, values)
-                    if alike is not None:
-                        shared[alike] = v
-                known[n] = v
+                    v = shared[key] = term_value(keys[n], cost, None, values)
+                got.append(v)
+            known[todo] = got
             out = known[numbers]
         return out
 
@@ -129,12 +131,22 @@ class MemoryPrices:
 
     def _stage_kinds(self, cost: AnalyticCost) -> list[tuple]:
         """Each stage's kind: (its layers, first, last)."""
-        got = self._kinds.get(("tuples", id(cost)))
-        if got is None:
-            last = cost.num_stages - 1
-            got = [(n, s == 0, s == last) for s, n in enumerate(cost.layers_per_stage)]
-            self._kinds[("tuples", id(cost))] = got
-        return got
+        last = cost.num_stages - 1
+        return [(n, s == 0, s == last) for s, n in enumerate(cost.layers_per_stage)]
+
+
+    def release(self) -> None:
+        """Let go of what one group of candidates built: the search prices a group of the
+        same stages x chunks and segments at a time, and no cost model, structure or walk
+        serves two groups (their keys hold both), so that a group's are garbage after it.
+        Every cost model and structure, and every cache keyed by their ids, of each tensor
+        degree's pricer; the terms' numbering and what shapes share stay."""
+        for q in self._tensors.values():
+            for cache in (q._costs, q._tables, q._terms, q._term_bytes, q._needs_cache, q._work_cache, q._flat,
+                          q._kinds, q._term_index, q._compiled, q._memo):
+                cache.clear()
+        self._forms.forget()
+        self.structures.clear()
 
     def needs(self, c: Candidate, cost: AnalyticCost) -> np.ndarray | None:
         """Bytes each device of one replica needs at its peak at the candidate's own m,
@@ -195,3 +207,64 @@ class MemoryPrices:
         held = np.asarray(needs, dtype=float)[:, None] + workspace  # the math libraries' own, throughout
         at = int(np.argmax(held - limit))  # (the first of the fullest, stage device first)
         return float(held.flat[at]), float(limit.flat[at]), int(dev.flat[at])
+
+
+class TermForms:
+    """The search's memory terms as numbers, so that what cost models of one shape share
+    is looked up by one integer: each numbered term's form (its key with its stages left
+    out) and the stages it names (-1: none), and the cost models' shapes and kinds of
+    stage, each numbered once (:meth:`MemoryPrices._valued`: a term under a cost model
+    is form << 40 | first stage's kind << 20 | second stage's kind + 1)."""
+
+    LIMIT = 1 << 20  # forms, shapes and kinds numbered
+
+    def __init__(self) -> None:
+        self._ids: dict = {}  # form, shape or kind of stage -> its number
+        self._form: list[int] = []
+        self._first: list[int] = []
+        self._second: list[int] = []
+        self._arrays: tuple | None = None
+        self._costs: dict[int, tuple] = {}  # id(cost) -> (its shape's number, its stages' kinds' numbers)
+
+    def _id(self, thing) -> int:
+        got = self._ids.get(thing)
+        if got is None:
+            got = self._ids[thing] = len(self._ids)
+            if got >= self.LIMIT:
+                raise RuntimeError(f"pipeflow-search: more than {self.LIMIT} memory terms' forms, shapes and kinds "
+                                   "of stage: the numbers would overlap")
+        return got
+
+    def add(self, key: tuple) -> None:
+        """The next term number's key (as like_stage gives it)."""
+        name = key[0]
+        if name in ONE_STAGE:
+            form, one, two = (name, None, *key[2:]), key[1], -1
+        elif name in TWO_STAGES:
+            form, one, two = (name, None, None, *key[3:]), key[1], key[2]
+        else:
+            form, one, two = key, -1, -1
+        self._form.append(self._id(("form", form)))
+        self._first.append(one)
+        self._second.append(two)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(form, first stage, second stage) by term number."""
+        if self._arrays is None or len(self._arrays[0]) != len(self._form):
+            self._arrays = tuple(np.array(x, dtype=np.int64) for x in (self._form, self._first, self._second))
+        return self._arrays
+
+    def of(self, cost: AnalyticCost, prices: MemoryPrices) -> tuple[int, np.ndarray]:
+        """(the number of the cost model's shape, its stages' kinds' numbers), once per
+        cost model; a cost model without a shape of its own shares with none."""
+        got = self._costs.get(id(cost))
+        if got is None:
+            shape = prices._shape(cost)
+            kinds = [self._id(("kind", k)) for k in prices._stage_kinds(cost)]
+            number = self._id(("shape", shape)) if shape[0] != "own" else self._id(("own", len(self._ids)))
+            got = self._costs[id(cost)] = (number, np.array(kinds, dtype=np.int64))
+        return got
+
+    def forget(self) -> None:
+        """Let go of the cost models (:meth:`MemoryPrices.release`)."""
+        self._costs.clear()

@@ -28,7 +28,7 @@ from ..partition import partition_layers
 from ..seqsplit import split_sequence
 from ..transformer import TransformerSpec, kv_repeat_on
 from .closed_form import TIMED, Structure, StructureCache, idle_formula
-from .memory import MemoryPrices
+from .memory import MemoryPrices, TermForms
 from .space import Candidate
 
 CLOSED_FORM, SIMULATED = "closed form", "simulated"
@@ -94,8 +94,7 @@ class Pricer(MemoryPrices):
         self._costs: dict[tuple, AnalyticCost | str] = {}
         self._tables: dict[int, _Tables] = {}
         self._terms: dict[int, dict] = {}  # id(cost) -> memory term -> bytes
-        self._term_numbers: dict[tuple, int] = {}  # every memory term met (as like_stage gives it) -> its number
-        self._term_keys: list[tuple] = []  # and back
+        self._term_numbers, self._term_keys = {}, []  # every memory term met (as like_stage gives it) -> its number; back
         self._term_bytes: dict[int, np.ndarray] = {}  # id(cost) -> bytes by term number (nan: not yet valued)
         self._needs_cache: dict[tuple, np.ndarray] = {}  # (id(cost), id(walk), k[, level, replicas]) -> bytes per device
         self._work_cache: dict[tuple, tuple] = {}  # (id(structure), id(cost)) -> work per device, hop
@@ -107,7 +106,7 @@ class Pricer(MemoryPrices):
         self._memo: dict[tuple, object] = {}  # collectives' times and per-structure arrays, by tagged keys
         # what cost models of one shape share (AnalyticCost's rows per kind of stage; the
         # memory terms' bytes per kind of stage: MemoryPrices._valued), by every degree's pricer
-        self._shared_tables, self._shared_terms = {}, {}
+        self._shared_tables, self._shared_terms, self._forms = {}, {}, TermForms()
         repeat = kv_repeat_on(spec, dtype_bytes, topology.on_gpus)  # fp32 grouped-query attention on GPUs
         self._specs = {r: dataclasses.replace(spec, recompute=r, kv_repeat=repeat)
                        for r in ("none", "selective", "full")}
@@ -126,9 +125,10 @@ class Pricer(MemoryPrices):
             got = Pricer(root.spec, tensor_topology(root.topology, t), root.efficiency, root.dtype_bytes,
                          root.overlap, root.memory_limit)
             got.tensor, got.structures, got._layers, got._tensors = t, root.structures, root._layers, root._tensors
-            # what no cost changes: the terms' numbering and each walk's index into it, each structure's keys
-            got._term_numbers, got._term_keys, got._term_index = root._term_numbers, root._term_keys, root._term_index
-            got._flat, got._shared_tables, got._shared_terms = root._flat, root._shared_tables, root._shared_terms
+            # what no cost changes: the terms' numbering and each walk's index into it, each
+            # structure's keys; what cost models of one shape share
+            for name in ("_term_numbers", "_term_keys", "_term_index", "_forms", "_flat", "_shared_tables", "_shared_terms"):
+                setattr(got, name, getattr(root, name))
             self._tensors[t] = got
         return got
 

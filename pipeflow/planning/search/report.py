@@ -250,10 +250,11 @@ def write_candidates_csv(result: SearchResult, path: Path) -> None:
         if s is not None:
             row.update({**s.to_dict(), "closed_form_step_time": q.step_time})
         rows.append(row)
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    names = list(rows[0])
+    with path.open("w", newline="") as f:  # (rows as lists: DictWriter checks each row's keys)
+        w = csv.writer(f)
+        w.writerow(names)
+        w.writerows([row[k] for k in names] for row in rows)
 
 
 def write_json(path: Path, doc: dict) -> None:
