@@ -401,6 +401,13 @@ def test_a_search_that_lets_each_groups_caches_go_prices_as_one_that_keeps_them(
     # what the search's pricer holds after it is what its simulated phase built (for its
     # few candidates), not every group's
     assert len(pricer._costs) <= len(result.simulated) < len(keeping._costs)
+    # and a release leaves no cache keyed by a cost model's, a structure's or a walk's id
+    # (a new object may take a freed one's id): only what every group shares stays
+    pricer.release()
+    shared = {"_term_numbers", "_shared_tables", "_shared_terms", "_layers", "_specs", "_tensors"}
+    for q in pricer._tensors.values():
+        assert not {name for name, v in vars(q).items() if isinstance(v, dict) and v and name not in shared}
+    assert not pricer._forms._costs and not pricer.structures._cache
 
 
 # ------------------------------------------------------------------------- the app

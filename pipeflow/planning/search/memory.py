@@ -134,7 +134,6 @@ class MemoryPrices:
         last = cost.num_stages - 1
         return [(n, s == 0, s == last) for s, n in enumerate(cost.layers_per_stage)]
 
-
     def release(self) -> None:
         """Let go of what one group of candidates built: the search prices a group of the
         same stages x chunks and segments at a time, and no cost model, structure or walk
