@@ -150,6 +150,22 @@ def test_what_a_stage_sends_is_an_output_from_the_send_on():
     assert most == 1800 and split["temporaries"] == 1500 and split["gradients"] == 300 and split["outputs"] == 0
 
 
+def test_an_address_handed_out_again_was_freed_before_though_no_free_was_recorded():
+    """The profiler records no free made on another thread: a collective's buffer whose
+    last reference gloo's work drops (after the caller let go) is freed unseen. An
+    allocator never hands out a live address, so a new allocation there ends the old
+    one (at the latest); without that, each such buffer stayed counted to the step's end."""
+    from pipeflow.runtime.memory_profile import _replay
+
+    events = [(1, 0, "alloc", 10, 1000, 0),  # an all-reduce's clone, freed on gloo's thread: no event
+              (2, 0, "alloc", 20, 300, 0),
+              (3, 0, "alloc", 10, 1000, 0),  # the next collective's, at the same address
+              (4, 0, "alloc", 30, 500, 0),
+              (5, 0, "alloc", 20, -300, 0)]
+    step = _replay(events, [(0, 5, "0B0")])
+    assert step.peak_bytes == 1000 + 300 + 500 and step.at_peak["temporaries"] == 1800
+
+
 def test_a_backward_through_an_earlier_forwards_casts_holds_their_gradients_to_its_end():
     """At 16 bits a step's forwards share one cast of each weight (Precision.shared_casts),
     and the autograd engine runs the ready node with the highest sequence number first:

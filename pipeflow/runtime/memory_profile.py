@@ -210,7 +210,10 @@ def analyse(result, device: torch.device) -> StepMemory:
 
 def _replay(events: list, actions: list, live_at_start: int | None = None, per_action: bool = False) -> StepMemory:
     """Walk a step's allocations, frees and tags (``(time, order, kind, ptr, size or
-    category, nbytes)``) in time order: the live bytes per category at each instant.
+    category, nbytes)``) in time order: the live bytes per category at each instant. An
+    allocation at an address still live was freed unseen (the profiler records no free
+    made on another thread, as gloo's are when its work outlives the caller's tensor):
+    it ends there at the latest.
     ``live_at_start``: where the allocator says how much was live when the step began,
     what of it no event names counts as temporaries from the start. ``per_action``: each
     action's own most too (``StepMemory.action_peaks``; a debugging aid)."""
@@ -231,6 +234,9 @@ def _replay(events: list, actions: list, live_at_start: int | None = None, per_a
             elif lives[i][1] is None or _PRIORITY[x] < _PRIORITY[lives[i][1]]:
                 lives[i][1] = x
         elif x > 0:
+            was = live_at.get(ptr)
+            if was is not None:  # its address handed out again: freed unseen, on a thread the
+                order.append((t, -1, was))  # profiler does not record (gloo's, after a collective)
             live_at[ptr] = len(lives)
             order.append((t, 1, len(lives)))
             lives.append([x, None, False])
