@@ -292,6 +292,43 @@ def test_input_pass_frees_the_graph_when_w_holds_what_it_needs(name):
         torch.testing.assert_close(p.grad, want[n], msg=n)
 
 
+def test_a_weight_behind_two_transposes_is_done_by_hand():
+    """A tensor-parallel piece of GPT-2's Conv1D weight ([in, out], transposed for
+    ``F.linear``, which transposes it again): the two transposes cancel, W does the
+    products by hand and I frees the graph (it kept every GPT zero-bubble last stage's
+    graph whole until W under tensor parallelism before)."""
+    import torch.nn.functional as F
+
+    class Pieces(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            g = torch.Generator().manual_seed(0)
+            self.column = torch.nn.Parameter(torch.randn(8, 12, generator=g))  # [in, out]
+            self.column_bias = torch.nn.Parameter(torch.randn(12, generator=g))
+            self.row = torch.nn.Parameter(torch.randn(12, 8, generator=g))
+
+        def forward(self, x):
+            h = torch.tanh(F.linear(x, self.column.t(), self.column_bias))
+            return F.linear(h, self.row.t())  # (row-parallel: no bias before the sum)
+
+    module = Pieces()
+    params = list(module.parameters())
+    x0, g = torch.randn(6, 8), torch.randn(6, 8)
+    x = x0.clone().requires_grad_(True)
+    torch.autograd.backward(module(x), grad_tensors=g)
+    want = {n: p.grad.clone() for n, p in module.named_parameters()}
+    module.zero_grad(set_to_none=True)
+    x = x0.clone().requires_grad_(True)
+    out = module(x)
+    got, pending = backward_input(out, g, [x], params)
+    assert pending.planned and not pending.roots
+    with pytest.raises(RuntimeError, match="second time|freed"):
+        torch.autograd.backward(out, grad_tensors=g)
+    backward_weight(pending, params)
+    for n, p in module.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], msg=n)
+
+
 def test_input_pass_keeps_nothing_of_the_stage_input_for_w():
     """What W holds after I (each product's operand, detached, and its output gradient)
     does not reach the stage's input: the input is freed with I, not with W (an operand

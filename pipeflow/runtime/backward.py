@@ -245,11 +245,18 @@ def _param_through(edge: GradientEdge):
     otherwise. Without the cast, every 16-bit zero-bubble stage fell back to keeping
     its whole graph from I until W; without the split, so did every stage with a
     cross-attention (``nn.MultiheadAttention`` splits its packed projection and its
-    bias by query and key/value)."""
-    node, nr, transposed, seen = edge.node, edge.output_nr, False, set()
-    while node is not None and node.name() in ("TBackward0", "ToCopyBackward0") and node.name() not in seen:
-        seen.add(node.name())
-        transposed = transposed or node.name() == "TBackward0"
+    bias by query and key/value). Transposes count by their parity: a tensor-parallel
+    piece of GPT-2's Conv1D weight goes through two (``weight.t()``, then ``linear``'s),
+    which without it kept every GPT zero-bubble last stage's graph whole from I to W."""
+    node, nr, transposed, cast, hops = edge.node, edge.output_nr, False, False, 0
+    while node is not None and node.name() in ("TBackward0", "ToCopyBackward0") and hops < 4:
+        hops += 1
+        if node.name() == "ToCopyBackward0":
+            if cast:  # (one cast at most)
+                return None
+            cast = True
+        else:
+            transposed = not transposed
         nxt = node.next_functions
         if len(nxt) != 1 or nxt[0][0] is None:
             return None
