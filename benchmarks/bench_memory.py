@@ -26,6 +26,7 @@ Run from the repository root (each case spawns its ranks, 5-15 s):
 
     .venv/bin/python -m benchmarks.bench_memory                 # the whole matrix
     .venv/bin/python -m benchmarks.bench_memory --quick         # one case per concern
+    .venv/bin/python -m benchmarks.bench_memory --real          # real widths: hidden 512-1024, 2k-4k tokens
     .venv/bin/python -m benchmarks.bench_memory --only zb_h1 --json out.json
     .venv/bin/python -m benchmarks.bench_memory --sample 40   # drawn from the whole product
     .venv/bin/python -m benchmarks.bench_memory --product --only "cbm zb_h1,cbm zb_h2"   # every such case of it
@@ -129,6 +130,48 @@ def cases(quick: bool = False) -> list[tuple[str, list[str]]]:
     return out
 
 
+# Real widths (hidden 512-1024, 2k-4k tokens, microbatches of 1-4 sequences), cut to two
+# layers, one a stage, so that the whole set runs on a 2-core CPU in a few minutes: the
+# widths where a small model's terms stop hiding the large ones (the loss over a 50k
+# vocabulary, the K/V of a 4k-token prefix, a hidden state of several MiB). The shapes of
+# the cases measured on an H200 (shared/measurements/h200-2026-11-28), at the same widths.
+_LLAMA_1K = ["model=llama_tiny", "model.hf.hidden_size=1024", "model.hf.intermediate_size=2816",
+             "model.hf.num_hidden_layers=2", "model.hf.num_attention_heads=16", "model.hf.num_key_value_heads=4"]
+_GPT = ["model.n_layer=2", "model.vocab_size=256"]  # gpt_small's and gpt_medium's widths, a byte vocabulary
+REAL = {
+    "real gpt_small 1f1b fp32 2k vocab50k": ["model=gpt_small", "model.n_layer=2", "model.seq_len=2048",
+                                             "model.n_positions=2048", "pipeline.microbatch_size=1",
+                                             "precision=fp32"],
+    "real gpt_medium zb_h1 bf16 2k selective": ["model=gpt_medium", *_GPT, "model.seq_len=2048",
+                                                "model.n_positions=2048", "schedule=zb_h1",
+                                                "model.recompute=selective", "pipeline.microbatch_size=2",
+                                                "precision=bf16"],
+    "real gpt_small seq1f1b bf16 4k": ["model=gpt_small", *_GPT, "model.seq_len=4096", "model.n_positions=4096",
+                                       "schedule=seq1f1b", "pipeline.segments=4", "pipeline.microbatch_size=1",
+                                       "precision=bf16"],
+    "real llama1k zb_h1 bf16 4k": [*_LLAMA_1K, "model.hf.max_position_embeddings=4096", "model.seq_len=4096",
+                                   "schedule=zb_h1", "pipeline.microbatch_size=1", "precision=bf16"],
+    "real llama1k seq1f1b fp32 4k": [*_LLAMA_1K, "model.hf.max_position_embeddings=4096", "model.seq_len=4096",
+                                     "schedule=seq1f1b", "pipeline.segments=4", "pipeline.microbatch_size=1",
+                                     "precision=fp32"],
+    "real bert 1f1b fp32 2k": ["model=bert_tiny", "model.n_layer=2", "model.n_embd=768", "model.n_head=12",
+                               "model.seq_len=2048", "model.n_positions=2048", "pipeline.microbatch_size=2",
+                               "precision=fp32"],
+    "real gpt_small tp2+sp bf16 2k": ["model=gpt_small", *_GPT, "model.seq_len=2048", "model.n_positions=2048",
+                                      "pipeline.tensor_parallel=2", "pipeline.sequence_parallel=true",
+                                      "pipeline.microbatch_size=2", "precision=bf16"],
+    "real gpt_small zero3 dp2 fp32 2k": ["model=gpt_small", *_GPT, "model.seq_len=2048", "model.n_positions=2048",
+                                         "pipeline.data_parallel=2", "pipeline.shard=full",
+                                         "pipeline.microbatch_size=2", "precision=fp32"],
+}
+REAL_SHAPE = ["pipeline.stages=2", "pipeline.microbatches=4"]
+
+
+def real_cases() -> list[tuple[str, list[str]]]:
+    """(label, overrides) of the real-width cases (:data:`REAL`), each on 2 stages of 4 microbatches."""
+    return [(label, [*REAL_SHAPE, *over]) for label, over in REAL.items()]
+
+
 def product() -> list[tuple[str, list[str]]]:
     """The whole product the matrix is drawn from: every runtime schedule (:data:`SCHEDULES`,
     :data:`MORE`, BAPP) on 2 and 4 ranks, for each family and the cbm model, fp32 and bf16,
@@ -170,7 +213,7 @@ def measure(label: str, overrides: list[str], work: Path, device: str = "cpu", o
     if one_stage:
         over = [o for o in over if not o.startswith(("pipeline.stages=", "pipeline.data_parallel="))]
         over += ["pipeline.stages=1"]
-    run_dir = work / label.replace(" ", "_").replace("=", "-")
+    run_dir = work / _folder(label)
     gpu = ["runtime.backend=gloo"] if device == "cuda" else []  # ranks share the GPU
     cfg = compose("train", [*over, "trainer.steps=2", "trainer.val_every=0", "logger=none", "runtime.memory=profile",
                             f"runtime.device={device}", *gpu])
@@ -215,6 +258,18 @@ def measure(label: str, overrides: list[str], work: Path, device: str = "cpu", o
                      **({"allocator_peak_bytes": meas["allocator_peak_bytes"], "profile_peak_bytes": meas["peak_bytes"]}
                         if "allocator_peak_bytes" in meas else {})})
     return rows
+
+
+def _folder(label: str) -> str:
+    """A case's run folder: its label as a file name, a long one cut and told apart by a hash
+    (a folder name has at most 255 bytes; a case's overrides may run to any length)."""
+    import hashlib
+    import re
+
+    name = re.sub(r"[^A-Za-z0-9._+-]+", "_", label.replace("=", "-")).strip("_") or "case"
+    if len(name) <= 80:
+        return name
+    return f"{name[:64]}-{hashlib.sha1(label.encode()).hexdigest()[:12]}"
 
 
 def _steps(cfg) -> int:
@@ -264,14 +319,14 @@ def table(rows: list[dict]) -> str:
 
 def results(quick: bool = False, only: str | None = None, device: str = "cpu", one_stage: bool = False,
             extra: tuple = (), sample: int = 0, seed: int = 0, shard: tuple[int, int] = (0, 1),
-            whole: bool = False) -> list[dict]:
+            whole: bool = False, real: bool = False) -> list[dict]:
     """The rows of the chosen cases (``only``: comma-separated substrings of their
     labels, each of them one or several joined by ``&``, all in the label; ``sample``:
     that many drawn from :func:`product` instead, those of the matrix left out; ``whole``:
-    every case of the product; ``shard`` (k, n): every n-th case from the k-th, for n runs
+    every case of the product; ``real``: the real-width cases (:data:`REAL`) instead; ``shard`` (k, n): every n-th case from the k-th, for n runs
     side by side); a case that cannot run here is reported on stderr and left out."""
     wanted = [w.strip() for w in only.split(",")] if only else None
-    pool = product() if whole else cases(quick)
+    pool = product() if whole else real_cases() if real else cases(quick)
     if sample and not whole:
         import random
 
@@ -279,13 +334,21 @@ def results(quick: bool = False, only: str | None = None, device: str = "cpu", o
         pool = random.Random(seed).sample([c for c in product() if c[0] not in matrix], sample)
     chosen = [c for c in pool if wanted is None or any(all(p in c[0] for p in w.split("&")) for w in wanted)
               ][shard[0]::shard[1]]
+    return measure_all(chosen, device, one_stage, extra)
+
+
+def measure_all(chosen: list[tuple[str, list[str]]], device: str = "cpu", one_stage: bool = False,
+                extra: tuple = ()) -> list[dict]:
+    """The rows of every case in ``chosen``; a case that cannot run here (the config layer
+    refuses it, or its ranks fail) is reported on stderr, in a line, and left out."""
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench_memory_") as tmp:
-        for label, over in chosen:
+        for n, (label, over) in enumerate(chosen):
             try:
-                rows += measure(label, over, Path(tmp), device, one_stage, extra)
+                rows += measure(label, over, Path(tmp) / str(n), device, one_stage, extra)
             except Exception as err:  # noqa: BLE001 - reported, not fatal
-                print(f"{label}: not measured: {err}", file=sys.stderr)
+                reason = " ".join(str(err).split()) or type(err).__name__
+                print(f"{label}: not measured: {reason}", file=sys.stderr)
     return rows
 
 
@@ -304,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--product", action="store_true",
                     help="every case of the whole product, the matrix's too (684; --only picks among them: "
                          "--product --only 'cbm zb_h1,cbm zb_h2')")
+    ap.add_argument("--real", action="store_true",
+                    help="the real-width cases instead (hidden 512-1024, 2k-4k tokens: a few minutes on 2 cores)")
     ap.add_argument("--case", action="append", default=[],
                     help="one case of your own instead, its overrides space-separated (repeatable): "
                          "--case 'model=cbm_tiny schedule=zb_h2 pipeline.stages=2 precision=fp32'")
@@ -311,15 +376,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args(argv)
     if args.case:
-        rows = []
-        with tempfile.TemporaryDirectory(prefix="bench_memory_") as tmp:
-            for n, case in enumerate(args.case):
-                rows += measure(case, case.split(), Path(tmp) / str(n), args.device, args.one_stage,
-                                tuple(args.set.split()))
+        rows = measure_all([(case, case.split()) for case in args.case], args.device, args.one_stage,
+                           tuple(args.set.split()))
     else:
         k, n = (int(x) for x in args.shard.split("/"))
         rows = results(args.quick, args.only, args.device, args.one_stage, tuple(args.set.split()), args.sample,
-                       args.seed, (k, n), args.product)
+                       args.seed, (k, n), args.product, args.real)
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -7,6 +7,21 @@ import os
 import pytest
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` run where a GPU is visible and are skipped elsewhere, saying so."""
+    marked = [item for item in items if item.get_closest_marker("cuda")]
+    if not marked:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: none is visible here (tests/test_device_paths.py runs "
+                                   "CUDA's code paths on CPU)")
+    for item in marked:
+        item.add_marker(skip)
+
+
 @pytest.fixture
 def wandb_home(tmp_path, monkeypatch):
     """A W&B environment with no credentials, no WANDB_MODE and its files under tmp_path."""

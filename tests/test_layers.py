@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     # checks, family specs (HF configs), the IR, the hardware; the records layers hand each
     # other (the run plan, the timeline and its trace)
     ("pipeflow.checks", "pipeflow.families", "pipeflow.hf", "pipeflow.schedules", "pipeflow.topology",
-     "pipeflow.formats"),
+     "pipeflow.formats", "pipeflow.device_paths"),  # (device_paths: which device's code paths run)
     ("pipeflow.sim",),  # the discrete-event simulator
     ("pipeflow.planning", "pipeflow.tracking"),  # costs, partitions, planner, coordinator; metrics and W&B
     ("pipeflow.data",),  # the loaders (torch and datasets; the config checks a user's files through them, lazily)
@@ -35,7 +35,7 @@ LAYERS: list[tuple[str, ...]] = [
 # Issue 31's four upward imports, named so that a regression reads as what it is
 FORBIDDEN = [("pipeflow.runtime", "pipeflow.config"), ("pipeflow.runtime", "pipeflow.sim"),
              ("pipeflow.config", "pipeflow.runtime"), ("pipeflow.config", "pipeflow.models")]
-TORCH_FREE = ["pipeflow.schedules.registry", "pipeflow.topology.presets", "pipeflow.sim", "pipeflow.planning.planner",
+TORCH_FREE = ["pipeflow.device_paths", "pipeflow.schedules.registry", "pipeflow.topology.presets", "pipeflow.sim", "pipeflow.planning.planner",
               "pipeflow.planning.coordinator", "pipeflow.config", "pipeflow.config.runplan", "pipeflow.tracking.sink",
               "pipeflow.formats", "pipeflow.formats.runplan", "pipeflow.formats.timeline"]
 

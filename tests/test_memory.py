@@ -134,7 +134,7 @@ def test_what_a_stage_sends_is_an_output_from_the_send_on():
     """The gradient a stage sends back is the stream's gradient its backward made and
     carried as a temporary; the send's tag names it an output only from then on. A
     gradient tagged at the optimizer step is one for its whole life."""
-    from pipeflow.runtime.memory_profile import _replay
+    from pipeflow.runtime.memory_replay import replay
 
     events = [(1, 0, "alloc", 10, 1000, 0),  # the stream's gradient
               (2, 0, "alloc", 20, 500, 0),  # a product's scratch beside it: the backward's most
@@ -143,7 +143,7 @@ def test_what_a_stage_sends_is_an_output_from_the_send_on():
               (5, 1, "tag", 10, "outputs", 1000),  # sent back
               (6, 0, "alloc", 40, 2000, 0),  # the next action's: the step's peak
               (7, 1, "tag", 30, "gradients", 300)]
-    step = _replay(events, [(0, 4, "1B0"), (6, 7, "1F1")], per_action=True)
+    step = replay(events, [(0, 4, "1B0"), (6, 7, "1F1")], per_action=True)
     assert step.peak_bytes == 1000 + 300 + 2000 and step.peak_action == "1F1"
     assert step.at_peak["outputs"] == 1000 and step.at_peak["gradients"] == 300
     most, split, _ = step.action_peaks["1B0"]  # in the backward, before the send
@@ -155,14 +155,14 @@ def test_an_address_handed_out_again_was_freed_before_though_no_free_was_recorde
     last reference gloo's work drops (after the caller let go) is freed unseen. An
     allocator never hands out a live address, so a new allocation there ends the old
     one (at the latest); without that, each such buffer stayed counted to the step's end."""
-    from pipeflow.runtime.memory_profile import _replay
+    from pipeflow.runtime.memory_replay import replay
 
     events = [(1, 0, "alloc", 10, 1000, 0),  # an all-reduce's clone, freed on gloo's thread: no event
               (2, 0, "alloc", 20, 300, 0),
               (3, 0, "alloc", 10, 1000, 0),  # the next collective's, at the same address
               (4, 0, "alloc", 30, 500, 0),
               (5, 0, "alloc", 20, -300, 0)]
-    step = _replay(events, [(0, 5, "0B0")])
+    step = replay(events, [(0, 5, "0B0")])
     assert step.peak_bytes == 1000 + 300 + 500 and step.at_peak["temporaries"] == 1800
 
 
@@ -273,7 +273,8 @@ def test_the_simulated_peak_is_what_each_rank_allocates(case, trained, tmp_path:
     from pipeflow.simulate import run_simulation
 
     run = trained(*case)
-    sim = run_simulation(compose("simulate", [*SIZES, f"schedule={case[0]}", *case[1:], "draw=false"]), tmp_path)
+    sim = run_simulation(compose("simulate", [*SIZES, f"schedule={case[0]}", *case[1:], "draw=false"]), tmp_path,
+                         actions=_peak_actions(run))
     _assert_the_same_memory(run, sim)
 
 
@@ -302,7 +303,8 @@ def test_the_branched_models_16_bit_backward_is_simulated_as_it_holds_its_casts_
             "pipeline.microbatches=8", "pipeline.microbatch_size=4", *extra]
     run = pipeline_runs.train(tmp_path / "run", [*over, "trainer.steps=2", "trainer.val_every=0", "logger=none",
                                                  "runtime.memory=profile"])["summary"]
-    sim = run_simulation(compose("simulate", [*over, "draw=false", "topology=local_cpu"]), tmp_path / "sim")
+    sim = run_simulation(compose("simulate", [*over, "draw=false", "topology=local_cpu"]), tmp_path / "sim",
+                         actions=_peak_actions(run))
     if schedule == "gpipe":  # (its first stages peak at other instants than the model's: totals only, see below)
         for meas, predicted in zip(run["memory_profile"], sim["per_device"]):
             assert predicted["peak_memory_bytes"] == pytest.approx(meas["peak_bytes"], rel=0.03)
@@ -363,7 +365,8 @@ def test_a_rebuilt_layers_16_bit_backward_peaks_where_the_rank_does(over, within
     over = [*over, "pipeline.stages=4", "precision=bf16", "pipeline.microbatches=8", "pipeline.microbatch_size=4"]
     run = pipeline_runs.train(tmp_path / "run", [*over, "trainer.steps=2", "trainer.val_every=0", "logger=none",
                                                  "runtime.memory=profile"])["summary"]
-    sim = run_simulation(compose("simulate", [*over, "draw=false", "topology=local_cpu"]), tmp_path / "sim")
+    sim = run_simulation(compose("simulate", [*over, "draw=false", "topology=local_cpu"]), tmp_path / "sim",
+                         actions=_peak_actions(run))
     _assert_the_same_memory(run, sim)
     for meas, predicted in zip(run["memory_profile"], sim["per_device"]):
         assert predicted["peak_memory_bytes"] == pytest.approx(meas["peak_bytes"], rel=within)
@@ -392,7 +395,8 @@ def test_an_attention_backward_peaks_where_the_rank_does(over, tmp_path: Path):
             "pipeline.microbatch_size=4"]
     run = pipeline_runs.train(tmp_path / "run", [*over, "trainer.steps=2", "trainer.val_every=0", "logger=none",
                                                  "runtime.memory=profile"])["summary"]
-    sim = run_simulation(compose("simulate", [*over, "draw=false", "topology=local_cpu"]), tmp_path / "sim")
+    sim = run_simulation(compose("simulate", [*over, "draw=false", "topology=local_cpu"]), tmp_path / "sim",
+                         actions=_peak_actions(run))
     _assert_the_same_memory(run, sim)
 
 
@@ -408,8 +412,23 @@ def test_a_v_shaped_stage_keeps_its_output_for_its_successor_on_the_same_device(
             "precision=bf16", "pipeline.microbatches=8", "pipeline.microbatch_size=4"]
     run = pipeline_runs.train(tmp_path / "run", [*over, "trainer.steps=2", "trainer.val_every=0", "logger=none",
                                                  "runtime.memory=profile"])["summary"]
-    sim = run_simulation(compose("simulate", [*over, "draw=false", "topology=local_cpu"]), tmp_path / "sim")
+    sim = run_simulation(compose("simulate", [*over, "draw=false", "topology=local_cpu"]), tmp_path / "sim",
+                         actions=_peak_actions(run))
     _assert_the_same_memory(run, sim)
+
+
+def _peak_actions(run: dict) -> list:
+    """The action each rank peaked in (the simulator then reports that action's instants)."""
+    return [m.get("peak_action") for m in run["memory_profile"]]
+
+
+# Where two instants of the walk lie within this share of its peak, which one the rank
+# peaks at can turn on the host's kernels: on a CPU without AVX512-BF16 (an AMD EPYC of
+# CI's) the fused attention's backward holds 30 KB less scratch than on this one, and
+# Llama's interleaved Seq1F1B last stage peaks at its head's loss backward instead of in
+# the kernel, 260 bytes apart, its split 5.6% of the peak away. The walk's peak is within
+# 0.3% of both; the rank's split is checked against the walk's at whichever it is.
+NEAR_TIE = 0.01
 
 
 def _assert_the_same_memory(run: dict, sim: dict) -> None:
@@ -418,11 +437,24 @@ def _assert_the_same_memory(run: dict, sim: dict) -> None:
         peak = meas["peak_bytes"]
         assert predicted["peak_memory_bytes"] == pytest.approx(peak, rel=0.03), dev
         assert sum(meas["at_peak"].values()) == peak
-        for group, (m, s) in GROUPS.items():
-            got = sum(meas["at_peak"].get(c, 0) for c in m)
-            want = sum(predicted["memory_at_peak"].get(c, 0.0) for c in s)
-            exact = group in ("parameters", "optimizer_state")
-            assert abs(got - want) <= (1e-3 * got if exact else 0.05 * peak), (dev, group, got, want)
+        # the walk's split at its peak, else at an instant of the rank's peak action all but tied with it
+        near = [split for total, split in predicted.get("memory_at_action", {}).get("instants", ())
+                if total >= (1 - NEAR_TIE) * predicted["peak_memory_bytes"]]
+        misses = [_split_misses(meas["at_peak"], split, peak) for split in (predicted["memory_at_peak"], *near)]
+        assert min(misses, key=len) == [], (dev, misses[0])
+
+
+def _split_misses(measured: dict, simulated: dict, peak: float) -> list:
+    """The groups whose simulated bytes are off the measured ones: the weights and moments
+    by more than 0.1%, any other by more than 5% of the peak (group, measured, simulated)."""
+    out = []
+    for group, (m, s) in GROUPS.items():
+        got = sum(measured.get(c, 0) for c in m)
+        want = sum(simulated.get(c, 0.0) for c in s)
+        exact = group in ("parameters", "optimizer_state")
+        if abs(got - want) > (1e-3 * got if exact else 0.05 * peak):
+            out.append((group, got, want))
+    return out
 
 
 def test_the_search_keeps_the_candidate_that_fits_and_drops_the_one_that_does_not(trained, tmp_path: Path):
@@ -478,3 +510,37 @@ def test_an_input_gradient_holds_what_the_model_says(model, recompute):
         assert m["activation"] + m["workspace"] == pytest.approx(b["peak"], rel=0.02)
     assert m["activation"] + m["input_workspace"] == pytest.approx(i["peak"], rel=0.025)
     assert m["input_workspace"] > m["workspace"]
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama", "bert"])
+def test_a_cpu_optimizer_step_holds_what_the_cost_model_says(family):
+    """torch's AdamW on CPU steps one tensor at a time: its most is a tensor's two fp32
+    temporaries beside the one before's denominator, in the module's order (GPT-2 small's
+    last stage at real width: its head beside the MLP down projection's, 9 MiB over the
+    largest tensor's two alone). Every stage position of each family, grouped-query
+    attention (llama) and BERT's MLM head included: the bytes, but for a few scalars."""
+    from test_attention import _model
+
+    from pipeflow.models import bert, gpt, hf_causal
+    from pipeflow.planning.cost import AnalyticCost
+    from pipeflow.planning.transformer import TransformerSpec
+    from pipeflow.runtime.optim import make_optimizer
+    from pipeflow.topology.host import most_live, profile_allocations
+
+    over = {"gpt": ["model=gpt_tiny"], "llama": ["model=llama_tiny"], "bert": ["model=bert_tiny", "data=mlm_corpus"]}
+    module = {"gpt": gpt, "llama": hf_causal, "bert": bert}[family]
+    model = _model(*over[family], "model.seq_len=32")
+    optim = {"lr": 1e-3, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
+    split = [1, 2, 1]
+    cost = AnalyticCost(TransformerSpec.from_config(model), 3, microbatch_size=2, dtype_bytes=4, layers_per_stage=split)
+    cost.step_per_tensor = True
+    for stage in range(3):
+        st = module.build_stage(model, split, stage, seed=0)
+        opt = make_optimizer(st, optim)
+        for p in st.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()  # the moments made by the first step; the second holds only its temporaries
+        with profile_allocations() as sizes:
+            opt.step()
+        # (and a few scalars: the step's count, 12 bytes)
+        assert most_live(sizes) == pytest.approx(cost.step_workspace_bytes(stage), abs=64), (family, stage)

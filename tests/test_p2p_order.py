@@ -75,10 +75,11 @@ CBM = ["model=cbm_tiny", "data=image_text", "pipeline.microbatches=4", "pipeline
        "trainer.val_every=0", "trainer.val_batches=1", "trainer.timeline_step=null", "logger=none",
        "trainer.steps=2", "runtime.dump_grads=true"]
 # GPU ranks under gloo order their messages and pass them through host memory: half of
-# the cases run that way too (runtime.host_staging, the same path on CPU ranks)
-STAGED = "runtime.host_staging=true"
+# the cases run that way too (CUDA's message path on CPU ranks: pipeflow.device_paths)
+STAGED = "runtime.cuda_paths=[staging]"
+STAGED_ATTENTION = "runtime.cuda_paths=[staging,attention]"  # and a later segment through CUDA's causal bias
 RUNS = [("gpipe", SMALL, []), ("1f1b", SMALL, [STAGED]), ("interleaved_1f1b", SMALL, ["pipeline.virtual_stages=2"]),
-        ("zb_h1", SMALL, [STAGED]), ("chimera", SMALL, []), ("seq1f1b", SMALL, ["pipeline.segments=2", STAGED]),
+        ("zb_h1", SMALL, [STAGED]), ("chimera", SMALL, []), ("seq1f1b", SMALL, ["pipeline.segments=2", STAGED_ATTENTION]),
         ("seq1f1b_interleaved", SMALL, ["pipeline.segments=2", "pipeline.virtual_stages=2"]),
         ("amdp", SMALL, ["schedule.windows=1", STAGED]), ("bapp", CBM, [STAGED])]
 

@@ -41,6 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from pipeflow.device_paths import cuda_path
+
 MODES = ("sdpa", "eager")
 IMPLEMENTATION = "pipeflow"  # the name under which attend() is registered with transformers
 
@@ -114,31 +116,55 @@ class _MaskedFlashCPU(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
+def _kernel_inputs(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Q, K and V in the dtype the kernel computes in: under autocast on their device,
+    autocast's dtype, as autocast casts ``F.scaled_dot_product_attention``'s inputs. A
+    call that does not pass through autocast's dispatch needs it done by hand: our CPU
+    kernel's autograd function, and torch's lower-right causal bias, whose
+    ``__torch_function__`` runs before autocast and checks that the three share a dtype
+    (a rotary model's Q and K are fp32 there, the rotation's output, V 16-bit: the crash
+    of Llama's later segments at bf16 on an H200)."""
+    device = q.device.type
+    if not torch.is_autocast_enabled(device):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
 def _fused(q: Tensor, k: Tensor, v: Tensor, pattern: Pattern, window: int | None, dropout: float,
            scale: float | None) -> Tensor:
     T, P = q.shape[2], k.shape[2]
     gqa = k.shape[1] != q.shape[1]
+    cuda = cuda_path("attention", q.device)  # CUDA's branches (on CPU too where asked: pipeflow.device_paths)
+    device = q.device.type
+    half = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype) in (
+        torch.float16, torch.bfloat16)  # what the kernel computes in
     if not _needs_mask(pattern, T, P, window):
-        if gqa and q.device.type == "cuda" and q.dtype not in (torch.float16, torch.bfloat16):
+        if gqa and cuda and not half:
             # torch's one fused CUDA kernel at fp32 (memory-efficient attention) takes no
             # grouped-query attention: asked for it, SDPA falls back to its math path,
             # which keeps every s x s score (measured on an H100: llama_tiny at 2k tokens
             # held 2157 MiB where the fused kernel needs 430). Repeated heads keep it fused.
+            # At 16 bits flash attention takes the groups (a rotary model's Q is fp32
+            # here, autocast casts it: the kernel's dtype decides, not Q's)
             k, v, gqa = _repeat_heads(k, q.shape[1]), _repeat_heads(v, q.shape[1]), False
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=pattern.causal, scale=scale,
                                               enable_gqa=gqa)
-    if q.device.type == "cpu" and dropout == 0.0:
-        if torch.is_autocast_enabled("cpu"):  # as autocast casts F.scaled_dot_product_attention's inputs
-            dtype = torch.get_autocast_dtype("cpu")
-            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    q, k, v = _kernel_inputs(q, k, v)
+    if not cuda and dropout == 0.0:
         return _MaskedFlashCPU.apply(q, k, v, pattern.offset, window, scale)
-    if not window and q.device.type == "cuda":
+    if not window and cuda:
+        # torch's lower-right causal bias: flash attention at 16 bits (which takes
+        # grouped-query attention), memory-efficient attention at fp32 (which does not)
         from torch.nn.attention.bias import causal_lower_right
 
         mask = causal_lower_right(T, P)
-    else:
-        mask = allowed(T, P, pattern.offset, window, q.device)
-    if gqa:  # torch's masked kernels take as many key/value heads as query heads
+        if gqa and not half:
+            k, v, gqa = _repeat_heads(k, q.shape[1]), _repeat_heads(v, q.shape[1]), False
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale,
+                                              enable_gqa=gqa)
+    mask = allowed(T, P, pattern.offset, window, q.device)
+    if gqa:  # torch's kernels that take a mask take as many key/value heads as query heads
         k, v = _repeat_heads(k, q.shape[1]), _repeat_heads(v, q.shape[1])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale)
 

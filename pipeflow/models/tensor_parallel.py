@@ -57,6 +57,9 @@ class TensorGroup:
     kv_group: object = None
     kv_copies: int = 1
     gloo: bool = field(default=True)
+    # the runtime's memory profile told that a buffer handed to gloo is done with here
+    # (gloo may drop its last reference on its own thread, where the profiler records no free)
+    released: object = field(default=lambda *tensors: None, repr=False)
 
     # ---- the sequence dimension (dim 1 of a [batch, tokens, features] activation) ----------
     def enter(self, x: Tensor) -> Tensor:
@@ -85,11 +88,16 @@ class TensorGroup:
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x, group=self.group)
-        return torch.cat(parts, dim)
+        out = torch.cat(parts, dim)
+        self.released(x, *parts)
+        return out
 
     def reduce_scatter(self, x: Tensor, dim: int) -> Tensor:
         if self.gloo:  # gloo has no reduce-scatter: the same bytes as an all-reduce, then the share
-            return self.all_reduce(x).chunk(self.size, dim)[self.rank].contiguous()
+            summed = self.all_reduce(x)
+            out = summed.chunk(self.size, dim)[self.rank].contiguous()
+            self.released(summed)
+            return out
         parts = [p.contiguous() for p in x.chunk(self.size, dim)]
         out = torch.empty_like(parts[0])
         dist.reduce_scatter(out, parts, group=self.group)
@@ -160,11 +168,22 @@ class ParallelLinear(nn.Module):
         self.transposed, self.row, self.tp = transposed, row, tp
 
     def forward(self, x: Tensor) -> Tensor:
-        w = self.weight.t() if self.transposed else self.weight
         if not self.row:
-            return F.linear(x, w, self.bias)
-        y = self.tp.row_output(F.linear(x, w))
+            return self._product(x, self.bias)
+        y = self.tp.row_output(self._product(x, None))
         return y if self.bias is None else y + self.bias
+
+    def _product(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        if not self.transposed:
+            return F.linear(x, self.weight, bias)
+        # GPT-2's Conv1D as Conv1D computes it, x @ W on the parameter itself: autocast
+        # caches its cast of a leaf for the step, not of a view (F.linear(x, W.t()) cast
+        # W anew for every microbatch, each in flight keeping its own 16-bit copy of the
+        # stage's matrices: gpt_small's first stage at bf16 with tensor and sequence
+        # parallelism held 26.8 MiB of them, where one shared copy is 7.1)
+        flat = x.reshape(-1, x.size(-1))
+        y = torch.mm(flat, self.weight) if bias is None else torch.addmm(bias, flat, self.weight)
+        return y.view(*x.shape[:-1], y.size(-1))
 
 
 class VocabParallelEmbedding(nn.Module):

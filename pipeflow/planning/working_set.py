@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 
+from .optimizer_step import decay_tensors, one_at_a_time_most
 from .products import down_weight_scratch, mlp_product_scratch, rerun_rotation_bytes, weight_phase_bytes, weight_products
 from .transformer import (RESIDUAL_BYTES, head_params, head_residual_width, last_stage_saved, layer_params,
                           matrix_inputs, norm_params, norm_saved_bytes, recomputed_matrix_params, shared_head_params)
@@ -431,26 +432,16 @@ class BackwardWorkingSet:
         return 2.0 * (self._cast_params[stage] - self.layers_per_stage[stage] * recomputed_matrix_params(self.spec))
 
     def step_workspace_bytes(self, stage: int) -> float:
-        """What the optimizer step holds while it runs: torch's AdamW (foreach, on an
-        accelerator) computes the square root of every second moment into one new fp32
-        buffer, 4 B/param; on CPU (``step_per_tensor``, set from the topology) it steps one
-        tensor at a time, two fp32 temporaries of the largest (measured). It matters
-        where a step runs while activations are live (the asynchronous schedules, which
-        step inside the walk, and a stage whose activations recomputation made small)."""
+        """What the optimizer step holds while it runs (:mod:`pipeflow.planning.optimizer_step`):
+        foreach, on an accelerator, 4 B/param; on CPU (``step_per_tensor``, set from the
+        topology) one tensor at a time, in the module's order. It matters where a step runs
+        while activations are live (the asynchronous schedules, which step inside the walk,
+        and a stage whose activations recomputation made small)."""
         if getattr(self, "step_per_tensor", False):
-            return 2.0 * 4.0 * self._largest_param(stage)
+            first, last = stage == 0, stage == self.num_stages - 1
+            sizes = decay_tensors(self.spec, self.layers_per_stage[stage], first, last)
+            return 4.0 * one_at_a_time_most(sizes)
         return 4.0 * self._params[stage]
-
-    def _largest_param(self, stage: int) -> float:
-        """The stage's largest parameter tensor: a block's fused Q/K/V (GPT-2's c_attn) or
-        query projection, or an MLP matrix; the embedding on the first stage, the head
-        (or its tied copy) on the last."""
-        spec, H = self.spec, self.spec.n_embd
-        q, kv = spec.n_head * spec.head_dim, spec.kv_heads * spec.head_dim
-        sizes = [H * (q + 2 * kv) if spec.qkv_inputs == 1 else H * q, H * spec.ffn_width]
-        if stage == 0 or stage == self.num_stages - 1:
-            sizes.append(spec.vocab_size * H)
-        return float(max(sizes))
 
 
 class HeldOutputs:

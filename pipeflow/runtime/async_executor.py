@@ -52,6 +52,7 @@ from ..schedules.versions import forward_version, tied_update_plan
 from ..schedules.zero import zero_owners
 from .executor import Executor, Groups, StageState
 from .memory_profile import tag, tag_stage
+from .optim import square_sum
 
 KEEP = (WeightPolicy.STASH, WeightPolicy.DOUBLE_BUFFER)  # backward uses the forward's version
 
@@ -150,12 +151,12 @@ class ChunkStats:
 class AsyncExecutor(Executor):
     def __init__(self, schedule: Schedule, rank: int, stages: dict[tuple[int, int], StageState], adapter,
                  groups: Groups, grad_clip: float | None, on_grads=None, precision=None, p2p: str = "tagged",
-                 keep_first_grads: bool = False, host_staging: bool | None = None):
+                 keep_first_grads: bool = False):
         if schedule.policy == WeightPolicy.SYNC:
             raise ValueError(f"schedule {schedule.name!r} is synchronous; use Executor")
         if schedule.uses_split_backward():
             raise NotImplementedError("asynchronous schedules run full backwards (B), not I/W splits")
-        super().__init__(schedule, rank, stages, adapter, groups, grad_clip, on_grads, precision, p2p, host_staging)
+        super().__init__(schedule, rank, stages, adapter, groups, grad_clip, on_grads, precision, p2p)
         self.policy = schedule.policy
         self.m = schedule.microbatches_per_step
         self.windows = schedule.windows
@@ -359,7 +360,7 @@ class AsyncExecutor(Executor):
         counted = a.pipe == 0 if not self.zero or group is None else owner == self.rank
         st.versions.before_update()
         if owner == self.rank:
-            sq = sum(g.double().pow(2).sum() for g in grads) if grads else torch.zeros((), dtype=torch.float64, device=self.adapter.device)
+            sq = sum((square_sum(g) for g in grads), torch.zeros((), dtype=torch.float64, device=self.adapter.device))
             self._apply(st, plain, grads, lr, sq)
             if counted:
                 sq_norms[a.version] += float(sq)
@@ -403,7 +404,7 @@ class AsyncExecutor(Executor):
             del tied_work[u_local]  # tied update's gradient lived to the end of the chunk)
         if work is not None:
             work.wait()
-        sq = total.double().pow(2).sum()
+        sq = square_sum(total)
         self._apply(st, st.tied, [total] * len(st.tied), lrs[self.step_of_update[u_local]], sq)
         if stage_first:
             sq_norms[u_local] += float(sq)

@@ -41,10 +41,11 @@ from .memory import SavedBytes
 from . import memory_profile
 from .memory_profile import tag, tag_stage
 from .messages import MessageIO
+from .optim import square_sum
 from .precision import LossScaler, Precision
 from ..models.tensor_parallel import reduce_partial_gradients
 from .sharded import gather_handlers
-from .stage import Groups, Messages, StageState, StepStats
+from .stage import Groups, Messages, StageState, StepStats, sync_tied
 
 
 class Executor(MessageIO):
@@ -59,14 +60,13 @@ class Executor(MessageIO):
         on_grads: Callable[[dict[tuple[int, int], StageState]], None] | None = None,
         precision: Precision | None = None,
         p2p: str = "tagged",
-        host_staging: bool | None = None,
         mesh=None,
     ):
         # with tensor parallelism this rank is one of its device's ranks: ``rank`` is the
         # device, messages go to the same tensor rank of another device (runtime.mesh)
         self._rank_of = (lambda d: d) if mesh is None else mesh.rank_of
         self._tensor = getattr(adapter, "tensor", None)
-        self._staged_p2p = host_staging  # None: messages pass through host memory where gloo serves a GPU
+        self._staged_p2p = None  # messages pass through host memory where gloo serves a GPU (MessageIO._staged)
         self.precision = precision or Precision("fp32", adapter.device.type)
         self.scaler = LossScaler(self.precision.loss_scale) if self.precision.name == "fp16" else None
         self._skip = False  # fp16: this step's gradients overflowed
@@ -383,7 +383,7 @@ class Executor(MessageIO):
             # (not when gloo's thread lets go of its work, which races with them)
             flat.untyped_storage().resize_(0)
         reduces.clear()
-        self._sync_tied()
+        sync_tied([p for st in self.stages.values() for p in st.tied], self.groups.tied_group)
         scale = None if self.scaler is None else self.scaler.scale
         scattered = [st.optimizer for st in self.stages.values() if getattr(st.optimizer, "scatter", False)]
         slices = [g for opt in scattered for g in opt.slices()]  # ZeRO-2/3: this replica's of the gradients
@@ -411,7 +411,7 @@ class Executor(MessageIO):
             for p in st.params:
                 if p.grad is not None and pipe == 0 and (id(p) not in tied or st.first):
                     # (tensor parallelism: a parameter its device's ranks hold whole, once)
-                    sq += p.grad.detach().double().pow(2).sum() / getattr(p, "_tp_copies", 1)
+                    sq += square_sum(p.grad) / getattr(p, "_tp_copies", 1)
         for opt in scattered:
             sq += opt.squares()
         for st in self.stages.values():
@@ -435,20 +435,6 @@ class Executor(MessageIO):
     def _once(self, loss: torch.Tensor) -> torch.Tensor:
         """A loss every tensor rank of a device computed alike: counted by the first alone."""
         return loss if self._tensor is None or self._tensor.rank == 0 else torch.zeros_like(loss)
-
-    def _sync_tied(self) -> None:
-        """Every copy of the tied embedding gets the sum of all copies' gradients."""
-        copies = [p for st in self.stages.values() for p in st.tied]
-        if not copies or (self.groups.tied_group is None and len(copies) == 1):
-            return
-        total = torch.zeros_like(copies[0])
-        for p in copies:
-            if p.grad is not None:
-                total += p.grad
-        if self.groups.tied_group is not None:
-            dist.all_reduce(total, group=self.groups.tied_group)
-        for p in copies:
-            p.grad = total.clone()
 
     # ---- evaluation -------------------------------------------------------------------
     @torch.no_grad()

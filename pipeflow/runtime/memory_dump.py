@@ -1,6 +1,7 @@
-"""Debugging aids of ``runtime.memory=profile`` on CPU (``PIPEFLOW_MEMORY_DUMP=<prefix>``):
+"""Debugging aids of ``runtime.memory=profile``: on CPU (``PIPEFLOW_MEMORY_DUMP=<prefix>``)
 each rank writes what was live at its step's peak, each allocation with the operators
-that made it, and each action's own most; ``PIPEFLOW_MEMORY_DUMP_ACTION=<action>`` (``2B1``)
+that made it, and each action's own most (on CUDA, ``PIPEFLOW_CUDA_MEMORY_DUMP``: each
+allocation with the frames that made it); ``PIPEFLOW_MEMORY_DUMP_ACTION=<action>`` (``2B1``)
 dumps what was live at that action's most instead, with that action's allocations and
 frees in order, and ``<action>@<j>`` the split after its j-th (:mod:`pipeflow.runtime.memory_profile`)."""
 
@@ -32,9 +33,9 @@ def dump_cpu_peak(path: str, events: list, made_by: dict, step, actions: list, r
     when = step.action_peaks.get("probe", step.action_peaks.get(
         os.environ.get("PIPEFLOW_MEMORY_DUMP_ACTION", "").partition("@")[0], (0, 0, step.peak_time)))[2]
     live: dict = {}
-    named: dict = {}  # ptr -> its category at the peak, as _replay names it (a later tag names a whole life)
+    named: dict = {}  # ptr -> its category at the peak, as the replay names it (a later tag names a whole life)
     freed: dict = {}  # ptr -> the action running when what was live at the peak is freed
-    for e in events:  # in time order (_replay sorted them)
+    for e in events:  # in time order (the replay sorted them)
         t, _, kind, ptr, x, _ = e
         after = when is not None and t > when
         if kind == "tag":
@@ -74,3 +75,29 @@ def dump_cpu_peak(path: str, events: list, made_by: dict, step, actions: list, r
     with open(path, "w") as f:
         json.dump({"peak_bytes": step.peak_bytes, "at_peak": step.at_peak, "peak_action": step.peak_action,
                    "action_peaks": step.action_peaks, "live": rows, "timeline": timeline}, f, indent=1)
+
+
+def dump_cuda_peak(path: str, trace: list, tags: list, step, block) -> None:
+    """Every allocation of a CUDA step (a ``StepMemory``) live at its peak: its block's
+    bytes (``block`` of the size asked for), the last tag at its address, the Python and
+    C++ frames that made it, largest first (``PIPEFLOW_CUDA_MEMORY_DUMP``)."""
+    import json
+
+    steps = [e for e in trace if e.get("action") in ("alloc", "free_requested")]
+    live = {}
+    for k, e in enumerate(steps):
+        if step.peak_time is not None and k > step.peak_time:
+            break
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+        else:
+            live.pop(e["addr"], None)
+    named = {ptr: category for _, _, ptr, category, _ in tags}
+    rows = [{"bytes": block(int(e["size"])), "tag": named.get(addr),
+             "frames": [f"{f.get('filename', '').rsplit('/', 2)[-1]}:{f.get('line')}:{f.get('name')}"
+                        for f in e.get("frames", [])[:48]]}
+            for addr, e in live.items()]
+    rows.sort(key=lambda r: -r["bytes"])
+    with open(path, "w") as f:
+        json.dump({"peak_bytes": step.peak_bytes, "at_peak": step.at_peak, "peak_action": step.peak_action,
+                   "action_peaks": step.action_peaks, "live": rows}, f, indent=1)

@@ -42,51 +42,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass, field
-
 import torch
 
+from ..device_paths import cuda_path
 from ..topology.host import quiet_stderr
+from .memory_replay import (_FROM_SEND, _FROM_TAG, _PRIORITY, StepMemory, as_allocator_history, block_bytes,
+                            frees_of_released, replay, replay_history)
 
-CATEGORIES = ("parameters", "weight_versions", "optimizer_state", "gradients", "casts", "activations", "residuals",
-              "kv", "outputs", "inputs", "temporaries")
-
-# a storage tagged twice counts where it is held most specifically (a residual W keeps
-# may have been saved by autograd first)
-_PRIORITY = {c: n for n, c in enumerate(("parameters", "weight_versions", "optimizer_state", "gradients", "casts",
-                                         "residuals", "kv", "outputs", "activations", "inputs"))}
-# held for this from the tag on, where the allocation was named before (an operand a
-# zero-bubble I takes for W was an activation until then); any other tag names the
-# allocation's whole life (a gradient I makes for W is a residual from the start)
-_FROM_TAG = {"residuals"}
-# held for this from the tag on, whatever the allocation was until then: what a stage
-# sends is an output from the moment it is sent (the gradient a last stage sends back is
-# the residual stream's, which its backward made at the head's and carried through
-# every block as a temporary)
-_FROM_SEND = {"outputs"}
 _PREFIX = "pipeflow::tag::"
 _active = False  # tags are recorded only while a step is profiled
 _cuda = None  # the step's _CudaLog while a CUDA step is profiled
-
-
-@dataclass
-class StepMemory:
-    """One step's allocations on one device."""
-
-    peak_bytes: int = 0  # the most bytes live at one instant
-    at_peak: dict = field(default_factory=dict)  # category -> bytes live at that instant
-    category_peaks: dict = field(default_factory=dict)  # category -> its own most bytes live
-    allocator_peak_bytes: int | None = None  # CUDA: torch.cuda.max_memory_allocated over the step
-    peak_action: str | None = None  # the schedule's action running at the peak ("1B3": stage 1, B, microbatch 3)
-    peak_time: float | None = None  # when the peak was (the event's time), not reported
-    # with PIPEFLOW_MEMORY_DUMP: each action's own most, (bytes, category -> bytes then, when)
-    action_peaks: dict = field(default_factory=dict)
-
-    def as_dict(self) -> dict:
-        return {"peak_bytes": self.peak_bytes, "at_peak": self.at_peak, "category_peaks": self.category_peaks,
-                **({"peak_action": self.peak_action} if self.peak_action else {}),
-                **({"allocator_peak_bytes": self.allocator_peak_bytes} if self.allocator_peak_bytes is not None
-                   else {})}
 
 
 def tag(t, category: str) -> None:
@@ -103,6 +68,19 @@ def tag(t, category: str) -> None:
 
 
 _ACTION = "pipeflow::action::"
+_RELEASE = "pipeflow::release"
+
+
+def released(*tensors) -> None:
+    """The caller is done with these storages, which gloo may free on its own thread after
+    a collective (its work holds the last reference), where the profiler records no free:
+    the CPU replay ends each here unless a free of it is recorded later. A no-op unless a
+    step is being profiled on CPU (CUDA's allocator history sees every thread's frees)."""
+    if not _active or _cuda is not None:
+        return
+    with torch.profiler.record_function(_RELEASE), torch.no_grad():
+        for t in tensors:
+            torch.ops.aten.alias(t)
 
 
 def action(a):
@@ -175,15 +153,31 @@ def analyse(result, device: torch.device) -> StepMemory:
     tagged at the optimizer step was a gradient from the start), except what a stage
     sends and what I hands to W, which are held for that from their tag on. A tag, or a free, at an
     address with nothing allocated there in the step is a storage the step found live:
-    it counts from the step's start."""
+    it counts from the step's start. With CUDA's memory path taken on CPU
+    (``runtime.cuda_paths=[memory]``), the same events replayed as the allocator's
+    history (:func:`as_allocator_history`)."""
+    dump = os.environ.get("PIPEFLOW_MEMORY_DUMP")  # a path: what is live at the peak, with its operators
+    events, actions, made_by = _events(result, device, dump)
+    if cuda_path("memory", device):
+        return as_allocator_history(events, actions)
+    out = replay(events, actions, per_action=bool(dump))
+    if dump:
+        from .memory_dump import dump_cpu_peak
+
+        dump_cpu_peak(f"{dump}.cpu.{os.getpid()}.json", events, made_by, out, actions,
+                      (_PRIORITY, _FROM_TAG, _FROM_SEND))
+    return out
+
+
+def _events(result, device: torch.device, dump=None) -> tuple[list, list, dict]:
+    """A CPU profile's allocations, frees and tags on ``device`` (``(time, order, kind, ptr,
+    size or category, nbytes)``), the actions the executor named (``(start, end, name)``)
+    and, with ``dump``, the operators each allocation was made in."""
     from torch.profiler._memory_profiler import OpTree, _EventType
 
-    events = []  # (time, order, kind, ptr, size or category, nbytes)
-    actions = []  # (start, end, name) of each action the executor named
-    dump = os.environ.get("PIPEFLOW_MEMORY_DUMP")  # a path: what is live at the peak, with its operators
-    made_by: dict = {}  # id of an allocation event -> the operators it was made in (dump only)
+    events, actions, made_by = [], [], {}
     if dump:
-        from .memory_dump import dump_cpu_peak, operators
+        from .memory_dump import operators
     for ev in OpTree(result).dfs():
         if ev.name.startswith(_ACTION):
             actions.append((ev.start_time_ns, ev.end_time_ns, ev.name[len(_ACTION):]))
@@ -194,6 +188,12 @@ def analyse(result, device: torch.device) -> StepMemory:
                 events.append((ev.start_time_ns, 0, "alloc", fields.ptr, fields.alloc_size, 0))
                 if dump:
                     made_by[id(events[-1])] = operators(ev)
+        elif ev.name == _RELEASE:
+            for child in ev.children:
+                for meta in getattr(child.typed[1], "inputs", ()):
+                    ptr = getattr(meta, "storage_data_ptr", None)
+                    if ptr and _same(getattr(meta, "device", None), device):
+                        events.append((ev.start_time_ns, 1, "release", ptr, None, 0))
         elif ev.name.startswith(_PREFIX):
             category, nbytes = ev.name[len(_PREFIX):].split("::")
             for child in ev.children:
@@ -201,106 +201,7 @@ def analyse(result, device: torch.device) -> StepMemory:
                     ptr = getattr(meta, "storage_data_ptr", None)
                     if ptr and _same(getattr(meta, "device", None), device):
                         events.append((ev.start_time_ns, 1, "tag", ptr, category, int(nbytes)))
-    out = _replay(events, actions, per_action=bool(dump))
-    if dump:
-        dump_cpu_peak(f"{dump}.cpu.{os.getpid()}.json", events, made_by, out, actions,
-                      (_PRIORITY, _FROM_TAG, _FROM_SEND))
-    return out
-
-
-def _replay(events: list, actions: list, live_at_start: int | None = None, per_action: bool = False) -> StepMemory:
-    """Walk a step's allocations, frees and tags (``(time, order, kind, ptr, size or
-    category, nbytes)``) in time order: the live bytes per category at each instant. An
-    allocation at an address still live was freed unseen (the profiler records no free
-    made on another thread, as gloo's are when its work outlives the caller's tensor):
-    it ends there at the latest.
-    ``live_at_start``: where the allocator says how much was live when the step began,
-    what of it no event names counts as temporaries from the start. ``per_action``: each
-    action's own most too (``StepMemory.action_peaks``; a debugging aid)."""
-    events.sort(key=lambda e: (e[0], e[1]))
-    # pass 1: the allocations' lives and categories
-    lives = []  # [size, category, preexisting]
-    live_at: dict = {}  # ptr -> index into lives
-    order = []  # (time, +1/-1, life index) in time order
-    for t, _, kind, ptr, x, nbytes in events:
-        if kind == "tag":
-            i = live_at.get(ptr)
-            if i is None:  # found live: counts from the start until its free, if any
-                i = live_at[ptr] = len(lives)
-                lives.append([nbytes, x, True])
-            elif (x in _FROM_TAG and lives[i][1] is not None or x in _FROM_SEND) and lives[i][1] != x:
-                # held for this from now: what it was named until then
-                order.append((t, 0, (i, x)))
-            elif lives[i][1] is None or _PRIORITY[x] < _PRIORITY[lives[i][1]]:
-                lives[i][1] = x
-        elif x > 0:
-            was = live_at.get(ptr)
-            if was is not None:  # its address handed out again: freed unseen, on a thread the
-                order.append((t, -1, was))  # profiler does not record (gloo's, after a collective)
-            live_at[ptr] = len(lives)
-            order.append((t, 1, len(lives)))
-            lives.append([x, None, False])
-        else:
-            i = live_at.pop(ptr, None)
-            if i is None:  # freed, never allocated in the step: it was live at the start
-                i = len(lives)
-                lives.append([-x, None, True])
-            order.append((t, -1, i))
-    live = dict.fromkeys(CATEGORIES, 0)
-    for size, category, pre in lives:
-        if pre:
-            live[category or "temporaries"] += size
-    if live_at_start is not None:
-        live["temporaries"] += max(0, live_at_start - sum(live.values()))
-    out = StepMemory(peak_bytes=sum(live.values()), at_peak=dict(live), category_peaks=dict(live))
-    total = out.peak_bytes
-    n, k, peak_at = len(order), 0, None
-    spans = sorted(actions) if per_action else []
-    # PIPEFLOW_MEMORY_DUMP_ACTION=<action>@<j> (with per_action): the split after the j-th
-    # allocation or free of that action (the dump's timeline numbers them from 0)
-    probe_name, _, probe_j = (os.environ.get("PIPEFLOW_MEMORY_DUMP_ACTION", "") if per_action else "").partition("@")
-    probe_span = next(((s, e) for s, e, name in actions if name == probe_name), None) if probe_j else None
-    seen = 0
-    while k < n:
-        t = order[k][0]
-        while k < n and order[k][0] == t:  # an instant is whole once every event at its time is in
-            _, sign, i = order[k]
-            k += 1
-            if sign == 0:  # a switch: (life, its category from now)
-                i, category = i
-                size, was, _ = lives[i]
-                live[was or "temporaries"] -= size
-                live[category] += size
-                lives[i][1] = category
-                continue
-            size, category, _ = lives[i]
-            live[category or "temporaries"] += sign * size
-            total += sign * size
-            if probe_span is not None and probe_span[0] <= t <= probe_span[1]:
-                if seen == int(probe_j):
-                    out.action_peaks["probe"] = (total, dict(live), t)
-                seen += 1
-        if total > out.peak_bytes:
-            out.peak_bytes, out.at_peak, peak_at = total, dict(live), t
-        if per_action:
-            while spans and spans[0][1] < t:
-                spans.pop(0)
-            if spans and spans[0][0] <= t:
-                name = spans[0][2]
-                if total > out.action_peaks.get(name, (-1,))[0]:
-                    out.action_peaks[name] = (total, dict(live), t)
-        for c in CATEGORIES:
-            out.category_peaks[c] = max(out.category_peaks[c], live[c])
-    out.peak_time = peak_at
-    if peak_at is not None:
-        out.peak_action = next((name for start, end, name in actions if start <= peak_at <= end), None)
-    return out
-
-
-def _block_bytes(nbytes: int) -> int:
-    """The block the CUDA caching allocator serves ``nbytes`` from (its sizes are
-    multiples of 512 bytes, at least 512), which its statistics count."""
-    return max(512, -(-nbytes // 512) * 512)
+    return frees_of_released(events), actions, made_by
 
 
 class _CudaLog:
@@ -329,35 +230,10 @@ class _CudaLog:
         finally:
             self.actions.append((begin, self._counts(), name))
 
-    def replay(self, trace: list, live_at_start: int) -> StepMemory:
-        """The step from the allocator's ``trace`` (its entries since the log began):
-        each allocation ("alloc") and free ("free_requested", where the allocator's
-        statistics count it freed) in order, the tags and actions placed among them.
-        The trace gives the size asked for; a block is that rounded up to 512 bytes
-        (a cached block reused without a split can be larger still: the allocator's
-        peak counts that slack, this replay does not)."""
-        a0, f0 = self.start
-        events, alloc_at, free_at = [], [], []  # alloc_at[k]: index of the step's k-th allocation
-        for entry in trace:
-            act = entry.get("action")
-            if act == "alloc":
-                alloc_at.append(len(events))
-                events.append((len(events), 0, "alloc", entry["addr"], _block_bytes(int(entry["size"])), 0))
-            elif act == "free_requested":
-                free_at.append(len(events))
-                events.append((len(events), 0, "alloc", entry["addr"], -_block_bytes(int(entry["size"])), 0))
-
-        def place(counts: tuple[int, int]) -> float:
-            # just after the last allocation and free the counters had seen
-            a, f = counts[0] - a0, counts[1] - f0
-            last = max(alloc_at[min(a, len(alloc_at)) - 1] if a > 0 and alloc_at else -1,
-                       free_at[min(f, len(free_at)) - 1] if f > 0 and free_at else -1)
-            return last + 0.5
-
-        for a, f, ptr, category, nbytes in self.tags:
-            events.append((place((a, f)), 1, "tag", ptr, category, _block_bytes(nbytes)))
-        actions = [(place(begin), place(end), name) for begin, end, name in self.actions]
-        return _replay(events, actions, live_at_start)
+    def replay(self, trace: list, live_at_start: int | None) -> StepMemory:
+        """The step from the allocator's ``trace`` (its entries since the log began), this
+        log's tags and actions placed in it (:func:`~.memory_replay.replay_history`)."""
+        return replay_history(trace, self.tags, self.actions, self.start, live_at_start)
 
 
 @contextlib.contextmanager
@@ -424,29 +300,7 @@ def _profile_cuda(device: torch.device, result: StepMemory):
     result.peak_bytes, result.at_peak, result.category_peaks, result.peak_action = \
         measured.peak_bytes, measured.at_peak, measured.category_peaks, measured.peak_action
     if dump:
-        _dump_peak(f"{dump}.{device.index}.{os.getpid()}.json", trace, log, measured)
+        from .memory_dump import dump_cuda_peak
 
+        dump_cuda_peak(f"{dump}.{device.index}.{os.getpid()}.json", trace, log.tags, measured, block_bytes)
 
-def _dump_peak(path: str, trace: list, log: "_CudaLog", step: StepMemory) -> None:
-    """Debugging aid: every allocation of the step live at its peak (its size, the last
-    tag at its address, the Python and C++ frames that made it), largest first."""
-    import json
-
-    steps = [e for e in trace if e.get("action") in ("alloc", "free_requested")]
-    live = {}
-    for k, e in enumerate(steps):
-        if step.peak_time is not None and k > step.peak_time:
-            break
-        if e["action"] == "alloc":
-            live[e["addr"]] = e
-        else:
-            live.pop(e["addr"], None)
-    named = {ptr: category for _, _, ptr, category, _ in log.tags}
-    rows = [{"bytes": _block_bytes(int(e["size"])), "tag": named.get(addr),
-             "frames": [f"{f.get('filename', '').rsplit('/', 2)[-1]}:{f.get('line')}:{f.get('name')}"
-                        for f in e.get("frames", [])[:48]]}
-            for addr, e in live.items()]
-    rows.sort(key=lambda r: -r["bytes"])
-    with open(path, "w") as f:
-        json.dump({"peak_bytes": step.peak_bytes, "at_peak": step.at_peak, "peak_action": step.peak_action,
-                   "action_peaks": step.action_peaks, "live": rows}, f, indent=1)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ..models.tensor_parallel import TensorGroup
+from .memory_profile import released
 
 
 @dataclass
@@ -69,5 +70,5 @@ def build_mesh(rank: int, num_devices: int, tensor: int, data_parallel: int, seq
                 if rank in ranks:
                     kv_group = g
     tp = TensorGroup(tensor, mesh.t, group, sequence_parallel, kv_group, copies,
-                     gloo=dist.get_backend(group) == dist.Backend.GLOO)
+                     gloo=dist.get_backend(group) == dist.Backend.GLOO, released=released)
     return mesh, tp

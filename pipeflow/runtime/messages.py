@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..device_paths import cuda_path
 from ..schedules.ir import Action, Kind
 from ..schedules.lowering import Comm, action_positions, message_position
 from .memory_profile import tag
@@ -38,7 +39,7 @@ class MessageIO:
                 # autograd may hand back a strided view; the wire needs contiguous memory
                 tensor = outbox.pop(self._key(c)).contiguous()
                 self.sent_bytes += tensor.numel() * tensor.element_size()
-                ops.append(dist.P2POp(dist.isend, tensor.cpu() if staged else tensor, self._rank_of(c.peer),
+                ops.append(dist.P2POp(dist.isend, tensor.to("cpu", copy=True) if staged else tensor, self._rank_of(c.peer),
                                       tag=0 if self.ordered else c.tag))
             else:
                 shape, dtype = self.adapter.message_spec(c.src_stage, c.dst_stage, c.segment)
@@ -57,10 +58,11 @@ class MessageIO:
                 inbox[self._key(c)] = (tensor, _Staged(work, op.tensor, tensor) if staged else work)
 
     def _staged(self) -> bool:
-        """Messages pass through host memory: a GPU rank whose process group is gloo."""
+        """Messages pass through host memory: a GPU rank whose process group is gloo (or a
+        CPU rank taking that path: ``runtime.cuda_paths=[staging]``)."""
         staged = self._staged_p2p
         if staged is None:
-            staged = self._staged_p2p = (self.adapter.device.type != "cpu"
+            staged = self._staged_p2p = (cuda_path("staging", self.adapter.device)
                                          and dist.get_backend() == dist.Backend.GLOO)
         return staged
 

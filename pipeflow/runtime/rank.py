@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..device_paths import cuda_path
 from ..formats.runplan import RunPlan
 from ..schedules.ir import Schedule, WeightPolicy
 from ..schedules.zero import zero_owners
@@ -76,9 +77,8 @@ def build_rank(plan: RunPlan, cfg: dict, rank: int, device: torch.device, on_gra
     schedules. Needs the process group (it creates groups). Nothing is decided here."""
     optim = cfg["optim"]
     precision = Precision(plan.precision, device.type, float(cfg["runtime"].get("loss_scale", 2.0**16)))
-    p2p = "ordered" if device.type == "cuda" else cfg["runtime"].get("p2p", "tagged")  # NCCL ignores tags
-    # test hook: CPU ranks pass their messages through a host copy, as GPU ranks under gloo do
-    staging = True if cfg["runtime"].get("host_staging") else None  # None: the executor decides
+    # NCCL ignores tags (and CPU ranks match in order too where they take CUDA's message path)
+    p2p = "ordered" if cuda_path("staging", device) else cfg["runtime"].get("p2p", "tagged")
     schedule, layers = plan.schedule, plan.layers_per_stage
     adapter = plan.adapter.build(device)
     stages: dict[tuple[int, int], StageState] = {}
@@ -108,22 +108,22 @@ def build_rank(plan: RunPlan, cfg: dict, rank: int, device: torch.device, on_gra
     clip = optim.get("grad_clip")
     if schedule.policy == WeightPolicy.SYNC:
         executor = Executor(schedule, rank, stages, adapter, groups, grad_clip=clip, on_grads=on_grads,
-                            precision=precision, p2p=p2p, host_staging=staging, mesh=mesh)
+                            precision=precision, p2p=p2p, mesh=mesh)
         return RankSetup(schedule, layers, adapter, stages, executor, device=device)
 
     def make_chunk(windows: int) -> AsyncExecutor:
         return AsyncExecutor(plan.chunk_schedule(windows), rank, stages, adapter, groups, grad_clip=clip,
-                             precision=precision, p2p=p2p, host_staging=staging, keep_first_grads=dump)
+                             precision=precision, p2p=p2p, keep_first_grads=dump)
 
     # runtime.dump_grads: the first update's gradients, kept (a copy) for the dump only
     dump = bool(cfg["runtime"].get("dump_grads"))
     executor = AsyncExecutor(schedule, rank, stages, adapter, groups, grad_clip=clip, precision=precision, p2p=p2p,
-                             host_staging=staging, keep_first_grads=dump)
+                             keep_first_grads=dump)
     # evaluation after a flush: every mirror replica holds the same weights, so pipe 0's
     # replicas run the plan's forward-only 1F1B
     eval_stages = {(0, s): st for (pipe, s), st in stages.items() if pipe == 0}
     eval_executor = Executor(plan.eval_schedule, rank, eval_stages, adapter, groups, grad_clip=None,
-                             precision=precision, p2p=p2p, host_staging=staging)
+                             precision=precision, p2p=p2p)
     return RankSetup(schedule, layers, adapter, stages, executor, eval_executor,
                      {schedule.windows: executor}, make_chunk, device)
 

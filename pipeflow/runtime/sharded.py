@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ..schedules.ir import Kind
 from .memory_profile import tag
-from .optim import make_optimizer
+from .optim import make_optimizer, square_sum
 
 
 class ShardedAdamW:
@@ -205,9 +205,8 @@ class ShardedAdamW:
         for i, g in enumerate(self.gradients):
             if g is None:
                 continue
-            sq = g.double().pow(2)
             copies = self._copies(i)
-            total += (sq if copies is None else sq / copies).sum()
+            total += square_sum(g) if copies is None else (g.double().pow(2) / copies).sum()
         return total
 
     def _copies(self, i: int) -> torch.Tensor | None:

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .. import device_paths
 from ..formats.checkpoint import model_record, training_record
 from ..formats.timeline import Timeline
 from ..schedules.data_parallel import pipeline_shape
@@ -40,6 +41,7 @@ def run_worker(rank: int, job: TrainJob) -> dict | None:
     cfg = job.cfg
     runtime = cfg["runtime"]
     keep_freed_memory()
+    device_paths.emulate(runtime.get("cuda_paths"))  # CUDA's code paths on CPU, where a test asks
     torch.set_num_threads(int(runtime.get("threads_per_rank") or 1))
     device, backend = device_and_backend(runtime, rank)
     join_group(backend, rank, job.world_size, float(runtime.get("timeout_s", 60)))

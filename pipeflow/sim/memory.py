@@ -46,8 +46,7 @@ from ..schedules.versions import tied_update_plan
 from ..schedules.zero import zero_owners
 from .memory_terms import term_value  # noqa: F401 - the walk values its terms with it (and is imported from here)
 from .memory_peaks import Peaks  # noqa: F401 - the walks as arrays (imported from here too)
-from .memory_tape import _CAT, _TEMP, CATEGORIES, Tape  # noqa: F401 - the tape and its categories (here too)
-from .memory_tape import library_workspace  # noqa: F401 - (imported from here)
+from .memory_tape import _CAT, _TEMP, CATEGORIES, Tape, library_workspace  # noqa: F401 - the tape (here too)
 from .memory_tape import reduces_after as reduces_of
 
 # the measured categories (pipeflow.runtime.memory_profile) and the simulated ones they
@@ -322,9 +321,11 @@ def tapes(schedule, devices=None, replicas: int = 1, bare: str | None = None):
                     casts_on.add(rep)
                     cast_by[rep] = (e.microbatch, seg)
                     ap((CASTS, key("state", stage, "casts"), 1))
-                # its most: what it keeps, and what it holds for a moment on top (where the
-                # cost model prices it: the loss's operands on a head)
+                # its most: what it keeps and holds a moment on top (a head's loss; a tensor group's MLP)
+                late = key("forward_late_saved_bytes", stage, seg)
+                ap((ACTS, late, -1))
                 ap((-1, key("forward_workspace_bytes", stage, seg), 0))
+                ap((ACTS, late, 1))
                 if away_out:
                     # the output and the copy it is sent as (output_bytes), at 16 bits one
                     # copy for each successor elsewhere (the executor casts it per send),
@@ -490,7 +491,10 @@ def device_memory(schedule, cost, per_device: list, workspace=None, actions: lis
             mem["peak_bytes"] += held
             mem["at_peak"]["temporaries"] += held
             mem["category_peaks"]["temporaries"] += held
-            if "at_action" in mem:
-                mem["at_action"]["bytes"] += held
-                mem["at_action"]["at"]["temporaries"] += held
+            if "at_action" in mem:  # (its most is one of its instants: the same dict)
+                at = mem["at_action"]
+                at["instants"] = [(b + held, {**split, "temporaries": split["temporaries"] + held})
+                                  for b, split in at["instants"]]
+                at["bytes"] += held
+                at["at"] = {**at["at"], "temporaries": at["at"]["temporaries"] + held}
     return out

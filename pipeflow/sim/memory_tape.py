@@ -38,13 +38,16 @@ class Tape:
     def walk(self, values: np.ndarray, action: str | None = None, every: bool = False) -> dict:
         """The bytes: ``peak_bytes``, ``at_peak``, ``peak_action`` and ``category_peaks``
         (see :func:`device_memory`); with ``action`` (a name such as "1I3") also
-        ``at_action``: that action's own most and what holds it then; with ``every``,
+        ``at_action``: that action's own most and what holds it then, and ``instants``,
+        each instant of it (bytes, category -> bytes then; a host's kernels can tip a
+        rank's peak between two of them a few hundred bytes apart); with ``every``,
         ``action_peaks``: each action's own most, name -> (bytes, category -> bytes then)."""
         values = [float(v) for v in values]
         live = [0.0] * len(CATEGORIES)
         own = [0.0] * len(CATEGORIES)
         best, at, best_action = -1.0, live, None
         most: dict = {}  # action -> (its most, what holds it then), for the actions asked for
+        instants: list = []  # the asked action's, (bytes, category -> bytes)
         starts = iter(self.starts)
         upcoming, current = next(starts, (None, None)), None
         for i, (cat, term, n) in enumerate(self.steps):
@@ -58,16 +61,23 @@ class Tape:
             if total > best:
                 best, at, best_action = total, list(live), current
                 at[_TEMP] += extra
-            if current is not None and (every or current == action) and total > most.get(current, (-1.0,))[0]:
-                held = list(live)
-                held[_TEMP] += extra
-                most[current] = (total, dict(zip(CATEGORIES, held)))
+            if current is not None and (every or current == action):
+                mine, higher = current == action, total > most.get(current, (-1.0,))[0]
+                if mine or higher:
+                    held = list(live)
+                    held[_TEMP] += extra
+                    split = dict(zip(CATEGORIES, held))
+                    if mine:
+                        instants.append((total, split))
+                    if higher:
+                        most[current] = (total, split)
             for c, v in enumerate(live):
                 own[c] = max(own[c], v + extra if c == _TEMP else v)
         out = {"peak_bytes": best, "at_peak": dict(zip(CATEGORIES, at)), "peak_action": best_action,
                "category_peaks": dict(zip(CATEGORIES, own))}
         if action in most:
-            out["at_action"] = {"action": action, "bytes": most[action][0], "at": most[action][1]}
+            out["at_action"] = {"action": action, "bytes": most[action][0], "at": most[action][1],
+                                "instants": instants}
         if every:
             out["action_peaks"] = most
         return out

@@ -126,7 +126,7 @@ def term_value(key: tuple, cost, per_device=None, cache: dict | None = None) -> 
 # not be here
 _METHODS = frozenset({
     "activation_bytes", "backward_freed_bytes", "backward_grads_made_bytes", "cast_phase_bytes",
-    "cast_phase_freed_bytes", "forward_workspace_bytes", "input_freed_bytes", "input_gradient_bytes",
+    "cast_phase_freed_bytes", "forward_late_saved_bytes", "forward_workspace_bytes", "input_freed_bytes", "input_gradient_bytes",
     "input_kept_bytes", "kv_gradient_bytes", "local_output_bytes", "message_bytes", "output_bytes",
     "sent_copy_bytes", "shared_output_bytes", "step_workspace_bytes", "tied_gradient_bytes",
     "transient_bytes", "weight_residual_bytes", "weight_workspace_bytes", "workspace_bytes"})
@@ -135,7 +135,7 @@ _METHODS = frozenset({
 ONE_STAGE = frozenset({
     "state", "activation_bytes", "during_backward", "backward_freed_bytes", "backward_grads_made_bytes",
     "during_input", "input_kept_bytes", "input_freed_bytes", "weight_residual_bytes", "weight_workspace_bytes",
-    "forward_workspace_bytes", "output_bytes", "sent_copy_bytes", "local_output_bytes", "shared_output_bytes",
+    "forward_late_saved_bytes", "forward_workspace_bytes", "output_bytes", "sent_copy_bytes", "local_output_bytes", "shared_output_bytes",
     "kv_gradient_bytes", "cast_phase_bytes", "cast_phase_freed_bytes", "held_cast_gradients",
     "step_workspace_bytes", "tied_gradient_bytes", "sharded_optimizer_state", "flat_gradients",
     "scattered_gradients", "gradient_slice", "flat_parameters", "own_share", "parameter_shard",

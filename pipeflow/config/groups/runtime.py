@@ -4,12 +4,13 @@ and the failure test hooks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import List, Optional
 
 from omegaconf import DictConfig
 
 from pipeflow.checks import is_whole
+from pipeflow.device_paths import check as check_paths
 
 from ..values import ConfigError, at_least, number
 
@@ -37,9 +38,11 @@ class LocalRuntimeConfig:
     fail_at_step: Optional[int] = None  # test hook: rank fail_rank fails at this step
     fail_rank: Optional[int] = None
     fail_mode: str = "raise"  # raise: a Python error; kill: SIGKILL, as an out-of-memory kill would
+    expandable_segments: bool = True  # CUDA: the caching allocator's expandable segments (no block larger than asked)
     memory: str = "count"  # count: saved bytes (cheap, always); profile: every allocation of the last step, by category
     dump_grads: bool = False  # test hook: each rank writes run_dir/grads/rank<r>.pt after its first backward
-    host_staging: bool = False  # test hook: CPU ranks pass messages through a host copy, as GPU ranks under gloo do
+    # test hook: CPU ranks take CUDA's code paths (pipeflow.device_paths): attention, staging, memory; [all]: each
+    cuda_paths: List[str] = field(default_factory=list)
 
 def _cuda_devices() -> int:
     # torch is imported only when a config asks for CUDA, so checking a CPU config stays fast
@@ -73,6 +76,10 @@ def check_runtime(rt: DictConfig, world_size: int) -> None:
                 f"(NCCL puts each rank on its own GPU); use fewer pipeline.stages, runtime.backend=gloo (ranks "
                 f"share the GPUs, messages pass through host memory) or runtime.device=cpu"
             )
+    try:
+        check_paths(list(rt.get("cuda_paths") or []))
+    except ValueError as err:
+        raise ConfigError(f"{err} (CUDA's code paths, taken on CPU ranks: pipeflow.device_paths)") from None
     number("runtime.timeout_s", rt.timeout_s, "must be > 0 seconds", rt.timeout_s > 0)
     number("runtime.hang_timeout_s", rt.hang_timeout_s, "must be >= 0 seconds (0: never)", rt.hang_timeout_s >= 0)
     at_least("runtime.threads_per_rank", rt.threads_per_rank, 1)
