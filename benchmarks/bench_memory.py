@@ -26,7 +26,7 @@ Run from the repository root (each case spawns its ranks, 5-15 s):
 
     .venv/bin/python -m benchmarks.bench_memory                 # the whole matrix
     .venv/bin/python -m benchmarks.bench_memory --quick         # one case per concern
-    .venv/bin/python -m benchmarks.bench_memory --real          # real widths: hidden 512-1024, 2k-4k tokens
+    .venv/bin/python -m benchmarks.bench_memory --real          # real widths: hidden 768-1024, 2k-4k tokens
     .venv/bin/python -m benchmarks.bench_memory --only zb_h1 --json out.json
     .venv/bin/python -m benchmarks.bench_memory --sample 40   # drawn from the whole product
     .venv/bin/python -m benchmarks.bench_memory --product --only "cbm zb_h1,cbm zb_h2"   # every such case of it
@@ -130,11 +130,12 @@ def cases(quick: bool = False) -> list[tuple[str, list[str]]]:
     return out
 
 
-# Real widths (hidden 512-1024, 2k-4k tokens, microbatches of 1-4 sequences), cut to two
+# Real widths (hidden 768-1024, 2k-4k tokens a microbatch, of 1-4 sequences), cut to two
 # layers, one a stage, so that the whole set runs on a 2-core CPU in a few minutes: the
 # widths where a small model's terms stop hiding the large ones (the loss over a 50k
 # vocabulary, the K/V of a 4k-token prefix, a hidden state of several MiB). The shapes of
-# the cases measured on an H200 (shared/measurements/h200-2026-11-28), at the same widths.
+# the cases measured on an H200 (shared/measurements/h200-2026-11-28), at the same widths,
+# and the families, Seq1F1B, the zero-bubble split, tensor + sequence parallelism, ZeRO-3.
 _LLAMA_1K = ["model=llama_tiny", "model.hf.hidden_size=1024", "model.hf.intermediate_size=2816",
              "model.hf.num_hidden_layers=2", "model.hf.num_attention_heads=16", "model.hf.num_key_value_heads=4"]
 _GPT = ["model.n_layer=2", "model.vocab_size=256"]  # gpt_small's and gpt_medium's widths, a byte vocabulary
@@ -157,12 +158,11 @@ REAL = {
     "real bert 1f1b fp32 2k": ["model=bert_tiny", "model.n_layer=2", "model.n_embd=768", "model.n_head=12",
                                "model.seq_len=2048", "model.n_positions=2048", "pipeline.microbatch_size=2",
                                "precision=fp32"],
-    "real gpt_small tp2+sp bf16 2k": ["model=gpt_small", *_GPT, "model.seq_len=2048", "model.n_positions=2048",
-                                      "pipeline.tensor_parallel=2", "pipeline.sequence_parallel=true",
-                                      "pipeline.microbatch_size=2", "precision=bf16"],
-    "real gpt_small zero3 dp2 fp32 2k": ["model=gpt_small", *_GPT, "model.seq_len=2048", "model.n_positions=2048",
-                                         "pipeline.data_parallel=2", "pipeline.shard=full",
-                                         "pipeline.microbatch_size=2", "precision=fp32"],
+    "real gpt_small tp2+sp bf16 4x1k": ["model=gpt_small", *_GPT, "pipeline.tensor_parallel=2",
+                                        "pipeline.sequence_parallel=true", "pipeline.microbatch_size=4",
+                                        "precision=bf16"],
+    "real gpt_small zero3 dp2 fp32 4x1k": ["model=gpt_small", *_GPT, "pipeline.data_parallel=2", "pipeline.shard=full",
+                                           "pipeline.microbatch_size=4", "precision=fp32"],
 }
 REAL_SHAPE = ["pipeline.stages=2", "pipeline.microbatches=4"]
 
@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="every case of the whole product, the matrix's too (684; --only picks among them: "
                          "--product --only 'cbm zb_h1,cbm zb_h2')")
     ap.add_argument("--real", action="store_true",
-                    help="the real-width cases instead (hidden 512-1024, 2k-4k tokens: a few minutes on 2 cores)")
+                    help="the real-width cases instead (hidden 768-1024, 2k-4k tokens: a few minutes on 2 cores)")
     ap.add_argument("--case", action="append", default=[],
                     help="one case of your own instead, its overrides space-separated (repeatable): "
                          "--case 'model=cbm_tiny schedule=zb_h2 pipeline.stages=2 precision=fp32'")

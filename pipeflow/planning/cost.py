@@ -27,7 +27,8 @@ import numpy as np
 from ..topology.topology import Device
 from .layer_cost import LayerCost, layer_cost  # noqa: F401 - re-exported (branched_cost, plans, tests)
 from .tensor_cost import TensorShards, sequence_parallel_layer, shard_spec
-from .working_set import BackwardWorkingSet, HeldOutputs
+from .held_outputs import HeldOutputs
+from .working_set import BackwardWorkingSet
 from .transformer import (
     RESIDUAL_BYTES,
     TransformerSpec,

@@ -126,8 +126,12 @@ class BackwardWorkingSet:
             mlp += (0 if end else down * c) + x * b * spec.n_embd * c
         elif fresh:
             mlp_made = 4.0 * (down + (spec.n_embd if spec.mlp_bias else 0))
-        else:
+        elif spec.mlp != "gated":  # (a gated MLP's is added to .grad before the product's backward)
             mlp += 4.0 * down
+        # a gated MLP's product's backward runs after the down projection's, which has
+        # freed its input, the product (measured, Llama 1,024 wide at 2k tokens, fp32 and
+        # bf16: three I-wide gradients live, that one freed)
+        gated_freed = x * b * spec.ffn_width * c if spec.mlp == "gated" and spec.recompute != "full" else 0.0
         kv_heads = spec.n_head if spec.kv_repeat else spec.kv_heads  # the kernel's K/V gradients
         attention = (b * c * (2 * x * spec.n_head + 2 * P * kv_heads) * spec.head_dim + stream + received
                      + self._attention_scratch(x, P))
@@ -142,7 +146,7 @@ class BackwardWorkingSet:
         # saved (rebuilt, with full recomputation) and makes a stream's gradient of its
         # own before the MLP's (measured, bert)
         norm = x * b * norm_saved_bytes(spec) if spec.post_norm else 0.0
-        mlp_freed = norm if spec.recompute != "full" else 0.0
+        mlp_freed = (norm if spec.recompute != "full" else 0.0) + gated_freed
         mlp -= norm
         mlp += self._mlp_product_scratch(x * b)
         if spec.recompute == "full":  # the MLP's part of the rebuilt layer is gone by the attention's
@@ -175,6 +179,9 @@ class BackwardWorkingSet:
             head_made = 4.0 * (head_params(spec) - (shared_head_params(spec) if stage == 0 else 0)) if fresh else 0.0
             phases = [(n - head, f + head, m + head_made) for n, f, m in phases]
             phases.append((2.0 * x * b * spec.vocab_size * 4, 0.0, 0.0))
+            final, held = self._final_norm(x * b, stream - head)  # (after the head, its stream's gradient made)
+            if final:
+                phases.append((final, head - held, head_made))
         if fresh is None:  # the attention's phase itself (cast_phase_bytes)
             return phases[1]
         net, freed, made = max(phases, key=lambda p: p[0] + p[2])
@@ -398,6 +405,12 @@ class BackwardWorkingSet:
             saved = spec.recompute != "full"
             branches = [(branches[0][0] - norm, branches[0][1], branches[0][2] + (norm if saved else 0.0)),
                         (branches[1][0] - norm, branches[1][1], branches[1][2] + (norm if spec.recompute == "none" else 0.0))]
+        if last and c < 4 and not spec.post_norm:
+            # the stream's gradient the head hands the blocks (in its moves, below) is the
+            # very tensor the attention's phases count at 16 bits (measured, gpt_medium's
+            # last stage, ZB-H1 bf16 with selective recomputation at 2k tokens: 1.028 with both)
+            stream = x_b * spec.n_embd * RESIDUAL_BYTES
+            branches = branches[:1] + [(net - stream, k, f) for net, k, f in branches[1:]]
         block, kept, freed = max(branches, key=lambda p: p[0])
         if phase is not None:  # which: 0 the MLP's, 1 the attention's, 2 its rerun's rotation
             phase.append(branches.index((block, kept, freed)))
@@ -412,9 +425,27 @@ class BackwardWorkingSet:
         head_kept, head_saved = head_residual_width(spec) * x_b * c, last_stage_saved(spec, x, b, c)
         head_moves = head_kept - head_saved + x_b * spec.n_embd * RESIDUAL_BYTES
         head = 2.0 * x_b * spec.vocab_size * 4  # the loss's and the log-softmax's gradients; the second, kept
-        if head >= head_moves + rise + block:
+        if head >= head_moves + rise + block and head >= self._final_norm(x_b, head_moves)[0]:
             return float(head), float(x_b * spec.vocab_size * c), 0.0
+        final, held = self._final_norm(x_b, head_moves)
+        if final > head_moves + rise + block:  # the blocks' saved bytes all held yet
+            return float(final), float(head_kept), float(head_saved - held)
         return float(head_moves + rise + block), float(head_kept + kept), float(head_saved + freed)
+
+    def _final_norm(self, x_b: float, level: float) -> tuple[float, float]:
+        """A last stage's final norm's backward, on top of ``level`` (the head's done, the
+        norm's saved bytes counted freed): transformers' RMSNorm, written in Python, runs
+        autograd through its square, mean, reciprocal root and products, four fp32 rows of
+        H a token at once, its normalised input (one row) freed by then and its fp32
+        input still held (measured: Llama at 1,024 wide, 2k tokens, bf16, ZB-H1: the last
+        stage's I peaks there, 3.9 rows over its start, the MLP's 3.5). Returns (the most,
+        what of the norm's saved bytes it holds then); LayerNorm's fused kernel: (0, 0)."""
+        spec = self.spec
+        if spec.norm != "rmsnorm":
+            return 0.0, 0.0
+        row = x_b * spec.n_embd * RESIDUAL_BYTES
+        held = x_b * norm_saved_bytes(spec) - row
+        return float(level + held + 4 * row), float(held)
 
     def input_gradient_bytes(self, stage: int, segment: int) -> float:
         """The gradient a backward makes for its stage's input (the residual stream, fp32)."""
@@ -443,41 +474,3 @@ class BackwardWorkingSet:
             return 4.0 * one_at_a_time_most(sizes)
         return 4.0 * self._params[stage]
 
-
-class HeldOutputs:
-    """A stage's output as the runtime keeps it, for :class:`~pipeflow.planning.cost.AnalyticCost`
-    (a mixin: it reads the cost's shape and dtype): until its gradient returns where it
-    was sent, until the stage's own backward where its successor runs on the same device."""
-
-    def output_bytes(self, stage: int, segment: int) -> float:
-        """A stage's output (the residual stream, fp32) stays with the stage until its
-        gradient comes back and the backward starts; at 16 bits with the 16-bit copy it
-        was sent as, which goes earlier (:meth:`sent_copy_bytes`)."""
-        x = self.segment_lengths[self._seg(segment)]
-        per_token = RESIDUAL_BYTES + (self.dtype_bytes if self.dtype_bytes < 4 else 0)
-        return float(self.microbatch_size * x * self.spec.n_embd * per_token)
-
-    def sent_copy_bytes(self, stage: int, segment: int) -> float:
-        """Of :meth:`output_bytes`, the 16-bit copy it was sent as, which goes once a later
-        message from the peer proves it arrived (0 at full precision: the output itself is sent)."""
-        x = self.segment_lengths[self._seg(segment)]
-        return float(self.microbatch_size * x * self.spec.n_embd * self.dtype_bytes) if self.dtype_bytes < 4 else 0.0
-
-    def local_output_bytes(self, stage: int, segment: int) -> float:
-        """A stage whose successor runs on the same device (a V-shaped placement: ZB-V,
-        DualPipeV) keeps its output (fp32) from its forward to its backward; at 16 bits
-        the successor restores a copy of its own from the 16-bit one it is handed, so
-        the two are apart throughout. At full precision the successor's input is the
-        output itself, counted with its activations (:meth:`shared_output_bytes`)."""
-        return self._stream_bytes(segment) if self.dtype_bytes < 4 else 0.0
-
-    def shared_output_bytes(self, stage: int, segment: int) -> float:
-        """At full precision, a stage's output that its successor on the same device took
-        as its input: the stage's alone once the successor's backward has let go of it,
-        until the stage's own backward."""
-        return self._stream_bytes(segment) if self.dtype_bytes >= 4 else 0.0
-
-    def _stream_bytes(self, segment: int) -> float:
-        """One microbatch's residual stream (fp32) over a segment: a stage's output."""
-        x = self.segment_lengths[self._seg(segment)]
-        return float(self.microbatch_size * x * self.spec.n_embd * RESIDUAL_BYTES)
