@@ -29,7 +29,7 @@ rank holds both trainers, each with its own copy of its stages and its own optim
   clipping and the AdamW step);
 - torch: our GPTStage modules in ``torch.distributed.pipelining.PipelineStage`` driven
   by torch's schedule, followed by exactly the rest of pipeflow's iteration (the tied
-  embedding's copies summed as ``Executor._sync_tied`` sums them: over the ranks that
+  embedding's copies summed by ``runtime.stage.sync_tied``: over the ranks that
   hold the first and the last stage, which for every pair here are both ranks; the
   gradient norm and loss in one all-reduce, clipping, AdamW per stage with pipeflow's
   learning-rate schedule), timed the same way.
@@ -83,6 +83,8 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from pipeflow.config import compose, prepare_training  # noqa: E402
 from pipeflow.runtime.launch import free_port, rank_context  # noqa: E402
+from pipeflow.runtime.optim import square_sum  # noqa: E402 - the clip norm, as pipeflow sums it
+from pipeflow.runtime.stage import sync_tied  # noqa: E402 - the tied copies, as pipeflow sums them
 
 TARGET = 1.0
 WARMUP = 3  # steps of each run left out of the medians
@@ -167,7 +169,7 @@ class TorchTrainer:
         # pipeflow: one optimizer per stage, stepped one after the other
         self.optimizers = [make_optimizer(modules[s], cfg["optim"]) for s in self.mine]
         self.params = [p for s in self.mine for p in modules[s].parameters() if p.requires_grad]
-        # the tied embedding: wte on stage 0, lm_head on the last stage (Executor._sync_tied
+        # the tied embedding: wte on stage 0, lm_head on the last stage (runtime.stage.sync_tied
         # sums all copies over the ranks holding the first and the last stage)
         self.tied = [p for s in self.mine for p in modules[s].tied_parameters()]
         tied_ranks = sorted({placement[0], placement[num_stages - 1]})
@@ -228,18 +230,11 @@ class TorchTrainer:
         # the rest of pipeflow's iteration: every copy of the tied embedding gets the sum of
         # all copies' gradients ...
         if self.tied:
-            total = torch.zeros_like(self.tied[0])
-            for p in self.tied:
-                if p.grad is not None:
-                    total += p.grad
-            if self.tied_reduce:
-                dist.all_reduce(total, group=self.tied_group)
-            for p in self.tied:
-                p.grad = total.clone()
+            sync_tied(self.tied, (self.tied_group or dist.group.WORLD) if self.tied_reduce else None)
         # ... one all-reduce for the global gradient norm and the loss, clip, update
         sq = torch.zeros((), dtype=torch.float64)
         for p in self.counted:
-            sq += p.grad.detach().double().pow(2).sum()
+            sq += square_sum(p.grad)
         loss = sum(float(x.detach()) for x in mb_losses) / self.m if self.last else 0.0
         vec = torch.stack([sq, torch.tensor(loss, dtype=torch.float64)])
         dist.all_reduce(vec)

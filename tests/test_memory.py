@@ -306,10 +306,11 @@ def test_the_branched_models_16_bit_backward_is_simulated_as_it_holds_its_casts_
     sim = run_simulation(compose("simulate", [*over, "draw=false", "topology=local_cpu"]), tmp_path / "sim",
                          actions=_peak_actions(run))
     if schedule == "gpipe":  # (its first stages peak at other instants than the model's: totals only, see below)
+        slack = _emulated_bf16_scratch()
         for meas, predicted in zip(run["memory_profile"], sim["per_device"]):
-            assert predicted["peak_memory_bytes"] == pytest.approx(meas["peak_bytes"], rel=0.03)
+            assert abs(predicted["peak_memory_bytes"] - meas["peak_bytes"]) <= 0.03 * meas["peak_bytes"] + slack
         vision, meas = sim["per_device"][1]["memory_at_peak"]["temporaries"], run["memory_profile"][1]
-        assert abs(vision - meas["at_peak"]["temporaries"]) <= 0.05 * meas["peak_bytes"]
+        assert abs(vision - meas["at_peak"]["temporaries"]) <= 0.05 * meas["peak_bytes"] + slack
     else:
         _assert_the_same_memory(run, sim)
     assert run["memory_profile"][0]["at_peak"]["casts"] > 0
@@ -345,7 +346,8 @@ def test_a_zero_bubble_i_is_walked_as_the_rank_runs_it(over, tmp_path: Path):
         if "I" in (meas.get("peak_action") or ""):
             at = predicted["memory_at_action"]
             assert at["action"] == meas["peak_action"]
-            assert at["bytes"] == pytest.approx(meas["peak_bytes"], rel=0.03)
+            slack = _emulated_bf16_scratch() if run["precision"] == "bf16" else 0.0
+            assert abs(at["bytes"] - meas["peak_bytes"]) <= 0.03 * meas["peak_bytes"] + slack
 
 
 @pytest.mark.parametrize("over,within", [
@@ -368,8 +370,9 @@ def test_a_rebuilt_layers_16_bit_backward_peaks_where_the_rank_does(over, within
     sim = run_simulation(compose("simulate", [*over, "draw=false", "topology=local_cpu"]), tmp_path / "sim",
                          actions=_peak_actions(run))
     _assert_the_same_memory(run, sim)
+    slack = _emulated_bf16_scratch()  # (bf16: see there)
     for meas, predicted in zip(run["memory_profile"], sim["per_device"]):
-        assert predicted["peak_memory_bytes"] == pytest.approx(meas["peak_bytes"], rel=within)
+        assert abs(predicted["peak_memory_bytes"] - meas["peak_bytes"]) <= within * meas["peak_bytes"] + slack
 
 
 SEGMENTS_KERNEL = ("model=llama_tiny", "schedule=seq1f1b_interleaved", "pipeline.virtual_stages=2",
@@ -458,28 +461,45 @@ def _peak_actions(run: dict) -> list:
 NEAR_TIE = 0.01
 
 
+def _emulated_bf16_scratch() -> float:
+    """On a CPU with AVX-512 but without AVX512-BF16 (Intel Skylake to Ice Lake), oneDNN
+    emulates a bf16 product and holds an fp32 image of its output as scratch for the
+    product's duration (4 m n bytes, measured for every shape: pipeflow.topology.host),
+    where native bf16 (AVX512-BF16, AMX) holds a few blocks of the operands and AVX2
+    none. The walk places the products' scratch where native hosts showed it to matter
+    (the MLP's products), not at every product, so on such a host an instant may hold one
+    product's image more than it says: the tests' tiny models' largest, a microbatch of
+    4 x 128 tokens by 512 columns, 1 MiB. 0 on other hosts."""
+    from pipeflow.topology.host import product_scratch
+
+    return 4.0 * 512 * 512 + 128 if product_scratch(256, 64, 256, False) >= 4 * 256 * 256 else 0.0
+
+
 def _assert_the_same_memory(run: dict, sim: dict) -> None:
     assert sim["precision"] == run["precision"]
+    slack = _emulated_bf16_scratch() if run["precision"] == "bf16" else 0.0
     for dev, (meas, predicted) in enumerate(zip(run["memory_profile"], sim["per_device"])):
         peak = meas["peak_bytes"]
-        assert predicted["peak_memory_bytes"] == pytest.approx(peak, rel=0.03), dev
+        assert abs(predicted["peak_memory_bytes"] - peak) <= 0.03 * peak + slack, dev
         assert sum(meas["at_peak"].values()) == peak
         # the walk's split at its peak, else at an instant of the rank's peak action all but tied with it
         near = [split for total, split in predicted.get("memory_at_action", {}).get("instants", ())
-                if total >= (1 - NEAR_TIE) * predicted["peak_memory_bytes"]]
-        misses = [_split_misses(meas["at_peak"], split, peak) for split in (predicted["memory_at_peak"], *near)]
+                if total >= (1 - NEAR_TIE) * predicted["peak_memory_bytes"] - slack]
+        misses = [_split_misses(meas["at_peak"], split, peak, slack)
+                  for split in (predicted["memory_at_peak"], *near)]
         assert min(misses, key=len) == [], (dev, misses[0])
 
 
-def _split_misses(measured: dict, simulated: dict, peak: float) -> list:
+def _split_misses(measured: dict, simulated: dict, peak: float, slack: float = 0.0) -> list:
     """The groups whose simulated bytes are off the measured ones: the weights and moments
-    by more than 0.1%, any other by more than 5% of the peak (group, measured, simulated)."""
+    by more than 0.1%, any other by more than 5% of the peak (and ``slack``: a product's
+    scratch the walk does not place, :func:`_emulated_bf16_scratch`) (group, measured, simulated)."""
     out = []
     for group, (m, s) in GROUPS.items():
         got = sum(measured.get(c, 0) for c in m)
         want = sum(simulated.get(c, 0.0) for c in s)
         exact = group in ("parameters", "optimizer_state")
-        if abs(got - want) > (1e-3 * got if exact else 0.05 * peak):
+        if abs(got - want) > (1e-3 * got if exact else 0.05 * peak + slack):
             out.append((group, got, want))
     return out
 
@@ -571,3 +591,19 @@ def test_a_cpu_optimizer_step_holds_what_the_cost_model_says(family):
             opt.step()
         # (and a few scalars: the step's count, 12 bytes)
         assert most_live(sizes) == pytest.approx(cost.step_workspace_bytes(stage), abs=64), (family, stage)
+
+
+def test_the_clip_norms_sum_of_squares_makes_no_float64_copy():
+    """The clip norm's sum of a gradient's squares (runtime.optim.square_sum): the float64
+    sum to 1e-6 (float32 dot products of rows of 1,024), without the two float64 copies of the gradient ``g.double().pow(2).sum()``
+    made (617 MB at once for GPT-2's embedding at the step: a first stage's peak)."""
+    from pipeflow.runtime.optim import square_sum
+    from pipeflow.topology.host import most_live, profile_allocations
+
+    for n in (5, 1024, 50257 * 64 + 17):
+        g = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 1e-3
+        with profile_allocations() as sizes:
+            got = square_sum(g)
+        assert got.dtype == torch.float64
+        assert float(got) == pytest.approx(float(g.double().pow(2).sum()), rel=1e-6), n
+        assert most_live(sizes) < max(2 * 8 * 1024, n)  # well under one float32 copy: not two float64 ones

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+
 import torch
 
 from ..device_paths import cuda_path
@@ -189,19 +190,22 @@ def _events(result, device: torch.device, dump=None) -> tuple[list, list, dict]:
                 if dump:
                     made_by[id(events[-1])] = operators(ev)
         elif ev.name == _RELEASE:
-            for child in ev.children:
-                for meta in getattr(child.typed[1], "inputs", ()):
-                    ptr = getattr(meta, "storage_data_ptr", None)
-                    if ptr and _same(getattr(meta, "device", None), device):
-                        events.append((ev.start_time_ns, 1, "release", ptr, None, 0))
+            events += [(ev.start_time_ns, 1, "release", ptr, None, 0) for ptr in _storages(ev, device)]
         elif ev.name.startswith(_PREFIX):
             category, nbytes = ev.name[len(_PREFIX):].split("::")
-            for child in ev.children:
-                for meta in getattr(child.typed[1], "inputs", ()):
-                    ptr = getattr(meta, "storage_data_ptr", None)
-                    if ptr and _same(getattr(meta, "device", None), device):
-                        events.append((ev.start_time_ns, 1, "tag", ptr, category, int(nbytes)))
+            events += [(ev.start_time_ns, 1, "tag", ptr, category, int(nbytes)) for ptr in _storages(ev, device)]
     return frees_of_released(events), actions, made_by
+
+
+def _storages(ev, device: torch.device) -> list:
+    """The storages on ``device`` a tag's or a release's range names (its aliases' inputs)."""
+    out = []
+    for child in ev.children:
+        for meta in getattr(child.typed[1], "inputs", ()):
+            ptr = getattr(meta, "storage_data_ptr", None)
+            if ptr and _same(getattr(meta, "device", None), device):
+                out.append(ptr)
+    return out
 
 
 class _CudaLog:

@@ -39,8 +39,8 @@ class MessageIO:
                 # autograd may hand back a strided view; the wire needs contiguous memory
                 tensor = outbox.pop(self._key(c)).contiguous()
                 self.sent_bytes += tensor.numel() * tensor.element_size()
-                ops.append(dist.P2POp(dist.isend, tensor.to("cpu", copy=True) if staged else tensor, self._rank_of(c.peer),
-                                      tag=0 if self.ordered else c.tag))
+                wire = tensor.to("cpu", copy=True) if staged else tensor  # (a host copy, on CPU too)
+                ops.append(dist.P2POp(dist.isend, wire, self._rank_of(c.peer), tag=0 if self.ordered else c.tag))
             else:
                 shape, dtype = self.adapter.message_spec(c.src_stage, c.dst_stage, c.segment)
                 tensor = torch.empty(shape, dtype=self.precision.wire_dtype(dtype), device=self.adapter.device)

@@ -23,7 +23,7 @@ def lr_at(step: int, optim: dict, steps: int) -> float:
 def square_sum(t: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     """The sum of ``t``'s squared elements as a float64 scalar, without a float64 copy of
     ``t``: float32 dot products over rows of ``chunk`` elements (one batched product),
-    summed in float64 (within 2e-8 of the float64 sum at 40 million elements).
+    summed in float64 (within 1e-6 of the float64 sum; 2e-8 at 40 million random elements).
 
     The clip norm's sum. ``t.double().pow(2).sum()`` made two float64 copies of every
     gradient on the way: for GPT-2's 50257 x 768 embedding 617 MB at once, between the
@@ -33,10 +33,12 @@ def square_sum(t: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     if not flat.is_floating_point() or flat.element_size() < 4:
         flat = flat.float()
     whole = flat.numel() // chunk * chunk
-    rows = flat[:whole].view(-1, chunk)
-    total = torch.bmm(rows.unsqueeze(1), rows.unsqueeze(2)).double().sum() if whole else flat.new_zeros((), dtype=torch.float64)
-    tail = flat[whole:]
-    return total + torch.dot(tail, tail).double() if tail.numel() else total
+    total = flat.new_zeros((), dtype=torch.float64)
+    if whole:
+        rows = flat[:whole].view(-1, chunk)
+        total = torch.bmm(rows.unsqueeze(1), rows.unsqueeze(2)).double().sum()
+    tail = flat[whole:].double()  # (under a row: a float64 copy of it is nothing)
+    return total + torch.dot(tail, tail) if tail.numel() else total
 
 
 def make_optimizer(module: torch.nn.Module, optim: dict, params: list | None = None) -> torch.optim.Optimizer:

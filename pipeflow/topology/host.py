@@ -6,11 +6,13 @@ oneDNN, which asks torch's CPU allocator for a scratch buffer for the product's
 duration: its blocks of the operands, repacked, one set per thread. Where the peak of a
 rank falls inside such a product (a backward's weight gradient, most often) that
 scratch is part of it: 401 KiB for GPT-tiny's MLP down projection (512 x 512 by
-512 x 128, the first operand transposed) on one thread, twice that on two, and nothing
-on a CPU without those instructions, where the product takes another path. The size is
-the library's blocking, not a formula of the shapes, so it is measured here, once per
-shape and process, by running the product under torch's profiler (it sees each
-allocation; the first use costs the profiler's start, about two seconds).
+512 x 128, the first operand transposed) on one thread, twice that on two. On a CPU
+with AVX2 alone the product takes another path and allocates nothing; with AVX-512 but
+no AVX512-BF16 oneDNN emulates bf16 and holds an fp32 image of the product's output
+(4 m n bytes). The size is the library's choice, not one formula of the shapes across
+hosts, so it is measured here, once per shape and process, by running the product under
+torch's profiler (it sees each allocation; the first use costs the profiler's start,
+about two seconds).
 
 The fused attention's backward (:func:`attention_scratch`) holds, beside the gradients of
 Q, K and V it returns, a contiguous copy of the output's gradient, the kernel's blocks
