@@ -56,6 +56,21 @@ def test_sharded_replicas_match_one_device_on_the_global_batch(name, extra, shar
 
 
 @slow
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_chimeras_mirror_replicas_shard_and_match_one_device(shard, reference, tmp_path):
+    """Chimera's two pipelines hold each stage twice, on devices that hold their stages in
+    opposite orders; their sharded steps (blocking all-gathers, one group per stage) once
+    waited for each other for good. 2 stages x 2 replicas: the single device's gradients
+    and losses."""
+    run = pipeline_runs.train(tmp_path, [*SMALL, "schedule=chimera", "pipeline.stages=2", "pipeline.data_parallel=2",
+                                         f"pipeline.shard={shard}", "runtime.timeout_s=20", "runtime.hang_timeout_s=10"],
+                              tied=pipeline_runs.GPT_TIED)
+    assert run["summary"]["world_size"] == 4 and run["summary"]["shard"] == shard
+    pipeline_runs.assert_same_grads(run["grads"], reference["grads"])
+    assert run["losses"] == pytest.approx(reference["losses"], rel=1e-4)
+
+
+@slow
 def test_each_sharding_level_lowers_each_ranks_memory_as_simulated(tmp_path):
     """gpt_tiny interleaved 1F1B (2 chunks a device), 2 replicas of 2 devices, fp32, short
     sequences, so that a rank peaks where its stages' gradients are reduced: per rank the

@@ -154,6 +154,54 @@ def test_a_rank_that_stops_answering_is_the_one_named(tmp_path):
 
 
 @slow
+def test_a_rank_stuck_in_a_collective_ends_the_job_named_within_the_hang_timeout(tmp_path):
+    """Rank 1 enters a collective no other rank joins (runtime.fail_mode=collective):
+    its watchdog goes on beating, rank 0 waits for its next message, and neither gloo's
+    timeout (60 s) nor the heartbeat says anything. Every rank sitting in one call for
+    runtime.hang_timeout_s ends the job, naming rank 1, which sat still first, and where
+    each waits."""
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, "logger=none", "runtime.hang_timeout_s=3", "runtime.fail_at_step=3",
+                  "runtime.fail_rank=1", "runtime.fail_mode=collective")
+    pids = _running(run_dir, proc, steps=2)
+    t0 = time.monotonic()
+    out, err = proc.communicate(timeout=60)
+    took = time.monotonic() - t0
+    assert proc.returncode == 1, (out, err)
+    failed = [line for line in err.splitlines() if line.startswith("rank ")]
+    assert failed and "failed: the job stopped moving" in failed[0], err
+    # rank 1 in its collective and rank 0 at the step's start, both since the same instant:
+    # the watchdog names every rank that sat still first and where each one sits
+    assert "rank 1 for" in failed[0] and "in all_reduce" in failed[0] and "worker.py" in failed[0], failed[0]
+    record = json.loads((run_dir / "failure.json").read_text())
+    assert record["rank"] in (0, 1) and ("rank 1 sat still first" in failed[0] or "ranks 0, 1 sat" in failed[0])
+    # (a bound, not a timing: gloo's own timeout would have taken 60 s)
+    assert took < 40, took
+    _wait_for(lambda: not any(_alive(p) for p in pids), timeout=15)
+
+
+@slow
+def test_sigterm_stops_a_job_whose_ranks_sit_in_a_collective_within_seconds(tmp_path):
+    """A rank inside a blocking collective never runs its signal handler: the launcher
+    kills the ranks that did not hear the stop rather than wait out W&B's 30-second grace;
+    the summary still says interrupted."""
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, "logger=none", "runtime.hang_timeout_s=0", "runtime.fail_at_step=3",
+                  "runtime.fail_rank=1", "runtime.fail_mode=collective")
+    pids = _running(run_dir, proc, steps=2)
+    time.sleep(2.0)  # rank 1 is in its collective, rank 0 waits for it
+    t0 = time.monotonic()
+    os.kill(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    took = time.monotonic() - t0
+    assert proc.returncode == 128 + signal.SIGTERM, (out, err)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["last_step"] == 2
+    assert took < 20, took  # (30 s and more before: the grace for W&B, then the kill)
+    _wait_for(lambda: not any(_alive(p) for p in pids), timeout=10)
+
+
+@slow
 def test_a_dead_fork_server_ends_the_job_and_its_ranks(tmp_path):
     """The process the ranks were forked from dies: the job fails promptly, no rank
     trains on, and the run folder does not claim a finished run."""

@@ -58,12 +58,23 @@ def _allocator_settings(runtime: dict) -> None:
         pass
 
 
+_timeout: list[timedelta] = []  # the job's runtime.timeout_s, which every group of it gets
+
+
+def new_group(ranks: list[int]):
+    """``dist.new_group(ranks)`` under the job's timeout. torch gives a group made after
+    the world group a default of its own (30 minutes on gloo, not the world group's
+    ``runtime.timeout_s``): a stage's replicas stuck in an all-gather waited that long."""
+    return dist.new_group(ranks, timeout=_timeout[0] if _timeout else None)
+
+
 def join_group(backend: str, rank: int, world_size: int, timeout_s: float) -> None:
     """Join the job's process group: through the launcher's store where it hosts one
     (local ranks: no port picked free and bound again later, which two jobs starting
     at once on one host could both pick), else by torch's env:// rendezvous (torchrun,
     Slurm, runtime.master_port)."""
     timeout = timedelta(seconds=timeout_s)
+    _timeout[:] = [timeout]
     if os.environ.get(HOSTED_STORE) == "1":
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                               is_master=False, timeout=timeout)

@@ -385,7 +385,10 @@ class Executor(MessageIO):
         reduces.clear()
         sync_tied([p for st in self.stages.values() for p in st.tied], self.groups.tied_group)
         scale = None if self.scaler is None else self.scaler.scale
-        scattered = [st.optimizer for st in self.stages.values() if getattr(st.optimizer, "scatter", False)]
+        # in stage order, as every replica of them calls their blocking collectives (Chimera's
+        # mirror replicas hold their stages in opposite orders)
+        scattered = [st.optimizer for _, st in sorted(self.stages.items(), key=lambda kv: kv[0][::-1])
+                     if getattr(st.optimizer, "scatter", False)]
         slices = [g for opt in scattered for g in opt.slices()]  # ZeRO-2/3: this replica's of the gradients
         if scale is not None:  # fp16: back to the true gradients (an overflow stays inf)
             for st in self.stages.values():

@@ -23,6 +23,7 @@ How a job ends is the point of this module:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -40,6 +41,7 @@ import torch.multiprocessing  # noqa: F401 - registers the pickling of tensors s
 
 from .cluster import alive
 from .device import HOSTED_STORE
+from . import watch
 from .rank_server import rank_context
 from .supervise import (  # noqa: F401 - JobFailed, write_json and the constants are the launcher's API too
     _CONSEQUENCE,
@@ -131,6 +133,7 @@ _deferring: list[bool] = []  # inside deferred_stop(): a stop is recorded, raise
 
 
 def _on_stop_signal(signum, _frame) -> None:
+    watch.heard_stop()
     if _stop_reason:
         return  # one stop: the launcher forwarding a Ctrl-C the rank also got changes nothing
     _stop_reason.append(PEER_FAILED_REASON if signum == PEER_FAILED else
@@ -160,18 +163,20 @@ def deferred_stop():
         raise Stopped(_stop_reason[0])
 
 
-def _watch(rank: int, launcher: int, beats) -> None:
-    """A rank's watchdog thread: beat every BEAT seconds (a stopped or stuck rank falls
-    silent, a rank waiting in a receive does not), and stop this rank when the launcher
-    is gone: its fork server exits with it, and the rank is re-parented."""
+def _watch(rank: int, launcher: int) -> None:
+    """A rank's watchdog thread: beat every BEAT seconds on the board (a stopped rank
+    falls silent; one whose main thread sits in one call says since when,
+    :mod:`pipeflow.runtime.watch`), and stop this rank when the launcher is gone: its
+    fork server exits with it, and the rank is re-parented."""
     parent = os.getppid()
-    while True:
-        if beats is not None:
-            beats[rank] = time.monotonic()
-        if not _stop_reason and (os.getppid() != parent or not alive(launcher)):
+    sampler = watch.Sampler()
+    every = max(1, round(BEAT / watch.SAMPLE))  # the main thread is looked at more often than beats
+    for n in itertools.count():
+        watch.look(rank, sampler, beat=n % every == 0)
+        if n % every == 0 and not _stop_reason and (os.getppid() != parent or not alive(launcher)):
             _pending.append("the launcher ended")
             os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(BEAT)
+        time.sleep(watch.SAMPLE)
 
 
 def stop_behind(err: BaseException) -> str | None:
@@ -201,14 +206,15 @@ def _quiet_stops(unraisable) -> None:
         sys.__unraisablehook__(unraisable)
 
 
-def _rank_entry(rank: int, job: TrainJob, port: int, errors, env: dict, launcher: int = 0, beats=None) -> None:
+def _rank_entry(rank: int, job: TrainJob, port: int, errors, env: dict, launcher: int = 0, board=None) -> None:
     try:
-        _rank_main(rank, job, port, errors, env, launcher, beats)
+        _rank_main(rank, job, port, errors, env, launcher, board)
     except Stopped:  # the stop landed while the rank was reporting an error: the stop wins
         raise SystemExit(STOPPED) from None
 
 
-def _rank_main(rank: int, job: TrainJob, port: int, errors, env: dict, launcher: int, beats) -> None:
+def _rank_main(rank: int, job: TrainJob, port: int, errors, env: dict, launcher: int, board) -> None:
+    watch.install(board, rank)
     for sig in (*STOP_SIGNALS, PEER_FAILED):
         signal.signal(sig, _on_stop_signal)
     sys.unraisablehook = _quiet_stops  # a stop that lands in a destructor: check_stop() raises it again
@@ -219,7 +225,7 @@ def _rank_main(rank: int, job: TrainJob, port: int, errors, env: dict, launcher:
     os.environ["MASTER_PORT"] = str(port)
     os.environ["RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(job.world_size)
-    threading.Thread(target=_watch, args=(rank, launcher or os.getppid(), beats), daemon=True).start()
+    threading.Thread(target=_watch, args=(rank, launcher or os.getppid()), daemon=True).start()
     try:
         job.target()(rank, job)
     except BaseException as err:  # noqa: BLE001 - every failure must reach the parent
@@ -295,6 +301,28 @@ def _stopped_summary(job: TrainJob, signum: int) -> dict:
     return summary
 
 
+def _unheard_killed(procs, board, grace: float = 3.0) -> None:
+    """After a stop was passed on: a rank whose handler has not run within ``grace``
+    seconds sits in a blocking call (a collective that will not complete) and cannot run
+    it: it is killed, the others keep W&B's grace."""
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if all(_gone(p) or board.acks[r] for r, p in enumerate(procs)):
+            return
+        time.sleep(0.05)
+    for r, p in enumerate(procs):
+        if not _gone(p) and not board.acks[r]:
+            _signal(p, signal.SIGKILL)
+
+
+def _stuck(procs, board, after: float | None) -> JobFailed | None:
+    """Every live rank sitting in one call for ``after`` seconds: named (watch.stuck_job)."""
+    if not after:
+        return None
+    found = watch.stuck_job(board, [r for r, p in enumerate(procs) if not _gone(p)], after)
+    return JobFailed(*found) if found else None
+
+
 def launch(job: TrainJob, on_start=None) -> dict:
     """Run the job on all ranks; return rank 0's summary. Raises JobFailed, or
     JobStopped after a stop signal. ``on_start(rank, pid)`` hears of each rank started."""
@@ -345,8 +373,8 @@ def launch(job: TrainJob, on_start=None) -> dict:
         os.remove(stale)
     ctx = rank_context()
     errors = ctx.SimpleQueue()
-    beats = ctx.Array("d", job.world_size, lock=False)
-    procs = [ctx.Process(target=_rank_entry, args=(r, job, port, errors, env, os.getpid(), beats), daemon=False)
+    board = watch.Board.make(ctx, job.world_size)
+    procs = [ctx.Process(target=_rank_entry, args=(r, job, port, errors, env, os.getpid(), board), daemon=False)
              for r in range(job.world_size)]
     stop: list[int] = []
 
@@ -367,9 +395,10 @@ def launch(job: TrainJob, on_start=None) -> dict:
             p.start()
             if on_start is not None:
                 on_start(r, p.pid)
-        hearing = _Hearing(beats, job.world_size)
+        hearing = _Hearing(board.beats, job.world_size)
         while True:
             if stop:
+                _unheard_killed(procs, board)
                 _wait(procs, 30.0)  # W&B's final flush takes a few seconds
                 raise JobStopped(stop[0], _stopped_summary(job, stop[0]))
             if any(p.exitcode == STOPPED for p in procs):
@@ -382,7 +411,7 @@ def launch(job: TrainJob, on_start=None) -> dict:
                 raise failed
             if all(p.exitcode == 0 for p in procs):
                 break
-            hung = _hung(procs, hearing, hang_after)
+            hung = _hung(procs, hearing, hang_after) or _stuck(procs, board, hang_after)
             if hung is not None:
                 _stop(procs)
                 _record_failure(job.run_dir, hung)

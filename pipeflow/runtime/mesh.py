@@ -7,9 +7,11 @@ With ``pipeline.tensor_parallel=T`` each device is T ranks that split its stages
 innermost, so that a device's ranks are neighbours (one node's GPUs under torchrun).
 Every rank walks its device's actions; a message between two devices goes between
 their ranks of the same ``t``, and a group of devices (a stage's replicas, the copies
-of a tied embedding) is one group per ``t``. The tensor groups themselves come from
-torch's :class:`~torch.distributed.device_mesh.DeviceMesh` of shape
-(data, pipeline, tensor), which runs over gloo on CPU ranks and NCCL on GPUs.
+of a tied embedding) is one group per ``t``. The tensor groups are one per device, the
+tensor rows of a (data, pipeline, tensor) mesh, over gloo on CPU ranks and NCCL on GPUs;
+made with :func:`~pipeflow.runtime.device.new_group` rather than torch's
+:class:`~torch.distributed.device_mesh.DeviceMesh`, whose groups take torch's own default
+timeout (30 minutes on gloo) instead of the job's ``runtime.timeout_s``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ..models.tensor_parallel import TensorGroup
+from .device import new_group
 from .memory_profile import released
 
 
@@ -38,27 +41,27 @@ class RankMesh:
         """A group over ``devices`` (this rank's tensor rank of each): every rank calls
         this with the same devices, in the same order, as ``dist.new_group``."""
         if self.tensor == 1:
-            return dist.new_group(devices)
+            return new_group(devices)
         mine = None
         for t in range(self.tensor):
-            group = dist.new_group([d * self.tensor + t for d in devices])
+            group = new_group([d * self.tensor + t for d in devices])
             if t == self.t:
                 mine = group
         return mine
 
 
-def build_mesh(rank: int, num_devices: int, tensor: int, data_parallel: int, sequence_parallel: bool,
-               device_type: str, n_head: int, n_kv_head: int | None) -> tuple[RankMesh, TensorGroup | None]:
+def build_mesh(rank: int, num_devices: int, tensor: int, sequence_parallel: bool,
+               n_head: int, n_kv_head: int | None) -> tuple[RankMesh, TensorGroup | None]:
     """This rank's :class:`RankMesh` and, with T > 1, its tensor group (collective: every
     rank calls it)."""
     mesh = RankMesh(tensor, rank // tensor, rank % tensor)
     if tensor == 1:
         return mesh, None
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dp = data_parallel if num_devices % data_parallel == 0 else 1
-    dm = init_device_mesh(device_type, (dp, num_devices // dp, tensor), mesh_dim_names=("data", "pipeline", "tensor"))
-    group = dm.get_group("tensor")
+    group = None
+    for d in range(num_devices):  # every rank makes every device's group, in one order
+        g = new_group([d * tensor + t for t in range(tensor)])
+        if d == mesh.device:
+            group = g
     n_kv = n_kv_head or n_head
     kv_group, copies = None, 1
     if n_kv < tensor:  # replicated key/value heads: the ranks holding the same head sum its gradient
@@ -66,7 +69,7 @@ def build_mesh(rank: int, num_devices: int, tensor: int, data_parallel: int, seq
         for d in range(num_devices):
             for k in range(n_kv):
                 ranks = [d * tensor + k * copies + i for i in range(copies)]
-                g = dist.new_group(ranks)
+                g = new_group(ranks)
                 if rank in ranks:
                     kv_group = g
     tp = TensorGroup(tensor, mesh.t, group, sequence_parallel, kv_group, copies,

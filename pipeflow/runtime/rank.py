@@ -136,6 +136,5 @@ def _mesh(plan: RunPlan, rank: int, device: torch.device):
     if plan.tensor_parallel == 1:
         return RankMesh(1, rank, 0), None
     spec = TransformerSpec.from_config(plan.adapter.kwargs["model_cfg"])
-    replicas = int(plan.schedule.meta.get("data_parallel", 1))  # (the mesh's data dimension: the schedule's replicas)
-    return build_mesh(rank, plan.schedule.num_devices, plan.tensor_parallel, replicas,
-                      plan.sequence_parallel, device.type, spec.n_head, spec.n_kv_head)
+    return build_mesh(rank, plan.schedule.num_devices, plan.tensor_parallel, plan.sequence_parallel,
+                      spec.n_head, spec.n_kv_head)

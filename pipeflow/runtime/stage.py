@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedules.ir import Schedule
+from .device import new_group as one_group
 
 
 @dataclass
@@ -62,7 +63,7 @@ class Groups:
     def __init__(self, schedule: Schedule, tied_stages: tuple[int, ...], mesh=None):
         placement = schedule.placement
         # over devices; with tensor parallelism each device's ranks of this one's tensor rank
-        new_group = dist.new_group if mesh is None else mesh.new_group
+        new_group = one_group if mesh is None else mesh.new_group
         self.replica_group: dict[int, object] = {}
         for stage in range(schedule.num_stages):
             devices = sorted({d for _, d in placement.replicas(stage)})

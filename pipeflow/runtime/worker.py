@@ -28,7 +28,8 @@ from ..schedules.data_parallel import pipeline_shape
 from ..schedules.versions import summarize, weight_versions
 from ..tracking.record import run_key
 from . import checkpoint
-from .device import device_and_backend, join_group, keep_freed_memory, peak_memory
+from . import watch
+from .device import device_and_backend, join_group, keep_freed_memory, new_group, peak_memory
 from .launch import TrainJob, check_stop, deferred_stop, stop_behind
 from .memory_profile import profile_step
 from .optim import lr_at
@@ -186,8 +187,11 @@ def _train_steps(rank, job, device, setup: RankSetup, data, sink, progress, stat
     pipe_cfg, steps, mbs = cfg["pipeline"], int(cfg["trainer"]["steps"]), setup.adapter.mbs
     batch_size = setup.schedule.microbatches_per_step * mbs  # data_parallel x microbatches per replica
     start_step = state.replay_to
+    # runtime.fail_mode=collective: a group that the failing rank alone will use (made by all)
+    hook = new_group(list(range(dist.get_world_size()))) if cfg["runtime"].get("fail_mode") == "collective" else None
+    watch.arm()  # training begins: the watchdog looks at a rank that sits in one call
     while state.step < steps:
-        _train_chunk(rank, job, setup, data, sink, progress, state, one_host, meta)
+        _train_chunk(rank, job, setup, data, sink, progress, state, one_host, meta, hook)
 
     peaks = [None] * job.world_size if rank == 0 else None
     dist.gather_object(peak_memory(device), peaks, dst=0)
@@ -330,7 +334,7 @@ def _falls_in(every: int, first: int, end: int) -> bool:
 
 
 def _train_chunk(rank, job, setup: RankSetup, data, sink, progress, state: RunState, one_host: bool,
-                 meta: dict) -> None:
+                 meta: dict, hook=None) -> None:
     """One chunk of steps without a flush (a synchronous step is a chunk of one): failure
     injection, data, the executor, metrics, validation, timeline, checkpoint and logging."""
     cfg = job.cfg
@@ -349,6 +353,8 @@ def _train_chunk(rank, job, setup: RankSetup, data, sink, progress, state: RunSt
     if fail is not None and max(first, quiet + 1) <= fail <= end and (runtime.get("fail_rank") or 0) == rank:
         if runtime.get("fail_mode", "raise") == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if hook is not None:  # a collective no other rank joins: the rank waits in it for good
+            dist.all_reduce(torch.zeros(1), group=hook)
         raise RuntimeError(f"injected failure on rank {rank} at step {fail} (runtime.fail_at_step)")
     torch.manual_seed(seed * 1_000_003 + first)  # dropout (if any) is a function of the step
     span = range(first, end + 1)

@@ -77,7 +77,11 @@ def finish_sync(
             if replicated and (pipe, stage) not in last_wgrad:
                 # a replica that ran no microbatch still joins the collective
                 new.append(Action(Kind.REDUCE, stage, -1, pipe, 0, 0))
-        for pipe, stage in placement.stages_on(dev):
+        # the steps in stage order on every device: a sharded stage's step is a blocking
+        # collective over its replicas, and Chimera's mirror replicas hold their stages in
+        # opposite orders (device 0: stage 0 then p-1; device p-1: p-1 then 0), where
+        # stepping in placement order had each wait in a different group for the other
+        for pipe, stage in sorted(placement.stages_on(dev), key=lambda ps: (ps[1], ps[0])):
             new.append(Action(Kind.STEP, stage, -1, pipe, 0, 0))
         out.append(new)
     return Schedule(

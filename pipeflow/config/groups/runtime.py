@@ -20,7 +20,7 @@ RUNTIME_DEVICES = ("auto", "cpu", "cuda")
 
 P2P_MODES = ("tagged", "ordered")  # runtime.p2p: messages matched by tag, or per pair in order (as NCCL does)
 
-FAIL_MODES = ("raise", "kill")
+FAIL_MODES = ("raise", "kill", "collective")
 
 MEMORY_MODES = ("count", "profile")  # runtime.memory: the saved-bytes count, or every allocation of the last step
 
@@ -37,7 +37,7 @@ class LocalRuntimeConfig:
     threads_per_rank: int = 1  # torch intra-op threads of each rank
     fail_at_step: Optional[int] = None  # test hook: rank fail_rank fails at this step
     fail_rank: Optional[int] = None
-    fail_mode: str = "raise"  # raise: a Python error; kill: SIGKILL, as an out-of-memory kill would
+    fail_mode: str = "raise"  # raise: a Python error; kill: SIGKILL, as an out-of-memory kill would; collective: stuck in a collective no other rank joins
     expandable_segments: bool = True  # CUDA: the caching allocator's expandable segments (no block larger than asked)
     memory: str = "count"  # count: saved bytes (cheap, always); profile: every allocation of the last step, by category
     dump_grads: bool = False  # test hook: each rank writes run_dir/grads/rank<r>.pt after its first backward
