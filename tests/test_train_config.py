@@ -152,7 +152,8 @@ def test_data_files_that_exist_pass(tmp_path):
     prepare(f"data.files=[{tmp_path / '*.txt'}]")
 
 
-def fake_checkpoint(run_dir, step: int = 10, stages: int = 2, sizes=(100, 120), chunk_start=None) -> None:
+def fake_checkpoint(run_dir, step: int = 10, stages: int = 2, sizes=(100, 120), chunk_start=None,
+                    movable: bool = False) -> None:
     """A checkpoint folder as pipeflow-train writes it: rank files, meta.json (the step,
     the pipeline it was written for, each file's size), and latest."""
     folder = run_dir / "checkpoints" / f"step_{step:07d}"
@@ -163,7 +164,8 @@ def fake_checkpoint(run_dir, step: int = 10, stages: int = 2, sizes=(100, 120), 
             "placement": [list(range(stages))]}
     (folder / "meta.json").write_text(json.dumps({
         "step": step, "chunk_start": step if chunk_start is None else chunk_start, "world_size": len(sizes),
-        "meta": meta, "files": {f"rank{r}.pt": size for r, size in enumerate(sizes)}}))
+        "meta": meta, "files": {f"rank{r}.pt": size for r, size in enumerate(sizes)},
+        **({"format": 2} if movable else {})}))
     (run_dir / "checkpoints" / "latest").write_text(f"{step}\n")  # written once every rank has saved
 
 
@@ -197,6 +199,25 @@ def test_resume_with_another_number_of_stages_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"^resume=.*written with stages=4, this run has stages=2"):
         prepare(f"resume={tmp_path}", "pipeline.stages=2")
     prepare(f"resume={tmp_path}", "pipeline.stages=4")
+
+
+def test_resume_of_a_checkpoint_saved_by_name_takes_another_layout(tmp_path):
+    """Issue 60: a checkpoint of parameters by name (format 2) loads into any layout of
+    its model; only the model's shape is asked."""
+    fake_checkpoint(tmp_path, stages=4, sizes=(10, 10, 10, 10), movable=True)
+    prepare(f"resume={tmp_path}", "pipeline.stages=2")
+    prepare(f"resume={tmp_path}", "pipeline.stages=2", "pipeline.tensor_parallel=2")
+    prepare(f"resume={tmp_path}", "schedule=zb_v", "pipeline.virtual_stages=2")
+
+
+def test_resume_at_or_past_the_last_step_is_refused(tmp_path):
+    """Issue 60: resumed at step 10 with trainer.steps=10, a run trained nothing and said
+    it had written metrics.jsonl."""
+    fake_checkpoint(tmp_path, step=10)
+    for steps in (10, 2):
+        with pytest.raises(ConfigError, match=rf"^trainer.steps={steps}: the checkpoint resume=.* is at step 10, so "
+                                              rf"nothing is left to train; give trainer.steps above 10"):
+            prepare(f"resume={tmp_path}", f"trainer.steps={steps}")
 
 
 def test_resume_from_a_run_that_ended_inside_a_chunk_needs_the_chunk_start(tmp_path):

@@ -241,7 +241,7 @@ def prepare_training(cfg: DictConfig) -> TrainingInputs:
     check_tensor_parallel(cfg, schedule, spec, segment_lengths(cfg))
     if tensor_degree(cfg)[0] > 1:  # T devices per schedule device, each group inside a node
         run_topology(cfg, schedule, tensor=tensor_degree(cfg)[0])
-    check_resume(cfg.resume, resume_expect(cfg, schedule))
+    check_resume(cfg.resume, resume_expect(cfg, schedule), cfg.trainer.steps)
 
     # Generators are tested to be valid, but the runtime would deadlock on a schedule that
     # is not, so one validation here (milliseconds at training sizes) is cheap insurance.
@@ -295,6 +295,6 @@ def _prepare_branched(cfg: DictConfig) -> TrainingInputs:
                                   OmegaConf.to_container(cfg.model, resolve=True), int(cfg.seed))
         except ValueError as err:
             raise ConfigError(str(err).strip().splitlines()[0]) from None
-    check_resume(cfg.resume, resume_expect(cfg, schedule))
+    check_resume(cfg.resume, resume_expect(cfg, schedule), cfg.trainer.steps)
     validated(schedule, cfg)
     return TrainingInputs(schedule, None, topology, build_run_plan(cfg, schedule, None, [s.hi - s.lo for s in specs]))

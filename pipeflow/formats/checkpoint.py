@@ -112,10 +112,11 @@ def read_meta(folder: Path, resume: str) -> dict:
 
 
 def verify(resume: str, expect: dict) -> tuple[Path, dict]:
-    """Check, without torch, that the checkpoint ``resume`` names is whole and was
-    written for the pipeline ``expect`` describes (any of schedule, stages, world_size,
-    placement, layers_per_stage); return its folder and meta record. Raises ValueError
-    naming ``resume`` and what is wrong."""
+    """Check, without torch, that the checkpoint ``resume`` names is whole and holds the
+    model ``expect`` describes (a checkpoint of the earlier format: written for its
+    pipeline too, any of schedule, stages, world_size, placement, layers_per_stage);
+    return its folder and meta record. Raises ValueError naming ``resume`` and what is
+    wrong."""
     folder, step = resolve(resume)
     record = read_meta(folder, resume)
     for name, size in record["files"].items():
@@ -126,14 +127,18 @@ def verify(resume: str, expect: dict) -> tuple[Path, dict]:
             raise ValueError(f"resume={resume}: {path} has {path.stat().st_size} bytes where {size} were written "
                              f"(cut short or changed since)")
     saved = record["meta"]
+    movable = int(record.get("format", 1)) >= 2  # saved by name, whole: any layout loads it
     for key, value in expect.items():
+        if movable and key != "model":
+            continue
         if key == "model" and key in saved:
             differs = model_difference(saved[key], value)
             if differs:
                 raise ValueError(f"resume={resume}: {differs}")
         elif key in saved and saved[key] != value:
-            raise ValueError(f"resume={resume}: the checkpoint was written with {key}={saved[key]}, this run has "
-                             f"{key}={value}; resume with the same pipeline configuration")
+            raise ValueError(f"resume={resume}: the checkpoint (of the earlier format, which holds each rank's "
+                             f"stages as its layout cut them) was written with {key}={saved[key]}, this run has "
+                             f"{key}={value}; resume it with the same pipeline configuration")
     start = int(record.get("chunk_start", step))
     if 0 < start < step:  # a run that ended inside a chunk: it restarts from the chunk's start
         begin = step_dir(folder.parent.parent, start)

@@ -1,8 +1,26 @@
-"""Checkpoints: each rank saves its own stages and optimizer state; rank 0 then writes
-the folder's ``meta.json`` (the step, the pipeline it was written for, and every rank
-file's size) and moves ``latest`` to it. A resumed run recomputes the batch of any step
-from (seed, step) and the learning rate from the step, so it continues exactly where the
-uninterrupted run would have been.
+"""Checkpoints that do not depend on the layout that wrote them: every parameter of the
+model saved once, whole, under its name in the single-device model (a stage's names are
+the model's: ``h.5.attn.c_attn.weight`` on whichever stage holds layer 5), beside its
+AdamW moments and step count, whole too. A run resumes from them under another stage
+count, schedule, data-parallel degree, shard level or tensor degree: each rank takes the
+names its stages hold and cuts them as its layout does.
+
+Writing: each stage's parameters come together on one rank (its replica on the stage's
+owner device, the first of its tensor ranks): a tensor-parallel piece is gathered from
+its group (:func:`~pipeflow.models.tensor_parallel.whole_gradient`, which joins any
+tensor shaped as the piece), a sharded optimizer's moments from the stage's replicas
+(ZeRO-1/2/3 keep one n-th of each flat), fully sharded weights are gathered while they
+are written. Every rank takes part in these collectives, in stage order (Chimera's
+mirror replicas hold their stages in opposite orders), and writes its own file
+(``rank<r>.pt``: the names it owns, and what only its layout can use: an asynchronous
+schedule's weight versions, fp16's loss scale); rank 0 then writes ``meta.json`` (the
+step, ``format: 2``, the layout, every file's size and the names in it) and moves
+``latest`` to it. A tied embedding's later copy (GPT-2's ``lm_head.weight`` on a last
+stage) is the first copy's: saved once, as the first stage names it.
+
+A resumed run recomputes the batch of any step from (seed, step) and the learning rate
+from the step, so it continues where the uninterrupted run would have been; under
+another layout it continues from the same weights and optimizer state.
 
 Asynchronous schedules run in chunks of ``schedule.windows`` steps without a flush, on a
 fixed grid (steps 1..W, W+1..2W, ...), and checkpoint only where a chunk ends, so
@@ -10,10 +28,13 @@ turning checkpoints on does not change the training. A run whose last step falls
 inside a chunk flushes there; its checkpoint records where that chunk began
 (``chunk_start``), and a run resumed from it restarts the chunk from the checkpoint
 written there (or from the initial weights) and replays the steps up to the checkpoint
-unlogged, as the uninterrupted run computed them.
+unlogged, as the uninterrupted run computed them. Their weight versions (2BW's previous
+version) carry over where the layout is the one that wrote them.
 
 :func:`verify` (:mod:`pipeflow.formats.checkpoint`) reads a checkpoint without torch, so
-the trainer refuses a missing, incomplete, cut-short or mismatched one before any rank starts.
+the trainer refuses a missing, incomplete, cut-short or mismatched one before any rank
+starts. Checkpoints of the earlier format (one file per rank of its stages' state dicts)
+still resume in the layout that wrote them.
 """
 
 from __future__ import annotations
@@ -25,9 +46,11 @@ from pathlib import Path
 # the checkpoint folder's layout and its torch-free reading (the up-front check's)
 from ..formats.checkpoint import LATEST, META, read_meta, resolve, verify  # noqa: F401 - re-exported
 from ..formats.checkpoint import step_dir as _step_dir
-from .sharded import whole_weights
+from .sharded import ShardedAdamW, whole_weights
 
 # torch is imported where it is used
+
+FORMAT = 2
 
 
 class CheckpointError(OSError):
@@ -47,19 +70,151 @@ def _write(path: Path, write) -> None:
         raise CheckpointError(f"could not write the checkpoint file {path}: {err.strerror or err}") from None
 
 
+# ---------------------------------------------------------------- names and owners
+
+def _held(stages: dict) -> list:
+    """This rank's (pipe, stage), state in stage order: the order of every collective here."""
+    return sorted(stages.items(), key=lambda kv: (kv[0][1], kv[0][0]))
+
+
+def _named(st) -> list[tuple[str, object]]:
+    """(the model's name, parameter) of a stage; a later copy of a tied embedding is
+    named as the first stage names it (``None``: told apart by :func:`_aliases`)."""
+    return [(name, p) for name, p in st.module.named_parameters() if p.requires_grad]
+
+
+def _aliases(st) -> dict[int, int]:
+    """id(parameter) -> the index among the stage's tied copies, for a copy that is not
+    the first stage's (saved as the first stage's, loaded from it)."""
+    if st.first:
+        return {}
+    return {id(p): i for i, p in enumerate(st.tied)}
+
+
+def _writer(schedule, pipe: int, stage: int, device: int) -> bool:
+    """Whether this replica of ``stage`` writes it: the lowest pipe on the stage's owner
+    device (under ``schedule.zero`` the one that keeps its optimizer state, else the
+    device of pipe 0's replica)."""
+    from ..schedules.zero import zero_owners
+
+    placement = schedule.placement
+    owner = zero_owners(placement)[stage] if schedule.zero else placement.device(0, stage)
+    pipes = [p for p, d in placement.replicas(stage) if d == owner]
+    return device == owner and pipe == min(pipes)
+
+
+def _tp(st):
+    return getattr(st.module, "tp", None)
+
+
+def _whole(p, tensor, tp):
+    """``tensor`` shaped as the piece ``p`` is, whole (tensor parallelism: gathered)."""
+    from ..models.tensor_parallel import whole_gradient
+
+    return tensor if tp is None else whole_gradient(p, tensor, tp)
+
+
+def _piece(p, whole, tp):
+    """This rank's piece of ``whole`` as parameter ``p`` is cut (the inverse of :func:`_whole`)."""
+    import torch
+
+    split = getattr(p, "_tp_split", None)
+    if tp is None or split is None:
+        return whole
+    dim, blocks, heads = split
+    if heads is not None and heads < tp.size:  # replicated key/value heads: this rank's group's head
+        return whole.chunk(heads, dim)[tp.rank * heads // tp.size]
+    return torch.cat([c.chunk(tp.size, dim)[tp.rank] for c in whole.chunk(blocks, dim)], dim)
+
+
+# ---------------------------------------------------------------- optimizer state by parameter
+
+def _moments(st) -> dict[int, tuple]:
+    """id(parameter) -> (exp_avg, exp_avg_sq, step) as this rank holds it (a tensor piece
+    under tensor parallelism; a sharded optimizer's gathered from the stage's replicas,
+    a collective every replica takes part in)."""
+    opt, out = st.optimizer, {}
+    if opt is None:
+        return out
+    plain = [opt] if not isinstance(opt, ShardedAdamW) else ([opt.tied] if opt.tied is not None else [])
+    for o in plain:
+        for p, s in o.state.items():
+            if "exp_avg" in s:
+                out[id(p)] = (s["exp_avg"], s["exp_avg_sq"], int(float(s["step"])))
+    if isinstance(opt, ShardedAdamW):
+        out.update(_sharded_moments(opt))
+    return out
+
+
+def _sharded_moments(opt: ShardedAdamW) -> dict[int, tuple]:
+    import torch
+
+    out = {}
+    for i, group in enumerate(opt.param_groups):
+        total, share, start = opt.shard(group)
+        if not total or opt.moments[i] is None:
+            continue
+        flats = []
+        for m in opt.moments[i]:
+            flat = torch.zeros(share * opt.n, dtype=m.dtype, device=m.device)
+            flat[start:start + share].copy_(m)
+            opt._all_gather(flat, start, share)
+            flats.append(flat)
+        at = 0
+        for p in group["params"]:
+            out[id(p)] = tuple(f[at:at + p.numel()].view_as(p) for f in flats) + (opt.steps,)
+            at += p.numel()
+    return out
+
+
+def _set_moments(st, state: dict) -> None:
+    """Put ``state`` (id(parameter) -> (exp_avg, exp_avg_sq, step), this rank's pieces)
+    into the stage's optimizer; a sharded optimizer takes its replica's share."""
+    import torch
+
+    opt = st.optimizer
+    if opt is None:
+        return
+    plain = [opt] if not isinstance(opt, ShardedAdamW) else ([opt.tied] if opt.tied is not None else [])
+    for o in plain:
+        for group in o.param_groups:
+            for p in group["params"]:
+                if id(p) in state:
+                    ea, eas, step = state[id(p)]
+                    o.state[p] = {"step": torch.tensor(float(step)), "exp_avg": ea.to(p.dtype).clone(),
+                                  "exp_avg_sq": eas.to(p.dtype).clone()}
+    if not isinstance(opt, ShardedAdamW):
+        return
+    for i, group in enumerate(opt.param_groups):
+        total, share, start = opt.shard(group)
+        params = group["params"]
+        if not total or not any(id(p) in state for p in params):
+            continue
+        moments = []
+        for k in (0, 1):
+            flat = torch.zeros(share * opt.n, dtype=params[0].dtype, device=params[0].device)
+            at = 0
+            for p in params:
+                if id(p) in state:
+                    flat[at:at + p.numel()] = state[id(p)][k].reshape(-1)
+                at += p.numel()
+            moments.append(flat[start:start + share].clone())
+        opt.moments[i] = tuple(moments)
+        opt.steps = max(state[id(p)][2] for p in params if id(p) in state)
+
+
+# ---------------------------------------------------------------- saving
+
 def save(run_dir: str, step: int, rank: int, stages: dict, meta: dict, chunk_start: int | None = None,
-         scaler=None) -> None:
-    """Write this rank's checkpoint of ``step`` (fully sharded stages: their weights
-    gathered while it is written, so the module's state is whole)."""
+         scaler=None, schedule=None, device: int | None = None) -> None:
+    """Write this rank's part of the checkpoint of ``step`` (module docstring): the
+    stages' parameters and optimizer state by name where this rank writes them; every
+    rank joins the gathers. ``device``: this rank's device in ``schedule``."""
     with whole_weights(stages):
-        _save(run_dir, step, rank, stages, meta, chunk_start, scaler)
+        _save(run_dir, step, rank, stages, meta, chunk_start, scaler, schedule, rank if device is None else device)
 
 
-def _save(run_dir: str, step: int, rank: int, stages: dict, meta: dict, chunk_start: int | None = None,
-          scaler=None) -> None:
-    """Save this rank's state at ``step``; ``chunk_start``: the step the chunk that ended
-    here began after, when that is not ``step`` itself (a run that ended inside a chunk);
-    ``scaler``: fp16's loss scaler, whose scale a resumed run goes on with."""
+def _save(run_dir, step, rank, stages, meta, chunk_start, scaler, schedule, device) -> None:
     import torch
     import torch.distributed as dist
 
@@ -68,16 +223,25 @@ def _save(run_dir: str, step: int, rank: int, stages: dict, meta: dict, chunk_st
         d.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise CheckpointError(f"could not create the checkpoint folder {d}: {err.strerror or err}") from None
-    state = {
-        "step": step,
-        "meta": meta,
-        "stages": {f"{pipe}:{stage}": st.module.state_dict() for (pipe, stage), st in stages.items()},
-        # a replica without optimizer state (a non-owner under schedule.zero) saves none
-        "optimizers": {f"{pipe}:{stage}": st.optimizer.state_dict() for (pipe, stage), st in stages.items()
-                       if st.optimizer is not None},
-    }
-    # asynchronous schedules: the weight versions still needed after this flush (2BW's
-    # previous version), so a resumed run computes with exactly the same weights
+    params, optim = {}, {}
+    for (pipe, stage), st in _held(stages):
+        tp = _tp(st)
+        writes = _writer(schedule, pipe, stage, device) and (tp is None or tp.rank == 0)
+        aliases = _aliases(st)
+        moments = _moments(st)
+        for name, p in _named(st):
+            whole = _whole(p, p.detach(), tp)  # (every tensor rank joins, the writer keeps)
+            held = moments.get(id(p))
+            ea = _whole(p, held[0], tp) if held else None
+            eas = _whole(p, held[1], tp) if held else None
+            if not writes or id(p) in aliases:
+                continue
+            params[name] = whole.detach().cpu().clone()
+            if held:
+                optim[name] = {"exp_avg": ea.cpu().clone(), "exp_avg_sq": eas.cpu().clone(), "step": held[2]}
+    state = {"step": step, "format": FORMAT, "meta": meta, "params": params, "optim": optim}
+    # what only this layout can use: an asynchronous schedule's weight versions still
+    # needed after the flush (2BW's previous version), by (pipe, stage)
     versions = {f"{pipe}:{stage}": {"live": st.versions.live, "stash": st.versions.stash}
                 for (pipe, stage), st in stages.items() if getattr(st, "versions", None) is not None}
     if versions:
@@ -86,38 +250,101 @@ def _save(run_dir: str, step: int, rank: int, stages: dict, meta: dict, chunk_st
         state["loss_scaler"] = scaler.state_dict()
     path = d / f"rank{rank}.pt"
     _write(path, lambda f: torch.save(state, f))
-    sizes = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(path.stat().st_size, sizes, dst=0)
+    told = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object((path.stat().st_size, sorted(params)), told, dst=0)
     if rank == 0:
-        record = {"step": step, "chunk_start": step if chunk_start is None else chunk_start,
-                  "world_size": len(sizes), "meta": meta,
-                  "files": {f"rank{r}.pt": size for r, size in enumerate(sizes)}}
+        record = {"step": step, "format": FORMAT, "chunk_start": step if chunk_start is None else chunk_start,
+                  "world_size": len(told), "meta": meta,
+                  "files": {f"rank{r}.pt": size for r, (size, _) in enumerate(told)},
+                  "names": {f"rank{r}.pt": names for r, (_, names) in enumerate(told) if names}}
         _write(d / META, lambda f: f.write((json.dumps(record, indent=2) + "\n").encode()))
         _write(Path(run_dir) / "checkpoints" / LATEST, lambda f: f.write(f"{step}\n".encode()))
 
 
+# ---------------------------------------------------------------- loading
+
+LAYOUT = ("schedule", "stages", "world_size", "layers_per_stage", "placement", "shard", "tensor_parallel")
+
+
 def load(resume: str, rank: int, stages: dict, meta: dict, step: int | None = None, scaler=None) -> int:
-    """Load this rank's checkpoint into ``stages`` (fully sharded stages: into their
-    gathered weights, whose shares the optimizer then takes); returns its step."""
+    """Load the checkpoint ``resume`` names (or, given ``step``, the same run's
+    checkpoint at that step) into this rank's ``stages``, cut as this layout cuts them
+    (fully sharded stages: into their gathered weights, whose shares the optimizer then
+    takes); fp16's loss scale into ``scaler``. Returns the checkpoint's step."""
     with whole_weights(stages):
         return _load(resume, rank, stages, meta, step, scaler)
 
 
-def _load(resume: str, rank: int, stages: dict, meta: dict, step: int | None = None, scaler=None) -> int:
-    """Load this rank's state from the checkpoint ``resume`` names (or, given ``step``,
-    from the same run's checkpoint at that step), fp16's loss scale into ``scaler``; return its step."""
+def _load(resume, rank, stages, meta, step, scaler) -> int:
     import torch
 
     folder, found = resolve(resume)
     if step is not None and step != found:
         folder, found = _step_dir(folder.parent.parent, step), step
+    record = read_meta(folder, resume)
+    if record.get("format") != FORMAT:
+        return _load_same_layout(folder, found, rank, stages, meta, scaler, resume)
+    same = all(record["meta"].get(k) == meta.get(k) for k in LAYOUT)
+    files = {name: torch.load(folder / name, map_location="cpu", weights_only=False, mmap=True)
+             for name in record.get("names", {})}
+    params = {n: t for f in files.values() for n, t in f["params"].items()}
+    optim = {n: s for f in files.values() for n, s in f["optim"].items()}
+    first_tied = _first_tied_names(stages)
+    for _, st in _held(stages):
+        tp = _tp(st)
+        aliases = _aliases(st)
+        state = {}
+        with torch.no_grad():
+            for name, p in _named(st):
+                source = first_tied[aliases[id(p)]] if id(p) in aliases else name
+                if source not in params:
+                    raise ValueError(f"resume={resume}: the checkpoint holds no parameter {source}")
+                p.copy_(_piece(p, params[source], tp).to(p.dtype))
+                if source in optim:
+                    s = optim[source]
+                    state[id(p)] = (_piece(p, s["exp_avg"], tp), _piece(p, s["exp_avg_sq"], tp), int(s["step"]))
+        _set_moments(st, state)
+    own = torch.load(folder / f"rank{rank}.pt", map_location="cpu", weights_only=False, mmap=True) \
+        if same and (folder / f"rank{rank}.pt").exists() else {}
+    for (pipe, stage), st in stages.items():
+        saved_versions = own.get("versions", {}).get(f"{pipe}:{stage}")
+        if saved_versions is not None and getattr(st, "versions", None) is not None:
+            st.versions.live = saved_versions["live"]
+            st.versions.stash = dict(saved_versions["stash"])
+    scaled = next((f["loss_scaler"] for f in files.values() if "loss_scaler" in f), None)
+    if scaler is not None and scaled is not None:
+        scaler.load_state_dict(scaled)
+    return found
+
+
+def _first_tied_names(stages: dict) -> list[str]:
+    """The first stage's names of its tied copies, in order: a later copy loads from them
+    (a collective: the rank holding the first stage tells the others)."""
+    import torch.distributed as dist
+
+    mine = None
+    for st in stages.values():
+        if st.first:
+            names = {id(p): n for n, p in _named(st)}
+            mine = [names[id(t)] for t in st.tied]
+    told = [None] * dist.get_world_size()
+    dist.all_gather_object(told, mine)
+    return next((t for t in told if t is not None), [])
+
+
+def _load_same_layout(folder, found, rank, stages, meta, scaler, resume) -> int:
+    """A checkpoint of the earlier format: each rank's stages' state dicts, which load
+    only into the layout that wrote them."""
+    import torch
+
     state = torch.load(folder / f"rank{rank}.pt", map_location="cpu", weights_only=False)
     saved = state["meta"]
-    for key in ("schedule", "stages", "world_size", "layers_per_stage", "placement", "shard"):
+    for key in LAYOUT[:-1]:
         if saved.get(key, "none" if key == "shard" else None) != meta.get(key):  # (shard: unsharded before it was recorded)
             raise ValueError(
-                f"resume={resume}: the checkpoint was written with {key}={saved.get(key)}, "
-                f"this run has {key}={meta.get(key)}; resume with the same pipeline configuration"
+                f"resume={resume}: the checkpoint (written before checkpoints moved between layouts) was written "
+                f"with {key}={saved.get(key)}, this run has {key}={meta.get(key)}; resume it with the same pipeline "
+                f"configuration"
             )
     for (pipe, stage), st in stages.items():
         st.module.load_state_dict(state["stages"][f"{pipe}:{stage}"])

@@ -108,7 +108,8 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
         "world_size": job.world_size,
         "layers_per_stage": layers,
         "placement": schedule.placement.as_lists(),
-        "shard": schedule.shard,  # a replica's optimizer checkpoint is its slice: resumed onto the same sharding
+        "shard": schedule.shard,
+        "tensor_parallel": job.plan.tensor_parallel,  # (the layout: a checkpoint moves to another one)
         "model": model_record(cfg["model"]),  # a resumed run of another model is refused up front
         "training": training_record(cfg),  # what a resumed run changed is said, not refused
     }
@@ -430,7 +431,7 @@ def _train_chunk(rank, job, setup: RankSetup, data, sink, progress, state: RunSt
     cut_next = end < steps < end + cap and cap > 1
     if _falls_in(save_every, first, end) or end == steps or cut_next:
         checkpoint.save(job.run_dir, end, rank, setup.stages, meta, chunk_start=end if end % cap == 0 else first - 1,
-                        scaler=setup.executor.scaler)
+                        scaler=setup.executor.scaler, schedule=setup.schedule, device=setup.executor.rank)
     with deferred_stop():  # the rows, W&B and the summary's last step agree however a stop lands
         if rank == 0:
             for s, metrics in zip(span, metrics_of):

@@ -9,9 +9,10 @@ from omegaconf import DictConfig
 
 from ..values import ConfigError, naming_key
 
-def check_resume(resume: str | None, expect: dict | None = None) -> None:
+def check_resume(resume: str | None, expect: dict | None = None, steps: int | None = None) -> None:
     """``resume`` names a whole checkpoint (every rank's file there, at the size written)
-    written for this pipeline (``expect``: schedule, stages, world_size, placement)."""
+    of this run's model (``expect``; a checkpoint of the earlier format: of its pipeline
+    too), short of ``steps`` (trainer.steps: a run resumed at or past it trains nothing)."""
     if resume is None:
         return
     if not Path(resume).expanduser().is_dir():
@@ -23,9 +24,12 @@ def check_resume(resume: str | None, expect: dict | None = None) -> None:
     from pipeflow.formats.checkpoint import verify
 
     try:
-        verify(str(Path(resume).expanduser()), expect or {})
+        _, record = verify(str(Path(resume).expanduser()), expect or {})
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise naming_key("resume", resume, err) from None
+    if steps is not None and int(record["step"]) >= int(steps):
+        raise ConfigError(f"trainer.steps={steps}: the checkpoint resume={resume} is at step {record['step']}, so "
+                          f"nothing is left to train; give trainer.steps above {record['step']} to go on from it")
 
 def resume_expect(cfg: DictConfig, schedule) -> dict:
     """What a checkpoint to resume from must have been written for (as the ranks record it)."""
