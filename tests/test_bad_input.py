@@ -446,3 +446,47 @@ def test_processes_checking_one_run_folder_at_once_all_pass_and_leave_nothing(tm
         errors = pool.starmap(_check_many, [(str(target), 100)] * 6)
     assert errors == [""] * 6
     assert [p for p in tmp_path.rglob("*") if not p.is_dir()] == []
+
+
+# ------------------------------------------------------- issue 60: refusals that say what can be set
+@pytest.mark.parametrize("over,want,absent", [
+    (["schedule=pipedream", "pipeline.shard=optimizer"],
+     "pipeline.shard=optimizer: schedule 'pipedream' is asynchronous (allowed values here: none)", "schedule.zero"),
+    (["schedule=amdp", "pipeline.shard=optimizer"],
+     "pipeline.shard=optimizer: schedule 'amdp' is asynchronous; its replicas shard the optimizer state with "
+     "schedule.zero=true (allowed values here: none)", None),
+    (["model=gpt_tiny", "model.n_head=3"],
+     "model.n_embd=128: must be a multiple of model.n_head=3 (each head gets n_embd/n_head dimensions)", "head_dim"),
+    (["model=bert_tiny", "model.n_head=3"], "must be a multiple of model.n_head=3", "head_dim"),
+    (["model=llama_tiny", "model.seq_len=512"],
+     "model.seq_len=512: longer than the model's 256 positions (model.hf.max_position_embeddings; GPT-2's "
+     "model.hf.n_positions); use a seq_len <= 256 or raise that key", "model.n_positions"),
+    (["pipeline.shard=optimizer"],
+     "pipeline.shard=optimizer: no stage of schedule '1f1b' has a replica to share its state with at "
+     "pipeline.data_parallel=1; set pipeline.data_parallel to 2 or more, or pipeline.shard=none", None),
+])
+def test_a_refusal_names_only_keys_the_user_can_set(over, want, absent):
+    """Three refusals suggested keys these models and schedules do not have (schedule.zero
+    for pipedream, model.head_dim for GPT and BERT, n_positions for a Llama), and a
+    ZeRO level with nothing to shard was accepted and reported as sharded."""
+    from pipeflow.config import ConfigError, compose, prepare_simulation
+
+    with pytest.raises(ConfigError) as err:
+        prepare_simulation(compose("simulate", [*over, "topology=local_cpu"]))
+    assert want in str(err.value), str(err.value)
+    if absent:
+        assert absent not in str(err.value)
+
+
+def test_the_closest_unfit_candidates_show_the_limit_as_given():
+    """search.memory_limit_gb=1.5 was printed as a limit of "2", over by "+0.00"."""
+    from types import SimpleNamespace
+
+    from pipeflow.planning.search.report import GIB, oom_lines
+
+    label = SimpleNamespace(label=lambda: "1f1b p2 m8")
+    q = SimpleNamespace(candidate=label, peak_memory=1.5004 * GIB, memory_limit=1.5 * GIB, over=0.0004 * GIB,
+                        device=1, how="closed form")
+    lines = oom_lines(SimpleNamespace(out_of_memory=[q], closed=[q, q]), rows=3)
+    assert lines[0] == "1 of 2 priced candidates do not fit; the closest:"
+    assert lines[2].split()[-6:] == ["1.50", "1.50", "+0.0004", "1", "closed", "form"], lines

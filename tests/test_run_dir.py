@@ -143,3 +143,18 @@ def test_every_app_refuses_an_unknown_key_in_one_line(module, override, start, t
     assert proc.returncode == 1
     assert proc.stderr.strip().startswith(start) and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("module", ["pipeflow.train", "pipeflow.simulate", "pipeflow.plan"])
+def test_two_misspelt_keys_at_once_are_both_named_in_one_line(module, tmp_path):
+    """Issue 60: with two unknown keys Hydra's own 8-line error came through, advising
+    a `+` that is then refused too."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "WANDB_"))}
+    proc = subprocess.run([sys.executable, "-m", module, "pipeline.microbatchez=3", "model.n_layr=2",
+                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    err = proc.stderr.strip()
+    assert proc.returncode == 1 and len(err.splitlines()) == 1, err
+    assert err.startswith("pipeline.microbatchez=3: unknown key; pipeline has "), err
+    assert "(did you mean pipeline.microbatches?); model.n_layr=2: unknown key; model has " in err, err
+    assert err.endswith("(did you mean model.n_layer?)") and "+" not in err, err

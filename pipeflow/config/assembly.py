@@ -217,9 +217,19 @@ def sharded(schedule: Schedule, shard: str, gather: str = "step") -> Schedule:
     (:func:`pipeflow.schedules.sharding.with_gathers`); an asynchronous one shards with
     its own option."""
     if shard != "none" and schedule.policy != WeightPolicy.SYNC:
-        raise ConfigError(f"pipeline.shard={shard}: schedule '{schedule.name}' is asynchronous; its replicas "
-                          f"shard the optimizer state with schedule.zero=true where it has them "
-                          f"(allowed values here: none)")
+        from ..schedules.registry import get_spec
+
+        own = "zero" in get_spec(schedule.name).options
+        raise ConfigError(f"pipeline.shard={shard}: schedule '{schedule.name}' is asynchronous"
+                          + ("; its replicas shard the optimizer state with schedule.zero=true" if own else "")
+                          + " (allowed values here: none)")
+    placement = schedule.placement
+    if shard != "none" and not any(len({d for _, d in placement.replicas(st)}) > 1
+                                   for st in range(schedule.num_stages)):
+        # (a run so set sharded nothing and was reported sharded)
+        raise ConfigError(f"pipeline.shard={shard}: no stage of schedule '{schedule.name}' has a replica to share "
+                          f"its state with at pipeline.data_parallel={schedule.meta.get('data_parallel', 1)}; set "
+                          f"pipeline.data_parallel to 2 or more, or pipeline.shard=none")
     if shard == "full":
         schedule = with_gathers(schedule, gather)
     schedule.shard = shard

@@ -88,34 +88,52 @@ def check_overrides(config_name: str, args: Sequence[str]) -> None:
 
     from .schema import compose
 
-    try:
-        compose(config_name, overrides)
-    except ConfigCompositionException as err:
-        cause = err.__cause__
-        full_key = re.search(r"full_key: (\S+)", str(cause or ""))
-        if full_key is None:
-            return  # not about one key: Hydra's report stands
-        key = full_key.group(1)
+    remaining, unknown = list(overrides), []
+    for _ in range(len(overrides) + 1):  # each unknown key found and set aside, then the next
+        try:
+            node = compose(config_name, remaining)
+            break
+        except ConfigCompositionException as err:
+            cause = err.__cause__
+            full_key = re.search(r"full_key: (\S+)", str(cause or ""))
+            if full_key is None:
+                if not unknown:
+                    return  # not about one key: Hydra's report stands
+                node = None
+                break
+            key = full_key.group(1)
 
-        def names(arg: str) -> bool:  # the override of this key, or of a key under it
-            written = arg.lstrip("+").split("=", 1)[0]
-            return written == key or written.startswith(key + ".")
+            def names(arg: str, key=key) -> bool:  # the override of this key, or of a key under it
+                written = arg.lstrip("+").split("=", 1)[0]
+                return written == key or written.startswith(key + ".")
 
-        given = next((a.lstrip("+").split("=", 1) for a in overrides if names(a)), [key, ""])
-        if "not in" not in str(cause).splitlines()[0]:
-            raise ConfigError(f"{given[0]}={given[1]}: {str(cause).splitlines()[0]}") from None
+            given = next((a.lstrip("+").split("=", 1) for a in remaining if names(a)), [key, ""])
+            if "not in" not in str(cause).splitlines()[0]:
+                raise ConfigError(f"{given[0]}={given[1]}: {str(cause).splitlines()[0]}") from None
+            unknown.append((key, given))
+            left = [a for a in remaining if not names(a)]
+            if left == remaining:
+                return
+            remaining = left
+    else:
+        return
+    if not unknown:
+        return
+    said, listed = [], set()
+    for key, given in unknown:
         parent, _, name = key.rpartition(".")
         try:
-            node = compose(config_name, [a for a in overrides if not names(a)])
-            keys = list(OmegaConf.select(node, parent).keys()) if parent else list(node.keys())
+            keys = list((OmegaConf.select(node, parent) if parent else node).keys()) if node is not None else []
         except Exception:  # noqa: BLE001 - the rest of the line has its own problem: Hydra reports it
-            return
+            keys = []
         near = difflib.get_close_matches(name, keys, n=1)
         hint = f" (did you mean {parent + '.' if parent else ''}{near[0]}?)" if near else ""
         if key in MOVED:
             hint = f" (it moved: {MOVED[key]}={given[1]})"
-        raise ConfigError(f"{given[0]}={given[1]}: unknown key; {parent or 'the config'} has {', '.join(keys)}{hint}") \
-            from None
+        has = f"; {parent or 'the config'} has {', '.join(keys)}" if keys and parent not in listed else ""
+        listed.add(parent)
+        said.append(f"{given[0]}={given[1]}: unknown key{has}{hint}")
+    raise ConfigError("; ".join(said)) from None
 
 
 # keys that moved, and where to: an old command line gets the new spelling

@@ -97,8 +97,9 @@ def oom_lines(result: SearchResult, rows: int) -> list[str]:
     if not oom:
         return ["every priced candidate fits the memory limit"]
     head = [f"{len(oom)} of {len(result.closed)} priced candidates do not fit; the closest:"]
-    body = [(q.candidate.label(), f"{q.peak_memory / GIB:.1f}", f"{q.memory_limit / GIB:.0f}",
-             f"+{q.over / GIB:.2f}", str(q.device), q.how) for q in oom[:rows]]
+    # (the limit as given, 1.5 not "2"; the excess to three figures however small)
+    body = [(q.candidate.label(), f"{q.peak_memory / GIB:.2f}", f"{q.memory_limit / GIB:.2f}",
+             f"+{q.over / GIB:.3g}", str(q.device), q.how) for q in oom[:rows]]
     return head + _table(("candidate", "needs GiB", "limit GiB", "over by GiB", "device", "priced"), body)
 
 
