@@ -193,6 +193,11 @@ def _train(cfg: DictConfig, hydra_cfg, run_dir: str, inputs) -> None:
         log.info(str(err).splitlines()[0])
         _stop(str(err), hydra_cfg)
     log.info(format_summary(summary, run_dir))
+    if plain.get("export") == "hf" and summary.get("status") == "finished":
+        from pipeflow.formats.hf_folder import export_hf
+
+        out = export_hf(run_dir, Path(run_dir) / "hf", plain["model"])
+        log.info(f"wrote the trained model as a Hugging Face folder: {out} (transformers' from_pretrained loads it)")
     if summary.get("status") == "diverged":
         log.info(f"the loss is not finite from step {summary['diverged_at']}: the run diverged "
                  f"(a lower optim.lr, or precision=bf16 rather than fp16, may hold it)")

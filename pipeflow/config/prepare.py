@@ -42,6 +42,7 @@ from .groups.partition import check_profiled_partition
 from .groups.pipeline import check_pipeline
 from .groups.precision import check_precision, resolve_precision
 from .groups.resume import check_resume, resume_expect
+from ..formats.hf_folder import check_export
 from .groups.runtime import check_runtime
 from .groups.trainer import check_trainer
 from .runplan import build_run_plan
@@ -242,6 +243,7 @@ def prepare_training(cfg: DictConfig) -> TrainingInputs:
     if tensor_degree(cfg)[0] > 1:  # T devices per schedule device, each group inside a node
         run_topology(cfg, schedule, tensor=tensor_degree(cfg)[0])
     check_resume(cfg.resume, resume_expect(cfg, schedule), cfg.trainer.steps)
+    check_export(cfg.get("export"), str(cfg.model.get("family") or "gpt"))
 
     # Generators are tested to be valid, but the runtime would deadlock on a schedule that
     # is not, so one validation here (milliseconds at training sizes) is cheap insurance.

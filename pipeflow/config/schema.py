@@ -85,6 +85,7 @@ class TrainConfig:
     # auto | fp32 | bf16 | fp16 (config.groups.precision): the autocast dtype; fp32 master weights and optimizer state
     precision: str = "auto"
     resume: Optional[str] = None  # a previous run dir to continue from (its latest checkpoint)
+    export: Optional[str] = None  # hf: the trained hf_causal model as a Hugging Face folder (<run>/hf)
     seed: int = 1234
 
 
