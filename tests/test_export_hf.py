@@ -12,7 +12,6 @@ import sys
 import pytest
 import torch
 
-import pipeline_runs
 
 slow = pytest.mark.slow  # starts ranks
 
