@@ -66,7 +66,7 @@ def chosen() -> tuple[list, int]:
     # Chimera under sharding always among them: the combination that hung
     must = [c for c in every if c[0] == "chimera" and c[1] in ("optimizer", "gradients") and c[2] == 1 and c[3] == 1]
     rest = rng.sample([c for c in every if c not in must], max(0, n - len(must)))
-    return must + rest, 6 if not want else n
+    return must + rest, 4 if not want else n
 
 
 CASES, TRAINED = chosen()

@@ -46,6 +46,7 @@ from pathlib import Path
 # the checkpoint folder's layout and its torch-free reading (the up-front check's)
 from ..formats.checkpoint import LATEST, META, read_meta, resolve, verify  # noqa: F401 - re-exported
 from ..formats.checkpoint import step_dir as _step_dir
+from . import watch
 from .sharded import ShardedAdamW, whole_weights
 
 # torch is imported where it is used
@@ -210,7 +211,7 @@ def save(run_dir: str, step: int, rank: int, stages: dict, meta: dict, chunk_sta
     """Write this rank's part of the checkpoint of ``step`` (module docstring): the
     stages' parameters and optimizer state by name where this rank writes them; every
     rank joins the gathers. ``device``: this rank's device in ``schedule``."""
-    with whole_weights(stages):
+    with whole_weights(stages), watch.paused():  # (a large model's write is one long call)
         _save(run_dir, step, rank, stages, meta, chunk_start, scaler, schedule, rank if device is None else device)
 
 
@@ -271,7 +272,7 @@ def load(resume: str, rank: int, stages: dict, meta: dict, step: int | None = No
     checkpoint at that step) into this rank's ``stages``, cut as this layout cuts them
     (fully sharded stages: into their gathered weights, whose shares the optimizer then
     takes); fp16's loss scale into ``scaler``. Returns the checkpoint's step."""
-    with whole_weights(stages):
+    with whole_weights(stages), watch.paused():
         return _load(resume, rank, stages, meta, step, scaler)
 
 

@@ -20,6 +20,7 @@ keep its locals (a step's tensors) alive.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -68,6 +69,20 @@ def arm() -> None:
     _armed[:] = [True]
 
 
+_paused: list[bool] = []  # inside paused(): a long call that is no hang (writing a checkpoint)
+
+
+@contextlib.contextmanager
+def paused():
+    """A block whose one long call is work, not waiting (torch.save of a large model to
+    a slow disk): this rank counts as moving, so the job is not ended while it writes."""
+    _paused.append(True)
+    try:
+        yield
+    finally:
+        _paused.pop()
+
+
 def heard_stop() -> None:
     """The rank's signal handler ran: it can stop by itself."""
     if _board:
@@ -113,7 +128,8 @@ def look(rank: int, sampler: Sampler, beat: bool) -> None:
     board, now = _board[0], time.monotonic()
     if beat:
         board.beats[rank] = now
-    if not _armed:
+    if not _armed or _paused:
+        board.stuck[rank] = 0.0
         return
     since, frame = sampler.sample(now)
     if since and not board.stuck[rank]:
