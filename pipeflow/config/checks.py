@@ -35,29 +35,15 @@ def check_known_keys(cfg: DictConfig) -> None:
     walk(cfg, "")
 
 
+EXPORTS = ("hf",)
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
+def check_export(export, family: str) -> None:
+    """``export`` is null or ``hf``, and ``hf`` only for a Hugging Face decoder."""
+    if export is None:
+        return
+    if export not in EXPORTS:
+        raise ConfigError(f"export={export}: allowed values: {', '.join(EXPORTS)} (or null)")
+    if family != "hf_causal":
+        raise ConfigError(f"export={export}: model.family={family} is no Hugging Face decoder; a folder that "
+                          f"transformers loads is written for model.family=hf_causal (llama_tiny, qwen2_tiny, ...)")

@@ -41,8 +41,8 @@ from .groups.optim import check_optim
 from .groups.partition import check_profiled_partition
 from .groups.pipeline import check_pipeline
 from .groups.precision import check_precision, resolve_precision
+from .checks import check_export
 from .groups.resume import check_resume, resume_expect
-from ..formats.hf_folder import check_export
 from .groups.runtime import check_runtime
 from .groups.trainer import check_trainer
 from .runplan import build_run_plan

@@ -20,22 +20,6 @@ from pathlib import Path
 
 from .checkpoint import read_meta, resolve
 
-EXPORTS = ("hf",)
-
-
-def check_export(export, family: str) -> None:
-    """``export`` is null or ``hf``, and ``hf`` only for a Hugging Face decoder."""
-    from ..config.values import ConfigError
-
-    if export is None:
-        return
-    if export not in EXPORTS:
-        raise ConfigError(f"export={export}: allowed values: {', '.join(EXPORTS)} (or null)")
-    if family != "hf_causal":
-        raise ConfigError(f"export={export}: model.family={family} is no Hugging Face decoder; a folder that "
-                          f"transformers loads is written for model.family=hf_causal (llama_tiny, qwen2_tiny, ...)")
-
-
 def export_hf(checkpoint: str | Path, out: str | Path, model_cfg: dict | None = None) -> Path:
     """Write the checkpoint ``checkpoint`` names (a run folder: its latest) as a Hugging
     Face folder ``out``; ``model_cfg``: the run's model group (else the run's

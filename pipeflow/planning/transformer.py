@@ -75,8 +75,7 @@ class TransformerSpec:
     # matrix products that read the attention's input: 1 (GPT's fused c_attn) or 3 (separate
     # Q, K and V: BERT, Llama-style decoders); at 16 bits each saves its own autocast copy
     qkv_inputs: int = 1
-    # the model's keys are a Hugging Face config's (model.hf.*): what a refusal tells the user to set
-    hf_keys: bool = False
+    hf_keys: bool = False  # the model's keys are a Hugging Face config's (model.hf.*): refusals name those
 
     def __post_init__(self) -> None:
         if self.recompute not in ("none", "full", "selective"):
@@ -99,22 +98,17 @@ class TransformerSpec:
             if value is not None:
                 _positive_int(key, value)
         if self.head_dim_override is None and self.n_embd % self.n_head:
-            raise ValueError(
-                f"model.n_embd={self.n_embd}: must be a multiple of model.n_head={self.n_head} "
-                f"(each head gets n_embd/n_head dimensions)" + (", or set model.hf.head_dim" if self.hf_keys else "")
-            )
+            raise ValueError(f"model.n_embd={self.n_embd}: must be a multiple of model.n_head={self.n_head} (each head "
+                             f"gets n_embd/n_head dimensions)" + (", or set model.hf.head_dim" if self.hf_keys else ""))
         if self.n_kv_head is not None and self.n_head % self.n_kv_head:
-            raise ValueError(
-                f"model.n_kv_head={self.n_kv_head}: must divide model.n_head={self.n_head} "
-                f"(each key/value head serves a whole group of query heads)"
-            )
+            raise ValueError(f"model.n_kv_head={self.n_kv_head}: must divide model.n_head={self.n_head} "
+                             f"(each key/value head serves a whole group of query heads)")
         if self.n_positions is not None and self.seq_len > self.n_positions:
             raise ValueError(
-                f"model.seq_len={self.seq_len}: longer than the model's {self.n_positions} positions "
-                f"(model.hf.max_position_embeddings; GPT-2's model.hf.n_positions); use a seq_len <= "
-                f"{self.n_positions} or raise that key" if self.hf_keys else
-                f"model.seq_len={self.seq_len}: longer than model.n_positions={self.n_positions}; "
-                f"use a seq_len <= {self.n_positions} or raise model.n_positions"
+                f"model.seq_len={self.seq_len}: longer than the model's {self.n_positions} positions (model.hf."
+                f"max_position_embeddings; GPT-2's model.hf.n_positions); use a seq_len <= {self.n_positions} or "
+                f"raise that key" if self.hf_keys else f"model.seq_len={self.seq_len}: longer than model.n_positions="
+                f"{self.n_positions}; use a seq_len <= {self.n_positions} or raise model.n_positions"
             )
 
     @property
