@@ -323,6 +323,33 @@ def _stuck(procs, board, after: float | None) -> JobFailed | None:
     return JobFailed(*found) if found else None
 
 
+def _watch_ranks(job: TrainJob, procs, errors, board, stop: list, on_stop, hang_after: float | None) -> None:
+    """Until every rank has ended well: a stop asked for (JobStopped), a rank that failed,
+    fell silent or sits with every other in one call (JobFailed, recorded)."""
+    hearing = _Hearing(board.beats, job.world_size)
+    while True:
+        if stop:
+            _unheard_killed(procs, board)
+            _wait(procs, 30.0)  # W&B's final flush takes a few seconds
+            raise JobStopped(stop[0], _stopped_summary(job, stop[0]))
+        if any(p.exitcode == STOPPED for p in procs):
+            # a rank was sent a stop signal itself (kill <pid>): the whole job stops
+            on_stop(signal.SIGTERM, None)
+            continue
+        if any(p.exitcode not in (None, 0) for p in procs):
+            failed = _failure(procs, errors, hearing)
+            _record_failure(job.run_dir, failed)
+            raise failed
+        if all(p.exitcode == 0 for p in procs):
+            return
+        hung = _hung(procs, hearing, hang_after) or _stuck(procs, board, hang_after)
+        if hung is not None:
+            _stop(procs)
+            _record_failure(job.run_dir, hung)
+            raise hung
+        time.sleep(0.1)
+
+
 def launch(job: TrainJob, on_start=None) -> dict:
     """Run the job on all ranks; return rank 0's summary. Raises JobFailed, or
     JobStopped after a stop signal. ``on_start(rank, pid)`` hears of each rank started."""
@@ -395,28 +422,7 @@ def launch(job: TrainJob, on_start=None) -> dict:
             p.start()
             if on_start is not None:
                 on_start(r, p.pid)
-        hearing = _Hearing(board.beats, job.world_size)
-        while True:
-            if stop:
-                _unheard_killed(procs, board)
-                _wait(procs, 30.0)  # W&B's final flush takes a few seconds
-                raise JobStopped(stop[0], _stopped_summary(job, stop[0]))
-            if any(p.exitcode == STOPPED for p in procs):
-                # a rank was sent a stop signal itself (kill <pid>): the whole job stops
-                on_stop(signal.SIGTERM, None)
-                continue
-            if any(p.exitcode not in (None, 0) for p in procs):
-                failed = _failure(procs, errors, hearing)
-                _record_failure(job.run_dir, failed)
-                raise failed
-            if all(p.exitcode == 0 for p in procs):
-                break
-            hung = _hung(procs, hearing, hang_after) or _stuck(procs, board, hang_after)
-            if hung is not None:
-                _stop(procs)
-                _record_failure(job.run_dir, hung)
-                raise hung
-            time.sleep(0.1)
+        _watch_ranks(job, procs, errors, board, stop, on_stop, hang_after)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -334,6 +334,19 @@ def _falls_in(every: int, first: int, end: int) -> bool:
     return bool(every) and end // every > (first - 1) // every
 
 
+def _inject_failure(rank: int, runtime: dict, first: int, end: int, hook) -> None:
+    """The test hook runtime.fail_at_step: rank fail_rank fails as fail_mode says where
+    that step falls in [first, end] (hook: the group of fail_mode=collective)."""
+    fail = runtime.get("fail_at_step")
+    if fail is None or not first <= fail <= end or (runtime.get("fail_rank") or 0) != rank:
+        return
+    if runtime.get("fail_mode", "raise") == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if hook is not None:  # a collective no other rank joins: the rank waits in it for good
+        dist.all_reduce(torch.zeros(1), group=hook)
+    raise RuntimeError(f"injected failure on rank {rank} at step {fail} (runtime.fail_at_step)")
+
+
 def _train_chunk(rank, job, setup: RankSetup, data, sink, progress, state: RunState, one_host: bool,
                  meta: dict, hook=None) -> None:
     """One chunk of steps without a flush (a synchronous step is a chunk of one): failure
@@ -350,13 +363,7 @@ def _train_chunk(rank, job, setup: RankSetup, data, sink, progress, state: RunSt
     cap = setup.steps_per_chunk
     end = _chunk_end(first, steps, cap)
     quiet = state.replay_to  # steps up to here were run before the checkpoint: replayed, not logged
-    fail = runtime.get("fail_at_step")
-    if fail is not None and max(first, quiet + 1) <= fail <= end and (runtime.get("fail_rank") or 0) == rank:
-        if runtime.get("fail_mode", "raise") == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        if hook is not None:  # a collective no other rank joins: the rank waits in it for good
-            dist.all_reduce(torch.zeros(1), group=hook)
-        raise RuntimeError(f"injected failure on rank {rank} at step {fail} (runtime.fail_at_step)")
+    _inject_failure(rank, runtime, max(first, quiet + 1), end, hook)
     torch.manual_seed(seed * 1_000_003 + first)  # dropout (if any) is a function of the step
     span = range(first, end + 1)
     batches = [data.train_batch(s, batch_size) for s in span]
