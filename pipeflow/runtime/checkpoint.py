@@ -79,8 +79,8 @@ def _held(stages: dict) -> list:
 
 
 def _named(st) -> list[tuple[str, object]]:
-    """(the model's name, parameter) of a stage; a later copy of a tied embedding is
-    named as the first stage names it (``None``: told apart by :func:`_aliases`)."""
+    """(the model's name, parameter) of a stage's trained parameters (a later copy of a
+    tied embedding among them: :func:`_aliases` tells it apart)."""
     return [(name, p) for name, p in st.module.named_parameters() if p.requires_grad]
 
 

@@ -347,6 +347,21 @@ def _inject_failure(rank: int, runtime: dict, first: int, end: int, hook) -> Non
     raise RuntimeError(f"injected failure on rank {rank} at step {fail} (runtime.fail_at_step)")
 
 
+def _gathered_timeline(rank: int, job, schedule, events: list, tl: int, first: int, end: int) -> Timeline | None:
+    """Rank 0: the chunk's measured timeline, every rank's events gathered (None elsewhere)."""
+    every = [None] * job.world_size if rank == 0 else None
+    dist.gather_object(events, every, dst=0)
+    if rank != 0:
+        return None
+    return Timeline(
+        [e for evs in every for e in evs], job.world_size, time_unit="s", source="measured",
+        meta={"schedule": schedule.name, "step": tl, **({"steps": [first, end]} if end > first else {}),
+              "num_stages": schedule.num_stages,
+              "num_microbatches": schedule.microbatches_per_step * (end - first + 1),
+              **({"branch": list(schedule.graph.branch)} if schedule.graph.branch else {})},
+    )
+
+
 def _train_chunk(rank, job, setup: RankSetup, data, sink, progress, state: RunState, one_host: bool,
                  meta: dict, hook=None) -> None:
     """One chunk of steps without a flush (a synchronous step is a chunk of one): failure
@@ -420,18 +435,7 @@ def _train_chunk(rank, job, setup: RankSetup, data, sink, progress, state: RunSt
         if vl and rank == 0:
             metrics_of[-1]["val_loss"] = sum(vl) / len(vl)
             state.val_losses.append(metrics_of[-1]["val_loss"])
-    timeline = None
-    if record:
-        events = [None] * job.world_size if rank == 0 else None
-        dist.gather_object(stats.events, events, dst=0)
-        if rank == 0:
-            schedule = setup.schedule
-            timeline = Timeline(
-                [e for evs in events for e in evs], job.world_size, time_unit="s", source="measured",
-                meta={"schedule": schedule.name, "step": tl, **({"steps": [first, end]} if end > first else {}),
-                      "num_stages": schedule.num_stages, "num_microbatches": schedule.microbatches_per_step * len(span),
-                      **({"branch": list(schedule.graph.branch)} if schedule.graph.branch else {})},
-            )
+    timeline = _gathered_timeline(rank, job, setup.schedule, stats.events, tl, first, end) if record else None
     # Checkpoints where a chunk ends: where a multiple of save_every falls in it, at the
     # end of the run, and before a last chunk the run's end cuts short (a run resumed
     # from that end restarts the chunk from here: see pipeflow.runtime.checkpoint)
