@@ -210,11 +210,11 @@ def test_recomputation_trades_backward_flops_for_activation_memory():
     # while a backward runs it holds the one layer (full) or attention sub-layer
     # (selective) it rebuilt: a layer's worth of what 'none' saves, or of what the sub-layer
     # keeps, and at 16 bits the casts of the weights it reran (the rerun casts them anew)
-    assert plain.transient_bytes(1, 0) == 0
+    assert plain.rebuilt_layer_bytes(1, 0) == 0
     # (the rerun reads the layer's kept input: the first norm's input is not rebuilt)
-    assert full.transient_bytes(1, 0) == pytest.approx(plain.activation_bytes(1, 0) / 2 - 4 * S * b * H
+    assert full.rebuilt_layer_bytes(1, 0) == pytest.approx(plain.activation_bytes(1, 0) / 2 - 4 * S * b * H
                                                        + 2 * layer_matrix_params(GPT))
-    assert sel.transient_bytes(1, 0) == pytest.approx((10 * H + 4 * h) * S * b + 2 * 4 * H * H)
+    assert sel.rebuilt_layer_bytes(1, 0) == pytest.approx((10 * H + 4 * h) * S * b + 2 * 4 * H * H)
     # ... and keeps no shared cast of them
     assert plain.state_bytes(1)["casts"] - full.state_bytes(1)["casts"] == 2 * 2 * layer_matrix_params(GPT)
     with pytest.raises(ValueError, match="model.recompute=some"):
@@ -237,7 +237,7 @@ def test_the_simulated_peak_holds_the_recomputed_layer_during_a_backward():
     for r in ("none", "full", "selective"):
         cost = AnalyticCost(dataclasses.replace(GPT, recompute=r), 4)
         peak = simulate(sched, cost, topo).per_device[1].peak_activation_bytes
-        assert peak == pytest.approx(m * cost.activation_bytes(1, 0) + cost.transient_bytes(1, 0)), r
+        assert peak == pytest.approx(m * cost.activation_bytes(1, 0) + cost.rebuilt_layer_bytes(1, 0)), r
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])

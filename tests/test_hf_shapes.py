@@ -223,9 +223,9 @@ def test_llama_recomputation_by_hand():
     # the rebuilt layer (or sub-layer) holds the 16-bit casts its rerun makes of its weights
     matrices = 128 * 128 + 2 * 128 * 64 + 128 * 128  # Q, K, V, O (2 key/value heads of 32)
     # (less the layer's input, which the rerun reads where the first norm saved it)
-    assert full.transient_bytes(1, 0) == layer - S * b * H * 4 + dt * (matrices + 3 * 128 * 344)
+    assert full.rebuilt_layer_bytes(1, 0) == layer - S * b * H * 4 + dt * (matrices + 3 * 128 * 344)
     assert sel.activation_bytes(1, 0) == layer - dropped + S * b * H * 4 + rotary  # and the sub-layer's fp32 input
-    assert sel.transient_bytes(1, 0) == dropped + dt * matrices
+    assert sel.rebuilt_layer_bytes(1, 0) == dropped + dt * matrices
     attention = 2 * S * (128 * 128 + 2 * 128 * 64 + 128 * 128) + 4 * (4 * 32 + 3) * S * S / 2
     assert sel.flops("B", 1, 0) == pytest.approx(2 * plain.flops("F", 1, 0) + b * attention, rel=1e-12)
     assert full.flops("B", 1, 0) == pytest.approx(3 * plain.flops("F", 1, 0), rel=1e-12)
@@ -320,7 +320,7 @@ def test_stage_model_matches_analytic_cost(preset, recompute):
             assert model.fb_time(n, last, DEV) == pytest.approx(fb, rel=1e-12)
             assert model.params(n, first, last) == cost.stage_params(s)
             assert model.memory(n, first, last, 3) == pytest.approx(
-                3 * cost.activation_bytes(s, 0) + cost.transient_bytes(s, 0) + cost.model_state_bytes(s), rel=1e-12)
+                3 * cost.activation_bytes(s, 0) + cost.rebuilt_layer_bytes(s, 0) + cost.model_state_bytes(s), rel=1e-12)
 
 
 def test_planner_plans_a_llama():

@@ -480,7 +480,9 @@ def _assert_the_same_memory(run: dict, sim: dict) -> None:
     slack = _emulated_bf16_scratch() if run["precision"] == "bf16" else 0.0
     for dev, (meas, predicted) in enumerate(zip(run["memory_profile"], sim["per_device"])):
         peak = meas["peak_bytes"]
-        assert abs(predicted["peak_memory_bytes"] - peak) <= 0.03 * peak + slack, dev
+        # (what held each peak, so that a miss says where it came from)
+        assert abs(predicted["peak_memory_bytes"] - peak) <= 0.03 * peak + slack, (
+            dev, meas.get("peak_action"), meas["at_peak"], predicted["memory_at_peak"])
         assert sum(meas["at_peak"].values()) == peak
         # the walk's split at its peak, else at an instant of the rank's peak action all but tied with it
         near = [split for total, split in predicted.get("memory_at_action", {}).get("instants", ())

@@ -42,7 +42,7 @@ def test_stage_model_prices_a_tensor_rank_as_analytic_cost(T, sp, name):
             assert model.fb_time(n, last, dev, first) == pytest.approx(fb, rel=1e-12)
             assert model.step_time(n, first, last, dev) == pytest.approx(cost.compute_time("S", s, 0, dev), rel=1e-12)
             assert model.memory(n, first, last, 3) == pytest.approx(
-                3 * cost.activation_bytes(s, 0) + cost.transient_bytes(s, 0) + cost.model_state_bytes(s), rel=1e-12)
+                3 * cost.activation_bytes(s, 0) + cost.rebuilt_layer_bytes(s, 0) + cost.model_state_bytes(s), rel=1e-12)
     assert model.msg_bytes == cost.message_bytes(0, 1, 0)
     if T > 1:  # the collectives are in it: without them the closed form is faster
         bare = StageModel(spec, microbatch_size=2, tensor_parallel=1)

@@ -228,8 +228,11 @@ def test_an_asynchronous_walk_holds_each_microbatchs_casts_and_the_tied_updates_
     applies it there, by the same plan), while stage 0 applies its own at once."""
     from pipeflow.schedules.versions import tied_update_plan
     from pipeflow.sim.memory import tapes
+    from pipeflow.sim.memory_terms import REQUIRED
 
-    class Only:  # every term 0 but the one priced
+    class Only:  # every term 0 but the one priced (said so: the walk refuses a term not declared)
+        absent_terms = REQUIRED
+
         def __init__(self, name):
             self.name = name
 
@@ -262,8 +265,11 @@ def test_a_zero_bubble_w_runs_its_products_beside_what_i_kept_for_it():
     walk's peak on each later stage is the most residuals ever held plus W's working set,
     where a W's peak after its release would have been one residual less."""
     from pipeflow.sim.memory import tapes
+    from pipeflow.sim.memory_terms import REQUIRED
 
     class Priced:  # only the residuals and W's working set cost anything
+        absent_terms = REQUIRED - {"weight_residual_bytes", "weight_workspace_bytes", "state_bytes"}
+
         def __init__(self, fresh):
             self.fresh = fresh
 

@@ -40,7 +40,7 @@ def test_one_layers_collectives_are_the_rings_closed_form(T, sp):
     params = preset_params("dgx_a100_8")
     bw, lat = params["nvlink_bandwidth"], params["nvlink_latency"]  # NVSwitch: a hop is one GPU's out and in port
     E = 4096 * 1 * 4096  # s x b x H elements of one microbatch
-    c, r = 2, 4  # the row-parallel products' bf16 outputs; the residual stream's fp32 gradients and tokens
+    c, r = 2, 4  # the row-parallel products' bf16 outputs; the stream's fp32 gradients and tokens
 
     def allreduce(nbytes):
         return 2 * (T - 1) / T * nbytes / bw + 2 * (T - 1) * lat

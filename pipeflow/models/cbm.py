@@ -86,7 +86,7 @@ class Block(nn.Module):
         self.cross = cross_dim is not None
         if self.cross:
             self.ln_cross = nn.LayerNorm(dim)
-            # the other branch's residual stream has its own scale: normalise it here
+            # the other branch's stream has its own scale: normalise it here
             self.ln_cross_kv = nn.LayerNorm(cross_dim)
             self.cross_attn = nn.MultiheadAttention(
                 dim, n_head, dropout=dropout, kdim=cross_dim, vdim=cross_dim, batch_first=True
@@ -191,7 +191,7 @@ def _init_weights(module: nn.Module, shape: CBMShape, seed: int) -> None:
         elif name.endswith("bias"):  # Linear .bias and MultiheadAttention's in_proj_bias
             nn.init.zeros_(param)
         elif name.endswith(("attn.out_proj.weight", "cross_attn.out_proj.weight", "mlp.c_proj.weight")):
-            # GPT-2's scaling of projections into the residual stream, per branch depth
+            # GPT-2's scaling of projections into the stream, per branch depth
             seeded_normal_(param, INIT_STD / math.sqrt(2 * n_layer), seed, name)
         else:
             seeded_normal_(param, INIT_STD, seed, name)

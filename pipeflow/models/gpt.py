@@ -93,7 +93,7 @@ class GPTStage(nn.Module):
 
     def _init_weights(self, seed: int) -> None:
         """GPT-2's initialisation, one generator per parameter name so any split draws the same values."""
-        residual_std = INIT_STD / math.sqrt(2 * self.config.n_layer)
+        projection_std = INIT_STD / math.sqrt(2 * self.config.n_layer)
         for name, param in self.named_parameters():
             if name == "lm_head.weight":
                 # the tied copy starts equal to the embedding it mirrors
@@ -103,8 +103,8 @@ class GPTStage(nn.Module):
             elif name.endswith(".bias"):
                 nn.init.zeros_(param)
             elif name.endswith(("attn.c_proj.weight", "mlp.c_proj.weight")):
-                # GPT-2: projections into the residual stream scaled by 1/sqrt(2 * n_layer)
-                seeded_normal_(param, residual_std, seed, name)
+                # GPT-2: projections into the stream scaled by 1/sqrt(2 * n_layer)
+                seeded_normal_(param, projection_std, seed, name)
             else:
                 seeded_normal_(param, INIT_STD, seed, name)
 

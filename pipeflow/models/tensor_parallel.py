@@ -19,7 +19,7 @@ and then cut in place across the T ranks of its tensor group by :func:`shard_sta
 
 The communication sits where the activations enter the attention and the MLP
 (:data:`COLUMN_INPUT`: identity forward, all-reduce of the input gradient backward) and
-where the row-parallel products leave them. With sequence parallelism the residual
+where the row-parallel products leave them. With sequence parallelism the
 stream, the norms and the dropouts run on the rank's 1/T of the tokens: the entry
 becomes an all-gather along the sequence (its backward a reduce-scatter), the exit a
 reduce-scatter (its backward an all-gather); the stage's messages are the rank's

@@ -32,6 +32,11 @@ class BranchedAnalyticCost(BranchedWorkingSet, CostModel):
     ``stages``: (branch, lo, hi) per stage, branch in vision | text | head.
     """
 
+    # no tied weights, no tensor groups, no sequence segments; its optimizer step's
+    # buffers are not priced yet
+    absent_terms = frozenset({"tied_gradient_bytes", "forward_late_saved_bytes", "kv_gradient_bytes",
+                              "step_workspace_bytes"})
+
     name = "analytic"
 
     def __init__(

@@ -79,7 +79,7 @@ class BranchedWorkingSet:
             grads += b * x * H * c + 2 * H * I * c
             freed = 2.0 * b * x * I * c
             grads -= freed
-        rebuilt = self.transient_bytes(stage, segment)
+        rebuilt = self.rebuilt_layer_bytes(stage, segment)
         return float(max(rebuilt, grads) if self.recompute == "selective" else rebuilt + grads), freed
 
     def _succs(self, stage: int) -> list[int]:
@@ -122,7 +122,7 @@ class BranchedWorkingSet:
         x = self.tokens[branch]
         # the region it rebuilds is the stage's own (an interaction block's cross-attention)
         one = dataclasses.replace(layer_cost(walk.spec, x, x, self.microbatch_size, self.dtype_bytes),
-                                  transient=self.transient_bytes(stage, 0))
+                                  rebuilt=self.rebuilt_layer_bytes(stage, 0))
         phase: list = []
         most, kept, freed = walk._input_workspace(hi - lo, one, x, False, phase)
         # An interaction block's cross-attention (between its MLP's and its self-attention's) is
@@ -139,22 +139,22 @@ class BranchedWorkingSet:
             most += 4.0 * self.microbatch_size * x * walk.spec.n_embd * self.dtype_bytes
         return most, kept, freed
 
-    def transient_bytes(self, stage: int, segment: int) -> float:
+    def rebuilt_layer_bytes(self, stage: int, segment: int) -> float:
         """model.recompute: the region a backward rebuilds, one at a time, and holds while
         it runs (full: a block with its cross-attention; selective: the larger attention
         sub-layer), with its weights' 16-bit casts, made anew."""
         branch, lo, hi = self.stages[stage]
-        return max((self._block_transient(branch, blk) for blk in range(lo, hi)), default=0.0)
+        return max((self._block_rebuilt(branch, blk) for blk in range(lo, hi)), default=0.0)
 
-    def _block_transient(self, branch: str, blk: int) -> float:
-        """:meth:`transient_bytes` of one block of a branch."""
+    def _block_rebuilt(self, branch: str, blk: int) -> float:
+        """:meth:`rebuilt_layer_bytes` of one block of a branch."""
         if branch == "head" or self.recompute == "none":
             return 0.0
         b, c = self.microbatch_size, self.dtype_bytes
         spec, x = self.spec[branch], self.tokens[branch]
         other = "text" if branch == "vision" else "vision"
         H, Ho, y = spec.n_embd, self.spec[other].n_embd, self.tokens[other]
-        one = layer_cost(spec, x, x, b, c).transient
+        one = layer_cost(spec, x, x, b, c).rebuilt
         cross_kept = b * x * (3 * H * c + 4 * spec.n_head) + b * y * ((1 if Ho == H else 2) * Ho * c + 2 * H * c)
         cross_casts = (2 * H * H + 2 * H * Ho) * c if c < 4 else 0
         cross = blk in self.interactions
@@ -210,10 +210,10 @@ class BranchedWorkingSet:
                 if work - gone + made > best[0] + best[2]:
                     best = (work - gone, gone, made)
             return float(best[0]), float(best[1]), float(best[2])
-        base = ws - self.transient_bytes(stage, segment) - beside
+        base = ws - self.rebuilt_layer_bytes(stage, segment) - beside
         best, made = (float("-inf"), 0.0, 0.0), 0.0
         for blk in reversed(range(lo, hi)):
-            here = (base + self._block_transient(branch, blk), 0.0, made + down)
+            here = (base + self._block_rebuilt(branch, blk), 0.0, made + down)
             if here[0] + here[2] > best[0] + best[2]:
                 best = here
             made += 4.0 * self._block_params(branch, blk)
@@ -262,7 +262,7 @@ class BranchedWorkingSet:
         mlp_cast = 0 if self.recompute == "full" or fresh else 2 * H * I * c
         mlp_saved = 0 if self.recompute == "full" else x * ((H + 2 * I) * c + norm_saved_bytes(spec))
         mlp_params = 2 * H * I + I + H + 2 * H
-        rebuilt = self.transient_bytes(stage, 0)
+        rebuilt = self.rebuilt_layer_bytes(stage, 0)
         out = []
         for j in {0, hi - lo - 1}:
             blk = hi - 1 - j

@@ -24,6 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..sim.memory_terms import REQUIRED, MissingTerm, missing_terms
 from ..topology.topology import Device
 from .layer_cost import LayerCost, layer_cost  # noqa: F401 - re-exported (branched_cost, plans, tests)
 from .tensor_cost import TensorShards, sequence_parallel_layer, shard_spec
@@ -48,8 +49,20 @@ from .transformer import (
 KINDS = ("F", "B", "I", "W", "S")
 
 
+# the memory terms of a cost model that prices only what a forward keeps, the messages
+# and the model state (pipeflow.sim.memory_terms): it holds no working sets, outputs or
+# zero-bubble residual terms apart from those
+COARSE_ABSENT = frozenset(REQUIRED - {"state_bytes", "param_bytes", "activation_bytes", "weight_residual_bytes",
+                                      "message_bytes"})
+
+
 class CostModel(ABC):
+    """Time of each action and the bytes of each memory term. The memory terms are the
+    contract of :mod:`pipeflow.sim.memory_terms`: a concrete cost model prices each
+    required term or lists it in ``absent_terms``, checked when the class is defined."""
+
     name: str
+    absent_terms: frozenset = frozenset()  # the memory terms it does not price (0 bytes, said so)
     num_stages: int
     # When set, every message takes exactly this long and occupies no link: the cost
     # model's own time unit (unit costs are abstract, so a topology's seconds would not
@@ -59,6 +72,16 @@ class CostModel(ABC):
     # cost.overlap: how much of the shorter half of an overlapped F&B pair (DualPipeV) the
     # longer one hides, 0 (the halves run one after the other, as on CPU) to 1 (fully)
     overlap: float = 0.0
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # (ABCMeta sets __abstractmethods__ only after this runs: a class still abstract is checked
+        # where it is made concrete)
+        if not any(getattr(getattr(cls, n, None), "__isabstractmethod__", False) for n in dir(cls)):
+            wrong = missing_terms(cls)
+            if wrong:
+                raise MissingTerm(f"cost model {cls.__name__} breaks the memory contract "
+                                  f"(pipeflow.sim.memory_terms): {'; '.join(wrong)}")
 
     @abstractmethod
     def compute_time(self, kind: str, stage: int, segment: int, device: Device) -> float:
@@ -75,18 +98,6 @@ class CostModel(ABC):
     @abstractmethod
     def weight_residual_bytes(self, stage: int, segment: int) -> float:
         """Of that, what stays alive after I until W (zero-bubble split)."""
-
-    def transient_bytes(self, stage: int, segment: int) -> float:
-        """What a backward (B or I) holds on top of the saved activations while it runs:
-        with recomputation, the one layer it has rebuilt (0 if not modelled)."""
-        return 0.0
-
-    def kv_gradient_bytes(self, stage: int, segment: int) -> float:
-        """Sequence segments (Seq1F1B): the gradient of this segment's keys and values
-        that the later segments' backwards produce, held from the microbatch's first
-        backward on the stage (its last segment's) until this segment's own (0 if not
-        modelled)."""
-        return 0.0
 
     @abstractmethod
     def param_bytes(self, stage: int) -> float:
@@ -105,16 +116,6 @@ class CostModel(ABC):
         weights = float(self.param_bytes(stage))
         return {"parameters": weights, "gradients": 0.0,
                 "optimizer_state": max(0.0, float(self.model_state_bytes(stage)) - weights), "casts": 0.0}
-
-    def output_bytes(self, stage: int, segment: int) -> float:
-        """What a forward's output occupies until its gradient returns (0 if not modelled)."""
-        return 0.0
-
-    def workspace_bytes(self, stage: int, segment: int) -> float:
-        """What a backward (B or I) holds at its most on top of the level before its
-        frees: the gradients it makes and frees as it goes, and any layer it rebuilds (0
-        if not modelled: the simulator then counts ``transient_bytes`` alone)."""
-        return 0.0
 
     @abstractmethod
     def describe(self) -> dict: ...
@@ -279,7 +280,7 @@ class AnalyticCost(TensorShards, BackwardWorkingSet, HeldOutputs, CostModel):
                 w = n * one.weight
                 e = n * one.recompute  # FLOPs the backward spends recomputing (model.recompute)
                 a = n * one.saved + stage_shared_saved(spec, x)
-                t = one.transient  # what the backward rebuilds at a time: one layer's (one region's) tensors
+                t = one.rebuilt  # what the backward rebuilds at a time: one layer's (one region's) tensors
                 r = n * one.residual
                 # the gradient of this segment's K and V that later segments' backwards
                 # accumulate until this segment's own backward runs (Seq1F1B)
@@ -324,7 +325,7 @@ class AnalyticCost(TensorShards, BackwardWorkingSet, HeldOutputs, CostModel):
         }
         self._activation = act
         self._residual = res
-        self._transient = trans
+        self._rebuilt = trans
         self._input_ws = iws
         self._kv_gradient = kvg
         self._params = [self.stage_params(s) for s in range(self.num_stages)]
@@ -430,11 +431,11 @@ class AnalyticCost(TensorShards, BackwardWorkingSet, HeldOutputs, CostModel):
     def weight_residual_bytes(self, stage: int, segment: int) -> float:
         return self._residual[stage][self._seg(segment)]
 
-    def transient_bytes(self, stage: int, segment: int) -> float:
+    def rebuilt_layer_bytes(self, stage: int, segment: int) -> float:
         """model.recompute: the backward rebuilds one layer at a time (full: the whole
         layer's tensors; selective: its attention sub-layer's), and holds it on top of
         what the forwards saved (Korthikanti et al. count the same one layer)."""
-        return self._transient[stage][self._seg(segment)]
+        return self._rebuilt[stage][self._seg(segment)]
 
     def kv_gradient_bytes(self, stage: int, segment: int) -> float:
         return self._kv_gradient[stage][self._seg(segment)]

@@ -14,7 +14,7 @@ class HeldOutputs:
     was sent, until the stage's own backward where its successor runs on the same device."""
 
     def output_bytes(self, stage: int, segment: int) -> float:
-        """A stage's output (the residual stream, fp32) stays with the stage until its
+        """A stage's output (the stream, fp32) stays with the stage until its
         gradient comes back and the backward starts; at 16 bits with the 16-bit copy it
         was sent as, which goes earlier (:meth:`sent_copy_bytes`)."""
         x = self.segment_lengths[self._seg(segment)]
@@ -42,6 +42,6 @@ class HeldOutputs:
         return self._stream_bytes(segment) if self.dtype_bytes >= 4 else 0.0
 
     def _stream_bytes(self, segment: int) -> float:
-        """One microbatch's residual stream (fp32) over a segment: a stage's output."""
+        """One microbatch's stream (fp32) over a segment: a stage's output."""
         x = self.segment_lengths[self._seg(segment)]
         return float(self.microbatch_size * x * self.spec.n_embd * RESIDUAL_BYTES)

@@ -29,7 +29,7 @@ class LayerCost:
     weight: float  # of which weight matmuls (the W part of the backward)
     recompute: float  # FLOPs the backward reruns (model.recompute)
     saved: int  # bytes the forward keeps for the backward
-    transient: float  # bytes a backward rebuilds and holds while it runs (recomputation)
+    rebuilt: float  # bytes a backward rebuilds and holds while it runs (recomputation)
     residual: int  # bytes kept from I until W (zero-bubble split)
 
 

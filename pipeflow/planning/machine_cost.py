@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..topology.topology import Device
-from .cost import KINDS, CostModel, _check_int
+from .cost import COARSE_ABSENT, KINDS, CostModel, _check_int
 from .profile import MODEL_STATE_FACTOR, load_profile, partition_profile
 from .transformer import TransformerSpec
 
@@ -25,6 +25,8 @@ class ProfiledCost(CostModel):
     hidden state, priced by the topology. Activation bytes are what autograd saved; the
     I-to-W residual is not measured (0). One sequence segment only.
     """
+
+    absent_terms = COARSE_ABSENT  # activations, messages and model state alone
 
     name = "profiled"
 
@@ -183,6 +185,8 @@ def load_calibration(path: str | Path | None, key: str = "cost.calibration") -> 
 
 class CalibratedCost(CostModel):
     """Per-(kind, stage, segment) times measured by :mod:`pipeflow.runtime.calibrate`."""
+
+    absent_terms = COARSE_ABSENT  # activations, messages and model state alone
 
     name = "calibrated"
 

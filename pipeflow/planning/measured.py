@@ -52,7 +52,7 @@ from collections import defaultdict
 from typing import Mapping
 
 from ..topology.topology import Device
-from .cost import KINDS, CostModel, _check_int, _check_number
+from .cost import COARSE_ABSENT, KINDS, CostModel, _check_int, _check_number
 
 
 class MeasuredCost(CostModel):
@@ -65,6 +65,8 @@ class MeasuredCost(CostModel):
     the given constants (0 by default), so memory figures from a simulation with this
     model are not meaningful unless they are set.
     """
+
+    absent_terms = COARSE_ABSENT  # activations, messages and model state alone
 
     name = "measured"
 

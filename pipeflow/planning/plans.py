@@ -263,7 +263,7 @@ class StageModel:
         self.e_layer = one.recompute * b  # FLOPs a backward reruns per layer
         self.f_head = head_forward_flops(spec, S) * b
         self.a_layer = float(one.saved)
-        self.t_layer = one.transient  # the layer (or region) a backward rebuilds and holds
+        self.t_layer = one.rebuilt  # the layer (or region) a backward rebuilds and holds
         self.a_first = first_stage_saved(spec, S, b)  # token and position ids, the embedding's dropout mask
         self.a_last = last_stage_saved(spec, S, b, dt)  # the final norm, the head's input, the log-softmax
         self.a_shared = stage_shared_saved(spec, S)  # rotary tables, once per stage

@@ -11,7 +11,7 @@ pipeflow.models.tensor_parallel splits a stage (docs/simulation.md, "Tensor para
   the activations H wide (the inputs of the column-parallel products, the norms' own,
   the dropout masks) stay whole, which is Korthikanti et al.'s s·b·h·(10 + 24/t)
   in this codebase's own per-tensor count.
-- **Sequence parallelism** (:func:`sequence_parallel_layer`): the residual stream, the
+- **Sequence parallelism** (:func:`sequence_parallel_layer`): the stream, the
   norms and the dropouts run on the rank's x/T tokens, so what they keep divides by T;
   the column-parallel products keep the all-gathered input they multiply (the runtime
   saves it, where Megatron re-gathers it in the backward), which stays whole. The
@@ -20,7 +20,7 @@ pipeflow.models.tensor_parallel splits a stage (docs/simulation.md, "Tensor para
   forward sums the attention's output projection and the MLP's last projection across
   the group (two all-reduces of b·x·H elements in the compute dtype) and the backward
   sums the gradients at the inputs of the column-parallel products (two more, fp32: the
-  residual stream's dtype). With sequence parallelism each all-reduce is a
+  stream's dtype). With sequence parallelism each all-reduce is a
   reduce-scatter and an all-gather of the same tensor. The topology prices each one on
   the group's own devices (:class:`pipeflow.topology.tensor.TensorTopology`); the
   action waits for them (Megatron's collectives sit on the critical path).
@@ -60,7 +60,7 @@ def shard_spec(spec: TransformerSpec, tensor: int) -> TransformerSpec:
 def sequence_parallel_layer(spec: TransformerSpec, one: LayerCost, tokens: int, microbatch_size: int,
                             tensor: int) -> LayerCost:
     """One layer's :class:`LayerCost` (of the rank's :func:`shard_spec`) with sequence
-    parallelism: what its norms and dropout masks keep, and the residual-stream input a
+    parallelism: what its norms and dropout masks keep, and the stream input a
     recomputed block or region keeps, on x/T tokens."""
     H, T = spec.n_embd, tensor
     norm, mask = norm_saved_bytes(spec), (H if spec.dropout_masks else 0)
@@ -73,7 +73,7 @@ def sequence_parallel_layer(spec: TransformerSpec, one: LayerCost, tokens: int, 
     else:
         saved, rebuilt = 2 * norm + 2 * mask, 0
     per_token = microbatch_size * tokens * (T - 1) / T
-    return dataclasses.replace(one, saved=one.saved - per_token * saved, transient=one.transient - per_token * rebuilt)
+    return dataclasses.replace(one, saved=one.saved - per_token * saved, rebuilt=one.rebuilt - per_token * rebuilt)
 
 
 def layer_collectives(kind: str, tokens: int, microbatch_size: int, spec: TransformerSpec, dtype_bytes: int,

@@ -316,7 +316,7 @@ def total_params(spec: TransformerSpec) -> int:
 
 # ------------------------------------------------------- activation widths
 
-# The residual stream, the norms' internals and the statistics they keep are fp32 in
+# The stream, the norms' internals and the statistics they keep are fp32 in
 # pipeflow's runtime whatever its precision says: it keeps fp32 weights and casts
 # to the compute dtype under autocast only where a matrix product takes them.
 RESIDUAL_BYTES = 4

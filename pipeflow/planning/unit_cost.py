@@ -5,7 +5,7 @@ in abstract time units; the papers' bubble formulas hold exactly under it.
 from __future__ import annotations
 
 from ..topology.topology import Device
-from .cost import CostModel, _check_int, _check_number
+from .cost import COARSE_ABSENT, CostModel, _check_int, _check_number
 
 
 class UnitCost(CostModel):
@@ -16,6 +16,8 @@ class UnitCost(CostModel):
     message_bytes = message, param_bytes = params. ``comm`` (if not None) is the time
     of every message; otherwise ``message`` bytes travel over the topology.
     """
+
+    absent_terms = COARSE_ABSENT  # activations, messages and model state alone
 
     name = "unit"
     time_unit = "units"

@@ -74,7 +74,7 @@ class BackwardWorkingSet:
         """B's most on top of the level before it, what it has freed of the saved
         activations by then, and (``fresh``: into a stage with no gradients) the
         gradients it has made by then. A block's backward runs its MLP's first: the MLP's
-        hidden gradient (I wide, compute dtype; a gated MLP's two) beside the residual
+        hidden gradient (I wide, compute dtype; a gated MLP's two) beside the
         stream's (H, fp32), with full recomputation beside the layer it rebuilt. Then its
         attention's: the gradients of its output and queries (x tokens) and of the keys and
         values of the whole prefix (P tokens: a later Seq1F1B segment reaches back to the
@@ -88,7 +88,7 @@ class BackwardWorkingSet:
         seg = self._seg(segment)
         x, P = self.segment_lengths[seg], self.prefixes[seg]
         spec, b, c = self.spec, self.microbatch_size, self.dtype_bytes
-        stream = x * b * spec.n_embd * RESIDUAL_BYTES  # the residual stream's gradient
+        stream = x * b * spec.n_embd * RESIDUAL_BYTES  # the stream's gradient
         # The gradient that arrived (the executor holds it to B's end): at full precision
         # the message itself, held as an input already; at 16 bits restored to fp32, the
         # message let go. Into the first block it passes it is the stream's gradient; the
@@ -135,7 +135,7 @@ class BackwardWorkingSet:
         kv_heads = spec.n_head if spec.kv_repeat else spec.kv_heads  # the kernel's K/V gradients
         attention = (b * c * (2 * x * spec.n_head + 2 * P * kv_heads) * spec.head_dim + stream + received
                      + self._attention_scratch(x, P))
-        rebuilt = self._transient[stage][seg]
+        rebuilt = self._rebuilt[stage][seg]
         behind = self._mlp_saved(x * b)
         made = 4.0 * self._mlp_params() if fresh else 0.0
         n = self.layers_per_stage[stage]
@@ -338,7 +338,7 @@ class BackwardWorkingSet:
         # not live beside all three; at 16 bits it is, below)
         q, kv = spec.n_head * spec.head_dim, spec.kv_heads * spec.head_dim
         attention = (spec.n_embd + q + 2 * kv) * x_b * c + self._attention_scratch(x, x)
-        t = one.transient
+        t = one.rebuilt
         # by then the activation's backward has freed the input it saved (I wide; measured,
         # gated or not), unless the MLP was rebuilt: a rebuilt layer is a temporary; and
         # I has taken the down projection's input for W (a GeLU's output; measured: a
@@ -421,7 +421,7 @@ class BackwardWorkingSet:
         if not last:
             return float(block + rise), float(kept), float(freed)
         # the head's own kept bytes, less what it saved, and the gradient it hands the
-        # blocks (the residual stream's, fp32: on a stage below it arrived as a message)
+        # blocks (the stream's, fp32: on a stage below it arrived as a message)
         head_kept, head_saved = head_residual_width(spec) * x_b * c, last_stage_saved(spec, x, b, c)
         head_moves = head_kept - head_saved + x_b * spec.n_embd * RESIDUAL_BYTES
         head = 2.0 * x_b * spec.vocab_size * 4  # the loss's and the log-softmax's gradients; the second, kept
@@ -448,7 +448,7 @@ class BackwardWorkingSet:
         return float(level + held + 4 * row), float(held)
 
     def input_gradient_bytes(self, stage: int, segment: int) -> float:
-        """The gradient a backward makes for its stage's input (the residual stream, fp32)."""
+        """The gradient a backward makes for its stage's input (the stream, fp32)."""
         if stage == 0:
             return 0.0
         return float(self.microbatch_size * self.segment_lengths[self._seg(segment)] * self.spec.n_embd * 4)
@@ -456,7 +456,7 @@ class BackwardWorkingSet:
     def held_cast_bytes(self, stage: int) -> float:
         """The step's shared 16-bit casts (2 B per matrix-product weight), but a recomputed
         region's, which casts its weights anew in its forward and its rerun (one block's
-        at a time, :func:`layer_cost`'s transient); a later microbatch's backward holds
+        at a time, :func:`layer_cost`'s rebuilt); a later microbatch's backward holds
         their gradients to its end (pipeflow.sim.memory's ``held_cast_gradients``)."""
         if self.dtype_bytes >= 4:
             return 0.0

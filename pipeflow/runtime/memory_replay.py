@@ -22,7 +22,7 @@ _PRIORITY = {c: n for n, c in enumerate(("parameters", "weight_versions", "optim
 _FROM_TAG = {"residuals"}
 # held for this from the tag on, whatever the allocation was until then: what a stage
 # sends is an output from the moment it is sent (the gradient a last stage sends back is
-# the residual stream's, which its backward made at the head's and carried through
+# the stream's, which its backward made at the head's and carried through
 # every block as a temporary)
 _FROM_SEND = {"outputs"}
 

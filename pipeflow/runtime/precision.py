@@ -55,8 +55,8 @@ class Precision:
     def arrived(self, t: torch.Tensor) -> torch.Tensor:
         """A floating message that travelled in the compute dtype, back in fp32: the dtype
         the stage's stream has on one device (autocast computes in 16 bits, but what
-        flows between its operations outside them, the residual stream, stays fp32).
-        Kept in 16 bits, every stage after the first ran its residual additions and
+        flows between its operations outside them, the stream, stays fp32).
+        Kept in 16 bits, every stage after the first ran its stream additions and
         (on CPU, where autocast leaves LayerNorm in the input's dtype) its norms in 16
         bits: not the single-device step, and not the memory the model counts."""
         if self.dtype is None or not t.is_floating_point() or t.dtype == torch.float32:

@@ -77,6 +77,7 @@ from ..schedules.versions import summarize
 from .analysis import _deadlock_message, _timeline, _versions, _waits, _weight_memory, classify_edge
 from .compiled import CompiledSchedule, SimulationError, _compile, _gc_paused, compile_schedule
 from .results import WAIT_KINDS, DeviceStats, SimResult, Wait
+from .memory_terms import price
 
 __all__ = [
     "WAIT_KINDS",
@@ -272,7 +273,7 @@ def _simulate(cs: CompiledSchedule, cost, topology, record: bool, want_waits: bo
                 sizes = act_cache[key] = (
                     float(cost.activation_bytes(*key)),
                     float(cost.weight_residual_bytes(*key)),
-                    float(cost.transient_bytes(*key)),
+                    price(cost, "rebuilt_layer_bytes", *key),
                     _kv_gradient(cost, key, nseg),
                 )
             if k == Kind.F:
@@ -364,12 +365,11 @@ def _kv_gradient(cost, key: tuple[int, int], nseg: int) -> float:
     order segments' backwards last to first) allocates those of every earlier segment,
     and each earlier segment's backward frees its own."""
     stage, seg = key
-    held = getattr(cost, "kv_gradient_bytes", None)  # a cost model not derived from CostModel may lack it
-    if nseg <= 1 or held is None:
+    if nseg <= 1:
         return 0.0
     if seg == nseg - 1:
-        return float(sum(held(stage, j) for j in range(seg)))
-    return -float(held(stage, seg))
+        return float(sum(price(cost, "kv_gradient_bytes", stage, j) for j in range(seg)))
+    return -price(cost, "kv_gradient_bytes", stage, seg)
 
 
 def _collective_span(members, issue_time: dict, devs: tuple, duration: float, coll_free: list) -> tuple[float, float]:

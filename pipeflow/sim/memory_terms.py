@@ -1,10 +1,139 @@
-"""The bytes of one term of a device's memory walk (:mod:`pipeflow.sim.memory`): a key
-such as ``("activation_bytes", stage, segment)`` valued by the cost model, or one of
-the walk's own compositions of such terms (a backward's working set, the gradients
-held through shared casts, a zero-bubble I's, a first stage's waiting gradient, an
-asynchronous policy's weight versions)."""
+"""The memory contract: every term a device's memory walk (:mod:`pipeflow.sim.memory`)
+asks a cost model for, and the walk's own compositions of them.
+
+A term is a cost model's method of that name returning bytes. Each term has one
+category (where the walk counts it, the runtime's ``runtime.memory=profile`` tag it is
+measured under) and one lifetime; ``docs/memory_terms.md`` is the glossary, checked
+against :data:`TERMS` by ``tests/test_memory_terms.py``. A cost model implements every
+required term or names it in ``absent_terms`` (it holds no such bytes, or it does not
+model them): :class:`pipeflow.planning.cost.CostModel` checks that when a cost model is
+defined, and :func:`price` refuses a term a cost model neither prices nor declares, so
+a renamed method fails loudly instead of being priced at zero. A refinement (``fallback``
+set) is a term a cost model may price apart; where it does not, the walk uses the term
+it falls back to.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Term:
+    name: str  # the cost model's method
+    category: str  # where the walk counts it (pipeflow.sim.memory_tape.CATEGORIES; a few span several)
+    lifetime: str  # from when to when a device holds it
+    args: tuple = ("stage", "segment")
+    fallback: str | None = None  # a refinement: what the walk takes where a cost model does not price it
+    tag: str | None = None  # the runtime's tag, where it is not the category
+
+
+_S, _SS = ("stage",), ("src_stage", "dst_stage", "segment")
+TERMS: dict[str, Term] = {t.name: t for t in (
+    Term("state_bytes", "parameters, optimizer_state, gradients, casts", "the stage's model state by category (parameters and optimizer state the "
+         "whole run; gradients from the first backward to the step; casts from the first forward to the step)",
+         _S),
+    Term("param_bytes", "gradients", "what a REDUCE all-reduces (the stage's gradients)", _S),
+    Term("activation_bytes", "activations", "what a forward keeps for its backward, from F to the end of B (or I)"),
+    Term("kv_gradient_bytes", "activations", "Seq1F1B: an earlier segment's key/value gradient, from the "
+         "microbatch's first backward on the stage to that segment's own", tag="kv"),
+    Term("forward_late_saved_bytes", "activations", "what a forward saves only after its most (out of the level "
+         "at that instant)"),
+    Term("forward_workspace_bytes", "temporaries", "a forward's most on top of what it keeps (a head's loss "
+         "operands, a tensor group's MLP), for that instant"),
+    Term("output_bytes", "outputs", "a stage's output and the copy it is sent as, from F until its backward is done"),
+    Term("sent_copy_bytes", "outputs", "each further copy sent to another successor elsewhere, until proven arrived"),
+    Term("local_output_bytes", "outputs", "an output whose successors are all on this device, to its own backward"),
+    Term("shared_output_bytes", "outputs", "an output a successor here reads as its input, to its own backward"),
+    Term("message_bytes", "inputs, outputs", "a message's receive buffer (inputs) from the action before the one that "
+         "needs it, or a gradient sent back (outputs) until proven arrived", _SS),
+    Term("workspace_bytes", "temporaries", "a backward's most on top of the level before its frees (the "
+         "gradients it makes and frees, a rebuilt layer), for that instant"),
+    Term("rebuilt_layer_bytes", "temporaries", "the layer a recomputing backward rebuilds, for that instant "
+         "(where workspace_bytes is 0)"),
+    Term("backward_freed_bytes", "activations", "what a backward has freed by its most (out of the level then)"),
+    Term("backward_grads_made_bytes", "gradients", "the gradients a first backward into a stage has made by its most"),
+    Term("input_gradient_bytes", "temporaries", "the fp32 input gradients a backward hands back, at its end"),
+    Term("cast_phase_bytes", "temporaries", "a backward through an earlier forward's casts: its most at the blocks' "
+         "attention"),
+    Term("cast_phase_freed_bytes", "activations", "what that backward has freed by then"),
+    Term("input_kept_bytes", "residuals", "what a zero-bubble I has kept for its W by its most, for that instant"),
+    Term("input_freed_bytes", "activations", "what I has freed by its most"),
+    Term("weight_residual_bytes", "residuals", "what I keeps for W, from I to W"),
+    Term("weight_workspace_bytes", "temporaries", "a W's most on top of what I kept, for that instant"),
+    Term("step_workspace_bytes", "temporaries", "an optimizer step's buffers beside the gradients, for that instant", _S),
+    Term("tied_gradient_bytes", "gradients", "a tied copy's gradient (an embedding the first and last stages share), "
+         "held to the STEP that applies it", _S),
+    Term("held_cast_bytes", "temporaries", "16-bit cast gradients a backward through shared casts holds at its end",
+         _S, fallback="state_bytes"),
+    Term("held_cast_workspace_bytes", "temporaries", "that backward's working set then", fallback="workspace_bytes"),
+    Term("input_workspace_bytes", "temporaries", "a zero-bubble I's most, priced apart from B's",
+         fallback="workspace_bytes"),
+    Term("fresh_workspace_bytes", "temporaries", "workspace_bytes of a backward into a stage with no gradients yet",
+         fallback="workspace_bytes"),
+    Term("fresh_backward_freed_bytes", "activations", "backward_freed_bytes of such a backward",
+         fallback="backward_freed_bytes"),
+    Term("fresh_weight_workspace_bytes", "temporaries", "weight_workspace_bytes of a W into a stage with no "
+         "gradients yet", fallback="weight_workspace_bytes"),
+)}
+REQUIRED = frozenset(n for n, t in TERMS.items() if t.fallback is None)
+
+# the walk's own compositions of the terms above (term_value composes them; a cost model
+# never prices them)
+COMPOSED = {
+    "state": "one category of state_bytes",
+    "during_backward": "a backward's working set: workspace_bytes (plus what it freed), else rebuilt_layer_bytes",
+    "held_cast_gradients": "the end of a backward through shared casts: held casts, working set, input gradients",
+    "during_input": "a zero-bubble I's working set: input_workspace_bytes less what it keeps, plus what it freed",
+    "waiting_message_bytes": "a gradient waiting for a first stage's W at full precision: the message",
+    "restored_gradient_bytes": "that gradient at 16 bits: the fp32 copy restored from the message",
+    "sharded_optimizer_state": "ZeRO-1's slice of a stage's optimizer state, the tied copy's whole",
+    "flat_gradients": "a replicated stage's gradients laid end to end for their all-reduce or reduce-scatter",
+    "scattered_gradients": "ZeRO-2/3's gradients that go at the reduce-scatter",
+    "gradient_slice": "ZeRO-2's slice of the summed gradient",
+    "flat_parameters": "a fully sharded stage's fp32 parameters as a GATHER lays them end to end",
+    "own_share": "a fully sharded stage's share of them",
+    "parameter_shard": "a fully sharded stage's own share between gathers, the tied copy whole",
+    "sharded_step_workspace": "a ZeRO-1/2 step's buffers beside the state",
+    "extra_versions": "an asynchronous policy's weight versions beyond the first",
+    "nothing": "no bytes: a term the layout a search prices a walk as does not hold",
+}
+
+
+class MissingTerm(TypeError):
+    """A cost model that neither prices a memory term nor declares it absent."""
+
+
+def missing_terms(cls) -> list[str]:
+    """The required terms ``cls`` neither implements nor lists in ``absent_terms``, and
+    those it does both (a contradiction), as sentences."""
+    absent = set(getattr(cls, "absent_terms", ()))
+    out = [f"{n} (neither priced nor in absent_terms)" for n in sorted(REQUIRED - absent) if not hasattr(cls, n)]
+    out += [f"{n} (priced and also in absent_terms)" for n in sorted(absent) if hasattr(cls, n)]
+    out += [f"{n} (in absent_terms but not a memory term)" for n in sorted(absent - set(TERMS))]
+    return out
+
+
+def price(cost, name: str, *args) -> float:
+    """The bytes of required term ``name`` from ``cost``: its method, or 0 where it
+    declares the term absent; any other term refused (:class:`MissingTerm`)."""
+    fn = getattr(cost, name, None)
+    if fn is not None:
+        return float(fn(*args))
+    term = TERMS.get(name)
+    if term is None or term.fallback is not None:
+        raise MissingTerm(f"{name!r} is not a required memory term (pipeflow.sim.memory_terms.TERMS)")
+    if name in getattr(cost, "absent_terms", ()):
+        return 0.0
+    raise MissingTerm(f"cost model {type(cost).__name__} prices no {name!r} ({term.category}: {term.lifetime}); "
+                      f"implement it or list it in its absent_terms")
+
+
+def refinement(cost, name: str):
+    """A refinement's method on ``cost``, or None where the walk takes its fallback."""
+    if TERMS[name].fallback is None:
+        raise MissingTerm(f"{name!r} is a required memory term, not a refinement")
+    return getattr(cost, name, None)
 
 
 def term_value(key: tuple, cost, per_device=None, cache: dict | None = None) -> float:
@@ -12,23 +141,16 @@ def term_value(key: tuple, cost, per_device=None, cache: dict | None = None) -> 
     if cache is not None and key in cache:
         return cache[key]
     name = key[0]
-    if name in _METHODS and key[-1] != "fresh" and key[-1] != "own_casts":  # the cost model's own method
-        fn = getattr(cost, name, None)
-        v = float(fn(*key[1:])) if fn is not None else 0.0
+    if name in REQUIRED and key[-1] != "fresh" and key[-1] != "own_casts":  # the cost model's own method
+        v = price(cost, name, *key[1:])
     elif name == "state":  # ("state", stage, category)
-        fn = getattr(cost, "state_bytes", None)
-        if fn is not None:
-            v = float(fn(key[1])[key[2]])
-        else:  # a cost model that does not split its model state: weights, and the rest of it
-            w = float(cost.param_bytes(key[1]))
-            rest = max(0.0, float(getattr(cost, "model_state_bytes", lambda s: 0.0)(key[1])) - w)
-            v = {"parameters": w, "optimizer_state": rest}.get(key[2], 0.0)
+        v = float(cost.state_bytes(key[1])[key[2]])
     elif name == "during_backward":  # ("during_backward", stage, segment)
         # a cost model that prices the backward's working set as a whole (workspace_bytes
-        # includes the rebuilt layer) or only the rebuilt layer (transient_bytes)
+        # includes the rebuilt layer) or only the rebuilt layer (rebuilt_layer_bytes)
         v = term_value(("workspace_bytes", *key[1:]), cost, per_device, cache)
         if not v:
-            v = term_value(("transient_bytes", *key[1:3]), cost, per_device, cache)
+            v = term_value(("rebuilt_layer_bytes", *key[1:3]), cost, per_device, cache)
         else:  # the workspace counted whole; what B has freed by then leaves the activations
             v += term_value(("backward_freed_bytes", *key[1:]), cost, per_device, cache)
     elif name == "held_cast_gradients":  # ("held_cast_gradients", stage, segment)
@@ -40,16 +162,16 @@ def term_value(key: tuple, cost, per_device=None, cache: dict | None = None) -> 
         # near the end of such a backward, its activations freed, the stage holds every
         # cast's 16-bit gradient, the last block's working set and the input gradients
         # (fp32) it hands back.
-        fn = getattr(cost, "held_cast_bytes", None)  # a recomputed region's rerun casts anew
+        fn = refinement(cost, "held_cast_bytes")  # a recomputed region's rerun casts anew
         casts = float(fn(key[1])) if fn is not None else term_value(("state", key[1], "casts"), cost, per_device, cache)
         v = 0.0
         if casts:
-            ws = "held_cast_workspace_bytes" if hasattr(cost, "held_cast_workspace_bytes") else "workspace_bytes"
+            ws = "held_cast_workspace_bytes" if refinement(cost, "held_cast_workspace_bytes") else "workspace_bytes"
             v = casts + term_value((ws, *key[1:]), cost, per_device, cache) \
                 + term_value(("input_gradient_bytes", *key[1:]), cost, per_device, cache)
     elif name == "during_input":  # ("during_input", stage, segment): the zero-bubble I's
         # working set, where the cost model prices it apart from B's
-        fn = getattr(cost, "input_workspace_bytes", None)
+        fn = refinement(cost, "input_workspace_bytes")
         if fn is None:
             v = term_value(("during_backward", *key[1:]), cost, per_device, cache)
         else:
@@ -111,25 +233,21 @@ def term_value(key: tuple, cost, per_device=None, cache: dict | None = None) -> 
         v = term_value(key[:-1], view() if view is not None else cost, per_device)
     elif key[-1] == "fresh":  # (name, stage, segment, "fresh"): a backward into a stage with no
         # gradients yet, where the cost model prices it apart (fresh_<name>), else as any
-        fn = getattr(cost, f"fresh_{name}", None)
+        fn = refinement(cost, f"fresh_{name}") if f"fresh_{name}" in TERMS else None
         v = float(fn(*key[1:-1])) if fn is not None else term_value((name, *key[1:-1]), cost, per_device, cache)
+    elif name in TERMS:  # a refinement asked for by name
+        fn = refinement(cost, name)
+        v = float(fn(*key[1:])) if fn is not None else term_value((TERMS[name].fallback, *key[1:]), cost, per_device,
+                                                                   cache)
+    elif name == "nothing":
+        v = 0.0
     else:
-        fn = getattr(cost, name, None)
-        v = float(fn(*key[1:])) if fn is not None else 0.0
+        raise MissingTerm(f"{name!r} is neither a memory term nor one of the walk's compositions "
+                          f"(pipeflow.sim.memory_terms.TERMS, COMPOSED)")
     if cache is not None:
         cache[key] = v
     return v
 
-
-# the terms valued by the cost model's method of that name (the last branch of term_value,
-# taken first for these: most of a walk's terms); a name term_value composes itself must
-# not be here
-_METHODS = frozenset({
-    "activation_bytes", "backward_freed_bytes", "backward_grads_made_bytes", "cast_phase_bytes",
-    "cast_phase_freed_bytes", "forward_late_saved_bytes", "forward_workspace_bytes", "input_freed_bytes", "input_gradient_bytes",
-    "input_kept_bytes", "kv_gradient_bytes", "local_output_bytes", "message_bytes", "output_bytes",
-    "sent_copy_bytes", "shared_output_bytes", "step_workspace_bytes", "tied_gradient_bytes",
-    "transient_bytes", "weight_residual_bytes", "weight_workspace_bytes", "workspace_bytes"})
 
 # the terms of one stage (the stage at key[1]) and of a stage boundary (key[1] and key[2])
 ONE_STAGE = frozenset({
@@ -139,7 +257,7 @@ ONE_STAGE = frozenset({
     "kv_gradient_bytes", "cast_phase_bytes", "cast_phase_freed_bytes", "held_cast_gradients",
     "step_workspace_bytes", "tied_gradient_bytes", "sharded_optimizer_state", "flat_gradients",
     "scattered_gradients", "gradient_slice", "flat_parameters", "own_share", "parameter_shard",
-    "sharded_step_workspace", "workspace_bytes", "transient_bytes", "input_gradient_bytes"})
+    "sharded_step_workspace", "workspace_bytes", "rebuilt_layer_bytes", "input_gradient_bytes"})
 TWO_STAGES = frozenset({"message_bytes", "waiting_message_bytes", "restored_gradient_bytes"})
 
 
