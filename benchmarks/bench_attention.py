@@ -44,7 +44,7 @@ from pipeflow.models import gpt  # noqa: E402
 from pipeflow.models.attention import Pattern, attention  # noqa: E402
 from pipeflow.planning.cost import AnalyticCost  # noqa: E402
 from pipeflow.planning.transformer import TransformerSpec  # noqa: E402
-from pipeflow.runtime.memory import SavedBytes  # noqa: E402
+from pipeflow.runtime.saved_bytes import SavedBytes  # noqa: E402
 
 TOKENS = (128, 512, 1024, 2048, 4096, 8192)
 MODES = ("eager", "sdpa")

@@ -16,7 +16,7 @@ into 4 stages each):
   median step time of the steady steps (the second half; an asynchronous step is its
   chunk's time over its steps);
 - **simulated**: ``pipeflow-simulate`` of the same configuration with
-  ``cost=calibrated``: the costs :mod:`pipeflow.runtime.calibrate` measures on this
+  ``cost=calibrated``: the costs :mod:`pipeflow.runtime.calibration_run` measures on this
   machine right before each run, one calibration per configuration and run (it
   replays the schedule's own actions, so each schedule has its own); the median of
   the runs' predictions.
@@ -62,7 +62,7 @@ MICROBATCHES, MICROBATCH_SIZE = 8, 4
 QUICK = ("1f1b", "zb_h1", "bapp", "chimera_cbm")
 
 # name -> the overrides of its configuration; each is calibrated on its own: the
-# calibration replays the schedule's own actions (see pipeflow.runtime.calibrate)
+# calibration replays the schedule's own actions (see pipeflow.runtime.calibration_run)
 CASES: dict[str, list[str]] = {
     "1f1b": ["schedule=1f1b"],
     "gpipe": ["schedule=gpipe"],

@@ -6,7 +6,7 @@ Each case trains 2 steps (an asynchronous schedule 3: :func:`_steps`) on CPU ran
 :mod:`pipeflow.runtime.memory_profile`) and
 simulates the same config (``pipeflow-simulate``, ``topology=local_cpu``, the same
 precision); per device it prints the measured peak (the most bytes live at one
-instant), the simulated peak (:mod:`pipeflow.sim.memory`), their ratio, the action
+instant), the simulated peak (:mod:`pipeflow.sim.device_memory`), their ratio, the action
 each peaks in, and the category where the two differ most (difference / measured peak)
 at their peaks and in the action where the rank peaked (where the simulator peaks in
 another action whose total is within its error of that one's, the two instants split
@@ -58,7 +58,7 @@ sys.path.insert(0, str(ROOT))
 
 from pipeflow.config import compose, prepare_training
 from pipeflow.runtime.launch import TrainJob, launch
-from pipeflow.sim.memory import COMPARED as GROUPS
+from pipeflow.sim.device_memory import COMPARED as GROUPS
 from pipeflow.simulate import run_simulation
 
 

@@ -15,7 +15,7 @@ import time
 from pipeflow.config import compose, prepare_simulation
 from pipeflow.schedules.sharding import gathers_per_step
 from pipeflow.sim.engine import simulate
-from pipeflow.sim.memory import device_memory, library_workspace
+from pipeflow.sim.device_memory import device_memory, library_workspace
 
 # (model, its run on `cluster`): 7B on 2 nodes (4 stages x 4 replicas), 70B on 8 nodes
 # (16 stages x 4 replicas, every layer recomputed); one 8k sequence a microbatch, 2 rounds

@@ -38,7 +38,7 @@ from pipeflow.families import family_of  # noqa: E402
 from pipeflow.planning.cost import AnalyticCost, uniform_layers  # noqa: E402
 from pipeflow.planning.transformer import TransformerSpec  # noqa: E402
 from pipeflow.runtime.backward import backward_input, backward_weight  # noqa: E402
-from pipeflow.runtime.memory import SavedBytes  # noqa: E402
+from pipeflow.runtime.saved_bytes import SavedBytes  # noqa: E402
 from pipeflow.runtime.memory_profile import profile_step  # noqa: E402
 
 MIB = 2**20

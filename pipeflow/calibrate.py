@@ -1,4 +1,4 @@
-"""Calibrate the simulator to this machine (the measurements: :mod:`pipeflow.runtime.calibrate`).
+"""Calibrate the simulator to this machine (the measurements: :mod:`pipeflow.runtime.calibration_run`).
 
     python -m pipeflow.calibrate --out calibration.json schedule=zb_h1 pipeline.stages=2
     pipeflow-simulate schedule=zb_h1 pipeline.stages=2 cost=calibrated cost.calibration=calibration.json
@@ -15,7 +15,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from pipeflow.config import compose, prepare_training
-from pipeflow.runtime import calibrate as measure
+from pipeflow.runtime import calibration_run as measure
 
 
 def calibrate(cfg: DictConfig, out: str | Path | None = None) -> dict:

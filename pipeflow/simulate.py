@@ -37,7 +37,7 @@ from pipeflow.config.assembly import schedule_refusal
 from pipeflow.schedules.validate import ScheduleError, check_complete, check_overlaps, validate
 from pipeflow.sim.engine import SimulationError, simulate
 from pipeflow.sim.gantt import draw_timeline, unreadable
-from pipeflow.sim.memory import device_memory, library_workspace
+from pipeflow.sim.device_memory import device_memory, library_workspace
 from pipeflow.tracking.record import run_key, write_summary
 
 # Hydra composes against these schemas, so they must be in the ConfigStore before main().
@@ -160,7 +160,7 @@ def memory_fit(schedule, cost, topology, per_device: list[dict], categories: lis
     for d in per_device:
         dev = d["device"]
         d["model_state_bytes"] = sum(cost.model_state_bytes(s) for _, s in schedule.placement.stages_on(dev))
-        if categories is not None:  # the peak of the sum over time, by category (pipeflow.sim.memory)
+        if categories is not None:  # the peak of the sum over time, by category (pipeflow.sim.device_memory)
             d["peak_memory_bytes"] = categories[dev]["peak_bytes"]
             d["memory_at_peak"] = categories[dev]["at_peak"]
             d["memory_peak_action"] = categories[dev]["peak_action"]  # "1I3": stage 1's I of microbatch 3

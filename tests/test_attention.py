@@ -15,7 +15,7 @@ import pipeline_runs
 from pipeflow.config import compose, prepare_training
 from pipeflow.models import attention as attn
 from pipeflow.models import bert, cbm, gpt, hf_causal
-from pipeflow.runtime.memory import SavedBytes
+from pipeflow.runtime.saved_bytes import SavedBytes
 
 HF = pipeline_runs.SMALL_HF  # a small shape of each supported Hugging Face architecture
 

@@ -265,7 +265,7 @@ def test_resuming_with_other_sequences_and_data_says_so_and_records_them(trained
 def test_a_rotary_models_longest_sequence_is_no_weights_shape():
     """Rotary positions (Llama, Qwen2) have no table: raising max_position_embeddings on
     resuming loads the same weights; a learned table (GPT, BERT) does not."""
-    from pipeflow.formats.checkpoint import model_difference
+    from pipeflow.formats.checkpoint_folder import model_difference
 
     rotary = {"name": "llama_tiny", "family": "hf_causal", "n_embd": 128, "n_positions": 256, "positions": "rotary"}
     assert model_difference(rotary, {**rotary, "n_positions": 1024}) is None

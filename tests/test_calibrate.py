@@ -1,4 +1,4 @@
-"""Calibration (pipeflow.runtime.calibrate) on real CPU ranks, and cost=calibrated.
+"""Calibration (pipeflow.runtime.calibration_run) on real CPU ranks, and cost=calibrated.
 
 What is checked is the structure a real calibration must have, not how fast anything
 was: every action of every stage the schedule runs has a time, the message and

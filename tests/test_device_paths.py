@@ -96,7 +96,7 @@ def test_a_llamas_later_segment_trains_at_bf16_through_cudas_branch():
 def _profiled_step(gpt_stage, optimizer, ids):
     """One profiled forward, backward and AdamW step of a stage with its tags, as a rank runs it."""
     from pipeflow.models.gpt import lm_loss
-    from pipeflow.runtime.memory import SavedBytes
+    from pipeflow.runtime.saved_bytes import SavedBytes
     from pipeflow.runtime.memory_profile import action, profile_step, tag_stage
 
     meter = SavedBytes({p.untyped_storage().data_ptr() for p in gpt_stage.parameters()})

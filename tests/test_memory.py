@@ -1,4 +1,4 @@
-"""Saved-activation accounting (pipeflow.runtime.memory): what autograd keeps for
+"""Saved-activation accounting (pipeflow.runtime.saved_bytes): what autograd keeps for
 backward, counted per storage, released when the backward frees it; and on real ranks
 the schedules' known memory shapes (GPipe holds every microbatch, 1F1B at most p)."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import pipeline_runs
-from pipeflow.runtime.memory import SavedBytes
-from pipeflow.sim.memory import COMPARED as GROUPS
+from pipeflow.runtime.saved_bytes import SavedBytes
+from pipeflow.sim.device_memory import COMPARED as GROUPS
 
 pytestmark = pytest.mark.slow  # starts ranks or subprocesses: make test-fast leaves it out
 
@@ -171,7 +171,7 @@ def test_a_backward_through_an_earlier_forwards_casts_holds_their_gradients_to_i
     and the autograd engine runs the ready node with the highest sequence number first:
     the casts' backward nodes, made by the first forward, wait for the end of a later
     microbatch's backward, each holding its weight's 16-bit gradient until then (what
-    pipeflow.sim.memory's ``held_cast_gradients`` prices). The first microbatch's own
+    pipeflow.sim.device_memory's ``held_cast_gradients`` prices). The first microbatch's own
     backward reaches each cast as it goes; the second holds all but the first one it
     reaches. Both after a first step, with the gradients accumulating in place."""
     from pipeflow.runtime.memory_profile import profile_step, tag_stage

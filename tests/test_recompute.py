@@ -15,7 +15,7 @@ from pipeflow.config import RECOMPUTE
 from pipeflow.models import bert, cbm, gpt
 from pipeflow.models.recompute import MODES, apply_recompute
 from pipeflow.runtime.backward import accumulators, backward_input, backward_weight
-from pipeflow.runtime.memory import SavedBytes
+from pipeflow.runtime.saved_bytes import SavedBytes
 
 slow = pytest.mark.slow  # starts ranks: make test-fast leaves these out
 

@@ -24,7 +24,7 @@ from pipeflow.planning.search.progress import duration
 from pipeflow.schedules.data_parallel import replicate
 from pipeflow.schedules.sharding import with_gathers
 from pipeflow.sim.engine import simulate
-from pipeflow.sim.memory import device_memory, library_workspace, tapes
+from pipeflow.sim.device_memory import device_memory, library_workspace, tapes
 from pipeflow.sim.memory_peaks import split_periods
 from pipeflow.sim.memory_terms import like_stage, term_value
 from pipeflow.planning.transformer import TransformerSpec

@@ -140,7 +140,7 @@ def test_a_sharded_step_updates_an_nth_and_all_gathers_on_the_ring():
     from pipeflow.schedules.ir import Kind
     from pipeflow.sim.engine import simulate
     from pipeflow.planning.transformer import shared_head_params
-    from pipeflow.sim.memory import device_memory
+    from pipeflow.sim.device_memory import device_memory
 
     over = ["model=gpt_7b", "topology=dgx_a100_8", "pipeline.stages=4", "pipeline.data_parallel=2",
             "pipeline.microbatches=8"]

@@ -193,7 +193,7 @@ def test_the_memory_walk_priced_as_arrays_is_the_walk(name):
     import dataclasses
 
     from pipeflow.schedules.registry import get_spec
-    from pipeflow.sim.memory import Peaks, device_memory, tapes, term_value
+    from pipeflow.sim.device_memory import Peaks, device_memory, tapes, term_value
 
     spec = get_spec(name)
     sched = build_schedule(name, 4, 8, virtual_stages=2 if spec.virtual_stages else 1,
@@ -227,7 +227,7 @@ def test_an_asynchronous_walk_holds_each_microbatchs_casts_and_the_tied_updates_
     until the STEP after stage 0's backward of that update (pipeflow.runtime.async_executor
     applies it there, by the same plan), while stage 0 applies its own at once."""
     from pipeflow.schedules.versions import tied_update_plan
-    from pipeflow.sim.memory import tapes
+    from pipeflow.sim.device_memory import tapes
     from pipeflow.sim.memory_terms import REQUIRED
 
     class Only:  # every term 0 but the one priced (said so: the walk refuses a term not declared)
@@ -264,7 +264,7 @@ def test_a_zero_bubble_w_runs_its_products_beside_what_i_kept_for_it():
     that W is still held: the runtime lets it go when W returns. So on every device the
     walk's peak on each later stage is the most residuals ever held plus W's working set,
     where a W's peak after its release would have been one residual less."""
-    from pipeflow.sim.memory import tapes
+    from pipeflow.sim.device_memory import tapes
     from pipeflow.sim.memory_terms import REQUIRED
 
     class Priced:  # only the residuals and W's working set cost anything

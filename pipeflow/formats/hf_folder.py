@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from .checkpoint import read_meta, resolve
+from .checkpoint_folder import read_meta, resolve
 
 def export_hf(checkpoint: str | Path, out: str | Path, model_cfg: dict | None = None) -> Path:
     """Write the checkpoint ``checkpoint`` names (a run folder: its latest) as a Hugging

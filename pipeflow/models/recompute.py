@@ -22,7 +22,7 @@ backward, whichever is first.
 
 The region's input is saved through :class:`_Keep`, an identity whose backward needs
 nothing: the region holds that input outside autograd's saved-tensor hooks, and the
-saved-bytes meter (:mod:`pipeflow.runtime.memory`) counts only what passes through
+saved-bytes meter (:mod:`pipeflow.runtime.saved_bytes`) counts only what passes through
 those hooks; _Keep puts the input through them, with the other tensors the region holds
 for its rerun (a Llama layer's rotary cos and sin), so the meter counts what
 recomputation really keeps.

@@ -1,7 +1,7 @@
 """The working sets of a concurrent-branch model's backwards (B, I, W), and the region a
 recomputation rebuilds: what :class:`~pipeflow.planning.branched_cost.BranchedAnalyticCost`
 prices on top of what its stages keep, each instant the simulator's memory walk
-(:mod:`pipeflow.sim.memory`) may peak at. A branch's blocks are GPT blocks (their
+(:mod:`pipeflow.sim.device_memory`) may peak at. A branch's blocks are GPT blocks (their
 walks are a transformer's, :mod:`pipeflow.planning.working_set`, of the branch's
 shape); an interaction block's cross-attention and the fused head add their own."""
 

@@ -13,7 +13,7 @@ gradient sizes; the topology turns bytes into transfer and all-reduce times.
 - :class:`ProfiledCost`: times, activation and parameter bytes summed from a measured
   profile (:mod:`pipeflow.planning.profile`) over the units each stage holds.
 - :class:`CalibratedCost`: a configuration's real step measured on this machine by
-  :mod:`pipeflow.runtime.calibrate` (actions, messages, host contention, the step's sync).
+  :mod:`pipeflow.runtime.calibration_run` (actions, messages, host contention, the step's sync).
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class CostModel(ABC):
         return 0.0
 
     def state_bytes(self, stage: int) -> dict:
-        """The model state of a stage by what holds it (:data:`pipeflow.sim.memory.STATE`):
+        """The model state of a stage by what holds it (:data:`pipeflow.sim.device_memory.STATE`):
         ``parameters`` and ``optimizer_state`` for the whole run, ``gradients`` from the
         stage's first backward to its optimizer step, ``casts`` (a 16-bit copy of the
         weights its matrix products use) from its first forward to its step. A cost

@@ -1,6 +1,6 @@
 """Costs measured on this machine: :class:`ProfiledCost` (per-layer times from a
 ``profile.json``) and :class:`CalibratedCost` (what a real step of a configuration costs,
-from a ``calibration.json``; :mod:`pipeflow.runtime.calibrate`)."""
+from a ``calibration.json``; :mod:`pipeflow.runtime.calibration_run`)."""
 
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ class ProfiledCost(CostModel):
 # --------------------------------------------------------------------------- calibrated
 # Costs calibrated on this machine: the simulator's model of a real step of one configuration.
 # 
-# :mod:`pipeflow.runtime.calibrate` runs a configuration's ranks and measures, with the
+# :mod:`pipeflow.runtime.calibration_run` runs a configuration's ranks and measures, with the
 # runtime's own code, what each action of each (stage, segment) costs alone, what a gloo
 # message costs (``latency + bytes / bandwidth``), how the ranks slow each other down when
 # they compute at once on the host's cores, and the synchronisation before the optimizer
@@ -167,7 +167,7 @@ def load_calibration(path: str | Path | None, key: str = "cost.calibration") -> 
     """A calibration file's contents, or a ValueError naming ``key``."""
     if path is None:
         raise ValueError(f"{key}=null: a calibration file is needed "
-                         f"(python -m pipeflow.runtime.calibrate --out calibration.json <train overrides>)")
+                         f"(python -m pipeflow.calibrate --out calibration.json <train overrides>)")
     p = Path(str(path)).expanduser()
     if not p.is_file():
         raise ValueError(f"{key}={path}: no such file; give the path of a calibration.json")
@@ -184,7 +184,7 @@ def load_calibration(path: str | Path | None, key: str = "cost.calibration") -> 
 
 
 class CalibratedCost(CostModel):
-    """Per-(kind, stage, segment) times measured by :mod:`pipeflow.runtime.calibrate`."""
+    """Per-(kind, stage, segment) times measured by :mod:`pipeflow.runtime.calibration_run`."""
 
     absent_terms = COARSE_ABSENT  # activations, messages and model state alone
 

@@ -1,7 +1,7 @@
 """What a backward holds while it runs, on top of what the forwards kept: B's working
 set and the zero-bubble I's, for :class:`~pipeflow.planning.cost.AnalyticCost` (a mixin:
 it reads the cost's shape, tables and dtype). The simulator's memory walk
-(:mod:`pipeflow.sim.memory`) holds each at the backward's peak instant; the
+(:mod:`pipeflow.sim.device_memory`) holds each at the backward's peak instant; the
 measurements they are checked against are ``benchmarks/bench_split_memory.py`` (one
 stage) and ``benchmarks/bench_memory.py`` (every device of a run)."""
 
@@ -457,7 +457,7 @@ class BackwardWorkingSet:
         """The step's shared 16-bit casts (2 B per matrix-product weight), but a recomputed
         region's, which casts its weights anew in its forward and its rerun (one block's
         at a time, :func:`layer_cost`'s rebuilt); a later microbatch's backward holds
-        their gradients to its end (pipeflow.sim.memory's ``held_cast_gradients``)."""
+        their gradients to its end (pipeflow.sim.device_memory's ``held_cast_gradients``)."""
         if self.dtype_bytes >= 4:
             return 0.0
         return 2.0 * (self._cast_params[stage] - self.layers_per_stage[stage] * recomputed_matrix_params(self.spec))

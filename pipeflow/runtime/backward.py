@@ -137,7 +137,7 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, leaves: list[to
     (``free_graph=False`` keeps it until W, as before: ``benchmarks/bench_split.py``
     compares the two); otherwise W frees it. ``param_nodes``: ``accumulators(params)``,
     held by the caller across calls (computed here when not given). ``keep(tensor)``: a
-    memory meter's count of a tensor held until W (:meth:`pipeflow.runtime.memory.SavedBytes.keep`):
+    memory meter's count of a tensor held until W (:meth:`pipeflow.runtime.saved_bytes.SavedBytes.keep`):
     the planned products' operands, taken before the graph that saved them is freed, and
     the gradients arriving at the boundary nodes.
     """

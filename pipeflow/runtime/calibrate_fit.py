@@ -1,4 +1,4 @@
-"""The calibration's fits (:mod:`pipeflow.runtime.calibrate`): the link's latency and
+"""The calibration's fits (:mod:`pipeflow.runtime.calibration_run`): the link's latency and
 bandwidth, each action's time from its ranks' measurements, and the host's sharing of
 its cores (``cores``, ``contention``) in the simulator's rate model."""
 

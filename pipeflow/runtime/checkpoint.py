@@ -31,7 +31,7 @@ written there (or from the initial weights) and replays the steps up to the chec
 unlogged, as the uninterrupted run computed them. Their weight versions (2BW's previous
 version) carry over where the layout is the one that wrote them.
 
-:func:`verify` (:mod:`pipeflow.formats.checkpoint`) reads a checkpoint without torch, so
+:func:`verify` (:mod:`pipeflow.formats.checkpoint_folder`) reads a checkpoint without torch, so
 the trainer refuses a missing, incomplete, cut-short or mismatched one before any rank
 starts. Checkpoints of the earlier format (one file per rank of its stages' state dicts)
 still resume in the layout that wrote them.
@@ -44,8 +44,8 @@ import os
 from pathlib import Path
 
 # the checkpoint folder's layout and its torch-free reading (the up-front check's)
-from ..formats.checkpoint import LATEST, META, read_meta, resolve, verify  # noqa: F401 - re-exported
-from ..formats.checkpoint import step_dir as _step_dir
+from ..formats.checkpoint_folder import LATEST, META, read_meta, resolve, verify  # noqa: F401 - re-exported
+from ..formats.checkpoint_folder import step_dir as _step_dir
 from . import watch
 from .sharded import ShardedAdamW, whole_weights
 

@@ -37,7 +37,7 @@ from ..schedules.ir import Action, Kind, Schedule
 from ..schedules.lowering import Comm, check_pair_order, lower, order_pairs
 from .adapters import Adapter
 from .backward import accumulators, backward_input, backward_weight
-from .memory import SavedBytes
+from .saved_bytes import SavedBytes
 from . import memory_profile
 from .memory_profile import tag, tag_stage
 from .messages import MessageIO

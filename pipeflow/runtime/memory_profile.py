@@ -1,6 +1,6 @@
 """Every byte a rank allocates during one step, by what holds it (``runtime.memory=profile``).
 
-The saved-bytes meter (:mod:`pipeflow.runtime.memory`) is always on and cheap, but it
+The saved-bytes meter (:mod:`pipeflow.runtime.saved_bytes`) is always on and cheap, but it
 sees only what autograd saves and what the schedules hold by hand. This measurement
 sees every tensor allocation and free on the rank's device: the step runs under
 PyTorch's profiler with ``profile_memory=True`` (on CPU it records each allocation of

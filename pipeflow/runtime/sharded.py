@@ -7,7 +7,7 @@ gradients, accumulated over the step's microbatches, go at the REDUCE).
 
 The slice is of the stage's parameters laid end to end (one flat per weight-decay group,
 padded to a multiple of n), not whole tensors: every replica holds the same share, a
-byte count the simulator prices exactly (``pipeflow.sim.memory``), and the slice is the
+byte count the simulator prices exactly (``pipeflow.sim.device_memory``), and the slice is the
 one a reduce-scatter fills (ZeRO-2's next step). Built by hand rather than with torch's
 ``ZeroRedundancyOptimizer``, which assigns whole parameters to replicas (shares as even
 as the tensors' sizes allow, which an embedding can dominate on a small stage) and has

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .. import device_paths
-from ..formats.checkpoint import model_record, training_record
+from ..formats.checkpoint_folder import model_record, training_record
 from ..formats.timeline import Timeline
 from ..schedules.data_parallel import pipeline_shape
 from ..schedules.versions import summarize, weight_versions

@@ -1,5 +1,5 @@
 """Every device's memory peak for many cost models at once (the planner's and the
-search's pricing): the tapes of :mod:`pipeflow.sim.memory` as arrays."""
+search's pricing): the tapes of :mod:`pipeflow.sim.device_memory` as arrays."""
 
 from __future__ import annotations
 
@@ -171,6 +171,6 @@ class Peaks(Periodic):
     operations (:meth:`peaks`, k = 0) rather than a walk: a walk without a period,
     each device's tape one block."""
 
-    def __init__(self, tapes: list) -> None:  # pipeflow.sim.memory.tapes(schedule)
+    def __init__(self, tapes: list) -> None:  # pipeflow.sim.device_memory.tapes(schedule)
         index: dict = {}
         self._build([[(encoded(t, index), False)] for t in tapes], list(index))

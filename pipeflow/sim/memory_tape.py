@@ -1,5 +1,5 @@
 """One device's memory over a simulated step as a tape of terms (:class:`Tape`): what
-:func:`pipeflow.sim.memory.tapes` records and walks, and the categories it holds."""
+:func:`pipeflow.sim.device_memory.tapes` records and walks, and the categories it holds."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The memory contract: every term a device's memory walk (:mod:`pipeflow.sim.memory`)
+"""The memory contract: every term a device's memory walk (:mod:`pipeflow.sim.device_memory`)
 asks a cost model for, and the walk's own compositions of them.
 
 A term is a cost model's method of that name returning bytes. Each term has one

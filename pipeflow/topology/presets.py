@@ -168,7 +168,7 @@ def local_cpu(
     ``contention`` is the speed of each when every core is busy (shared memory bandwidth
     and cache); ``message_host``: the host time a message costs its sender and its
     receiver (gloo's calls and threads on the ranks' own cores);
-    ``pipeflow.runtime.calibrate`` measures all three. ``collective_bandwidth``: the most
+    ``pipeflow.runtime.calibration_run`` measures all three. ``collective_bandwidth``: the most
     bytes/s an all-reduce reaches (None: the loopback's; gloo reduces on the ranks' cores,
     far below its point-to-point rate; the calibration's step synchronisation measures it).
     """

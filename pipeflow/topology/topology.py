@@ -87,7 +87,7 @@ class Topology:
         self.message_host = float(message_host)
         # The most bytes/s a ring all-reduce's steps reach (None: what its links carry).
         # gloo's all-reduce on CPU ranks reduces on the ranks' own cores and runs far below
-        # its point-to-point rate; pipeflow.runtime.calibrate's step synchronisation measures it.
+        # its point-to-point rate; pipeflow.runtime.calibration_run's step synchronisation measures it.
         if collective_bandwidth is not None and not 0 < collective_bandwidth < math.inf:
             raise ValueError(f"topology '{name}': collective_bandwidth={collective_bandwidth!r} must be a number of "
                              f"bytes/s > 0, or None")

@@ -21,7 +21,7 @@ def check_resume(resume: str | None, expect: dict | None = None, steps: int | No
             f"or one of its checkpoints/step_N folders"
         )
     # The runtime's own reading of `resume` (run dir -> latest checkpoint), torch-free
-    from pipeflow.formats.checkpoint import verify
+    from pipeflow.formats.checkpoint_folder import verify
 
     try:
         _, record = verify(str(Path(resume).expanduser()), expect or {})
@@ -33,7 +33,7 @@ def check_resume(resume: str | None, expect: dict | None = None, steps: int | No
 
 def resume_expect(cfg: DictConfig, schedule) -> dict:
     """What a checkpoint to resume from must have been written for (as the ranks record it)."""
-    from pipeflow.formats.checkpoint import model_record
+    from pipeflow.formats.checkpoint_folder import model_record
 
     return {"schedule": schedule.name, "stages": cfg.pipeline.stages, "world_size": schedule.num_devices,
             "placement": schedule.placement.as_lists(), "shard": schedule.shard, "model": model_record(cfg.model)}
@@ -41,12 +41,12 @@ def resume_expect(cfg: DictConfig, schedule) -> dict:
 
 def resume_changes(cfg: DictConfig) -> list[str]:
     """What a resumed run changes of the settings its checkpoint was written with
-    (:data:`~pipeflow.formats.checkpoint.TRAINING` and ``BATCH``: allowed, the same
+    (:data:`~pipeflow.formats.checkpoint_folder.TRAINING` and ``BATCH``: allowed, the same
     weights train on), one sentence each, with what a changed sequence length or data set
     changes from there; none for a checkpoint that does not record them."""
     if cfg.get("resume") is None:
         return []
-    from pipeflow.formats.checkpoint import read_meta, resolve, training_record
+    from pipeflow.formats.checkpoint_folder import read_meta, resolve, training_record
 
     folder, _ = resolve(str(Path(cfg.resume).expanduser()))
     saved = read_meta(folder, cfg.resume)["meta"].get("training") or {}

@@ -2,7 +2,7 @@
 
 A search prices thousands of configurations, so it cannot calibrate each one (a
 calibration replays one configuration's own actions). What carries over from one
-calibration (``python -m pipeflow.calibrate``, :mod:`pipeflow.runtime.calibrate`) to every
+calibration (``python -m pipeflow.calibrate``, :mod:`pipeflow.runtime.calibration_run`) to every
 configuration of the same model on the same host:
 
 - the host itself: its cores, how much slower ranks run when all compute at once

@@ -19,7 +19,7 @@ import numpy as np
 from pipeflow.schedules.data_parallel import replicate
 from pipeflow.schedules.sharding import with_gathers
 from pipeflow.sim.engine import compile_schedule, simulate
-from pipeflow.sim.memory import device_memory, library_workspace
+from pipeflow.sim.device_memory import device_memory, library_workspace
 from pipeflow.topology.tensor import tensor_topology
 from pipeflow.topology.topology import Topology
 
@@ -28,7 +28,7 @@ from ..partition import partition_layers
 from ..seqsplit import split_sequence
 from ..transformer import TransformerSpec, kv_repeat_on
 from .closed_form import TIMED, Structure, StructureCache, idle_formula
-from .memory import MemoryPrices, TermForms
+from .candidate_memory import MemoryPrices, TermForms
 from .space import Candidate
 
 CLOSED_FORM, SIMULATED = "closed form", "simulated"

@@ -454,7 +454,7 @@ def calibrate(cfg: dict, plan, out: str | Path | None = None) -> dict:
     from .launch import TrainJob, launch
 
     with tempfile.TemporaryDirectory(prefix="pipeflow-calibrate-") as tmp:
-        launch(TrainJob(cfg, tmp, plan, entry="pipeflow.runtime.calibrate:run_rank"))
+        launch(TrainJob(cfg, tmp, plan, entry="pipeflow.runtime.calibration_run:run_rank"))
         result = json.loads(Path(tmp, "calibration.json").read_text())
     if out is not None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
