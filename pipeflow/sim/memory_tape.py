@@ -48,31 +48,50 @@ class Tape:
         best, at, best_action = -1.0, live, None
         most: dict = {}  # action -> (its most, what holds it then), for the actions asked for
         instants: list = []  # the asked action's, (bytes, category -> bytes)
-        starts = iter(self.starts)
-        upcoming, current = next(starts, (None, None)), None
+        track = every or action is not None  # (else the action names matter only at a new peak)
+        starts = self.starts
+        nstarts, si, current = len(starts), 0, None
+        upcoming = starts[0][0] if nstarts else None
+        # each category's own most is taken at instants, as the level then; a category
+        # unchanged since the last instant cannot have a new most (but temporaries, with
+        # the instant's extra), so only those changed since are compared
+        changed: set = set()
+        temp = _TEMP
         for i, (cat, term, n) in enumerate(self.steps):
-            while upcoming[0] is not None and upcoming[0] <= i:
-                current, upcoming = str(upcoming[1]), next(starts, (None, None))
+            while upcoming is not None and upcoming <= i:
+                current = starts[si][1]
+                si += 1
+                upcoming = starts[si][0] if si < nstarts else None
             if cat >= 0:
                 live[cat] += n * values[term]
+                changed.add(cat)
                 continue
             extra = values[term] if term >= 0 else 0.0
             total = sum(live) + extra
             if total > best:
                 best, at, best_action = total, list(live), current
-                at[_TEMP] += extra
-            if current is not None and (every or current == action):
-                mine, higher = current == action, total > most.get(current, (-1.0,))[0]
-                if mine or higher:
-                    held = list(live)
-                    held[_TEMP] += extra
-                    split = dict(zip(CATEGORIES, held))
-                    if mine:
-                        instants.append((total, split))
-                    if higher:
-                        most[current] = (total, split)
-            for c, v in enumerate(live):
-                own[c] = max(own[c], v + extra if c == _TEMP else v)
+                at[temp] += extra
+            if track and current is not None:
+                name = str(current)
+                if every or name == action:
+                    mine, higher = name == action, total > most.get(name, (-1.0,))[0]
+                    if mine or higher:
+                        held = list(live)
+                        held[temp] += extra
+                        split = dict(zip(CATEGORIES, held))
+                        if mine:
+                            instants.append((total, split))
+                        if higher:
+                            most[name] = (total, split)
+            changed.discard(temp)
+            for c in changed:
+                if live[c] > own[c]:
+                    own[c] = live[c]
+            changed.clear()
+            t = live[temp] + extra
+            if t > own[temp]:
+                own[temp] = t
+        best_action = str(best_action) if best_action is not None else None
         out = {"peak_bytes": best, "at_peak": dict(zip(CATEGORIES, at)), "peak_action": best_action,
                "category_peaks": dict(zip(CATEGORIES, own))}
         if action in most:
