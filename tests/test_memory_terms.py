@@ -85,3 +85,11 @@ def test_the_walk_refuses_an_undeclared_term_and_prices_a_declared_one_at_zero()
     assert term_value(("fresh_workspace_bytes", 0, 0), Duck()) == 0.0
     with pytest.raises(MissingTerm, match="neither a memory term nor one of the walk's compositions"):
         term_value(("activations_bytes", 0, 0), Duck())
+
+
+def test_every_composition_is_composed_by_a_rule_of_its_own():
+    """term_value composes each of COMPOSED by one rule (COMPOSE, or the weight versions,
+    which read the engine's per-device counts): no composition is left to a fallback."""
+    from pipeflow.sim.memory_terms import COMPOSE
+
+    assert set(COMPOSE) | {"extra_versions"} == set(COMPOSED)

@@ -24,7 +24,8 @@ from pipeflow.planning.search.progress import duration
 from pipeflow.schedules.data_parallel import replicate
 from pipeflow.schedules.sharding import with_gathers
 from pipeflow.sim.engine import simulate
-from pipeflow.sim.device_memory import device_memory, library_workspace, tapes
+from pipeflow.sim.device_memory import device_memory, library_workspace
+from pipeflow.sim.device_walk import tapes
 from pipeflow.sim.memory_peaks import split_periods
 from pipeflow.sim.memory_terms import like_stage, term_value
 from pipeflow.planning.transformer import TransformerSpec
@@ -188,11 +189,11 @@ def test_one_pass_walks_zero2_beside_zero3(name, p, m, v, s):
     full, bare = tapes(st._replica(("full", "step")), replicas=2, bare="gradients")
 
     def steps(t):
-        return [(c, t.terms[k] if k >= 0 else None, n) for c, k, n in t.steps], [(i, str(a)) for i, a in t.starts]
+        return t.named(), [(i, str(a)) for i, a in t.starts]
 
     assert [steps(t) for t in full] == [steps(t) for t in full_alone]
     assert [steps(t) for t in bare] == [steps(t) for t in bare_alone]
-    assert any(len(a.steps) != len(b.steps) for a, b in zip(full, bare)) or p == 1
+    assert any(len(a.rows()) != len(b.rows()) for a, b in zip(full, bare)) or p == 1
     with pytest.raises(ValueError, match="bare"):
         tapes(st._replica(("gradients", "")), replicas=2, bare="gradients")
 

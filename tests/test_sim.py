@@ -11,7 +11,7 @@ from pipeflow.planning.transformer import TransformerSpec
 from pipeflow.schedules.common import finish_sync
 from pipeflow.schedules.deps import DepResolver
 from pipeflow.schedules.ir import B, F, I, REDUCE, STEP, W, Kind, Placement, Schedule, StageGraph, WeightPolicy
-from pipeflow.schedules.registry import build_schedule
+from pipeflow.schedules.registry import build_schedule, get_spec, schedule_names
 from pipeflow.schedules.validate import validate
 from pipeflow.sim import SimulationError, compile_schedule, simulate
 from pipeflow.topology import TopologyBuilder, get_topology
@@ -192,8 +192,10 @@ def test_the_memory_walk_priced_as_arrays_is_the_walk(name):
     a second pipeline's messages and an asynchronous policy's weight versions."""
     import dataclasses
 
-    from pipeflow.schedules.registry import get_spec
-    from pipeflow.sim.device_memory import Peaks, device_memory, tapes, term_value
+    from pipeflow.sim.device_memory import device_memory
+    from pipeflow.sim.device_walk import tapes
+    from pipeflow.sim.memory_peaks import Peaks
+    from pipeflow.sim.memory_terms import term_value
 
     spec = get_spec(name)
     sched = build_schedule(name, 4, 8, virtual_stages=2 if spec.virtual_stages else 1,
@@ -220,6 +222,37 @@ def test_the_memory_walk_priced_as_arrays_is_the_walk(name):
                 walked, rel=1e-12)
 
 
+@pytest.mark.parametrize("name", [n for n in schedule_names() if n not in ("bapp", "file")])
+def test_a_devices_walk_copies_its_pieces_as_it_would_write_them(name, monkeypatch):
+    """DeviceWalk writes the steps that depend on an action's stage and segment only once
+    and copies them after (pipeflow.sim.device_walk): every device's tape, the sharded
+    twin's too, is the one written afresh for each action, step by step and action by
+    action, with every option that changes a walk (segments, chunks, pipes, weight
+    versions, local neighbours, replicas)."""
+    from pipeflow.schedules.data_parallel import as_replica
+    from pipeflow.schedules.sharding import with_gathers
+    from pipeflow.sim.device_walk import DeviceWalk, tapes
+
+    spec = get_spec(name)
+    sched = build_schedule(name, 4, 12, virtual_stages=2 if spec.virtual_stages else 1,
+                           segments=3 if spec.segments else 1, check=False)
+    walks = [lambda: tapes(sched)]
+    if sched.policy == WeightPolicy.SYNC:
+        full = with_gathers(as_replica(sched), "microbatch", every_stage=True)
+        full.shard = "full"
+        walks.append(lambda: sum(tapes(full, replicas=2, bare="gradients"), []))
+
+    def seen(t):
+        return t.named(), [(i, str(a)) for i, a in t.starts]
+
+    for walk in walks:
+        reused = [seen(t) for t in walk()]
+        monkeypatch.setattr(DeviceWalk, "reuse", False)
+        assert [seen(t) for t in walk()] == reused
+        monkeypatch.setattr(DeviceWalk, "reuse", True)
+        assert any(len(steps) > 4 * len(starts) for steps, starts in reused)  # (pieces of several steps)
+
+
 def test_an_asynchronous_walk_holds_each_microbatchs_casts_and_the_tied_updates_not_yet_applied():
     """PipeDream on 4 devices: each forward casts the weights anew (their version moved),
     so stage 0 holds one cast per microbatch in flight (4), where 1F1B shares one; and
@@ -227,7 +260,7 @@ def test_an_asynchronous_walk_holds_each_microbatchs_casts_and_the_tied_updates_
     until the STEP after stage 0's backward of that update (pipeflow.runtime.async_executor
     applies it there, by the same plan), while stage 0 applies its own at once."""
     from pipeflow.schedules.versions import tied_update_plan
-    from pipeflow.sim.device_memory import tapes
+    from pipeflow.sim.device_walk import tapes
     from pipeflow.sim.memory_terms import REQUIRED
 
     class Only:  # every term 0 but the one priced (said so: the walk refuses a term not declared)
@@ -264,7 +297,7 @@ def test_a_zero_bubble_w_runs_its_products_beside_what_i_kept_for_it():
     that W is still held: the runtime lets it go when W returns. So on every device the
     walk's peak on each later stage is the most residuals ever held plus W's working set,
     where a W's peak after its release would have been one residual less."""
-    from pipeflow.sim.device_memory import tapes
+    from pipeflow.sim.device_walk import tapes
     from pipeflow.sim.memory_terms import REQUIRED
 
     class Priced:  # only the residuals and W's working set cost anything

@@ -245,73 +245,28 @@ class AnalyticCost(TensorShards, BackwardWorkingSet, HeldOutputs, CostModel):
 
     def _build_tables(self) -> None:
         """FLOPs and bytes per (stage, segment), computed once: the simulator asks per action."""
-        spec, b, dt = self.spec, self.microbatch_size, self.dtype_bytes
-        H = spec.n_embd
-        kv_width = spec.kv_heads * spec.head_dim
+        spec = self.spec
         last = self.num_stages - 1
-        split = self.num_segments > 1
         # a stage's rows depend on its layers, first or not, last or not: built once per
         # kind, and with ``shared`` (a search's thousands of cost models) once per kind and
         # shape (what else they depend on: the rank's spec, the microbatch, the dtype, the
         # segments, the tensor group, the host's attention kernel)
         shared = self._shared
         if shared is not None:
-            shape = ("shape", spec, b, dt, self.segment_lengths, self.sequence_parallel, self.tensor_parallel,
-                     getattr(self, "attention_scratch", None))
+            shape = ("shape", spec, self.microbatch_size, self.dtype_bytes, self.segment_lengths,
+                     self.sequence_parallel, self.tensor_parallel, getattr(self, "attention_scratch", None))
             self.shape_number = shared.setdefault(shape, len(shared))
-            ones = shared.get((self.shape_number, "ones"))
-        if shared is None or ones is None:
-            ones = [layer_cost(spec, x, P, b, dt, segmented=split) for x, P in zip(self.segment_lengths, self.prefixes)]
-            if self.sequence_parallel:  # norms, dropouts and the stream on the rank's x/T tokens
-                ones = [sequence_parallel_layer(spec, one, x, b, self.tensor_parallel)
-                        for one, x in zip(ones, self.segment_lengths)]
+        ones = shared.get((self.shape_number, "ones")) if shared is not None else None
+        if ones is None:
+            ones = self._layer_rows()
             if shared is not None:
                 shared[(self.shape_number, "ones")] = ones
         rows: dict[tuple, tuple] = {}
         for s, n in enumerate(self.layers_per_stage):
             if (kind := (n, s == 0, s == last)) in rows:
                 continue
-            if shared is not None and (got := shared.get((self.shape_number, kind))) is not None:
-                rows[kind] = got
-                continue
-            f_row, w_row, a_row, r_row, e_row, t_row, g_row, i_row = [], [], [], [], [], [], [], []
-            for one, x, P in zip(ones, self.segment_lengths, self.prefixes):
-                f = n * one.forward
-                w = n * one.weight
-                e = n * one.recompute  # FLOPs the backward spends recomputing (model.recompute)
-                a = n * one.saved + stage_shared_saved(spec, x)
-                t = one.rebuilt  # what the backward rebuilds at a time: one layer's (one region's) tensors
-                r = n * one.residual
-                # the gradient of this segment's K and V that later segments' backwards
-                # accumulate until this segment's own backward runs (Seq1F1B)
-                g_row.append(float(n * x * b * kv_width * (own_key_bytes(spec, dt) + dt)) if split else 0.0)
-                if s == 0:
-                    a += first_stage_saved(spec, x, b)
-                elif spec.post_norm and dt < 4 and spec.recompute == "none":
-                    # the stage's input, restored to fp32 where it arrives (Precision.arrived),
-                    # is kept by the runtime for its backward; a pre-norm block's norm saves
-                    # that very tensor, and so does a recomputed region (its input), but
-                    # BERT's first products save only their 16-bit casts
-                    a += x * b * H * RESIDUAL_BYTES
-                if s == last:
-                    hf = head_forward_flops(spec, x)
-                    f += hf
-                    w += hf
-                    a += last_stage_saved(spec, x, b, dt)
-                    r += head_residual_width(spec) * x * b * dt
-                i_row.append((*self._input_workspace(n, one, x, s == last), one.saved))  # and a block's saved bytes
-                if s == 0:
-                    # the first stage's input (token ids) needs no gradient: the runtime's I
-                    # there is empty and W is the whole backward (pipeflow.runtime.backward),
-                    # so everything the forwards kept stays until W
-                    r = a
-                f_row.append(f * b)
-                e_row.append(e * b)
-                w_row.append(w * b)
-                a_row.append(float(a))
-                r_row.append(float(r))
-                t_row.append(float(t))
-            rows[kind] = (f_row, i_row, t_row, g_row, e_row, w_row, a_row, r_row)
+            got = shared.get((self.shape_number, kind)) if shared is not None else None
+            rows[kind] = got if got is not None else self._stage_rows(n, s == 0, s == last, ones)
             if shared is not None:
                 shared[(self.shape_number, kind)] = rows[kind]
         fwd, iws, trans, kvg, extra, wgt, act, res = zip(*(rows[(n, s == 0, s == last)]
@@ -330,16 +285,75 @@ class AnalyticCost(TensorShards, BackwardWorkingSet, HeldOutputs, CostModel):
         self._kv_gradient = kvg
         self._params = [self.stage_params(s) for s in range(self.num_stages)]
         self._cast_params = [self.layers_per_stage[s] * layer_matrix_params(spec)
-                             + (spec.vocab_size * H if s == last else 0) for s in range(self.num_stages)]
-        # what each action moves through memory for its stage's weights (the roofline's
-        # memory side): F and I read the matrices, a rebuilt forward reads them again, B
-        # and W read and write the fp32 gradient of every parameter (the embedding's too:
-        # its gradient is dense); W itself reads activations, not weights
-        dt = self.dtype_bytes
+                             + (spec.vocab_size * spec.n_embd if s == last else 0) for s in range(self.num_stages)]
+        self._traffic = self._weight_traffic()
+
+    def _layer_rows(self) -> list:
+        """One layer's costs per segment (:func:`layer_cost`), on the rank's tokens under
+        sequence parallelism (its norms, dropouts and the stream on x/T tokens)."""
+        spec, b, dt = self.spec, self.microbatch_size, self.dtype_bytes
+        split = self.num_segments > 1
+        ones = [layer_cost(spec, x, P, b, dt, segmented=split) for x, P in zip(self.segment_lengths, self.prefixes)]
+        if self.sequence_parallel:
+            ones = [sequence_parallel_layer(spec, one, x, b, self.tensor_parallel)
+                    for one, x in zip(ones, self.segment_lengths)]
+        return ones
+
+    def _stage_rows(self, n: int, first: bool, last: bool, ones: list) -> tuple:
+        """A stage of ``n`` layers' rows per segment: forward FLOPs, I's workspace, the
+        rebuilt layer, Seq1F1B's key/value gradient, recomputed FLOPs, W's FLOPs, saved
+        activations and the residuals W keeps."""
+        spec, b, dt = self.spec, self.microbatch_size, self.dtype_bytes
+        H, kv_width, split = spec.n_embd, spec.kv_heads * spec.head_dim, self.num_segments > 1
+        f_row, w_row, a_row, r_row, e_row, t_row, g_row, i_row = [], [], [], [], [], [], [], []
+        for one, x, P in zip(ones, self.segment_lengths, self.prefixes):
+            f = n * one.forward
+            w = n * one.weight
+            e = n * one.recompute  # FLOPs the backward spends recomputing (model.recompute)
+            a = n * one.saved + stage_shared_saved(spec, x)
+            t = one.rebuilt  # what the backward rebuilds at a time: one layer's (one region's) tensors
+            r = n * one.residual
+            # the gradient of this segment's K and V that later segments' backwards
+            # accumulate until this segment's own backward runs (Seq1F1B)
+            g_row.append(float(n * x * b * kv_width * (own_key_bytes(spec, dt) + dt)) if split else 0.0)
+            if first:
+                a += first_stage_saved(spec, x, b)
+            elif spec.post_norm and dt < 4 and spec.recompute == "none":
+                # the stage's input, restored to fp32 where it arrives (Precision.arrived),
+                # is kept by the runtime for its backward; a pre-norm block's norm saves
+                # that very tensor, and so does a recomputed region (its input), but
+                # BERT's first products save only their 16-bit casts
+                a += x * b * H * RESIDUAL_BYTES
+            if last:
+                hf = head_forward_flops(spec, x)
+                f += hf
+                w += hf
+                a += last_stage_saved(spec, x, b, dt)
+                r += head_residual_width(spec) * x * b * dt
+            i_row.append((*self._input_workspace(n, one, x, last), one.saved))  # and a block's saved bytes
+            if first:
+                # the first stage's input (token ids) needs no gradient: the runtime's I
+                # there is empty and W is the whole backward (pipeflow.runtime.backward),
+                # so everything the forwards kept stays until W
+                r = a
+            f_row.append(f * b)
+            e_row.append(e * b)
+            w_row.append(w * b)
+            a_row.append(float(a))
+            r_row.append(float(r))
+            t_row.append(float(t))
+        return (f_row, i_row, t_row, g_row, e_row, w_row, a_row, r_row)
+
+    def _weight_traffic(self) -> dict:
+        """What each action moves through memory for its stage's weights (the roofline's
+        memory side): F and I read the matrices, a rebuilt forward reads them again, B
+        and W read and write the fp32 gradient of every parameter (the embedding's too:
+        its gradient is dense); W itself reads activations, not weights."""
+        spec, dt = self.spec, self.dtype_bytes
         embedding = [embedding_params(spec) if s == 0 else 0 for s in range(self.num_stages)]
         matrices = [p - e for p, e in zip(self._params, embedding)]
         again = {"full": 1.0, "selective": 0.0}.get(spec.recompute, 0.0)
-        self._traffic = {
+        return {
             "F": [m * dt for m in matrices],
             "I": [m * dt * (1 + again) for m in matrices],
             "W": [8.0 * p for p in self._params],

@@ -3,14 +3,7 @@ search's pricing): the tapes of :mod:`pipeflow.sim.device_memory` as arrays."""
 
 from __future__ import annotations
 
-from itertools import chain
-
 import numpy as np
-
-
-def _rows(steps: list) -> np.ndarray:
-    """A tape's steps, (category, term, count) tuples, as a float array of rows."""
-    return np.fromiter(chain.from_iterable(steps), dtype=float, count=3 * len(steps)).reshape(-1, 3)
 
 
 class NotPeriodic(ValueError):
@@ -22,7 +15,7 @@ def encoded(tape, index: dict) -> np.ndarray:
     replaced by each term's number in ``index`` (shared by the walks to compare, which
     it grows), so that the tapes of one schedule at two sizes compare step by step."""
     ids = np.array([index.setdefault(k, len(index)) for k in tape.terms] + [-1], dtype=float)
-    steps = _rows(tape.steps)
+    steps = tape.rows().copy()
     steps[:, 1] = ids[steps[:, 1].astype(np.int64)]  # (-1, no term, stays -1)
     return steps
 
@@ -171,6 +164,6 @@ class Peaks(Periodic):
     operations (:meth:`peaks`, k = 0) rather than a walk: a walk without a period,
     each device's tape one block."""
 
-    def __init__(self, tapes: list) -> None:  # pipeflow.sim.device_memory.tapes(schedule)
+    def __init__(self, tapes: list) -> None:  # pipeflow.sim.device_walk.tapes(schedule)
         index: dict = {}
         self._build([[(encoded(t, index), False)] for t in tapes], list(index))

@@ -1,13 +1,13 @@
 """One device's memory over a simulated step as a tape of terms (:class:`Tape`): what
-:func:`pipeflow.sim.device_memory.tapes` records and walks, and the categories it holds."""
+:mod:`pipeflow.sim.device_walk` records and :mod:`pipeflow.sim.device_memory` walks, and the categories it holds."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from array import array
 
 import numpy as np
 
-from ..schedules.ir import Kind
 from .memory_terms import term_value
 
 CATEGORIES = ("parameters", "optimizer_state", "weight_versions", "gradients", "casts", "activations", "residuals",
@@ -16,18 +16,18 @@ _CAT = {c: i for i, c in enumerate(CATEGORIES)}
 _TEMP = _CAT["temporaries"]
 
 
-
 @dataclass
 class Tape:
     """One device's memory over a step, without its bytes: the terms it holds (keys such
     as ``("activation_bytes", stage, segment)``, valued by :func:`term_value`) and the
-    walk as a list of steps, each ``(category, term, count)`` (that many of the term
-    join the category, or leave it when negative) or ``(-1, extra, 0)``, an instant
-    that may be the peak, with ``extra`` a term held on top of the level for that
-    instant only (a backward's workspace, an optimizer step's buffers; -1: none)."""
+    walk as steps, each ``(category, term, count)`` (that many of the term join the
+    category, or leave it when negative) or ``(-1, extra, 0)``, an instant that may be
+    the peak, with ``extra`` a term held on top of the level for that instant only (a
+    backward's workspace, an optimizer step's buffers; -1: none). ``steps`` holds them
+    flat, three numbers a step (:meth:`rows` reads them as rows)."""
 
     terms: list[tuple]
-    steps: list[tuple[int, int, int]]
+    steps: array  # of doubles: category, term, count, category, ...
     # (the step each action's walk starts at, the action: str() names it as the runtime does, "1I3")
     starts: list[tuple] = field(default_factory=list)
 
@@ -35,92 +35,77 @@ class Tape:
         cache = {} if cache is None else cache
         return np.array([term_value(k, cost, per_device, cache) for k in self.terms], dtype=float)
 
+    def rows(self) -> np.ndarray:
+        """The steps as an array of rows (category, term, count), read in place."""
+        return np.frombuffer(self.steps, dtype=float).reshape(-1, 3)
+
+    def named(self) -> list[tuple]:
+        """The steps as (category's number, the term's key or None, count): what a test
+        or a reader compares."""
+        return [(int(c), self.terms[int(k)] if k >= 0 else None, n) for c, k, n in self.rows().tolist()]
+
     def walk(self, values: np.ndarray, action: str | None = None, every: bool = False) -> dict:
         """The bytes: ``peak_bytes``, ``at_peak``, ``peak_action`` and ``category_peaks``
         (see :func:`device_memory`); with ``action`` (a name such as "1I3") also
         ``at_action``: that action's own most and what holds it then, and ``instants``,
         each instant of it (bytes, category -> bytes then; a host's kernels can tip a
         rank's peak between two of them a few hundred bytes apart); with ``every``,
-        ``action_peaks``: each action's own most, name -> (bytes, category -> bytes then)."""
-        values = [float(v) for v in values]
-        live = [0.0] * len(CATEGORIES)
-        own = [0.0] * len(CATEGORIES)
-        best, at, best_action = -1.0, live, None
-        most: dict = {}  # action -> (its most, what holds it then), for the actions asked for
-        instants: list = []  # the asked action's, (bytes, category -> bytes)
-        track = every or action is not None  # (else the action names matter only at a new peak)
-        starts = self.starts
-        nstarts, si, current = len(starts), 0, None
-        upcoming = starts[0][0] if nstarts else None
-        # each category's own most is taken at instants, as the level then; a category
-        # unchanged since the last instant cannot have a new most (but temporaries, with
-        # the instant's extra), so only those changed since are compared
-        changed: set = set()
-        temp = _TEMP
-        for i, (cat, term, n) in enumerate(self.steps):
-            while upcoming is not None and upcoming <= i:
-                current = starts[si][1]
-                si += 1
-                upcoming = starts[si][0] if si < nstarts else None
-            if cat >= 0:
-                live[cat] += n * values[term]
-                changed.add(cat)
-                continue
-            extra = values[term] if term >= 0 else 0.0
-            total = sum(live) + extra
-            if total > best:
-                best, at, best_action = total, list(live), current
-                at[temp] += extra
-            if track and current is not None:
-                name = str(current)
-                if every or name == action:
-                    mine, higher = name == action, total > most.get(name, (-1.0,))[0]
-                    if mine or higher:
-                        held = list(live)
-                        held[temp] += extra
-                        split = dict(zip(CATEGORIES, held))
-                        if mine:
-                            instants.append((total, split))
-                        if higher:
-                            most[name] = (total, split)
-            changed.discard(temp)
-            for c in changed:
-                if live[c] > own[c]:
-                    own[c] = live[c]
-            changed.clear()
-            t = live[temp] + extra
-            if t > own[temp]:
-                own[temp] = t
-        best_action = str(best_action) if best_action is not None else None
-        out = {"peak_bytes": best, "at_peak": dict(zip(CATEGORIES, at)), "peak_action": best_action,
-               "category_peaks": dict(zip(CATEGORIES, own))}
-        if action in most:
-            out["at_action"] = {"action": action, "bytes": most[action][0], "at": most[action][1],
-                                "instants": instants}
-        if every:
-            out["action_peaks"] = most
+        ``action_peaks``: each action's own most, name -> (bytes, category -> bytes then).
+
+        As arrays: each category's level is the running sum of its own steps, added in
+        the tape's order (the same sums, to the bit, as adding them one by one), read
+        at the instants; an instant's bytes are the levels summed category by category
+        plus its extra; the peak is the first highest instant, each category's own most
+        the highest of its levels at the instants (temporaries with the extra)."""
+        rows = self.rows()
+        v = np.append(np.asarray(values, dtype=float), 0.0)  # (term -1: nothing on top)
+        cat, term = rows[:, 0].astype(np.int64), rows[:, 1].astype(np.int64)
+        adds = np.flatnonzero(cat >= 0)
+        at = np.flatnonzero(cat < 0)  # the instants
+        level = np.zeros((len(CATEGORIES), len(rows)))
+        level[cat[adds], adds] = rows[adds, 2] * v[term[adds]]
+        np.cumsum(level, axis=1, out=level)
+        held = level[:, at]  # (category, instant): each category's level at each instant
+        extra = v[term[at]]
+        total = held[0].copy()
+        for c in range(1, len(CATEGORIES)):
+            total += held[c]
+        total += extra
+        held[_TEMP] += extra  # (what holds each instant: its extra is temporary)
+        own = np.maximum(held.max(axis=1), 0.0) if len(at) else np.zeros(len(CATEGORIES))
+        starts = np.array([s for s, _ in self.starts], dtype=np.int64)
+        running = np.searchsorted(starts, at, side="right") - 1  # the action running at each instant (-1: none)
+        if len(at) and total.max() > -1.0:
+            p = int(np.argmax(total))
+            best, split = float(total[p]), held[:, p].tolist()
+            best_action = str(self.starts[running[p]][1]) if running[p] >= 0 else None
+        else:  # (no instant: nothing to compare)
+            best, split, best_action = -1.0, level[:, -1].tolist() if len(rows) else [0.0] * len(CATEGORIES), None
+        out = {"peak_bytes": best, "at_peak": dict(zip(CATEGORIES, split)), "peak_action": best_action,
+               "category_peaks": dict(zip(CATEGORIES, own.tolist()))}
+        if action is not None or every:
+            most: dict = {}  # name -> (its most, what holds it then), for the actions asked for
+            instants: list = []  # the asked action's, (bytes, category -> bytes)
+            names = [str(a) for _, a in self.starts]
+            for j in np.flatnonzero(running >= 0).tolist():
+                name = names[running[j]]
+                if not every and name != action:
+                    continue
+                t = float(total[j])
+                if name == action or t > most.get(name, (-1.0,))[0]:
+                    then = dict(zip(CATEGORIES, held[:, j].tolist()))
+                    if name == action:
+                        instants.append((t, then))
+                    if t > most.get(name, (-1.0,))[0]:
+                        most[name] = (t, then)
+            if action in most:
+                out["at_action"] = {"action": action, "bytes": most[action][0], "at": most[action][1],
+                                    "instants": instants}
+            if every:
+                out["action_peaks"] = most
         return out
 
     def action_peaks(self, values: np.ndarray) -> dict:
         """Each action's own most: name -> (bytes, category -> bytes then) (a debugging
         aid, beside the runtime's ``StepMemory.action_peaks``)."""
         return self.walk(values, every=True)["action_peaks"]
-
-
-def reduces_after(order: list, kinds: tuple) -> dict[int, list]:
-    """Index into the device's list of ``kinds`` -> the REDUCEs that follow it, each as
-    (stage, which REDUCE of the device's order it is)."""
-    out: dict[int, list] = {}
-    seen, n = -1, 0
-    for a in order:
-        if a.kind == Kind.REDUCE:
-            out.setdefault(seen, []).append((a.stage, n))
-            n += 1
-        elif a.kind in kinds:
-            seen += 1
-    return out
-
-
-def library_workspace(topology, num_devices: int) -> list[float]:
-    """Each of the first ``num_devices`` devices' :meth:`Topology.workspace_bytes`."""
-    return [topology.workspace_bytes(d) for d in range(num_devices)]

@@ -1,4 +1,4 @@
-"""The memory contract: every term a device's memory walk (:mod:`pipeflow.sim.device_memory`)
+"""The memory contract: every term a device's memory walk (:mod:`pipeflow.sim.device_walk`)
 asks a cost model for, and the walk's own compositions of them.
 
 A term is a cost model's method of that name returning bytes. Each term has one
@@ -136,97 +136,132 @@ def refinement(cost, name: str):
     return getattr(cost, name, None)
 
 
+def _during_backward(key, cost, value) -> float:  # ("during_backward", stage, segment, ...)
+    # a cost model that prices the backward's working set as a whole (workspace_bytes
+    # includes the rebuilt layer) or only the rebuilt layer (rebuilt_layer_bytes)
+    v = value(("workspace_bytes", *key[1:]))
+    if not v:
+        return value(("rebuilt_layer_bytes", *key[1:3]))
+    return v + value(("backward_freed_bytes", *key[1:]))  # the workspace whole; what B has freed leaves the activations
+
+
+def _held_cast_gradients(key, cost, value) -> float:  # ("held_cast_gradients", stage, segment)
+    # At 16 bits a step's forwards share one cast of each weight (Precision.shared_casts),
+    # made by the step's first forward on the stage. The autograd engine runs the ready
+    # node with the highest sequence number first, and a cast's backward is older than
+    # every node of a later microbatch's graph: it waits for the end of that
+    # microbatch's backward, holding the 16-bit gradient of its weight until then. So
+    # near the end of such a backward, its activations freed, the stage holds every
+    # cast's 16-bit gradient, the last block's working set and the input gradients
+    # (fp32) it hands back.
+    fn = refinement(cost, "held_cast_bytes")  # a recomputed region's rerun casts anew
+    casts = float(fn(key[1])) if fn is not None else value(("state", key[1], "casts"))
+    if not casts:
+        return 0.0
+    ws = "held_cast_workspace_bytes" if refinement(cost, "held_cast_workspace_bytes") else "workspace_bytes"
+    return casts + value((ws, *key[1:])) + value(("input_gradient_bytes", *key[1:]))
+
+
+def _during_input(key, cost, value) -> float:  # ("during_input", stage, segment)
+    # the zero-bubble I's working set, where the cost model prices it apart from B's
+    fn = refinement(cost, "input_workspace_bytes")
+    if fn is None:
+        return value(("during_backward", *key[1:]))
+    return float(fn(*key[1:])) - value(("input_kept_bytes", *key[1:])) + value(("input_freed_bytes", *key[1:]))
+
+
+def _waiting_gradient(key, cost, value) -> float:  # (name, stage, successor, segment)
+    # a gradient waiting for a first stage's W: at full precision the message itself,
+    # at 16 bits the fp32 copy the executor restored from it (the message let go)
+    msg = value(("message_bytes", *key[1:]))
+    c = getattr(cost, "dtype_bytes", 4)
+    if key[0] == "restored_gradient_bytes":
+        return msg * 4 / c if c < 4 else 0.0  # fp32
+    return 0.0 if c < 4 else msg
+
+
+def _sharded_optimizer_state(key, cost, value) -> float:  # (name, stage, replicas)
+    # ZeRO-1's slice of a stage's optimizer state (pipeflow.runtime.sharded): its moments
+    # of one replica's share of the parameters laid end to end; a tied copy's own stay
+    # whole on every replica
+    whole = value(("state", key[1], "optimizer_state"))
+    tied = 2.0 * value(("tied_gradient_bytes", key[1]))
+    return tied + max(0.0, whole - tied) / key[2]
+
+
+def _flat_gradients(key, cost, value) -> float:  # (name, stage)
+    # a replicated stage's gradients laid end to end for its all-reduce or (ZeRO-2)
+    # reduce-scatter, the tied copy's apart (summed on their own); ZeRO-2's padding to
+    # n shares (under n elements a group) left out
+    return max(0.0, value(("state", key[1], "gradients")) - value(("tied_gradient_bytes", key[1])))
+
+
+def _sharded_step_workspace(key, cost, value) -> float:  # (name, stage, replicas, level)
+    # what a ZeRO-1/2 step holds beside the state (pipeflow.runtime.sharded): its share's
+    # denominator and, under ZeRO-1, the share's gradient gathered from the whole ones
+    # (fp32; the two weight-decay groups priced as one, over by the vectors' share); then
+    # the tied copy's own AdamW, as the unsharded step prices it per parameter
+    tied = value(("tied_gradient_bytes", key[1]))
+    flat = value(("flat_parameters", key[1]))
+    return max((2.0 if key[3] == "optimizer" else 1.0) * flat / key[2],  # (ZeRO-3: as ZeRO-2)
+               tied * (2.0 if getattr(cost, "step_per_tensor", False) else 1.0))
+
+
+def _flat_parameters(key, cost, value) -> float:  # (name, stage)
+    # a fully sharded stage's fp32 parameters as a GATHER lays them end to end, the tied
+    # copy's apart (never sharded)
+    return max(0.0, value(("state", key[1], "parameters")) - value(("tied_gradient_bytes", key[1])))
+
+
+def _parameter_shard(key, cost, value) -> float:  # (name, stage, replicas)
+    # a fully sharded stage's own share of its fp32 parameters between gathers, the tied copy whole
+    tied = value(("tied_gradient_bytes", key[1]))
+    return tied + max(0.0, value(("state", key[1], "parameters")) - tied) / key[2]
+
+
+# the walk's compositions (COMPOSED), each from the terms it composes: key, cost, value -> bytes
+COMPOSE = {
+    "state": lambda key, cost, value: float(cost.state_bytes(key[1])[key[2]]),  # ("state", stage, category)
+    "during_backward": _during_backward,
+    "held_cast_gradients": _held_cast_gradients,
+    "during_input": _during_input,
+    "waiting_message_bytes": _waiting_gradient,
+    "restored_gradient_bytes": _waiting_gradient,
+    "sharded_optimizer_state": _sharded_optimizer_state,
+    "flat_gradients": _flat_gradients,
+    "sharded_step_workspace": _sharded_step_workspace,
+    # ZeRO-2/3's gradients that go at the reduce-scatter, the tied copy's apart (the flat's
+    # bytes; a term of its own, so that the search can price a walk of ZeRO-2 as ZeRO-1's)
+    "scattered_gradients": lambda key, cost, value: value(("flat_gradients", key[1])),
+    # (name, stage, replicas): ZeRO-2's slice of the summed gradient
+    "gradient_slice": lambda key, cost, value: value(("flat_gradients", key[1])) / key[2],
+    "flat_parameters": _flat_parameters,
+    # (name, stage, replicas): a fully sharded stage's share of its parameters laid end to end, the tied copy's apart
+    "own_share": lambda key, cost, value: value(("flat_parameters", key[1])) / key[2],
+    "parameter_shard": _parameter_shard,
+    "nothing": lambda key, cost, value: 0.0,
+}
+
+
 def term_value(key: tuple, cost, per_device=None, cache: dict | None = None) -> float:
-    """A term's bytes from the cost model (a cost model without the method: 0, never a guess)."""
+    """A term's bytes: the cost model's own (:func:`price`: priced or declared absent),
+    one of the walk's compositions (:data:`COMPOSE`), a refinement or its fallback."""
     if cache is not None and key in cache:
         return cache[key]
     name = key[0]
+
+    def value(k: tuple) -> float:
+        return term_value(k, cost, per_device, cache)
+
+    compose = COMPOSE.get(name)
     if name in REQUIRED and key[-1] != "fresh" and key[-1] != "own_casts":  # the cost model's own method
         v = price(cost, name, *key[1:])
-    elif name == "state":  # ("state", stage, category)
-        v = float(cost.state_bytes(key[1])[key[2]])
-    elif name == "during_backward":  # ("during_backward", stage, segment)
-        # a cost model that prices the backward's working set as a whole (workspace_bytes
-        # includes the rebuilt layer) or only the rebuilt layer (rebuilt_layer_bytes)
-        v = term_value(("workspace_bytes", *key[1:]), cost, per_device, cache)
-        if not v:
-            v = term_value(("rebuilt_layer_bytes", *key[1:3]), cost, per_device, cache)
-        else:  # the workspace counted whole; what B has freed by then leaves the activations
-            v += term_value(("backward_freed_bytes", *key[1:]), cost, per_device, cache)
-    elif name == "held_cast_gradients":  # ("held_cast_gradients", stage, segment)
-        # At 16 bits a step's forwards share one cast of each weight (Precision.shared_casts),
-        # made by the step's first forward on the stage. The autograd engine runs the ready
-        # node with the highest sequence number first, and a cast's backward is older than
-        # every node of a later microbatch's graph: it waits for the end of that
-        # microbatch's backward, holding the 16-bit gradient of its weight until then. So
-        # near the end of such a backward, its activations freed, the stage holds every
-        # cast's 16-bit gradient, the last block's working set and the input gradients
-        # (fp32) it hands back.
-        fn = refinement(cost, "held_cast_bytes")  # a recomputed region's rerun casts anew
-        casts = float(fn(key[1])) if fn is not None else term_value(("state", key[1], "casts"), cost, per_device, cache)
-        v = 0.0
-        if casts:
-            ws = "held_cast_workspace_bytes" if refinement(cost, "held_cast_workspace_bytes") else "workspace_bytes"
-            v = casts + term_value((ws, *key[1:]), cost, per_device, cache) \
-                + term_value(("input_gradient_bytes", *key[1:]), cost, per_device, cache)
-    elif name == "during_input":  # ("during_input", stage, segment): the zero-bubble I's
-        # working set, where the cost model prices it apart from B's
-        fn = refinement(cost, "input_workspace_bytes")
-        if fn is None:
-            v = term_value(("during_backward", *key[1:]), cost, per_device, cache)
-        else:
-            v = float(fn(*key[1:])) - term_value(("input_kept_bytes", *key[1:]), cost, per_device, cache) \
-                + term_value(("input_freed_bytes", *key[1:]), cost, per_device, cache)
-    elif name in ("waiting_message_bytes", "restored_gradient_bytes"):  # (name, stage, successor, segment)
-        # a gradient waiting for a first stage's W: at full precision the message itself,
-        # at 16 bits the fp32 copy the executor restored from it (the message let go)
-        msg = term_value(("message_bytes", *key[1:]), cost, per_device, cache)
-        c = getattr(cost, "dtype_bytes", 4)
-        if name == "restored_gradient_bytes":
-            v = msg * 4 / c if c < 4 else 0.0  # fp32
-        else:
-            v = 0.0 if c < 4 else msg
-    elif name == "sharded_optimizer_state":  # (name, stage, replicas): ZeRO-1's slice of a stage's
-        # optimizer state (pipeflow.runtime.sharded): its moments of one replica's share of
-        # the parameters laid end to end; a tied copy's own stay whole on every replica
-        whole = term_value(("state", key[1], "optimizer_state"), cost, per_device, cache)
-        tied = 2.0 * term_value(("tied_gradient_bytes", key[1]), cost, per_device, cache)
-        v = tied + max(0.0, whole - tied) / key[2]
-    elif name == "flat_gradients":  # (name, stage): a replicated stage's gradients laid end to
-        # end for its all-reduce or (ZeRO-2) reduce-scatter, the tied copy's apart (summed on
-        # their own); ZeRO-2's padding to n shares (under n elements a group) left out
-        v = max(0.0, term_value(("state", key[1], "gradients"), cost, per_device, cache)
-                - term_value(("tied_gradient_bytes", key[1]), cost, per_device, cache))
-    elif name == "sharded_step_workspace":  # (name, stage, replicas, level): what a ZeRO-1/2 step
-        # holds beside the state (pipeflow.runtime.sharded): its share's denominator and,
-        # under ZeRO-1, the share's gradient gathered from the whole ones (fp32; the two
-        # weight-decay groups priced as one, over by the vectors' share); then the tied
-        # copy's own AdamW, as the unsharded step prices it per parameter
-        tied = term_value(("tied_gradient_bytes", key[1]), cost, per_device, cache)
-        flat = term_value(("flat_parameters", key[1]), cost, per_device, cache)
-        v = max((2.0 if key[3] == "optimizer" else 1.0) * flat / key[2],  # (ZeRO-3: as ZeRO-2)
-                tied * (2.0 if getattr(cost, "step_per_tensor", False) else 1.0))
-    elif name == "scattered_gradients":  # (name, stage): ZeRO-2/3's gradients that go at the
-        # reduce-scatter, the tied copy's apart (the flat's bytes; a term of its own, so that
-        # the search can price a walk of ZeRO-2 as ZeRO-1's: pipeflow.planning.search)
-        v = term_value(("flat_gradients", key[1]), cost, per_device, cache)
-    elif name == "gradient_slice":  # (name, stage, replicas): ZeRO-2's slice of the summed gradient
-        v = term_value(("flat_gradients", key[1]), cost, per_device, cache) / key[2]
-    elif name == "flat_parameters":  # (name, stage): a fully sharded stage's fp32 parameters as a
-        # GATHER lays them end to end, the tied copy's apart (never sharded)
-        v = max(0.0, term_value(("state", key[1], "parameters"), cost, per_device, cache)
-                - term_value(("tied_gradient_bytes", key[1]), cost, per_device, cache))
-    elif name == "own_share":  # (name, stage, replicas): a fully sharded stage's share of its
-        # parameters laid end to end, the tied copy's apart
-        v = term_value(("flat_parameters", key[1]), cost, per_device, cache) / key[2]
-    elif name == "parameter_shard":  # (name, stage, replicas): a fully sharded stage's own share of
-        # its fp32 parameters between gathers, the tied copy whole
-        tied = term_value(("tied_gradient_bytes", key[1]), cost, per_device, cache)
-        v = tied + max(0.0, term_value(("state", key[1], "parameters"), cost, per_device, cache) - tied) / key[2]
+    elif compose is not None:
+        v = compose(key, cost, value)
     elif name == "extra_versions":  # ("extra_versions", device, stage): its versions beyond the first
         stats = per_device[key[1]] if per_device is not None and key[1] < len(per_device) else None
         versions = getattr(stats, "peak_weight_versions", 1) or 1
-        v = (versions - 1) * term_value(("state", key[2], "parameters"), cost, per_device, cache) if versions > 1 else 0.0
+        v = (versions - 1) * value(("state", key[2], "parameters")) if versions > 1 else 0.0
     elif key[-1] == "own_casts":  # (..., "own_casts"): an asynchronous schedule's, whose
         # microbatches cast the weights for themselves, where the cost model prices it apart
         view = getattr(cost, "own_casts", None)
@@ -234,13 +269,10 @@ def term_value(key: tuple, cost, per_device=None, cache: dict | None = None) -> 
     elif key[-1] == "fresh":  # (name, stage, segment, "fresh"): a backward into a stage with no
         # gradients yet, where the cost model prices it apart (fresh_<name>), else as any
         fn = refinement(cost, f"fresh_{name}") if f"fresh_{name}" in TERMS else None
-        v = float(fn(*key[1:-1])) if fn is not None else term_value((name, *key[1:-1]), cost, per_device, cache)
+        v = float(fn(*key[1:-1])) if fn is not None else value((name, *key[1:-1]))
     elif name in TERMS:  # a refinement asked for by name
         fn = refinement(cost, name)
-        v = float(fn(*key[1:])) if fn is not None else term_value((TERMS[name].fallback, *key[1:]), cost, per_device,
-                                                                   cache)
-    elif name == "nothing":
-        v = 0.0
+        v = float(fn(*key[1:])) if fn is not None else value((TERMS[name].fallback, *key[1:]))
     else:
         raise MissingTerm(f"{name!r} is neither a memory term nor one of the walk's compositions "
                           f"(pipeflow.sim.memory_terms.TERMS, COMPOSED)")

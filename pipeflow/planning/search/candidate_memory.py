@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeflow.sim.device_memory import term_value
+from pipeflow.sim.memory_terms import term_value
 from pipeflow.sim.memory_terms import ONE_STAGE, TWO_STAGES, like_stage
 
 from ..cost import AnalyticCost

@@ -11,7 +11,7 @@ Two parts, both cheap enough for tens of thousands of candidates:
 - **Peak memory** exactly as the simulator counts it, from the schedule's own order:
   :class:`Structure` builds one replica of the schedule once per (schedule, stages,
   microbatches, chunks, segments) and takes the simulator's own walk of each device's
-  order without its bytes (:func:`pipeflow.sim.device_memory.tapes`): which term (a stage's
+  order without its bytes (:func:`pipeflow.sim.device_walk.tapes`): which term (a stage's
   weights, gradients, optimizer state, a (stage, segment)'s activations, residuals,
   outputs, messages, a backward's workspace) each step allocates or frees, and which
   instants can be a peak. A candidate's peak is then a cumulative sum of its own bytes
@@ -37,7 +37,7 @@ from pipeflow.schedules.data_parallel import as_replica
 from pipeflow.schedules.sharding import gathers_per_step, with_gathers
 from pipeflow.schedules.ir import Kind, Schedule, WeightPolicy
 from pipeflow.schedules.registry import build_schedule
-from pipeflow.sim.device_memory import tapes
+from pipeflow.sim.device_walk import tapes
 from pipeflow.sim.memory_peaks import NotPeriodic, Periodic, Peaks, encoded
 
 # idle(p, m, v, s, F, I, W, overlap) -> idle time per device, in the unit times' units
