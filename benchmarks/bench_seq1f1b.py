@@ -64,8 +64,7 @@ from pipeflow.config import compose, prepare_simulation  # noqa: E402
 from pipeflow.planning.seqsplit import segment_flops, split_sequence  # noqa: E402
 from pipeflow.planning.transformer import TransformerSpec  # noqa: E402
 from pipeflow.sim.engine import simulate  # noqa: E402
-from pipeflow.sim.device_memory import device_memory  # noqa: E402
-from pipeflow.sim.memory_tape import library_workspace  # noqa: E402
+from pipeflow.sim.device_memory import device_memory, library_workspace  # noqa: E402
 
 STAGES = 4  # pipeline depth p
 TP = 8  # tensor-parallel GPUs per stage

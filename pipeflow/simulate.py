@@ -111,7 +111,7 @@ def _run_simulation(cfg: DictConfig, out_dir: str | Path, notes: list[str] | Non
         # stages, and data_parallel replicas of the pipeline (a plan's own): devices = data_parallel x stages
         **pipeline_shape(schedule, pipe.stages),
         "shard": schedule.shard,
-        "gather": schedule.meta.get("gather"),  # pipeline.shard=full: when a stage gathers (else null)
+        "gather": schedule.gather,  # pipeline.shard=full: when a stage gathers (else null)
         "microbatches": pipe.microbatches,
         "virtual_stages": pipe.virtual_stages,
         "segments": pipe.segments,

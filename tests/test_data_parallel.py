@@ -92,7 +92,7 @@ def test_replicas_onto_any_devices_and_microbatches(name, v):
     rows, ids = [[5, 1], [0, 3]], [[0, 2, 4, 6], [1, 3, 5, 7]]
     dp = replicate_onto([base, base], rows, 6, ids)
     validate(dp)
-    assert dp.meta["data_parallel"] == 2 and dp.orders[2] == [] and dp.orders[4] == []
+    assert dp.data_parallel == 2 and dp.orders[2] == [] and dp.orders[4] == []
     for r in range(2):
         for d in range(2):
             got = [(a.kind, a.stage, a.microbatch) for a in dp.orders[rows[r][d]] if a.kind not in (Kind.REDUCE, Kind.STEP)]
@@ -112,7 +112,7 @@ def test_the_planners_replicas_are_pipeline_data_parallel():
     dp = replicate(build_schedule("1f1b", 3, 2), 2)
     planned = build_plan_schedule([0, 1, 2], 6, 4, [[3, 4, 5]])
     block_to_robin = {r * 2 + i: i * 2 + r for r in range(2) for i in range(2)}
-    assert planned.placement == dp.placement and planned.meta["data_parallel"] == 2
+    assert planned.placement == dp.placement and planned.data_parallel == 2
     assert planned.orders == [[a._replace(microbatch=block_to_robin.get(a.microbatch, a.microbatch)) for a in order]
                               for order in dp.orders]
     uneven = build_plan_schedule([0, 2], 4, 5, [[3, 1]])

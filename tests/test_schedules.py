@@ -177,3 +177,23 @@ def test_stage_graph_dag():
         StageGraph(2, ((0, 1), (1, 0)))
     with pytest.raises(ValueError):
         Placement(2, ((0, 2),))
+
+
+def test_a_schedule_is_frozen_and_what_code_reads_is_a_field():
+    """Sharding, data parallelism and gathering make new schedules; the fields the runtime,
+    the simulator and the summaries read (data_parallel, gather, shard, a plan's cut) are
+    fields, and meta only describes."""
+    import dataclasses
+
+    from pipeflow.schedules.data_parallel import pipeline_shape, replicate
+    from pipeflow.schedules.sharding import with_gathers
+
+    one = build_schedule("1f1b", 2, 4)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        one.shard = "full"
+    dp = replicate(one, 2)
+    full = dataclasses.replace(with_gathers(dp, "chunk"), shard="full")
+    assert (one.data_parallel, dp.data_parallel, full.data_parallel) == (1, 2, 2)
+    assert (one.gather, dp.gather, full.gather, full.shard, dp.shard) == (None, None, "chunk", "full", "none")
+    assert "data_parallel" not in dp.meta and "gather" not in full.meta
+    assert pipeline_shape(full, 2) == {"stages": 2, "data_parallel": 2} and not full.layers_per_stage

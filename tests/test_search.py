@@ -6,6 +6,7 @@ pipeflow-compare pairs with measured runs)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -83,7 +84,7 @@ def test_a_candidates_overrides_are_a_training_run():
     cfg = compose("train", ["model=gpt_tiny", "logger=none", *sharded.overrides()])
     inputs = prepare_training(cfg)
     assert inputs.world_size == 4 and (cfg.pipeline.shard, cfg.pipeline.gather) == ("full", "chunk")
-    assert inputs.plan.schedule.shard == "full" and inputs.plan.schedule.meta["gather"] == "chunk"
+    assert inputs.plan.schedule.shard == "full" and inputs.plan.schedule.gather == "chunk"
     assert sharded.label() == "zb_v p2xdp2 m4x1 v2 zero3-chunk"
 
 
@@ -111,7 +112,7 @@ def _whole(pricer, c):
     sched = replicate(st.schedule, c.data_parallel) if c.data_parallel > 1 else st.schedule
     if c.shard != "none" and c.data_parallel > 1:
         sched = with_gathers(sched, c.gather) if c.shard == "full" else sched
-        sched.shard = c.shard
+        sched = dataclasses.replace(sched, shard=c.shard)
     res = simulate(sched, cost, pricer.topology, record=False, waits=False)
     mem = [m["peak_bytes"] for m in device_memory(sched, cost, res.per_device,
                                                   library_workspace(pricer.topology, sched.num_devices))]

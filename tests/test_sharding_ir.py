@@ -77,7 +77,7 @@ def test_a_gather_is_the_ring_all_gather_of_the_stages_weights():
             "pipeline.microbatches=8"]
     plain = prepare_simulation(compose("simulate", over))
     full = prepare_simulation(compose("simulate", [*over, "pipeline.shard=full", "pipeline.gather=microbatch"]))
-    assert full.schedule.shard == "full" and full.schedule.meta["gather"] == "microbatch"
+    assert full.schedule.shard == "full" and full.schedule.gather == "microbatch"
     result = simulate(full.schedule, full.cost, full.topology)
     topo, cost = full.topology, full.cost
     seen = 0

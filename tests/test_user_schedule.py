@@ -39,9 +39,10 @@ def _assemble(cfg):
     """ZB-H1, sized from the whole run's configuration (as the planner's schedule is)."""
     from pipeflow.schedules.registry import build_schedule
 
+    import dataclasses
+
     sched = build_schedule("zb_h1", cfg.pipeline.stages, cfg.pipeline.microbatches, check=False)
-    sched.name = "assembled_zb"
-    return sched
+    return dataclasses.replace(sched, name="assembled_zb")  # (a schedule is frozen: a renamed copy)
 
 
 from pipeflow.schedules.spec import ScheduleSpec  # noqa: E402

@@ -5,6 +5,7 @@ these too, so a rank and the up-front check always agree.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -142,8 +143,8 @@ def planned_schedule(cfg: Any):
         schedule = build_plan_schedule(p.device_of_stage, pipe.stages, pipe.microbatches, p.replica_devices)
     except ValueError as err:
         raise ConfigError(f"schedule.plan={path}: {err}") from None
-    schedule.name = PLANNED
-    schedule.meta["plan"] = p.to_dict()
+    schedule = dataclasses.replace(schedule, name=PLANNED, layers_per_stage=tuple(p.layers_per_stage),
+                                   meta={**schedule.meta, "plan": p.to_dict()})
     return schedule, p
 
 
@@ -228,12 +229,11 @@ def sharded(schedule: Schedule, shard: str, gather: str = "step") -> Schedule:
                                    for st in range(schedule.num_stages)):
         # (a run so set sharded nothing and was reported sharded)
         raise ConfigError(f"pipeline.shard={shard}: no stage of schedule '{schedule.name}' has a replica to share "
-                          f"its state with at pipeline.data_parallel={schedule.meta.get('data_parallel', 1)}; set "
+                          f"its state with at pipeline.data_parallel={schedule.data_parallel}; set "
                           f"pipeline.data_parallel to 2 or more, or pipeline.shard=none")
     if shard == "full":
         schedule = with_gathers(schedule, gather)
-    schedule.shard = shard
-    return schedule
+    return dataclasses.replace(schedule, shard=shard)
 
 
 def model_spec(cfg: DictConfig, schedule: Schedule) -> TransformerSpec:

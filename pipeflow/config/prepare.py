@@ -103,7 +103,7 @@ def prepare_simulation(cfg: DictConfig) -> SimulationInputs:
                         "dtype_bytes": 4 if precision == "fp32" else 2}
         if schedule.name == PLANNED and cfg.cost.name == "analytic":
             cost_cfg = {**OmegaConf.to_container(cfg.cost, resolve=True), **cost_cfg,
-                        "layers_per_stage": list(schedule.meta["plan"]["layers_per_stage"])}
+                        "layers_per_stage": list(schedule.layers_per_stage)}
         if lengths is not None and cfg.cost.name == "analytic":
             # the split drives the analytic cost: unequal segments, unequal times and memory
             cost_cfg = {**OmegaConf.to_container(cfg.cost, resolve=True), **cost_cfg, "segment_lengths": lengths}

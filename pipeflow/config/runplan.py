@@ -40,7 +40,7 @@ def build_run_plan(cfg: DictConfig, schedule: Schedule, spec: TransformerSpec | 
         layers = list(branch_layers or [])
     else:
         if schedule.name == PLANNED:
-            layers = list(schedule.meta["plan"]["layers_per_stage"])
+            layers = list(schedule.layers_per_stage)
         elif cfg.partition.name == "profiled" and not cfg.partition.get("profile"):
             layers = []
         else:

@@ -12,6 +12,7 @@ slower than it.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -85,6 +86,7 @@ def coordinate(stages: int, microbatches: int, graph: StageGraph, cost, topology
         )
     sched, makespan, pol = best
     validate(sched)
-    sched.meta["coordinator"] = {"policy": pol._asdict(), "makespan": makespan, "uncoordinated_makespan": base,
-                                 "candidates": len(tried), "seconds": time.perf_counter() - t0}
+    sched = dataclasses.replace(sched, meta={**sched.meta, "coordinator": {
+        "policy": pol._asdict(), "makespan": makespan, "uncoordinated_makespan": base, "candidates": len(tried),
+        "seconds": time.perf_counter() - t0}})
     return Coordinated(sched, pol, makespan, base, time.perf_counter() - t0, tried)

@@ -253,6 +253,43 @@ def _ping_pong(rank: int, numel: int, reps: int = 20, peer: int | None = None) -
 
 def run_rank(rank: int, job) -> dict | None:
     """One rank of the calibration (the launcher's entry for ``TrainJob(entry=...)``)."""
+    cfg = job.cfg
+    world = job.world_size
+    setup, ex, T = _join_and_build(rank, job)
+    me, devices = rank // T, world // T
+    bench = _make_bench(rank, cfg, setup, ex)
+    stages = list(setup.stages.values())
+    record = _time_actions_alone(bench, stages, me, devices)
+    replayed, slowdown, cpu, message_host = _replay_rounds(bench, me, devices)
+    alone = {k: statistics.median(v) for k, v in record.items()}
+    alone.update({k: statistics.median(v) for k, v in replayed.items()})
+    link = _measure_link(rank, setup, ex, devices, T)
+    sync = _measure_sync(bench, ex, stages)
+    mine = {
+        "alone": {f"{k}|{s}|{g}": v for (k, s, g), v in alone.items()},
+        "slowdown": slowdown,
+        "cpu": cpu,
+        "message_host": message_host,
+        "link": link,
+        "sync": sync,
+        "params": {st.stage: sum(p.numel() * p.element_size() for p in st.params) for st in stages},
+        "messages": {f"{p}|{s}|{g}": b for (p, s, g), b in _message_bytes(setup, ex).items()},
+    }
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    result = _combine(cfg, setup, gathered, world, tensor=T,
+                      sequence_parallel=bool(getattr(job.plan, "sequence_parallel", False)))
+    Path(job.run_dir, "calibration.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def _join_and_build(rank: int, job) -> tuple:
+    """Set this rank up as the worker does (allocator, threads, process group), build its
+    stages and an executor for its schedule device. Returns (the rank's setup, the
+    executor, T: the ranks per device)."""
     from .device import device_and_backend, join_group, keep_freed_memory
     from .rank import build_rank
 
@@ -262,13 +299,12 @@ def run_rank(rank: int, job) -> dict | None:
     torch.set_num_threads(int(runtime.get("threads_per_rank") or 1))
     device, backend = device_and_backend(runtime, rank)
     join_group(backend, rank, job.world_size, float(runtime.get("timeout_s", 60)) * 4)
-    world = job.world_size
     setup = build_rank(job.plan, cfg, rank, device)
     # tensor parallelism: this rank is tensor rank ``t`` of schedule device ``me``; the
     # device's T ranks run every action together (their collectives need each other), so
     # they take their turns together, as one device (runtime.mesh: rank = device x T + t)
     T = int(getattr(job.plan, "tensor_parallel", 1) or 1)
-    me, devices = rank // T, world // T
+    me = rank // T
     mesh = None
     if T > 1:
         from .mesh import RankMesh
@@ -276,6 +312,12 @@ def run_rank(rank: int, job) -> dict | None:
         mesh = RankMesh(T, me, rank % T)
     ex = Executor(setup.schedule, me, setup.stages, setup.adapter, setup.executor.groups, grad_clip=None,
                   mesh=mesh)
+    return setup, ex, T
+
+
+def _make_bench(rank: int, cfg: dict, setup, ex: Executor) -> _Bench:
+    """Build the data (rank 0 first, then the others: one barrier on each rank) and a
+    bench fed with one batch that holds every microbatch the plan names."""
     m, mbs = setup.schedule.num_microbatches, setup.adapter.mbs
     if rank != 0:
         dist.barrier()
@@ -285,9 +327,12 @@ def run_rank(rank: int, job) -> dict | None:
     # every microbatch the plan names (an asynchronous plan spans several steps' worth)
     need = max(m, 1 + max((a.microbatch for _, a in ex.plan), default=0))
     batch = data.train_batch(1, need * mbs)
-    bench = _Bench(ex, batch, setup.adapter.normalizer(batch))
-    stages = list(setup.stages.values())
+    return _Bench(ex, batch, setup.adapter.normalizer(batch))
 
+
+def _time_actions_alone(bench: _Bench, stages: list, me: int, devices: int) -> dict:
+    """Time each of this device's stages in tight loops, device by device, then warm up
+    the solo and joint replays. Returns the loops' times per (kind, stage, segment)."""
     # 1. each stage's F, B, I, W and S alone in a tight loop, device by device (the
     # fallback for kinds the schedule does not run)
     record: dict = {}
@@ -304,7 +349,14 @@ def run_rank(rank: int, job) -> dict | None:
     for _ in range(WARMUP):
         dist.barrier()
         bench.replay(None, together=True)
+    return record
 
+
+def _replay_rounds(bench: _Bench, me: int, devices: int) -> tuple[dict, float, float, float]:
+    """Alternate solo replays, device by device, with joint replays of every rank, for
+    ROUNDS rounds. Returns (each solo replay's mean per (kind, stage, segment), the
+    median slowdown of joint over solo, the median share of its core a solo replay
+    keeps busy, the median time spent posting one message)."""
     # 2. rounds of: the device's own actions in the schedule's order (replay) alone,
     # device by device (a device's T ranks together), which is what a step runs; then
     # every rank's replay at once (with the
@@ -333,10 +385,15 @@ def run_rank(rank: int, job) -> dict | None:
         if posted:
             per_message.append(posting / posted)
         dist.barrier()
-    alone = {k: statistics.median(v) for k, v in record.items()}
-    alone.update({k: statistics.median(v) for k, v in replayed.items()})
     slowdown = statistics.median(ratios) if ratios else 1.0
+    cpu = statistics.median(used) if used else 1.0
+    message_host = statistics.median(per_message) if per_message else 0.0
+    return replayed, slowdown, cpu, message_host
 
+
+def _measure_link(rank: int, setup, ex: Executor, devices: int, T: int) -> list:
+    """Ping-pong three message sizes between devices 0 and 1 (every rank passes the same
+    barriers). Returns [(bytes, one-way seconds)] on ranks 0 and T, else []."""
     # 3. messages between ranks 0 and 1, or with tensor parallelism between devices 0
     # and 1's tensor ranks 0 (ranks 0 and T), as a step's messages go (the others wait)
     sizes = sorted({int(torch.Size(shape).numel()) for shape in _message_shapes(setup, ex)} or {4096})
@@ -350,7 +407,12 @@ def run_rank(rank: int, job) -> dict | None:
             if rank in (0, T):
                 link.append((numel * 4.0, _ping_pong(rank, numel, peer=T if T > 1 else None)))
     dist.barrier()
+    return link
 
+
+def _measure_sync(bench: _Bench, ex: Executor, stages: list) -> float:
+    """Run a forward and backward of every stage, then time the step's synchronisation
+    five times. Returns the median."""
     # 4. the synchronisation before the first STEP (after a backward, so gradients exist)
     for st in stages:
         bench.forwards(st, None)
@@ -361,26 +423,7 @@ def run_rank(rank: int, job) -> dict | None:
         t0 = time.perf_counter()
         ex._synchronise([], torch.zeros((), dtype=torch.float64))
         sync_times.append(time.perf_counter() - t0)
-
-    mine = {
-        "alone": {f"{k}|{s}|{g}": v for (k, s, g), v in alone.items()},
-        "slowdown": slowdown,
-        "cpu": statistics.median(used) if used else 1.0,
-        "message_host": statistics.median(per_message) if per_message else 0.0,
-        "link": link,
-        "sync": statistics.median(sync_times),
-        "params": {st.stage: sum(p.numel() * p.element_size() for p in st.params) for st in stages},
-        "messages": {f"{p}|{s}|{g}": b for (p, s, g), b in _message_bytes(setup, ex).items()},
-    }
-    gathered = [None] * world if rank == 0 else None
-    dist.gather_object(mine, gathered, dst=0)
-    dist.destroy_process_group()
-    if rank != 0:
-        return None
-    result = _combine(cfg, setup, gathered, world, tensor=T,
-                      sequence_parallel=bool(getattr(job.plan, "sequence_parallel", False)))
-    Path(job.run_dir, "calibration.json").write_text(json.dumps(result, indent=1) + "\n")
-    return result
+    return statistics.median(sync_times)
 
 
 def _message_shapes(setup, ex) -> list:

@@ -216,7 +216,7 @@ def _train_steps(rank, job, device, setup: RankSetup, data, sink, progress, stat
         "schedule": schedule.name,
         **pipeline_shape(schedule, pipe_cfg["stages"]),  # stages; data_parallel replicas (a plan's own)
         "shard": schedule.shard,  # what the replicas of a stage shard (pipeline.shard)
-        "gather": schedule.meta.get("gather"),  # full: when a stage's parameters are gathered (else null)
+        "gather": schedule.gather,  # full: when a stage's parameters are gathered (else null)
         "tensor_parallel": job.plan.tensor_parallel,  # ranks splitting each device's stages
         "sequence_parallel": job.plan.sequence_parallel,
         # per step, as configured (an asynchronous schedule's IR spans schedule.windows steps)

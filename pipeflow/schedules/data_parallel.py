@@ -17,6 +17,7 @@ are pipes of the IR.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 from .common import finish_sync
@@ -88,11 +89,10 @@ def replicate_onto(replicas: Sequence[Schedule], devices: Sequence[Sequence[int]
             pipe_of[g] = r * pipes + s.pipe_of_microbatch[i]
         for d, order in enumerate(s.orders):
             orders[row[d]] = [moved(a) for a in order if a.kind not in (Kind.REDUCE, Kind.STEP)]
-    n = len(replicas)
-    meta = {**first.meta, "data_parallel": n} if n > 1 else dict(first.meta)
-    return finish_sync(first.name, first.graph, Placement(num_devices, tuple(table)), orders, total,
-                       pipe_of_microbatch=tuple(pipe_of),
-                       num_segments=first.num_segments, meta=meta, overlapped=tuple(overlapped))
+    whole = finish_sync(first.name, first.graph, Placement(num_devices, tuple(table)), orders, total,
+                        pipe_of_microbatch=tuple(pipe_of), num_segments=first.num_segments, meta=dict(first.meta),
+                        overlapped=tuple(overlapped))
+    return dataclasses.replace(whole, data_parallel=len(replicas))
 
 
 def as_replica(schedule: Schedule) -> Schedule:
@@ -101,15 +101,15 @@ def as_replica(schedule: Schedule) -> Schedule:
     step issues it. What the search walks for a replica's memory without building the
     other replicas (pipeflow.planning.search.closed_form)."""
     orders = [[a for a in order if a.kind not in (Kind.REDUCE, Kind.STEP)] for order in schedule.orders]
-    return finish_sync(schedule.name, schedule.graph, schedule.placement, orders, schedule.num_microbatches,
-                       pipe_of_microbatch=schedule.pipe_of_microbatch, num_segments=schedule.num_segments,
-                       meta=dict(schedule.meta), overlapped=schedule.overlapped, replicated=True)
+    one = finish_sync(schedule.name, schedule.graph, schedule.placement, orders, schedule.num_microbatches,
+                      pipe_of_microbatch=schedule.pipe_of_microbatch, num_segments=schedule.num_segments,
+                      meta=dict(schedule.meta), overlapped=schedule.overlapped, replicated=True)
+    return dataclasses.replace(one, data_parallel=schedule.data_parallel, layers_per_stage=schedule.layers_per_stage)
 
 
 def pipeline_shape(schedule: Schedule, stages: int) -> dict:
     """What a run's summary says of its shape: ``stages`` (``pipeline.stages``, or a plan's
     own stage count) and ``data_parallel`` (the replicas of the pipeline, from
     ``pipeline.data_parallel`` or the plan), so that ``pipeflow-compare`` tells them apart."""
-    planned = "plan" in schedule.meta
-    return {"stages": schedule.num_stages if planned else int(stages),
-            "data_parallel": int(schedule.meta.get("data_parallel", 1))}
+    planned = bool(schedule.layers_per_stage)
+    return {"stages": schedule.num_stages if planned else int(stages), "data_parallel": schedule.data_parallel}

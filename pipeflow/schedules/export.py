@@ -37,7 +37,7 @@ _TORCH_KIND = {Kind.REDUCE: "REDUCE_GRAD", Kind.GATHER: "UNSHARD", Kind.FREE: "R
 
 def replicated(schedule: Schedule) -> bool:
     """Data-parallel replicas of one pipeline each (what the compute_comms export takes)."""
-    return schedule.placement.num_pipes > 1 and schedule.meta.get("data_parallel", 1) == schedule.placement.num_pipes
+    return schedule.placement.num_pipes > 1 and schedule.data_parallel == schedule.placement.num_pipes
 
 
 def check_exportable(schedule: Schedule) -> None:

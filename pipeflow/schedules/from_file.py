@@ -25,6 +25,7 @@ the validator's sentence.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import os
 import re
@@ -175,7 +176,7 @@ def from_file(stages: int, microbatches: int, virtual_stages: int = 1, segments:
     check_size(text, path, stages, microbatches, virtual_stages, segments)
     orders, pairs = read_schedule_text(text, path)
     sched = schedule_from_orders(orders, source=path, overlapped=tuple(pairs))
-    sched.meta["path"] = path
+    sched = dataclasses.replace(sched, meta={**sched.meta, "path": path})
     found = {"pipeline.stages": (stages, sched.num_devices, "devices (lines)"),
              "pipeline.microbatches": (microbatches, sched.num_microbatches, "microbatches"),
              "pipeline.virtual_stages": (virtual_stages, sched.num_stages // max(1, sched.num_devices),

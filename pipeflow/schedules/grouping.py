@@ -12,6 +12,7 @@ for successors and backwards.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 from .ir import Action, Kind, Placement, Schedule, StageGraph
@@ -64,19 +65,6 @@ def place_graph(chain: Schedule, graph: StageGraph, groups: Sequence[Sequence[in
         return [a._replace(stage=s) for s in members]
 
     orders = [[b for a in order for b in expand(a)] for order in chain.orders]
-    return Schedule(
-        name=chain.name,
-        graph=graph,
-        placement=Placement(chain.num_devices, tuple(table)),
-        orders=orders,
-        num_microbatches=chain.num_microbatches,
-        num_segments=chain.num_segments,
-        policy=chain.policy,
-        pipe_of_microbatch=chain.pipe_of_microbatch,
-        windows=chain.windows,
-        microbatches_per_step=chain.microbatches_per_step,
-        zero=chain.zero,
-        shard=chain.shard,
-        update_of_microbatch=chain.update_of_microbatch,
-        meta={**chain.meta, "groups": groups},
-    )
+    # (the chain's every other field carries over: its policy, windows, shard, replicas)
+    return dataclasses.replace(chain, graph=graph, placement=Placement(chain.num_devices, tuple(table)),
+                               orders=orders, meta={**chain.meta, "groups": groups})

@@ -257,13 +257,18 @@ class Placement:
         return [list(row) for row in self.table]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Schedule:
     """Per-device ordered action lists plus everything needed to interpret them.
 
     ``pipe_of_microbatch[mb]`` says which replica runs microbatch ``mb``;
     ``update_of_microbatch[mb]`` says which weight update its gradient feeds (all 0
     for a synchronous iteration).
+
+    Frozen once generated: sharding, data parallelism, a plan's placement and a
+    coordinator's choice each make a new schedule (``dataclasses.replace``). What code
+    reads is a field; ``meta`` only describes (a plan's pricing, groups, the policy a
+    coordinator chose, a file's path) and nothing runs or prices by it.
     """
 
     name: str
@@ -286,6 +291,9 @@ class Schedule:
     microbatches_per_step: int = 0  # 0: num_microbatches / windows
     zero: bool = False
     shard: str = "none"
+    gather: str | None = None  # shard="full": when a stage gathers its parameters (pipeline.gather)
+    data_parallel: int = 1  # the replicas of the pipeline side by side (pipeline.data_parallel)
+    layers_per_stage: tuple[int, ...] = ()  # a plan's own cut of the layers (); else the partition's
     meta: dict = field(default_factory=dict)  # descriptive only (policy chosen, plan, groups, ...)
     # (forward, backward) pairs run as one overlapped unit (DualPipeV's overlapped F&B): the
     # backward right after its forward on one device, the pair starting once both are
@@ -296,11 +304,11 @@ class Schedule:
     def __post_init__(self) -> None:
         m = self.num_microbatches
         if not self.microbatches_per_step:
-            self.microbatches_per_step = m // max(1, self.windows)
+            object.__setattr__(self, "microbatches_per_step", m // max(1, self.windows))
         if not self.pipe_of_microbatch:
-            self.pipe_of_microbatch = (0,) * m
+            object.__setattr__(self, "pipe_of_microbatch", (0,) * m)
         if not self.update_of_microbatch:
-            self.update_of_microbatch = (0,) * m
+            object.__setattr__(self, "update_of_microbatch", (0,) * m)
         if len(self.orders) != self.placement.num_devices:
             raise ValueError(
                 f"schedule {self.name!r} has orders for {len(self.orders)} devices, "

@@ -74,7 +74,7 @@ def with_gathers(schedule: Schedule, policy: str, every_stage: bool = False) -> 
                     held.discard(rep)
                     count[rep] += 1
         orders.append(new)
-    return dataclasses.replace(schedule, orders=orders, meta={**schedule.meta, "gather": policy})
+    return dataclasses.replace(schedule, orders=orders, gather=policy)
 
 
 def gathers_per_step(schedule: Schedule) -> dict[tuple[int, int], int]:

@@ -92,6 +92,38 @@ def compile_schedule(schedule: Schedule) -> CompiledSchedule:
 
 def _compile(schedule: Schedule) -> CompiledSchedule:
     resolver = DepResolver(schedule)
+    actions, device, offsets, index = _numbered(schedule)
+    kind = list(map(itemgetter(0), actions))
+    stage = list(map(itemgetter(1), actions))
+    segment = list(map(itemgetter(4), actions))
+    local_out, msg_src, msg_dst, msg_to, num_waits = _dependents(schedule, resolver, actions, device, index)
+    message_classes, message_counts, tensor_out = _messages(len(actions), kind, stage, segment, device,
+                                                            msg_src, msg_dst, msg_to)
+    next_on_device = _device_order(kind, offsets, local_out, num_waits)
+    group_of, groups = _collective_groups(schedule, resolver, actions, kind, index)
+    return CompiledSchedule(
+        schedule=schedule,
+        actions=actions,
+        kind=kind,
+        stage=stage,
+        segment=segment,
+        device=device,
+        offsets=offsets,
+        index=index,
+        local_out=local_out,
+        tensor_out=tensor_out,
+        message_classes=message_classes,
+        message_counts=message_counts,
+        num_waits=num_waits,
+        next_on_device=next_on_device,
+        group_of=group_of,
+        groups=groups,
+    )
+
+
+def _numbered(schedule: Schedule) -> tuple[list, list, list, dict]:
+    """Every action numbered, device by device: (actions, each one's device, where each
+    device's start, action -> number); an action listed twice is refused."""
     actions: list[Action] = []
     device: list[int] = []
     offsets = [0]
@@ -108,12 +140,15 @@ def _compile(schedule: Schedule) -> CompiledSchedule:
             f"schedule {schedule.name!r} lists {', '.join(dups[:8])} more than once; "
             f"run pipeflow.schedules.validate(schedule) to see every problem"
         )
-    kind = list(map(itemgetter(0), actions))
-    stage = list(map(itemgetter(1), actions))
-    segment = list(map(itemgetter(4), actions))
+    return actions, device, offsets, index
 
-    # Dependencies -> dependents. This loop runs once per dependency (a quarter of a
-    # million for 64 x 1024), so it only sorts edges; messages are classified in bulk below.
+
+def _dependents(schedule: Schedule, resolver, actions: list, device: list, index: dict) -> tuple:
+    """Dependencies -> dependents: (each action's dependents on its own device, the
+    messages' (source, consumer, waiter) numbers, how many things each action waits for).
+    This loop runs once per dependency (a quarter of a million for 64 x 1024), so it only
+    sorts edges; messages are classified in bulk (:func:`_messages`)."""
+    n = len(actions)
     local_out: list[list[int]] = [[] for _ in range(n)]
     msg_src: list[int] = []
     msg_dst: list[int] = []
@@ -149,10 +184,15 @@ def _compile(schedule: Schedule) -> CompiledSchedule:
             f"schedule {schedule.name!r}: {actions[c]} on device {device[c]} depends on {', '.join(missing)}, "
             f"which is not in the schedule; run pipeflow.schedules.validate(schedule) first"
         ) from None
+    return local_out, msg_src, msg_dst, msg_to, num_waits
 
-    # A message class is (src device, dst device, src stage, dst stage, segment) of the
-    # forward edge: activations flow along graph edges (the producer is an F), gradients
-    # against them with the same size.
+
+def _messages(n: int, kind: list, stage: list, segment: list, device: list, msg_src: list, msg_dst: list,
+              msg_to: list) -> tuple[list, list, list]:
+    """The messages by class: (the classes, how many of each, each action's messages
+    out as (waiter, class)). A message class is (src device, dst device, src stage, dst
+    stage, segment) of the forward edge: activations flow along graph edges (the
+    producer is an F), gradients against them with the same size."""
     keys = [
         (device[p], device[c], stage[p], stage[c], segment[p])
         if kind[p] == Kind.F
@@ -168,9 +208,14 @@ def _compile(schedule: Schedule) -> CompiledSchedule:
     tensor_out: list[list[tuple[int, int]]] = [[] for _ in range(n)]
     for p, c, mc in zip(msg_src, msg_to, msg_class):
         tensor_out[p].append((c, mc))
+    return message_classes, message_counts, tensor_out
 
-    # The device predecessor is one more thing to wait for. A compute action frees the
-    # stream when it ends; a REDUCE frees it when issued (handled in the event loop).
+
+def _device_order(kind: list, offsets: list, local_out: list, num_waits: list) -> list[int]:
+    """Each action's next on its device (-1: the last). The device predecessor is one
+    more thing to wait for. A compute action frees the stream when it ends; a REDUCE
+    frees it when issued (handled in the event loop)."""
+    n = len(kind)
     next_on_device = list(range(1, n + 1))
     for d in range(len(offsets) - 1):
         lo, hi = offsets[d], offsets[d + 1]
@@ -180,8 +225,13 @@ def _compile(schedule: Schedule) -> CompiledSchedule:
     for p, c in zip(range(n), next_on_device):
         if c >= 0 and kind[p] not in Kind.COLLECTIVE:
             local_out[p].append(c)
+    return next_on_device
 
-    group_of = [-1] * n
+
+def _collective_groups(schedule: Schedule, resolver, actions: list, kind: list, index: dict) -> tuple[list, list]:
+    """(each action's collective group, -1: none; each group's members): the replicas of
+    a stage that issue one REDUCE (or GATHER) together, every one of them required."""
+    group_of = [-1] * len(actions)
     groups: list[list[int]] = []
     for i in [i for i, k in enumerate(kind) if k in Kind.COLLECTIVE]:
         if group_of[i] >= 0:
@@ -198,22 +248,4 @@ def _compile(schedule: Schedule) -> CompiledSchedule:
         for j in members:
             group_of[j] = len(groups)
         groups.append(members)
-
-    return CompiledSchedule(
-        schedule=schedule,
-        actions=actions,
-        kind=kind,
-        stage=stage,
-        segment=segment,
-        device=device,
-        offsets=offsets,
-        index=index,
-        local_out=local_out,
-        tensor_out=tensor_out,
-        message_classes=message_classes,
-        message_counts=message_counts,
-        num_waits=num_waits,
-        next_on_device=next_on_device,
-        group_of=group_of,
-        groups=groups,
-    )
+    return group_of, groups

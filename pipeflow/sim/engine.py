@@ -110,6 +110,8 @@ def simulate(
 
 
 def _simulate(cs: CompiledSchedule, cost, topology, record: bool, want_waits: bool = True) -> SimResult:
+    """Price every action, message and collective once, run the event loop over them,
+    then each device's statistics and the result."""
     sched = cs.schedule
     ndev = cs.num_devices
     if topology.num_devices < ndev:
@@ -117,10 +119,35 @@ def _simulate(cs: CompiledSchedule, cost, topology, record: bool, want_waits: bo
             f"schedule {sched.name!r} needs {ndev} devices but topology {topology.name!r} has "
             f"{topology.num_devices}; pick a larger topology (e.g. get_topology(name, num_devices={ndev}))"
         )
-    devices = topology.devices
-    actions, kind, stage, segment, device = cs.actions, cs.kind, cs.stage, cs.segment, cs.device
-    n = len(actions)
+    n = len(cs.actions)
+    dur = _durations(cs, cost, topology)
+    specs, num_slots, sent, recv = _message_prices(cs, cost, topology)
+    gdur, gdevs, gbytes, coll_bytes = _collective_prices(cs, cost, topology)
 
+    # ---- the event loop
+    run = _events_shared if topology.shares_compute else _events
+    start, end, issue_time, transfers, num_launched, now, waits = run(
+        cs, dur, specs, num_slots, cs.groups, gdevs, gdur, record, topology)
+    if num_launched < n:
+        raise SimulationError(_deadlock_message(cs, waits))
+    if topology.shares_compute:
+        dur = [e - s if k not in Kind.COLLECTIVE else 0.0 for s, e, k in zip(start, end, cs.kind)]  # busy = elapsed
+    makespan = now if n else 0.0
+    per_device = _device_stats(cs, cost, dur, start, end, makespan, (sent, recv, coll_bytes))
+    total_busy = sum(st.busy for st in per_device)
+    bubble = 1.0 - total_busy / (ndev * makespan) if makespan > 0 and ndev else 0.0
+    return _result(cs, cost, topology, record, want_waits, per_device, makespan, bubble, start, end, issue_time,
+                   transfers, gbytes, sum(sent), sum(coll_bytes))
+
+
+def _durations(cs: CompiledSchedule, cost, topology) -> list[float]:
+    """Each action's time on its device: the cost model's, cached per (kind, stage,
+    segment, device), with what the step, sharding, a CPU rank's messages and an
+    overlapped pair add or take away."""
+    sched = cs.schedule
+    ndev, n = cs.num_devices, len(cs.actions)
+    devices = topology.devices
+    kind, stage, segment, device = cs.kind, cs.stage, cs.segment, cs.device
     # ---- price every action once: durations are cached per (kind, stage, segment, device)
     dur = [0.0] * n
     dcache: dict[tuple, float] = {}
@@ -182,6 +209,13 @@ def _simulate(cs: CompiledSchedule, cost, topology, record: bool, want_waits: bo
             shorter = f if dur[f] <= dur[b] else b
             dur[shorter] -= overlap * dur[shorter]
 
+    return dur
+
+
+def _message_prices(cs: CompiledSchedule, cost, topology) -> tuple[list, int, list, list]:
+    """(each message class's (transfer time, latency, resource slots, bytes), how many
+    resource slots, bytes each device sends, bytes each receives)."""
+    ndev = cs.num_devices
     # ---- price every message class once: (transfer time, latency, resource slots, bytes)
     slot_of: dict = {}  # topology resource id -> index into ``free``
     specs: list[tuple[float, float, tuple[int, ...], float]] = []
@@ -209,6 +243,13 @@ def _simulate(cs: CompiledSchedule, cost, topology, record: bool, want_waits: bo
         sent[dp] += nbytes * count
         recv[dc] += nbytes * count
 
+    return specs, len(slot_of), sent, recv
+
+
+def _collective_prices(cs: CompiledSchedule, cost, topology) -> tuple[list, list, list, list]:
+    """Each collective group's (time, devices, bytes), and each device's collective bytes."""
+    ndev, kind, stage, device = cs.num_devices, cs.kind, cs.stage, cs.device
+    shard = getattr(cs.schedule, "shard", "none")
     # ---- price every collective once
     groups = cs.groups
     gdur = [0.0] * len(groups)
@@ -231,25 +272,21 @@ def _simulate(cs: CompiledSchedule, cost, topology, record: bool, want_waits: bo
         for d in devs:
             coll_bytes[d] += nbytes
 
-    # ---- the event loop
-    run = _events_shared if topology.shares_compute else _events
-    start, end, issue_time, transfers, num_launched, now, waits = run(
-        cs, dur, specs, len(slot_of), groups, gdevs, gdur, record, topology)
-    if num_launched < n:
-        raise SimulationError(_deadlock_message(cs, waits))
-    if topology.shares_compute:
-        dur = [e - s if k not in Kind.COLLECTIVE else 0.0 for s, e, k in zip(start, end, kind)]  # busy = elapsed
-    makespan = now if n else 0.0
+    return gdur, gdevs, gbytes, coll_bytes
 
+
+def _device_stats(cs: CompiledSchedule, cost, dur, start, end, makespan: float, traffic: tuple) -> list[DeviceStats]:
+    """Each device's :class:`DeviceStats`: its busy time (by branch), its activations'
+    peak as the engine walks them (each device's list in order: its events are
+    time-ordered there), its traffic (sent, received, collective bytes) and weights."""
+    sched = cs.schedule
+    ndev, kind, stage, segment = cs.num_devices, cs.kind, cs.stage, cs.segment
+    sent, recv, coll_bytes = traffic
     # ---- weights: versions seen (asynchronous policies), versions kept, optimizer state
-    versions = _versions(cs)
     weights = _weight_memory(cs, cost)
-
-    # ---- memory: walk each device's list in order (its events are time-ordered there)
     act_cache: dict[tuple[int, int], tuple[float, float]] = {}
     per_device: list[DeviceStats] = []
     nseg = max(1, sched.num_segments)
-    total_busy = 0.0
     labels = sched.graph.branch
     label_order = tuple(dict.fromkeys(labels))
     for d in range(ndev):
@@ -300,7 +337,6 @@ def _simulate(cs: CompiledSchedule, cost, topology, record: bool, want_waits: bo
             live += dlive
         peak = max(peak, cur)
         peak_live = max(peak_live, live)
-        total_busy += busy
         nver, wbytes, obytes = weights[d]
         per_device.append(
             DeviceStats(
@@ -320,19 +356,27 @@ def _simulate(cs: CompiledSchedule, cost, topology, record: bool, want_waits: bo
                 busy_by_branch=by_branch,
             )
         )
-    bubble = 1.0 - total_busy / (ndev * makespan) if makespan > 0 and ndev else 0.0
+    return per_device
 
+
+def _result(cs: CompiledSchedule, cost, topology, record: bool, want_waits: bool, per_device: list,
+            makespan: float, bubble: float, start, end, issue_time: dict, transfers, gbytes, p2p: float,
+            collective: float) -> SimResult:
+    """The :class:`SimResult`: the numbers, with ``record`` the waits and the timeline."""
+    sched, actions = cs.schedule, cs.actions
+    labels = sched.graph.branch
+    versions = _versions(cs)
     describe = getattr(cost, "describe", None)
     result = SimResult(
         schedule=sched.name,
-        num_devices=ndev,
+        num_devices=cs.num_devices,
         num_stages=sched.num_stages,
         num_microbatches=sched.num_microbatches,
         makespan=makespan,
         bubble_ratio=bubble,
         per_device=per_device,
-        p2p_bytes=sum(sent),
-        collective_bytes=sum(coll_bytes),
+        p2p_bytes=p2p,
+        collective_bytes=collective,
         topology=getattr(topology, "name", ""),
         cost=describe() if callable(describe) else None,
         actions=actions,

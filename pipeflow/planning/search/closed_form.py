@@ -27,6 +27,7 @@ schedule's own generator, whose refusal names the rule.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable
 
@@ -228,7 +229,7 @@ class Structure:
             got = as_replica(self.schedule)
             if walk[0] == "full":
                 got = with_gathers(got, walk[1], every_stage=True)
-            got.shard = walk[0]
+            got = dataclasses.replace(got, shard=walk[0])
             self._replicas[walk] = got
         return got
 

@@ -464,7 +464,7 @@ class Pricer(MemoryPrices):
             sched = replicate(st.schedule, c.data_parallel) if c.data_parallel > 1 else st.schedule
             if c.shard != "none" and c.data_parallel > 1:  # (what pipeflow.config.assembly.sharded does)
                 sched = with_gathers(sched, c.gather) if c.shard == "full" else sched
-                sched.shard = c.shard
+                sched = dataclasses.replace(sched, shard=c.shard)
             compiled = self._compiled[key] = compile_schedule(sched)
         return simulate(compiled, cost, self.topology, record=False, waits=False)
 
