@@ -126,7 +126,7 @@ def measure(overrides: list[str], run_dir: Path, steps: int) -> tuple[float, dic
     cfg = compose("train", [*overrides, f"trainer.timeline_step={steps}"])
     inputs = prepare_training(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    launch(TrainJob(OmegaConf.to_container(cfg, resolve=True), str(run_dir), inputs.plan))
+    launch(TrainJob(OmegaConf.to_container(inputs.config, resolve=True), str(run_dir), inputs.plan))
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steady = rows[len(rows) // 2:]
     actions: dict = {}

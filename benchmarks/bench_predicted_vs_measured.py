@@ -77,7 +77,7 @@ def run_once(schedule: str, run_dir: Path, steps: int, timeline_step: int) -> di
     cfg = compose("train", overrides(schedule, steps, timeline_step))
     inputs = prepare_training(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    launch(TrainJob(OmegaConf.to_container(cfg, resolve=True), str(run_dir), inputs.plan))
+    launch(TrainJob(OmegaConf.to_container(inputs.config, resolve=True), str(run_dir), inputs.plan))
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     step_time = {m_["step"]: m_["step_time"] for m_ in metrics}
     timeline = Timeline.load(run_dir / "timeline.json")  # or timeline.json.gz, when saved gzipped

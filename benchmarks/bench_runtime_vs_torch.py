@@ -360,7 +360,7 @@ def measure(schedule: str, repeats: int = 3, steps: int = 15, warmup: int = WARM
         raise ValueError(f"steps must exceed the {warmup} warm-up steps")
     dcfg = compose("train", overrides(steps, schedule))
     inputs = prepare_training(dcfg)
-    cfg = OmegaConf.to_container(dcfg, resolve=True)
+    cfg = OmegaConf.to_container(inputs.config, resolve=True)
     from pipeflow.data.text import build_text_data
     from pipeflow.planning.partition import partition_layers
 

@@ -105,7 +105,7 @@ def measure(overrides: list[str], run_dir: Path, steps: int) -> float:
                             "trainer.timeline_step=null"])
     inputs = prepare_training(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    launch(TrainJob(OmegaConf.to_container(cfg, resolve=True), str(run_dir), inputs.plan))
+    launch(TrainJob(OmegaConf.to_container(inputs.config, resolve=True), str(run_dir), inputs.plan))
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return statistics.median(r["step_time"] for r in rows[len(rows) // 2:])
 

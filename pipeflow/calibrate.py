@@ -21,8 +21,8 @@ from pipeflow.runtime import calibration_run as measure
 def calibrate(cfg: DictConfig, out: str | Path | None = None) -> dict:
     """Calibrate a composed train config (checked first, as pipeflow-train checks it, and
     run as its run plan says); write ``out``."""
-    plan = prepare_training(cfg).plan
-    return measure.calibrate(OmegaConf.to_container(cfg, resolve=True), plan, out)
+    inputs = prepare_training(cfg)
+    return measure.calibrate(OmegaConf.to_container(inputs.config, resolve=True), inputs.plan, out)
 
 
 def main(argv: list[str] | None = None) -> None:

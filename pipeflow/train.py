@@ -168,6 +168,7 @@ def _train(cfg: DictConfig, hydra_cfg, run_dir: str, inputs) -> None:
     # The runtime imports torch; a config error above never pays for that.
     from pipeflow.runtime.launch import JobFailed, JobStopped, TrainJob, launch
 
+    cfg = inputs.config  # (resolved: a model preset's shape, data=auto, precision=auto)
     plain = job_config(cfg, hydra_cfg)
     plan = inputs.plan
     if plain["partition"]["name"] == "profiled" and plain["partition"].get("profile") is None:

@@ -661,3 +661,16 @@ def test_enough_utf8_text_passes_and_a_character_cut_by_max_bytes_is_fine(tmp_pa
     path = _text_file(tmp_path, "ok.txt", ("\u00e9t\u00e9 " * 400).encode("utf-8"))
     prepare(f"data.files={path}")
     prepare(f"data.files={path}", "data.max_bytes=301")  # ends inside a two-byte character
+
+
+def test_prepare_training_leaves_its_config_alone_and_returns_the_resolved_one():
+    """A model preset's shape, data=auto and precision=auto are resolved in a copy (the
+    inputs' config, what the job's config is made of); the config given is as it was."""
+    cfg = compose("train", ["model=llama_tiny", "pipeline.stages=2"])
+    before = OmegaConf.to_yaml(cfg)
+    inputs = prepare_training(cfg)
+    assert OmegaConf.to_yaml(cfg) == before
+    assert (cfg.data.name, cfg.precision) == ("auto", "auto")
+    resolved = inputs.config
+    assert resolved.data.name != "auto" and resolved.precision == inputs.plan.precision == "fp32"
+    assert resolved.model.n_layer == sum(inputs.plan.layers_per_stage)

@@ -4,6 +4,7 @@ names, before any work starts (for training: before any rank is spawned).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 from dataclasses import dataclass
@@ -149,6 +150,9 @@ class TrainingInputs:
     spec: TransformerSpec | None  # None for a concurrent-branch model (two branches, no one spec)
     topology: Topology
     plan: RunPlan  # what the ranks instantiate (pipeflow.config.runplan)
+    # the config as resolved (a model preset's shape, data=auto, precision=auto): a copy,
+    # the one given to prepare_training is left as it was
+    config: DictConfig | None = None
 
     @property
     def world_size(self) -> int:
@@ -159,8 +163,11 @@ class TrainingInputs:
 def prepare_training(cfg: DictConfig) -> TrainingInputs:
     """Check a train config and build (and validate) its schedule, or raise ConfigError,
     one sentence naming the key and the allowed values. Nothing is spawned, loaded or
-    written, so a bad config fails before any rank starts."""
+    written, so a bad config fails before any rank starts. ``cfg`` is left alone: what
+    is resolved (a model preset, data=auto, precision=auto) is resolved in a copy, the
+    inputs' ``config``."""
     check_known_keys(cfg)
+    cfg = copy.deepcopy(cfg)
     resolve_model(cfg)
     check_pipeline(cfg)
     resolve_auto_data(cfg)
@@ -248,7 +255,7 @@ def prepare_training(cfg: DictConfig) -> TrainingInputs:
     # Generators are tested to be valid, but the runtime would deadlock on a schedule that
     # is not, so one validation here (milliseconds at training sizes) is cheap insurance.
     validated(schedule, cfg)
-    return TrainingInputs(schedule, spec, topology, build_run_plan(cfg, schedule, spec))
+    return TrainingInputs(schedule, spec, topology, build_run_plan(cfg, schedule, spec), cfg)
 
 
 
@@ -299,4 +306,5 @@ def _prepare_branched(cfg: DictConfig) -> TrainingInputs:
             raise ConfigError(str(err).strip().splitlines()[0]) from None
     check_resume(cfg.resume, resume_expect(cfg, schedule), cfg.trainer.steps)
     validated(schedule, cfg)
-    return TrainingInputs(schedule, None, topology, build_run_plan(cfg, schedule, None, [s.hi - s.lo for s in specs]))
+    return TrainingInputs(schedule, None, topology, build_run_plan(cfg, schedule, None, [s.hi - s.lo for s in specs]),
+                          cfg)
