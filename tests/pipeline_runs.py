@@ -80,7 +80,7 @@ def train(run_dir: Path, overrides: list[str], tied: dict[str, str] | None = Non
     cfg = compose("train", overrides)
     inputs = prepare_training(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    launch(TrainJob(OmegaConf.to_container(cfg, resolve=True), str(run_dir), inputs.plan))
+    launch(TrainJob(OmegaConf.to_container(inputs.config, resolve=True), str(run_dir), inputs.plan))
     grads: dict[str, list[torch.Tensor]] = {}
     for f in sorted((run_dir / "grads").glob("rank*.pt")):
         for key, g in torch.load(f).items():

@@ -120,7 +120,7 @@ def _tie(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def runs(tmp_path_factory):
     cfg = compose("train", OVERRIDES)
     inputs = prepare_training(cfg)
-    plain = OmegaConf.to_container(cfg, resolve=True)
+    plain = OmegaConf.to_container(inputs.config, resolve=True)
 
     # pipeflow: its own launcher, its own 1F1B
     pf_dir = tmp_path_factory.mktemp("pipeflow")
