@@ -103,7 +103,7 @@ def _run_simulation(cfg: DictConfig, out_dir: str | Path, notes: list[str] | Non
         files.append("schedule.csv")
 
     categories = (device_memory(schedule, cost, result.per_device, library_workspace(topology, schedule.num_devices),
-                                actions) if cost.name != "unit" else None)
+                                actions, inputs.periods) if cost.name != "unit" else None)
     memory = memory_fit(schedule, cost, topology, sim_summary["per_device"], categories)
     summary = {
         "kind": "simulated",  # predicted by the simulator; pipeflow-train's summaries are measured

@@ -22,8 +22,7 @@ HF = pipeline_runs.SMALL_HF  # a small shape of each supported Hugging Face arch
 
 def _model(*overrides: str) -> dict:
     cfg = compose("train", ["logger=none", *overrides])
-    prepare_training(cfg)
-    return OmegaConf.to_container(cfg.model, resolve=True)
+    return OmegaConf.to_container(prepare_training(cfg).config.model, resolve=True)
 
 
 def _run(module, inputs, segments: bool):

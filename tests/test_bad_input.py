@@ -131,8 +131,7 @@ def checkpoint(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("llama")
     (folder / "config.json").write_text(json.dumps(TINY))
     cfg = compose("train", ["model=hf_causal", f"model.config={folder}", "logger=none"])
-    prepare_training(cfg)
-    model = hf_causal.build_model(OmegaConf.to_container(cfg.model, resolve=True), seed=5)
+    model = hf_causal.build_model(OmegaConf.to_container(prepare_training(cfg).config.model, resolve=True), seed=5)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
     return folder
 

@@ -27,8 +27,7 @@ SMALL_HF = pipeline_runs.SMALL_HF  # a small shape of each supported architectur
 
 def resolved(*overrides: str) -> dict:
     cfg = compose("train", ["model=llama_tiny", "logger=none", "model.seq_len=32", *overrides])
-    prepare_training(cfg)
-    return OmegaConf.to_container(cfg.model, resolve=True)
+    return OmegaConf.to_container(prepare_training(cfg).config.model, resolve=True)
 
 
 def test_every_architecture_is_covered():

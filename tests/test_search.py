@@ -20,7 +20,8 @@ from pipeflow.config import CONF_DIR, ConfigError, compose, prepare_training
 from pipeflow.planning.search import (Candidate, NothingFits, Pricer, SearchSpace, candidates, default_schedules,
                                       pareto, search)
 from pipeflow.config.groups.model import resolve_model
-from pipeflow.planning.search.closed_form import PERIODS, Structure, priced_as
+from pipeflow.planning.search.closed_form import Structure, priced_as
+from pipeflow.schedules.periods import PERIODS
 from pipeflow.planning.search.progress import duration
 from pipeflow.schedules.data_parallel import replicate
 from pipeflow.schedules.sharding import with_gathers

@@ -483,3 +483,50 @@ def test_simulator_does_not_import_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# (schedule, its sizes): each schedule with a period rule, the replicated and sharded walks
+# among them, m well past the two short walks
+PERIODIC_CASES = [
+    ("1f1b", ["pipeline.stages=4"]), ("zb_h1", ["pipeline.stages=4", "precision=bf16"]),
+    ("gpipe", ["pipeline.stages=3"]), ("interleaved_1f1b", ["pipeline.stages=4", "pipeline.virtual_stages=2"]),
+    ("chimera", ["pipeline.stages=4", "pipeline.data_parallel=2", "pipeline.shard=optimizer"]),
+    ("zb_v", ["pipeline.stages=4", "pipeline.virtual_stages=2"]), ("zb_h2", ["pipeline.stages=4"]),
+    ("seq1f1b", ["pipeline.stages=3", "pipeline.segments=3", "model=llama_tiny"]),
+    ("1f1b", ["pipeline.stages=4", "pipeline.data_parallel=2", "pipeline.shard=full", "model.recompute=selective"]),
+    ("1f1b", ["pipeline.stages=2", "pipeline.tensor_parallel=2"]),
+]
+
+
+@pytest.mark.parametrize("name, sizes", PERIODIC_CASES, ids=[" ".join([n, *s]) for n, s in PERIODIC_CASES])
+def test_a_long_walk_from_two_short_ones_is_the_whole_walk(name, sizes):
+    """Past its fill a schedule's walk repeats blocks, so two short walks a period apart
+    twice give every device's memory at m: the same peak, split, action and category
+    peaks as the whole walk (pipeflow.sim.periodic_memory), to the bit."""
+    from pipeflow.config import compose, prepare_simulation
+    from pipeflow.sim.device_memory import device_memory
+
+    inputs = prepare_simulation(compose("simulate", [f"schedule={name}", "model=gpt_small", "topology=local_cpu",
+                                                     *sizes, "pipeline.microbatches=48"]))
+    assert inputs.periods is not None and inputs.periods[1] >= 3
+    result = simulate(inputs.schedule, inputs.cost, inputs.topology, record=False)
+    whole = device_memory(inputs.schedule, inputs.cost, result.per_device)
+    assert device_memory(inputs.schedule, inputs.cost, result.per_device, periods=inputs.periods) == whole
+
+
+def test_a_period_rule_that_does_not_hold_costs_time_not_bytes(monkeypatch):
+    """A rule whose short walks are not a period apart (here 1F1B's fill set before its
+    warm-up is full) is caught device by device: those devices are walked whole."""
+    from pipeflow.config import compose, prepare_simulation
+    from pipeflow.schedules import periods
+    from pipeflow.sim.device_memory import device_memory
+
+    cfg = compose("simulate", ["schedule=1f1b", "model=gpt_small", "topology=local_cpu", "pipeline.stages=4",
+                               "pipeline.microbatches=24"])
+    whole = prepare_simulation(cfg)
+    monkeypatch.setitem(periods.PERIODS, "1f1b", lambda p, v, s, m: (1, 1))
+    inputs = prepare_simulation(cfg)
+    result = simulate(inputs.schedule, inputs.cost, inputs.topology, record=False)
+    assert inputs.periods is not None and whole.periods[1] != inputs.periods[1]
+    assert device_memory(inputs.schedule, inputs.cost, result.per_device, periods=inputs.periods) == \
+        device_memory(inputs.schedule, inputs.cost, result.per_device)

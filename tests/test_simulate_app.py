@@ -483,8 +483,7 @@ def test_the_simulated_costs_follow_the_precision(tmp_path):
     cpu = simulate(tmp_path / "cpu", "draw=false")  # local_cpu, as pipeflow-train's ranks run: fp32
     assert (cpu["precision"], cpu["cost"]["dtype_bytes"]) == ("fp32", 4)
     train = compose("train", ["logger=none"])
-    prepare_training(train)
-    assert train.precision == "fp32"
+    assert prepare_training(train).config.precision == "fp32"
 
 
 def test_a_gpu_keeps_its_math_libraries_workspaces_through_the_step(tmp_path):

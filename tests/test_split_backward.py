@@ -88,8 +88,8 @@ def _case(name: str):
 
         cfg = compose("train", ["model=llama_tiny", "logger=none", "model.seq_len=16",
                                 f"model.attention={'eager' if name.endswith('eager') else 'sdpa'}"])
-        prepare_training(cfg)
-        module = hf_causal.build_stage(OmegaConf.to_container(cfg.model, resolve=True), [1, 2, 1], 1, seed=0)
+        model = prepare_training(cfg).config.model
+        module = hf_causal.build_stage(OmegaConf.to_container(model, resolve=True), [1, 2, 1], 1, seed=0)
 
         def run():
             x = torch.randn(2, 16, 128, generator=torch.Generator().manual_seed(1)).requires_grad_(True)

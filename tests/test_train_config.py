@@ -56,12 +56,12 @@ def no_wandb_credentials(tmp_path, monkeypatch):
                                         ("gpt_small", "text_corpus"), ("bert_tiny", "mlm_corpus")])
 def test_auto_data_follows_the_model_family_and_keeps_overrides(model, data, tmp_path):
     cfg = train_cfg(f"model={model}", "pipeline.stages=2")
-    prepare_training(cfg)
+    cfg = prepare_training(cfg).config
     assert cfg.data.name == data and cfg.data.val_fraction > 0  # the data set's own defaults
     (tmp_path / "a.txt").write_text("some text " * 300)  # two windows of gpt_small's 1024 + 1 bytes
     if data != "image_text":
         cfg = train_cfg(f"model={model}", f"data.files=[{tmp_path / 'a.txt'}]", "data.val_fraction=0.5")
-        prepare_training(cfg)
+        cfg = prepare_training(cfg).config
         assert cfg.data.name == data and cfg.data.val_fraction == 0.5 and len(cfg.data.files) == 1
 
 

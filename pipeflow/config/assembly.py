@@ -5,6 +5,7 @@ these too, so a rank and the up-front check always agree.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from pipeflow.planning.seqsplit import split_sequence
 from pipeflow.planning.transformer import TransformerSpec
 from pipeflow.schedules.common import ScheduleConfigError
 from pipeflow.schedules.ir import Schedule, WeightPolicy
+from pipeflow.schedules.periods import periods_past_fill
 from pipeflow.schedules.registry import build_schedule, get_spec, load_spec, register, specs
 from pipeflow.schedules.sharding import with_gathers
 from pipeflow.schedules.spec import ScheduleSpec
@@ -208,6 +210,29 @@ def generate_schedule(cfg: DictConfig) -> Schedule:
     except ScheduleConfigError as err:
         raise ConfigError(str(err)) from None
     return sharded(schedule, pipe.get("shard", "none"), pipe.get("gather", "step"))
+
+
+def short_schedules(cfg: DictConfig) -> tuple | None:
+    """((the schedule at m0 microbatches, at m0 + 2 periods), k) where the config's m is k
+    periods past m0 (:mod:`pipeflow.schedules.periods`): its memory walk follows from
+    theirs (:func:`pipeflow.sim.device_memory.device_memory`'s ``periods``). None where
+    the schedule has no period rule, or the two short walks would be no shorter than
+    the whole one."""
+    pipe = cfg.pipeline
+    got = periods_past_fill(str(cfg.schedule.name), int(pipe.stages), int(pipe.virtual_stages),
+                            int(pipe.segments), int(pipe.microbatches))
+    if got is None or pipe.microbatches <= 2 * (got[0] + got[1]):
+        return None
+    m0, q, k = got
+    pair = []
+    for m in (m0, m0 + 2 * q):
+        resized = copy.deepcopy(cfg)
+        resized.pipeline.microbatches = m
+        try:
+            pair.append(generate_schedule(resized))
+        except ConfigError:  # (a size the generator refuses: walk the whole schedule)
+            return None
+    return tuple(pair), k
 
 
 def sharded(schedule: Schedule, shard: str, gather: str = "step") -> Schedule:

@@ -32,6 +32,7 @@ from .assembly import (
     runtime_schedules,
     schedule_spec,
     segment_lengths,
+    short_schedules,
     validated,
 )
 from .checks import check_known_keys
@@ -69,6 +70,9 @@ class SimulationInputs:
     cost: CostModel
     topology: Topology
     segment_lengths: list[int] | None = None  # tokens per sequence segment (segmented schedules)
+    # the schedule at two short sizes a memory walk follows from, and how many periods
+    # past the shorter one it is (assembly.short_schedules); None: walk it whole
+    periods: tuple | None = None
 
 
 def prepare_simulation(cfg: DictConfig) -> SimulationInputs:
@@ -136,7 +140,8 @@ def prepare_simulation(cfg: DictConfig) -> SimulationInputs:
             check_exportable(schedule)
         except ValueError as err:
             raise ConfigError(f"export=torch_csv: {err}") from None
-    return SimulationInputs(schedule, spec, cost, topology, lengths)
+    periods = None if _family(cfg).branched else short_schedules(cfg)
+    return SimulationInputs(schedule, spec, cost, topology, lengths, periods)
 
 
 # ---------------------------------------------------------------------------- training

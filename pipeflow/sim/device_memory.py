@@ -39,7 +39,12 @@ zero by default) and walked here.
 
 from __future__ import annotations
 
+import numpy as np
+
 from .device_walk import tapes
+from .memory_peaks import NotPeriodic
+from .memory_terms import term_value
+from .periodic_memory import PeriodicTape, walked_actions
 
 # the measured categories (pipeflow.runtime.memory_profile) and the simulated ones they
 # compare with: what the benchmark and the tests set side by side. One by one, but for
@@ -56,7 +61,8 @@ def library_workspace(topology, num_devices: int) -> list[float]:
     return [topology.workspace_bytes(d) for d in range(num_devices)]
 
 
-def device_memory(schedule, cost, per_device: list, workspace=None, actions: list | None = None) -> list[dict]:
+def device_memory(schedule, cost, per_device: list, workspace=None, actions: list | None = None,
+                  periods: tuple | None = None) -> list[dict]:
     """Per device: ``peak_bytes``, ``at_peak`` (category -> bytes at that instant),
     ``peak_action`` (the action running then, as the runtime names it: "1I3") and
     ``category_peaks`` (each category's own most). ``per_device`` is the engine's
@@ -65,10 +71,16 @@ def device_memory(schedule, cost, per_device: list, workspace=None, actions: lis
     (:attr:`~pipeflow.topology.topology.Device.workspace_bytes`), a temporary at every
     instant. ``actions`` (per device, an action's name or None) adds ``at_action``: that
     action's own most and what holds it then (the benchmark reads what the simulator
-    says of the action where a rank measured its peak)."""
+    says of the action where a rank measured its peak). ``periods``: (the schedule two
+    short sizes, a period apart twice, as (small, big), and k) where ``schedule`` is k
+    periods past the small one (:mod:`pipeflow.schedules.periods`): each device's walk
+    then follows from the two short ones (:mod:`.periodic_memory`), the same bytes."""
     cache: dict = {}
-    out = [t.walk(t.values(cost, per_device, cache), actions[d] if actions and d < len(actions) else None)
-           for d, t in enumerate(tapes(schedule))]
+    if periods is not None and not actions:
+        out = _periodic(schedule, cost, per_device, periods, cache)
+    else:
+        out = [t.walk(t.values(cost, per_device, cache), actions[d] if actions and d < len(actions) else None)
+               for d, t in enumerate(tapes(schedule))]
     for d, mem in enumerate(out):
         held = float(workspace[d]) if workspace is not None and d < len(workspace) else 0.0
         if held:
@@ -81,4 +93,24 @@ def device_memory(schedule, cost, per_device: list, workspace=None, actions: lis
                                   for b, split in at["instants"]]
                 at["bytes"] += held
                 at["at"] = {**at["at"], "temporaries": at["at"]["temporaries"] + held}
+    return out
+
+
+def _periodic(schedule, cost, per_device: list, periods: tuple, cache: dict) -> list[dict]:
+    """Each device's walk from the two short walks; a device whose short walks are not a
+    period apart as the rule says (or whose action count would differ) is walked whole."""
+    (small, big), k = periods
+    out: list = []
+    for d, (a, b) in enumerate(zip(tapes(small), tapes(big))):
+        actions = walked_actions(schedule, d)
+        try:
+            walk = PeriodicTape(a, b)
+        except NotPeriodic:
+            walk = None
+        if walk is None or walk.actions_at(k) != len(actions):
+            tape = tapes(schedule, devices=[d])[0]
+            out.append(tape.walk(tape.values(cost, per_device, cache)))
+            continue
+        values = np.array([term_value(t, cost, per_device, cache) for t in walk.terms], dtype=float)
+        out.append(walk.walk(values, k, actions))
     return out

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from pipeflow.schedules.periods import periods_past_fill
 from pipeflow.sim.memory_terms import term_value
 from pipeflow.sim.memory_terms import ONE_STAGE, TWO_STAGES, like_stage
 
 from ..cost import AnalyticCost
-from .closed_form import PERIODS, Structure, priced_as
+from .closed_form import Structure, priced_as
 from .space import Candidate
 
 
@@ -21,17 +22,10 @@ class MemoryPrices:
 
     def periodic(self, c: Candidate) -> tuple[int, int, int] | None:
         """(m0, period, k): the candidate's m is k periods past m0, a size from which the
-        schedule's walks repeat one block a period (closed_form.PERIODS); None where the
+        schedule's walks repeat one block a period (pipeflow.schedules.periods); None where the
         schedule has no rule or m is below its fill. (The walks are at m0 and m0 + 2
         periods; k may be anything from 0: the blocks stand k times.)"""
-        rule = PERIODS.get(c.schedule)
-        if rule is None:
-            return None
-        fill, q = rule(c.stages, c.virtual_stages, c.segments, c.microbatches)
-        if c.microbatches < fill:
-            return None
-        m0 = fill + (c.microbatches - fill) % q
-        return m0, q, (c.microbatches - m0) // q
+        return periods_past_fill(c.schedule, c.stages, c.virtual_stages, c.segments, c.microbatches)
 
     def _values(self, cost: AnalyticCost, terms: list, c: Candidate, replicas: bool) -> np.ndarray:
         """The bytes of a walk's ``terms`` under ``cost``, as ``c``'s level and replicas

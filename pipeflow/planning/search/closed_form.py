@@ -18,7 +18,7 @@ Two parts, both cheap enough for tens of thousands of candidates:
   per term along those steps, at most at those instants (:class:`~pipeflow.sim.memory_peaks.Peaks`):
   the level the simulator's walk reaches, for any cost (an asynchronous policy's extra
   weight versions excepted: they come from the simulator's timeline). Past a
-  schedule's fill its walk repeats one block per period (:data:`PERIODS`): three small
+  schedule's fill its walk repeats one block per period (:mod:`pipeflow.schedules.periods`): two small
   walks stand for any larger m (:class:`~pipeflow.sim.memory_peaks.Periodic`).
 
 The structure also says whether the sizes are valid at all: it is built by the
@@ -93,48 +93,6 @@ IDLE: dict[str, IdleFormula] = {
     "pipedream": _asynchronous,
     "pipedream_2bw": _asynchronous,
     "amdp": _asynchronous,
-}
-
-
-# Periodic walks: from ``fill`` microbatches on, one more ``period`` of microbatches
-# inserts the same blocks of steps into every device's walk, at one place (1F1B's
-# steady phase) or at several (GPipe: among its forwards, among the sends its first
-# backward proves arrived, among its backwards; looped BFS: in every chunk's)
-# (:class:`pipeflow.sim.memory_peaks.Periodic`), so two small walks, two periods apart,
-# give the peak at any larger count exactly. (fill, period) per schedule, in p, v, s and
-# the candidate's m: the smallest fill a walk-by-walk comparison found, one microbatch
-# more (for whole groups, the smallest found) (tests/test_search.py holds each rule; a
-# search checks that every block of its larger walk stands twice and, where that
-# fails, extrapolates as below). The interleaved schedules move microbatches in groups
-# of g = ceil(p/s): with m a multiple of g the groups are equal from the start, and a
-# period is one more group; otherwise they settle into equal ones once there are more
-# groups than microbatches left over, g(g+1). ZB-H2's warm-up (2p - 1 forwards) must be
-# full before its period repeats.
-PeriodRule = Callable[[int, int, int, int], tuple[int, int]]
-
-
-def _group(p: int, s: int) -> int:
-    return -(-p // s)
-
-
-def _interleaved(p: int, v: int, s: int, m: int) -> tuple[int, int]:
-    g = _group(p, s)
-    return (3 * g if m % g == 0 else max(3, g * (g + 1)) + 1), g
-
-
-PERIODS: dict[str, PeriodRule] = {
-    "1f1b": lambda p, v, s, m: (p + 2, 1),
-    "zb_h1": lambda p, v, s, m: (p + 2, 1),
-    "seq1f1b": lambda p, v, s, m: (_group(p - 1, s) + 3, 1),
-    "zb_v": lambda p, v, s, m: (2 * p + 1, 1),
-    "dualpipe_v": lambda p, v, s, m: (2 * p + 1, 1),
-    "chimera": lambda p, v, s, m: (p + 2, p),  # (p even: an even fill and period keep m's parity)
-    "gpipe": lambda p, v, s, m: (3, 1),
-    "looped_bfs": lambda p, v, s, m: (3, 1),
-    "zb_h2": lambda p, v, s, m: (2 * p, 1),
-    "interleaved_1f1b": _interleaved,
-    "interleaved_zb": _interleaved,
-    "seq1f1b_interleaved": _interleaved,
 }
 
 
