@@ -45,7 +45,6 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from omegaconf import OmegaConf  # noqa: E402
 
 from pipeflow.config import compose, prepare_simulation, prepare_training  # noqa: E402
 from pipeflow.calibrate import calibrate  # noqa: E402
@@ -126,7 +125,7 @@ def measure(overrides: list[str], run_dir: Path, steps: int) -> tuple[float, dic
     cfg = compose("train", [*overrides, f"trainer.timeline_step={steps}"])
     inputs = prepare_training(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    launch(TrainJob(OmegaConf.to_container(inputs.config, resolve=True), str(run_dir), inputs.plan))
+    launch(TrainJob(inputs.plan, str(run_dir)))
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steady = rows[len(rows) // 2:]
     actions: dict = {}

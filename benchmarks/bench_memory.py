@@ -51,7 +51,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -220,7 +219,7 @@ def measure(label: str, overrides: list[str], work: Path, device: str = "cpu", o
     cfg.trainer.steps = _steps(cfg)
     inputs = prepare_training(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    launch(TrainJob(OmegaConf.to_container(inputs.config, resolve=True), str(run_dir), inputs.plan))
+    launch(TrainJob(inputs.plan, str(run_dir)))
     summary = json.loads((run_dir / "summary.json").read_text())
     topology = "topology=local_cpu" if device == "cpu" else _gpu_topology()
     # the trained job's pipeline, every key (pipeflow-simulate's own defaults are a cluster's)

@@ -59,7 +59,7 @@ def measured(profile: Path, stages: int, partition: str, steps: int, run_dir: Pa
     ])
     inputs = prepare_training(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    launch(TrainJob(OmegaConf.to_container(inputs.config, resolve=True), str(run_dir), inputs.plan))
+    launch(TrainJob(inputs.plan, str(run_dir)))
     return json.loads((run_dir / "summary.json").read_text())["mean_step_time"]
 
 

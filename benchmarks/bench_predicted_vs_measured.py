@@ -43,7 +43,6 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from omegaconf import OmegaConf  # noqa: E402
 
 from pipeflow.config import compose, prepare_training  # noqa: E402
 from pipeflow.planning.measured import MeasuredCost  # noqa: E402
@@ -77,7 +76,7 @@ def run_once(schedule: str, run_dir: Path, steps: int, timeline_step: int) -> di
     cfg = compose("train", overrides(schedule, steps, timeline_step))
     inputs = prepare_training(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    launch(TrainJob(OmegaConf.to_container(inputs.config, resolve=True), str(run_dir), inputs.plan))
+    launch(TrainJob(inputs.plan, str(run_dir)))
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     step_time = {m_["step"]: m_["step_time"] for m_ in metrics}
     timeline = Timeline.load(run_dir / "timeline.json")  # or timeline.json.gz, when saved gzipped

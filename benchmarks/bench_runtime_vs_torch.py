@@ -178,7 +178,7 @@ class TorchTrainer:
         # the norm counts each parameter once: the tied embedding on the first stage only
         self.counted = [p for s in self.mine for p in modules[s].parameters()
                         if p.requires_grad and (s == 0 or all(p is not t for t in modules[s].tied_parameters()))]
-        self.clip = cfg["optim"].get("grad_clip")
+        self.clip = cfg["optim"].grad_clip
 
     def _traced_step(self, *args, **kwargs) -> list[str]:
         """Run one ``schedule.step`` recording the compute actions this rank's stages run
@@ -258,7 +258,7 @@ class PipeflowTrainer:
     def __init__(self, rank: int, world: int, cfg: dict, layers: list[int], plan):
         from pipeflow.runtime.rank import build_rank
 
-        setup = build_rank(plan, cfg, rank, torch.device("cpu"))
+        setup = build_rank(plan, rank, torch.device("cpu"))
         assert setup.layers_per_stage == layers  # the split torch's stages use too
         self.rank = rank
         self.executor = setup.executor
@@ -361,6 +361,7 @@ def measure(schedule: str, repeats: int = 3, steps: int = 15, warmup: int = WARM
     dcfg = compose("train", overrides(steps, schedule))
     inputs = prepare_training(dcfg)
     cfg = OmegaConf.to_container(inputs.config, resolve=True)
+    cfg["optim"] = inputs.plan.optim  # (the typed settings pipeflow's ranks read: lr_at, make_optimizer)
     from pipeflow.data.text import build_text_data
     from pipeflow.planning.partition import partition_layers
 

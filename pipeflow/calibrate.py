@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from pipeflow.config import compose, prepare_training
 from pipeflow.runtime import calibration_run as measure
@@ -21,8 +21,7 @@ from pipeflow.runtime import calibration_run as measure
 def calibrate(cfg: DictConfig, out: str | Path | None = None) -> dict:
     """Calibrate a composed train config (checked first, as pipeflow-train checks it, and
     run as its run plan says); write ``out``."""
-    inputs = prepare_training(cfg)
-    return measure.calibrate(OmegaConf.to_container(inputs.config, resolve=True), inputs.plan, out)
+    return measure.calibrate(prepare_training(cfg).plan, out)
 
 
 def main(argv: list[str] | None = None) -> None:

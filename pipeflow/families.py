@@ -25,6 +25,14 @@ class FamilySpec:
     # its shape reads as a TransformerSpec (pipeflow.planning.transformer): the analytic cost
     # model and the planner price it; a branched family is priced per branch instead
     transformer: bool = True
+    # the head shares the embedding's weight (its first and last stages hold copies):
+    # always (GPT-2's, BERT's), where the model's config says so (``model.tied``: a Hugging Face
+    # config's tie_word_embeddings), or never
+    tied_head: str = "never"
+
+    def tied(self, model_cfg) -> bool:
+        """Whether this model's head is tied to its embedding."""
+        return self.tied_head == "always" or (self.tied_head == "config" and bool(model_cfg.get("tied", False)))
 
     def load_adapter(self):
         module, _, cls = self.adapter.partition(":")
@@ -40,12 +48,12 @@ FAMILIES: dict[str, FamilySpec] = {
     f.name: f
     for f in (
         FamilySpec("gpt", "decoder-only transformer, next-token loss", "text_corpus",
-                   "pipeflow.runtime.adapters:GPTAdapter", causal=True, vocab=BYTE_VOCAB),
+                   "pipeflow.runtime.adapters:GPTAdapter", causal=True, vocab=BYTE_VOCAB, tied_head="always"),
         FamilySpec("bert", "encoder-only transformer, masked-LM loss", "mlm_corpus",
-                   "pipeflow.runtime.adapters:BertAdapter", vocab=MLM_VOCAB),
+                   "pipeflow.runtime.adapters:BertAdapter", vocab=MLM_VOCAB, tied_head="always"),
         FamilySpec("hf_causal", "a Hugging Face decoder (Llama, Qwen2, Mistral, GPT-NeoX, GPT-2) from its config.json, "
                    "next-token loss", "text_corpus", "pipeflow.runtime.adapters:HFCausalAdapter", causal=True,
-                   vocab=BYTE_VOCAB),
+                   vocab=BYTE_VOCAB, tied_head="config"),
         FamilySpec("cbm", "vision + text branches with co-attention, image-text matching and masked LM",
                    "image_text", "pipeflow.runtime.adapters:CBMAdapter", branched=True, transformer=False),
     )

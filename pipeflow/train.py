@@ -22,20 +22,18 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from pipeflow.config import (
     CONF_DIR,
     ConfigError,
     drop_empty_run_dir,
     run_app,
-    data_file_list,
     prepare_training,
     register_configs,
 )
 from pipeflow.config.groups.resume import resume_changes
 from pipeflow.runtime.cluster import adopt_launcher_env, alive
-from pipeflow.tracking.labels import logger_labels
 
 # Hydra composes against these schemas, so they must be in the ConfigStore before main().
 register_configs()
@@ -49,30 +47,13 @@ class JobError(CompactHydraException):
     goes on with the other jobs, and exits non-zero at the end."""
 
 
-def job_config(cfg: DictConfig, hydra_cfg: DictConfig) -> dict:
-    """The config the ranks get: resolved, plain, with the logger labels filled in and
-    paths made absolute (ranks started by torchrun may not share the launcher's working
-    directory): ``resume``, and ``data.files`` as the list of files its globs name."""
-    plain = OmegaConf.to_container(cfg, resolve=True)
-    plain["logger"].update(logger_labels(cfg.logger, hydra_cfg))
-    if plain["partition"].get("profile"):
-        plain["partition"]["profile"] = str(Path(plain["partition"]["profile"]).expanduser().resolve())
-    if plain.get("resume"):
-        plain["resume"] = str(Path(plain["resume"]).expanduser().resolve())
-    if plain["data"].get("files") is not None:
-        plain["data"]["files"] = [str(Path(f).resolve()) for f in data_file_list(plain["data"]["files"])]
-    return plain
-
-
-def profile_for_partition(plain: dict, run_dir: str, spec, num_stages: int) -> list[int]:
+def profile_for_partition(plain: dict, spec, num_stages: int, run_dir: str) -> str:
     """partition=profiled without a profile file: measure the model here, in the app
     process, before any rank starts (ranks profiling themselves would disagree on the
-    split), write run_dir/profile.json, point the job's partition.profile at it and
-    return the split, the run plan's (a memory limit nothing fits stops the run)."""
+    split), and write run_dir/profile.json: the run plan's cut is that profile's."""
     import torch
 
     from pipeflow.models.profiler import profile_model
-    from pipeflow.planning.partition import partition_layers
 
     rt = plain["runtime"]
     cuda = torch.cuda.is_available() and rt["device"] in ("auto", "cuda")
@@ -80,9 +61,7 @@ def profile_for_partition(plain: dict, run_dir: str, spec, num_stages: int) -> l
         plain["model"], int(plain["pipeline"]["microbatch_size"]), seed=int(plain["seed"]),
         device="cuda" if cuda else "cpu", threads=int(rt["threads_per_rank"]),
     )
-    path = str(prof.save(Path(run_dir) / "profile.json"))
-    plain["partition"]["profile"] = path
-    return partition_layers("profiled", spec, num_stages, plain["partition"])
+    return str(prof.save(Path(run_dir) / "profile.json"))
 
 
 def format_summary(summary: dict, run_dir: str) -> str:
@@ -147,9 +126,17 @@ def train_app(cfg: DictConfig) -> None:
     # under torchrun every process is a rank writing into rank 0's folder: none claims it
     torchrun = adopt_launcher_env()  # torchrun's variables, or srun's translated into them
     try:
-        inputs = prepare_training(cfg)
         claim = None if torchrun else claim_run_dir(run_dir)
     except ConfigError as err:
+        drop_empty_run_dir(run_dir)
+        _stop(str(err), hydra_cfg)
+    try:
+        # (partition=profiled without a profile: measured into the claimed folder, after every check)
+        inputs = prepare_training(cfg, hydra_cfg, lambda plain, spec, stages: profile_for_partition(
+            plain, spec, stages, run_dir))
+    except ConfigError as err:
+        if claim is not None:
+            claim.unlink(missing_ok=True)
         drop_empty_run_dir(run_dir)
         _stop(str(err), hydra_cfg)
     if not torchrun:  # its imports run while this process imports torch and builds the job
@@ -157,47 +144,37 @@ def train_app(cfg: DictConfig) -> None:
 
         start_rank_server()
     try:
-        _train(cfg, hydra_cfg, run_dir, inputs)
+        _train(inputs, hydra_cfg, run_dir)
     finally:
         if claim is not None:
             claim.unlink(missing_ok=True)
 
 
-def _train(cfg: DictConfig, hydra_cfg, run_dir: str, inputs) -> None:
+def _train(inputs, hydra_cfg, run_dir: str) -> None:
     """Launch the checked job in its claimed folder and print its summary."""
     # The runtime imports torch; a config error above never pays for that.
     from pipeflow.runtime.launch import JobFailed, JobStopped, TrainJob, launch
 
-    cfg = inputs.config  # (resolved: a model preset's shape, data=auto, precision=auto)
-    plain = job_config(cfg, hydra_cfg)
     plan = inputs.plan
-    if plain["partition"]["name"] == "profiled" and plain["partition"].get("profile") is None:
-        try:
-            plan = plan.with_layers(profile_for_partition(plain, run_dir, inputs.spec, inputs.schedule.num_stages))
-        except ValueError as err:
-            _stop(str(err), hydra_cfg)
-    job = TrainJob(cfg=plain, run_dir=run_dir, plan=plan)
-    pipe = plain["pipeline"]
-    for change in resume_changes(cfg):
+    for change in resume_changes(inputs.config):
         log.info(change)
-    log.info(f"training {plain['model']['name']} with {plain['schedule']['name']}: p={pipe['stages']}, "
-             f"m={pipe['microbatches']}, {plain['trainer']['steps']} steps on {inputs.world_size} ranks; "
-             f"run folder {run_dir}")
+    log.info(f"training {plan.record['model']['name']} with {plan.schedule.name}: p={plan.stages}, "
+             f"m={plan.microbatches}, {plan.trainer.steps} steps on {inputs.world_size} ranks; run folder {run_dir}")
     try:
-        summary = launch(job, on_start=lambda rank, pid: log.info(f"rank {rank}: pid {pid}"))
+        summary = launch(TrainJob(plan, run_dir), on_start=lambda rank, pid: log.info(f"rank {rank}: pid {pid}"))
     except JobStopped as stopped:
         last = stopped.summary.get("last_step", 0)
-        log.info(f"stopped by {stopped.signal} after step {last} of {plain['trainer']['steps']}; "
+        log.info(f"stopped by {stopped.signal} after step {last} of {plan.trainer.steps}; "
                  f"summary.json (status: interrupted) and the metrics so far are in {run_dir}")
         raise SystemExit(128 + stopped.signum) from None
     except JobFailed as err:
         log.info(str(err).splitlines()[0])
         _stop(str(err), hydra_cfg)
     log.info(format_summary(summary, run_dir))
-    if plain.get("export") == "hf" and summary.get("status") == "finished":
+    if plan.record.get("export") == "hf" and summary.get("status") == "finished":
         from pipeflow.formats.hf_folder import export_hf
 
-        out = export_hf(run_dir, Path(run_dir) / "hf", plain["model"])
+        out = export_hf(run_dir, Path(run_dir) / "hf", plan.record["model"])
         log.info(f"wrote the trained model as a Hugging Face folder: {out} (transformers' from_pretrained loads it)")
     if summary.get("status") == "diverged":
         log.info(f"the loss is not finite from step {summary['diverged_at']}: the run diverged "

@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
 from pipeflow.config import compose, prepare_training
 from pipeflow.runtime.launch import TrainJob, launch
@@ -80,7 +79,7 @@ def train(run_dir: Path, overrides: list[str], tied: dict[str, str] | None = Non
     cfg = compose("train", overrides)
     inputs = prepare_training(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    launch(TrainJob(OmegaConf.to_container(inputs.config, resolve=True), str(run_dir), inputs.plan))
+    launch(TrainJob(inputs.plan, str(run_dir)))
     grads: dict[str, list[torch.Tensor]] = {}
     for f in sorted((run_dir / "grads").glob("rank*.pt")):
         for key, g in torch.load(f).items():

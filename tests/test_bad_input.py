@@ -224,8 +224,7 @@ def test_resuming_with_other_training_settings_says_what_changed(trained_run):
 
     cfg = compose("train", [f"resume={trained_run}", "precision=bf16", "pipeline.microbatch_size=2",
                             "trainer.steps=3", "logger=none"])
-    prepare_training(cfg)
-    assert resume_changes(cfg) == [
+    assert resume_changes(prepare_training(cfg).config) == [
         f"resuming with {key}={new}, where the checkpoint was written with {key}={old}: its weights and "
         f"optimizer state carry over" for key, new, old in (("precision", "bf16", "fp32"),
                                                               ("pipeline.microbatch_size", 2, 4))]

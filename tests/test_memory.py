@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import pipeline_runs
+from pipeflow.formats.settings import AdamWConfig
 from pipeflow.runtime.saved_bytes import SavedBytes
 from pipeflow.sim.device_memory import COMPARED as GROUPS
 
@@ -579,7 +580,7 @@ def test_a_cpu_optimizer_step_holds_what_the_cost_model_says(family):
     over = {"gpt": ["model=gpt_tiny"], "llama": ["model=llama_tiny"], "bert": ["model=bert_tiny", "data=mlm_corpus"]}
     module = {"gpt": gpt, "llama": hf_causal, "bert": bert}[family]
     model = _model(*over[family], "model.seq_len=32")
-    optim = {"lr": 1e-3, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
+    optim = AdamWConfig(lr=1e-3, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8)
     split = [1, 2, 1]
     cost = AnalyticCost(TransformerSpec.from_config(model), 3, microbatch_size=2, dtype_bytes=4, layers_per_stage=split)
     cost.step_per_tensor = True

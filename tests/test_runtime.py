@@ -150,3 +150,19 @@ def test_torchrun_adopts_its_ranks(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 2
     assert sorted(p.name for p in (tmp_path / "checkpoints" / "step_0000002").iterdir()) == ["meta.json", "rank0.pt", "rank1.pt"]
+
+
+@pytest.mark.parametrize("model", ["gpt_tiny", "bert_tiny", "llama_tiny", "qwen2_tiny", "cbm_tiny"])
+def test_the_plans_tied_stages_are_the_stages_whose_modules_hold_a_tied_copy(model):
+    """Which stages share the embedding's weight is decided once, in the plan (the family's
+    rule), and the modules the ranks build hold their tied copies on exactly those."""
+    import torch
+
+    from pipeflow.config import compose, prepare_training
+
+    plan = prepare_training(compose("train", [f"model={model}", "pipeline.stages=3", "logger=none"])).plan
+    adapter = plan.adapter.build(torch.device("cpu"))
+    holding = {s for s in range(plan.schedule.num_stages) if getattr(adapter.build_stage(s), "tied_parameters",
+                                                                      lambda: [])()}
+    assert holding == set(plan.tied_stages)
+    assert bool(holding) == (model in ("gpt_tiny", "bert_tiny", "qwen2_tiny"))

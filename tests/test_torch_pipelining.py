@@ -120,11 +120,11 @@ def _tie(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def runs(tmp_path_factory):
     cfg = compose("train", OVERRIDES)
     inputs = prepare_training(cfg)
-    plain = OmegaConf.to_container(inputs.config, resolve=True)
+    plain = inputs.plan.record
 
     # pipeflow: its own launcher, its own 1F1B
     pf_dir = tmp_path_factory.mktemp("pipeflow")
-    launch(TrainJob(plain, str(pf_dir), inputs.plan))
+    launch(TrainJob(inputs.plan, str(pf_dir)))
     pf: dict[str, torch.Tensor] = {}
     for f in sorted((pf_dir / "grads").glob("rank*.pt")):
         for key, g in torch.load(f).items():

@@ -22,7 +22,9 @@ from omegaconf import OmegaConf
 
 from pipeflow.config import CONF_DIR, ConfigError, check_group_choices, compose, prepare_training, runtime_schedules
 from pipeflow.schedules.registry import schedule_names
-from pipeflow.train import format_summary, job_config, logger_labels
+from pipeflow.config.runplan import run_record
+from pipeflow.train import format_summary
+from pipeflow.tracking.labels import logger_labels
 
 
 def train_cfg(*overrides: str):
@@ -455,28 +457,37 @@ def test_multirun_keeps_an_explicit_group_and_name():
     assert logger_labels(train_cfg().logger, stub)["group"] == "train-mine"
 
 
-def test_job_config_is_plain_resolved_and_labelled(tmp_path, monkeypatch):
+def test_the_run_record_is_plain_resolved_and_labelled(tmp_path, monkeypatch):
     (tmp_path / "old" / "checkpoints" / "step_1").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
     cfg = train_cfg("resume=old")
-    plain = job_config(cfg, hydra_stub(RunMode.MULTIRUN, ["resume=old"], output_dir="x/3_resume=old"))
+    plain = run_record(cfg, hydra_stub(RunMode.MULTIRUN, ["resume=old"], output_dir="x/3_resume=old"))
     assert isinstance(plain, dict) and isinstance(plain["logger"]["tags"], list)
     assert plain["resume"] == str(tmp_path / "old")
     assert plain["logger"]["run_name"] == "3_resume=old" and plain["logger"]["tags"] == ["resume=old"]
     assert plain["model"] == OmegaConf.to_container(cfg.model)
-    assert job_config(train_cfg("logger=none"), hydra_stub(RunMode.MULTIRUN))["logger"] == {"name": "none"}
-    assert job_config(cfg, hydra_stub(RunMode.RUN))["data"]["files"] is None  # the default corpus
+    assert run_record(train_cfg("logger=none"), hydra_stub(RunMode.MULTIRUN))["logger"] == {"name": "none"}
+    assert run_record(cfg, hydra_stub(RunMode.RUN))["data"]["files"] is None  # the default corpus
 
 
-def test_job_config_lists_the_data_files_its_globs_name(tmp_path, monkeypatch):
+def test_a_multiruns_labels_reach_the_ranks_typed_logger_settings():
+    """The plan's logger settings (what rank 0's W&B run reads) carry the labels its record shows."""
+    plan = prepare_training(train_cfg("logger=wandb"), hydra_stub(RunMode.MULTIRUN, ["trainer.steps=2"],
+                                                                   output_dir="x/3_steps")).plan
+    assert (plan.logger.run_name, plan.logger.tags, plan.logger.group) == ("3_steps", ["trainer.steps=2"],
+                                                                           "train-2026-11-21_12-00-00")
+    assert plan.record["logger"]["run_name"] == "3_steps" and plan.trainer.steps == plan.record["trainer"]["steps"]
+
+
+def test_the_run_record_lists_the_data_files_its_globs_name(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "notes").mkdir()
     for name in ("b.txt", "a.txt", "c.md"):
         (tmp_path / "notes" / name).write_text(name)
     (tmp_path / "one.txt").write_text("1")
-    files = job_config(train_cfg("data.files=[one.txt,notes/*.txt]"), hydra_stub(RunMode.RUN))["data"]["files"]
+    files = run_record(train_cfg("data.files=[one.txt,notes/*.txt]"), hydra_stub(RunMode.RUN))["data"]["files"]
     assert files == [str(tmp_path / "one.txt"), str(tmp_path / "notes" / "a.txt"), str(tmp_path / "notes" / "b.txt")]
-    assert job_config(train_cfg("data.files=one.txt"), hydra_stub(RunMode.RUN))["data"]["files"] == [
+    assert run_record(train_cfg("data.files=one.txt"), hydra_stub(RunMode.RUN))["data"]["files"] == [
         str(tmp_path / "one.txt")]
 
 

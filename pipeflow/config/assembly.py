@@ -1,6 +1,7 @@
 """Config -> what it names: the schedule (through its spec), the model's shape, segment
-lengths, the cost model and the topology. The runtime's ranks build their share from
-these too, so a rank and the up-front check always agree.
+lengths, the cost model and the topology. The apps call these before any work starts;
+a training job's ranks get what they decide in the run plan (:mod:`.runplan`), never
+the config.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def schedule_options(schedule_cfg: Any) -> dict:
     """The generator's options as the config gives them (null ones left to the generator's
     defaults), each key checked against the schedule's schema: a key it does not have, or
     a value of the wrong type, raises ConfigError naming the key and the allowed ones.
-    ``schedule_cfg`` composed or a plain dict (the ranks call it too)."""
+    ``schedule_cfg`` composed or a plain dict."""
     spec = schedule_spec(schedule_cfg)
     plain = schedule_cfg if isinstance(schedule_cfg, dict) else OmegaConf.to_container(schedule_cfg, resolve=True)
     allowed = spec.keys()
@@ -95,7 +96,7 @@ def schedule_options(schedule_cfg: Any) -> dict:
 def planned_schedule(cfg: Any):
     """schedule=planned: (schedule, plan) from the plan.json in schedule.plan, or from a
     plan made now for the run's model, topology and microbatches. ``cfg`` composed or
-    plain dicts (the ranks of pipeflow-train call it too: the planner is deterministic)."""
+    plain dicts."""
     from pipeflow.planning.planner import Plan, build_plan_schedule
     from pipeflow.planning.planner import plan as make_plan
 

@@ -47,7 +47,7 @@ from .checks import check_export
 from .groups.resume import check_resume, resume_expect
 from .groups.runtime import check_runtime
 from .groups.trainer import check_trainer
-from .runplan import build_run_plan
+from .runplan import Measure, build_run_plan
 from .tensor import check_tensor_parallel, tensor_degree
 from .values import EXPORT_FORMATS, ConfigError, naming_key, number
 
@@ -85,7 +85,8 @@ def prepare_simulation(cfg: DictConfig) -> SimulationInputs:
     resolve_model(cfg)
     check_pipeline(cfg)
     tensor, sequence = tensor_degree(cfg)
-    if _family(cfg).branched:
+    branched = _family(cfg).branched
+    if branched:
         check_tensor_parallel(cfg, None, None, None)
         schedule, specs = branched_schedule(cfg)
         spec, lengths = None, None
@@ -140,7 +141,7 @@ def prepare_simulation(cfg: DictConfig) -> SimulationInputs:
             check_exportable(schedule)
         except ValueError as err:
             raise ConfigError(f"export=torch_csv: {err}") from None
-    periods = None if _family(cfg).branched else short_schedules(cfg)
+    periods = None if branched else short_schedules(cfg)
     return SimulationInputs(schedule, spec, cost, topology, lengths, periods)
 
 
@@ -165,17 +166,54 @@ class TrainingInputs:
         return self.plan.world_size
 
 
-def prepare_training(cfg: DictConfig) -> TrainingInputs:
-    """Check a train config and build (and validate) its schedule, or raise ConfigError,
-    one sentence naming the key and the allowed values. Nothing is spawned, loaded or
-    written, so a bad config fails before any rank starts. ``cfg`` is left alone: what
-    is resolved (a model preset, data=auto, precision=auto) is resolved in a copy, the
-    inputs' ``config``."""
+def prepare_training(cfg: DictConfig, hydra: DictConfig | None = None, measure: Measure | None = None
+                     ) -> TrainingInputs:
+    """Check a train config and build (and validate) its schedule and its run plan, or
+    raise ConfigError, one sentence naming the key and the allowed values. Nothing is
+    spawned, loaded or written (but where ``measure`` profiles the model for
+    ``partition=profiled``, after every check), so a bad config fails before any rank
+    starts. ``cfg`` is left alone: what is resolved (a model preset, data=auto,
+    precision=auto) is resolved in a copy, the inputs' ``config``. ``hydra``: the app's
+    Hydra config (a multirun's W&B labels); ``measure``: see :func:`.runplan.build_run_plan`."""
     check_known_keys(cfg)
     cfg = copy.deepcopy(cfg)
     resolve_model(cfg)
     check_pipeline(cfg)
     resolve_auto_data(cfg)
+    family = _family(cfg)
+    _check_runs_it(cfg)
+    if family.branched:
+        return _prepare_branched(cfg, family, hydra)
+    schedule = generate_schedule(cfg)
+    spec = model_spec(cfg, schedule)
+    topology = run_topology(cfg, schedule)
+    resolve_precision(cfg, topology)
+    _check_model_and_data(cfg, family)
+    lengths = segment_lengths(cfg)  # a split the sequence cannot take fails here, naming its key
+    _check_partition(cfg, schedule, spec)
+    tensor = tensor_degree(cfg)[0]
+    check_trainer(cfg.trainer)
+    check_optim(cfg.optim)
+    check_runtime(cfg.runtime, schedule.num_devices * tensor)
+    check_precision(cfg, schedule)
+    check_recompute(cfg.model)
+    check_logger(cfg.logger)
+    check_data_files(cfg.data)
+    check_text_data(cfg.data, spec.seq_len)
+    check_tensor_parallel(cfg, schedule, spec, lengths)
+    if tensor > 1:  # T devices per schedule device, each group inside a node
+        topology = run_topology(cfg, schedule, tensor=tensor)
+    check_resume(cfg.resume, resume_expect(cfg, schedule), cfg.trainer.steps)
+    check_export(cfg.get("export"), family.name)
+    # Generators are tested to be valid, but the runtime would deadlock on a schedule that
+    # is not, so one validation here (milliseconds at training sizes) is cheap insurance.
+    validated(schedule, cfg)
+    plan = build_run_plan(cfg, schedule, spec, topology, lengths=lengths, hydra=hydra, measure=measure)
+    return TrainingInputs(schedule, spec, topology, plan, cfg)
+
+
+def _check_runs_it(cfg: DictConfig) -> None:
+    """The runtime executes the schedule at this size."""
     name, pipe = cfg.schedule.name, cfg.pipeline
     if not schedule_spec(cfg.schedule).runtime:
         raise ConfigError(
@@ -189,22 +227,19 @@ def prepare_training(cfg: DictConfig) -> TrainingInputs:
             "pipeline.stages=1: schedule 'chimera' needs an even number of stages (2, 4, ...); "
             "for single-process reference training use schedule=1f1b"
         )
-    model = cfg.model
-    if _family(cfg).branched:
-        return _prepare_branched(cfg)
-    schedule = generate_schedule(cfg)
-    spec = model_spec(cfg, schedule)
-    topology = run_topology(cfg, schedule)
-    resolve_precision(cfg, topology)
 
+
+def _check_model_and_data(cfg: DictConfig, family) -> None:
+    """The dropout, segments only for causal families, and data the model can read:
+    a data set made for its family, token ids its vocabulary covers."""
+    model, pipe = cfg.model, cfg.pipeline
     number("model.dropout", model.dropout, "a probability; use a number in [0, 1)", 0 <= model.dropout < 1)
-    if pipe.segments > 1 and not _family(cfg).causal:
+    if pipe.segments > 1 and not family.causal:
         raise ConfigError(
             f"pipeline.segments={pipe.segments}: sequence segments attend causally across segments, which the "
             f"runtime implements for causal families ({', '.join(f.name for f in FAMILIES.values() if f.causal)}); "
             f"model.family={model.family} trains with pipeline.segments=1"
         )
-    segment_lengths(cfg)  # a split the sequence cannot take fails here, naming its key
     feeds = DATA_FAMILY.get(cfg.data.name)
     if feeds is not None and model.family not in feeds:
         fits = [d for d, f in DATA_FAMILY.items() if model.family in f]
@@ -226,6 +261,11 @@ def prepare_training(cfg: DictConfig) -> TrainingInputs:
         raise ConfigError(
             f"{key}={model.vocab_size}: {feeds} feeds token ids 0..{need - 1}; use {key} >= {need}"
         )
+
+
+def _check_partition(cfg: DictConfig, schedule: Schedule, spec: TransformerSpec) -> None:
+    """A partitioner the runtime cuts by, the planner's cut with its plan, a plan that
+    gives every device a stage, a profiled cut's profile and limit."""
     if cfg.partition.name == "planner" and cfg.schedule.name != PLANNED:
         raise ConfigError(f"partition.name=planner: the planner's cut comes with its device mapping; "
                           f"use it with schedule={PLANNED}")
@@ -243,43 +283,19 @@ def prepare_training(cfg: DictConfig) -> TrainingInputs:
                               f"uses all {schedule.num_devices}")
     if cfg.partition.name == "profiled":
         check_profiled_partition(cfg.partition, spec, schedule.num_stages)
-    check_trainer(cfg.trainer)
-    check_optim(cfg.optim)
-    check_runtime(cfg.runtime, schedule.num_devices * int(pipe.get("tensor_parallel", 1)))
-    check_precision(cfg, schedule)
-    check_recompute(cfg.model)
-    check_logger(cfg.logger)
-    check_data_files(cfg.data)
-    check_text_data(cfg.data, spec.seq_len)
-    check_tensor_parallel(cfg, schedule, spec, segment_lengths(cfg))
-    if tensor_degree(cfg)[0] > 1:  # T devices per schedule device, each group inside a node
-        run_topology(cfg, schedule, tensor=tensor_degree(cfg)[0])
-    check_resume(cfg.resume, resume_expect(cfg, schedule), cfg.trainer.steps)
-    check_export(cfg.get("export"), str(cfg.model.get("family") or "gpt"))
-
-    # Generators are tested to be valid, but the runtime would deadlock on a schedule that
-    # is not, so one validation here (milliseconds at training sizes) is cheap insurance.
-    validated(schedule, cfg)
-    return TrainingInputs(schedule, spec, topology, build_run_plan(cfg, schedule, spec), cfg)
 
 
-
-
-
-
-
-
-def _prepare_branched(cfg: DictConfig) -> TrainingInputs:
+def _prepare_branched(cfg: DictConfig, family, hydra: DictConfig | None) -> TrainingInputs:
     """A concurrent-branch model: its stage DAG grouped onto the schedule's chain of devices."""
     if cfg.pipeline.get("tensor_parallel", 1) != 1:
         raise ConfigError(f"pipeline.tensor_parallel={cfg.pipeline.tensor_parallel}: a concurrent-branch model's "
                           f"stages (vision and text branches, their interaction) are not split across tensor-parallel "
                           f"ranks; allowed values: 1")
     schedule, specs = branched_schedule(cfg)
-    if cfg.data.name != _family(cfg).data:
+    if cfg.data.name != family.data:
         raise ConfigError(
-            f"data.name={cfg.data.name}: model.family={cfg.model.family} trains on {_family(cfg).data}; "
-            f"allowed values: {_family(cfg).data}"
+            f"data.name={cfg.data.name}: model.family={cfg.model.family} trains on {family.data}; "
+            f"allowed values: {family.data}"
         )
     if cfg.partition.name != "uniform":
         raise ConfigError(
@@ -311,5 +327,5 @@ def _prepare_branched(cfg: DictConfig) -> TrainingInputs:
             raise ConfigError(str(err).strip().splitlines()[0]) from None
     check_resume(cfg.resume, resume_expect(cfg, schedule), cfg.trainer.steps)
     validated(schedule, cfg)
-    return TrainingInputs(schedule, None, topology, build_run_plan(cfg, schedule, None, [s.hi - s.lo for s in specs]),
-                          cfg)
+    plan = build_run_plan(cfg, schedule, None, topology, branch_layers=[s.hi - s.lo for s in specs], hydra=hydra)
+    return TrainingInputs(schedule, None, topology, plan, cfg)

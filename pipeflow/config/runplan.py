@@ -1,36 +1,52 @@
 """Config -> the run plan (:class:`pipeflow.formats.runplan.RunPlan`): the one place a
-training job's schedule, partition, segments, precision, attention and adapter are
-decided. :func:`pipeflow.config.prepare_training` builds it after its checks; the
+training job's schedule, partition, segments, precision, attention, adapter and settings
+are decided. :func:`pipeflow.config.prepare_training` builds it after its checks; the
 launcher hands it to the ranks.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Callable
+
 from omegaconf import DictConfig, OmegaConf
 
 from pipeflow.families import family_of
-from pipeflow.formats.runplan import AdapterRef, RunPlan
+from pipeflow.formats.checkpoint_folder import model_record, training_record
+from pipeflow.formats.runplan import AdapterRef, Lowered, RunPlan
 from pipeflow.planning.partition import partition_layers
 from pipeflow.planning.transformer import TransformerSpec
 from pipeflow.schedules.common import ScheduleConfigError
+from pipeflow.schedules.data_parallel import pipeline_shape
 from pipeflow.schedules.ir import Schedule, WeightPolicy
 from pipeflow.schedules.registry import build_schedule
+from pipeflow.tracking.labels import logger_labels
+from pipeflow.tracking.record import run_key
 
-from .assembly import PLANNED, schedule_options, schedule_spec, segment_lengths
+from .assembly import PLANNED, schedule_options, schedule_spec
+from .groups.data import data_file_list
 from .values import ConfigError
 
+# partition=profiled without a profile file: (the plain config, the model's shape, the
+# stages) -> the profile it measured and wrote (pipeflow-train measures the model in its
+# own process, before any rank starts: ranks profiling themselves would disagree)
+Measure = Callable[[dict, TransformerSpec, int], str]
 
-def build_run_plan(cfg: DictConfig, schedule: Schedule, spec: TransformerSpec | None,
-                   branch_layers: list[int] | None = None) -> RunPlan:
-    """The plan of a checked train config whose ``schedule`` was validated. ``spec``: the
-    chain model's shape (None for a concurrent-branch model, whose stages' layer counts
-    are ``branch_layers``). A profiled partition without its profile gets no layers
-    yet (pipeflow-train measures the model, then :meth:`RunPlan.with_layers`)."""
+
+def build_run_plan(cfg: DictConfig, schedule: Schedule, spec: TransformerSpec | None, topology,
+                   lengths: list[int] | None = None, branch_layers: list[int] | None = None, hydra=None,
+                   measure: Measure | None = None) -> RunPlan:
+    """The plan of a checked, resolved train config whose ``schedule`` was validated.
+    ``spec``: the chain model's shape (None for a concurrent-branch model, whose stages'
+    layer counts are ``branch_layers``); ``lengths``: its sequence segments' tokens
+    (:func:`.assembly.segment_lengths`); ``hydra``: the app's Hydra config, which labels
+    a multirun's W&B runs; ``measure``: profiles the model where ``partition=profiled``
+    names no profile (without it, such a plan has no layers)."""
     family = family_of(cfg.model)
-    model = OmegaConf.to_container(cfg.model, resolve=True)
-    pipe = cfg.pipeline
+    plain = run_record(cfg, hydra)
+    model, pipe = plain["model"], cfg.pipeline
     mbs, seed = int(pipe.microbatch_size), int(cfg.seed)
-    lengths = None
+    tied = ()
     if family.branched:
         bapp = schedule_spec(cfg.schedule).branch_aware
         # bapp cuts each branch into pipeline.stages stages; chain schedules group the graph
@@ -39,39 +55,92 @@ def build_run_plan(cfg: DictConfig, schedule: Schedule, spec: TransformerSpec | 
                                                   stage_counts=(int(pipe.stages),) * 2 if bapp else None))
         layers = list(branch_layers or [])
     else:
-        if schedule.name == PLANNED:
-            layers = list(schedule.layers_per_stage)
-        elif cfg.partition.name == "profiled" and not cfg.partition.get("profile"):
-            layers = []
-        else:
-            layers = partition_layers(cfg.partition.name, spec, schedule.num_stages,
-                                      OmegaConf.to_container(cfg.partition, resolve=True))
-        lengths = segment_lengths(cfg)
+        layers = _layers(cfg, plain, schedule, spec, measure)
         adapter = AdapterRef(family.adapter, dict(model_cfg=model, layers_per_stage=layers, microbatch_size=mbs,
                                                   seq_len=spec.seq_len, seed=seed,
                                                   **({"segment_lengths": lengths} if lengths else {})))
-    plan = RunPlan(schedule, layers, adapter, str(cfg.precision), str(model.get("attention") or "sdpa"), lengths,
-                   tensor_parallel=int(pipe.get("tensor_parallel", 1)),
-                   sequence_parallel=bool(pipe.get("sequence_parallel", False)))
-    if schedule.policy != WeightPolicy.SYNC:
-        _asynchronous(plan, cfg, family.branched)
-    return plan
+        # the embedding (first stage) and the head (last) share one weight where the family ties them
+        tied = (0, schedule.num_stages - 1) if family.tied(model) else ()
+    shape = pipeline_shape(schedule, pipe.stages)
+    asynchronous = schedule.policy != WeightPolicy.SYNC
+    return RunPlan(
+        schedule, layers, adapter, str(cfg.precision), str(model.get("attention") or "sdpa"),
+        str(model.get("recompute") or "none"), Lowered.of(schedule, tied),
+        optim=OmegaConf.to_object(cfg.optim), trainer=OmegaConf.to_object(cfg.trainer),
+        runtime=OmegaConf.to_object(cfg.runtime), logger=_logger(cfg, plain), data=plain["data"], seed=seed,
+        microbatches=int(pipe.microbatches), stages=int(pipe.stages), record=plain,
+        run_key=run_key(plain, **shape),
+        checkpoint_records={"model": model_record(model), "training": training_record(plain)},
+        spec=spec, topology=topology, resume=plain.get("resume"), tied_stages=tied, segment_lengths=lengths,
+        eval_lowered=_evaluation(cfg, schedule, tied) if asynchronous else None,
+        chunk_lowered=_last_chunk(cfg, schedule, family.branched, tied) if asynchronous else {},
+        tensor_parallel=int(pipe.get("tensor_parallel", 1)), sequence_parallel=bool(pipe.get("sequence_parallel", False)),
+    )
 
 
-def _asynchronous(plan: RunPlan, cfg: DictConfig, branched: bool) -> None:
-    """An asynchronous run's other schedules: its evaluation (a forward-only 1F1B over
-    pipe 0, whose every mirror replica holds the same weights after a flush) and the
-    shorter last chunk a run whose steps are no multiple of the schedule's windows ends on."""
-    pipe, schedule = cfg.pipeline, plan.schedule
-    plan.eval_schedule = build_schedule("1f1b", pipe.stages, pipe.microbatches)
-    if plan.eval_schedule.placement.table[0] != schedule.placement.table[0]:
+def run_record(cfg: DictConfig, hydra=None) -> dict:
+    """The resolved config as the run records it: plain, with the W&B labels a multirun
+    gives its jobs, and paths made absolute (ranks started by torchrun may not share the
+    app's working directory): ``resume``, ``partition.profile``, and ``data.files`` as the
+    list of files its globs name."""
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    if hydra is not None:
+        plain["logger"].update(logger_labels(cfg.logger, hydra))
+    if plain["partition"].get("profile"):
+        plain["partition"]["profile"] = str(Path(plain["partition"]["profile"]).expanduser().resolve())
+    if plain.get("resume"):
+        plain["resume"] = str(Path(plain["resume"]).expanduser().resolve())
+    if plain["data"].get("files") is not None:
+        plain["data"]["files"] = [str(Path(f).resolve()) for f in data_file_list(plain["data"]["files"])]
+    return plain
+
+
+def _logger(cfg: DictConfig, plain: dict):
+    """The logger's settings, its labels as :func:`run_record` filled them in."""
+    logger = OmegaConf.to_object(cfg.logger)
+    for key in ("group", "tags", "run_name"):
+        if key in plain["logger"] and hasattr(logger, key):
+            setattr(logger, key, plain["logger"][key])
+    return logger
+
+
+def _layers(cfg: DictConfig, plain: dict, schedule: Schedule, spec: TransformerSpec, measure: Measure | None) -> list:
+    """Layers per stage: the planner's own cut, else the partitioner's (a profiled one from
+    the profile ``measure`` takes, where the config names none)."""
+    if schedule.name == PLANNED:
+        return list(schedule.layers_per_stage)
+    options = plain["partition"]
+    if cfg.partition.name == "profiled" and not options.get("profile"):
+        if measure is None:
+            return []
+        options["profile"] = measure(plain, spec, schedule.num_stages)
+    try:
+        return partition_layers(cfg.partition.name, spec, schedule.num_stages, options)
+    except ValueError as err:  # (a measured profile nothing fits into: its memory limit)
+        raise ConfigError(str(err)) from None
+
+
+def _evaluation(cfg: DictConfig, schedule: Schedule, tied: tuple) -> Lowered:
+    """An asynchronous run's evaluation: a forward-only 1F1B over pipe 0, whose every
+    mirror replica holds the same weights after a flush."""
+    pipe = cfg.pipeline
+    evaluation = build_schedule("1f1b", pipe.stages, pipe.microbatches)
+    if evaluation.placement.table[0] != schedule.placement.table[0]:
         raise ConfigError(f"schedule.name={schedule.name}: pipe 0 must place stage i on device i for evaluation")
+    return Lowered.of(evaluation, tied)
+
+
+def _last_chunk(cfg: DictConfig, schedule: Schedule, branched: bool, tied: tuple) -> dict[int, Lowered]:
+    """The shorter last chunk a run whose steps are no multiple of the schedule's windows
+    ends on: {its windows: its schedule, lowered}."""
+    pipe = cfg.pipeline
     last = int(cfg.trainer.steps) % schedule.windows
-    if last:
-        options = dict(schedule_options(cfg.schedule), windows=last)
-        try:
-            plan.chunk_schedules[last] = build_schedule(
-                cfg.schedule.name, pipe.stages, pipe.microbatches, pipe.virtual_stages, pipe.segments,
-                **({"graph": schedule.graph} if branched else {}), **options)
-        except ScheduleConfigError as err:
-            raise ConfigError(str(err)) from None
+    if not last:
+        return {}
+    options = dict(schedule_options(cfg.schedule), windows=last)
+    try:
+        chunk = build_schedule(cfg.schedule.name, pipe.stages, pipe.microbatches, pipe.virtual_stages, pipe.segments,
+                               **({"graph": schedule.graph} if branched else {}), **options)
+    except ScheduleConfigError as err:
+        raise ConfigError(str(err)) from None
+    return {last: Lowered.of(chunk, tied)}

@@ -13,6 +13,7 @@ from typing import Any, Optional, Sequence, Union
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
+from pipeflow.formats.settings import AdamWConfig, LocalRuntimeConfig, NoLoggerConfig, TrainerConfig, WandbLoggerConfig
 from pipeflow.planning.cost_models import COST_MODELS
 from pipeflow.schedules.registry import specs
 from pipeflow.topology.presets import PRESETS
@@ -20,12 +21,8 @@ from pipeflow.topology.presets import PRESETS
 from .assembly import PLANNED_SPEC  # noqa: F401 - registers schedule=planned before the schemas are derived
 from .apphelp import register_help
 from .derive import cost_schema, topology_schema, schedule_schema
-from .groups.logger import NoLoggerConfig, WandbLoggerConfig
 from .groups.model import HFModelConfig, ModelConfig
-from .groups.optim import AdamWConfig
 from .groups.pipeline import PipelineConfig
-from .groups.runtime import LocalRuntimeConfig
-from .groups.trainer import TrainerConfig
 from .values import CONF_DIR  # noqa: F401 - where the apps compose from
 
 

@@ -3,8 +3,8 @@
 For a concurrent-branch model, a partition (p stages per branch), a cost model and a
 topology, every policy of the small space in :mod:`pipeflow.schedules.bapp` (priority x
 leading branch x extra warm-up x head device) is generated with the cost model's stage
-times, simulated, and kept if every device stays within the memory limit
-(activations at their peak plus the stages' model state). The fastest wins; ties go to
+times, simulated, and kept if every device stays within the memory limit (its peak as
+pipeflow-simulate walks it: sim.device_memory.device_peaks). The fastest wins; ties go to
 the earlier policy in the enumeration, which starts with the uncoordinated one
 (first come first served, vision leads, no extra warm-up), so the result is never
 slower than it.
@@ -17,6 +17,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from ..sim.device_memory import device_peaks
 from ..sim.engine import simulate
 from ..schedules.bapp import BRANCHES, HEADS, PRIORITIES, UNCOORDINATED, BappPolicy, bapp, bapp_placement
 from ..schedules.common import ScheduleConfigError
@@ -47,13 +48,9 @@ def policies(max_warmup: int = 2) -> list[BappPolicy]:
     return out
 
 
-def _peak_bytes(result, schedule: Schedule, cost) -> float:
-    state = getattr(cost, "model_state_bytes", None)
-    worst = 0.0
-    for d, stats in enumerate(result.per_device):
-        held = sum(float(state(s)) for _, s in schedule.placement.stages_on(d)) if state else 0.0
-        worst = max(worst, stats.peak_activation_bytes + held)
-    return worst
+def _peak_bytes(result, schedule: Schedule, cost, topology) -> float:
+    """The fullest device's peak, as pipeflow-simulate walks it (:func:`device_peaks`)."""
+    return max(device_peaks(schedule, cost, result.per_device, topology), default=0.0)
 
 
 def coordinate(stages: int, microbatches: int, graph: StageGraph, cost, topology,
@@ -71,7 +68,7 @@ def coordinate(stages: int, microbatches: int, graph: StageGraph, cost, topology
 
         sched = bapp(stages, microbatches, graph, pol, dur)
         result = simulate(sched, cost, topology, record=False)
-        peak = _peak_bytes(result, sched, cost)
+        peak = _peak_bytes(result, sched, cost, topology)
         fits = memory_limit is None or peak <= memory_limit
         tried.append((pol, result.makespan if fits else None, peak))
         if pol == UNCOORDINATED:

@@ -21,6 +21,7 @@ from typing import Iterable, Sequence
 from ..schedules.data_parallel import replicate_onto, round_robin
 from ..schedules.ir import Schedule
 from ..schedules.one_f_one_b import one_f_one_b
+from ..sim.device_memory import device_peaks
 from ..sim.engine import SimResult, simulate
 from ..topology.topology import Topology
 from .cost import AnalyticCost, layer_cost
@@ -60,8 +61,9 @@ class Plan:
     replica_devices: list[list[int]] = field(default_factory=list)
     schedule: str = "1f1b"
     predicted_iteration_time: float = math.nan
-    # per stage: peak activations + model state on its device (bytes; the largest over
-    # its replicas), and the forward + backward time of one microbatch on it (seconds)
+    # per stage: its device's peak bytes as pipeflow-simulate walks them (sim.device_memory.
+    # device_peaks; the largest over its replicas), and the forward + backward time of one
+    # microbatch on it (seconds)
     stage_memory_bytes: list[float] = field(default_factory=list)
     stage_compute_time: list[float] = field(default_factory=list)
     memory_limit_bytes: float | None = None
@@ -177,8 +179,8 @@ def evaluate(
         cost.place_tensor_groups(topology)
     sched = build_plan_schedule(devs, topology.num_devices, microbatches, reps)
     res = simulate(sched, cost, topology, record=record)
-    mem = [max(res.per_device[row[s]].peak_activation_bytes for row in table) + cost.model_state_bytes(s)
-           for s in range(len(devs))]
+    peaks = device_peaks(sched, cost, res.per_device, topology)  # (the walk pipeflow-simulate takes)
+    mem = [max(peaks[row[s]] for row in table) for s in range(len(devs))]
     comp = [
         max(cost.compute_time("F", s, 0, topology.devices[row[s]]) + cost.compute_time("B", s, 0, topology.devices[row[s]])
             for row in table)

@@ -21,7 +21,6 @@ class Adapter(Protocol):
     mbs: int  # sequences per microbatch
     seq_len: int
     device: torch.device
-    tied_stages: tuple[int, ...]  # stages holding copies of one tied weight
 
     def build_stage(self, stage: int) -> torch.nn.Module: ...
 
@@ -61,8 +60,6 @@ class GPTAdapter:
         self.seed = seed
         self.device = device
         self._hidden = hidden_shape(model_cfg, microbatch_size, seq_len)
-        # the embedding (first stage) and the LM head (last stage) share one weight
-        self.tied_stages = (0, self.num_stages - 1)
         # pipeline.tensor_parallel: this rank's tensor group (set by the rank before any
         # stage is built; pipeflow.models.tensor_parallel)
         self.tensor = None
@@ -162,11 +159,6 @@ class HFCausalAdapter(GPTAdapter):
     feeds and scores like the GPT (next-token loss on the text corpus, bytes or a local
     tokenizer's ids). Its head is tied to the embedding only when its config ties them."""
 
-    def __init__(self, model_cfg: Mapping, layers_per_stage: Sequence[int], *args, **kwargs):
-        super().__init__(model_cfg, layers_per_stage, *args, **kwargs)
-        if not model_cfg.get("tied", False):
-            self.tied_stages = ()
-
     def build_stage(self, stage: int) -> torch.nn.Module:
         from ..models import hf_causal
 
@@ -193,7 +185,6 @@ class CBMAdapter:
         # stages per branch: given (bapp: pipeline.stages each), or the grouping's choice
         vs, ts = stage_counts or cbm.cbm_stage_counts(shape, num_devices)
         self.graph, self.specs = cbm.cbm_stage_graph(model_cfg, vs, ts)
-        self.tied_stages: tuple[int, ...] = ()  # the MLM head is not tied to the embedding
 
     def build_stage(self, stage: int) -> torch.nn.Module:
         return self._cbm.build_cbm_stage(self.model_cfg, self.specs, stage, self.seed).to(self.device)

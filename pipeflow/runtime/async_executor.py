@@ -48,8 +48,8 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..schedules.ir import Action, Kind, Schedule, WeightPolicy
-from ..schedules.versions import forward_version, tied_update_plan
-from ..schedules.zero import zero_owners
+from ..formats.runplan import Lowered
+from ..schedules.versions import forward_version
 from .executor import Executor, Groups, StageState
 from .memory_profile import tag, tag_stage
 from .optim import square_sum
@@ -147,16 +147,22 @@ class ChunkStats:
     loss_scale: float | None = None  # fp16 (synchronous steps): the scale the step's backward ran with
     skipped: bool = False  # fp16: the step's gradients overflowed and no update was applied
 
+    @classmethod
+    def of(cls, step) -> "ChunkStats":
+        """A synchronous step's :class:`StepStats` as a chunk of one step."""
+        return cls([step.loss], [step.grad_norm], step.busy, [], step.events, step.loss_scale, step.skipped)
+
 
 class AsyncExecutor(Executor):
-    def __init__(self, schedule: Schedule, rank: int, stages: dict[tuple[int, int], StageState], adapter,
+    def __init__(self, lowered: Lowered, rank: int, stages: dict[tuple[int, int], StageState], adapter,
                  groups: Groups, grad_clip: float | None, on_grads=None, precision=None, p2p: str = "tagged",
                  keep_first_grads: bool = False):
+        schedule = lowered.schedule
         if schedule.policy == WeightPolicy.SYNC:
             raise ValueError(f"schedule {schedule.name!r} is synchronous; use Executor")
         if schedule.uses_split_backward():
             raise NotImplementedError("asynchronous schedules run full backwards (B), not I/W splits")
-        super().__init__(schedule, rank, stages, adapter, groups, grad_clip, on_grads, precision, p2p)
+        super().__init__(lowered, rank, stages, adapter, groups, grad_clip, on_grads, precision, p2p)
         self.policy = schedule.policy
         self.m = schedule.microbatches_per_step
         self.windows = schedule.windows
@@ -166,7 +172,7 @@ class AsyncExecutor(Executor):
         # the step (of the chunk) each update belongs to, for its learning rate
         self.step_of_update = {u: min(mb for mb in range(len(upd)) if upd[mb] == u) // self.m for u in self.updates}
         self.zero = schedule.zero
-        self.owner = zero_owners(schedule.placement) if self.zero else {}
+        self.owner = lowered.owners
         order = schedule.orders[rank]
         # where each local replica's gradient of an update is complete
         self.take_after: dict[int, list[tuple[int, int, int]]] = {}
@@ -177,7 +183,7 @@ class AsyncExecutor(Executor):
         for key, pos in last.items():
             self.take_after.setdefault(pos, []).append(key)
         self._check_collective_order(order)
-        self.tied_plan = self._plan_tied(schedule)
+        self.tied_plan = self._plan_tied(lowered)
         for (pipe, stage), st in stages.items():
             if getattr(st, "versions", None) is None:
                 st.versions = ReplicaVersions(st.params, self.policy)
@@ -202,10 +208,10 @@ class AsyncExecutor(Executor):
                 raise ValueError(f"schedule {self.schedule.name!r}: replica {key} issues {ops[:6]}, "
                                  f"zero needs REDUCE and STEP of each update in turn")
 
-    def _plan_tied(self, schedule: Schedule) -> dict[tuple[int, int, int], list[int]]:
+    def _plan_tied(self, lowered: Lowered) -> dict[tuple[int, int, int], list[int]]:
         """(pipe, stage, update w) -> tied updates this replica applies at its STEP w."""
         tied_stages = {s for (_, s), st in self.stages.items() if st.tied}
-        plan = tied_update_plan(schedule, self.adapter.tied_stages).get(self.rank, {})
+        plan = lowered.tied.get(self.rank, {})
         return {k: us for k, us in plan.items() if k[1] in tied_stages}
 
     # ---- data of a global microbatch --------------------------------------------------
@@ -246,7 +252,7 @@ class AsyncExecutor(Executor):
             if self.policy in KEEP:
                 st.versions.refs[v] += 1
             self._fwd_version = v  # the version _hooks swaps in for this forward
-            losses[a.microbatch // self.m] += self._forward(a, batches, normalizers, io.inbox, io.local, io.outbox)
+            losses[a.microbatch // self.m] += self._forward(a, io, batches, normalizers)
 
         def backward(a: Action, io) -> None:
             st = self.stages[(a.pipe, a.stage)]
@@ -271,7 +277,7 @@ class AsyncExecutor(Executor):
                 self._take_grads(key, taken, tied_local, tied_work, tied_copies, base_update)
 
         handlers = {Kind.F: forward, Kind.B: backward, Kind.REDUCE: reduce, Kind.STEP: step}
-        busy, events, io = self._walk(self.plan, self.tail, handlers, record, t0, after=after)
+        busy, events, io = self._walk(self.steps, self.tail, handlers, record, t0, after=after)
         # tied updates no STEP of this chunk could take: apply them now, in order
         for (pipe, stage, w), us in sorted(self.tied_plan.items(), key=lambda kv: kv[0][2] < 0):
             if w == -1:

@@ -63,6 +63,7 @@ import torch.distributed as dist
 from ..schedules.ir import Action, Kind
 from .calibrate_fit import _contention, _device_times, _fit_link, _host_cores, _tensor_cores
 from .executor import Executor
+from .stage import Messages
 
 FORMAT, VERSION = "pipeflow-calibration", 1
 WARMUP, REPEATS, ROUNDS = 2, 5, 7
@@ -106,7 +107,7 @@ class _Bench:
             self._feed(st, seg, False, local)
             a = Action(Kind.F, st.stage, 0, st.pipe, seg)
             before = ex.meter.current
-            t = self._timed(lambda: ex._forward(a, self.batch, self.normalizer, {}, local, out))
+            t = self._timed(lambda: ex._forward(a, Messages(outbox=out, local=local), self.batch, self.normalizer))
             if record is not None:
                 record.setdefault(("F", st.stage, seg), []).append(t)
                 record.setdefault(("act", st.stage, seg), []).append(ex.meter.current - before)
@@ -158,7 +159,7 @@ class _Bench:
         reduces = []
         posting, posted, collective = 0.0, 0, 0.0
         t0 = time.perf_counter()
-        for posts, a in ex.plan:
+        for posts, a in ex.steps:
             if together and posts:
                 tp = time.perf_counter()
                 ex._flush(posts, outbox, inbox, sends)
@@ -170,7 +171,7 @@ class _Bench:
                     key = (False, p, a.stage, a.microbatch, a.pipe, a.segment)
                     if key not in local:
                         local[key] = self._message(p, a.stage, a.segment)
-                run = lambda: ex._forward(a, self.batch, self.normalizer, {}, local, outbox)  # noqa: E731
+                run = lambda: ex._forward(a, Messages(outbox=outbox, local=local), self.batch, self.normalizer)  # noqa: E731
             elif a.kind in (Kind.B, Kind.I):
                 if not st.last:
                     for t in self.graph.succs[a.stage]:
@@ -253,11 +254,11 @@ def _ping_pong(rank: int, numel: int, reps: int = 20, peer: int | None = None) -
 
 def run_rank(rank: int, job) -> dict | None:
     """One rank of the calibration (the launcher's entry for ``TrainJob(entry=...)``)."""
-    cfg = job.cfg
+    plan = job.plan
     world = job.world_size
     setup, ex, T = _join_and_build(rank, job)
     me, devices = rank // T, world // T
-    bench = _make_bench(rank, cfg, setup, ex)
+    bench = _make_bench(rank, plan, setup, ex)
     stages = list(setup.stages.values())
     record = _time_actions_alone(bench, stages, me, devices)
     replayed, slowdown, cpu, message_host = _replay_rounds(bench, me, devices)
@@ -280,8 +281,7 @@ def run_rank(rank: int, job) -> dict | None:
     dist.destroy_process_group()
     if rank != 0:
         return None
-    result = _combine(cfg, setup, gathered, world, tensor=T,
-                      sequence_parallel=bool(getattr(job.plan, "sequence_parallel", False)))
+    result = _combine(plan, setup, gathered, world, tensor=T, sequence_parallel=plan.sequence_parallel)
     Path(job.run_dir, "calibration.json").write_text(json.dumps(result, indent=1) + "\n")
     return result
 
@@ -293,39 +293,38 @@ def _join_and_build(rank: int, job) -> tuple:
     from .device import device_and_backend, join_group, keep_freed_memory
     from .rank import build_rank
 
-    cfg = job.cfg
-    runtime = cfg["runtime"]
+    runtime = job.plan.runtime
     keep_freed_memory()  # as the worker does: the same allocator as a real step
-    torch.set_num_threads(int(runtime.get("threads_per_rank") or 1))
+    torch.set_num_threads(int(runtime.threads_per_rank or 1))
     device, backend = device_and_backend(runtime, rank)
-    join_group(backend, rank, job.world_size, float(runtime.get("timeout_s", 60)) * 4)
-    setup = build_rank(job.plan, cfg, rank, device)
+    join_group(backend, rank, job.world_size, runtime.timeout_s * 4)
+    setup = build_rank(job.plan, rank, device)
     # tensor parallelism: this rank is tensor rank ``t`` of schedule device ``me``; the
     # device's T ranks run every action together (their collectives need each other), so
     # they take their turns together, as one device (runtime.mesh: rank = device x T + t)
-    T = int(getattr(job.plan, "tensor_parallel", 1) or 1)
+    T = job.plan.tensor_parallel
     me = rank // T
     mesh = None
     if T > 1:
         from .mesh import RankMesh
 
         mesh = RankMesh(T, me, rank % T)
-    ex = Executor(setup.schedule, me, setup.stages, setup.adapter, setup.executor.groups, grad_clip=None,
+    ex = Executor(job.plan.lowered, me, setup.stages, setup.adapter, setup.executor.groups, grad_clip=None,
                   mesh=mesh)
     return setup, ex, T
 
 
-def _make_bench(rank: int, cfg: dict, setup, ex: Executor) -> _Bench:
+def _make_bench(rank: int, plan, setup, ex: Executor) -> _Bench:
     """Build the data (rank 0 first, then the others: one barrier on each rank) and a
     bench fed with one batch that holds every microbatch the plan names."""
     m, mbs = setup.schedule.num_microbatches, setup.adapter.mbs
     if rank != 0:
         dist.barrier()
-    data = setup.adapter.build_data(cfg["data"])
+    data = setup.adapter.build_data(plan.data)
     if rank == 0:
         dist.barrier()
     # every microbatch the plan names (an asynchronous plan spans several steps' worth)
-    need = max(m, 1 + max((a.microbatch for _, a in ex.plan), default=0))
+    need = max(m, 1 + max((a.microbatch for _, a in ex.steps), default=0))
     batch = data.train_batch(1, need * mbs)
     return _Bench(ex, batch, setup.adapter.normalizer(batch))
 
@@ -445,7 +444,7 @@ def _message_bytes(setup, ex) -> dict:
     return {k: float(torch.Size(v).numel() * 4) for k, v in _message_specs(setup, ex).items()}
 
 
-def _combine(cfg: dict, setup, per_rank: list[dict], world: int, tensor: int = 1,
+def _combine(plan, setup, per_rank: list[dict], world: int, tensor: int = 1,
              sequence_parallel: bool = False) -> dict:
     """Rank 0: one calibration from every rank's measurements (a device's tensor ranks,
     then its replicas: their median, :func:`_device_times`)."""
@@ -465,14 +464,14 @@ def _combine(cfg: dict, setup, per_rank: list[dict], world: int, tensor: int = 1
         "format": FORMAT,
         "version": VERSION,
         "config": {
-            "model": cfg["model"].get("name"),
+            "model": plan.record["model"].get("name"),
             "schedule": setup.schedule.name,
             "num_stages": setup.schedule.num_stages,
             "segments": max(1, setup.schedule.num_segments),
             "microbatch_size": setup.adapter.mbs,
             "layers_per_stage": list(setup.layers_per_stage),
             "world_size": world,
-            "threads_per_rank": int(cfg["runtime"].get("threads_per_rank") or 1),
+            "threads_per_rank": int(plan.runtime.threads_per_rank or 1),
             # each device's ranks (their times include the tensor groups' collectives)
             "tensor_parallel": tensor,
             "sequence_parallel": bool(sequence_parallel),
@@ -491,13 +490,13 @@ def _combine(cfg: dict, setup, per_rank: list[dict], world: int, tensor: int = 1
     return out
 
 
-def calibrate(cfg: dict, plan, out: str | Path | None = None) -> dict:
-    """Calibrate a resolved, checked train config on its run plan's ranks; write ``out``.
+def calibrate(plan, out: str | Path | None = None) -> dict:
+    """Calibrate a checked train config's run plan on its ranks; write ``out``.
     (:func:`pipeflow.calibrate.calibrate` takes a composed config and checks it first.)"""
     from .launch import TrainJob, launch
 
     with tempfile.TemporaryDirectory(prefix="pipeflow-calibrate-") as tmp:
-        launch(TrainJob(cfg, tmp, plan, entry="pipeflow.runtime.calibration_run:run_rank"))
+        launch(TrainJob(plan, tmp, entry="pipeflow.runtime.calibration_run:run_rank"))
         result = json.loads(Path(tmp, "calibration.json").read_text())
     if out is not None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)

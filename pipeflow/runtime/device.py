@@ -16,27 +16,26 @@ import torch.distributed as dist
 HOSTED_STORE = "PIPEFLOW_HOSTED_STORE"
 
 
-def device_and_backend(runtime: dict, rank: int) -> tuple[torch.device, str]:
+def device_and_backend(runtime, rank: int) -> tuple[torch.device, str]:
     """This rank's device and process-group backend (``runtime.device``, ``runtime.backend``).
 
     NCCL puts each rank on its own GPU. gloo with ``runtime.device=cuda`` computes on the
     GPUs too, several ranks to a GPU where there are more ranks than GPUs (each process
     its own CUDA context and caching allocator, so each rank's memory is its own), and
     moves messages through host memory (:class:`~pipeflow.runtime.messages.MessageIO`)."""
-    backend = runtime.get("backend", "auto")
-    wanted = runtime.get("device", "auto")
+    backend, wanted = runtime.backend, runtime.device
     cuda = torch.cuda.is_available() and wanted in ("auto", "cuda")
     if backend == "auto":
         backend = "nccl" if cuda else "gloo"
     if backend == "nccl" or (cuda and wanted == "cuda"):
-        _allocator_settings(runtime)
+        _allocator_settings(runtime.expandable_segments)
         local = int(os.environ.get("LOCAL_RANK", rank)) % max(1, torch.cuda.device_count())
         torch.cuda.set_device(local)
         return torch.device("cuda", local), backend
     return torch.device("cpu"), backend
 
 
-def _allocator_settings(runtime: dict) -> None:
+def _allocator_settings(expandable: bool) -> None:
     """The CUDA caching allocator's expandable segments (``runtime.expandable_segments``),
     before this rank's first allocation, unless ``PYTORCH_CUDA_ALLOC_CONF`` says otherwise.
 
@@ -49,7 +48,7 @@ def _allocator_settings(runtime: dict) -> None:
     size rounded to 512 bytes: the peak is what the tensors need, the simulator's
     count (read from the allocator's source: ``should_split``; a ``cuda`` test checks it
     where a GPU is lent), and fragmentation across steps falls too."""
-    if not runtime.get("expandable_segments", True) or "expandable_segments" in os.environ.get(
+    if not expandable or "expandable_segments" in os.environ.get(
             "PYTORCH_CUDA_ALLOC_CONF", ""):
         return
     try:

@@ -24,6 +24,8 @@ are clipped by that norm, then each STEP updates its stage.
 
 from __future__ import annotations
 
+import functools
+
 import math
 import time
 from typing import Callable
@@ -34,7 +36,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..formats.timeline import Event
 from ..schedules.ir import Action, Kind, Schedule
-from ..schedules.lowering import Comm, check_pair_order, lower, order_pairs
+from ..formats.runplan import Lowered
+from ..schedules.lowering import Comm, check_pair_order, order_pairs
 from .adapters import Adapter
 from .backward import accumulators, backward_input, backward_weight
 from .saved_bytes import SavedBytes
@@ -51,7 +54,7 @@ from .stage import Groups, Messages, StageState, StepStats, sync_tied
 class Executor(MessageIO):
     def __init__(
         self,
-        schedule: Schedule,
+        lowered: Lowered,
         rank: int,
         stages: dict[tuple[int, int], StageState],
         adapter: Adapter,
@@ -71,6 +74,8 @@ class Executor(MessageIO):
         self.scaler = LossScaler(self.precision.loss_scale) if self.precision.name == "fp16" else None
         self._skip = False  # fp16: this step's gradients overflowed
         self.sent_bytes = 0  # bytes this rank sent to other ranks (activations and gradients)
+        schedule = lowered.schedule
+        self.lowered = lowered
         self.segmented = schedule.num_segments > 1
         if self.segmented and schedule.uses_split_backward():
             raise NotImplementedError("sequence segments run full backwards (B), not I/W splits")
@@ -85,14 +90,14 @@ class Executor(MessageIO):
         # "ordered": no tags; every pair's receives posted in the order its sender sends,
         # so the messages pair up as NCCL (which ignores tags) pairs them
         self.ordered = p2p == "ordered"
-        lowered = lower(schedule)
+        per_device = lowered.per_device
         if self.ordered:
-            lowered = order_pairs(lowered)
-            check_pair_order(lowered)  # every rank checks the whole job's pairs
-        items = lowered[rank]
+            per_device = order_pairs(per_device)
+            check_pair_order(per_device)  # every rank checks the whole job's pairs
+        items = per_device[rank]
         self.placement = schedule.placement
         self.graph = schedule.graph
-        self.plan, self.tail = _post_ahead(items)
+        self.steps, self.tail = _post_ahead(items)
         # an overlapped F&B pair starts once both halves' inputs are in (the backward's
         # receives are posted before the forward runs); on CPU the halves then run in turn
         self.partner = schedule.overlap_partner()
@@ -102,12 +107,12 @@ class Executor(MessageIO):
                                  for t in (*st.module.parameters(), *st.module.buffers())})
         # forward-only walk for evaluation: the forwards and the activation messages, in
         # the same per-device order (a subsequence of a deadlock-free order is one too)
-        self.eval_plan, self.eval_tail = _post_ahead(
+        self.eval_steps, self.eval_tail = _post_ahead(
             [x for x in items if (isinstance(x, Comm) and not x.grad) or (isinstance(x, Action) and x.kind == Kind.F)]
         )
 
     # ---- the walk ---------------------------------------------------------------------
-    def _walk(self, plan, tail, handlers: dict, record: bool = False, t0: float | None = None,
+    def _walk(self, steps, tail, handlers: dict, record: bool = False, t0: float | None = None,
               before: Callable | None = None, after: Callable | None = None) -> tuple[float, list, "Messages"]:
         """Walk a lowered action list once: post each step's messages, wait for the
         action's inputs (idle time, not compute), run its kind's handler ``handler(a, io)``
@@ -120,7 +125,7 @@ class Executor(MessageIO):
         busy = 0.0
         events: list[Event] = []
         t0 = time.perf_counter() if t0 is None else t0
-        for pos, (posts, a) in enumerate(plan):
+        for pos, (posts, a) in enumerate(steps):
             self._flush(posts, io.outbox, io.inbox, io.sends)
             if before is not None:
                 before(a)
@@ -159,7 +164,7 @@ class Executor(MessageIO):
     def _compute_handlers(self, batch, normalizer, loss_sum: torch.Tensor) -> dict:
         """F, B, I and W: the handlers both executors share (the forward adds its loss to ``loss_sum``)."""
         return {
-            Kind.F: lambda a, io: loss_sum.add_(self._forward(a, batch, normalizer, io.inbox, io.local, io.outbox)),
+            Kind.F: functools.partial(self._forward, batch=batch, normalizer=normalizer, into=loss_sum),
             Kind.B: lambda a, io: self._backward(a, io.inbox, io.local, io.outbox, full=True),
             Kind.I: lambda a, io: self._backward(a, io.inbox, io.local, io.outbox, full=False),
             Kind.W: lambda a, io: self._weight(a),
@@ -193,17 +198,19 @@ class Executor(MessageIO):
         if self.schedule.shard == "full":  # ZeRO-3: the schedule's GATHERs and FREEs
             handlers = gather_handlers(self.stages, self.meter, handlers)
         with self.precision.shared_casts():
-            busy, events, io = self._walk(self.plan, self.tail, handlers, record, t0, before=before)
+            busy, events, io = self._walk(self.steps, self.tail, handlers, record, t0, before=before)
         self._finish(io, "iteration")
         if not synced:
             raise RuntimeError(f"schedule {self.schedule.name!r} has no STEP on rank {self.rank}; nothing was updated")
         grad_norm, loss, scale = synced[0]
         return StepStats(loss, grad_norm, busy, events, loss_scale=scale, skipped=self._skip)
 
-    def _forward(self, a: Action, batch, normalizer, inbox, local, outbox) -> torch.Tensor:
-        """Run a stage forward. A source stage reads the batch; any other stage gets its
+    def _forward(self, a: Action, io: Messages, batch, normalizer, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Run a stage forward (the walk's handler of F: its loss, on a last stage, added
+        ``into`` the walk's sum). A source stage reads the batch; any other stage gets its
         predecessors' outputs as leaves that collect the gradient to send back (one
         tensor for a single predecessor, a dict by predecessor stage for several)."""
+        inbox, local, outbox = io.inbox, io.local, io.outbox
         st = self.stages[(a.pipe, a.stage)]
         key = (a.microbatch, a.segment)
         preds = self.graph.preds[a.stage]
@@ -231,7 +238,10 @@ class Executor(MessageIO):
         if st.last:
             # fp16: the backward runs on the scaled loss (see LossScaler)
             st.saved[key] = (leaves, loss if self.scaler is None else loss * self.scaler.scale)
-            return loss.detach().double()
+            loss = loss.detach().double()
+            if into is not None:
+                into.add_(loss)
+            return loss
         st.saved[key] = (leaves, out)
         for succ in self.graph.succs[a.stage]:
             dev = self.placement.device(a.pipe, succ)
@@ -453,7 +463,7 @@ class Executor(MessageIO):
             if self.segmented and a.segment + 1 == self.schedule.num_segments:
                 st.kv.pop(a.microbatch, None)  # the microbatch's last segment: its K/V are done
 
-        _, _, io = self._walk(self.eval_plan, self.eval_tail, {Kind.F: evaluate})
+        _, _, io = self._walk(self.eval_steps, self.eval_tail, {Kind.F: evaluate})
         self._finish(io, "evaluation")
         vec = self._once(loss_sum).reshape(1).clone()
         dist.all_reduce(vec)

@@ -66,13 +66,12 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 @dataclass
 class TrainJob:
-    """Everything a rank needs, picklable: the resolved config (optimizer, trainer,
-    runtime, data and logger settings), where to write, and the run plan the up-front
-    check built (:class:`pipeflow.formats.runplan.RunPlan`: what to run)."""
+    """Everything a rank needs, picklable: the run plan the up-front check built
+    (:class:`pipeflow.formats.runplan.RunPlan`: what to run, and the typed settings of
+    how) and where to write."""
 
-    cfg: dict
-    run_dir: str
     plan: RunPlan
+    run_dir: str
     # what each rank runs: "module:function", called as function(rank, job)
     entry: str = "pipeflow.runtime.worker:run_worker"
 
@@ -207,28 +206,29 @@ def _quiet_stops(unraisable) -> None:
 
 
 def _rank_entry(rank: int, job: TrainJob, port: int, errors, env: dict, launcher: int = 0, board=None) -> None:
+    """A spawned rank: the launcher's environment, signals and watch, then the job's
+    entry; an error reaches the launcher through ``errors``, a stop ends quietly."""
     try:
-        _rank_main(rank, job, port, errors, env, launcher, board)
+        watch.install(board, rank)
+        for sig in (*STOP_SIGNALS, PEER_FAILED):
+            signal.signal(sig, _on_stop_signal)
+        sys.unraisablehook = _quiet_stops  # a stop that lands in a destructor: check_stop() raises it again
+        # a forked rank inherits the server's environment, not the launcher's: restore the latter
+        os.environ.clear()
+        os.environ.update(env)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                          WORLD_SIZE=str(job.world_size))
+        threading.Thread(target=_watch, args=(rank, launcher or os.getppid()), daemon=True).start()
+        job.target()(rank, job)
     except Stopped:  # the stop landed while the rank was reporting an error: the stop wins
         raise SystemExit(STOPPED) from None
-
-
-def _rank_main(rank: int, job: TrainJob, port: int, errors, env: dict, launcher: int, board) -> None:
-    watch.install(board, rank)
-    for sig in (*STOP_SIGNALS, PEER_FAILED):
-        signal.signal(sig, _on_stop_signal)
-    sys.unraisablehook = _quiet_stops  # a stop that lands in a destructor: check_stop() raises it again
-    # a forked rank inherits the server's environment, not the launcher's: restore the latter
-    os.environ.clear()
-    os.environ.update(env)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    os.environ["RANK"] = str(rank)
-    os.environ["WORLD_SIZE"] = str(job.world_size)
-    threading.Thread(target=_watch, args=(rank, launcher or os.getppid()), daemon=True).start()
-    try:
-        job.target()(rank, job)
     except BaseException as err:  # noqa: BLE001 - every failure must reach the parent
+        _report(rank, err, errors)
+
+
+def _report(rank: int, err: BaseException, errors) -> None:
+    """A rank's failure to its launcher (a stop asked for, or a peer's, exits quietly)."""
+    try:
         if stop_behind(err):
             # asked to stop: this error is the stop itself, or a peer that stopped first.
             # SystemExit, not os._exit: multiprocessing's finalizers release the rank's
@@ -241,6 +241,8 @@ def _rank_main(rank: int, job: TrainJob, port: int, errors, env: dict, launcher:
             sys.stderr.write(f"[rank {rank}] {text}")
             sys.stderr.flush()
         raise SystemExit(1) from None
+    except Stopped:  # the stop landed while the rank was reporting an error: the stop wins
+        raise SystemExit(STOPPED) from None
 
 
 # ---------------------------------------------------------------------- in the launcher
@@ -289,11 +291,11 @@ def _stopped_summary(job: TrainJob, signum: int) -> dict:
             return summary
     except (OSError, ValueError):
         pass
-    from ..tracking.record import run_key, write_summary
+    from ..tracking.record import write_summary
 
     summary = {"kind": "measured", "status": "interrupted", "stopped_by": signal.Signals(signum).name,
-               "steps": int(job.cfg.get("trainer", {}).get("steps", 0)), "last_step": _last_step(job.run_dir),
-               "run_key": run_key(job.cfg)}
+               "steps": job.plan.trainer.steps, "last_step": _last_step(job.run_dir),
+               "run_key": job.plan.run_key}
     try:
         write_summary(job.run_dir, summary)
     except OSError as err:
@@ -378,8 +380,8 @@ def launch(job: TrainJob, on_start=None) -> dict:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
 
-    runtime = job.cfg.get("runtime", {})
-    port, store = runtime.get("master_port"), None
+    runtime = job.plan.runtime
+    port, store = runtime.master_port, None
     env = dict(os.environ)
     if not port:
         # the rendezvous store lives here, on a port the system gives it and this process
@@ -389,12 +391,12 @@ def launch(job: TrainJob, on_start=None) -> dict:
         from torch.distributed import TCPStore
 
         store = TCPStore("127.0.0.1", 0, job.world_size, is_master=True, wait_for_workers=False,
-                         timeout=timedelta(seconds=float(runtime.get("timeout_s", 60)) * 4))
+                         timeout=timedelta(seconds=runtime.timeout_s * 4))
         port = store.port
         env[HOSTED_STORE] = "1"
     else:
         env.pop(HOSTED_STORE, None)
-    hang_after = float(runtime.get("hang_timeout_s") or 0) or None
+    hang_after = float(runtime.hang_timeout_s or 0) or None
     stale = os.path.join(job.run_dir, "failure.json")
     if os.path.exists(stale):  # from an earlier attempt in the same directory
         os.remove(stale)

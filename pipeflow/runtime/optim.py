@@ -9,13 +9,15 @@ import math
 
 import torch
 
+from ..formats.settings import AdamWConfig
 
-def lr_at(step: int, optim: dict, steps: int) -> float:
+
+def lr_at(step: int, optim: AdamWConfig, steps: int) -> float:
     """Linear warm-up to optim.lr over warmup_steps, then cosine decay to lr*min_lr_ratio at the last step."""
-    lr, warmup = float(optim["lr"]), int(optim["warmup_steps"])
+    lr, warmup = optim.lr, optim.warmup_steps
     if warmup and step <= warmup:
         return lr * step / warmup
-    low = lr * float(optim["min_lr_ratio"])
+    low = lr * optim.min_lr_ratio
     progress = (step - warmup) / max(1, steps - warmup)
     return low + 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))) * (lr - low)
 
@@ -41,15 +43,15 @@ def square_sum(t: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     return total + torch.dot(tail, tail) if tail.numel() else total
 
 
-def make_optimizer(module: torch.nn.Module, optim: dict, params: list | None = None) -> torch.optim.Optimizer:
+def make_optimizer(module: torch.nn.Module, optim: AdamWConfig, params: list | None = None) -> torch.optim.Optimizer:
     """AdamW over the module's parameters (or the given subset of them)."""
     chosen = [p for p in module.parameters() if p.requires_grad] if params is None else params
     # weight decay on matrices only (GPT-2 / nanoGPT practice): not on biases or norms
     decay = [p for p in chosen if p.dim() >= 2]
     rest = [p for p in chosen if p.dim() < 2]
     return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": float(optim["weight_decay"])}, {"params": rest, "weight_decay": 0.0}],
-        lr=float(optim["lr"]),
-        betas=(float(optim["beta1"]), float(optim["beta2"])),
-        eps=float(optim["eps"]),
+        [{"params": decay, "weight_decay": optim.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=optim.lr,
+        betas=(optim.beta1, optim.beta2),
+        eps=optim.eps,
     )

@@ -1,6 +1,6 @@
 """What one rank holds, instantiated from the run plan (:class:`pipeflow.formats.runplan.RunPlan`):
 its stages' modules and optimizers and the executors that run the plan's schedules.
-Nothing is decided here: the plan says what runs, the config only how to optimize.
+Nothing is decided here: the plan says what runs, and its settings how.
 """
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ import torch
 from ..device_paths import cuda_path
 from ..formats.runplan import RunPlan
 from ..schedules.ir import Schedule, WeightPolicy
-from ..schedules.zero import zero_owners
-from .async_executor import AsyncExecutor, ChunkStats
+from .async_executor import AsyncExecutor
 from .executor import Executor, Groups, StageState
 from .optim import make_optimizer
 from .precision import Precision
@@ -54,87 +53,80 @@ class RankSetup:
     def evaluator(self) -> Executor:
         return self.eval_executor or self.executor
 
-    def run_chunk(self, batches: list, normalizers: list, lrs: list, first: int, record: bool, t0: float):
-        """Run steps ``first`` .. ``first + len(batches) - 1`` without a flush between them:
-        (the executor that ran them, its ChunkStats)."""
-        if not self.is_async:
-            ex = self.executor
-            ex.meter.reset_step()
-            ex.sent_bytes = 0
-            st = ex.train_step(batches[0], normalizers[0], lrs[0], record=record, t0=t0)
-            return ex, ChunkStats([st.loss], [st.grad_norm], st.busy, [], st.events, st.loss_scale, st.skipped)
-        ex = self.chunk_executor(len(batches))
+    def fresh_executor(self, windows: int) -> Executor:
+        """The executor of a chunk of ``windows`` steps without a flush (a synchronous
+        step: the one executor), its step's meters reset."""
+        ex = self.chunk_executor(windows) if self.is_async else self.executor
         ex.meter.reset_step()
         ex.sent_bytes = 0
-        m = self.schedule.microbatches_per_step
-        return ex, ex.train_chunk(batches, normalizers, lrs, base_update=(first - 1) * ex.updates_per_step,
-                                  base_mb=(first - 1) * m, record=record, t0=t0)
+        return ex
 
 
-def build_rank(plan: RunPlan, cfg: dict, rank: int, device: torch.device, on_grads=None) -> RankSetup:
+def build_rank(plan: RunPlan, rank: int, device: torch.device, on_grads=None) -> RankSetup:
     """Instantiate this rank's share of the job the run plan describes: its stages'
-    modules and optimizers (``cfg["optim"]``) and the executors that run the plan's
-    schedules. Needs the process group (it creates groups). Nothing is decided here."""
-    optim = cfg["optim"]
-    precision = Precision(plan.precision, device.type, float(cfg["runtime"].get("loss_scale", 2.0**16)))
+    modules and optimizers (``plan.optim``) and the executors that run the plan's
+    schedules, each lowered once for the job (:class:`~pipeflow.formats.runplan.Lowered`).
+    Needs the process group (it creates groups). Nothing is decided here."""
+    precision = Precision(plan.precision, device.type, plan.runtime.loss_scale)
     # NCCL ignores tags (and CPU ranks match in order too where they take CUDA's message path)
-    p2p = "ordered" if cuda_path("staging", device) else cfg["runtime"].get("p2p", "tagged")
+    p2p = "ordered" if cuda_path("staging", device) else plan.runtime.p2p
     schedule, layers = plan.schedule, plan.layers_per_stage
     adapter = plan.adapter.build(device)
-    stages: dict[tuple[int, int], StageState] = {}
     # the device mesh: with tensor parallelism this rank is tensor rank t of its device,
     # which it runs the schedule of (pipeflow.runtime.mesh)
     mesh, adapter.tensor = _mesh(plan, rank, device)
     rank = mesh.device
-    # owner-based sharding: a replicated stage's optimizer state lives on its owner only
-    # (the other replicas keep state for their tied copies alone, which they update themselves)
-    owners = zero_owners(schedule.placement) if schedule.zero else {}
-    groups = Groups(schedule, adapter.tied_stages, mesh if mesh.tensor > 1 else None)
-    for pipe, stage in schedule.placement.stages_on(rank):
-        module = adapter.build_stage(stage)
-        graph = schedule.graph  # sources read the batch, sinks compute the loss
-        st = StageState(pipe, stage, module, first=not graph.preds[stage], last=not graph.succs[stage])
-        st.params = [p for p in module.parameters() if p.requires_grad]
-        st.tied = module.tied_parameters() if hasattr(module, "tied_parameters") else []
-        replicated = len({d for _, d in schedule.placement.replicas(stage)}) > 1
-        if owners and replicated and owners[stage] != rank:
-            st.optimizer = make_optimizer(module, optim, params=list(st.tied)) if st.tied else None
-        elif schedule.shard != "none" and replicated:  # ZeRO-1/2/3: this replica's slice
-            st.optimizer = ShardedAdamW(module, optim, st.params, st.tied, groups.replica_group[stage],
-                                        scatter=schedule.shard == "gradients", full=schedule.shard == "full")
-        else:
-            st.optimizer = make_optimizer(module, optim)
-        stages[(pipe, stage)] = st
-    clip = optim.get("grad_clip")
+    groups = Groups(schedule, plan.tied_stages, mesh if mesh.tensor > 1 else None)
+    stages = {(pipe, stage): _stage(plan, adapter, groups, pipe, stage, rank)
+              for pipe, stage in schedule.placement.stages_on(rank)}
+    clip = plan.optim.grad_clip
+    common = dict(grad_clip=clip, precision=precision, p2p=p2p)
     if schedule.policy == WeightPolicy.SYNC:
-        executor = Executor(schedule, rank, stages, adapter, groups, grad_clip=clip, on_grads=on_grads,
-                            precision=precision, p2p=p2p, mesh=mesh)
+        executor = Executor(plan.lowered, rank, stages, adapter, groups, on_grads=on_grads, mesh=mesh, **common)
         return RankSetup(schedule, layers, adapter, stages, executor, device=device)
+    # runtime.dump_grads: the first update's gradients, kept (a copy) for the dump only
+    dump = plan.runtime.dump_grads
 
     def make_chunk(windows: int) -> AsyncExecutor:
-        return AsyncExecutor(plan.chunk_schedule(windows), rank, stages, adapter, groups, grad_clip=clip,
-                             precision=precision, p2p=p2p, keep_first_grads=dump)
+        return AsyncExecutor(plan.chunk(windows), rank, stages, adapter, groups, keep_first_grads=dump, **common)
 
-    # runtime.dump_grads: the first update's gradients, kept (a copy) for the dump only
-    dump = bool(cfg["runtime"].get("dump_grads"))
-    executor = AsyncExecutor(schedule, rank, stages, adapter, groups, grad_clip=clip, precision=precision, p2p=p2p,
-                             keep_first_grads=dump)
+    executor = make_chunk(schedule.windows)
     # evaluation after a flush: every mirror replica holds the same weights, so pipe 0's
     # replicas run the plan's forward-only 1F1B
     eval_stages = {(0, s): st for (pipe, s), st in stages.items() if pipe == 0}
-    eval_executor = Executor(plan.eval_schedule, rank, eval_stages, adapter, groups, grad_clip=None,
+    eval_executor = Executor(plan.eval_lowered, rank, eval_stages, adapter, groups, grad_clip=None,
                              precision=precision, p2p=p2p)
     return RankSetup(schedule, layers, adapter, stages, executor, eval_executor,
                      {schedule.windows: executor}, make_chunk, device)
 
 
+def _stage(plan: RunPlan, adapter, groups: Groups, pipe: int, stage: int, rank: int) -> StageState:
+    """One stage of this rank: its module and its optimizer (owner-based sharding: a
+    replicated stage's optimizer state on its owner alone, the other replicas keeping
+    state for their tied copies only; ZeRO-1/2/3: this replica's slice)."""
+    schedule, optim = plan.schedule, plan.optim
+    module = adapter.build_stage(stage)
+    graph = schedule.graph  # sources read the batch, sinks compute the loss
+    st = StageState(pipe, stage, module, first=not graph.preds[stage], last=not graph.succs[stage])
+    st.params = [p for p in module.parameters() if p.requires_grad]
+    st.tied = module.tied_parameters() if hasattr(module, "tied_parameters") else []
+    replicated = len({d for _, d in schedule.placement.replicas(stage)}) > 1
+    owners = plan.lowered.owners
+    if owners and replicated and owners[stage] != rank:
+        st.optimizer = make_optimizer(module, optim, params=list(st.tied)) if st.tied else None
+    elif schedule.shard != "none" and replicated:
+        st.optimizer = ShardedAdamW(module, optim, st.params, st.tied, groups.replica_group[stage],
+                                    scatter=schedule.shard == "gradients", full=schedule.shard == "full")
+    else:
+        st.optimizer = make_optimizer(module, optim)
+    return st
+
+
 def _mesh(plan: RunPlan, rank: int, device: torch.device):
     """This rank's place in the device mesh and its tensor group (None without tensor parallelism)."""
-    from ..planning.transformer import TransformerSpec
     from .mesh import RankMesh, build_mesh
 
     if plan.tensor_parallel == 1:
         return RankMesh(1, rank, 0), None
-    spec = TransformerSpec.from_config(plan.adapter.kwargs["model_cfg"])
     return build_mesh(rank, plan.schedule.num_devices, plan.tensor_parallel, plan.sequence_parallel,
-                      spec.n_head, spec.n_kv_head)
+                      plan.spec.n_head, plan.spec.n_kv_head)

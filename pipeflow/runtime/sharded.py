@@ -39,7 +39,7 @@ class ShardedAdamW:
     ``zero_grad``, ``state`` (what the memory profile names optimizer state),
     ``state_dict`` and ``load_state_dict`` (a checkpoint of this replica's slice)."""
 
-    def __init__(self, module: torch.nn.Module, optim: dict, params: list, tied: list, group,
+    def __init__(self, module: torch.nn.Module, optim, params: list, tied: list, group,
                  scatter: bool = False, full: bool = False) -> None:
         self.group, self.n, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
         self.full = full  # ZeRO-3: the parameters too, gathered by the schedule's GATHERs
@@ -48,14 +48,14 @@ class ShardedAdamW:
         # the share): all-reducing the flat in place sends the same and copies nothing more;
         # its all-gather copies too (see _all_gather)
         self.via_allreduce = dist.get_backend(group) == "gloo"
-        self.betas = (float(optim["beta1"]), float(optim["beta2"]))
-        self.eps = float(optim["eps"])
-        lr = float(optim["lr"])
+        self.betas = (optim.beta1, optim.beta2)
+        self.eps = optim.eps
+        lr = optim.lr
         tied_ids = {id(p) for p in tied}
         own = [p for p in params if id(p) not in tied_ids]
         # weight decay on matrices only, as make_optimizer
         self.param_groups = [
-            {"params": [p for p in own if p.dim() >= 2], "weight_decay": float(optim["weight_decay"]), "lr": lr},
+            {"params": [p for p in own if p.dim() >= 2], "weight_decay": optim.weight_decay, "lr": lr},
             {"params": [p for p in own if p.dim() < 2], "weight_decay": 0.0, "lr": lr}]
         self.tied = make_optimizer(module, optim, params=list(tied)) if tied else None
         # each group's parameters live end to end in one flat (padded to n shares), as

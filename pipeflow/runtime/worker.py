@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,11 +23,9 @@ import torch
 import torch.distributed as dist
 
 from .. import device_paths
-from ..formats.checkpoint_folder import model_record, training_record
 from ..formats.timeline import Timeline
 from ..schedules.data_parallel import pipeline_shape
 from ..schedules.versions import summarize, weight_versions
-from ..tracking.record import run_key
 from . import checkpoint
 from . import watch
 from .device import device_and_backend, join_group, keep_freed_memory, new_group, peak_memory
@@ -35,27 +34,8 @@ from .memory_profile import profile_step
 from .optim import lr_at
 from ..models.tensor_parallel import whole_gradient
 from .sharded import whole_weights
+from .async_executor import ChunkStats
 from .rank import RankSetup, build_rank
-
-
-def run_worker(rank: int, job: TrainJob) -> dict | None:
-    cfg = job.cfg
-    runtime = cfg["runtime"]
-    keep_freed_memory()
-    device_paths.emulate(runtime.get("cuda_paths"))  # CUDA's code paths on CPU, where a test asks
-    torch.set_num_threads(int(runtime.get("threads_per_rank") or 1))
-    device, backend = device_and_backend(runtime, rank)
-    join_group(backend, rank, job.world_size, float(runtime.get("timeout_s", 60)))
-    # Under torchrun every process composed its own config, and a run dir named after the
-    # clock may differ by a second between them: everyone writes where rank 0 writes.
-    where = [job.run_dir]
-    dist.broadcast_object_list(where, src=0)
-    job.run_dir = where[0]  # the caller's job too: under torchrun a failure is recorded there
-    # No teardown on failure: closing this rank's connections first would make its peers
-    # fail and report before it does. The launcher stops every rank anyway.
-    result = _train(rank, job, device)
-    dist.destroy_process_group()
-    return result
 
 
 @dataclass
@@ -71,9 +51,53 @@ class RunState:
     memory: dict | None = None  # runtime.memory=profile: the last chunk's allocations (StepMemory.as_dict)
 
 
-def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
-    cfg = job.cfg
-    pipe_cfg, trainer, runtime = cfg["pipeline"], cfg["trainer"], cfg["runtime"]
+def run_worker(rank: int, job: TrainJob) -> dict | None:
+    """One rank: join the job's process group, instantiate the plan's share of this
+    rank, then train chunk by chunk to the last step; rank 0 returns the summary."""
+    plan = job.plan
+    runtime = plan.runtime
+    keep_freed_memory()
+    device_paths.emulate(runtime.cuda_paths)  # CUDA's code paths on CPU, where a test asks
+    torch.set_num_threads(int(runtime.threads_per_rank or 1))
+    device, backend = device_and_backend(runtime, rank)
+    join_group(backend, rank, job.world_size, runtime.timeout_s)
+    # Under torchrun every process composed its own config, and a run dir named after the
+    # clock may differ by a second between them: everyone writes where rank 0 writes.
+    where = [job.run_dir]
+    dist.broadcast_object_list(where, src=0)
+    job.run_dir = where[0]  # the caller's job too: under torchrun a failure is recorded there
+    # No teardown on failure: closing this rank's connections first would make its peers
+    # fail and report before it does. The launcher stops every rank anyway.
+    setup, data, meta, start_step = _set_up(rank, job, device)
+    sink = progress = None
+    if rank == 0:
+        sink, progress = _rank0_records(job, start_step)
+    # a resumed run goes on from the training time its metrics recorded at the checkpoint
+    state = RunState(meta.pop("restart"), _train_time_at(job.run_dir, start_step) if rank == 0 and start_step else 0.0,
+                     replay_to=start_step)
+    try:
+        hosts = [None] * job.world_size
+        dist.all_gather_object(hosts, socket.gethostname())
+        t_start, one_host = time.perf_counter(), len(set(hosts)) == 1
+        # runtime.fail_mode=collective: a group that the failing rank alone will use (made by all)
+        hook = new_group(list(range(dist.get_world_size()))) if runtime.fail_mode == "collective" else None
+        watch.arm()  # training begins: the watchdog looks at a rank that sits in one call
+        while state.step < plan.trainer.steps:
+            _train_chunk(rank, job, setup, data, sink, progress, state, one_host, meta, hook)
+        result = _finish(rank, job, device, setup, progress, sink, state, t_start)
+    except BaseException as err:
+        if sink is not None:
+            _close_unfinished(sink, progress, job, setup, state, start_step, stop_behind(err))
+        raise
+    dist.destroy_process_group()
+    return result
+
+
+def _set_up(rank: int, job: TrainJob, device: torch.device) -> tuple:
+    """This rank's stages and executors, the data, the checkpoint's meta and where a
+    resumed run starts: (setup, data, meta (with ``restart``: the step the first chunk
+    starts after), the checkpoint's step or 0)."""
+    plan = job.plan
     dump_dir = Path(job.run_dir) / "grads"
     dumped = []
 
@@ -92,63 +116,53 @@ def _train(rank: int, job: TrainJob, device: torch.device) -> dict | None:
         if tensor is None or tensor.rank == 0:
             torch.save(grads, dump_dir / f"rank{rank}.pt")
 
-    setup = build_rank(job.plan, cfg, rank, device, on_grads=dump_grads if runtime.get("dump_grads") else None)
-    schedule, layers, stages = setup.schedule, setup.layers_per_stage, setup.stages
+    setup = build_rank(plan, rank, device, on_grads=dump_grads if plan.runtime.dump_grads else None)
+    schedule, stages = setup.schedule, setup.stages
 
     # the data set is built (and cached) by rank 0 first so ranks do not race on the cache
     if rank != 0:
         dist.barrier()
-    data = setup.adapter.build_data(cfg["data"])
+    data = setup.adapter.build_data(plan.data)
     if rank == 0:
         dist.barrier()
 
     meta = {
         "schedule": schedule.name,
-        "stages": pipe_cfg["stages"],
+        "stages": plan.stages,
         "world_size": job.world_size,
-        "layers_per_stage": layers,
+        "layers_per_stage": setup.layers_per_stage,
         "placement": schedule.placement.as_lists(),
         "shard": schedule.shard,
-        "tensor_parallel": job.plan.tensor_parallel,  # (the layout: a checkpoint moves to another one)
-        "model": model_record(cfg["model"]),  # a resumed run of another model is refused up front
-        "training": training_record(cfg),  # what a resumed run changed is said, not refused
+        "tensor_parallel": plan.tensor_parallel,  # (the layout: a checkpoint moves to another one)
+        **plan.checkpoint_records,  # model: another is refused up front; training: what changed is said
     }
     start_step = restart = 0
-    if cfg.get("resume"):
-        _, record = checkpoint.verify(cfg["resume"], {})
+    if plan.resume:
+        _, record = checkpoint.verify(plan.resume, {})
         start_step = restart = int(record["step"])
         chunk_start = int(record.get("chunk_start", start_step))
-        if chunk_start < start_step < int(trainer["steps"]):
+        if chunk_start < start_step < plan.trainer.steps:
             # it ended inside a chunk: restart that chunk (from the initial weights when it
             # was the first) and replay up to the checkpoint, as the longer run computed it
             restart = chunk_start
             if chunk_start > 0:
-                checkpoint.load(cfg["resume"], rank, stages, meta, step=chunk_start, scaler=setup.executor.scaler)
+                checkpoint.load(plan.resume, rank, stages, meta, step=chunk_start, scaler=setup.executor.scaler)
         else:
-            checkpoint.load(cfg["resume"], rank, stages, meta, scaler=setup.executor.scaler)
+            checkpoint.load(plan.resume, rank, stages, meta, scaler=setup.executor.scaler)
+    return setup, data, {**meta, "restart": restart}, start_step
 
-    sink = progress = None
-    if rank == 0:
-        from ..tracking.progress import Progress
-        from ..tracking.sink import MetricsSink
 
-        sink = MetricsSink(job.run_dir, cfg, cfg["logger"], resume_step=start_step)
-        progress = Progress(int(trainer["steps"]), initial=start_step, log=Path(job.run_dir) / "train.log")
-        # the resolved config beside the metrics: pipeflow-compare labels runs by it
-        (Path(job.run_dir) / "config.json").write_text(json.dumps(cfg, indent=2, default=str) + "\n")
+def _rank0_records(job: TrainJob, start_step: int) -> tuple:
+    """Rank 0's metrics sink and progress line; the resolved config beside the metrics
+    (pipeflow-compare labels runs by it)."""
+    from ..tracking.progress import Progress
+    from ..tracking.sink import MetricsSink
 
-    # a resumed run goes on from the training time its metrics recorded at the checkpoint
-    state = RunState(restart, _train_time_at(job.run_dir, start_step) if rank == 0 and start_step else 0.0,
-                     replay_to=start_step)
-    try:
-        hosts = [None] * job.world_size
-        dist.all_gather_object(hosts, socket.gethostname())
-        return _train_steps(rank, job, device, setup, data, sink, progress, state, len(set(hosts)) == 1, meta,
-                            time.perf_counter())
-    except BaseException as err:
-        if sink is not None:
-            _close_unfinished(sink, progress, job, setup, state, start_step, stop_behind(err))
-        raise
+    plan = job.plan
+    sink = MetricsSink(job.run_dir, plan.record, dataclasses.asdict(plan.logger), resume_step=start_step)
+    progress = Progress(plan.trainer.steps, initial=start_step, log=Path(job.run_dir) / "train.log")
+    (Path(job.run_dir) / "config.json").write_text(json.dumps(plan.record, indent=2, default=str) + "\n")
+    return sink, progress
 
 
 def _close_unfinished(sink, progress, job: TrainJob, setup: RankSetup, state: RunState, start_step: int,
@@ -163,37 +177,30 @@ def _close_unfinished(sink, progress, job: TrainJob, setup: RankSetup, state: Ru
     if reason is None or reason == PEER_FAILED_REASON:
         sink.close(exit_code=1)
         return
-    history, cfg = state.history, job.cfg
+    history, plan = state.history, job.plan
     sink.finish({
         "kind": "measured",
         "status": "interrupted",
         "stopped_by": reason,
         "schedule": setup.schedule.name,
-        "stages": cfg["pipeline"]["stages"],
-        "microbatches": int(cfg["pipeline"]["microbatches"]),
-        "steps": int(cfg["trainer"]["steps"]),
+        "stages": plan.stages,
+        "microbatches": plan.microbatches,
+        "steps": plan.trainer.steps,
         "last_step": state.step,
         "train_time": state.train_time,
         "resumed_from": start_step or None,
         "final_loss": history[-1]["loss"] if history else None,
         "final_val_loss": state.val_losses[-1] if state.val_losses else None,
-        "run_key": run_key(cfg, **pipeline_shape(setup.schedule, cfg["pipeline"]["stages"])),
+        "run_key": plan.run_key,
     }, exit_code=1)
 
 
-def _train_steps(rank, job, device, setup: RankSetup, data, sink, progress, state: RunState, one_host: bool,
-                 meta: dict, t_start: float) -> dict | None:
-    """Every chunk to the last step, then rank 0's summary."""
-    cfg, stages, schedule = job.cfg, setup.stages, setup.schedule
-    pipe_cfg, steps, mbs = cfg["pipeline"], int(cfg["trainer"]["steps"]), setup.adapter.mbs
+def _finish(rank, job, device, setup: RankSetup, progress, sink, state: RunState, t_start: float) -> dict | None:
+    """Every rank's peaks gathered; rank 0's summary."""
+    plan, stages, schedule = job.plan, setup.stages, setup.schedule
+    steps, mbs = plan.trainer.steps, setup.adapter.mbs
     batch_size = setup.schedule.microbatches_per_step * mbs  # data_parallel x microbatches per replica
     start_step = state.replay_to
-    # runtime.fail_mode=collective: a group that the failing rank alone will use (made by all)
-    hook = new_group(list(range(dist.get_world_size()))) if cfg["runtime"].get("fail_mode") == "collective" else None
-    watch.arm()  # training begins: the watchdog looks at a rank that sits in one call
-    while state.step < steps:
-        _train_chunk(rank, job, setup, data, sink, progress, state, one_host, meta, hook)
-
     peaks = [None] * job.world_size if rank == 0 else None
     dist.gather_object(peak_memory(device), peaks, dst=0)
     meters = [setup.executor.meter, *[e.meter for e in (setup.chunk_executors or {}).values()]]
@@ -214,13 +221,13 @@ def _train_steps(rank, job, device, setup: RankSetup, data, sink, progress, stat
         "kind": "measured",
         "status": "finished",
         "schedule": schedule.name,
-        **pipeline_shape(schedule, pipe_cfg["stages"]),  # stages; data_parallel replicas (a plan's own)
+        **pipeline_shape(schedule, plan.stages),  # stages; data_parallel replicas (a plan's own)
         "shard": schedule.shard,  # what the replicas of a stage shard (pipeline.shard)
         "gather": schedule.gather,  # full: when a stage's parameters are gathered (else null)
-        "tensor_parallel": job.plan.tensor_parallel,  # ranks splitting each device's stages
-        "sequence_parallel": job.plan.sequence_parallel,
+        "tensor_parallel": plan.tensor_parallel,  # ranks splitting each device's stages
+        "sequence_parallel": plan.sequence_parallel,
         # per step, as configured (an asynchronous schedule's IR spans schedule.windows steps)
-        "microbatches": int(pipe_cfg["microbatches"]),
+        "microbatches": plan.microbatches,
         "microbatch_size": mbs,
         "world_size": job.world_size,
         "layers_per_stage": setup.layers_per_stage,
@@ -237,8 +244,9 @@ def _train_steps(rank, job, device, setup: RankSetup, data, sink, progress, stat
         "mean_tokens_per_s": sum(h["tokens_per_s"] for h in steady) / len(steady) if steady else None,
         "mean_step_time": sum(h["step_time"] for h in steady) / len(steady) if steady else None,
         "measured_bubble_ratio": sum(h["bubble"] for h in steady) / len(steady) if steady else None,
-        "precision": cfg["precision"],
-        **{key: cfg["model"].get(key) or none for key, none in (("attention", "sdpa"), ("recompute", "none"))},
+        "precision": plan.precision,
+        "attention": plan.attention,
+        "recompute": plan.recompute,
         # bytes sent between ranks per step (activations and their gradients, all ranks)
         "p2p_bytes": sum(h["p2p_bytes"] for h in history) / len(history) if history else None,
         **({"skipped_steps": sum(h["skipped"] for h in history), "loss_scale": history[-1]["loss_scale"]}
@@ -255,7 +263,7 @@ def _train_steps(rank, job, device, setup: RankSetup, data, sink, progress, stat
         "updates": steps,  # synchronous: one per step; an asynchronous run's count replaces it
         **_staleness_summary(job.run_dir, state.staleness, setup),
         "wall_time": time.perf_counter() - t_start,
-        "run_key": run_key(cfg, **pipeline_shape(schedule, pipe_cfg["stages"])),
+        "run_key": plan.run_key,
     }
     summary.update(_verdict(history, summary))
     sink.finish(summary)
@@ -334,13 +342,13 @@ def _falls_in(every: int, first: int, end: int) -> bool:
     return bool(every) and end // every > (first - 1) // every
 
 
-def _inject_failure(rank: int, runtime: dict, first: int, end: int, hook) -> None:
+def _inject_failure(rank: int, runtime, first: int, end: int, hook) -> None:
     """The test hook runtime.fail_at_step: rank fail_rank fails as fail_mode says where
     that step falls in [first, end] (hook: the group of fail_mode=collective)."""
-    fail = runtime.get("fail_at_step")
-    if fail is None or not first <= fail <= end or (runtime.get("fail_rank") or 0) != rank:
+    fail = runtime.fail_at_step
+    if fail is None or not first <= fail <= end or (runtime.fail_rank or 0) != rank:
         return
-    if runtime.get("fail_mode", "raise") == "kill":
+    if runtime.fail_mode == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if hook is not None:  # a collective no other rank joins: the rank waits in it for good
         dist.all_reduce(torch.zeros(1), group=hook)
@@ -366,13 +374,13 @@ def _train_chunk(rank, job, setup: RankSetup, data, sink, progress, state: RunSt
                  meta: dict, hook=None) -> None:
     """One chunk of steps without a flush (a synchronous step is a chunk of one): failure
     injection, data, the executor, metrics, validation, timeline, checkpoint and logging."""
-    cfg = job.cfg
-    pipe_cfg, trainer, optim, runtime = cfg["pipeline"], cfg["trainer"], cfg["optim"], cfg["runtime"]
-    seed, steps = int(cfg["seed"]), int(trainer["steps"])
-    m, mbs = int(pipe_cfg["microbatches"]), setup.adapter.mbs
+    plan = job.plan
+    trainer, runtime = plan.trainer, plan.runtime
+    seed, steps = plan.seed, trainer.steps
+    m, mbs = plan.microbatches, setup.adapter.mbs
     batch_size = setup.schedule.microbatches_per_step * mbs  # the global batch: every data-parallel replica's
     tokens = batch_size * setup.adapter.seq_len
-    val_every, save_every = int(trainer.get("val_every") or 0), int(trainer.get("save_every") or 0)
+    val_every, save_every = trainer.val_every or 0, trainer.save_every or 0
     check_stop()  # a stop that arrived in a destructor was swallowed there
     first = state.step + 1
     cap = setup.steps_per_chunk
@@ -383,12 +391,17 @@ def _train_chunk(rank, job, setup: RankSetup, data, sink, progress, state: RunSt
     span = range(first, end + 1)
     batches = [data.train_batch(s, batch_size) for s in span]
     normalizers = [setup.adapter.normalizer(b) for b in batches]  # microbatch losses add up to the batch mean
-    lrs = [lr_at(s, optim, steps) for s in span]
-    tl = trainer.get("timeline_step")
+    lrs = [lr_at(s, plan.optim, steps) for s in span]
+    tl = trainer.timeline_step
     record = tl is not None and max(first, quiet + 1) <= tl <= end
     t0 = _start_clock(record and one_host, setup.device)
-    with profile_step(setup.device, runtime.get("memory") == "profile" and end == steps) as allocated:
-        ex, stats = setup.run_chunk(batches, normalizers, lrs, first, record, t0)
+    with profile_step(setup.device, runtime.memory == "profile" and end == steps) as allocated:
+        ex = setup.fresh_executor(len(batches))
+        if setup.is_async:
+            stats = ex.train_chunk(batches, normalizers, lrs, base_update=(first - 1) * ex.updates_per_step,
+                                   base_mb=(first - 1) * setup.schedule.microbatches_per_step, record=record, t0=t0)
+        else:
+            stats = ChunkStats.of(ex.train_step(batches[0], normalizers[0], lrs[0], record=record, t0=t0))
     if allocated.at_peak:
         state.memory = allocated.as_dict()
     chunk_time = time.perf_counter() - t0
@@ -396,7 +409,7 @@ def _train_chunk(rank, job, setup: RankSetup, data, sink, progress, state: RunSt
     gathered = [None] * job.world_size if rank == 0 else None
     if setup.is_async:
         dist.gather_object(stats.records, gathered, dst=0)
-        if runtime.get("dump_grads") and first == 1:
+        if runtime.dump_grads and first == 1:
             dump_dir = Path(job.run_dir) / "grads"
             dump_dir.mkdir(parents=True, exist_ok=True)
             torch.save(ex.first_grads, dump_dir / f"rank{rank}.pt")
@@ -431,7 +444,7 @@ def _train_chunk(rank, job, setup: RankSetup, data, sink, progress, state: RunSt
     if _falls_in(val_every, first, end) or end == steps:
         with whole_weights(setup.stages):  # (pipeline.shard=full: the whole weights, for the forwards alone)
             vl = [setup.evaluator.eval_loss(b, setup.adapter.normalizer(b))
-                  for b in data.val_batches(batch_size, int(trainer["val_batches"]))]
+                  for b in data.val_batches(batch_size, trainer.val_batches)]
         if vl and rank == 0:
             metrics_of[-1]["val_loss"] = sum(vl) / len(vl)
             state.val_losses.append(metrics_of[-1]["val_loss"])
@@ -449,7 +462,7 @@ def _train_chunk(rank, job, setup: RankSetup, data, sink, progress, state: RunSt
                 if s <= quiet:
                     continue
                 state.history.append(metrics)
-                if s % int(trainer.get("log_every") or 1) == 0 or "val_loss" in metrics:
+                if s % (trainer.log_every or 1) == 0 or "val_loss" in metrics:
                     sink.log(s, metrics)
                 progress.update(s, metrics["loss"], metrics["tokens_per_s"])
         state.step = end

@@ -61,6 +61,15 @@ def library_workspace(topology, num_devices: int) -> list[float]:
     return [topology.workspace_bytes(d) for d in range(num_devices)]
 
 
+def device_peaks(schedule, cost, per_device: list, topology) -> list[float]:
+    """Each device's peak bytes as pipeflow-simulate counts them: its categories walked
+    (:func:`device_memory`), its math libraries' workspace on top. What "does it fit"
+    compares with a device's memory, for the simulator, the planner and BAPP's
+    coordinator alike."""
+    workspace = library_workspace(topology, schedule.num_devices)
+    return [m["peak_bytes"] for m in device_memory(schedule, cost, per_device, workspace)]
+
+
 def device_memory(schedule, cost, per_device: list, workspace=None, actions: list | None = None,
                   periods: tuple | None = None) -> list[dict]:
     """Per device: ``peak_bytes``, ``at_peak`` (category -> bytes at that instant),

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import List, Optional
 
 from omegaconf import DictConfig
 
@@ -14,19 +12,6 @@ LOGGERS = ("wandb", "none")
 
 LOGGER_MODES = ("auto", "offline", "online", "disabled")
 
-@dataclass
-class WandbLoggerConfig:
-    name: str = "wandb"
-    project: str = "pipeflow"
-    mode: str = "auto"  # auto: WANDB_MODE if set, else online when logged in, else offline
-    group: Optional[str] = None  # null: a multirun's jobs share one group named after the sweep
-    tags: List[str] = field(default_factory=list)  # a multirun adds each job's overrides
-    run_name: Optional[str] = None  # null: a multirun names the run after its job folder
-    entity: Optional[str] = None
-
-@dataclass
-class NoLoggerConfig:
-    name: str = "none"
 
 def check_logger(logger: DictConfig) -> None:
     """``logger.*`` of any app (train, simulate, plan): a known logger and W&B mode, and

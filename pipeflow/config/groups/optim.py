@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
 
 from omegaconf import DictConfig
 
@@ -12,17 +10,6 @@ from ..values import ConfigError, at_least, number
 
 OPTIMIZERS = ("adamw",)
 
-@dataclass
-class AdamWConfig:
-    name: str = "adamw"
-    lr: float = 1e-3  # peak learning rate, reached after warmup_steps
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    warmup_steps: int = 20  # linear warm-up from 0
-    min_lr_ratio: float = 0.1  # cosine decay to lr * min_lr_ratio at trainer.steps
-    grad_clip: Optional[float] = 1.0  # global gradient-norm clip; null or 0: none
 
 def check_optim(optim: DictConfig) -> None:
     if optim.name not in OPTIMIZERS:

@@ -4,8 +4,6 @@ and the failure test hooks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import List, Optional
 
 from omegaconf import DictConfig
 
@@ -24,25 +22,6 @@ FAIL_MODES = ("raise", "kill", "collective")
 
 MEMORY_MODES = ("count", "profile")  # runtime.memory: the saved-bytes count, or every allocation of the last step
 
-@dataclass
-class LocalRuntimeConfig:
-    name: str = "local"
-    backend: str = "auto"  # auto: nccl when CUDA is available, else gloo
-    device: str = "auto"  # auto | cpu | cuda
-    loss_scale: float = 65536.0  # fp16: the initial dynamic loss scale
-    p2p: str = "tagged"  # tagged | ordered: point-to-point messages matched by tag, or per pair in order (NCCL)
-    timeout_s: float = 60.0  # a collective or P2P op that takes longer fails the run
-    hang_timeout_s: float = 30.0  # a rank silent this long (stopped, stuck) fails the run, named; 0: never
-    master_port: Optional[int] = None  # null: a free port
-    threads_per_rank: int = 1  # torch intra-op threads of each rank
-    fail_at_step: Optional[int] = None  # test hook: rank fail_rank fails at this step
-    fail_rank: Optional[int] = None
-    fail_mode: str = "raise"  # raise: a Python error; kill: SIGKILL, as an out-of-memory kill would; collective: stuck in a collective no other rank joins
-    expandable_segments: bool = True  # CUDA: the caching allocator's expandable segments (no block larger than asked)
-    memory: str = "count"  # count: saved bytes (cheap, always); profile: every allocation of the last step, by category
-    dump_grads: bool = False  # test hook: each rank writes run_dir/grads/rank<r>.pt after its first backward
-    # test hook: CPU ranks take CUDA's code paths (pipeflow.device_paths): attention, staging, memory; [all]: each
-    cuda_paths: List[str] = field(default_factory=list)
 
 def _cuda_devices() -> int:
     # torch is imported only when a config asks for CUDA, so checking a CPU config stays fast

@@ -3,21 +3,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
 
 from omegaconf import DictConfig
 
 from ..values import at_least
 
-@dataclass
-class TrainerConfig:
-    steps: int = 300  # optimizer steps (pipeline iterations) of the whole run
-    log_every: int = 1  # a metrics.jsonl line every N steps
-    val_every: int = 50  # validation loss every N steps; 0: never
-    val_batches: int = 4  # batches per validation
-    save_every: int = 0  # a checkpoint every N steps; 0: only at the end
-    timeline_step: Optional[int] = 5  # the step (1..steps) whose actions are timed into timeline.json/png; null: none
 
 def check_trainer(trainer: DictConfig) -> None:
     at_least("trainer.steps", trainer.steps, 1)
