@@ -1,23 +1,73 @@
 """What a backward holds while it runs, on top of what the forwards kept: B's working
-set and the zero-bubble I's, for :class:`~pipeflow.planning.cost.AnalyticCost` (a mixin:
-it reads the cost's shape, tables and dtype). The simulator's memory walk
+set and the zero-bubble I's. The simulator's memory walk
 (:mod:`pipeflow.sim.device_memory`) holds each at the backward's peak instant; the
 measurements they are checked against are ``benchmarks/bench_split_memory.py`` (one
-stage) and ``benchmarks/bench_memory.py`` (every device of a run)."""
+stage) and ``benchmarks/bench_memory.py`` (every device of a run).
+
+:class:`BackwardWorkingSet` prices them from its fields and nothing else: the shape a
+cost model prices (one tensor rank's), that cost model's per-stage tables and this
+host's kernels. :class:`~pipeflow.planning.cost.AnalyticCost` builds one with its tables
+and asks it for these memory terms (:class:`WorkingSetTerms`); the branched cost model
+walks a branch's blocks with one of a branch's shape alone
+(:mod:`pipeflow.planning.branched_memory`)."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 from .optimizer_step import decay_tensors, one_at_a_time_most
 from .products import down_weight_scratch, mlp_product_scratch, rerun_rotation_bytes, weight_phase_bytes, weight_products
-from .transformer import (RESIDUAL_BYTES, head_params, head_residual_width, last_stage_saved, layer_params,
-                          matrix_inputs, norm_params, norm_saved_bytes, recomputed_matrix_params, shared_head_params)
+from .transformer import (RESIDUAL_BYTES, TransformerSpec, head_params, head_residual_width, last_stage_saved,
+                          layer_params, matrix_inputs, norm_params, norm_saved_bytes, recomputed_matrix_params,
+                          shared_head_params)
 
 
+def checked_segment(segment: int, segment_lengths: Sequence[int]) -> int:
+    """``segment`` where it is one of the sequence segments of ``segment_lengths``; else ValueError."""
+    if not 0 <= segment < len(segment_lengths):
+        raise ValueError(
+            f"segment {segment} out of range: the cost model has {len(segment_lengths)} sequence segment(s) "
+            f"(cost.segment_lengths={list(segment_lengths)})"
+        )
+    return segment
+
+
+@dataclass(frozen=True, eq=False)
 class BackwardWorkingSet:
     """B's and I's working sets of a transformer stage (see the module's docstring), what
-    a backward hands back and holds to its end, and what the optimizer step holds."""
+    a backward hands back and holds to its end, and what the optimizer step holds.
+
+    Frozen: a cost model whose host's kernels are set after it was built takes a new one
+    (``dataclasses.replace``). A block's walk alone (:meth:`stage_input_workspace`) needs
+    only the first three fields."""
+
+    spec: TransformerSpec  # one tensor rank's shard of the model
+    microbatch_size: int
+    dtype_bytes: int  # per element of the compute dtype (4: fp32)
+    segment_lengths: tuple[int, ...] = ()  # a microbatch's sequence segments' tokens (Seq1F1B: several)
+    layers_per_stage: tuple[int, ...] = ()
+    # the cost model's tables, per stage (AnalyticCost._build_tables)
+    rebuilt: Sequence = ()  # [stage][segment]: the layer a recomputing backward rebuilds (LayerCost.rebuilt)
+    input_workspaces: Sequence = ()  # [stage][segment]: _input_workspace's three and one block's saved bytes
+    params: Sequence = ()  # [stage]: the stage's parameters
+    cast_params: Sequence = ()  # [stage]: the parameters its 16-bit casts copy (matrix products, the head)
+    # this host's kernels where the stages run on CPUs (set by pipeflow.config.prepare)
+    product_scratch: Callable | None = None  # pipeflow.topology.host.product_scratch: a 16-bit product's scratch
+    attention_scratch: Callable | None = None  # pipeflow.topology.host.attention_scratch: the fused kernel's
+    step_per_tensor: bool = False  # the optimizer steps one tensor at a time (torch's AdamW on CPU)
+    own_casts: bool = False  # each microbatch casts the weights for itself (an asynchronous schedule's)
+    # the phases computed, by their arguments: several terms of the memory walk read each
+    _phases: dict = field(default_factory=dict, init=False, repr=False)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.layers_per_stage)
+
+    def _seg(self, segment: int) -> int:
+        return checked_segment(segment, self.segment_lengths)
 
     def workspace_bytes(self, stage: int, segment: int) -> float:
         """What a backward (B) holds at its most on top of the level before its frees (see
@@ -56,17 +106,11 @@ class BackwardWorkingSet:
 
     def _backward_phase(self, stage: int, segment: int, fresh: bool | None = False,
                         end: bool = False) -> tuple[float, float, float]:
-        """:meth:`_backward_phase_of`, once per (stage, segment, fresh, end): several terms
-        of the memory walk read each (and per this host's kernels' scratch, which a
-        run's preparation may set after the cost is built)."""
-        cache = self.__dict__.get("_phases")
-        if cache is None:
-            cache = self._phases = {}
-        key = (stage, segment, fresh, end, getattr(self, "product_scratch", None),
-               getattr(self, "attention_scratch", None))
-        got = cache.get(key)
+        """:meth:`_backward_phase_of`, once per (stage, segment, fresh, end)."""
+        key = (stage, segment, fresh, end)
+        got = self._phases.get(key)
         if got is None:
-            got = cache[key] = self._backward_phase_of(stage, segment, fresh, end)
+            got = self._phases[key] = self._backward_phase_of(stage, segment, fresh, end)
         return got
 
     def _backward_phase_of(self, stage: int, segment: int, fresh: bool | None = False,
@@ -82,7 +126,7 @@ class BackwardWorkingSet:
         stream = x * self.microbatch_size * spec.n_embd * RESIDUAL_BYTES  # the stream's gradient
         last = stage == self.num_stages - 1
         phases = self._block_phases(stage, seg, fresh, end, stream)
-        if getattr(self, "_own_casts", False) and c < 4 and spec.recompute != "full":
+        if self.own_casts and c < 4 and spec.recompute != "full":
             # an asynchronous schedule's microbatch casts the weights for itself (the
             # simulator holds them to its backward's end): each cast goes with its
             # weight's backward, so past the MLP's phase its casts have gone (measured,
@@ -113,12 +157,12 @@ class BackwardWorkingSet:
         sub-layer it rebuilt (selective, full), the MLP sub-layer behind it, all it saved
         freed, its weights' gradients made."""
         spec, b, c = self.spec, self.microbatch_size, self.dtype_bytes
-        x, P = self.segment_lengths[seg], self.prefixes[seg]
+        x, P = self.segment_lengths[seg], sum(self.segment_lengths[: seg + 1])
         received = self._received_bytes(x * b, stage == self.num_stages - 1)
         kv_heads = spec.n_head if spec.kv_repeat else spec.kv_heads  # the kernel's K/V gradients
         attention = (b * c * (2 * x * spec.n_head + 2 * P * kv_heads) * spec.head_dim + stream + received
                      + self._attention_scratch(x, P))
-        rebuilt = self._rebuilt[stage][seg]
+        rebuilt = self.rebuilt[stage][seg]
         behind = self._mlp_saved(x * b)
         n = self.layers_per_stage[stage]
         # with full recomputation a later block's peak: the blocks passed have made their gradients
@@ -180,7 +224,7 @@ class BackwardWorkingSet:
             # up product's after, its two I-wide gradients made where the hidden product
             # and the down projection's cast have gone (measured, llama 1F1B bf16)
             hidden = x * b * spec.ffn_width * c
-            scratch = getattr(self, "product_scratch", None)
+            scratch = self.product_scratch
             at_down = down * c + x * b * spec.n_embd * c + max(
                 down_weight_scratch(spec, x * b, scratch),
                 hidden + (scratch(x * b, spec.n_embd, spec.ffn_width, False) if scratch else 0))
@@ -218,15 +262,6 @@ class BackwardWorkingSet:
             phases.append((final, head - held, head_made))
         return phases
 
-    def own_casts(self) -> "BackwardWorkingSet":
-        """This cost as an asynchronous schedule's backward sees it, each microbatch
-        holding casts of its own (see :meth:`_backward_phase`): the simulator's
-        ``own_casts`` terms."""
-        view = copy.copy(self)
-        view._own_casts = True
-        view._phases = {}  # (its phases are its own)
-        return view
-
     def cast_phase_bytes(self, stage: int, segment: int) -> float:
         """A backward through shared casts an earlier forward made, at the attention of the
         first or the last block it passes (whichever holds more): on top of the level less
@@ -244,23 +279,22 @@ class BackwardWorkingSet:
         return self._cast_phase(stage, segment)[1]
 
     def _cast_phase(self, stage: int, segment: int) -> tuple[float, float]:
-        """:meth:`_cast_phase_of`, once per (stage, segment) and scratch (as :meth:`_backward_phase`)."""
-        cache = self.__dict__.get("_phases")
-        if cache is None:
-            cache = self._phases = {}
-        key = ("cast", stage, segment, getattr(self, "product_scratch", None), getattr(self, "attention_scratch", None))
-        got = cache.get(key)
+        """:meth:`_cast_phase_of`, once per (stage, segment)."""
+        key = ("cast", stage, segment)
+        got = self._phases.get(key)
         if got is None:
-            got = cache[key] = self._cast_phase_of(stage, segment)
+            got = self._phases[key] = self._cast_phase_of(stage, segment)
         return got
 
     def _cast_phase_of(self, stage: int, segment: int) -> tuple[float, float]:
+        """(:meth:`cast_phase_bytes`, :meth:`cast_phase_freed_bytes`): B's attention phase
+        with the casts' gradients it holds there, at its first block or its last."""
         spec, c, n = self.spec, self.dtype_bytes, self.layers_per_stage[stage]
         if c >= 4 or n == 0:
             return 0.0, 0.0
         seg = self._seg(segment)
         net, freed, _ = self._backward_phase(stage, segment, fresh=None)
-        block_saved = self._input_ws[stage][seg][3]  # one block's saved bytes (AnalyticCost's tables)
+        block_saved = self.input_workspaces[stage][seg][3]  # one block's saved bytes
         q, kv = spec.n_head * spec.head_dim, spec.kv_heads * spec.head_dim
         attention = 0 if spec.recompute != "none" else spec.n_embd * (2 * q + 2 * kv) * c
         mlp = 0 if spec.recompute == "full" else spec.mlp_matrices * spec.n_embd * spec.ffn_width * c
@@ -285,20 +319,20 @@ class BackwardWorkingSet:
     def _weight_phase(self, stage: int, segment: int, fresh: bool) -> float:
         tokens = self.microbatch_size * self.segment_lengths[self._seg(segment)]
         products = weight_products(self.spec, self.layers_per_stage[stage], stage == self.num_stages - 1, tokens)
-        return weight_phase_bytes(products, self.dtype_bytes, getattr(self, "product_scratch", None), fresh)
+        return weight_phase_bytes(products, self.dtype_bytes, self.product_scratch, fresh)
 
     def _attention_scratch(self, queries: int, keys: int) -> float:
         """What the fused attention's backward holds beyond the gradients of Q, K and V on
         this host (``attention_scratch``: :func:`pipeflow.topology.host.attention_scratch`,
         set where the stages run on CPUs; nothing where the scores are computed eagerly)."""
-        scratch, spec = getattr(self, "attention_scratch", None), self.spec
+        scratch, spec = self.attention_scratch, self.spec
         if scratch is None or spec.attention != "sdpa" or spec.dropout_masks:
             return 0.0
         kv_heads = spec.n_head if spec.kv_repeat else spec.kv_heads
         return float(scratch(self.microbatch_size, spec.n_head, kv_heads, queries, keys, spec.head_dim, spec.causal))
 
     def _mlp_product_scratch(self, tokens: int) -> float:
-        return mlp_product_scratch(self.spec, tokens, self.dtype_bytes, getattr(self, "product_scratch", None))
+        return mlp_product_scratch(self.spec, tokens, self.dtype_bytes, self.product_scratch)
 
     def _mlp_params(self) -> float:
         """A block's MLP sub-layer's parameters: its matrices, their biases, its norm's."""
@@ -316,21 +350,22 @@ class BackwardWorkingSet:
 
     def input_workspace_bytes(self, stage: int, segment: int) -> float:
         """What the zero-bubble I holds at its most on top of the level before it (see
-        :meth:`_input_workspace`); B's is :meth:`workspace_bytes`."""
-        return self._input_ws[stage][self._seg(segment)][0]
+        :meth:`stage_input_workspace`); B's is :meth:`workspace_bytes`."""
+        return self.input_workspaces[stage][self._seg(segment)][0]
 
     def input_kept_bytes(self, stage: int, segment: int) -> float:
         """What I has kept for W by the instant of :meth:`input_workspace_bytes` (the
         residuals; the products' inputs among them were saved activations until then)."""
-        return self._input_ws[stage][self._seg(segment)][1]
+        return self.input_workspaces[stage][self._seg(segment)][1]
 
     def input_freed_bytes(self, stage: int, segment: int) -> float:
         """What I has taken from the activations the forward saved by that instant (freed,
         or kept for W: then counted in :meth:`input_kept_bytes` too). The workspace less
         the level's move (kept less freed) are the gradients on the way."""
-        return self._input_ws[stage][self._seg(segment)][2]
+        return self.input_workspaces[stage][self._seg(segment)][2]
 
-    def _input_workspace(self, n: int, one, x: int, last: bool, phase: list | None = None) -> tuple[float, float, float]:
+    def stage_input_workspace(self, n: int, one, x: int, last: bool,
+                              phase: list | None = None) -> tuple[float, float, float]:
         """I's most on top of its level, for a stage of ``n`` blocks of ``x`` tokens.
 
         I walks down the stage as B does, but W still needs each matrix product's input
@@ -359,7 +394,7 @@ class BackwardWorkingSet:
         return self._input_head(x, block, rise, kept, freed)
 
     def _input_head(self, x: int, block: float, rise: float, kept: float, freed: float) -> tuple[float, float, float]:
-        """:meth:`_input_workspace` of a last stage, whose blocks' most is ``block`` + ``rise``
+        """:meth:`stage_input_workspace` of a last stage, whose blocks' most is ``block`` + ``rise``
         (``kept``, ``freed`` by then): the head runs first, holding the two fp32 rows of V
         of B, and moves the level by what it keeps for W (its input and the logits'
         gradient) less what it saved, and by the gradient it hands the blocks (the
@@ -525,7 +560,7 @@ class BackwardWorkingSet:
         their gradients to its end (pipeflow.sim.device_memory's ``held_cast_gradients``)."""
         if self.dtype_bytes >= 4:
             return 0.0
-        return 2.0 * (self._cast_params[stage] - self.layers_per_stage[stage] * recomputed_matrix_params(self.spec))
+        return 2.0 * (self.cast_params[stage] - self.layers_per_stage[stage] * recomputed_matrix_params(self.spec))
 
     def step_workspace_bytes(self, stage: int) -> float:
         """What the optimizer step holds while it runs (:mod:`pipeflow.planning.optimizer_step`):
@@ -533,9 +568,91 @@ class BackwardWorkingSet:
         topology) one tensor at a time, in the module's order. It matters where a step runs
         while activations are live (the asynchronous schedules, which step inside the walk,
         and a stage whose activations recomputation made small)."""
-        if getattr(self, "step_per_tensor", False):
+        if self.step_per_tensor:
             first, last = stage == 0, stage == self.num_stages - 1
             sizes = decay_tensors(self.spec, self.layers_per_stage[stage], first, last)
             return 4.0 * one_at_a_time_most(sizes)
-        return 4.0 * self._params[stage]
+        return 4.0 * self.params[stage]
 
+
+
+class WorkingSetTerms:
+    """The memory terms a cost model prices by its :class:`BackwardWorkingSet`, the one
+    thing this mixin reads (``working_set``): mixed into
+    :class:`~pipeflow.planning.cost.AnalyticCost` where the terms sit in its method
+    order (beneath :class:`~pipeflow.planning.tensor_cost.TensorShards`, which takes a
+    tensor rank's share of ``input_gradient_bytes``)."""
+
+    working_set: BackwardWorkingSet
+
+    def workspace_bytes(self, stage: int, segment: int) -> float:
+        """:meth:`BackwardWorkingSet.workspace_bytes`."""
+        return self.working_set.workspace_bytes(stage, segment)
+
+    def held_cast_workspace_bytes(self, stage: int, segment: int) -> float:
+        """:meth:`BackwardWorkingSet.held_cast_workspace_bytes`."""
+        return self.working_set.held_cast_workspace_bytes(stage, segment)
+
+    def backward_freed_bytes(self, stage: int, segment: int) -> float:
+        """:meth:`BackwardWorkingSet.backward_freed_bytes`."""
+        return self.working_set.backward_freed_bytes(stage, segment)
+
+    def fresh_workspace_bytes(self, stage: int, segment: int) -> float:
+        """:meth:`BackwardWorkingSet.fresh_workspace_bytes`."""
+        return self.working_set.fresh_workspace_bytes(stage, segment)
+
+    def fresh_backward_freed_bytes(self, stage: int, segment: int) -> float:
+        """:meth:`BackwardWorkingSet.fresh_backward_freed_bytes`."""
+        return self.working_set.fresh_backward_freed_bytes(stage, segment)
+
+    def backward_grads_made_bytes(self, stage: int, segment: int) -> float:
+        """:meth:`BackwardWorkingSet.backward_grads_made_bytes`."""
+        return self.working_set.backward_grads_made_bytes(stage, segment)
+
+    def cast_phase_bytes(self, stage: int, segment: int) -> float:
+        """:meth:`BackwardWorkingSet.cast_phase_bytes`."""
+        return self.working_set.cast_phase_bytes(stage, segment)
+
+    def cast_phase_freed_bytes(self, stage: int, segment: int) -> float:
+        """:meth:`BackwardWorkingSet.cast_phase_freed_bytes`."""
+        return self.working_set.cast_phase_freed_bytes(stage, segment)
+
+    def weight_workspace_bytes(self, stage: int, segment: int) -> float:
+        """:meth:`BackwardWorkingSet.weight_workspace_bytes`."""
+        return self.working_set.weight_workspace_bytes(stage, segment)
+
+    def fresh_weight_workspace_bytes(self, stage: int, segment: int) -> float:
+        """:meth:`BackwardWorkingSet.fresh_weight_workspace_bytes`."""
+        return self.working_set.fresh_weight_workspace_bytes(stage, segment)
+
+    def input_workspace_bytes(self, stage: int, segment: int) -> float:
+        """:meth:`BackwardWorkingSet.input_workspace_bytes`."""
+        return self.working_set.input_workspace_bytes(stage, segment)
+
+    def input_kept_bytes(self, stage: int, segment: int) -> float:
+        """:meth:`BackwardWorkingSet.input_kept_bytes`."""
+        return self.working_set.input_kept_bytes(stage, segment)
+
+    def input_freed_bytes(self, stage: int, segment: int) -> float:
+        """:meth:`BackwardWorkingSet.input_freed_bytes`."""
+        return self.working_set.input_freed_bytes(stage, segment)
+
+    def input_gradient_bytes(self, stage: int, segment: int) -> float:
+        """:meth:`BackwardWorkingSet.input_gradient_bytes`."""
+        return self.working_set.input_gradient_bytes(stage, segment)
+
+    def held_cast_bytes(self, stage: int) -> float:
+        """:meth:`BackwardWorkingSet.held_cast_bytes`."""
+        return self.working_set.held_cast_bytes(stage)
+
+    def step_workspace_bytes(self, stage: int) -> float:
+        """:meth:`BackwardWorkingSet.step_workspace_bytes`."""
+        return self.working_set.step_workspace_bytes(stage)
+
+    def own_casts(self) -> "WorkingSetTerms":
+        """This cost model as an asynchronous schedule's backward sees it, each microbatch
+        holding casts of its own (see :meth:`BackwardWorkingSet._backward_phase_of`): the
+        simulator's ``own_casts`` terms."""
+        view = copy.copy(self)
+        view.working_set = dataclasses.replace(self.working_set, own_casts=True)
+        return view
