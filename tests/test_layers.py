@@ -168,15 +168,6 @@ def test_torch_free_layers_import_without_torch(module):
 # A function is otherwise at most this long
 LONGEST = 100
 EVENT_LOOPS = ("pipeflow.sim.engine._events", "pipeflow.sim.engine._events_shared")
-# functions still over LONGEST, each at most as long as it is now: a ratchet that only
-# shrinks (issue 61 splits them)
-STILL_LONG = {
-    "pipeflow.sim.gantt.draw_timeline": 174,
-    "pipeflow.planning.measured.MeasuredCost.from_timeline": 149,
-    "pipeflow.planning.working_set.BackwardWorkingSet._input_workspace": 132,
-    "pipeflow.planning.planner.plan": 120,
-    "pipeflow.planning.working_set.BackwardWorkingSet._backward_phase_of": 117,
-}
 
 
 def _function_lengths() -> dict[str, int]:
@@ -198,10 +189,8 @@ def _function_lengths() -> dict[str, int]:
 
 def test_no_function_is_over_100_lines():
     """Functions split by what they do (about 80 lines; at most LONGEST) in place of a cap
-    on a module's lines; the event loop stays whole, and the functions not yet split
-    grow no longer."""
+    on a module's lines; the event loop stays whole."""
     lengths = _function_lengths()
-    assert all(name in lengths for name in (*EVENT_LOOPS, *STILL_LONG))
-    long = {name: n for name, n in lengths.items()
-            if n > STILL_LONG.get(name, LONGEST) and name not in EVENT_LOOPS}
+    assert all(name in lengths for name in EVENT_LOOPS)
+    long = {name: n for name, n in lengths.items() if n > LONGEST and name not in EVENT_LOOPS}
     assert long == {}

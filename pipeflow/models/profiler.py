@@ -112,69 +112,10 @@ def profile_model(
     ids = torch.randint(0, vocab, (microbatch_size, seq_len), generator=gen).to(device)
     targets = torch.randint(0, vocab, (microbatch_size, seq_len), generator=gen).to(device)
     hidden = torch.randn(microbatch_size, seq_len, n_embd, generator=gen).to(device)
-    normalizer = float(targets.numel())
     profiled = []
     try:
         for name, kind, module in _units(model_cfg, seed):
-            module.to(device).train()
-            params = [p for p in module.parameters() if p.requires_grad]
-            param_ptrs = {p.untyped_storage().data_ptr() for p in params}
-            saved: dict[int, int] = {}
-
-            def pack(t: torch.Tensor) -> torch.Tensor:
-                # one storage may back several saved views; parameters are not activations
-                ptr = t.untyped_storage().data_ptr()
-                if ptr not in param_ptrs:
-                    saved[ptr] = t.untyped_storage().nbytes()
-                return t
-
-            def forward():
-                # the embedding takes token ids; every other unit a hidden state that
-                # needs a gradient, as a received activation does in the runtime
-                x = ids if kind == "embedding" else hidden.detach().requires_grad_(True)
-                out = module(x)
-                if kind == "head":
-                    out = lm_loss(out, targets, normalizer)
-                return out
-
-            def backward_of(out):
-                if out.dim() == 0:
-                    out.backward()
-                else:
-                    out.backward(grad)
-
-            with torch.no_grad():
-                grad = torch.randn_like(hidden)
-            fwd_s = _median_time(forward, device, warmup, repeats)
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = forward()
-            activation = sum(saved.values())
-            backward_of(out)
-
-            # backward alone: a fresh forward (untimed) before each timed backward
-            bwd_times = []
-            for r in range(warmup + repeats):
-                out = forward()
-                _sync(device)
-                t0 = time.perf_counter()
-                backward_of(out)
-                _sync(device)
-                if r >= warmup:
-                    bwd_times.append(time.perf_counter() - t0)
-            optimizer = torch.optim.AdamW(params, lr=1e-4)
-            step_s = _median_time(optimizer.step, device, warmup, repeats)
-            profiled.append(
-                LayerProfile(
-                    name=name,
-                    kind=kind,
-                    forward_s=fwd_s,
-                    backward_s=statistics.median(bwd_times),
-                    activation_bytes=int(activation),
-                    param_bytes=int(sum(p.numel() * p.element_size() for p in params)),
-                    step_s=step_s,
-                )
-            )
-            module.zero_grad(set_to_none=True)
+            profiled.append(_profile_unit(name, kind, module.to(device), device, ids, targets, hidden, warmup, repeats))
     finally:
         torch.set_num_threads(old_threads)
     return ModelProfile(
@@ -188,4 +129,70 @@ def profile_model(
         device=str(device),
         threads=torch.get_num_threads() if threads is None else int(threads),
         meta={"warmup": warmup, "repeats": repeats, "torch": torch.__version__},
+    )
+
+
+def _profile_unit(name: str, kind: str, module: nn.Module, device: torch.device, ids: torch.Tensor,
+                  targets: torch.Tensor, hidden: torch.Tensor, warmup: int, repeats: int) -> LayerProfile:
+    """One unit's forward, backward and optimizer step times (medians of ``repeats``
+    after ``warmup``), the bytes autograd saves in its forward, and its parameter bytes:
+    the embedding fed token ids, every other unit a hidden state that needs a gradient,
+    the head its loss over ``targets``."""
+    module.train()
+    params = [p for p in module.parameters() if p.requires_grad]
+    param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+    saved: dict[int, int] = {}
+    normalizer = float(targets.numel())
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        # one storage may back several saved views; parameters are not activations
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in param_ptrs:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    def forward():
+        # the embedding takes token ids; every other unit a hidden state that
+        # needs a gradient, as a received activation does in the runtime
+        x = ids if kind == "embedding" else hidden.detach().requires_grad_(True)
+        out = module(x)
+        if kind == "head":
+            out = lm_loss(out, targets, normalizer)
+        return out
+
+    def backward_of(out):
+        if out.dim() == 0:
+            out.backward()
+        else:
+            out.backward(grad)
+
+    with torch.no_grad():
+        grad = torch.randn_like(hidden)
+    fwd_s = _median_time(forward, device, warmup, repeats)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    activation = sum(saved.values())
+    backward_of(out)
+
+    # backward alone: a fresh forward (untimed) before each timed backward
+    bwd_times = []
+    for r in range(warmup + repeats):
+        out = forward()
+        _sync(device)
+        t0 = time.perf_counter()
+        backward_of(out)
+        _sync(device)
+        if r >= warmup:
+            bwd_times.append(time.perf_counter() - t0)
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    step_s = _median_time(optimizer.step, device, warmup, repeats)
+    module.zero_grad(set_to_none=True)
+    return LayerProfile(
+        name=name,
+        kind=kind,
+        forward_s=fwd_s,
+        backward_s=statistics.median(bwd_times),
+        activation_bytes=int(activation),
+        param_bytes=int(sum(p.numel() * p.element_size() for p in params)),
+        step_s=step_s,
     )

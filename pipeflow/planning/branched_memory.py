@@ -95,7 +95,7 @@ class BranchedWorkingSet:
     def input_workspace_bytes(self, stage: int, segment: int) -> float:
         """The zero-bubble I's most on top of the level before it: a block stage's walks
         as a GPT block stage's of the branch's shape
-        (:meth:`BackwardWorkingSet._input_workspace`; an interaction block's
+        (:meth:`BackwardWorkingSet.stage_input_workspace`; an interaction block's
         cross-attention is not its peak); the head's is its backward's."""
         if self.stages[stage][0] == "head":
             return self.workspace_bytes(stage, segment)
@@ -103,7 +103,7 @@ class BranchedWorkingSet:
 
     def input_kept_bytes(self, stage: int, segment: int) -> float:
         """What I has kept for W by its peak: a block stage's walks as a GPT block
-        stage's of the branch's shape (:meth:`BackwardWorkingSet._input_workspace`; an
+        stage's of the branch's shape (:meth:`BackwardWorkingSet.stage_input_workspace`; an
         interaction block's cross-attention comes last, after the peak); the head's
         none (its peak is the loss's gradients, before it keeps anything)."""
         return self._input_split(stage)[1]
@@ -117,14 +117,13 @@ class BranchedWorkingSet:
         branch, lo, hi = self.stages[stage]
         if branch == "head":
             return 0.0, 0.0, 0.0
-        walk = BackwardWorkingSet()
-        walk.spec, walk.microbatch_size, walk.dtype_bytes = self.spec[branch], self.microbatch_size, self.dtype_bytes
+        walk = BackwardWorkingSet(self.spec[branch], self.microbatch_size, self.dtype_bytes)
         x = self.tokens[branch]
         # the region it rebuilds is the stage's own (an interaction block's cross-attention)
         one = dataclasses.replace(layer_cost(walk.spec, x, x, self.microbatch_size, self.dtype_bytes),
                                   rebuilt=self.rebuilt_layer_bytes(stage, 0))
         phase: list = []
-        most, kept, freed = walk._input_workspace(hi - lo, one, x, False, phase)
+        most, kept, freed = walk.stage_input_workspace(hi - lo, one, x, False, phase)
         # An interaction block's cross-attention (between its MLP's and its self-attention's) is
         # behind a peak at the stage's last block's attention, or in a block before the last
         # (measured: cbm ZB-H1 selective, the text stage's I peaks in its last self-attention)

@@ -18,6 +18,7 @@ gradient sizes; the topology turns bytes into transfer and all-reduce times.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from abc import ABC, abstractmethod
 from typing import Sequence
@@ -29,7 +30,7 @@ from ..topology.topology import Device
 from .layer_cost import LayerCost, layer_cost  # noqa: F401 - re-exported (branched_cost, plans, tests)
 from .tensor_cost import TensorShards, sequence_parallel_layer, shard_spec
 from .held_outputs import HeldOutputs
-from .working_set import BackwardWorkingSet
+from .working_set import BackwardWorkingSet, WorkingSetTerms, checked_segment
 from .transformer import (
     RESIDUAL_BYTES,
     TransformerSpec,
@@ -148,7 +149,20 @@ def uniform_layers(n_layer: int, num_stages: int) -> list[int]:
     return [base + (1 if s < extra else 0) for s in range(num_stages)]
 
 
-class AnalyticCost(TensorShards, BackwardWorkingSet, HeldOutputs, CostModel):
+def _host_kernel(name: str) -> property:
+    """A cost model's attribute that is its working set's host kernel ``name`` (set after
+    the cost model is built: it takes a working set with it)."""
+
+    def get(self):
+        return getattr(self.working_set, name)
+
+    def put(self, value) -> None:
+        self.working_set = dataclasses.replace(self.working_set, **{name: value})
+
+    return property(get, put, doc=f"BackwardWorkingSet.{name}: this host's, for the working sets")
+
+
+class AnalyticCost(TensorShards, WorkingSetTerms, HeldOutputs, CostModel):
     """Times from transformer FLOPs, memory from Korthikanti et al. 2022.
 
     Stage s holds ``layers_per_stage[s]`` blocks; the embedding sits on stage 0, the
@@ -163,6 +177,10 @@ class AnalyticCost(TensorShards, BackwardWorkingSet, HeldOutputs, CostModel):
     """
 
     name = "analytic"
+    # this host's kernels, set where the stages run on CPUs (pipeflow.config.prepare)
+    product_scratch = _host_kernel("product_scratch")
+    attention_scratch = _host_kernel("attention_scratch")
+    step_per_tensor = _host_kernel("step_per_tensor")
 
     def __init__(
         self,
@@ -236,7 +254,9 @@ class AnalyticCost(TensorShards, BackwardWorkingSet, HeldOutputs, CostModel):
             )
         self.segment_lengths = tuple(segs)
         self.prefixes = tuple(sum(segs[: i + 1]) for i in range(len(segs)))
-
+        # what prices the backwards' working sets: its tables come with ours
+        self.working_set = BackwardWorkingSet(spec, self.microbatch_size, dtype_bytes, self.segment_lengths,
+                                              self.layers_per_stage)
         self._build_tables()
 
     @property
@@ -254,7 +274,7 @@ class AnalyticCost(TensorShards, BackwardWorkingSet, HeldOutputs, CostModel):
         shared = self._shared
         if shared is not None:
             shape = ("shape", spec, self.microbatch_size, self.dtype_bytes, self.segment_lengths,
-                     self.sequence_parallel, self.tensor_parallel, getattr(self, "attention_scratch", None))
+                     self.sequence_parallel, self.tensor_parallel, self.attention_scratch)
             self.shape_number = shared.setdefault(shape, len(shared))
         ones = shared.get((self.shape_number, "ones")) if shared is not None else None
         if ones is None:
@@ -281,12 +301,13 @@ class AnalyticCost(TensorShards, BackwardWorkingSet, HeldOutputs, CostModel):
         self._activation = act
         self._residual = res
         self._rebuilt = trans
-        self._input_ws = iws
         self._kv_gradient = kvg
         self._params = [self.stage_params(s) for s in range(self.num_stages)]
-        self._cast_params = [self.layers_per_stage[s] * layer_matrix_params(spec)
-                             + (spec.vocab_size * spec.n_embd if s == last else 0) for s in range(self.num_stages)]
+        cast_params = [self.layers_per_stage[s] * layer_matrix_params(spec)
+                       + (spec.vocab_size * spec.n_embd if s == last else 0) for s in range(self.num_stages)]
         self._traffic = self._weight_traffic()
+        self.working_set = dataclasses.replace(self.working_set, rebuilt=trans, input_workspaces=iws,
+                                               params=self._params, cast_params=cast_params)
 
     def _layer_rows(self) -> list:
         """One layer's costs per segment (:func:`layer_cost`), on the rank's tokens under
@@ -330,7 +351,8 @@ class AnalyticCost(TensorShards, BackwardWorkingSet, HeldOutputs, CostModel):
                 w += hf
                 a += last_stage_saved(spec, x, b, dt)
                 r += head_residual_width(spec) * x * b * dt
-            i_row.append((*self._input_workspace(n, one, x, last), one.saved))  # and a block's saved bytes
+            # I's working set, and a block's saved bytes
+            i_row.append((*self.working_set.stage_input_workspace(n, one, x, last), one.saved))
             if first:
                 # the first stage's input (token ids) needs no gradient: the runtime's I
                 # there is empty and W is the whole backward (pipeflow.runtime.backward),
@@ -483,12 +505,7 @@ class AnalyticCost(TensorShards, BackwardWorkingSet, HeldOutputs, CostModel):
         return 4.0 * shared_head_params(self.spec) if stage in ends else 0.0
 
     def _seg(self, segment: int) -> int:
-        if not 0 <= segment < self.num_segments:
-            raise ValueError(
-                f"segment {segment} out of range: the cost model has {self.num_segments} sequence segment(s) "
-                f"(cost.segment_lengths={list(self.segment_lengths)})"
-            )
-        return segment
+        return checked_segment(segment, self.segment_lengths)
 
     def describe(self) -> dict:
         return {

@@ -175,118 +175,18 @@ class MeasuredCost(CostModel):
         all-reduce, which the simulator prices again through REDUCE: expect S too long.
         """
         num_stages = _check_int("pipeline.stages", num_stages)
-        events = [e for e in timeline.events if e.stream == "compute" and e.kind in KINDS]
-        if not events:
-            raise ValueError("the timeline has no compute events (F, B, I, W, S); record an iteration first")
-        for e in events:
-            if not 0 <= e.stage < num_stages:
-                raise ValueError(
-                    f"timeline event {e.name} is on stage {e.stage}, but num_stages={num_stages}; "
-                    f"pass the number of stages the run had"
-                )
-        last = num_stages - 1
+        events = _compute_events(timeline, num_stages)
         work = [e for e in events if e.kind != "S"]
-        by_key = {(e.pipe, e.kind, e.stage, e.microbatch, e.segment): e for e in work}
-
-        def producer(e):
-            """The event on another device whose tensor ``e`` needs, or None."""
-            if e.kind == "F" and e.stage > 0:
-                keys = [(e.pipe, "F", e.stage - 1, e.microbatch, e.segment)]
-            elif e.kind in ("B", "I") and e.stage < last:
-                keys = [(e.pipe, k, e.stage + 1, e.microbatch, e.segment) for k in ("B", "I")]
-            else:
-                return None
-            for k in keys:
-                p = by_key.get(k)
-                if p is not None:
-                    return p if p.device != e.device else None
-            return None
-
-        # when each device last finished something before each event (a REDUCE counts;
-        # a simulated transfer, drawn on its sender's "comm" stream, does not occupy it)
-        prev_end: dict[int, float] = {}
-        per_device: dict[int, list] = defaultdict(list)
-        for e in timeline.events:
-            if e.stream in ("compute", "collective"):
-                per_device[e.device].append(e)
-        for evs in per_device.values():
-            evs.sort(key=lambda x: (x.start, x.end))
-            latest = -math.inf
-            for x in evs:
-                prev_end[id(x)] = latest
-                latest = max(latest, x.end)
-
-        prod = {id(e): producer(e) for e in work}
-
-        def calibrate(delay: float) -> list[float]:
-            """Message-time samples, taking the events whose input had arrived when they
-            started (producer end + ``delay`` <= start) as the clean compute times."""
-            clean: dict[tuple[str, int], list[float]] = defaultdict(list)
-            for e in work:
-                p = prod[id(e)]
-                if p is None or p.end + delay <= e.start:
-                    clean[(e.kind, e.stage)].append(e.duration)
-            clean_mean = {k: statistics.fmean(v) for k, v in clean.items()}
-            found = []
-            for e in work:
-                p = prod[id(e)]
-                if p is None:
-                    continue
-                if prev_end[id(e)] <= p.end <= e.start:
-                    # idle from before the producer ended until it started: waiting for the message
-                    found.append(e.start - p.end)
-                elif p.end > e.start and (e.kind, e.stage) in clean_mean:
-                    # started before the producer ended: the wait is inside the event
-                    found.append(e.end - clean_mean[(e.kind, e.stage)] - p.end)
-            return found
-
+        gaps = _Gaps(timeline, work, num_stages)
         samples: list[float] = []
         if message_time == "calibrate":
-            # Start by calling clean every event whose producer had ended when it began;
-            # one whose message was still in flight then hides a little wait, so classify
-            # again with the message time found, until it settles (two rounds in practice).
-            msg, delay = None, 0.0
-            for _ in range(4):
-                samples = calibrate(delay)
-                if not samples:
-                    break
-                msg = max(0.0, statistics.median(samples))
-                if msg == delay:
-                    break
-                delay = msg
+            msg, samples = gaps.calibrated_message_time()
         elif message_time is None or (isinstance(message_time, (int, float)) and not isinstance(message_time, bool)):
             msg = message_time
         else:
             raise ValueError(f"message_time={message_time!r}: use 'calibrate', a number, or None")
-
-        # pass 2: every event from the moment it could compute (its input's arrival)
-        arrival_delay = msg or 0.0
-        parts: dict[tuple[str, int], list[float]] = defaultdict(list)
-        for e in work:
-            p = prod[id(e)]
-            begin = e.start if p is None else max(e.start, p.end + arrival_delay)
-            # clamp: with noisy measurements an estimated arrival may fall after the end
-            parts[(e.kind, e.stage)].append(max(0.0, e.end - begin))
-        times = {k: statistics.fmean(v) for k, v in parts.items()}
-        counts = {k: len(v) for k, v in parts.items()}
-
-        # the optimizer step, plus the synchronisation before it (see the module doc)
-        steps = [e for e in events if e.kind == "S"]
-        overhead = 0.0
-        if steps:
-            first_step: dict[int, object] = {}
-            for e in steps:
-                if e.device not in first_step or e.start < first_step[e.device].start:
-                    first_step[e.device] = e
-            gaps = [max(0.0, e.start - prev_end[id(e)]) for e in first_step.values() if prev_end[id(e)] > -math.inf]
-            overhead = min(gaps) if gaps else 0.0
-            s_parts: dict[int, list[float]] = defaultdict(list)
-            for e in steps:
-                s_parts[e.stage].append(e.duration)
-            for stage, v in s_parts.items():
-                times[("S", stage)] = statistics.fmean(v)
-                counts[("S", stage)] = len(v)
-
+        times, counts = gaps.compute_times(msg or 0.0)
+        overhead = _step_times([e for e in events if e.kind == "S"], gaps.prev_end, times, counts)
         missing = [s for s in range(num_stages) if ("F", s) not in times]
         if missing:
             raise ValueError(
@@ -305,3 +205,127 @@ class MeasuredCost(CostModel):
             samples=counts,
             message_samples=len(samples),
         )
+
+
+def _compute_events(timeline, num_stages: int) -> list:
+    """The timeline's compute events (F, B, I, W, S), each checked to be on one of the
+    ``num_stages`` stages."""
+    events = [e for e in timeline.events if e.stream == "compute" and e.kind in KINDS]
+    if not events:
+        raise ValueError("the timeline has no compute events (F, B, I, W, S); record an iteration first")
+    for e in events:
+        if not 0 <= e.stage < num_stages:
+            raise ValueError(
+                f"timeline event {e.name} is on stage {e.stage}, but num_stages={num_stages}; "
+                f"pass the number of stages the run had"
+            )
+    return events
+
+
+class _Gaps:
+    """What an action could have waited for: its producer on another device (the action
+    whose tensor it needs) and the moment its own device was last busy before it."""
+
+    def __init__(self, timeline, work: list, num_stages: int) -> None:
+        self.work = work  # the compute events but the optimizer steps
+        by_key = {(e.pipe, e.kind, e.stage, e.microbatch, e.segment): e for e in work}
+        self.producer = {id(e): _producer(e, by_key, num_stages - 1) for e in work}
+        # when each device last finished something before each event (a REDUCE counts;
+        # a simulated transfer, drawn on its sender's "comm" stream, does not occupy it)
+        self.prev_end: dict[int, float] = {}
+        per_device: dict[int, list] = defaultdict(list)
+        for e in timeline.events:
+            if e.stream in ("compute", "collective"):
+                per_device[e.device].append(e)
+        for evs in per_device.values():
+            evs.sort(key=lambda x: (x.start, x.end))
+            latest = -math.inf
+            for x in evs:
+                self.prev_end[id(x)] = latest
+                latest = max(latest, x.end)
+
+    def message_samples(self, delay: float) -> list[float]:
+        """Message-time samples, taking the events whose input had arrived when they
+        started (producer end + ``delay`` <= start) as the clean compute times."""
+        clean: dict[tuple[str, int], list[float]] = defaultdict(list)
+        for e in self.work:
+            p = self.producer[id(e)]
+            if p is None or p.end + delay <= e.start:
+                clean[(e.kind, e.stage)].append(e.duration)
+        clean_mean = {k: statistics.fmean(v) for k, v in clean.items()}
+        found = []
+        for e in self.work:
+            p = self.producer[id(e)]
+            if p is None:
+                continue
+            if self.prev_end[id(e)] <= p.end <= e.start:
+                # idle from before the producer ended until it started: waiting for the message
+                found.append(e.start - p.end)
+            elif p.end > e.start and (e.kind, e.stage) in clean_mean:
+                # started before the producer ended: the wait is inside the event
+                found.append(e.end - clean_mean[(e.kind, e.stage)] - p.end)
+        return found
+
+    def calibrated_message_time(self) -> tuple[float | None, list[float]]:
+        """The median message-time sample (None without one), and the samples.
+
+        Start by calling clean every event whose producer had ended when it began; one
+        whose message was still in flight then hides a little wait, so classify again
+        with the message time found, until it settles (two rounds in practice)."""
+        msg, delay, samples = None, 0.0, []
+        for _ in range(4):
+            samples = self.message_samples(delay)
+            if not samples:
+                break
+            msg = max(0.0, statistics.median(samples))
+            if msg == delay:
+                break
+            delay = msg
+        return msg, samples
+
+    def compute_times(self, arrival_delay: float) -> tuple[dict, dict]:
+        """The mean time per (kind, stage) of every event from the moment it could compute
+        (its input's arrival, ``arrival_delay`` after its producer's end), and the counts."""
+        parts: dict[tuple[str, int], list[float]] = defaultdict(list)
+        for e in self.work:
+            p = self.producer[id(e)]
+            begin = e.start if p is None else max(e.start, p.end + arrival_delay)
+            # clamp: with noisy measurements an estimated arrival may fall after the end
+            parts[(e.kind, e.stage)].append(max(0.0, e.end - begin))
+        return {k: statistics.fmean(v) for k, v in parts.items()}, {k: len(v) for k, v in parts.items()}
+
+
+def _producer(e, by_key: dict, last: int):
+    """The event on another device whose tensor ``e`` needs (the stage chain's neighbour's
+    forward or backward of the same microbatch), or None."""
+    if e.kind == "F" and e.stage > 0:
+        keys = [(e.pipe, "F", e.stage - 1, e.microbatch, e.segment)]
+    elif e.kind in ("B", "I") and e.stage < last:
+        keys = [(e.pipe, k, e.stage + 1, e.microbatch, e.segment) for k in ("B", "I")]
+    else:
+        return None
+    for k in keys:
+        p = by_key.get(k)
+        if p is not None:
+            return p if p.device != e.device else None
+    return None
+
+
+def _step_times(steps: list, prev_end: dict, times: dict, counts: dict) -> float:
+    """Adds the optimizer step's mean time per stage to ``times`` (and ``counts``); returns
+    the synchronisation before it: the smallest gap before a device's first STEP (see the
+    module doc)."""
+    if not steps:
+        return 0.0
+    first_step: dict[int, object] = {}
+    for e in steps:
+        if e.device not in first_step or e.start < first_step[e.device].start:
+            first_step[e.device] = e
+    gaps = [max(0.0, e.start - prev_end[id(e)]) for e in first_step.values() if prev_end[id(e)] > -math.inf]
+    s_parts: dict[int, list[float]] = defaultdict(list)
+    for e in steps:
+        s_parts[e.stage].append(e.duration)
+    for stage, v in s_parts.items():
+        times[("S", stage)] = statistics.fmean(v)
+        counts[("S", stage)] = len(v)
+    return min(gaps) if gaps else 0.0

@@ -364,65 +364,15 @@ def plan(
     candidate priced and simulated per rank, with ``sequence_parallel`` or without."""
     _check_args(spec, topology, microbatches, microbatch_size, memory_limit_bytes, num_stages)
     T = tensor_degree_of(topology, tensor_parallel)
-    D, L = topology.num_devices, spec.n_layer
-    if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int)
-                                 or not 1 <= replicas <= min(D, microbatches)):
-        raise ValueError(f"plan.replicas={replicas!r}: allowed values: null (search) or "
-                         f"1..{min(D, microbatches)} (devices and pipeline.microbatches allow)")
-    if num_stages is not None and replicas is not None and num_stages * replicas > D:
-        raise ValueError(f"plan.stages={num_stages} x plan.replicas={replicas} needs {num_stages * replicas} "
-                         f"devices; topology '{topology.name}' has {D}")
+    _check_replicas(replicas, num_stages, topology, microbatches)
     model = StageModel(spec, microbatch_size, efficiency, dtype_bytes, T, sequence_parallel, topology)
     limits = device_limits(topology, memory_limit_bytes)
-    full = greedy_chains(topology)
-    cands: list[_Candidate] = []
-    seen: set = set()
-
-    def add(c: _Candidate) -> None:
-        if c.key not in seen:
-            seen.add(c.key)
-            cands.append(c)
-
-    if replicas in (None, 1):
-        most = min(L, D)
-        counts = [num_stages] if num_stages is not None else _stage_counts(most)
-        for p in counts:
-            for chain in device_chains(topology, p, full):
-                for cut in chain_cuts(model, topology, chain, microbatches, limits, exhaustive_budget):
-                    est, over = estimate(model, topology, cut, chain, microbatches, limits)
-                    add(_Candidate(est, over, tuple(cut), tuple(chain)))
-        # mapping refinement: hill-climb the best few chains by swapping two stages' devices or
-        # moving a stage to an unused device, each neighbour priced with its best cut
-        for c in _local_search(model, topology, cands, microbatches, limits, exhaustive_budget):
-            add(c)
-
-    rep_counts = _replica_counts(min(D, microbatches)) if replicas is None else [r for r in [replicas] if r > 1]
-    for d in rep_counts:
-        most = min(L, D // d)
-        if most < 1 or (num_stages is not None and num_stages > most):
-            continue
-        counts = [num_stages] if num_stages is not None else _stage_counts(most)
-        m_d = -(-microbatches // d)
-        for p in counts:
-            for table in replica_tables(topology, p, d, full):
-                rows = [tuple(r) for r in table[1:]]
-                for cut in chain_cuts(model, topology, table[0], m_d, limits, exhaustive_budget):
-                    est, over = estimate(model, topology, cut, table[0], microbatches, limits, rows)
-                    add(_Candidate(est, over, tuple(cut), tuple(table[0]), replicas=tuple(rows)))
-
+    cands = _candidates(model, topology, spec.n_layer, microbatches, limits, exhaustive_budget, num_stages, replicas)
     # the baselines are candidates too: the plan is never slower than them when they fit
     extra: list[_Candidate] = []
     if replicas in (None, 1):
-        for method, layout in (
-            ("uniform", uniform_layout(spec, topology, num_stages)),
-            ("pipedream", pipedream_plan_layout(spec, topology, microbatches, microbatch_size, efficiency,
-                                                dtype_bytes, num_stages)),
-            ("dapple", dapple_plan_layout(spec, topology, microbatches, microbatch_size, efficiency,
-                                          dtype_bytes, num_stages, memory_limit_bytes)),
-        ):
-            cut, chain = layout
-            est, over = estimate(model, topology, cut, chain, microbatches, limits)
-            extra.append(_Candidate(est, over, tuple(cut), tuple(chain), method))
+        extra = _baseline_candidates(spec, model, topology, microbatches, microbatch_size, efficiency, dtype_bytes,
+                                     num_stages, memory_limit_bytes, limits)
 
     def run(c: _Candidate) -> Plan:
         return evaluate(spec, topology, c.layers, c.devices, microbatches, microbatch_size, memory_limit_bytes,
@@ -433,6 +383,91 @@ def plan(
     # estimated memory is close but not exact: simulate a few beyond the estimate's edge
     near = sorted((c for c in cands if 0 < c.est_mem_over), key=lambda c: (c.est_mem_over, c.est))
     chosen = fitting[:top_k] + [c for c in extra if c.est_mem_over <= 0] + near[: max(2, top_k // 4)]
+    best, leanest = _fastest_fitting(chosen, run, topology, memory_limit_bytes)
+    if best is not None:
+        best.method = "planner"
+        return best
+    # nothing fits: report the leanest candidate, by simulated memory
+    for c in sorted(cands + extra, key=lambda c: c.est_mem_over)[:4]:
+        leanest = _leaner(run(c), leanest, topology, memory_limit_bytes)
+    over = overshoot(leanest, topology, memory_limit_bytes)
+    limit_of = device_limits(topology, memory_limit_bytes)
+    need = max(leanest.memory_per_device().items(), key=lambda kv: kv[1] - limit_of[kv[0]])[1]
+    raise ValueError(not_fitting_message(spec, memory_limit_bytes, need, over, leanest))
+
+
+def _check_replicas(replicas: int | None, num_stages: int | None, topology: Topology, microbatches: int) -> None:
+    """plan.replicas: none (search), or a count the devices and microbatches allow, with
+    plan.stages if fixed."""
+    D = topology.num_devices
+    if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int)
+                                 or not 1 <= replicas <= min(D, microbatches)):
+        raise ValueError(f"plan.replicas={replicas!r}: allowed values: null (search) or "
+                         f"1..{min(D, microbatches)} (devices and pipeline.microbatches allow)")
+    if num_stages is not None and replicas is not None and num_stages * replicas > D:
+        raise ValueError(f"plan.stages={num_stages} x plan.replicas={replicas} needs {num_stages * replicas} "
+                         f"devices; topology '{topology.name}' has {D}")
+
+
+def _candidates(model: StageModel, topology: Topology, n_layer: int, microbatches: int, limits: Sequence[float],
+                exhaustive_budget: int, num_stages: int | None, replicas: int | None) -> list[_Candidate]:
+    """Every layout the search ranks by its estimate, each once, in the order found: one
+    pipeline's (each stage count's device chains with their cuts, then the best chains
+    hill-climbed), then those of each count of replicated pipelines (``replicas``; None:
+    every count)."""
+    D = topology.num_devices
+    full = greedy_chains(topology)
+    found: dict[tuple, _Candidate] = {}
+
+    def add(c: _Candidate) -> None:
+        found.setdefault(c.key, c)
+
+    if replicas in (None, 1):
+        for p in [num_stages] if num_stages is not None else _stage_counts(min(n_layer, D)):
+            for chain in device_chains(topology, p, full):
+                for cut in chain_cuts(model, topology, chain, microbatches, limits, exhaustive_budget):
+                    est, over = estimate(model, topology, cut, chain, microbatches, limits)
+                    add(_Candidate(est, over, tuple(cut), tuple(chain)))
+        # mapping refinement: hill-climb the best few chains by swapping two stages' devices or
+        # moving a stage to an unused device, each neighbour priced with its best cut
+        for c in _local_search(model, topology, list(found.values()), microbatches, limits, exhaustive_budget):
+            add(c)
+    for d in _replica_counts(min(D, microbatches)) if replicas is None else [r for r in [replicas] if r > 1]:
+        most = min(n_layer, D // d)
+        if most < 1 or (num_stages is not None and num_stages > most):
+            continue
+        for p in [num_stages] if num_stages is not None else _stage_counts(most):
+            for table in replica_tables(topology, p, d, full):
+                rows = [tuple(r) for r in table[1:]]
+                # (each pipeline runs ceil(m / d) microbatches)
+                for cut in chain_cuts(model, topology, table[0], -(-microbatches // d), limits, exhaustive_budget):
+                    est, over = estimate(model, topology, cut, table[0], microbatches, limits, rows)
+                    add(_Candidate(est, over, tuple(cut), tuple(table[0]), replicas=tuple(rows)))
+    return list(found.values())
+
+
+def _baseline_candidates(spec, model, topology, microbatches, microbatch_size, efficiency, dtype_bytes,
+                         num_stages, memory_limit_bytes, limits) -> list[_Candidate]:
+    """The uniform-identity, PipeDream-style and DAPPLE-style layouts, estimated as the
+    search's own."""
+    out = []
+    for method, layout in (
+        ("uniform", uniform_layout(spec, topology, num_stages)),
+        ("pipedream", pipedream_plan_layout(spec, topology, microbatches, microbatch_size, efficiency,
+                                            dtype_bytes, num_stages)),
+        ("dapple", dapple_plan_layout(spec, topology, microbatches, microbatch_size, efficiency,
+                                      dtype_bytes, num_stages, memory_limit_bytes)),
+    ):
+        cut, chain = layout
+        est, over = estimate(model, topology, cut, chain, microbatches, limits)
+        out.append(_Candidate(est, over, tuple(cut), tuple(chain), method))
+    return out
+
+
+def _fastest_fitting(chosen: list[_Candidate], run, topology: Topology,
+                     memory_limit_bytes: float | None) -> tuple[Plan | None, Plan | None]:
+    """Each layout of ``chosen`` simulated once (``run``): the fastest plan whose simulated
+    memory fits (None: none), and of the others the leanest."""
     best: Plan | None = None
     leanest: Plan | None = None
     done: set = set()
@@ -444,19 +479,14 @@ def plan(
         if fits(cand, topology, memory_limit_bytes):
             if best is None or cand.predicted_iteration_time < best.predicted_iteration_time * (1 - 1e-12):
                 best = cand
-        elif leanest is None or overshoot(cand, topology, memory_limit_bytes) < overshoot(
-                leanest, topology, memory_limit_bytes):
-            leanest = cand
-    if best is not None:
-        best.method = "planner"
-        return best
-    # nothing fits: report the leanest candidate, by simulated memory
-    for c in sorted(cands + extra, key=lambda c: c.est_mem_over)[:4]:
-        cand = run(c)
-        if leanest is None or overshoot(cand, topology, memory_limit_bytes) < overshoot(
-                leanest, topology, memory_limit_bytes):
-            leanest = cand
-    over = overshoot(leanest, topology, memory_limit_bytes)
-    limit_of = device_limits(topology, memory_limit_bytes)
-    need = max(leanest.memory_per_device().items(), key=lambda kv: kv[1] - limit_of[kv[0]])[1]
-    raise ValueError(not_fitting_message(spec, memory_limit_bytes, need, over, leanest))
+        else:
+            leanest = _leaner(cand, leanest, topology, memory_limit_bytes)
+    return best, leanest
+
+
+def _leaner(cand: Plan, leanest: Plan | None, topology: Topology, memory_limit_bytes: float | None) -> Plan:
+    """Of two plans, the one less over the memory limit (``leanest`` on a tie)."""
+    if leanest is None or overshoot(cand, topology, memory_limit_bytes) < overshoot(leanest, topology,
+                                                                                    memory_limit_bytes):
+        return cand
+    return leanest

@@ -204,79 +204,93 @@ def partition_profile(profile: ModelProfile, stages: int, memory_limit: float | 
         isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float)) or not memory_limit > 0
     ):
         raise ValueError(f"partition.memory_limit={memory_limit!r}: must be a number of bytes > 0, or null")
-
-    blocks = profile.blocks
-    t_pre, a_pre, w_pre = [0.0], [0], [0]
-    for u in blocks:
-        t_pre.append(t_pre[-1] + u.time_s)
-        a_pre.append(a_pre[-1] + u.activation_bytes)
-        w_pre.append(w_pre[-1] + u.param_bytes)
-    emb, head = profile.embedding, profile.head
-    last = stages - 1
-
-    def time(s: int, i: int, j: int) -> float:
-        t = t_pre[j] - t_pre[i]
-        if s == 0:
-            t += emb.time_s
-        if s == last:
-            t += head.time_s
-        return t
-
-    def memory(s: int, i: int, j: int) -> float:
-        act, par = a_pre[j] - a_pre[i], w_pre[j] - w_pre[i]
-        if s == 0:
-            act, par = act + emb.activation_bytes, par + emb.param_bytes
-        if s == last:
-            act, par = act + head.activation_bytes, par + head.param_bytes
-        return (stages - s) * act + MODEL_STATE_FACTOR * par
-
-    def fits(s: int, i: int, j: int) -> bool:
-        return memory_limit is None or memory(s, i, j) <= memory_limit
-
-    def ends(s: int, i: int) -> range:
-        # leave at least one block for every later stage
-        return range(i + 1, n - (last - s) + 1)
-
-    def minmax(cost, allowed) -> list[list]:
-        """table[s][i]: the smallest largest-stage cost of blocks [i, n) on stages s.. (None: no split)."""
-        table = [[None] * (n + 1) for _ in range(stages + 1)]
-        table[stages][n] = 0
-        for s in range(last, -1, -1):
-            for i in range(s, n - (last - s)):
-                opts = [max(cost(s, i, j), table[s + 1][j]) for j in ends(s, i)
-                        if table[s + 1][j] is not None and allowed(s, i, j)]
-                table[s][i] = min(opts) if opts else None
-        return table
-
-    bound = minmax(time, fits)[0][0]
+    splits = _Splits(profile, stages, memory_limit)
+    bound = splits.minmax(splits.time, splits.fits)[0][0]
     if bound is None:
         # nothing fits: report how far the least memory-hungry split is from the limit
-        peak = minmax(memory, lambda s, i, j: True)[0][0]
+        peak = splits.minmax(splits.memory, lambda s, i, j: True)[0][0]
         over = peak - memory_limit
         raise ValueError(
             f"partition.memory_limit={memory_limit:g}: no split of {n} blocks into {stages} stages fits; "
             f"the smallest possible peak stage memory is {peak:.0f} bytes, {over:.0f} bytes "
             f"({over / memory_limit:.1%}) over the limit"
         )
+    return splits.most_even(bound)
 
-    def ok(s: int, i: int, j: int) -> bool:
-        return fits(s, i, j) and time(s, i, j) <= bound
 
-    squares = [[None] * (n + 1) for _ in range(stages + 1)]
-    squares[stages][n] = 0.0
-    for s in range(last, -1, -1):
-        for i in range(s, n - (last - s)):
-            opts = [time(s, i, j) ** 2 + squares[s + 1][j] for j in ends(s, i)
-                    if squares[s + 1][j] is not None and ok(s, i, j)]
-            squares[s][i] = min(opts) if opts else None
+class _Splits:
+    """The contiguous splits of a profile's blocks into ``stages`` stages, each stage s
+    on blocks [i, j) priced from sums over the blocks: its forward + backward time and
+    its modelled peak memory (see the module's docstring)."""
 
-    layers, i = [], 0
-    for s in range(stages):
-        # the largest stage s reaching the optimum (the same expression as the table's
-        # entry, so the float comparison is exact): ties to earlier stages
-        j = max(j for j in ends(s, i)
-                if squares[s + 1][j] is not None and ok(s, i, j)
-                and time(s, i, j) ** 2 + squares[s + 1][j] == squares[s][i])
-        layers.append(j - i)
-        i = j
-    return layers
+    def __init__(self, profile: ModelProfile, stages: int, memory_limit: float | None) -> None:
+        self.n, self.stages, self.last, self.memory_limit = profile.n_layer, stages, stages - 1, memory_limit
+        self.emb, self.head = profile.embedding, profile.head
+        self.t_pre, self.a_pre, self.w_pre = [0.0], [0], [0]
+        for u in profile.blocks:
+            self.t_pre.append(self.t_pre[-1] + u.time_s)
+            self.a_pre.append(self.a_pre[-1] + u.activation_bytes)
+            self.w_pre.append(self.w_pre[-1] + u.param_bytes)
+
+    def time(self, s: int, i: int, j: int) -> float:
+        t = self.t_pre[j] - self.t_pre[i]
+        if s == 0:
+            t += self.emb.time_s
+        if s == self.last:
+            t += self.head.time_s
+        return t
+
+    def memory(self, s: int, i: int, j: int) -> float:
+        act, par = self.a_pre[j] - self.a_pre[i], self.w_pre[j] - self.w_pre[i]
+        if s == 0:
+            act, par = act + self.emb.activation_bytes, par + self.emb.param_bytes
+        if s == self.last:
+            act, par = act + self.head.activation_bytes, par + self.head.param_bytes
+        return (self.stages - s) * act + MODEL_STATE_FACTOR * par
+
+    def fits(self, s: int, i: int, j: int) -> bool:
+        return self.memory_limit is None or self.memory(s, i, j) <= self.memory_limit
+
+    def ends(self, s: int, i: int) -> range:
+        """Where stage s starting at block i may end: at least one block left for every later stage."""
+        return range(i + 1, self.n - (self.last - s) + 1)
+
+    def minmax(self, cost, allowed) -> list[list]:
+        """table[s][i]: the smallest largest-stage ``cost`` of blocks [i, n) on stages s..
+        (None: no split whose stages are all ``allowed``)."""
+        n, last = self.n, self.last
+        table = [[None] * (n + 1) for _ in range(self.stages + 1)]
+        table[self.stages][n] = 0
+        for s in range(last, -1, -1):
+            for i in range(s, n - (last - s)):
+                opts = [max(cost(s, i, j), table[s + 1][j]) for j in self.ends(s, i)
+                        if table[s + 1][j] is not None and allowed(s, i, j)]
+                table[s][i] = min(opts) if opts else None
+        return table
+
+    def most_even(self, bound: float) -> list[int]:
+        """Blocks per stage of the split, of those whose stages all fit and take at most
+        ``bound``, with the smallest sum of squared stage times; ties to more blocks on
+        earlier stages."""
+        n, last = self.n, self.last
+
+        def ok(s: int, i: int, j: int) -> bool:
+            return self.fits(s, i, j) and self.time(s, i, j) <= bound
+
+        squares = [[None] * (n + 1) for _ in range(self.stages + 1)]
+        squares[self.stages][n] = 0.0
+        for s in range(last, -1, -1):
+            for i in range(s, n - (last - s)):
+                opts = [self.time(s, i, j) ** 2 + squares[s + 1][j] for j in self.ends(s, i)
+                        if squares[s + 1][j] is not None and ok(s, i, j)]
+                squares[s][i] = min(opts) if opts else None
+        layers, i = [], 0
+        for s in range(self.stages):
+            # the largest stage s reaching the optimum (the same expression as the table's
+            # entry, so the float comparison is exact): ties to earlier stages
+            j = max(j for j in self.ends(s, i)
+                    if squares[s + 1][j] is not None and ok(s, i, j)
+                    and self.time(s, i, j) ** 2 + squares[s + 1][j] == squares[s][i])
+            layers.append(j - i)
+            i = j
+        return layers

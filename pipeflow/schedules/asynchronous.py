@@ -135,98 +135,121 @@ def _amdp_list_schedule(placement: Placement, pipe_of, update_of, round_in_windo
     """List scheduling in unit time (forward 1, backward ``ratio``): a free device runs
     the ready action that became ready first; ``rule`` breaks ties. Returns the
     per-device orders (with REDUCE and STEP) and the makespan in those units."""
-    d, npipes = placement.num_devices, placement.num_pipes
-    total = len(pipe_of)
-    dur = {Kind.F: 1.0, Kind.B: ratio}
-    per_pipe: list[list[int]] = [[] for _ in range(npipes)]
-    for mb in range(total):
-        per_pipe[pipe_of[mb]].append(mb)
-    left: dict[tuple[int, int, int], int] = {}  # backwards still to run per (pipe, stage, update)
-    for mb in range(total):
-        for s in range(d):
-            key = (pipe_of[mb], s, update_of[mb])
-            left[key] = left.get(key, 0) + 1
-    reduced: dict[tuple[int, int], int] = {}
-    stepped: set[tuple[int, int, int]] = set()
-    step_ready: list[list[Action]] = [[] for _ in range(d)]
-    held: dict[tuple[int, int, int], list[Action]] = {}
-    in_flight, next_admit = [0] * npipes, [0] * npipes
-    free_at = [0.0] * d
-    queue: list[list] = [[] for _ in range(d)]
-    events: list = []
-    orders: list[list[Action]] = [[] for _ in range(d)]
-    seq = 0
-
-    tie = _TIES[rule]
-
-    def make_ready(a: Action, t: float) -> None:
-        nonlocal seq
-        u = update_of[a.microbatch]
-        gate = (a.pipe, a.stage, u - 1)
-        if a.kind == Kind.F and u > 0 and round_in_window[a.microbatch] >= 1 and gate not in stepped:
-            held.setdefault(gate, []).append(a)  # beyond a window's first round: wait for the update
-            return
-        heapq.heappush(queue[placement.device(a.pipe, a.stage)], (t, tie(a, d), seq, a))
-        seq += 1
-
-    def admit(j: int, t: float) -> None:
-        while in_flight[j] < admission and next_admit[j] < len(per_pipe[j]):
-            mb = per_pipe[j][next_admit[j]]
-            next_admit[j] += 1
-            in_flight[j] += 1
-            make_ready(Action(Kind.F, 0, mb, j), t)
-
-    for j in range(npipes):
-        admit(j, 0.0)
-    remaining, now = 2 * total * d, 0.0
+    run = _ListSchedule(placement, pipe_of, update_of, round_in_window, admission, ratio, rule)
+    for j in range(placement.num_pipes):
+        run.admit(j, 0.0)
+    remaining, now = 2 * len(pipe_of) * placement.num_devices, 0.0
     while remaining:
+        run.start(now)
+        if not run.events:
+            raise RuntimeError("amdp list scheduling stalled")  # a bug, never a config error
+        now = run.events[0][0]
+        while run.events and run.events[0][0] <= now:
+            t, _, a = heapq.heappop(run.events)
+            remaining -= 1
+            run.finish(a, t)
+    for dev in range(placement.num_devices):  # the last window's updates
+        run.orders[dev].extend(run.step_ready[dev])
+    return run.orders, now
+
+
+class _ListSchedule:
+    """The state of :func:`_amdp_list_schedule` as it runs: each device's ready queue and
+    order, the actions running, the admission of microbatches into each pipeline, the
+    backwards each window still has to run and the updates they wait for."""
+
+    def __init__(self, placement: Placement, pipe_of, update_of, round_in_window, admission: int, ratio: float,
+                 rule: str) -> None:
+        d, npipes = placement.num_devices, placement.num_pipes
+        self.placement, self.update_of, self.round_in_window = placement, update_of, round_in_window
+        self.admission, self.tie = admission, _TIES[rule]
+        self.dur = {Kind.F: 1.0, Kind.B: ratio}
+        self.per_pipe: list[list[int]] = [[] for _ in range(npipes)]
+        for mb in range(len(pipe_of)):
+            self.per_pipe[pipe_of[mb]].append(mb)
+        self.left: dict[tuple[int, int, int], int] = {}  # backwards still to run per (pipe, stage, update)
+        for mb in range(len(pipe_of)):
+            for s in range(d):
+                key = (pipe_of[mb], s, update_of[mb])
+                self.left[key] = self.left.get(key, 0) + 1
+        self.reduced: dict[tuple[int, int], int] = {}
+        self.stepped: set[tuple[int, int, int]] = set()
+        self.step_ready: list[list[Action]] = [[] for _ in range(d)]
+        self.held: dict[tuple[int, int, int], list[Action]] = {}
+        self.in_flight, self.next_admit = [0] * npipes, [0] * npipes
+        self.free_at = [0.0] * d
+        self.queue: list[list] = [[] for _ in range(d)]
+        self.events: list = []  # (end, seq, action) of the actions running
+        self.orders: list[list[Action]] = [[] for _ in range(d)]
+        self.seq = 0
+
+    def make_ready(self, a: Action, t: float) -> None:
+        """``a`` ready at ``t``: queued on its device, or (a forward beyond its window's
+        first round) held until the update before it."""
+        u = self.update_of[a.microbatch]
+        gate = (a.pipe, a.stage, u - 1)
+        if a.kind == Kind.F and u > 0 and self.round_in_window[a.microbatch] >= 1 and gate not in self.stepped:
+            self.held.setdefault(gate, []).append(a)  # beyond a window's first round: wait for the update
+            return
+        device = self.placement.device(a.pipe, a.stage)
+        heapq.heappush(self.queue[device], (t, self.tie(a, self.placement.num_devices), self.seq, a))
+        self.seq += 1
+
+    def admit(self, j: int, t: float) -> None:
+        """Pipeline ``j``'s next microbatches, while it has fewer than ``admission`` in flight."""
+        while self.in_flight[j] < self.admission and self.next_admit[j] < len(self.per_pipe[j]):
+            mb = self.per_pipe[j][self.next_admit[j]]
+            self.next_admit[j] += 1
+            self.in_flight[j] += 1
+            self.make_ready(Action(Kind.F, 0, mb, j), t)
+
+    def start(self, now: float) -> None:
+        """Each device free at ``now`` runs its updates ready (each at the device's first
+        free moment) and then its first ready action, until none can start."""
         changed = True
         while changed:  # an update may release forwards on any device
             changed = False
-            for dev in range(d):
-                if free_at[dev] > now:
+            for dev in range(self.placement.num_devices):
+                if self.free_at[dev] > now:
                     continue
-                for st in step_ready[dev]:  # an update takes the device's first free moment
-                    orders[dev].append(st)
-                    stepped.add((st.pipe, st.stage, st.version))
-                    for a in held.pop((st.pipe, st.stage, st.version), ()):
-                        make_ready(a, now)
+                for st in self.step_ready[dev]:
+                    self.orders[dev].append(st)
+                    self.stepped.add((st.pipe, st.stage, st.version))
+                    for a in self.held.pop((st.pipe, st.stage, st.version), ()):
+                        self.make_ready(a, now)
                     changed = True
-                step_ready[dev] = []
-                if queue[dev]:
-                    a = heapq.heappop(queue[dev])[-1]
-                    orders[dev].append(a)
-                    free_at[dev] = now + dur[a.kind]
-                    heapq.heappush(events, (free_at[dev], seq, a))
-                    seq += 1
+                self.step_ready[dev] = []
+                if self.queue[dev]:
+                    a = heapq.heappop(self.queue[dev])[-1]
+                    self.orders[dev].append(a)
+                    self.free_at[dev] = now + self.dur[a.kind]
+                    heapq.heappush(self.events, (self.free_at[dev], self.seq, a))
+                    self.seq += 1
                     changed = True
-        if not events:
-            raise RuntimeError("amdp list scheduling stalled")  # a bug, never a config error
-        now = events[0][0]
-        while events and events[0][0] <= now:
-            t, _, a = heapq.heappop(events)
-            remaining -= 1
-            j, s, mb = a.pipe, a.stage, a.microbatch
-            if a.kind == Kind.F:
-                make_ready(Action(Kind.F, s + 1, mb, j) if s + 1 < d else Action(Kind.B, s, mb, j), t)
-                continue
-            if s > 0:
-                make_ready(Action(Kind.B, s - 1, mb, j), t)
-            else:
-                in_flight[j] -= 1
-                admit(j, t)
-            u = update_of[mb]
-            left[(j, s, u)] -= 1
-            if left[(j, s, u)] == 0:  # the replica's last backward of the window: reduce now
-                if npipes > 1:  # a single pipeline has no mirror replicas
-                    orders[placement.device(j, s)].append(Action(Kind.REDUCE, s, -1, j, 0, u))
-                reduced[(s, u)] = reduced.get((s, u), 0) + 1
-                if reduced[(s, u)] == npipes:  # the reduction is complete: every replica may step
-                    for jj in range(npipes):
-                        step_ready[placement.device(jj, s)].append(Action(Kind.STEP, s, -1, jj, 0, u))
-    for dev in range(d):  # the last window's updates
-        orders[dev].extend(step_ready[dev])
-    return orders, now
+
+    def finish(self, a: Action, t: float) -> None:
+        """``a`` done at ``t``: the next action of its microbatch is ready (a first stage's
+        backward admits the next microbatch), and the window's last backward of a
+        replica's stage reduces, the last replica's lets every replica step."""
+        j, s, mb = a.pipe, a.stage, a.microbatch
+        d, npipes = self.placement.num_devices, self.placement.num_pipes
+        if a.kind == Kind.F:
+            self.make_ready(Action(Kind.F, s + 1, mb, j) if s + 1 < d else Action(Kind.B, s, mb, j), t)
+            return
+        if s > 0:
+            self.make_ready(Action(Kind.B, s - 1, mb, j), t)
+        else:
+            self.in_flight[j] -= 1
+            self.admit(j, t)
+        u = self.update_of[mb]
+        self.left[(j, s, u)] -= 1
+        if self.left[(j, s, u)] == 0:  # the replica's last backward of the window: reduce now
+            if npipes > 1:  # a single pipeline has no mirror replicas
+                self.orders[self.placement.device(j, s)].append(Action(Kind.REDUCE, s, -1, j, 0, u))
+            self.reduced[(s, u)] = self.reduced.get((s, u), 0) + 1
+            if self.reduced[(s, u)] == npipes:  # the reduction is complete: every replica may step
+                for jj in range(npipes):
+                    self.step_ready[self.placement.device(jj, s)].append(Action(Kind.STEP, s, -1, jj, 0, u))
 
 
 def amdp(

@@ -20,6 +20,7 @@ numbers are only added when there are few enough bars to see them.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 from ..formats.timeline import Timeline
 
@@ -102,46 +103,72 @@ def unreadable(timeline: Timeline, dpi: int = 110) -> str | None:
 def draw_timeline(timeline: Timeline, path: str | os.PathLike, title: str | None = None, dpi: int = 110) -> str:
     """Draw ``timeline`` to the PNG file ``path``; returns the path. It draws every box
     whatever the size; :func:`unreadable` says when the picture would be a smear."""
-    import numpy as np
-    from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.collections import PolyCollection
     from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
 
     path = os.fspath(path)
-    ndev = max(timeline.num_devices, max((e.device + 1 for e in timeline.events), default=1))
-    compute = [e for e in timeline.events if e.stream == "compute"]
-    reduces = [e for e in timeline.events if e.stream == "collective"]
-    labels = list(timeline.meta.get("branch") or ())
-    colour_of_branch = branch_colours(labels) if labels else {}
-    interaction_waits = [
-        e for e in timeline.events
-        if e.stream == "wait" and e.end > e.start and (e.extra or {}).get("cause_kind") == "interaction"
-    ]
-    shown = compute + reduces
-    t0 = min((e.start for e in shown), default=0.0)
-    span = max((e.end for e in shown), default=1.0) - t0
-    if span <= 0:
-        span = 1.0
-
-    width_in = WIDTH_IN
-    height_in = _height_in(ndev)
-    fig = Figure(figsize=(width_in, height_in), dpi=dpi)
+    chart = _Chart.of(timeline)
+    fig = Figure(figsize=(WIDTH_IN, _height_in(chart.ndev)), dpi=dpi)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    detailed = len(compute) <= DETAIL_LIMIT
+    by_kind = _draw_actions(ax, chart)
+    if chart.reduces:
+        _draw_reduces(ax, chart)
+    if chart.waits:
+        _draw_interaction_waits(ax, chart)
+    if len(chart.compute) <= LABEL_LIMIT:
+        _draw_microbatch_numbers(ax, chart, dpi)
+    _draw_axes(ax, chart, timeline.time_unit)
+    _draw_legend(ax, chart, by_kind)
+    ax.set_title(_default_title(timeline, chart) if title is None else title, fontsize=10, loc="left")
+    fig.tight_layout()
 
-    # the qualitative palettes without their greys, which belong to STEP
-    if max((e.microbatch for e in compute), default=0) < 9:
-        palette = [c for i, c in enumerate(colormaps["tab10"].colors) if i != 7]
-    else:
-        palette = [c for i, c in enumerate(colormaps["tab20"].colors) if i not in (14, 15)]
-    grey = (0.55, 0.55, 0.55)
+    parent = os.path.dirname(path)
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    return path
 
-    def bars(events, y_lo, y_hi):
-        x0 = np.fromiter((e.start - t0 for e in events), float, len(events))
-        x1 = np.fromiter((e.end - t0 for e in events), float, len(events))
+
+GREY = (0.55, 0.55, 0.55)  # STEP's, and an action of no microbatch
+
+
+@dataclass
+class _Chart:
+    """What the parts of a drawing share: the events it draws, the rows and the time axis."""
+
+    ndev: int
+    compute: list  # the bars, one per action
+    reduces: list  # the all-reduces, along the bottom of their rows
+    waits: list  # the idle gaps that waited on an interaction message
+    labels: list  # a branched model's branch per stage (empty: coloured by microbatch)
+    colour_of_branch: dict
+    t0: float
+    span: float
+    row_top: float  # a bar's top edge in its row (lower with all-reduces: they keep a strip)
+    detailed: bool  # few enough bars for hatching and edges
+
+    @classmethod
+    def of(cls, timeline: Timeline) -> "_Chart":
+        """The chart of ``timeline``: its events by stream and the time they span."""
+        ndev = max(timeline.num_devices, max((e.device + 1 for e in timeline.events), default=1))
+        compute = [e for e in timeline.events if e.stream == "compute"]
+        reduces = [e for e in timeline.events if e.stream == "collective"]
+        labels = list(timeline.meta.get("branch") or ())
+        waits = [e for e in timeline.events
+                 if e.stream == "wait" and e.end > e.start and (e.extra or {}).get("cause_kind") == "interaction"]
+        shown = compute + reduces
+        t0 = min((e.start for e in shown), default=0.0)
+        span = max((e.end for e in shown), default=1.0) - t0
+        return cls(ndev, compute, reduces, waits, labels, branch_colours(labels) if labels else {}, t0,
+                   span if span > 0 else 1.0, 0.26 if reduces else 0.4, len(compute) <= DETAIL_LIMIT)
+
+    def bars(self, events, y_lo: float, y_hi: float):
+        """The corners of each event's box, from ``y_lo`` to ``y_hi`` about its device's row."""
+        import numpy as np
+
+        x0 = np.fromiter((e.start - self.t0 for e in events), float, len(events))
+        x1 = np.fromiter((e.end - self.t0 for e in events), float, len(events))
         y = np.fromiter((e.device for e in events), float, len(events))
         verts = np.empty((len(events), 4, 2))
         verts[:, 0, 0] = verts[:, 1, 0] = x0
@@ -150,10 +177,21 @@ def draw_timeline(timeline: Timeline, path: str | os.PathLike, title: str | None
         verts[:, 1, 1] = verts[:, 2, 1] = y + y_hi
         return verts
 
-    # with all-reduces, each row keeps a strip at its bottom for them
-    row_top = 0.26 if reduces else 0.4
+
+def _draw_actions(ax, chart: _Chart) -> dict[str, list]:
+    """One polygon collection per kind of action, each bar in its microbatch's colour (a
+    branched model's: its branch's) shaded by the kind; returns the actions by kind."""
+    from matplotlib import colormaps
+    from matplotlib.collections import PolyCollection
+
+    # the qualitative palettes without their greys, which belong to STEP
+    if max((e.microbatch for e in chart.compute), default=0) < 9:
+        palette = [c for i, c in enumerate(colormaps["tab10"].colors) if i != 7]
+    else:
+        palette = [c for i, c in enumerate(colormaps["tab20"].colors) if i not in (14, 15)]
+    labels, by_branch = chart.labels, chart.colour_of_branch
     by_kind: dict[str, list] = {}
-    for e in compute:
+    for e in chart.compute:
         by_kind.setdefault(e.kind, []).append(e)
     colour_cache: dict[tuple[str, int], tuple] = {}
     for kind in ("F", "B", "I", "W", "S") + tuple(k for k in by_kind if k not in "FBIWS"):
@@ -162,114 +200,129 @@ def draw_timeline(timeline: Timeline, path: str | os.PathLike, title: str | None
             continue
         faces = []
         for e in events:
-            key = (kind, e.stage) if colour_of_branch else (kind, e.microbatch)
+            key = (kind, e.stage) if by_branch else (kind, e.microbatch)
             col = colour_cache.get(key)
             if col is None:
                 if kind == "S" or e.microbatch < 0:
-                    col = grey
-                elif colour_of_branch and 0 <= e.stage < len(labels):
-                    col = _shade(colour_of_branch[labels[e.stage]], kind)
+                    col = GREY
+                elif by_branch and 0 <= e.stage < len(labels):
+                    col = _shade(by_branch[labels[e.stage]], kind)
                 else:
                     col = _shade(palette[e.microbatch % len(palette)], kind)
                 colour_cache[key] = col
             faces.append(col)
         coll = PolyCollection(
-            bars(events, -0.4, row_top),
+            chart.bars(events, -0.4, chart.row_top),
             facecolors=faces,
-            edgecolors="white" if detailed else "none",
-            linewidths=0.4 if detailed else 0.0,
+            edgecolors="white" if chart.detailed else "none",
+            linewidths=0.4 if chart.detailed else 0.0,
         )
-        if detailed and kind in _HATCH:
+        if chart.detailed and kind in _HATCH:
             coll.set_hatch(_HATCH[kind])
         ax.add_collection(coll)
+    return by_kind
 
-    if reduces:
-        ax.add_collection(PolyCollection(bars(reduces, row_top + 0.04, 0.42), facecolors="black", edgecolors="none"))
 
-    # idle gaps that waited on an interaction: a thin band across the middle of the gap
-    if interaction_waits:
-        mid = (row_top - 0.4) / 2
-        hatched = len(interaction_waits) <= DETAIL_LIMIT
-        band = PolyCollection(
-            bars(interaction_waits, mid - 0.09, mid + 0.09),
-            facecolors=(1.0, 0.88, 0.88) if hatched else WAIT_COLOUR,
-            edgecolors=WAIT_COLOUR if hatched else "none",
-            linewidths=0.6 if hatched else 0.0,
-        )
-        if hatched:
-            band.set_hatch("xxxx")
-        ax.add_collection(band)
+def _draw_reduces(ax, chart: _Chart) -> None:
+    """The all-reduces: thin black bars in the strip along the bottom of their rows."""
+    from matplotlib.collections import PolyCollection
 
-    # microbatch numbers, where a bar is wide enough to hold them
-    if len(compute) <= LABEL_LIMIT:
-        axes_px = width_in * dpi * AXES_SHARE
-        px_per_unit = axes_px / span
-        fontsize = 7 if ndev <= 16 else 5
-        need_px = fontsize * 1.6
-        segmented = any(e.segment for e in compute)
-        for e in compute:
-            if e.microbatch < 0:
-                continue
-            # a sequence segment's action reads "<microbatch>.<segment>"
-            label = f"{e.microbatch}.{e.segment}" if segmented else str(e.microbatch)
-            if (e.end - e.start) * px_per_unit >= need_px * max(1, len(label) * 0.6):
-                # on a hatched bar the number sits on a light patch, dark, so the hatch lines
-                # do not cross it; unhatched B and I bars are dark enough for white text
-                hatched = detailed and e.kind in _HATCH
-                colour = "black" if hatched or e.kind not in ("B", "I") else "white"
-                patch = dict(boxstyle="round,pad=0.15", facecolor="white", edgecolor="none", alpha=0.85) \
-                    if hatched else None
-                ax.text(
-                    (e.start + e.end) / 2 - t0, e.device + (row_top - 0.4) / 2, label, ha="center", va="center",
-                    fontsize=fontsize, color=colour, clip_on=True, bbox=patch,
-                )
+    ax.add_collection(PolyCollection(chart.bars(chart.reduces, chart.row_top + 0.04, 0.42),
+                                     facecolors="black", edgecolors="none"))
 
-    ax.set_xlim(0, span * 1.005)
-    ax.set_ylim(ndev - 0.5, -0.5)  # device 0 on top
+
+def _draw_interaction_waits(ax, chart: _Chart) -> None:
+    """The idle gaps that waited on an interaction: a thin band across the middle of the gap."""
+    from matplotlib.collections import PolyCollection
+
+    mid = (chart.row_top - 0.4) / 2
+    hatched = len(chart.waits) <= DETAIL_LIMIT
+    band = PolyCollection(
+        chart.bars(chart.waits, mid - 0.09, mid + 0.09),
+        facecolors=(1.0, 0.88, 0.88) if hatched else WAIT_COLOUR,
+        edgecolors=WAIT_COLOUR if hatched else "none",
+        linewidths=0.6 if hatched else 0.0,
+    )
+    if hatched:
+        band.set_hatch("xxxx")
+    ax.add_collection(band)
+
+
+def _draw_microbatch_numbers(ax, chart: _Chart, dpi: int) -> None:
+    """Each action's microbatch ("<microbatch>.<segment>" for a sequence segment's), where
+    its bar is wide enough to hold it."""
+    px_per_unit = WIDTH_IN * dpi * AXES_SHARE / chart.span
+    fontsize = 7 if chart.ndev <= 16 else 5
+    need_px = fontsize * 1.6
+    segmented = any(e.segment for e in chart.compute)
+    for e in chart.compute:
+        if e.microbatch < 0:
+            continue
+        label = f"{e.microbatch}.{e.segment}" if segmented else str(e.microbatch)
+        if (e.end - e.start) * px_per_unit >= need_px * max(1, len(label) * 0.6):
+            # on a hatched bar the number sits on a light patch, dark, so the hatch lines
+            # do not cross it; unhatched B and I bars are dark enough for white text
+            hatched = chart.detailed and e.kind in _HATCH
+            colour = "black" if hatched or e.kind not in ("B", "I") else "white"
+            patch = dict(boxstyle="round,pad=0.15", facecolor="white", edgecolor="none", alpha=0.85) \
+                if hatched else None
+            ax.text(
+                (e.start + e.end) / 2 - chart.t0, e.device + (chart.row_top - 0.4) / 2, label, ha="center",
+                va="center", fontsize=fontsize, color=colour, clip_on=True, bbox=patch,
+            )
+
+
+def _draw_axes(ax, chart: _Chart, time_unit: str) -> None:
+    """Time along x, a row per device (device 0 on top, at most 32 named)."""
+    ndev = chart.ndev
+    ax.set_xlim(0, chart.span * 1.005)
+    ax.set_ylim(ndev - 0.5, -0.5)
     step = 1 if ndev <= 32 else -(-ndev // 32)
     ticks = list(range(0, ndev, step))
     ax.set_yticks(ticks)
     ax.set_yticklabels([f"device {d}" for d in ticks], fontsize=8 if ndev <= 16 else 6)
-    ax.set_xlabel(f"time ({timeline.time_unit})")
+    ax.set_xlabel(f"time ({time_unit})")
     ax.grid(axis="x", linewidth=0.3, alpha=0.5)
     ax.set_axisbelow(True)
 
+
+def _draw_legend(ax, chart: _Chart, by_kind: dict[str, list]) -> None:
+    """Above the chart, right-aligned, opposite the title: the branches shown, the kinds
+    drawn, the all-reduces and the interaction waits."""
+    from matplotlib import colormaps
+    from matplotlib.patches import Patch
+
+    labels = chart.labels
     # with branch colours, the kinds are shown on a neutral sample (the colour is the branch's)
-    sample = (0.8, 0.8, 0.8) if colour_of_branch else colormaps["tab10"].colors[0]
+    sample = (0.8, 0.8, 0.8) if chart.colour_of_branch else colormaps["tab10"].colors[0]
     handles = []
-    shown_stages = {e.stage for e in compute}
-    for label, colour in colour_of_branch.items():
+    shown_stages = {e.stage for e in chart.compute}
+    for label, colour in chart.colour_of_branch.items():
         if any(labels[s] == label for s in shown_stages if 0 <= s < len(labels)):
             handles.append(Patch(facecolor=colour, edgecolor="white", label=label))
     for kind in ("F", "B", "I", "W", "S"):
         if kind in by_kind:
-            face = grey if kind == "S" else _shade(sample, kind)
+            face = GREY if kind == "S" else _shade(sample, kind)
             handles.append(Patch(facecolor=face, edgecolor="white", hatch=_HATCH.get(kind), label=_KIND_LABELS[kind]))
-    if reduces:
+    if chart.reduces:
         handles.append(Patch(facecolor="black", label=_KIND_LABELS["R"]))
-    if interaction_waits:
+    if chart.waits:
         handles.append(Patch(facecolor=(1.0, 0.88, 0.88), edgecolor=WAIT_COLOUR, hatch="xxxx", label=WAIT_LABEL))
-    if handles:  # above the chart, right-aligned, opposite the title
+    if handles:
         ncol = len(handles) if len(handles) <= 6 else -(-len(handles) // 2)
         ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=ncol,
                   fontsize=8, frameon=False, borderaxespad=0.2)
 
-    if title is None:
-        meta = timeline.meta
-        parts = [str(meta.get("schedule", "timeline")), f"{ndev} devices"]
-        if "num_microbatches" in meta:
-            parts.append(f"{meta['num_microbatches']} microbatches")
-        if "bubble_ratio" in meta:
-            parts.append(f"bubble {meta['bubble_ratio']:.1%}")
-        parts.append(f"makespan {span:.4g} {timeline.time_unit}")
-        if timeline.source != "simulated":
-            parts.append(timeline.source)
-        title = ", ".join(parts)
-    ax.set_title(title, fontsize=10, loc="left")
-    fig.tight_layout()
 
-    parent = os.path.dirname(path)
-    if parent:
-        os.makedirs(parent, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
-    return path
+def _default_title(timeline: Timeline, chart: _Chart) -> str:
+    """The schedule, its devices and microbatches, the bubble and the makespan drawn."""
+    meta = timeline.meta
+    parts = [str(meta.get("schedule", "timeline")), f"{chart.ndev} devices"]
+    if "num_microbatches" in meta:
+        parts.append(f"{meta['num_microbatches']} microbatches")
+    if "bubble_ratio" in meta:
+        parts.append(f"bubble {meta['bubble_ratio']:.1%}")
+    parts.append(f"makespan {chart.span:.4g} {timeline.time_unit}")
+    if timeline.source != "simulated":
+        parts.append(timeline.source)
+    return ", ".join(parts)
