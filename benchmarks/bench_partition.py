@@ -33,7 +33,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from pipeflow.config import compose, prepare_simulation, prepare_training  # noqa: E402
 from pipeflow.models.profiler import profile_model  # noqa: E402
-from pipeflow.planning.partition import partition_layers  # noqa: E402
+from pipeflow.planning.partitioners import partition_layers  # noqa: E402
 from pipeflow.runtime.launch import TrainJob, launch  # noqa: E402
 from pipeflow.sim import simulate  # noqa: E402
 

@@ -83,7 +83,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from pipeflow.config import compose, prepare_training  # noqa: E402
 from pipeflow.runtime.launch import free_port, rank_context  # noqa: E402
-from pipeflow.runtime.optim import square_sum  # noqa: E402 - the clip norm, as pipeflow sums it
+from pipeflow.runtime.optimizer import square_sum  # noqa: E402 - the clip norm, as pipeflow sums it
 from pipeflow.runtime.stage import sync_tied  # noqa: E402 - the tied copies, as pipeflow sums them
 
 TARGET = 1.0
@@ -138,7 +138,7 @@ class TorchTrainer:
         from torch.distributed import pipelining
 
         from pipeflow.models.gpt import build_stage, lm_loss
-        from pipeflow.runtime.optim import make_optimizer
+        from pipeflow.runtime.optimizer import make_optimizer
 
         pair = SCHEDULES[schedule]
         num_stages = len(layers)
@@ -279,7 +279,7 @@ def _rank(rank: int, world: int, port: int, cfg: dict, layers: list[int], schedu
           out: str, plan) -> None:
     import torch.distributed as dist
 
-    from pipeflow.runtime.optim import lr_at
+    from pipeflow.runtime.optimizer import lr_at
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(int(cfg["runtime"]["threads_per_rank"] or 1))
@@ -363,7 +363,7 @@ def measure(schedule: str, repeats: int = 3, steps: int = 15, warmup: int = WARM
     cfg = OmegaConf.to_container(inputs.config, resolve=True)
     cfg["optim"] = inputs.plan.optim  # (the typed settings pipeflow's ranks read: lr_at, make_optimizer)
     from pipeflow.data.text import build_text_data
-    from pipeflow.planning.partition import partition_layers
+    from pipeflow.planning.partitioners import partition_layers
 
     num_stages = WORLD * SCHEDULES[schedule].virtual_stages
     layers = list(partition_layers(cfg["partition"]["name"], inputs.spec, num_stages))

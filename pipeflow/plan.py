@@ -39,7 +39,7 @@ from pipeflow.sim.gantt import draw_timeline
 from pipeflow.topology.topology import Topology
 from pipeflow.tracking.record import run_key, write_summary
 
-from pipeflow.config.plan import (METHODS, PlanAppConfig, PlanInputs, PlanOptions, PlanPipelineConfig,  # noqa: F401
+from pipeflow.config.plan_app import (METHODS, PlanAppConfig, PlanInputs, PlanOptions, PlanPipelineConfig,  # noqa: F401
                                   compose_plan, prepare_plan, register_plan_configs)
 
 def run_plan(cfg: DictConfig, out_dir: str | Path) -> dict:

@@ -34,13 +34,13 @@ from omegaconf import DictConfig, OmegaConf
 from pipeflow.config import CONF_DIR, ConfigError, check_logger, drop_empty_run_dir, run_app
 from pipeflow.planning.search import (NothingFits, SearchResult, collector_off,
                                       default_workers, pareto, search)
-from pipeflow.planning.search.report import (candidate_config, draw_pareto, format_search, train_config,
+from pipeflow.planning.search.verdicts import (candidate_config, draw_pareto, format_search, train_config,
                                              write_candidates_csv, write_json)
 from pipeflow.schedules.common import ScheduleConfigError
 from pipeflow.tracking.record import run_key, write_summary
 
 
-from pipeflow.config.search import (SearchAppConfig, SearchInputs, SearchOptions, compose_search,  # noqa: F401
+from pipeflow.config.search_app import (SearchAppConfig, SearchInputs, SearchOptions, compose_search,  # noqa: F401
                                     prepare_search, register_search_configs)
 
 log = logging.getLogger("pipeflow.search")

@@ -121,11 +121,11 @@ def test_a_segments_fused_call_keeps_no_mask_and_matches_the_masked_kernel(windo
                          ids=["whole", "bidirectional", "segment"])
 def test_what_the_host_measures_of_the_backward_is_what_the_models_call_allocates(queries, keys, causal, dtype):
     """The simulator prices the fused attention's backward by
-    :func:`pipeflow.topology.host.attention_scratch`, which calls torch's kernels as
+    :func:`pipeflow.topology.kernel_scratch.attention_scratch`, which calls torch's kernels as
     :func:`pipeflow.models.attention.attention` does (config may not import the models):
     the same bytes as a backward through the models' own call, beyond dQ, dK and dV, and
     more than nothing (a segment's backward: its rebuilt mask at least)."""
-    from pipeflow.topology.host import attention_scratch, most_live, profile_allocations
+    from pipeflow.topology.kernel_scratch import attention_scratch, most_live, profile_allocations
 
     dt = getattr(torch, dtype)
     b, heads, kv_heads, d = 2, 4, 2, 16

@@ -405,7 +405,7 @@ def test_the_slurm_launcher_submits_or_says_what_is_missing_and_leaves_nothing(m
 
 def test_the_slurm_launcher_names_the_extra_it_needs_and_passes_where_slurm_is(tmp_path, monkeypatch):
     from pipeflow.config import ConfigError
-    from pipeflow.config.cli import check_launcher
+    from pipeflow.config.command_line import check_launcher
 
     for name in ("sbatch", "srun"):  # a login node's commands
         tool = tmp_path / name
@@ -421,7 +421,7 @@ def test_the_slurm_launcher_names_the_extra_it_needs_and_passes_where_slurm_is(t
 
 
 def _check_many(path: str, times: int) -> str:
-    from pipeflow.config.cli import check_output_dir
+    from pipeflow.config.command_line import check_output_dir
 
     try:
         for _ in range(times):
@@ -480,7 +480,7 @@ def test_the_closest_unfit_candidates_show_the_limit_as_given():
     """search.memory_limit_gb=1.5 was printed as a limit of "2", over by "+0.00"."""
     from types import SimpleNamespace
 
-    from pipeflow.planning.search.report import GIB, oom_lines
+    from pipeflow.planning.search.verdicts import GIB, oom_lines
 
     label = SimpleNamespace(label=lambda: "1f1b p2 m8")
     q = SimpleNamespace(candidate=label, peak_memory=1.5004 * GIB, memory_limit=1.5 * GIB, over=0.0004 * GIB,

@@ -9,7 +9,7 @@ import pytest
 
 import pipeline_runs
 from pipeflow.config import ConfigError, compose, prepare_simulation, prepare_training
-from pipeflow.planning.plans import build_plan_schedule
+from pipeflow.planning.placement_plan import build_plan_schedule
 from pipeflow.schedules.data_parallel import pipeline_shape, replicate, replicate_onto
 from pipeflow.schedules.ir import Kind
 from pipeflow.schedules.registry import build_schedule

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeflow.config.cli import schedule_table
+from pipeflow.config.command_line import schedule_table
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

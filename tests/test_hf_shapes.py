@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from pipeflow.config import compose
 from pipeflow.config import resolve_model
 from pipeflow.planning.cost import AnalyticCost
-from pipeflow.planning.plans import StageModel
+from pipeflow.planning.placement_plan import StageModel
 from pipeflow.planning.transformer import (
     TransformerSpec,
     attention_score_flops,

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1] / "pipeflow"
 LAYERS: list[tuple[str, ...]] = [
     # checks, family specs (HF configs), the IR, the hardware; the records layers hand each
     # other (the run plan, the timeline and its trace)
-    ("pipeflow.checks", "pipeflow.families", "pipeflow.hf", "pipeflow.schedules", "pipeflow.topology",
+    ("pipeflow.numbers", "pipeflow.families", "pipeflow.hf", "pipeflow.schedules", "pipeflow.topology",
      "pipeflow.formats", "pipeflow.device_paths"),  # (device_paths: which device's code paths run)
     ("pipeflow.sim",),  # the discrete-event simulator
     ("pipeflow.planning", "pipeflow.tracking"),  # costs, partitions, planner, coordinator; metrics and W&B
@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, ...]] = [
 FORBIDDEN = [("pipeflow.runtime", "pipeflow.config"), ("pipeflow.runtime", "pipeflow.sim"),
              ("pipeflow.config", "pipeflow.runtime"), ("pipeflow.config", "pipeflow.models")]
 TORCH_FREE = ["pipeflow.device_paths", "pipeflow.schedules.registry", "pipeflow.topology.presets", "pipeflow.sim", "pipeflow.planning.planner",
-              "pipeflow.planning.coordinator", "pipeflow.config", "pipeflow.config.runplan", "pipeflow.tracking.sink",
+              "pipeflow.planning.coordinator", "pipeflow.config", "pipeflow.config.to_runplan", "pipeflow.tracking.sink",
               "pipeflow.formats", "pipeflow.formats.runplan", "pipeflow.formats.timeline"]
 
 
@@ -194,3 +194,15 @@ def test_no_function_is_over_100_lines():
     assert all(name in lengths for name in EVENT_LOOPS)
     long = {name: n for name, n in lengths.items() if n > LONGEST and name not in EVENT_LOOPS}
     assert long == {}
+
+
+def test_no_two_modules_share_a_name():
+    """A module's name says the one thing it holds, across packages too: a reader who
+    meets ``device_memory`` or ``kernel_scratch`` in a traceback knows which file it is
+    (three ``memory.py``, two ``calibrate.py`` and two ``checkpoint.py`` stood for
+    different ideas before issue 61)."""
+    names: dict[str, list[str]] = {}
+    for path in ROOT.rglob("*.py"):
+        if path.name != "__init__.py":
+            names.setdefault(path.stem, []).append(str(path.relative_to(ROOT.parent)))
+    assert {n: p for n, p in names.items() if len(p) > 1} == {}

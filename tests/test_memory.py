@@ -423,7 +423,7 @@ def test_the_attention_backwards_peak_holds_on_a_host_without_avx512_bf16():
     code = ("import sys, tempfile, pathlib; sys.path.insert(0, sys.argv[1]); import test_memory as t\n"
             "with tempfile.TemporaryDirectory() as d:\n"
             "    t.test_an_attention_backward_peaks_where_the_rank_does(t.SEGMENTS_KERNEL, pathlib.Path(d))\n"
-            "from pipeflow.topology.host import product_scratch\n"
+            "from pipeflow.topology.kernel_scratch import product_scratch\n"
             "print('held', product_scratch(128, 128, 256, True))")
     proc = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], capture_output=True, text=True,
                           env={**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}, timeout=600)
@@ -465,13 +465,13 @@ NEAR_TIE = 0.01
 def _emulated_bf16_scratch() -> float:
     """On a CPU with AVX-512 but without AVX512-BF16 (Intel Skylake to Ice Lake), oneDNN
     emulates a bf16 product and holds an fp32 image of its output as scratch for the
-    product's duration (4 m n bytes, measured for every shape: pipeflow.topology.host),
+    product's duration (4 m n bytes, measured for every shape: pipeflow.topology.kernel_scratch),
     where native bf16 (AVX512-BF16, AMX) holds a few blocks of the operands and AVX2
     none. The walk places the products' scratch where native hosts showed it to matter
     (the MLP's products), not at every product, so on such a host an instant may hold one
     product's image more than it says: the tests' tiny models' largest, a microbatch of
     4 x 128 tokens by 512 columns, 1 MiB. 0 on other hosts."""
-    from pipeflow.topology.host import product_scratch
+    from pipeflow.topology.kernel_scratch import product_scratch
 
     return 4.0 * 512 * 512 + 128 if product_scratch(256, 64, 256, False) >= 4 * 256 * 256 else 0.0
 
@@ -574,8 +574,8 @@ def test_a_cpu_optimizer_step_holds_what_the_cost_model_says(family):
     from pipeflow.models import bert, gpt, hf_causal
     from pipeflow.planning.cost import AnalyticCost
     from pipeflow.planning.transformer import TransformerSpec
-    from pipeflow.runtime.optim import make_optimizer
-    from pipeflow.topology.host import most_live, profile_allocations
+    from pipeflow.runtime.optimizer import make_optimizer
+    from pipeflow.topology.kernel_scratch import most_live, profile_allocations
 
     over = {"gpt": ["model=gpt_tiny"], "llama": ["model=llama_tiny"], "bert": ["model=bert_tiny", "data=mlm_corpus"]}
     module = {"gpt": gpt, "llama": hf_causal, "bert": bert}[family]
@@ -597,11 +597,11 @@ def test_a_cpu_optimizer_step_holds_what_the_cost_model_says(family):
 
 
 def test_the_clip_norms_sum_of_squares_makes_no_float64_copy():
-    """The clip norm's sum of a gradient's squares (runtime.optim.square_sum): the float64
+    """The clip norm's sum of a gradient's squares (runtime.optimizer.square_sum): the float64
     sum to 1e-6 (float32 dot products of rows of 1,024), without the two float64 copies of the gradient ``g.double().pow(2).sum()``
     made (617 MB at once for GPT-2's embedding at the step: a first stage's peak)."""
-    from pipeflow.runtime.optim import square_sum
-    from pipeflow.topology.host import most_live, profile_allocations
+    from pipeflow.runtime.optimizer import square_sum
+    from pipeflow.topology.kernel_scratch import most_live, profile_allocations
 
     for n in (5, 1024, 50257 * 64 + 17):
         g = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 1e-3

@@ -8,7 +8,7 @@ import pytest
 
 from pipeflow.planning import TransformerSpec, embedding_params, head_params, layer_params
 from pipeflow.planning.cost import AnalyticCost, uniform_layers
-from pipeflow.planning.partition import by_parameters, partition_layers, uniform
+from pipeflow.planning.partitioners import by_parameters, partition_layers, uniform
 
 
 def _loads(sizes, first_extra, last_extra, layers):

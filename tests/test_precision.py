@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import pipeline_runs
-from pipeflow.runtime.precision import LossScaler, Precision
+from pipeflow.runtime.mixed_precision import LossScaler, Precision
 
 slow = pytest.mark.slow  # starts ranks: make test-fast leaves these out
 

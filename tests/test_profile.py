@@ -11,8 +11,8 @@ from pipeflow.config import ConfigError, compose, prepare_training, prepare_simu
 from pipeflow.planning import TransformerSpec
 from pipeflow.planning.cost_models import build_cost_model
 from pipeflow.planning.machine_cost import ProfiledCost
-from pipeflow.planning.partition import partition_layers
-from pipeflow.planning.profile import LayerProfile, ModelProfile, partition_profile, stage_costs
+from pipeflow.planning.partitioners import partition_layers
+from pipeflow.planning.layer_profile import LayerProfile, ModelProfile, partition_profile, stage_costs
 
 pytestmark = pytest.mark.slow  # starts ranks or subprocesses: make test-fast leaves it out
 

@@ -237,7 +237,7 @@ def test_a_rerun_on_another_thread_keeps_the_steps_shared_casts():
     casts."""
     import threading
 
-    from pipeflow.runtime.precision import Precision
+    from pipeflow.runtime.mixed_precision import Precision
 
     stage = _gpt_stage("selective")  # the attention rebuilt, the MLP's casts shared
     precision = Precision("bf16", "cpu")

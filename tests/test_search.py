@@ -22,7 +22,7 @@ from pipeflow.planning.search import (Candidate, NothingFits, Pricer, SearchSpac
 from pipeflow.config.groups.model import resolve_model
 from pipeflow.planning.search.closed_form import Structure, priced_as
 from pipeflow.schedules.periods import PERIODS
-from pipeflow.planning.search.progress import duration
+from pipeflow.planning.search.progress_line import duration
 from pipeflow.schedules.data_parallel import replicate
 from pipeflow.schedules.sharding import with_gathers
 from pipeflow.sim.engine import simulate
@@ -343,7 +343,7 @@ def test_the_search_ranks_by_the_simulator_and_says_what_does_not_fit():
     front = pareto(result.ranked)
     assert front[0] is result.best
     # the console names the schedules with no candidate that fits, and the closest misses
-    from pipeflow.planning.search.report import format_search
+    from pipeflow.planning.search.verdicts import format_search
 
     text = format_search(result, "gpt_small", "cluster", 8, 5)
     unfit = sorted({q.candidate.schedule for q in result.closed} - fitting)
@@ -532,7 +532,7 @@ def test_every_step_time_is_said_with_its_own_unit():
     """The console said "231.0s ms a step" and its "step (ms)" column held "231.0s"."""
     from dataclasses import replace
 
-    from pipeflow.planning.search.report import format_search, top_table
+    from pipeflow.planning.search.verdicts import format_search, top_table
 
     assert [duration(t) for t in (0.0413, 0.000172, 2.5, 59.994, 231.04, 1234.5)] == [
         "41.3 ms", "0.172 ms", "2.50 s", "59.99 s", "231 s", "1,234 s"]

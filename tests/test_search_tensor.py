@@ -9,7 +9,7 @@ import pytest
 
 from pipeflow.config import compose, prepare_training
 from pipeflow.planning.search import Candidate, SearchSpace, candidates, search
-from pipeflow.planning.search.report import format_search, tensor_table
+from pipeflow.planning.search.verdicts import format_search, tensor_table
 from pipeflow.search import compose_search, prepare_search
 
 from test_search import _pricer, _whole

@@ -127,7 +127,7 @@ def test_every_family_splits_across_tensor_ranks(family, tmp_path):
      "pipeline.sequence_parallel=true: model.seq_len=33 tokens do not split"),
 ])
 def test_a_split_the_model_cannot_take_is_refused_before_any_rank_starts(over, says):
-    """Nothing starts: the sentence names the key and why (pipeflow.config.tensor)."""
+    """Nothing starts: the sentence names the key and why (pipeflow.config.tensor_degree)."""
     with pytest.raises(ConfigError, match="^" + says.replace("(", r"\(").replace(")", r"\)")):
         prepare_training(compose("train", over))
 

@@ -10,7 +10,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from pipeflow.config import ConfigError, compose, prepare_simulation
-from pipeflow.config.tensor import check_tensor_parallel
+from pipeflow.config.tensor_degree import check_tensor_parallel
 from pipeflow.planning.cost import AnalyticCost, layer_cost
 from pipeflow.planning.tensor_cost import shard_spec
 from pipeflow.planning.transformer import TransformerSpec, norm_saved_bytes

@@ -134,7 +134,7 @@ def runs(tmp_path_factory):
 
     # torch: the same stages (same split, same seed-derived weights), the same batch
     from pipeflow.data.text import build_text_data
-    from pipeflow.planning.partition import partition_layers
+    from pipeflow.planning.partitioners import partition_layers
 
     layers = partition_layers(plain["partition"]["name"], inputs.spec, 2)
     m, mbs = plain["pipeline"]["microbatches"], plain["pipeline"]["microbatch_size"]

@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 
 from pipeflow.config import CONF_DIR, ConfigError, check_group_choices, compose, prepare_training, runtime_schedules
 from pipeflow.schedules.registry import schedule_names
-from pipeflow.config.runplan import run_record
+from pipeflow.config.to_runplan import run_record
 from pipeflow.train import format_summary
 from pipeflow.tracking.labels import logger_labels
 

@@ -123,7 +123,7 @@ def parse_args(argv: list[str]) -> tuple[list[str], CompareConfig]:
     if not paths:
         raise CompareConfigError("no run directory given\n" + _USAGE)
     if conf.out:
-        from pipeflow.config.cli import check_output_dir
+        from pipeflow.config.command_line import check_output_dir
         from pipeflow.config import ConfigError
 
         check_report_dir(Path(conf.out), [Path(p) for p in paths], conf.overwrite)

@@ -26,7 +26,7 @@ from .assembly import (
     segment_lengths,
 )
 from .checks import check_known_keys
-from .cli import check_group_choices, check_output_dir, check_overrides, check_run_dir, drop_empty_run_dir, run_app
+from .command_line import check_group_choices, check_output_dir, check_overrides, check_run_dir, drop_empty_run_dir, run_app
 from .derive import schedule_schema
 from .groups.data import DATA_FAMILY, data_file_list
 from .groups.logger import check_logger

@@ -2,7 +2,7 @@
 
 import sys
 
-from .cli import schedule_table
+from .command_line import schedule_table
 
 if __name__ == "__main__":
     if sys.argv[1:] != ["schedules"]:

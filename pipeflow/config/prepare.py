@@ -15,7 +15,7 @@ from pipeflow.families import FAMILIES, family_of
 from pipeflow.formats.runplan import RunPlan
 from pipeflow.planning.cost import AnalyticCost, CostModel
 from pipeflow.planning.cost_models import build_cost_model
-from pipeflow.planning.partition import PARTITIONERS
+from pipeflow.planning.partitioners import PARTITIONERS
 from pipeflow.planning.transformer import TransformerSpec, kv_repeat_on
 from pipeflow.schedules.export import check_exportable
 from pipeflow.schedules.ir import Schedule
@@ -47,8 +47,8 @@ from .checks import check_export
 from .groups.resume import check_resume, resume_expect
 from .groups.runtime import check_runtime
 from .groups.trainer import check_trainer
-from .runplan import Measure, build_run_plan
-from .tensor import check_tensor_parallel, tensor_degree
+from .to_runplan import Measure, build_run_plan
+from .tensor_degree import check_tensor_parallel, tensor_degree
 from .values import EXPORT_FORMATS, ConfigError, naming_key, number
 
 
@@ -127,7 +127,7 @@ def prepare_simulation(cfg: DictConfig) -> SimulationInputs:
     if not topology.on_gpus:
         # this host's kernels: the math library's scratch inside a 16-bit product (the
         # analytic and the branched cost models price it), the fused attention's backward's
-        from pipeflow.topology.host import attention_scratch, product_scratch
+        from pipeflow.topology.kernel_scratch import attention_scratch, product_scratch
 
         # (on a rank's threads: both allocate per thread; a simulate config has no runtime
         # group, and a rank runs one by default)
@@ -155,7 +155,7 @@ class TrainingInputs:
     schedule: Schedule  # generated and validated
     spec: TransformerSpec | None  # None for a concurrent-branch model (two branches, no one spec)
     topology: Topology
-    plan: RunPlan  # what the ranks instantiate (pipeflow.config.runplan)
+    plan: RunPlan  # what the ranks instantiate (pipeflow.config.to_runplan)
     # the config as resolved (a model preset's shape, data=auto, precision=auto): a copy,
     # the one given to prepare_training is left as it was
     config: DictConfig | None = None

@@ -71,7 +71,7 @@ class TrainConfig:
     # GPT and BERT options compose /schema/model themselves (so a misspelt key still
     # fails); a concurrent-branch model has two branches and is checked by cbm_shape
     model: Any = MISSING
-    # data and partition options carry their own keys (pipeflow.data, planning.partition)
+    # data and partition options carry their own keys (pipeflow.data, planning.partitioners)
     data: Any = MISSING
     partition: Any = MISSING
     topology: Any = MISSING

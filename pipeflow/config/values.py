@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from pipeflow.checks import is_whole
+from pipeflow.numbers import is_whole
 from pipeflow.families import BYTE_VOCAB, MLM_VOCAB  # noqa: F401 - re-exported
 
 # conf/ sits next to the package in the repository; an editable install finds it there.

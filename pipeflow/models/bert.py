@@ -31,7 +31,7 @@ from transformers import BertConfig
 from transformers.models.bert.modeling_bert import BertEmbeddings, BertLayer, BertPredictionHeadTransform
 
 from pipeflow.models.attention import IMPLEMENTATION, Pattern, check_mode
-from pipeflow.models.common import block_output, family_spec, layer_bounds, seeded_normal_
+from pipeflow.models.splittable import block_output, family_spec, layer_bounds, seeded_normal_
 from pipeflow.models.recompute import apply_recompute
 from pipeflow.models.tensor_parallel import enter, head_input
 
@@ -145,7 +145,7 @@ class BertStage(nn.Module):
 
 
 def build_stage(model_cfg: Mapping, layers_per_stage: Sequence[int], stage: int, seed: int) -> BertStage:
-    """Stage ``stage`` of the split ``layers_per_stage`` (see pipeflow.planning.partition)."""
+    """Stage ``stage`` of the split ``layers_per_stage`` (see pipeflow.planning.partitioners)."""
     config = bert_config(model_cfg)
     lo, hi = layer_bounds(config.num_hidden_layers, layers_per_stage, stage)
     module = BertStage(config, lo, hi, first=stage == 0, last=stage == len(layers_per_stage) - 1, seed=seed,

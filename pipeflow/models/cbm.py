@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeflow.models.attention import check_mode
-from pipeflow.models.common import seeded_normal_  # the per-name seeded draw every stage model uses
+from pipeflow.models.splittable import seeded_normal_  # the per-name seeded draw every stage model uses
 from pipeflow.models.recompute import apply_recompute
 
 # The model's shape and its cut into stages are torch-free (the configuration and the

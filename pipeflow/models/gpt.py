@@ -32,7 +32,7 @@ from transformers import GPT2Config
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 from pipeflow.models.attention import IMPLEMENTATION, Pattern, SegmentCache, check_mode
-from pipeflow.models.common import block_output, family_spec, layer_bounds, seeded_normal_
+from pipeflow.models.splittable import block_output, family_spec, layer_bounds, seeded_normal_
 from pipeflow.models.recompute import apply_recompute
 from pipeflow.models.tensor_parallel import enter, head_input
 
@@ -167,7 +167,7 @@ class GPTStage(nn.Module):
 
 
 def build_stage(model_cfg: Mapping, layers_per_stage: Sequence[int], stage: int, seed: int) -> GPTStage:
-    """Stage ``stage`` of the split ``layers_per_stage`` (see pipeflow.planning.partition)."""
+    """Stage ``stage`` of the split ``layers_per_stage`` (see pipeflow.planning.partitioners)."""
     config = gpt2_config(model_cfg)
     lo, hi = layer_bounds(config.n_layer, layers_per_stage, stage)
     module = GPTStage(config, lo, hi, first=stage == 0, last=stage == len(layers_per_stage) - 1, seed=seed,

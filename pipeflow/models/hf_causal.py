@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from pipeflow.hf import architecture, load_hf_config
 from pipeflow.models.attention import IMPLEMENTATION, Pattern, SegmentCache, check_mode
-from pipeflow.models.common import block_output, layer_bounds, seeded_normal_
+from pipeflow.models.splittable import block_output, layer_bounds, seeded_normal_
 from pipeflow.models.recompute import apply_recompute
 from pipeflow.models.tensor_parallel import enter, head_input, tokens
 
@@ -207,7 +207,7 @@ class HFCausalStage(nn.Module):
 
 
 def build_stage(model_cfg: Mapping, layers_per_stage: Sequence[int], stage: int, seed: int) -> HFCausalStage:
-    """Stage ``stage`` of the split ``layers_per_stage`` (see pipeflow.planning.partition)."""
+    """Stage ``stage`` of the split ``layers_per_stage`` (see pipeflow.planning.partitioners)."""
     config = load_hf_config(model_cfg)
     lo, hi = layer_bounds(config.num_hidden_layers, layers_per_stage, stage)
     module = HFCausalStage(config, lo, hi, first=stage == 0, last=stage == len(layers_per_stage) - 1, seed=seed,

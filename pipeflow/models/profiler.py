@@ -1,5 +1,5 @@
 """Measure a GPT's layer sequence on this machine: the input of the ``profiled``
-partitioner and cost model (:mod:`pipeflow.planning.profile`).
+partitioner and cost model (:mod:`pipeflow.planning.layer_profile`).
 
 Every unit is a :class:`~pipeflow.models.gpt.GPTStage`, so what is timed is the code the
 runtime runs: the embedding is a first stage with its blocks removed, block i a middle
@@ -25,7 +25,7 @@ from typing import Callable, Mapping
 import torch
 from torch import nn
 
-from pipeflow.planning.profile import LayerProfile, ModelProfile
+from pipeflow.planning.layer_profile import LayerProfile, ModelProfile
 
 from .gpt import GPTStage, gpt2_config, lm_loss
 

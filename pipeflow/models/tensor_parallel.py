@@ -1,7 +1,7 @@
 """Tensor (and sequence) parallelism inside a pipeline stage, Megatron-LM style
 (``pipeline.tensor_parallel=T``, ``pipeline.sequence_parallel``).
 
-A stage is built whole (every split draws the same weights, :mod:`pipeflow.models.common`)
+A stage is built whole (every split draws the same weights, :mod:`pipeflow.models.splittable`)
 and then cut in place across the T ranks of its tensor group by :func:`shard_stage`:
 
 - the attention's query/key/value projections and the MLP's first projection(s) are

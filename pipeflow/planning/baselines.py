@@ -27,7 +27,7 @@ from __future__ import annotations
 import statistics
 
 from ..topology.topology import Topology
-from .plans import Plan, StageModel, _bisect_cut, evaluate, uniform_cut
+from .placement_plan import Plan, StageModel, _bisect_cut, evaluate, uniform_cut
 from .transformer import TransformerSpec
 
 

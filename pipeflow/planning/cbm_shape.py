@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from pipeflow.checks import whole
+from pipeflow.numbers import whole
 from pipeflow.schedules.ir import StageGraph
 
 BRANCHES = ("vision", "text")

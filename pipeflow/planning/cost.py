@@ -11,7 +11,7 @@ gradient sizes; the topology turns bytes into transfer and all-reduce times.
   the device's peak, and memory from Korthikanti et al. 2022 ("Reducing Activation
   Recomputation in Large Transformer Models"); docs/planning.md writes them out.
 - :class:`ProfiledCost`: times, activation and parameter bytes summed from a measured
-  profile (:mod:`pipeflow.planning.profile`) over the units each stage holds.
+  profile (:mod:`pipeflow.planning.layer_profile`) over the units each stage holds.
 - :class:`CalibratedCost`: a configuration's real step measured on this machine by
   :mod:`pipeflow.runtime.calibration_run` (actions, messages, host contention, the step's sync).
 """

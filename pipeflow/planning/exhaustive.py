@@ -14,7 +14,7 @@ import itertools
 import math
 
 from ..topology.topology import Topology
-from .plans import Plan, _compositions, evaluate, fits
+from .placement_plan import Plan, _compositions, evaluate, fits
 from .transformer import TransformerSpec
 
 

@@ -10,7 +10,7 @@ from typing import Sequence
 
 from ..topology.topology import Device
 from .cost import COARSE_ABSENT, KINDS, CostModel, _check_int
-from .profile import MODEL_STATE_FACTOR, load_profile, partition_profile
+from .layer_profile import MODEL_STATE_FACTOR, load_profile, partition_profile
 from .transformer import TransformerSpec
 
 class ProfiledCost(CostModel):

@@ -1,5 +1,5 @@
 """What a stage's optimizer step holds while it runs, beside the weights, gradients and
-moments (torch's AdamW as :mod:`pipeflow.runtime.optim` builds it).
+moments (torch's AdamW as :mod:`pipeflow.runtime.optimizer` builds it).
 
 On an accelerator AdamW steps a parameter group at once (foreach): the square root of
 every second moment into one new fp32 buffer, 4 bytes a parameter. On CPU it steps one
@@ -9,7 +9,7 @@ denominator is let go only when the next one's replaces it. So stepping tensor k
 ``2 s_k + s_{k-1}`` elements (measured: GPT-2 small's last stage steps its 50257 x 768
 head beside the MLP down projection's denominator before it, 9 MiB the largest tensor's
 two alone missed). The tensors come in the module's order, the two weight-decay groups
-apart (:func:`pipeflow.runtime.optim.make_optimizer`: matrices, then biases and norms,
+apart (:func:`pipeflow.runtime.optimizer.make_optimizer`: matrices, then biases and norms,
 each group its own call), so the most is over the matrices in their order.
 """
 

@@ -66,7 +66,7 @@ from typing import Sequence
 from ..topology.topology import Topology
 from .transformer import TransformerSpec
 from .baselines import dapple_plan_layout, pipedream_plan_layout, uniform_layout
-from .plans import (  # GB, Plan, StageModel, build_plan_schedule, evaluate, fits: importable from here too
+from .placement_plan import (  # GB, Plan, StageModel, build_plan_schedule, evaluate, fits: importable from here too
     GB,
     Plan,
     StageModel,

@@ -1,5 +1,5 @@
 """The matrix products of a backward and what the host's math library allocates inside
-them (its scratch: :func:`pipeflow.topology.host.product_scratch`), for the working sets
+them (its scratch: :func:`pipeflow.topology.kernel_scratch.product_scratch`), for the working sets
 of :mod:`pipeflow.planning.working_set` and :mod:`pipeflow.planning.branched_memory`."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from .transformer import RESIDUAL_BYTES, TransformerSpec, matrix_inputs
 
 
 def weight_product_scratch(scratch, rows: int, tokens: int, cols: int) -> float:
-    """The host's scratch (``scratch``: :func:`pipeflow.topology.host.product_scratch`, or
+    """The host's scratch (``scratch``: :func:`pipeflow.topology.kernel_scratch.product_scratch`, or
     None) for a weight gradient's product over ``tokens``, ``rows`` x ``cols``: its first
     operand transposed, either way round by how the matrix is stored, so the larger."""
     if scratch is None:
@@ -28,7 +28,7 @@ def down_weight_scratch(spec: TransformerSpec, tokens: int, scratch) -> float:
 
 def mlp_product_scratch(spec: TransformerSpec, tokens: int, dtype_bytes: int, scratch, up: bool = False) -> float:
     """What the host's math library allocates inside a product that runs while a block's
-    MLP hidden gradient is live (``scratch``: :func:`pipeflow.topology.host.product_scratch`,
+    MLP hidden gradient is live (``scratch``: :func:`pipeflow.topology.kernel_scratch.product_scratch`,
     set from a CPU topology at 16 bits; None elsewhere): the down projection's weight
     gradient (after its input's, with a bias), a product with its first operand
     transposed, ``hidden^T @ grad`` where the weight is stored [in, out] (GPT-2's Conv1D),

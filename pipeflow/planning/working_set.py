@@ -55,8 +55,8 @@ class BackwardWorkingSet:
     params: Sequence = ()  # [stage]: the stage's parameters
     cast_params: Sequence = ()  # [stage]: the parameters its 16-bit casts copy (matrix products, the head)
     # this host's kernels where the stages run on CPUs (set by pipeflow.config.prepare)
-    product_scratch: Callable | None = None  # pipeflow.topology.host.product_scratch: a 16-bit product's scratch
-    attention_scratch: Callable | None = None  # pipeflow.topology.host.attention_scratch: the fused kernel's
+    product_scratch: Callable | None = None  # pipeflow.topology.kernel_scratch.product_scratch: a 16-bit product's scratch
+    attention_scratch: Callable | None = None  # pipeflow.topology.kernel_scratch.attention_scratch: the fused kernel's
     step_per_tensor: bool = False  # the optimizer steps one tensor at a time (torch's AdamW on CPU)
     own_casts: bool = False  # each microbatch casts the weights for itself (an asynchronous schedule's)
     # the phases computed, by their arguments: several terms of the memory walk read each
@@ -323,7 +323,7 @@ class BackwardWorkingSet:
 
     def _attention_scratch(self, queries: int, keys: int) -> float:
         """What the fused attention's backward holds beyond the gradients of Q, K and V on
-        this host (``attention_scratch``: :func:`pipeflow.topology.host.attention_scratch`,
+        this host (``attention_scratch``: :func:`pipeflow.topology.kernel_scratch.attention_scratch`,
         set where the stages run on CPUs; nothing where the scores are computed eagerly)."""
         scratch, spec = self.attention_scratch, self.spec
         if scratch is None or spec.attention != "sdpa" or spec.dropout_masks:

@@ -52,7 +52,7 @@ from ..formats.runplan import Lowered
 from ..schedules.versions import forward_version
 from .executor import Executor, Groups, StageState
 from .memory_profile import tag, tag_stage
-from .optim import square_sum
+from .optimizer import square_sum
 
 KEEP = (WeightPolicy.STASH, WeightPolicy.DOUBLE_BUFFER)  # backward uses the forward's version
 

@@ -44,8 +44,8 @@ from .saved_bytes import SavedBytes
 from . import memory_profile
 from .memory_profile import tag, tag_stage
 from .messages import MessageIO
-from .optim import square_sum
-from .precision import LossScaler, Precision
+from .optimizer import square_sum
+from .mixed_precision import LossScaler, Precision
 from ..models.tensor_parallel import reduce_partial_gradients
 from .sharded import gather_handlers
 from .stage import Groups, Messages, StageState, StepStats, sync_tied

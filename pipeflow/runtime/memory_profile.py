@@ -46,7 +46,7 @@ import os
 import torch
 
 from ..device_paths import cuda_path
-from ..topology.host import quiet_stderr
+from ..topology.kernel_scratch import quiet_stderr
 from .memory_replay import (_FROM_SEND, _FROM_TAG, _PRIORITY, StepMemory, as_allocator_history, block_bytes,
                             frees_of_released, replay, replay_history)
 

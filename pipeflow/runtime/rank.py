@@ -14,8 +14,8 @@ from ..formats.runplan import RunPlan
 from ..schedules.ir import Schedule, WeightPolicy
 from .async_executor import AsyncExecutor
 from .executor import Executor, Groups, StageState
-from .optim import make_optimizer
-from .precision import Precision
+from .optimizer import make_optimizer
+from .mixed_precision import Precision
 from .sharded import ShardedAdamW
 
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ..schedules.ir import Kind
 from .memory_profile import tag
-from .optim import make_optimizer, square_sum
+from .optimizer import make_optimizer, square_sum
 
 
 class ShardedAdamW:

@@ -31,7 +31,7 @@ from . import watch
 from .device import device_and_backend, join_group, keep_freed_memory, new_group, peak_memory
 from .launch import TrainJob, check_stop, deferred_stop, stop_behind
 from .memory_profile import profile_step
-from .optim import lr_at
+from .optimizer import lr_at
 from ..models.tensor_parallel import whole_gradient
 from .sharded import whole_weights
 from .async_executor import ChunkStats

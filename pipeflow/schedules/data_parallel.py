@@ -4,7 +4,7 @@ disjoint devices, each stage's gradients all-reduced across its replicas.
 ``pipeline.data_parallel = n`` (:func:`replicate`) runs replica r of a p-device schedule
 on devices ``r*p .. r*p+p-1`` and on microbatches ``r*m .. r*m+m-1`` of the global batch
 (n x m microbatches a step). The topology-aware planner's replicas
-(:func:`pipeflow.planning.plans.build_plan_schedule`) are the same mechanism with
+(:func:`pipeflow.planning.placement_plan.build_plan_schedule`) are the same mechanism with
 arbitrary device rows and the microbatches dealt round robin: both go through
 :func:`replicate_onto`. Replica r's pipes are pipes ``r*P .. r*P+P-1`` of the result, so
 every stage has n (for Chimera 2n) replicas, and the synchronous closing that Chimera

@@ -1,4 +1,4 @@
-"""The ``optim`` group: AdamW and its learning-rate schedule (the runtime's pipeflow.runtime.optim).
+"""The ``optim`` group: AdamW and its learning-rate schedule (the runtime's pipeflow.runtime.optimizer).
 """
 
 from __future__ import annotations

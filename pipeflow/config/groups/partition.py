@@ -21,7 +21,7 @@ def check_profiled_partition(part: DictConfig, spec: TransformerSpec, num_stages
                 isinstance(limit, (int, float)) and not isinstance(limit, bool) and limit > 0)
     if path is None:
         return
-    from pipeflow.planning.partition import partition_layers
+    from pipeflow.planning.partitioners import partition_layers
 
     try:
         partition_layers("profiled", spec, num_stages, {"profile": str(Path(path).expanduser()), "memory_limit": limit})

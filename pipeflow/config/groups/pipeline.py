@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from pipeflow.checks import is_whole
+from pipeflow.numbers import is_whole
 
 from pipeflow.schedules.sharding import GATHER_POLICIES
 

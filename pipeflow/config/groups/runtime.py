@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from pipeflow.checks import is_whole
+from pipeflow.numbers import is_whole
 from pipeflow.device_paths import check as check_paths
 
 from ..values import ConfigError, at_least, number

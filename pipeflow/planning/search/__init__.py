@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .price import CLOSED_FORM, SIMULATED, Priced, Pricer, pareto
-from .progress import Progress
+from .progress_line import Progress
 from .space import (GATHERS, PARTITIONS, RECOMPUTE, SHARDS, SPLITS, Candidate, SearchSpace, candidates,
                     default_schedules, searchable)
 

@@ -24,7 +24,7 @@ from pipeflow.topology.tensor import tensor_topology
 from pipeflow.topology.topology import Topology
 
 from ..cost import AnalyticCost
-from ..partition import partition_layers
+from ..partitioners import partition_layers
 from ..seqsplit import split_sequence
 from ..transformer import TransformerSpec, kv_repeat_on
 from .closed_form import TIMED, Structure, StructureCache, idle_formula

@@ -13,7 +13,7 @@ from omegaconf import MISSING, DictConfig
 
 from pipeflow.families import FAMILIES, family_of
 from pipeflow.planning.baselines import BASELINES
-from pipeflow.planning.plans import GB
+from pipeflow.planning.placement_plan import GB
 from pipeflow.planning.transformer import TransformerSpec
 from pipeflow.topology.presets import build_topology
 from pipeflow.topology.topology import Topology
@@ -22,7 +22,7 @@ from .checks import check_known_keys
 from .groups.model import resolve_model
 from .groups.precision import resolve_precision
 from .schema import CONF_DIR, register_configs
-from .tensor import grouped_topology
+from .tensor_degree import grouped_topology
 from .values import ConfigError, at_least
 
 
@@ -142,7 +142,7 @@ def tensor_degrees(cfg: DictConfig, spec: TransformerSpec, topology: Topology) -
     """plan.tensor_parallel: ({T: the topology seen as tensor groups of T}, {T: why it is
     left out}) by the rules a run with pipeline.tensor_parallel=T is checked by (the model's
     heads, key/value heads, MLP width, with plan.sequence_parallel its sequence:
-    :func:`pipeflow.config.tensor.check_tensor_parallel`; a group inside a node:
+    :func:`pipeflow.config.tensor_degree.check_tensor_parallel`; a group inside a node:
     :func:`pipeflow.topology.tensor.tensor_topology`). ConfigError when none is left."""
     given = list(cfg.plan.tensor_parallel or [])
     if not given or any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in given):

@@ -23,7 +23,7 @@ from .checks import check_known_keys
 from .groups.model import resolve_model
 from .groups.precision import resolve_precision
 from .schema import compose, register_configs
-from .tensor import grouped_topology
+from .tensor_degree import grouped_topology
 from .values import ConfigError, at_least
 
 
@@ -104,7 +104,7 @@ def _whole(key: str, given) -> list[int]:
 
 def _tensor_options(cfg, spec: TransformerSpec, topology) -> tuple[list[tuple[int, bool]], dict]:
     """(tensor degree, sequence parallel) pairs to search: those a run could take
-    (:func:`pipeflow.config.tensor.grouped_topology`: the model's heads, key/value heads,
+    (:func:`pipeflow.config.tensor_degree.grouped_topology`: the model's heads, key/value heads,
     MLP width and, with sequence parallelism, its sequence; groups inside a node); the
     others left out, counted by the sentence that refuses them."""
     opts = cfg.search

@@ -13,14 +13,14 @@ stage also the embedding and the last stage the final LayerNorm and the LM head.
   are several blocks' worth, so the end stages get fewer blocks.
 - ``profiled``: the contiguous cut whose slowest stage (measured forward + backward) is
   fastest, within ``partition.memory_limit``; from a profile file
-  (:mod:`pipeflow.planning.profile`, measured by :mod:`pipeflow.models.profiler`).
+  (:mod:`pipeflow.planning.layer_profile`, measured by :mod:`pipeflow.models.profiler`).
 """
 
 from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from .profile import check_stage_count, load_profile, partition_profile
+from .layer_profile import check_stage_count, load_profile, partition_profile
 from .transformer import TransformerSpec, embedding_params, head_params, layer_params
 
 PARTITIONERS = ("uniform", "parameters", "profiled")

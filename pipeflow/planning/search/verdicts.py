@@ -12,7 +12,7 @@ from pathlib import Path
 
 from . import GIB, SearchResult
 from .price import Priced, pareto
-from .progress import duration
+from .progress_line import duration
 
 
 def why_lost(q: Priced, best: Priced) -> str:

@@ -190,7 +190,7 @@ def partition_profile(profile: ModelProfile, stages: int, memory_limit: float | 
     """Blocks per stage minimising the slowest stage's forward + backward time, with every
     stage's modelled peak memory <= ``memory_limit`` bytes (None: no limit).
 
-    Exact, like :func:`pipeflow.planning.partition.by_parameters`: a dynamic program over
+    Exact, like :func:`pipeflow.planning.partitioners.by_parameters`: a dynamic program over
     (stage, first block) finds the optimal slowest stage T* among splits whose stages all
     fit; a second one, among those with every stage <= T*, picks the smallest sum of
     squared stage times (the most even below the bottleneck); remaining ties go to more

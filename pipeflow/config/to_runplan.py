@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from pipeflow.families import family_of
 from pipeflow.formats.checkpoint_folder import model_record, training_record
 from pipeflow.formats.runplan import AdapterRef, Lowered, RunPlan
-from pipeflow.planning.partition import partition_layers
+from pipeflow.planning.partitioners import partition_layers
 from pipeflow.planning.transformer import TransformerSpec
 from pipeflow.schedules.common import ScheduleConfigError
 from pipeflow.schedules.data_parallel import pipeline_shape
