@@ -92,17 +92,16 @@ def trace_pieces(columns: dict[str, list], num_devices: int, time_unit: str, sou
     finite = bool(np.isfinite(starts).all() and np.isfinite(ends).all())
     names = columns["name"]
     plain = not _NEEDS_ESCAPE("".join(names))  # action names need nothing escaped, which one search tells
-    # Texts that repeat are written once per distinct value and looked up: the category
-    # (a compute event's kind, else its stream), and the tail of args, every field that
-    # differs from an Event's default (a stream in STREAMS is its thread's name)
-    cats = _column([k if s == "compute" else s for s, k in zip(streams, kinds)], q)
+    # Texts that repeat are written once per distinct value and looked up: from the
+    # category to the thread (the category: a compute event's kind, else its stream), and
+    # the tail of args, every field that differs from an Event's default (a stream in
+    # STREAMS is its thread's name)
+    head = _column(zip(streams, kinds, devices, tids), _head)
     tail = _column(zip(streams, kinds, columns["pipe"], columns["segment"], columns["src"], columns["dst"],
                        columns["nbytes"], columns["version"]), _tail)
     cols = [
         names if plain else list(map(q, names)),  # (quoted as json quotes them)
-        cats,
-        devices,
-        tids,
+        head,
         *_viewer_times(starts, ends, scale, finite),
         columns["stage"],
         columns["microbatch"],
@@ -112,12 +111,13 @@ def trace_pieces(columns: dict[str, list], num_devices: int, time_unit: str, sou
     if any(extras):
         cols.append(["" if not x else _extra_args(s, x) for s, x in zip(streams, extras)])
     us = "%.3f" if finite else "%s"
-    record = ('{"name":' + ('"%s"' if plain else "%s") + ',"cat":%s,"ph":"X","pid":%d,"tid":%d,"ts":' + us + ',"dur":' + us +
-              ',"args":{"stage":%d,"microbatch":%d%s' + "%s" * (len(cols) - 9) + "}}").__mod__
+    record = ('{"name":' + ('"%s"' if plain else "%s") + "%s" + us + ',"dur":' + us +
+              ',"args":{"stage":%d,"microbatch":%d%s' + "%s" * (len(cols) - 7) + "}}").__mod__
     for lo in range(0, len(starts), chunk):
         text = ",".join(map(record, zip(*[c[lo:lo + chunk] for c in cols])))
         yield "," + text if lo or meta_records else text
-    yield '],"exactTimes":' + _json({"encoding": _TIMES, "start": _pack(starts), "end": _pack(ends)}) + "}"
+    # (json.dumps' text: base64 needs no escaping)
+    yield '],"exactTimes":{"encoding":"%s","start":"%s","end":"%s"}}' % (_TIMES, _pack(starts), _pack(ends))
 
 
 def lanes(devices: list[int], streams: list[str], starts: np.ndarray, ends: np.ndarray
@@ -260,6 +260,12 @@ class _Texts(dict):
     def __missing__(self, value):
         text = self[value] = self.write(value)
         return text
+
+
+def _head(key: tuple) -> str:
+    """An X record from after its name to its ``ts``: category, phase, process, thread."""
+    stream, kind, device, tid = key
+    return ',"cat":%s,"ph":"X","pid":%d,"tid":%d,"ts":' % (_quote(kind if stream == "compute" else stream), device, tid)
 
 
 def _tail(key: tuple) -> str:

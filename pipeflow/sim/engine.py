@@ -483,8 +483,8 @@ def _events(cs: CompiledSchedule, dur, specs, num_slots, groups, gdevs, gdur, re
                     if not waits[c]:
                         s = ready[c]
                         start[c] = s
-                        end[c] = s + dur[c]
-                        push(heap, (s + dur[c], launch_key[c]))
+                        e = end[c] = s + dur[c]
+                        push(heap, (e, launch_key[c]))
                         num_launched += 1
                 # ... and the collective starts once every replica has issued it
                 g = group_of[a]
@@ -506,8 +506,8 @@ def _events(cs: CompiledSchedule, dur, specs, num_slots, groups, gdevs, gdur, re
             if not w:
                 s = ready[c]
                 start[c] = s
-                end[c] = s + dur[c]
-                push(heap, (s + dur[c], launch_key[c]))
+                e = end[c] = s + dur[c]
+                push(heap, (e, launch_key[c]))
                 num_launched += 1
         for c, mc in tensor_out[a]:
             xfer, lat, slots, nbytes = specs[mc]
@@ -528,8 +528,8 @@ def _events(cs: CompiledSchedule, dur, specs, num_slots, groups, gdevs, gdur, re
             if not w:
                 s = ready[c]
                 start[c] = s
-                end[c] = s + dur[c]
-                push(heap, (s + dur[c], launch_key[c]))
+                e = end[c] = s + dur[c]
+                push(heap, (e, launch_key[c]))
                 num_launched += 1
 
     if num_launched < n:
