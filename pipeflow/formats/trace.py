@@ -99,10 +99,14 @@ def trace_pieces(columns: dict[str, list], num_devices: int, time_unit: str, sou
     head = _column(zip(streams, kinds, devices, tids), _head)
     tail = _column(zip(streams, kinds, columns["pipe"], columns["segment"], columns["src"], columns["dst"],
                        columns["nbytes"], columns["version"]), _tail)
+    ts, dur = _viewer_times(starts, ends, scale, finite)
+    if finite:  # (a few durations make most events: one per kind of action and stage)
+        dur = _column(dur, "%.3f".__mod__)
     cols = [
         names if plain else list(map(q, names)),  # (quoted as json quotes them)
         head,
-        *_viewer_times(starts, ends, scale, finite),
+        ts,
+        dur,
         columns["stage"],
         columns["microbatch"],
         tail,
@@ -110,8 +114,7 @@ def trace_pieces(columns: dict[str, list], num_devices: int, time_unit: str, sou
     extras = columns["extra"]
     if any(extras):
         cols.append(["" if not x else _extra_args(s, x) for s, x in zip(streams, extras)])
-    us = "%.3f" if finite else "%s"
-    record = ('{"name":' + ('"%s"' if plain else "%s") + "%s" + us + ',"dur":' + us +
+    record = ('{"name":' + ('"%s"' if plain else "%s") + "%s" + ("%.3f" if finite else "%s") + ',"dur":%s' +
               ',"args":{"stage":%d,"microbatch":%d%s' + "%s" * (len(cols) - 7) + "}}").__mod__
     for lo in range(0, len(starts), chunk):
         text = ",".join(map(record, zip(*[c[lo:lo + chunk] for c in cols])))
