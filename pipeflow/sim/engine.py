@@ -69,6 +69,7 @@ derived after the loop (waits, versions, weight memory, the timeline) in :mod:`.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 
@@ -149,23 +150,19 @@ def _durations(cs: CompiledSchedule, cost, topology) -> list[float]:
     devices = topology.devices
     kind, stage, segment, device = cs.kind, cs.stage, cs.segment, cs.device
     # ---- price every action once: durations are cached per (kind, stage, segment, device)
-    dur = [0.0] * n
-    dcache: dict[tuple, float] = {}
-    for i in range(n):
-        k = kind[i]
+    @functools.cache
+    def priced(k: str, s: int, g: int, d: int) -> float:
         if k in Kind.COLLECTIVE or k == Kind.FREE:  # (a FREE lets memory go: no time)
-            continue
-        key = (k, stage[i], segment[i], device[i])
-        v = dcache.get(key)
-        if v is None:
-            v = float(cost.compute_time(k, stage[i], segment[i], devices[device[i]]))
-            if not 0.0 <= v < math.inf:
-                raise SimulationError(
-                    f"cost model {type(cost).__name__} gave {k} of stage {stage[i]} (segment {segment[i]}) "
-                    f"on device {device[i]} a duration of {v}; durations must be finite and >= 0"
-                )
-            dcache[key] = v
-        dur[i] = v
+            return 0.0
+        v = float(cost.compute_time(k, s, g, devices[d]))
+        if not 0.0 <= v < math.inf:
+            raise SimulationError(
+                f"cost model {type(cost).__name__} gave {k} of stage {s} (segment {g}) "
+                f"on device {d} a duration of {v}; durations must be finite and >= 0"
+            )
+        return v
+
+    dur = list(map(priced, kind, stage, segment, device))
 
     # ---- the synchronisation a synchronous step runs on each rank before its first STEP
     # (the runtime's world all-reduce of the gradient norm and the loss, with the tied
