@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import gc
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -147,8 +148,8 @@ def _numbered(schedule: Schedule) -> tuple[list, list, list, dict]:
 
 
 def _dependents(schedule: Schedule, resolver, actions: list, device: list, index: dict) -> tuple:
-    """Dependencies -> dependents: (each dependency as (its action's number, who waits for
-    it, whether it is a message), the consumers of the messages, how many things each
+    """Dependencies -> dependents, as arrays: ((producer, waiter) of each dependency that
+    is no message, (producer, consumer, waiter) of each message, how many things each
     action waits for). A quarter of a million dependencies for 64 x 1024: numbered and
     sorted as arrays, with no Python step per dependency."""
     n = len(actions)
@@ -187,11 +188,16 @@ def _messages(n: int, kind: np.ndarray, stage: np.ndarray, segment: np.ndarray, 
                      np.where(forward, stage[msg_dst], stage[msg_src]), segment[msg_src]], axis=1)
     if not len(keys):
         return [], [], [[] for _ in range(n)]
-    code = np.zeros(len(keys), dtype=np.int64)  # a key as one number: its columns' offsets in mixed radix
-    for col in keys.T:
-        low = col.min()
-        code = code * (col.max() - low + 1) + (col - low)
-    _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
+    lows = keys.min(axis=0)
+    spans = keys.max(axis=0) - lows + 1
+    if math.prod(spans.tolist()) < 2**63:  # a key as one number: its columns' offsets in mixed radix
+        code = np.zeros(len(keys), dtype=np.int64)
+        for col, low, span in zip(keys.T, lows, spans):
+            code = code * span + (col - low)
+        _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
+    else:  # (only stray fields span that much; rows compared whole are slower)
+        _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+        inverse = inverse.reshape(-1)
     by_first = np.argsort(first)
     number = np.empty_like(by_first)
     number[by_first] = np.arange(len(first))
