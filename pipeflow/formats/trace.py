@@ -137,8 +137,8 @@ def lanes(devices: list[int], streams: list[str], starts: np.ndarray, ends: np.n
     codes = (np.array(devices, dtype=np.int64) * width
              + np.fromiter(map(stream_id.__getitem__, streams), dtype=np.int64, count=len(streams)))
     order = np.argsort(codes, kind="stable")
-    num_lanes = dict.fromkeys(np.unique(codes).tolist(), 1)
     c, s, e = codes[order], starts[order], ends[order]
+    num_lanes = dict.fromkeys(c[np.r_[True, c[1:] != c[:-1]]].tolist() if len(c) else [], 1)
     # where the next event is of the same group, it starts at or after this one's start and end
     if np.all((c[:-1] != c[1:]) | ((s[:-1] <= s[1:]) & (e[:-1] <= s[1:]))):
         lane_of = np.zeros(len(codes), dtype=np.int64)

@@ -72,6 +72,7 @@ from __future__ import annotations
 import functools
 import heapq
 import math
+from itertools import compress
 
 from ..schedules.ir import Kind, Schedule, WeightPolicy
 from ..schedules.versions import summarize
@@ -429,6 +430,16 @@ def _collective_span(members, issue_time: dict, devs: tuple, duration: float, co
     return s, e
 
 
+def _launch_keys(kind: list[str]) -> list[int]:
+    """Each action's heap key when it launches: its number, a collective's plus the
+    number of actions (issued, not ended)."""
+    n = len(kind)
+    keys = list(range(n))
+    for i in compress(range(n), map(Kind.COLLECTIVE.__contains__, kind)):
+        keys[i] += n
+    return keys
+
+
 def _events(cs: CompiledSchedule, dur, specs, num_slots, groups, gdevs, gdur, record, topology):
     """The event loop of devices that compute independently (every GPU, CPU ranks with a
     core each): an action's end is known when it starts. Returns (start, end,
@@ -438,7 +449,7 @@ def _events(cs: CompiledSchedule, dur, specs, num_slots, groups, gdevs, gdur, re
     # n <= key < 2n: REDUCE ``key - n`` was issued. key >= 2n: REDUCE ``key - 2n`` done.
     # Keys are unique, so equal times pop in key order: deterministic.
     n2 = 2 * n
-    launch_key = [i + n if k in Kind.COLLECTIVE else i for i, k in enumerate(kind)]
+    launch_key = _launch_keys(kind)
     ready = [0.0] * n
     waits = cs.num_waits.copy()
     start = [0.0] * n
@@ -546,7 +557,7 @@ def _events_shared(cs: CompiledSchedule, dur, specs, num_slots, groups, gdevs, g
     n2 = 2 * n
     # Heap keys: k < n: compute action k starts; n <= k < 2n: REDUCE k - n issued;
     # 2n <= k < 3n: REDUCE k - 2n done. Compute ends are not in the heap: they move.
-    launch_key = [i + n if k in Kind.COLLECTIVE else i for i, k in enumerate(kind)]
+    launch_key = _launch_keys(kind)
     ready = [0.0] * n
     waits = cs.num_waits.copy()
     start = [0.0] * n
