@@ -61,7 +61,7 @@ class DepResolver:
             for key, a in zip(keys, wgrads):
                 self._wgrad.setdefault(key, []).append(a)
         # Nearly every schedule uses one backward kind throughout; then no per-action
-        # look-up is needed (deps runs once per action in the simulator's compile)
+        # look-up per dependency is needed
         self._backward_kind: dict[tuple[int, int, int], str] = {}
         self._only_kind = None
         if kinds >= Kind.BACKWARD:
@@ -162,7 +162,7 @@ class DepResolver:
         return where[order], numbers[order], carries[order]
 
     def _forward_deps(self, fwd: list[tuple[int, Action]]) -> list[tuple]:
-        """all_deps' batches of the forwards ``fwd`` (position, action): their inputs
+        """numbered_deps' batches of the forwards ``fwd`` (position, action): their inputs
         from the stage's predecessors, then the earlier segment."""
         preds, F = self.graph.preds, Kind.F
         later = [(i, a) for i, a in fwd if a[4] > 0]
@@ -171,7 +171,7 @@ class DepResolver:
                 ([i for i, _ in later], [(F, a[1], a[2], a[3], a[4] - 1, -1) for _, a in later], False)]
 
     def _backward_deps(self, bwd: list[tuple[int, Action]]) -> list[tuple]:
-        """all_deps' batches of the backwards (B or I) ``bwd``: the input gradients from
+        """numbered_deps' batches of the backwards (B or I) ``bwd``: the input gradients from
         the stage's successors, the forward, then the later segment's backward."""
         succs, only = self.graph.succs, self._only_kind
         if only is not None:
