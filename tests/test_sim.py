@@ -415,6 +415,33 @@ def test_invariants_other_schedules(name, p, m, v):
     _check_invariants(sched, simulate(sched, cost, topo, record=False), cost, topo)
 
 
+# Every kind of dependency: segments, split backwards, overlapped pairs, REDUCE and STEP of
+# replicas, GATHERs of fully sharded stages, asynchronous updates, a branched graph
+DEPENDENCY_CONFIGS = [
+    "schedule=seq1f1b pipeline.segments=2", "schedule=zb_h1", "schedule=dualpipe_v pipeline.virtual_stages=2",
+    "schedule=chimera", "schedule=1f1b pipeline.data_parallel=2 pipeline.shard=full pipeline.gather=microbatch",
+    "schedule=pipedream", "schedule=amdp", "schedule=bapp model=cbm_tiny pipeline.stages=3",
+]
+
+
+@pytest.mark.parametrize("overrides", DEPENDENCY_CONFIGS)
+def test_numbered_deps_are_every_actions_deps_in_order(overrides):
+    from pipeflow.config import compose, prepare_simulation
+
+    cfg = compose("simulate", ["pipeline.stages=4", "pipeline.microbatches=8", "model=gpt_small", *overrides.split()])
+    sched = prepare_simulation(cfg).schedule
+    actions = [a for order in sched.orders for a in order]
+    index = {a: i for i, a in enumerate(actions)}
+    res = DepResolver(sched)
+    want = [(c, index[d.action], d.carries_tensor) for c, a in enumerate(actions) for d in res.deps(a)]
+    where, numbers, carries = res.numbered_deps(actions, index)
+    assert list(zip(where.tolist(), numbers.tolist(), carries.tolist())) == want
+    # a dependency the index lacks is numbered -1
+    del index[actions[0]]
+    where, numbers, _ = res.numbered_deps(actions, index)
+    assert [c for c, d in zip(where.tolist(), numbers.tolist()) if d < 0] == [c for c, d, _ in want if d == 0]
+
+
 # ----------------------------------------------------- determinism and API
 def test_deterministic_and_record_does_not_change_metrics():
     sched = build_schedule("1f1b", 6, 12)

@@ -35,15 +35,16 @@ import gzip
 import json
 import math
 import os
-import re
 import sys
 import zlib
 from array import array
-from itertools import chain, groupby, repeat
+from itertools import chain, groupby, islice, repeat
 from json.encoder import encode_basestring_ascii as _quote
-from operator import add, and_, itemgetter, le, mul, ne, or_, sub, truediv
+from operator import sub, truediv
 from pathlib import Path
 from typing import Iterable, Iterator
+
+import numpy as np
 
 FORMAT = "pipeflow.timeline/1"
 STREAMS = ("compute", "wait", "collective", "comm")
@@ -62,7 +63,6 @@ ARG_NAMES = frozenset(FIELDS[2:])
 COMPRESS_ABOVE = 16 * 2**20
 GZIP_LEVEL = 1  # gzip's fastest: 45 MB in 0.2 s; level 6 takes nearly three times as long
 _GZIP_MAGIC = b"\x1f\x8b"
-_NEEDS_ESCAPE = re.compile(r'["\\\x00-\x1f\x7f-\U0010ffff]').search  # what json escapes (to ASCII)
 _TIMES = "base64 float64 little-endian shuffled"  # see the module's docstring
 
 
@@ -72,7 +72,7 @@ def trace_pieces(columns: dict[str, list], num_devices: int, time_unit: str, sou
     """The Chrome trace of the events in ``columns`` (one list per name of FIELDS) as
     JSON text, in pieces of ``chunk`` events: join them, or write them as they come."""
     scale = US_PER_UNIT[time_unit]
-    starts, ends = array("d", columns["start"]), array("d", columns["end"])
+    starts, ends = np.array(columns["start"], dtype=np.float64), np.array(columns["end"], dtype=np.float64)
     devices, streams, kinds = columns["device"], columns["stream"], columns["kind"]
     tids, threads = lanes(devices, streams, starts, ends)
     q = _quote
@@ -87,21 +87,24 @@ def trace_pieces(columns: dict[str, list], num_devices: int, time_unit: str, sou
     other = {"format": FORMAT, "num_devices": num_devices, "time_unit": time_unit, "source": source, "meta": meta}
     yield '{"displayTimeUnit":"ms","otherData":' + _json(other) + ',"traceEvents":[' + ",".join(meta_records)
 
-    finite = all(map(math.isfinite, starts)) and all(map(math.isfinite, ends))
+    finite = bool(np.isfinite(starts).all() and np.isfinite(ends).all())
     names = columns["name"]
-    # Texts that repeat are written once per distinct value and looked up: the category
-    # (a compute event's kind, else its stream), and the tail of args, every field that
-    # differs from an Event's default (a stream in STREAMS is its thread's name)
-    cats = _column([k if s == "compute" else s for s, k in zip(streams, kinds)], q)
+    plain = _plain("".join(names))  # action names need nothing escaped, which one look tells
+    # Texts that repeat are written once per distinct value and looked up: from the
+    # category to the thread (the category: a compute event's kind, else its stream), and
+    # the tail of args, every field that differs from an Event's default (a stream in
+    # STREAMS is its thread's name)
+    head = _column(zip(streams, kinds, devices, tids), _head)
     tail = _column(zip(streams, kinds, columns["pipe"], columns["segment"], columns["src"], columns["dst"],
                        columns["nbytes"], columns["version"]), _tail)
+    ts, dur = _viewer_times(starts, ends, scale, finite)
+    if finite:  # (a few durations make most events: one per kind of action and stage)
+        dur = _column(dur, "%.3f".__mod__)
     cols = [
-        # quoted as json quotes them; action names need nothing escaped, which one search tells
-        ['"%s"' % n for n in names] if not _NEEDS_ESCAPE("".join(names)) else list(map(q, names)),
-        cats,
-        devices,
-        tids,
-        *_viewer_times(starts, ends, scale, finite),
+        names if plain else list(map(q, names)),  # (quoted as json quotes them)
+        head,
+        ts,
+        dur,
         columns["stage"],
         columns["microbatch"],
         tail,
@@ -109,50 +112,41 @@ def trace_pieces(columns: dict[str, list], num_devices: int, time_unit: str, sou
     extras = columns["extra"]
     if any(extras):
         cols.append(["" if not x else _extra_args(s, x) for s, x in zip(streams, extras)])
-    us = "%.3f" if finite else "%s"
-    record = ('{"name":%s,"cat":%s,"ph":"X","pid":%d,"tid":%d,"ts":' + us + ',"dur":' + us +
-              ',"args":{"stage":%d,"microbatch":%d%s' + "%s" * (len(cols) - 9) + "}}").__mod__
+    record = ('{"name":' + ('"%s"' if plain else "%s") + "%s" + ("%.3f" if finite else "%s") + ',"dur":%s' +
+              ',"args":{"stage":%d,"microbatch":%d%s' + "%s" * (len(cols) - 7) + "}}").__mod__
+    rows = zip(*cols)
     for lo in range(0, len(starts), chunk):
-        text = ",".join(map(record, zip(*[c[lo:lo + chunk] for c in cols])))
+        text = ",".join(map(record, islice(rows, chunk)))
         yield "," + text if lo or meta_records else text
-    yield '],"exactTimes":' + _json({"encoding": _TIMES, "start": _pack(starts), "end": _pack(ends)}) + "}"
+    # (json.dumps' text: base64 needs no escaping)
+    yield '],"exactTimes":{"encoding":"%s","start":"%s","end":"%s"}}' % (_TIMES, _pack(starts), _pack(ends))
 
 
-def lanes(devices: list[int], streams: list[str], starts: array, ends: array) -> tuple[list[int], list[tuple]]:
+def lanes(devices: list[int], streams: list[str], starts: np.ndarray, ends: np.ndarray
+          ) -> tuple[list[int], list[tuple]]:
     """The Chrome thread of every event, and the threads as (device, label, tid).
 
     A (device, stream) whose events, in list order, start in order and never overlap
     (every stream of a simulation) is one lane; any other is split greedily in (start,
     position) order: each event takes the first lane that is free by its start. Tids
     follow the streams in STREAMS order (compute on top), then their lanes. Grouping
-    and the overlap test run in C (sorted, itemgetter, map)."""
+    and the overlap test are array operations."""
     stream_id = {s: i for i, s in enumerate(dict.fromkeys(streams))}
     width, name_of = len(stream_id), list(stream_id)
     # one int per (device, stream); a stable sort keeps each group in list order
-    codes = list(map(add, map(mul, devices, repeat(width)), map(stream_id.__getitem__, streams)))
-    order = sorted(range(len(codes)), key=codes.__getitem__)
-    lane_of = [0] * len(codes)
-    num_lanes = dict.fromkeys(sorted(set(codes)), 1)
-    if len(order) > 1:
-        c, s, e = (itemgetter(*order)(col) for col in (codes, starts, ends))
-        # where the next event is of the same group, it starts at or after this one's start and end
-        one_lane = all(map(or_, map(ne, c, c[1:]), map(and_, map(le, s, s[1:]), map(le, e, s[1:]))))
-        for code, members in () if one_lane else groupby(order, key=codes.__getitem__):
-            free_at: list[float] = []  # per lane, the end of its last event
-            for i in sorted(members, key=starts.__getitem__):  # stable: ties stay in list order
-                start = starts[i]
-                for k, t in enumerate(free_at):
-                    if t <= start:
-                        free_at[k] = ends[i]
-                        lane_of[i] = k
-                        break
-                else:
-                    lane_of[i] = len(free_at)
-                    free_at.append(ends[i])
-            num_lanes[code] = len(free_at)
+    codes = (np.array(devices, dtype=np.int64) * width
+             + np.fromiter(map(stream_id.__getitem__, streams), dtype=np.int64, count=len(streams)))
+    order = np.argsort(codes, kind="stable")
+    c, s, e = codes[order], starts[order], ends[order]
+    num_lanes = dict.fromkeys(c[np.r_[True, c[1:] != c[:-1]]].tolist() if len(c) else [], 1)
+    # where the next event is of the same group, it starts at or after this one's start and end
+    if np.all((c[:-1] != c[1:]) | ((s[:-1] <= s[1:]) & (e[:-1] <= s[1:]))):
+        lane_of = np.zeros(len(codes), dtype=np.int64)
+    else:
+        lane_of = _greedy_lanes(order.tolist(), codes.tolist(), starts.tolist(), ends.tolist(), num_lanes)
     rank = {s: r for r, s in enumerate(STREAMS)}
     threads: list[tuple[int, str, int]] = []
-    first_tid = [0] * (max(codes, default=-1) + 1)
+    first_tid = [0] * (int(codes.max(initial=-1)) + 1)
     next_tid: dict[int, int] = {}
     by_device = sorted(num_lanes, key=lambda code: (code // width, rank.get(name_of[code % width], 99),
                                                     name_of[code % width]))
@@ -161,7 +155,28 @@ def lanes(devices: list[int], streams: list[str], starts: array, ends: array) ->
         tid = first_tid[code] = next_tid.get(d, 0)
         next_tid[d] = tid + n
         threads += [(d, stream if k == 0 else f"{stream} {k + 1}", tid + k) for k in range(n)]
-    return list(map(add, map(first_tid.__getitem__, codes), lane_of)), threads
+    return (np.array(first_tid, dtype=np.int64)[codes] + lane_of).tolist(), threads
+
+
+def _greedy_lanes(order: list[int], codes: list[int], starts: list[float], ends: list[float],
+                  num_lanes: dict[int, int]) -> np.ndarray:
+    """Each event's lane where some (device, stream) needs several (``order``: the events
+    grouped by code, each group in list order); ``num_lanes`` gets each group's count."""
+    lane_of = [0] * len(codes)
+    for code, members in groupby(order, key=codes.__getitem__):
+        free_at: list[float] = []  # per lane, the end of its last event
+        for i in sorted(members, key=starts.__getitem__):  # stable: ties stay in list order
+            start = starts[i]
+            for k, t in enumerate(free_at):
+                if t <= start:
+                    free_at[k] = ends[i]
+                    lane_of[i] = k
+                    break
+            else:
+                lane_of[i] = len(free_at)
+                free_at.append(ends[i])
+        num_lanes[code] = len(free_at)
+    return np.array(lane_of, dtype=np.int64)
 
 
 def write_trace(path: str | os.PathLike, pieces: Iterable[str], compress: bool | None = False) -> str:
@@ -211,27 +226,48 @@ def _write_gzipped(fh, pieces: Iterable[str]) -> None:
     fh.write(deflate.flush())
 
 
-def _viewer_times(starts: array, ends: array, scale: float, finite: bool) -> tuple[list, list]:
+def _viewer_times(starts: np.ndarray, ends: np.ndarray, scale: float, finite: bool) -> tuple[list, list]:
     """``ts`` and ``dur`` in microseconds on one nanosecond grid: the start and the end
     are each cut to whole nanoseconds (``int``, which keeps their order) and ``dur`` is
     the difference, so an event that starts where another ends never overlaps it in
     the viewers (which would misnest them). Numbers for "%.3f", or JSON text (NaN,
     Infinity) when some time is not finite."""
     if not finite:
-        return ([_microseconds(s * scale) for s in starts],
-                [_microseconds((t - s) * scale) for s, t in zip(starts, ends)])
-    per_ns = repeat(scale * 1000)
-    begin = list(map(int, map(mul, starts, per_ns)))
-    finish = map(int, map(mul, ends, per_ns))
-    thousand = repeat(1000)
-    return list(map(truediv, begin, thousand)), list(map(truediv, map(sub, finish, begin), thousand))
+        return ([_microseconds(s * scale) for s in starts.tolist()],
+                [_microseconds((t - s) * scale) for s, t in zip(starts.tolist(), ends.tolist())])
+    begin, finish = starts * (scale * 1000), ends * (scale * 1000)
+    if len(begin) and max(np.abs(begin).max(), np.abs(finish).max()) >= 2.0**52:
+        # beyond float64's exact integers: Python's ints, whose division rounds once
+        begin, finish = list(map(int, begin.tolist())), list(map(int, finish.tolist()))
+        thousand = repeat(1000)
+        return list(map(truediv, begin, thousand)), list(map(truediv, map(sub, finish, begin), thousand))
+    # (below 2**52 nanoseconds, int64 and float64 hold these numbers exactly, and their
+    # quotients are Python's)
+    begin, finish = begin.astype(np.int64), finish.astype(np.int64)
+    return (begin / 1000).tolist(), ((finish - begin) / 1000).tolist()
 
 
 def _column(values: Iterable, write) -> list[str]:
     """``write(value)`` for every value, each distinct one written once and looked up."""
-    values = list(values)
-    text = {v: write(v) for v in set(values)}
-    return list(map(text.__getitem__, values))
+    return list(map(_Texts(write).__getitem__, values))
+
+
+class _Texts(dict):
+    """value -> ``write(value)``, written on its first look-up (each value hashed once)."""
+
+    def __init__(self, write):
+        super().__init__()
+        self.write = write
+
+    def __missing__(self, value):
+        text = self[value] = self.write(value)
+        return text
+
+
+def _head(key: tuple) -> str:
+    """An X record from after its name to its ``ts``: category, phase, process, thread."""
+    stream, kind, device, tid = key
+    return ',"cat":%s,"ph":"X","pid":%d,"tid":%d,"ts":' % (_quote(kind if stream == "compute" else stream), device, tid)
 
 
 def _tail(key: tuple) -> str:
@@ -259,6 +295,12 @@ def _extra_args(stream: str, extra: dict) -> str:
     return top + ',"extra":' + _json(extra)
 
 
+def _plain(text: str) -> bool:
+    """Whether json writes ``text`` as it is: ASCII from space to ~, no quote, no backslash
+    (string methods in C, faster than a regular expression over a quarter of a million names)."""
+    return text.isascii() and text.isprintable() and '"' not in text and "\\" not in text
+
+
 def _json(value) -> str:
     return json.dumps(value, separators=(",", ":"))
 
@@ -272,14 +314,11 @@ def _microseconds(x: float) -> str:
     return "%.3f" % x if math.isfinite(x) else json.dumps(x)
 
 
-def _pack(col: array) -> str:
+def _pack(col: np.ndarray) -> str:
     """float64 values as base64 of their little-endian bytes, shuffled (byte 0 of every
     value, then byte 1, ...): sign, exponent and high mantissa bytes repeat."""
-    if sys.byteorder != "little":
-        col = array("d", col)
-        col.byteswap()
-    raw = col.tobytes()
-    return base64.b64encode(b"".join(raw[i::8] for i in range(8))).decode("ascii")
+    raw = np.frombuffer(col.astype("<f8").tobytes(), dtype=np.uint8)
+    return base64.b64encode(raw.reshape(-1, 8).T.tobytes()).decode("ascii")
 
 
 def _unpack(text: str) -> array:

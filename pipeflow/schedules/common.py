@@ -31,13 +31,14 @@ def check_basic(name: str, stages: int, microbatches: int) -> None:
 def warmup_alternate_drain(total: int, warmup: int, forward, backward) -> list[Action]:
     """The 1F1B shape over ``total`` units: ``warmup`` forwards, then one forward and one
     backward in turn, then the remaining backwards. ``forward(k)`` / ``backward(k)`` are
-    the actions of the k-th unit in forward / backward order."""
+    the actions of the k-th unit in forward / backward order (a list's ``__getitem__``
+    will do)."""
     warmup = min(warmup, total)
-    order = [forward(k) for k in range(warmup)]
-    for k in range(total - warmup):
-        order.append(forward(warmup + k))
-        order.append(backward(k))
-    order.extend(backward(k) for k in range(total - warmup, total))
+    steady = total - warmup  # forward-backward pairs
+    forwards, backwards = list(map(forward, range(total))), list(map(backward, range(total)))
+    order = forwards[:warmup] + [None] * (2 * steady) + backwards[steady:]
+    order[warmup:warmup + 2 * steady:2] = forwards[warmup:]
+    order[warmup + 1:warmup + 2 * steady:2] = backwards[:steady]
     return order
 
 
@@ -61,20 +62,9 @@ def finish_sync(
     replicated = placement.num_pipes > 1 if replicated is None else replicated
     out: list[list[Action]] = []
     for dev, order in enumerate(orders):
-        last_wgrad: dict[tuple[int, int], int] = {}
-        for pos, a in enumerate(order):
-            if a.kind in Kind.WEIGHT_GRAD:
-                last_wgrad[(a.pipe, a.stage)] = pos
-        after: dict[int, list[Action]] = {}
-        if replicated:
-            for (pipe, stage), pos in last_wgrad.items():
-                after.setdefault(pos, []).append(Action(Kind.REDUCE, stage, -1, pipe, 0, 0))
-        new: list[Action] = []
-        for pos, a in enumerate(order):
-            new.append(a)
-            new.extend(after.get(pos, ()))
+        new, reduced = _with_reduces(order) if replicated else (list(order), set())
         for pipe, stage in placement.stages_on(dev):
-            if replicated and (pipe, stage) not in last_wgrad:
+            if replicated and (pipe, stage) not in reduced:
                 # a replica that ran no microbatch still joins the collective
                 new.append(Action(Kind.REDUCE, stage, -1, pipe, 0, 0))
         # the steps in stage order on every device: a sharded stage's step is a blocking
@@ -96,3 +86,20 @@ def finish_sync(
         meta=dict(meta or {}),
         overlapped=tuple(overlapped),
     )
+
+
+def _with_reduces(order: list[Action]) -> tuple[list[Action], set[tuple[int, int]]]:
+    """``order`` with the REDUCE of each (pipe, stage) after its last weight-gradient
+    action, and those (pipe, stage)."""
+    last_wgrad: dict[tuple[int, int], int] = {}
+    for pos, a in enumerate(order):
+        if a.kind in Kind.WEIGHT_GRAD:
+            last_wgrad[(a.pipe, a.stage)] = pos
+    after: dict[int, list[Action]] = {}
+    for (pipe, stage), pos in last_wgrad.items():
+        after.setdefault(pos, []).append(Action(Kind.REDUCE, stage, -1, pipe, 0, 0))
+    new: list[Action] = []
+    for pos, a in enumerate(order):
+        new.append(a)
+        new.extend(after.get(pos, ()))
+    return new, set(last_wgrad)

@@ -8,16 +8,15 @@ stage 0, against m for GPipe, at the same bubble ratio (p-1)/(m+p-1).
 from __future__ import annotations
 
 from .common import check_basic, finish_sync, warmup_alternate_drain
-from .ir import Action, Kind, Placement, Schedule, StageGraph
+from .ir import Action, Kind, Placement, Schedule, StageGraph, compute_actions
 from .spec import ScheduleSpec
 
 
 def one_f_one_b_order(rank: int, stages: int, microbatches: int, stage: int | None = None) -> list[Action]:
     """The 1F1B order of one device holding one stage (``stage`` defaults to ``rank``)."""
     s = rank if stage is None else stage
-    return warmup_alternate_drain(
-        microbatches, stages - rank - 1, lambda mb: Action(Kind.F, s, mb), lambda mb: Action(Kind.B, s, mb)
-    )
+    forwards, backwards = (compute_actions(kind, s, range(microbatches)) for kind in (Kind.F, Kind.B))
+    return warmup_alternate_drain(microbatches, stages - rank - 1, forwards.__getitem__, backwards.__getitem__)
 
 
 def one_f_one_b(stages: int, microbatches: int) -> Schedule:

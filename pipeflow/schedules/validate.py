@@ -11,6 +11,10 @@ stuck are reported with what each waits for.
 from __future__ import annotations
 
 from collections import Counter
+from itertools import chain, compress
+from operator import itemgetter
+
+import numpy as np
 
 from .deps import DepResolver
 from .ir import Action, Kind, Schedule
@@ -43,34 +47,36 @@ def check_complete(schedule: Schedule) -> None:
 
 
 def _complete(schedule: Schedule) -> bool:
-    """Whether the schedule certainly passes check_complete (False: look closer)."""
+    """Whether the schedule certainly passes check_complete (False: look closer). Every
+    action's fields are tested as arrays, a column at a time."""
     S, M, G = schedule.num_stages, schedule.num_microbatches, schedule.num_segments
-    placement, pipe_of = schedule.placement, schedule.pipe_of_microbatch
-    held: dict[int, set] = {}
-    for p, row in enumerate(placement.table):
-        for s, d in enumerate(row):
-            held.setdefault(d, set()).add((p, s))
-    compute: dict[str, list] = {Kind.F: [], Kind.B: [], Kind.I: [], Kind.W: []}
-    other: list = []
-    for dev, order in enumerate(schedule.orders):
-        mine = held.get(dev, set())
-        # an action (kind, stage, microbatch, pipe, segment, version) on a (pipe, stage)
-        # this device holds: a stage or pipe out of range is on none
-        if not all((a[3], a[1]) in mine for a in order):
-            return False
-        for a in order:
-            compute.get(a[0], other).append(a)
-    keys = {}
-    for kind, acts in compute.items():
-        if not all(0 <= mb < M and 0 <= g < G and pipe_of[mb] == p for _, _, mb, p, g, _ in acts):
-            return False
-        keys[kind] = {(a[1], a[2], a[4]) for a in acts}  # (stage, microbatch, segment)
-        if len(keys[kind]) != len(acts):
-            return False  # one twice
+    every = list(chain.from_iterable(schedule.orders))
+    try:
+        kind = np.array(list(map(itemgetter(0), every)), dtype=str)
+        stage, mb, pipe, seg = (np.fromiter(map(itemgetter(i), every), dtype=np.int64, count=len(every))
+                                for i in (1, 2, 3, 4))
+    except (TypeError, ValueError, OverflowError):
+        return False  # a field that is not a number
+    device = np.repeat(np.arange(len(schedule.orders)), list(map(len, schedule.orders)))
+    # each action on the device that holds its (pipe, stage)
+    table = np.array(schedule.placement.table)
+    if not (len(every) and 0 <= stage.min() and stage.max() < S and 0 <= pipe.min() and pipe.max() < len(table)
+            and (table[pipe, stage] == device).all()):
+        return False
+    compute = np.isin(kind, list(Kind.COMPUTE))
+    c_mb, c_seg, c_pipe = mb[compute], seg[compute], pipe[compute]
+    if len(c_mb) and not (0 <= c_mb.min() and c_mb.max() < M and 0 <= c_seg.min() and c_seg.max() < G
+                          and (np.array(schedule.pipe_of_microbatch)[c_mb] == c_pipe).all()):
+        return False
+    key = (stage * M + mb) * G + seg  # (stage, microbatch, segment), one number each in range
+    f, b, i, w = (np.sort(key[kind == k]) for k in (Kind.F, Kind.B, Kind.I, Kind.W))
+    if any((keys[1:] == keys[:-1]).any() for keys in (f, b, i, w)):
+        return False  # one twice
     n = S * M * G
-    f, b, i, w = keys[Kind.F], keys[Kind.B], keys[Kind.I], keys[Kind.W]
-    if len(f) != n or i != w or b & i or len(b) + len(i) != n:
+    if len(f) != n or not np.array_equal(i, w) or len(np.intersect1d(b, i, assume_unique=True)) \
+            or len(b) + len(i) != n:
         return False  # with every key in range, n distinct B-or-I keys are all of them
+    other = list(compress(every, ~compute))
     seen = set(other)
     return len(seen) == len(other) and all(a[0] in Kind.ALL for a in other) and _steps_complete(schedule, seen)
 

@@ -230,25 +230,24 @@ def _timeline(cs: CompiledSchedule, start, end, issue_time, gbytes, transfers, r
             nbytes[i] = gbytes[g]
             extra[i] = {"issued": issue_time[i]}
     # transfers, on their sender: (producer, consumer, start, arrival, bytes)
-    src, dst, t0, t1, sizes = (list(col) for col in zip(*transfers)) if transfers else ([], [], [], [], [])
-    at = [device.__getitem__, names.__getitem__, kind.__getitem__, stage.__getitem__, mb.__getitem__,
-          pipe.__getitem__, segment.__getitem__]
-    from_src = [list(map(get, src)) for get in at]
+    src, dst, t0, t1, sizes = zip(*transfers) if transfers else ((),) * 5
+    at_src, at_dst = _picker(src), _picker(dst)
     m = len(src)
+    src_device = at_src(device)
     columns = {
-        "device": device + from_src[0],
-        "name": names + list(map("%s->%s".__mod__, zip(from_src[1], map(names.__getitem__, dst)))),
-        "kind": kind + from_src[2],
-        "stage": stage + from_src[3],
-        "microbatch": mb + from_src[4],
-        "pipe": pipe + from_src[5],
-        "segment": segment + from_src[6],
-        "start": start + t0,
-        "end": end + t1,
+        "device": [*device, *src_device],
+        "name": [*names, *map("%s->%s".__mod__, zip(at_src(names), at_dst(names)))],
+        "kind": [*kind, *at_src(kind)],
+        "stage": [*stage, *at_src(stage)],
+        "microbatch": [*mb, *at_src(mb)],
+        "pipe": [*pipe, *at_src(pipe)],
+        "segment": [*segment, *at_src(segment)],
+        "start": [*start, *t0],
+        "end": [*end, *t1],
         "stream": stream + ["comm"] * m,
-        "src": [-1] * n + from_src[0],
-        "dst": [-1] * n + list(map(device.__getitem__, dst)),
-        "nbytes": nbytes + sizes,
+        "src": [*[-1] * n, *src_device],
+        "dst": [*[-1] * n, *at_dst(device)],
+        "nbytes": [*nbytes, *sizes],
         "version": list(map(itemgetter(5), actions)) + [-1] * m,
         "extra": extra + [None] * m,
     }
@@ -269,6 +268,14 @@ def _timeline(cs: CompiledSchedule, start, end, issue_time, gbytes, transfers, r
         for name, col in columns.items():
             col.extend(map(attrgetter(name), waits))
     return Timeline.from_columns(columns, cs.num_devices, time_unit=time_unit, source="simulated", meta=meta)
+
+
+def _picker(positions: tuple[int, ...]):
+    """A function that picks ``values[i]`` for each i of ``positions``, as a tuple (an
+    itemgetter, which indexes in C, where there are several)."""
+    if len(positions) > 1:
+        return itemgetter(*positions)
+    return lambda values: tuple(values[i] for i in positions)
 
 
 def _wait_event(w: Wait) -> Event:

@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import gc
-from collections import Counter
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from operator import itemgetter
+
+import numpy as np
 
 from ..schedules.deps import DepResolver
 from ..schedules.ir import Action, Kind, Schedule
@@ -96,10 +98,12 @@ def _compile(schedule: Schedule) -> CompiledSchedule:
     kind = list(map(itemgetter(0), actions))
     stage = list(map(itemgetter(1), actions))
     segment = list(map(itemgetter(4), actions))
-    local_out, msg_src, msg_dst, msg_to, num_waits = _dependents(schedule, resolver, actions, device, index)
-    message_classes, message_counts, tensor_out = _messages(len(actions), kind, stage, segment, device,
-                                                            msg_src, msg_dst, msg_to)
-    next_on_device = _device_order(kind, offsets, local_out, num_waits)
+    local, messages, num_waits = _dependents(schedule, resolver, actions, device, index)
+    kinds = np.array(kind)
+    message_classes, message_counts, tensor_out = _messages(
+        len(actions), kinds, np.array(stage), np.array(segment), np.array(device), *messages)
+    next_on_device, local_out, num_waits = _device_order(np.isin(kinds, list(Kind.COLLECTIVE)), offsets, local,
+                                                         num_waits)
     group_of, groups = _collective_groups(schedule, resolver, actions, kind, index)
     return CompiledSchedule(
         schedule=schedule,
@@ -144,88 +148,93 @@ def _numbered(schedule: Schedule) -> tuple[list, list, list, dict]:
 
 
 def _dependents(schedule: Schedule, resolver, actions: list, device: list, index: dict) -> tuple:
-    """Dependencies -> dependents: (each action's dependents on its own device, the
-    messages' (source, consumer, waiter) numbers, how many things each action waits for).
-    This loop runs once per dependency (a quarter of a million for 64 x 1024), so it only
-    sorts edges; messages are classified in bulk (:func:`_messages`)."""
+    """Dependencies -> dependents, as arrays: ((producer, waiter) of each dependency that
+    is no message, (producer, consumer, waiter) of each message, how many things each
+    action waits for). A quarter of a million dependencies for 64 x 1024: numbered and
+    sorted as arrays, with no Python step per dependency."""
     n = len(actions)
-    local_out: list[list[int]] = [[] for _ in range(n)]
-    msg_src: list[int] = []
-    msg_dst: list[int] = []
-    msg_to: list[int] = []  # who waits for the message: its consumer, or the pair's forward
-    num_waits = [0] * n
-    # an overlapped pair starts when both halves are ready: what its backward waits for,
-    # its forward waits for instead (the backward follows the forward on the stream)
-    waiter = list(range(n))
-    for f, b in schedule.overlapped:
-        if f in index and b in index:
-            waiter[index[b]] = index[f]
-    c = -1
-    try:
-        for c, dep_list in enumerate(map(resolver.deps, actions)):
-            dc = device[c]
-            w = waiter[c]
-            for dep_action, carries in dep_list:
-                p = index[dep_action]
-                if p == w:
-                    continue  # a pair's backward does not wait for its own forward
-                num_waits[w] += 1
-                if carries and device[p] != dc:
-                    msg_src.append(p)
-                    msg_dst.append(c)
-                    msg_to.append(w)
-                else:
-                    local_out[p].append(w)
-    except KeyError:
+    where, producer, carries = resolver.numbered_deps(actions, index)
+    if len(producer) and producer.min() < 0:
+        c = int(where[np.argmax(producer < 0)])  # the first action in order with a missing dependency
         missing = [str(d.action) for d in resolver.deps(actions[c]) if d.action not in index]
-        if not missing:
-            raise
         raise SimulationError(
             f"schedule {schedule.name!r}: {actions[c]} on device {device[c]} depends on {', '.join(missing)}, "
             f"which is not in the schedule; run pipeflow.schedules.validate(schedule) first"
-        ) from None
-    return local_out, msg_src, msg_dst, msg_to, num_waits
+        )
+    # an overlapped pair starts when both halves are ready: what its backward waits for,
+    # its forward waits for instead (the backward follows the forward on the stream)
+    waiter = np.arange(n)
+    for f, b in schedule.overlapped:
+        if f in index and b in index:
+            waiter[index[b]] = index[f]
+    waits = waiter[where]
+    keep = producer != waits  # a pair's backward does not wait for its own forward
+    on_device = np.array(device, dtype=np.intp)
+    message = keep & carries & (on_device[producer] != on_device[where])
+    local = keep & ~message
+    num_waits = np.bincount(waits[keep], minlength=n)
+    return (producer[local], waits[local]), (producer[message], where[message], waits[message]), num_waits
 
 
-def _messages(n: int, kind: list, stage: list, segment: list, device: list, msg_src: list, msg_dst: list,
-              msg_to: list) -> tuple[list, list, list]:
+def _messages(n: int, kind: np.ndarray, stage: np.ndarray, segment: np.ndarray, device: np.ndarray,
+              msg_src: np.ndarray, msg_dst: np.ndarray, msg_to: np.ndarray) -> tuple[list, list, list]:
     """The messages by class: (the classes, how many of each, each action's messages
     out as (waiter, class)). A message class is (src device, dst device, src stage, dst
     stage, segment) of the forward edge: activations flow along graph edges (the
-    producer is an F), gradients against them with the same size."""
-    keys = [
-        (device[p], device[c], stage[p], stage[c], segment[p])
-        if kind[p] == Kind.F
-        else (device[p], device[c], stage[c], stage[p], segment[p])
-        for p, c in zip(msg_src, msg_dst)
-    ]
-    class_of: dict[tuple, int] = {}
-    msg_class = [class_of.setdefault(k, len(class_of)) for k in keys]
-    message_classes = list(class_of)
-    message_counts = [0] * len(message_classes)
-    for mc, count in Counter(msg_class).items():
-        message_counts[mc] = count
-    tensor_out: list[list[tuple[int, int]]] = [[] for _ in range(n)]
-    for p, c, mc in zip(msg_src, msg_to, msg_class):
-        tensor_out[p].append((c, mc))
-    return message_classes, message_counts, tensor_out
+    producer is an F), gradients against them with the same size. Classes are numbered
+    in the order of their first message."""
+    forward = kind[msg_src] == Kind.F
+    keys = np.stack([device[msg_src], device[msg_dst], np.where(forward, stage[msg_src], stage[msg_dst]),
+                     np.where(forward, stage[msg_dst], stage[msg_src]), segment[msg_src]], axis=1)
+    if not len(keys):
+        return [], [], [[] for _ in range(n)]
+    lows = keys.min(axis=0)
+    spans = keys.max(axis=0) - lows + 1
+    if math.prod(spans.tolist()) < 2**63:  # a key as one number: its columns' offsets in mixed radix
+        code = np.zeros(len(keys), dtype=np.int64)
+        for col, low, span in zip(keys.T, lows, spans):
+            code = code * span + (col - low)
+        _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
+    else:  # (only stray fields span that much; rows compared whole are slower)
+        _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+        inverse = inverse.reshape(-1)
+    by_first = np.argsort(first)
+    number = np.empty_like(by_first)
+    number[by_first] = np.arange(len(first))
+    msg_class = number[inverse]
+    message_classes = list(map(tuple, keys[first[by_first]].tolist()))
+    message_counts = np.bincount(msg_class, minlength=len(first)).tolist()
+    return message_classes, message_counts, _grouped(n, msg_src, msg_to, msg_class)
 
 
-def _device_order(kind: list, offsets: list, local_out: list, num_waits: list) -> list[int]:
-    """Each action's next on its device (-1: the last). The device predecessor is one
-    more thing to wait for. A compute action frees the stream when it ends; a REDUCE
-    frees it when issued (handled in the event loop)."""
-    n = len(kind)
-    next_on_device = list(range(1, n + 1))
-    for d in range(len(offsets) - 1):
-        lo, hi = offsets[d], offsets[d + 1]
-        if hi > lo:
-            next_on_device[hi - 1] = -1
-            num_waits[lo + 1 : hi] = [w + 1 for w in num_waits[lo + 1 : hi]]
-    for p, c in zip(range(n), next_on_device):
-        if c >= 0 and kind[p] not in Kind.COLLECTIVE:
-            local_out[p].append(c)
-    return next_on_device
+def _device_order(is_collective: np.ndarray, offsets: list, local: tuple, num_waits: np.ndarray
+                  ) -> tuple[list, list, list]:
+    """(each action's next on its device (-1: the last), each action's dependents on its
+    own device, how many things each waits for). The device predecessor is one more thing
+    to wait for. A compute action frees the stream when it ends, so its successor is one
+    more of its dependents, after the others; a REDUCE frees it when issued (handled in
+    the event loop)."""
+    n = len(is_collective)
+    next_on_device = np.arange(1, n + 1)
+    firsts = [lo for lo, hi in zip(offsets, offsets[1:]) if hi > lo]
+    lasts = [hi - 1 for lo, hi in zip(offsets, offsets[1:]) if hi > lo]
+    next_on_device[lasts] = -1
+    num_waits = num_waits + 1
+    num_waits[firsts] -= 1
+    frees = np.flatnonzero((next_on_device >= 0) & ~is_collective)
+    local_out = _grouped(n, np.concatenate([local[0], frees]), np.concatenate([local[1], frees + 1]))
+    return next_on_device.tolist(), local_out, num_waits.tolist()
+
+
+def _grouped(n: int, keys: np.ndarray, *columns: np.ndarray) -> list[list]:
+    """The rows of ``columns`` in one list per key 0 .. n - 1 (``keys`` says whose each
+    row is), each list in the rows' order; a row is a value, or with several columns a
+    tuple."""
+    order = np.argsort(keys, kind="stable")
+    ends = np.cumsum(np.bincount(keys, minlength=n)).tolist()
+    rows = [c[order].tolist() for c in columns]
+    rows = rows[0] if len(rows) == 1 else list(zip(*rows))
+    return list(map(rows.__getitem__, map(slice, [0, *ends], ends)))
 
 
 def _collective_groups(schedule: Schedule, resolver, actions: list, kind: list, index: dict) -> tuple[list, list]:

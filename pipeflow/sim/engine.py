@@ -69,8 +69,10 @@ derived after the loop (waits, versions, weight memory, the timeline) in :mod:`.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
+from itertools import compress
 
 from ..schedules.ir import Kind, Schedule, WeightPolicy
 from ..schedules.versions import summarize
@@ -149,23 +151,19 @@ def _durations(cs: CompiledSchedule, cost, topology) -> list[float]:
     devices = topology.devices
     kind, stage, segment, device = cs.kind, cs.stage, cs.segment, cs.device
     # ---- price every action once: durations are cached per (kind, stage, segment, device)
-    dur = [0.0] * n
-    dcache: dict[tuple, float] = {}
-    for i in range(n):
-        k = kind[i]
+    @functools.cache
+    def priced(k: str, s: int, g: int, d: int) -> float:
         if k in Kind.COLLECTIVE or k == Kind.FREE:  # (a FREE lets memory go: no time)
-            continue
-        key = (k, stage[i], segment[i], device[i])
-        v = dcache.get(key)
-        if v is None:
-            v = float(cost.compute_time(k, stage[i], segment[i], devices[device[i]]))
-            if not 0.0 <= v < math.inf:
-                raise SimulationError(
-                    f"cost model {type(cost).__name__} gave {k} of stage {stage[i]} (segment {segment[i]}) "
-                    f"on device {device[i]} a duration of {v}; durations must be finite and >= 0"
-                )
-            dcache[key] = v
-        dur[i] = v
+            return 0.0
+        v = float(cost.compute_time(k, s, g, devices[d]))
+        if not 0.0 <= v < math.inf:
+            raise SimulationError(
+                f"cost model {type(cost).__name__} gave {k} of stage {s} (segment {g}) "
+                f"on device {d} a duration of {v}; durations must be finite and >= 0"
+            )
+        return v
+
+    dur = list(map(priced, kind, stage, segment, device))
 
     # ---- the synchronisation a synchronous step runs on each rank before its first STEP
     # (the runtime's world all-reduce of the gradient norm and the loss, with the tied
@@ -432,6 +430,16 @@ def _collective_span(members, issue_time: dict, devs: tuple, duration: float, co
     return s, e
 
 
+def _launch_keys(kind: list[str]) -> list[int]:
+    """Each action's heap key when it launches: its number, a collective's plus the
+    number of actions (issued, not ended)."""
+    n = len(kind)
+    keys = list(range(n))
+    for i in compress(range(n), map(Kind.COLLECTIVE.__contains__, kind)):
+        keys[i] += n
+    return keys
+
+
 def _events(cs: CompiledSchedule, dur, specs, num_slots, groups, gdevs, gdur, record, topology):
     """The event loop of devices that compute independently (every GPU, CPU ranks with a
     core each): an action's end is known when it starts. Returns (start, end,
@@ -441,7 +449,7 @@ def _events(cs: CompiledSchedule, dur, specs, num_slots, groups, gdevs, gdur, re
     # n <= key < 2n: REDUCE ``key - n`` was issued. key >= 2n: REDUCE ``key - 2n`` done.
     # Keys are unique, so equal times pop in key order: deterministic.
     n2 = 2 * n
-    launch_key = [i + n if k in Kind.COLLECTIVE else i for i, k in enumerate(kind)]
+    launch_key = _launch_keys(kind)
     ready = [0.0] * n
     waits = cs.num_waits.copy()
     start = [0.0] * n
@@ -483,8 +491,8 @@ def _events(cs: CompiledSchedule, dur, specs, num_slots, groups, gdevs, gdur, re
                     if not waits[c]:
                         s = ready[c]
                         start[c] = s
-                        end[c] = s + dur[c]
-                        push(heap, (s + dur[c], launch_key[c]))
+                        e = end[c] = s + dur[c]
+                        push(heap, (e, launch_key[c]))
                         num_launched += 1
                 # ... and the collective starts once every replica has issued it
                 g = group_of[a]
@@ -506,8 +514,8 @@ def _events(cs: CompiledSchedule, dur, specs, num_slots, groups, gdevs, gdur, re
             if not w:
                 s = ready[c]
                 start[c] = s
-                end[c] = s + dur[c]
-                push(heap, (s + dur[c], launch_key[c]))
+                e = end[c] = s + dur[c]
+                push(heap, (e, launch_key[c]))
                 num_launched += 1
         for c, mc in tensor_out[a]:
             xfer, lat, slots, nbytes = specs[mc]
@@ -528,8 +536,8 @@ def _events(cs: CompiledSchedule, dur, specs, num_slots, groups, gdevs, gdur, re
             if not w:
                 s = ready[c]
                 start[c] = s
-                end[c] = s + dur[c]
-                push(heap, (s + dur[c], launch_key[c]))
+                e = end[c] = s + dur[c]
+                push(heap, (e, launch_key[c]))
                 num_launched += 1
 
     if num_launched < n:
@@ -549,7 +557,7 @@ def _events_shared(cs: CompiledSchedule, dur, specs, num_slots, groups, gdevs, g
     n2 = 2 * n
     # Heap keys: k < n: compute action k starts; n <= k < 2n: REDUCE k - n issued;
     # 2n <= k < 3n: REDUCE k - 2n done. Compute ends are not in the heap: they move.
-    launch_key = [i + n if k in Kind.COLLECTIVE else i for i, k in enumerate(kind)]
+    launch_key = _launch_keys(kind)
     ready = [0.0] * n
     waits = cs.num_waits.copy()
     start = [0.0] * n
