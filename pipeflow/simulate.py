@@ -85,9 +85,12 @@ def _run_simulation(cfg: DictConfig, out_dir: str | Path, notes: list[str] | Non
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    # a large trace is gzipped (timeline.json.gz); Timeline.load reads either name
-    written = result.timeline.save(out / "timeline.json", compress=None)
-    files = ["summary.json", Path(written).name]
+    # a large trace is gzipped (timeline.json.gz); Timeline.load reads either name. It is
+    # compressed and written while the memory walk runs (Timeline.save_beside)
+    saving = result.timeline.save_beside(out / "timeline.json", compress=None)
+    categories = (device_memory(schedule, cost, result.per_device, library_workspace(topology, schedule.num_devices),
+                                actions, inputs.periods) if cost.name != "unit" else None)
+    files = ["summary.json", Path(saving.result()).name]
     png = out / "timeline.png"
     reason = unreadable(result.timeline) if cfg.draw == "auto" else None
     if cfg.draw is True or (cfg.draw == "auto" and reason is None):
@@ -102,8 +105,6 @@ def _run_simulation(cfg: DictConfig, out_dir: str | Path, notes: list[str] | Non
         write_torch_csv(schedule, out / "schedule.csv")
         files.append("schedule.csv")
 
-    categories = (device_memory(schedule, cost, result.per_device, library_workspace(topology, schedule.num_devices),
-                                actions, inputs.periods) if cost.name != "unit" else None)
     memory = memory_fit(schedule, cost, topology, sim_summary["per_device"], categories)
     summary = {
         "kind": "simulated",  # predicted by the simulator; pipeflow-train's summaries are measured

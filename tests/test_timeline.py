@@ -357,3 +357,18 @@ def test_gantt_differs_by_kind(tmp_path):
     b = mpimg.imread(draw_timeline(b_only, tmp_path / "b.png", title=""))
     assert a.shape == b.shape
     assert abs(a - b).sum() > 1000  # large areas differ, not just the legend text
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_a_trace_written_beside_is_the_trace_save_writes(tmp_path, compress):
+    """pipeflow-simulate compresses and writes its trace on a thread while it walks the
+    memory (Timeline.save_beside): the same file, and an error reaches the caller."""
+    sched = build_schedule("1f1b", 4, 8)
+    tl = simulate(sched, UnitCost(4), get_topology("local_cpu", num_devices=4)).timeline
+    here = tl.save(tmp_path / "a" / "timeline.json", compress=compress)
+    beside = tl.save_beside(tmp_path / "b" / "timeline.json", compress=compress).result()
+    read = (lambda p: gzip.open(p).read()) if compress else (lambda p: open(p, "rb").read())
+    assert beside.endswith(".gz") == compress and read(beside) == read(here)
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(OSError):
+        tl.save_beside(tmp_path / "file" / "timeline.json").result()

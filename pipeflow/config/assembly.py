@@ -331,12 +331,18 @@ def simulation_segments(cfg: DictConfig, schedule: Schedule) -> list[int] | None
     return lengths
 
 
+def host_calibrated(cfg: DictConfig, cost: CostModel | None) -> bool:
+    """Whether a calibration describes the host the run's devices sit on (``local_cpu``
+    under ``cost=calibrated``): its topology is then the calibration's."""
+    return isinstance(cost, CalibratedCost) and cfg.topology.name == "local_cpu"
+
+
 def run_topology(cfg: DictConfig, schedule: Schedule, cost: CostModel | None = None, tensor: int = 1) -> Topology:
     """The topology the run's devices sit on. ``tensor`` > 1 (pipeline.tensor_parallel, the
     simulator's): T physical devices per schedule device, seen as their tensor groups
     (:class:`pipeflow.topology.tensor.TensorTopology`, T consecutive devices of one node)."""
     topo_cfg = cfg.topology
-    if isinstance(cost, CalibratedCost) and cfg.topology.name == "local_cpu":
+    if host_calibrated(cfg, cost):
         # the calibrated host: its cores, their contention, and a gloo message's cost
         topo_cfg = {**OmegaConf.to_container(cfg.topology, resolve=True), **cost.host}
     needed = devices_needed_for(cfg)

@@ -26,6 +26,7 @@ from .assembly import (
     branched_cost,
     branched_schedule,
     run_topology,
+    host_calibrated,
     generate_schedule,
     model_spec,
     simulation_segments,
@@ -91,7 +92,8 @@ def prepare_simulation(cfg: DictConfig) -> SimulationInputs:
         schedule, specs = branched_schedule(cfg)
         spec, lengths = None, None
         # the precision the run would train in sets the bytes per element, as below
-        precision = resolve_precision(cfg, run_topology(cfg, schedule))
+        devices = run_topology(cfg, schedule)
+        precision = resolve_precision(cfg, devices)
         cost = branched_cost(cfg, specs, dtype_bytes=4 if precision == "fp32" else 2)
     else:
         schedule = generate_schedule(cfg)
@@ -118,7 +120,8 @@ def prepare_simulation(cfg: DictConfig) -> SimulationInputs:
                                     tensor_parallel=tensor, sequence_parallel=sequence)
         except ValueError as err:
             raise naming_key("cost", cfg.cost.name, err) from None
-    topology = run_topology(cfg, schedule, cost, tensor=tensor)
+    # (the devices once more only where a calibration describes this host's)
+    topology = run_topology(cfg, schedule, cost, tensor=tensor) if host_calibrated(cfg, cost) else devices
     if tensor > 1:  # each device's tensor group's collectives, on the group's own links
         cost.place_tensor_groups(topology)
     # torch's AdamW steps CPU tensors one at a time (its foreach path is for accelerators)

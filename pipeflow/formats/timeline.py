@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Iterable, Iterator
 
-from .trace import FIELDS, FORMAT, STREAMS, US_PER_UNIT, exact_times, read_trace, trace_pieces, write_trace
+from .trace import (FIELDS, FORMAT, STREAMS, US_PER_UNIT, exact_times, read_trace, trace_pieces, write_trace,
+                    write_trace_beside)
 from .trace import timeline_file  # noqa: F401 - the readers' way to a run folder's timeline, plain or gzipped
 
 SOURCES = ("simulated", "measured")
@@ -269,6 +270,12 @@ class Timeline:
         file as it is.
         """
         return write_trace(path, self._trace_pieces(), compress)
+
+    def save_beside(self, path: str | os.PathLike, compress: bool | None = False):
+        """:meth:`save`, the file compressed and written on a thread of its own while the
+        caller goes on (:func:`~pipeflow.formats.trace.write_trace_beside`): a future
+        whose result is the path."""
+        return write_trace_beside(path, self._trace_pieces(), compress)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Timeline":

@@ -36,8 +36,10 @@ import json
 import math
 import os
 import sys
+import threading
 import zlib
 from array import array
+from concurrent.futures import Future
 from itertools import chain, groupby, islice, repeat
 from json.encoder import encode_basestring_ascii as _quote
 from operator import sub, truediv
@@ -214,6 +216,27 @@ def write_trace(path: str | os.PathLike, pieces: Iterable[str], compress: bool |
     if os.path.exists(stale):
         os.remove(stale)
     return path
+
+
+def write_trace_beside(path: str | os.PathLike, pieces: Iterable[str], compress: bool | None = False) -> Future:
+    """:func:`write_trace`, its text made here and then compressed and written on a thread
+    of its own: zlib lets go of the interpreter while it compresses, so what the caller
+    does next runs beside it (pipeflow-simulate's memory walk: of a 64-stage,
+    1,024-microbatch 1F1B's 0.5 s trace, the 0.2 s of compressing). The future's result
+    is the path written, or the error."""
+    # one piece: the thread compresses it in one call that holds the interpreter not at
+    # all (piece by piece it waited for the interpreter at every piece, the walk holding it)
+    text = ["".join(pieces)]
+    future: Future = Future()
+
+    def write() -> None:
+        try:
+            future.set_result(write_trace(path, text, compress))
+        except BaseException as err:  # noqa: BLE001 - handed to whoever waits for the file
+            future.set_exception(err)
+
+    threading.Thread(target=write, name="pipeflow-trace", daemon=True).start()
+    return future
 
 
 def _write_gzipped(fh, pieces: Iterable[str]) -> None:
