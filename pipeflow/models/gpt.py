@@ -22,6 +22,7 @@ so they stay equal (Megatron-LM's tied embeddings across pipeline stages).
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Mapping, Sequence
 
@@ -35,6 +36,11 @@ from pipeflow.models.attention import IMPLEMENTATION, Pattern, SegmentCache, che
 from pipeflow.models.splittable import block_output, family_spec, layer_bounds, seeded_normal_
 from pipeflow.models.recompute import apply_recompute
 from pipeflow.models.tensor_parallel import enter, head_input
+
+# the keyword GPT2Block takes its key/value cache by: transformers renamed
+# past_key_values to cache (5.17, on the H200 of 2026-12-04, still names it past_key_values;
+# hf_causal asks its layers the same way)
+_CACHE_KW = "cache" if "cache" in inspect.signature(GPT2Block.forward).parameters else "past_key_values"
 
 INIT_STD = 0.02  # GPT-2's initializer_range
 
@@ -161,7 +167,7 @@ class GPTStage(nn.Module):
         kvs: list[tuple[Tensor, Tensor]] = []
         for i, block in enumerate(self.h.values()):
             cache = SegmentCache(prefix[i] if prefix else None)
-            x = block_output(block(x, cache=cache, attention_mask=pattern))
+            x = block_output(block(x, **{_CACHE_KW: cache}, attention_mask=pattern))
             kvs.append(cache.own)
         return (self._head(x) if self.last else x), kvs
 
