@@ -1,6 +1,6 @@
 """Config -> what it names: the schedule (through its spec), the model's shape, segment
 lengths, the cost model and the topology. The apps call these before any work starts;
-a training job's ranks get what they decide in the run plan (:mod:`.runplan`), never
+a training job's ranks get what they decide in the run plan (:mod:`.to_runplan`), never
 the config.
 """
 
