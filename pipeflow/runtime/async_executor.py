@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ..schedules.ir import Action, Kind, Schedule, WeightPolicy
+from ..schedules.ir import Action, Kind, WeightPolicy
 from ..formats.runplan import Lowered
 from ..schedules.versions import forward_version
 from .executor import Executor, Groups, StageState

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..formats.timeline import Event
-from ..schedules.ir import Action, Kind, Schedule
+from ..schedules.ir import Action, Kind
 from ..formats.runplan import Lowered
 from ..schedules.lowering import Comm, check_pair_order, order_pairs
 from .adapters import Adapter
