@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -22,6 +23,8 @@ from ..schedules.data_parallel import replicate_onto, round_robin
 from ..schedules.ir import Schedule
 from ..schedules.one_f_one_b import one_f_one_b
 from ..sim.device_memory import device_peaks
+from ..sim.device_walk import tapes
+from ..sim.memory_peaks import Peaks
 from ..sim.engine import SimResult, simulate
 from ..topology.topology import Topology
 from .cost import AnalyticCost, layer_cost
@@ -179,7 +182,10 @@ def evaluate(
         cost.place_tensor_groups(topology)
     sched = build_plan_schedule(devs, topology.num_devices, microbatches, reps)
     res = simulate(sched, cost, topology, record=record)
-    peaks = device_peaks(sched, cost, res.per_device, topology)  # (the walk pipeflow-simulate takes)
+    # the walk pipeflow-simulate takes, as arrays once per placement (a plan search prices
+    # one placement under many cuts of the layers)
+    walks = _walks(tuple(devs), topology.num_devices, microbatches, tuple(map(tuple, reps)))
+    peaks = device_peaks(sched, cost, res.per_device, topology, walks)
     mem = [max(peaks[row[s]] for row in table) for s in range(len(devs))]
     comp = [
         max(cost.compute_time("F", s, 0, topology.devices[row[s]]) + cost.compute_time("B", s, 0, topology.devices[row[s]])
@@ -203,6 +209,12 @@ def evaluate(
         sequence_parallel=cost.sequence_parallel,
     )
     return plan, res
+
+
+@functools.lru_cache(maxsize=256)
+def _walks(devs: tuple, num_devices: int, microbatches: int, reps: tuple) -> Peaks:
+    """The memory walks of the plan schedule of a placement, as arrays (:class:`Peaks`)."""
+    return Peaks(tapes(build_plan_schedule(devs, num_devices, microbatches, reps)))
 
 
 def tensor_degree_of(topology: Topology, tensor_parallel: int | None) -> int:

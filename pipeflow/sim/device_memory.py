@@ -42,7 +42,7 @@ from __future__ import annotations
 import numpy as np
 
 from .device_walk import tapes
-from .memory_peaks import NotPeriodic
+from .memory_peaks import NotPeriodic, Peaks
 from .memory_terms import term_value
 from .periodic_memory import PeriodicTape, walked_actions
 
@@ -61,13 +61,19 @@ def library_workspace(topology, num_devices: int) -> list[float]:
     return [topology.workspace_bytes(d) for d in range(num_devices)]
 
 
-def device_peaks(schedule, cost, per_device: list, topology) -> list[float]:
+def device_peaks(schedule, cost, per_device: list, topology, walks: Peaks | None = None) -> list[float]:
     """Each device's peak bytes as pipeflow-simulate counts them: its categories walked
     (:func:`device_memory`), its math libraries' workspace on top. What "does it fit"
     compares with a device's memory, for the simulator, the planner and BAPP's
-    coordinator alike."""
+    coordinator alike. ``walks``: the schedule's walks as arrays
+    (:class:`~pipeflow.sim.memory_peaks.Peaks`), for a caller that prices one schedule
+    under many costs (the planner's partitions): the same peaks, without a walk each."""
     workspace = library_workspace(topology, schedule.num_devices)
-    return [m["peak_bytes"] for m in device_memory(schedule, cost, per_device, workspace)]
+    if walks is None:
+        return [m["peak_bytes"] for m in device_memory(schedule, cost, per_device, workspace)]
+    cache: dict = {}
+    values = np.array([term_value(k, cost, per_device, cache) for k in walks.terms], dtype=float)
+    return (walks.peaks(values) + np.asarray(workspace, dtype=float)).tolist()
 
 
 def device_memory(schedule, cost, per_device: list, workspace=None, actions: list | None = None,
