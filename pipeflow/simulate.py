@@ -38,6 +38,7 @@ from pipeflow.schedules.validate import ScheduleError, check_complete, check_ove
 from pipeflow.sim.engine import SimulationError, simulate
 from pipeflow.sim.gantt import draw_timeline, unreadable
 from pipeflow.sim.device_memory import device_memory, library_workspace
+from pipeflow.planning.operator_cost import device_split
 from pipeflow.tracking.record import run_key, write_summary
 
 # Hydra composes against these schemas, so they must be in the ConfigStore before main().
@@ -106,6 +107,7 @@ def _run_simulation(cfg: DictConfig, out_dir: str | Path, notes: list[str] | Non
         files.append("schedule.csv")
 
     memory = memory_fit(schedule, cost, topology, sim_summary["per_device"], categories)
+    operators = operator_breakdown(schedule, cost, topology)
     summary = {
         "kind": "simulated",  # predicted by the simulator; pipeflow-train's summaries are measured
         "schedule": schedule.name,
@@ -137,6 +139,9 @@ def _run_simulation(cfg: DictConfig, out_dir: str | Path, notes: list[str] | Non
         "placement": schedule.placement.as_lists(),
         # per device; for branched models with busy_by_branch and idle_by_cause
         "per_device": sim_summary["per_device"],
+        # a device priced by its measured operators (Device.profile): each device's compute
+        # seconds by operator class (pipeflow.planning.operators.CLASSES); null otherwise
+        "operator_seconds": operators,
         "model": OmegaConf.to_container(cfg.model, resolve=True),
         "cost": cost.describe(),
         "topology": topology.to_dict(),
@@ -276,7 +281,30 @@ def format_report(summary: dict) -> str:
     branches = _branch_table(s["per_device"])
     if branches:
         table += [""] + branches
+    table += _operator_table(s.get("operator_seconds"))
     return "\n".join(head + table)
+
+
+def operator_breakdown(schedule, cost, topology) -> list[dict] | None:
+    """Each device's compute seconds by operator class where its operators are priced
+    from a measured profile (``topology.device=h200``, ``topology.device_profile``)."""
+    if not hasattr(cost, "operator_split") or not any(d.profile for d in topology.devices):
+        return None
+    return [device_split(cost, orders, topology.devices[i].profile) if topology.devices[i].profile else None
+            for i, orders in enumerate(schedule.orders)]
+
+
+def _operator_table(rows: list[dict] | None) -> list[str]:
+    """The console's breakdown by operator class: seconds and share of each device's compute."""
+    if not rows or not any(rows):
+        return []
+    classes = [c for c in rows[next(i for i, r in enumerate(rows) if r)] if any(r and r[c] > 0 for r in rows)]
+    out = [f"{'device':>6}  " + "  ".join(f"{c:>16}" for c in classes)]
+    for i, r in enumerate(rows):
+        if r:
+            total = sum(r.values()) or 1.0
+            out.append(f"{i:>6}  " + "  ".join(f"{r[c]:9.4g} s {100 * r[c] / total:3.0f}%" for c in classes))
+    return ["", "compute by operator class (the device's measured profile; host: waiting on launches)", *out]
 
 
 def _table(cols, rows) -> list[str]:

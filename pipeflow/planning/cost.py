@@ -30,6 +30,7 @@ from ..topology.topology import Device
 from .layer_cost import LayerCost, layer_cost  # noqa: F401 - re-exported (branched_cost, plans, tests)
 from .tensor_cost import TensorShards, sequence_parallel_layer, shard_spec
 from .held_outputs import HeldOutputs
+from .operator_cost import OperatorTimes
 from .working_set import BackwardWorkingSet, WorkingSetTerms, checked_segment
 from .transformer import (
     RESIDUAL_BYTES,
@@ -162,8 +163,12 @@ def _host_kernel(name: str) -> property:
     return property(get, put, doc=f"BackwardWorkingSet.{name}: this host's, for the working sets")
 
 
-class AnalyticCost(TensorShards, WorkingSetTerms, HeldOutputs, CostModel):
+class AnalyticCost(TensorShards, WorkingSetTerms, HeldOutputs, OperatorTimes, CostModel):
     """Times from transformer FLOPs, memory from Korthikanti et al. 2022.
+
+    On a device with a profile (``Device.profile``: ``topology.device=h200``, or
+    ``topology.device_profile=FILE``) each action is its operators priced as measured
+    there (:mod:`pipeflow.planning.operator_cost`), not its FLOPs at ``efficiency``.
 
     Stage s holds ``layers_per_stage[s]`` blocks; the embedding sits on stage 0, the
     final norm and the LM head on the last stage. A microbatch of
@@ -408,6 +413,13 @@ class AnalyticCost(TensorShards, WorkingSetTerms, HeldOutputs, CostModel):
         return self._flops[kind][stage][self._seg(segment)]
 
     def compute_time(self, kind: str, stage: int, segment: int, device: Device) -> float:
+        if device.profile:
+            if kind not in self._flops and kind != "S":
+                raise self._bad_kind(kind)
+            t = self.operator_time(kind, stage, segment, device.profile)
+            if self.tensor_parallel > 1 and kind != "S":
+                t += self.tensor_time(kind, stage, segment, device)
+            return t
         if kind == "S":
             if device.memory_bandwidth <= 0:
                 return 0.0
@@ -429,7 +441,7 @@ class AnalyticCost(TensorShards, WorkingSetTerms, HeldOutputs, CostModel):
         g = self.num_segments
         if kind not in self._flops:
             raise self._bad_kind(kind)
-        if type(self).compute_time is not AnalyticCost.compute_time:
+        if type(self).compute_time is not AnalyticCost.compute_time or device.profile:
             return np.array([[self.compute_time(kind, s, x, device) for x in range(g)] for s in stages], dtype=float)
         out = np.array([self._flops[kind][s] for s in stages], dtype=float).reshape(len(stages), g) \
             / (device.flops(self.dtype_bytes) * self.efficiency)

@@ -16,6 +16,7 @@ import dataclasses
 import inspect
 import math
 from typing import Callable, Mapping
+from pathlib import Path
 
 from .topology import Device, Topology, TopologyBuilder
 
@@ -33,6 +34,8 @@ MiB = 2**20
 _HOPPER_WORKSPACE = 2 * 32 * MiB + 1 * MiB
 _AMPERE_WORKSPACE = 2 * (8 * MiB + 128 * 1024) + 1 * MiB  # torch's default, not measured here
 
+PROFILES = Path(__file__).parent / "profiles"  # the device profiles the presets ship
+
 # Dense FLOP/s at the 16-bit training dtype, memory and memory bandwidth, from the vendors' datasheets.
 DEVICES: dict[str, Device] = {
     # NVIDIA A100 80GB SXM: 312 TFLOPS bf16 dense (156 TF32), 80 GB HBM2e at 2,039 GB/s
@@ -44,6 +47,10 @@ DEVICES: dict[str, Device] = {
     "v100-32g": Device("v100-32g", 125e12, 32 * GiB, 900e9, fp32_flops=15.7e12, workspace_bytes=_AMPERE_WORKSPACE),
     # NVIDIA H100 80GB SXM: 989 TFLOPS bf16 dense (495 TF32), 3.35 TB/s HBM3
     "h100-80g": Device("h100-80g", 989e12, 80 * GiB, 3.35e12, fp32_flops=495e12, workspace_bytes=_HOPPER_WORKSPACE),
+    # NVIDIA H200 SXM: the H100's 989 TFLOPS bf16 dense (495 TF32), 141 GB HBM3e at 4.8 TB/s;
+    # its operators priced as measured on one (profiles/h200.json: the sweep of 2026-12-04)
+    "h200": Device("h200", 989e12, 141e9, 4.8e12, fp32_flops=495e12, workspace_bytes=_HOPPER_WORKSPACE,
+                   profile=str(PROFILES / "h200.json")),
     # one CPU rank of a laptop/workstation: a few cores of AVX2 FMA; a share of DDR bandwidth
     "cpu": Device("cpu", 1e11, 8 * GiB, 2e10),
 }
@@ -67,10 +74,18 @@ def _count(key: str, value, minimum: int = 1) -> int:
     return value
 
 
-def _device(key: str, name) -> Device:
+def _device(key: str, name, profile: str | None = None) -> Device:
+    """The preset device ``name``, priced by the operator sweep in ``profile`` where one is
+    given (topology.device_profile: pipeflow.planning.device_profile; made by
+    ``python -m pipeflow.measure_device --out FILE``)."""
     if name not in DEVICES:
         raise ValueError(f"topology.{key}={name!r}: unknown device; allowed values: {', '.join(DEVICES)}")
-    return DEVICES[name]
+    if profile is None or profile == "":
+        return DEVICES[name]
+    if not isinstance(profile, str) or not Path(profile).is_file():
+        raise ValueError(f"topology.device_profile={profile!r}: no such file; make one on the machine with "
+                         f"python -m pipeflow.measure_device --out FILE, or leave it null")
+    return dataclasses.replace(DEVICES[name], profile=str(Path(profile).resolve()))
 
 
 # ------------------------------------------------------------- wiring recipes
@@ -205,8 +220,14 @@ def cluster(
     nic_bandwidth: float = 25e9,
     nic_latency: float = 10e-6,
     nics_per_node: int | None = None,
+    device_profile: str | None = None,
 ) -> Topology:
     """``nodes`` DGX-A100-like nodes: NVSwitch inside, InfiniBand between.
+
+    ``device_profile``: an operator sweep measured on the GPU (``python -m
+    pipeflow.measure_device --out FILE``) that prices each operator of a step as
+    measured there, in place of the device's peak FLOP/s at ``cost.efficiency``
+    (``device=h200`` ships one).
 
     A100 NVLink 3: 12 links x 25 GB/s = 300 GB/s per direction per GPU, all through
     NVSwitch. HDR InfiniBand: 200 Gb/s = 25 GB/s per direction, one NIC per GPU as in
@@ -222,6 +243,7 @@ def cluster(
         nic_bandwidth,
         nic_latency,
         nics_per_node,
+        device_profile,
     )
 
 
@@ -235,6 +257,7 @@ def _cluster(
     nic_bandwidth: float,
     nic_latency: float,
     nics_per_node: int | None = None,
+    device_profile: str | None = None,
 ) -> Topology:
     """The cluster recipe under a preset's own name (dgx_a100_8, two_node_ib reuse it)."""
     nodes = _count("nodes", nodes)
@@ -244,7 +267,7 @@ def _cluster(
         raise ValueError(
             f"topology.nics_per_node={nics}: at most one NIC per GPU is modelled (topology.gpus_per_node={gpn})"
         )
-    dev = _device("device", device)
+    dev = _device("device", device, device_profile)
     bw = _number("nvlink_bandwidth", nvlink_bandwidth)
     lat = _number("nvlink_latency", nvlink_latency, strict=False)
     return _switched_nodes(

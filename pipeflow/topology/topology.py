@@ -30,6 +30,9 @@ class Device:
     # cuBLAS workspace per thread that runs products (the forward's and autograd's
     # device thread) and cuBLASLt's; the simulator counts them as temporaries
     workspace_bytes: float = 0.0
+    # a device profile (an operator sweep's JSON: pipeflow.planning.device_profile) that
+    # prices each operator as measured on this device; "": FLOPs at the peak x efficiency
+    profile: str = ""
 
     def flops(self, dtype_bytes: int = 2) -> float:
         """Dense FLOP/s for elements of ``dtype_bytes`` (4: fp32; otherwise 16-bit)."""

@@ -1,0 +1,407 @@
+"""A device profile: each operator's time on a machine, from a sweep measured on it.
+
+The sweep (``python -m pipeflow.measure_device --out F``, or the one shipped for a
+preset: ``topology.device=h200``) times the operators a training step launches at
+several sizes (:mod:`pipeflow.topology.op_sweep`). A :class:`DeviceProfile` prices an
+operator of :mod:`pipeflow.planning.operators` from those rows:
+
+- matrix products: the throughput of the nearest measured shapes (in log m, k, n, by
+  phase and dtype), interpolated; under the smallest measured m the smallest's time
+  (a product that small waits on its launch, not its FLOPs);
+- attention: the throughput at the nearest head dimension and number of heads,
+  interpolated in the prefix's length, forward and backward apart;
+- memory-bound operators (norms, activations, adds, copies), the loss and the
+  optimizer: a fixed cost plus a cost per element (per parameter and per tensor for
+  the optimizer), fitted by least squares on the rows where the device, not the host,
+  sets the time;
+- the host: ``launch_s`` per kernel issued, ``backward_call_s`` per backward pass.
+
+An action's time (:meth:`DeviceProfile.action`) runs its operators in order with the
+host issuing them: an operator starts once the device is free and the host has
+launched it, so a stream of small kernels costs its launches, not its bytes.
+
+:meth:`DeviceProfile.fit_errors` says how well each class's model holds on the rows
+it was made from (leave-one-out for the interpolated tables).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .operators import CLASSES, Attention, Loss, Operator, Pointwise, Product, Step, kernels
+
+# the sweep's elementwise rows by the operator kind they price
+_SWEPT = {"layernorm": "layernorm", "rmsnorm": "rmsnorm_llama", "gelu": "gelu_tanh", "silu_mul": "silu_mul",
+          "add": "add", "copy": "copy"}
+# kinds the sweep does not time, priced as a swept one over as many passes of their elements:
+# the rotation (two products, a negation, a concatenation, a sum: about five adds' traffic),
+# a bias's or a norm's sum over tokens (one read: half a copy), softmax (a norm's passes)
+_AS = {"rotary": ("add", 5.0), "reduce": ("copy", 0.5), "softmax": ("layernorm", 1.0)}
+_DTYPES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "float32": 4, "fp32": 4}
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot price a step (missing sections, unreadable rows)."""
+
+
+@dataclass(frozen=True)
+class Linear:
+    """``fixed + per * size``; ``error``: its relative RMS error on the rows fitted."""
+
+    fixed: float
+    per: float
+    error: float = 0.0
+    rows: int = 0
+
+    def __call__(self, size: float) -> float:
+        return self.fixed + self.per * size
+
+
+def fit_linear(sizes, seconds, fixed: float | None = None) -> Linear:
+    """``fixed + per * size`` over the device-bound rows: those at least 2.5 times the
+    smallest time (below, the host's launches set it). With ``fixed`` given (a GPU's
+    cost per kernel, measured by replaying a graph of them: the device's own share of a
+    small kernel) only ``per`` is fitted; otherwise the line's intercept, kept in
+    [0, the smallest time] (a CPU's cost per call)."""
+    x, y = np.asarray(sizes, float), np.asarray(seconds, float)
+    keep = y >= 2.5 * y.min()
+    if keep.sum() < 2:
+        keep = np.argsort(y)[-2:] if len(y) >= 2 else np.arange(len(y))
+    x, y = x[keep], y[keep]
+    if fixed is None:
+        b = np.polyfit(x, y, 1)[1] if len(x) >= 2 and np.ptp(x) > 0 else 0.0
+        fixed = min(max(float(b), 0.0), float(y.min()))
+    per = max(float(np.sum((y - fixed) * x) / np.sum(x * x)), 0.0)
+    fit = fixed + per * x
+    return Linear(fixed, per, float(np.sqrt(np.mean(((fit - y) / y) ** 2))), int(len(x)))
+
+
+@dataclass(frozen=True)
+class StepFit:
+    """The optimizer's step: ``fixed + per_param * params + per_tensor * tensors``."""
+
+    fixed: float
+    per_param: float
+    per_tensor: float
+    error: float = 0.0
+
+    def __call__(self, params: int, tensors: int) -> float:
+        return self.fixed + self.per_param * params + self.per_tensor * tensors
+
+
+def fit_step(rows: list[dict]) -> StepFit:
+    a = np.array([[1.0, r["params"], r["tensors"]] for r in rows])
+    y = np.array([r["s"] for r in rows])
+    # relative least squares (every row weighs alike, whatever its size), then no negative terms
+    w = 1.0 / y
+    coef = np.linalg.lstsq(a * w[:, None], y * w, rcond=None)[0]
+    coef = np.maximum(coef, 0.0)
+    fit = a @ coef
+    return StepFit(*map(float, coef), float(np.sqrt(np.mean(((fit - y) / y) ** 2))))
+
+
+@dataclass(frozen=True)
+class Table:
+    """Throughput measured at points of a log-space (one row of ``points`` each): the
+    rows of the nearest value of the other coordinates, interpolated linearly along the
+    first coordinate (clamped at its ends); two nearest groups weighed by distance."""
+
+    points: np.ndarray  # [rows, dims], logs; the first coordinate is interpolated along
+    values: np.ndarray  # throughput (FLOP/s)
+
+    def __call__(self, point) -> float:
+        point = np.asarray(point, float)
+        rest = self.points[:, 1:]
+        groups = np.unique(rest, axis=0)
+        d = np.sqrt(((groups - point[1:]) ** 2).sum(axis=1))
+        order = np.argsort(d)[:2]
+        if d[order[0]] < 1e-9 or len(order) == 1:
+            return self._along(groups[order[0]], point[0])
+        w = 1.0 / d[order] ** 2
+        logs = [math.log(self._along(groups[i], point[0])) for i in order]
+        return float(math.exp(np.dot(w, logs) / w.sum()))
+
+    def _along(self, group, x: float) -> float:
+        rows = np.all(np.isclose(self.points[:, 1:], group), axis=1)
+        xs, vs = self.points[rows, 0], self.values[rows]
+        order = np.argsort(xs)
+        return float(np.exp(np.interp(x, xs[order], np.log(vs[order]))))
+
+    def leave_one_out(self) -> float:
+        """Relative RMS error predicting each row from the others."""
+        if len(self.values) < 2:
+            return 0.0
+        errs = []
+        for i in range(len(self.values)):
+            rest = Table(np.delete(self.points, i, 0), np.delete(self.values, i))
+            errs.append(rest(self.points[i]) / self.values[i] - 1.0)
+        return float(np.sqrt(np.mean(np.square(errs))))
+
+
+@dataclass
+class DeviceProfile:
+    """Operator times of one device, from a sweep (see the module docstring)."""
+
+    name: str
+    source: str
+    launch_s: float  # the host's seconds per kernel it launches
+    backward_call_s: float  # the host's seconds to start a backward pass
+    # the device's own seconds per kernel (a graph of tiny kernels replayed); None where
+    # host and device are one (a CPU: an operator's time holds its call)
+    kernel_s: float | None = None
+    products: dict = field(default_factory=dict)  # (dtype bytes, phase, aligned) -> (Table, smallest m)
+    attention: dict = field(default_factory=dict)  # (head dim, causal, phase) -> Table over (log keys, log heads)
+    pointwise: dict = field(default_factory=dict)  # (swept kind, dtype bytes, phase) -> Linear over elements
+    loss: dict = field(default_factory=dict)  # (dtype bytes, phase) -> Linear over tokens x vocab
+    step: dict = field(default_factory=dict)  # impl -> StepFit
+    facts: dict = field(default_factory=dict)  # the sweep's device, torch, host
+
+    # ------------------------------------------------------------ pricing
+    def time(self, op: Operator) -> float:
+        """Device seconds of ``op`` (all ``count`` of it)."""
+        if isinstance(op, Product):
+            return op.count * self._product(op)
+        if isinstance(op, Attention):
+            return op.flops / self._attention(op)
+        if isinstance(op, Pointwise):
+            return op.count * self._pointwise(op)
+        if isinstance(op, Loss):
+            return op.count * self._lookup(self.loss, (op.dtype_bytes, op.phase), "loss")(op.tokens * op.vocab)
+        if isinstance(op, Step):
+            fit = self.step.get(op.impl) or self.step.get("foreach") or next(iter(self.step.values()), None)
+            if fit is None:
+                raise ProfileError(f"device profile {self.source}: no optimizer rows (section adamw)")
+            return op.count * fit(op.params, op.tensors)
+        raise TypeError(f"not an operator: {op!r}")
+
+    def _product(self, op: Product) -> float:
+        dtypes = {d for d, _, _ in self.products} or {2}
+        dtype = op.dtype_bytes if op.dtype_bytes in dtypes else min(dtypes, key=lambda d: abs(d - op.dtype_bytes))
+        key = (dtype, op.phase, aligned(op.k, op.n, dtype))
+        if key not in self.products:  # no product of that alignment measured: the other's
+            key = (dtype, op.phase, not key[2])
+        table, smallest = self._lookup(self.products, key, "products")
+        m = max(op.m, smallest)  # under the smallest measured m: that size's time
+        return 2.0 * m * op.k * op.n / table((math.log(m), math.log(op.k), math.log(op.n)))
+
+    def _attention(self, op: Attention) -> float:
+        phase = "fwd" if op.phase == "fwd" else "bwd"
+        keys = [k for k in self.attention if k[2] == phase]
+        if not keys:
+            raise ProfileError(f"device profile {self.source}: no attention rows (section sdpa_bf16)")
+        d, causal, _ = min(keys, key=lambda k: (abs(math.log(k[0] / op.head_dim)), k[1] != op.causal))
+        causal = causal if (d, op.causal, phase) not in self.attention else op.causal
+        return self.attention[(d, causal, phase)]((math.log(op.keys), math.log(op.heads or op.batch_heads)))
+
+    def _pointwise(self, op: Pointwise) -> float:
+        kind, passes = _AS.get(op.kind, (op.kind, 1.0))
+        swept = _SWEPT[kind]
+        # a cast, an add of gradients or a sum is its forward kernel again
+        phase = op.phase if kind in ("layernorm", "rmsnorm", "gelu", "silu_mul") else "fwd"
+        fit = self._lookup(self.pointwise, (swept, op.dtype_bytes, phase), "pointwise") \
+            if (swept, op.dtype_bytes, phase) in self.pointwise else \
+            self._lookup(self.pointwise, (swept, 4 if op.dtype_bytes == 2 else 2, phase), "pointwise")
+        return fit.fixed + fit.per * op.elements * passes
+
+    def _lookup(self, table: dict, key, what: str):
+        got = table.get(key)
+        if got is None:
+            raise ProfileError(f"device profile {self.source}: no {what} rows for {key}")
+        return got
+
+    def action(self, ops: list[Operator], backward: bool = False) -> tuple[float, dict[str, float]]:
+        """An action's seconds and their split by operator class (:data:`CLASSES`; ``host``:
+        the device idle, waiting on launches). The host issues each operator's kernels
+        (``launch_s`` each; a backward pass first pays ``backward_call_s``); the device
+        runs an operator once it is free and the operator is launched."""
+        host = self.backward_call_s if backward else 0.0
+        dev = 0.0
+        split = dict.fromkeys(CLASSES, 0.0)
+        if self.kernel_s is None:  # one thread: each operator's time holds its call
+            for op in ops:
+                split[op.cls] += self.time(op)
+            split["host"] = host
+            return sum(split.values()), split
+        for op in ops:
+            t = self.time(op)
+            if t <= 0:
+                continue
+            n = op.count
+            if isinstance(op, Step):  # its measured time holds its own launches: host and device alike
+                start = max(host, dev)
+                host = dev = start + t
+                split[op.cls] += t
+                continue
+            per, issue = t / n, kernels(op) * self.launch_s
+            end = max(dev + t, host + issue + (n - 1) * max(per, issue) + per)
+            split["host"] += end - dev - t
+            split[op.cls] += t
+            dev, host = end, host + n * issue
+        return dev, split
+
+    def fit_errors(self) -> dict[str, float]:
+        """Relative RMS error of each class's model on its own rows (the tables' leave-one-out)."""
+        out: dict[str, float] = {}
+        for (dtype, phase, fits), (table, _) in sorted(self.products.items()):
+            out[f"product {phase} {8 * dtype}-bit{'' if fits else ' unaligned'}"] = table.leave_one_out()
+        for (d, causal, phase), table in sorted(self.attention.items()):
+            out[f"attention {phase} d={d}{' causal' if causal else ''}"] = table.leave_one_out()
+        for (kind, dtype, phase), fit in sorted(self.pointwise.items()):
+            out[f"{kind} {phase} {8 * dtype}-bit"] = fit.error
+        for (dtype, phase), fit in sorted(self.loss.items()):
+            out[f"cross-entropy {phase} {8 * dtype}-bit"] = fit.error
+        for impl, fit in sorted(self.step.items()):
+            out[f"adamw {impl}"] = fit.error
+        return out
+
+    def describe(self) -> dict:
+        return {"name": self.name, "source": self.source, "launch_s": self.launch_s,
+                "backward_call_s": self.backward_call_s, "kernel_s": self.kernel_s, **self.facts}
+
+
+def aligned(k: int, n: int, dtype_bytes: int) -> bool:
+    """Whether a product's widths let the tensor cores read whole 16-byte rows (k and n
+    multiples of 16 / dtype bytes): an odd vocabulary (GPT-2's 50,257) runs several times
+    slower than 50,304 (measured on the H200: 89-145 against 700-790 TFLOP/s)."""
+    step = max(1, 16 // dtype_bytes)
+    return k % step == 0 and n % step == 0
+
+
+# ---------------------------------------------------------------- from a sweep
+
+
+def _rows(sweep: dict, name: str) -> list[dict]:
+    sec = sweep.get("sections", {}).get(name) or {}
+    return [r for r in sec.get("rows", []) if isinstance(r, dict) and "error" not in r]
+
+
+def _products(sweep: dict) -> dict:
+    grouped: dict = {}
+    for section, default in (("gemm_bf16", 2), ("gemm_fp32_grid", 4)):
+        for r in _rows(sweep, section):
+            dtype = _DTYPES.get(str(r.get("dtype")), default)
+            for phase in ("fwd", "dgrad", "wgrad"):
+                if r.get(f"{phase}_s"):
+                    key = (dtype, phase, aligned(r["k"], r["n"], dtype))
+                    grouped.setdefault(key, []).append((r["m"], r["k"], r["n"], r[f"{phase}_s"]))
+    if not any(d == 4 for d, _, _ in grouped):  # a GPU sweep's fp32 products: forward only, every phase alike
+        for r in _rows(sweep, "gemm_fp32"):
+            if r.get("precision", "highest") == "highest":
+                for phase in ("fwd", "dgrad", "wgrad"):
+                    key = (4, phase, aligned(r["k"], r["n"], 4))
+                    grouped.setdefault(key, []).append((r["m"], r["k"], r["n"], r["s"]))
+    out = {}
+    for key, rows in grouped.items():
+        a = np.array(rows, float)
+        out[key] = (Table(np.log(a[:, :3]), 2 * a[:, 0] * a[:, 1] * a[:, 2] / a[:, 3]), int(a[:, 0].min()))
+    return out
+
+
+def _attention(sweep: dict) -> dict:
+    grouped: dict = {}
+    for r in _rows(sweep, "sdpa_bf16"):
+        op = Attention("fwd", r["b"] * r["h"], r["s"], r["s"], r["d"], bool(r["causal"]), 2)
+        bwd = r["fwd_bwd_s"] - r["fwd_s"]
+        for phase, flops, s in (("fwd", op.flops, r["fwd_s"]), ("bwd", 2.5 * op.flops, bwd)):
+            if s > 0:
+                grouped.setdefault((r["d"], bool(r["causal"]), phase), []).append(
+                    (math.log(r["s"]), math.log(r["h"]), flops / s))
+    return {k: Table(np.array(v)[:, :2], np.array(v)[:, 2]) for k, v in grouped.items()}
+
+
+# kernels each swept operator launches, forward and backward (as torch runs them; Llama's
+# RMSNorm as transformers writes it, its backward one kernel a forward kernel's gradient or two)
+_SWEPT_KERNELS = {"copy": (1, 1), "add": (1, 1), "gelu_tanh": (1, 1), "silu_mul": (2, 4), "layernorm": (1, 2),
+                  "rmsnorm_llama": (7, 12)}
+
+
+def _pointwise(sweep: dict, kernel_s: float | None) -> dict:
+    grouped: dict = {}
+    for r in _rows(sweep, "elementwise"):
+        dtype = _DTYPES.get(str(r["dtype"]), 4)
+        n = r["rows"] * r["hidden"]
+        grouped.setdefault((r["op"], dtype, "fwd"), []).append((n, r["fwd_s"]))
+        if r.get("fwd_bwd_s"):
+            grouped.setdefault((r["op"], dtype, "bwd"), []).append((n, r["fwd_bwd_s"] - r["fwd_s"]))
+    out = {}
+    for (op, dtype, phase), rows in grouped.items():
+        if len(rows) >= 2:
+            launches = _SWEPT_KERNELS.get(op, (1, 1))[phase == "bwd"]
+            out[(op, dtype, phase)] = fit_linear(*zip(*rows), None if kernel_s is None else launches * kernel_s)
+    return out
+
+
+def _loss(sweep: dict, kernel_s: float | None) -> dict:
+    grouped: dict = {}
+    for r in _rows(sweep, "cross_entropy"):
+        dtype = _DTYPES.get(str(r["dtype"]), 4)
+        n = r["tokens"] * r["vocab"]
+        grouped.setdefault((dtype, "fwd"), []).append((n, r["fwd_s"]))
+        grouped.setdefault((dtype, "bwd"), []).append((n, r["fwd_bwd_s"] - r["fwd_s"]))
+    # (its forward: a log-softmax and a gather, reduced; its backward about as many)
+    return {k: fit_linear(*zip(*v), None if kernel_s is None else 3 * kernel_s)
+            for k, v in grouped.items() if len(v) >= 2}
+
+
+def _host(sweep: dict) -> tuple[float, float, float | None]:
+    """Seconds per kernel the host launches (a tiny add issued back to back), per backward
+    pass (a tiny add's forward and backward less its forward: its backward launches no
+    kernel), and the device's own per kernel (a graph of 100 tiny adds replayed, less an
+    empty graph's replay, per kernel; None on a CPU, where one thread does both)."""
+    launches = [r["s_per_call_async"] for r in _rows(sweep, "launch")
+                if r.get("op") == "add_out_tiny" and "s_per_call_async" in r]
+    if not launches:
+        raise ProfileError("the sweep has no launch rows (section launch): the host's cost per kernel is unknown")
+    launch = float(np.median(launches))
+    adds = [r["fwd_bwd_s"] - r["fwd_s"] for r in _rows(sweep, "elementwise") if r["op"] == "add" and r.get("fwd_bwd_s")]
+    backward = max(min(adds), 0.0) if adds else 0.0
+    graphs = {r["op"]: r["events"]["s"] for r in _rows(sweep, "launch")
+              if str(r.get("op", "")).startswith("cuda_graph_replay") and "events" in r}
+    kernel = None
+    if sweep.get("device") == "cuda":
+        full, empty = graphs.get("cuda_graph_replay_100_kernels"), graphs.get("cuda_graph_replay_0_kernels", 0.0)
+        kernel = (full - empty) / 100 if full else launch / 4
+    return launch, backward, kernel
+
+
+def from_sweep(sweep: dict, name: str, source: str = "") -> DeviceProfile:
+    """A profile from a sweep's JSON (the format :mod:`pipeflow.topology.op_sweep` writes)."""
+    if not isinstance(sweep, dict) or "sections" not in sweep:
+        raise ProfileError(f"{source or name}: not an operator sweep (no 'sections'; made by "
+                           f"python -m pipeflow.measure_device --out FILE)")
+    launch, backward, kernel = _host(sweep)
+    adamw = _rows(sweep, "adamw")
+    prof = DeviceProfile(name, source or name, launch, backward, kernel, _products(sweep), _attention(sweep),
+                         _pointwise(sweep, kernel), _loss(sweep, kernel),
+                         {impl: fit_step([r for r in adamw if r["impl"] == impl]) for impl in {r["impl"] for r in adamw}},
+                         {k: sweep[k] for k in ("device", "gpu", "torch", "host", "cpu_isa") if k in sweep})
+    missing = [what for what, got in (("products", prof.products), ("pointwise", prof.pointwise),
+                                      ("cross_entropy", prof.loss), ("adamw", prof.step)) if not got]
+    if missing:
+        raise ProfileError(f"{source or name}: the sweep has no rows for {', '.join(missing)}; measure again "
+                           f"with python -m pipeflow.measure_device --out FILE")
+    return prof
+
+
+_LOADED: dict[str, DeviceProfile] = {}
+
+
+def load_profile(path: str | Path, name: str | None = None) -> DeviceProfile:
+    """The profile in ``path`` (a sweep's JSON), read once per process."""
+    key = str(Path(path).resolve())
+    if key not in _LOADED:
+        p = Path(path)
+        if not p.is_file():
+            raise ProfileError(f"topology.device_profile={path}: no such file (make one with "
+                               f"python -m pipeflow.measure_device --out {path})")
+        try:
+            sweep = json.loads(p.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ProfileError(f"topology.device_profile={path}: not readable JSON ({e})") from None
+        _LOADED[key] = from_sweep(sweep, name or p.stem, str(path))
+    return _LOADED[key]

@@ -1,0 +1,75 @@
+"""The analytic cost's times on a device with a profile: each action's operators
+(:mod:`pipeflow.planning.operators`) priced as measured on that device
+(:mod:`pipeflow.planning.device_profile`), in place of its FLOPs at a fraction of the
+peak. :class:`OperatorTimes` is mixed into :class:`~pipeflow.planning.cost.AnalyticCost`,
+which holds the shape, the stages' layers, the segments and the dtype it reads."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from .device_profile import DeviceProfile, load_profile
+from .operators import CLASSES, Operator, Shape, StageOperators, block_tensors, step_operators
+from .transformer import TransformerSpec
+
+
+class OperatorTimes:
+    """Operator-priced action times (a mixin: the host sets ``spec``, ``num_stages``,
+    ``layers_per_stage``, ``segment_lengths``, ``prefixes``, ``microbatch_size``,
+    ``dtype_bytes`` and the stages' ``_params``)."""
+
+    spec: TransformerSpec
+
+    def operators(self, kind: str, stage: int, segment: int = 0) -> list[Operator]:
+        """The operators action ``kind`` (F, B, I, W or S) launches on ``stage`` for one
+        microbatch's ``segment``, in order."""
+        if kind == "S":
+            return self._step_operators(stage)
+        x = self._seg(segment)
+        sh = Shape(self.spec, self.microbatch_size, self.segment_lengths[x], self.prefixes[x], self.dtype_bytes)
+        return StageOperators(sh, self.layers_per_stage[stage], stage == 0, stage == self.num_stages - 1).action(kind)
+
+    def _step_operators(self, stage: int) -> list[Operator]:
+        spec, n = self.spec, self.layers_per_stage[stage]
+        first, last = stage == 0, stage == self.num_stages - 1
+        tensors = n * block_tensors(spec) + (2 if first else 0) + (3 if last and not spec.tied else 2 if last else 0)
+        products = n * (spec.mlp_matrices + (2 if spec.qkv_inputs == 1 else 4)) + int(last)
+        matrices = self.working_set.cast_params[stage]
+        return step_operators(int(self._params[stage]), tensors, int(matrices), products, self.dtype_bytes)
+
+    def operator_time(self, kind: str, stage: int, segment: int, profile: str) -> float:
+        return self._priced(kind, stage, segment, profile)[0]
+
+    def operator_split(self, kind: str, stage: int, segment: int, profile: str) -> dict[str, float]:
+        """Seconds of one action by operator class (:data:`pipeflow.planning.operators.CLASSES`)."""
+        return dict(self._priced(kind, stage, segment, profile)[1])
+
+    def _priced(self, kind: str, stage: int, segment: int, profile: str) -> tuple[float, tuple]:
+        cache = self.__dict__.setdefault("_operator_times", {})
+        key = (kind, self.stage_kinds()[stage], self._seg(segment) if kind != "S" else 0, profile)
+        if key not in cache:
+            prof = _profile(profile)
+            ops = self.operators(kind, stage, segment)
+            t, split = prof.action(ops, backward=kind in "BIW")
+            cache[key] = (t, tuple(split.items()))
+        return cache[key]
+
+
+@lru_cache(maxsize=None)
+def _profile(path: str) -> DeviceProfile:
+    return load_profile(path)
+
+
+def device_split(cost, orders, profile: str) -> dict[str, float]:
+    """Seconds a device's compute actions (``orders``: its list of the schedule's actions)
+    spend in each operator class, by the cost's operator times on ``profile``."""
+    counts: dict = {}
+    for a in orders:
+        if a.kind in "FBIWS":
+            key = (a.kind, a.stage, a.segment if a.kind != "S" else 0)
+            counts[key] = counts.get(key, 0) + 1
+    out = dict.fromkeys(CLASSES, 0.0)
+    for (kind, stage, segment), n in counts.items():
+        for cls, t in cost.operator_split(kind, stage, segment, profile).items():
+            out[cls] += n * t
+    return out

@@ -1,0 +1,433 @@
+"""A stage's work as a typed list of operators: what a device profile
+(:mod:`pipeflow.topology.device_profile`) prices one by one.
+
+Each action of a schedule (F, B, I, W on a stage's layers for one microbatch's segment;
+S, the stage's optimizer step) is the operators pipeflow's runtime launches for it:
+
+- :class:`Product`: a matrix product ``x[m, k] @ W[n, k]^T`` in one of its three
+  phases (``fwd``; ``dgrad``, the input's gradient ``g[m, n] @ W``; ``wgrad``, the
+  weight's ``g^T @ x``), at a dtype;
+- :class:`Attention`: the fused attention kernel (forward or backward) over
+  ``batch_heads`` x ``queries`` x ``keys`` at a head dimension, causal or not;
+- :class:`Pointwise`: a memory-bound operator of a class (``layernorm``, ``rmsnorm``,
+  ``gelu``, ``silu_mul``, ``add``, ``copy``, ``rotary``, ``reduce``, ``softmax``) over
+  ``elements`` of a dtype, forward or backward;
+- :class:`Loss`: cross-entropy over ``tokens`` x ``vocab`` logits, forward or backward;
+- :class:`Step`: the optimizer's step over ``params`` in ``tensors`` tensors, and the
+  step's other passes over the gradients (the clip norm's sum and scale, the casts).
+
+``count`` repeats an operator (a stage's blocks are one block's list, ``count`` times
+the layers). FLOPs of the products and attention add up to the analytic cost's
+(:func:`pipeflow.planning.transformer.layer_forward_flops` and the head's):
+``tests/test_operators.py`` checks it for each family, recomputation and segments.
+
+What the list follows: the family's block (pre- or post-norm, a fused or split Q/K/V,
+a gated MLP, rotary positions, biases), recomputation (``full`` reruns the block's
+forward in the backward, ``selective`` the attention's projections and scores),
+Seq1F1B's segments (queries over a longer prefix of keys), tensor parallelism (the
+rank's shard of the shape: :func:`pipeflow.planning.tensor_cost.shard_spec`) and the
+precision (at 16 bits the stream and the norms stay fp32 and each product's input is
+cast; each weight's 16-bit gradient is cast and added to its fp32 gradient).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Iterable
+
+from .transformer import RESIDUAL_BYTES, TransformerSpec, embedding_params, head_params, layer_params
+
+PHASES = ("fwd", "dgrad", "wgrad")
+POINTWISE = ("layernorm", "rmsnorm", "gelu", "silu_mul", "add", "copy", "rotary", "reduce", "softmax")
+# the operator classes a breakdown reports (docs/simulation.md, "Operators")
+CLASSES = ("product", "attention", "norm", "pointwise", "loss", "optimizer", "host")
+
+
+@dataclass(frozen=True)
+class Product:
+    phase: str  # fwd | dgrad | wgrad
+    m: int  # rows of the input (tokens, or queries of a batched product)
+    k: int  # the input's width
+    n: int  # the output's width
+    dtype_bytes: int
+    count: int = 1
+    name: str = ""
+
+    cls = "product"
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.m * self.k * self.n * self.count
+
+
+@dataclass(frozen=True)
+class Attention:
+    phase: str  # fwd | bwd
+    batch_heads: int
+    queries: int
+    keys: int  # the prefix the queries attend over (queries == keys for a whole sequence)
+    head_dim: int
+    causal: bool
+    dtype_bytes: int
+    count: int = 1
+    name: str = "attention"
+    heads: int = 0  # of batch_heads, the heads of one sequence (0: unknown)
+
+    cls = "attention"
+
+    @property
+    def pairs(self) -> float:
+        """Query-key pairs scored per head: a causal segment's queries see the prefix
+        before them and the lower triangle of their own block."""
+        x, p = float(self.queries), float(self.keys)
+        return x * p - x * x / 2 if self.causal else x * p
+
+    @property
+    def flops(self) -> float:
+        """Q K^T and A V (4 d FLOPs a pair), the backward 2.5 times the forward."""
+        f = 4.0 * self.head_dim * self.pairs * self.batch_heads * self.count
+        return f if self.phase == "fwd" else 2.5 * f
+
+
+@dataclass(frozen=True)
+class Pointwise:
+    kind: str  # one of POINTWISE
+    phase: str  # fwd | bwd
+    elements: int
+    dtype_bytes: int
+    count: int = 1
+    name: str = ""
+    launches: int = 0  # kernels per operator; 0: as its kind launches (kernels())
+
+    @property
+    def cls(self) -> str:
+        return "norm" if self.kind in ("layernorm", "rmsnorm") else "pointwise"
+
+    flops = 0.0
+
+
+@dataclass(frozen=True)
+class Loss:
+    phase: str  # fwd | bwd
+    tokens: int
+    vocab: int
+    dtype_bytes: int
+    count: int = 1
+    name: str = "cross_entropy"
+
+    cls = "loss"
+    flops = 0.0
+
+
+@dataclass(frozen=True)
+class Step:
+    params: int
+    tensors: int
+    impl: str = "foreach"  # torch's AdamW on CUDA: foreach; fused; single
+    count: int = 1
+    name: str = "adamw"
+
+    cls = "optimizer"
+    flops = 0.0
+
+
+Operator = Product | Attention | Pointwise | Loss | Step
+
+
+def times(ops: Iterable[Operator], n: int) -> list[Operator]:
+    """``ops`` repeated ``n`` times (their counts multiplied)."""
+    return [replace(o, count=o.count * n) for o in ops] if n != 1 else list(ops)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What one action's operators depend on: the rank's model shape, the sequences of a
+    microbatch, a segment of ``tokens`` ending a ``prefix``, the compute dtype."""
+
+    spec: TransformerSpec
+    sequences: int
+    tokens: int
+    prefix: int
+    dtype_bytes: int
+
+    @property
+    def rows(self) -> int:  # tokens the products see
+        return self.sequences * self.tokens
+
+
+def _cast(sh: Shape, elements: int, phase: str, name: str) -> list[Pointwise]:
+    """At 16 bits a product's fp32 input is cast (forward), its gradient cast back (backward)."""
+    if sh.dtype_bytes >= 4:
+        return []
+    return [Pointwise("copy", phase, elements, RESIDUAL_BYTES, name=name)]
+
+
+def _norm(sh: Shape, phase: str, name: str) -> list[Pointwise]:
+    kind = "rmsnorm" if sh.spec.norm == "rmsnorm" else "layernorm"
+    return [Pointwise(kind, phase, sh.rows * sh.spec.n_embd, RESIDUAL_BYTES, name=name)]
+
+
+def _projections(sh: Shape) -> list[tuple[str, int, int]]:
+    """(name, k, n) of the attention's input products: a fused Q/K/V or three."""
+    s, H = sh.spec, sh.spec.n_embd
+    q, kv = s.n_head * s.head_dim, s.kv_heads * s.head_dim
+    return [("qkv", H, q + 2 * kv)] if s.qkv_inputs == 1 else [("q", H, q), ("k", H, kv), ("v", H, kv)]
+
+
+def _mlp(sh: Shape) -> list[tuple[str, int, int]]:
+    H, I = sh.spec.n_embd, sh.spec.ffn_width
+    ups = [("gate", H, I), ("up", H, I)] if sh.spec.mlp == "gated" else [("fc1", H, I)]
+    return [*ups, ("fc2", I, H)]
+
+
+def _attention(sh: Shape, phase: str) -> Attention:
+    s = sh.spec
+    return Attention(phase, sh.sequences * s.n_head, sh.tokens, sh.prefix, s.head_dim, s.causal, sh.dtype_bytes,
+                     heads=s.n_head)
+
+
+def attention_forward(sh: Shape) -> list[Operator]:
+    """The attention sub-layer's forward from its (normed) input to its output
+    projection's: what ``selective`` recomputation reruns."""
+    s, c, T = sh.spec, sh.dtype_bytes, sh.rows
+    q, kv = s.n_head * s.head_dim, s.kv_heads * s.head_dim
+    ops: list[Operator] = [Product("fwd", T, k, n, c, name=name) for name, k, n in _projections(sh)]
+    if s.position_embedding == "rotary":  # q and k rotated (x cos + rotate_half(x) sin, in fp32)
+        ops.append(Pointwise("rotary", "fwd", T * (q + kv), RESIDUAL_BYTES, name="rotary"))
+    if s.attention == "eager":
+        ops += _eager_scores(sh, "fwd")
+    else:
+        ops.append(_attention(sh, "fwd"))
+    ops.append(Pointwise("copy", "fwd", T * q, c, name="merge heads"))
+    ops.append(Product("fwd", T, q, s.n_embd, c, name="proj"))
+    return ops
+
+
+def _eager_scores(sh: Shape, phase: str) -> list[Operator]:
+    """Eager attention: two batched products and a softmax over the scores (fp32)."""
+    s, c = sh.spec, sh.dtype_bytes
+    bh, x, p, d = sh.sequences * s.n_head, sh.tokens, sh.prefix, s.head_dim
+    scores = Pointwise("softmax", "fwd" if phase == "fwd" else "bwd", bh * x * p, RESIDUAL_BYTES, name="softmax")
+    if phase == "fwd":
+        return [Product("fwd", x, d, p, c, count=bh, name="scores"), scores,
+                Product("fwd", x, p, d, c, count=bh, name="mix")]
+    return [Product("dgrad", x, p, d, c, count=bh, name="mix"), Product("wgrad", x, p, d, c, count=bh, name="mix"),
+            scores, Product("dgrad", x, d, p, c, count=bh, name="scores"),
+            Product("wgrad", x, d, p, c, count=bh, name="scores")]
+
+
+def block_forward(sh: Shape) -> list[Operator]:
+    """One block's forward operators (pre-norm; post-norm the norms follow the adds)."""
+    s, c, T, H = sh.spec, sh.dtype_bytes, sh.rows, sh.spec.n_embd
+    stream = Pointwise("add", "fwd", T * H, RESIDUAL_BYTES, name="residual")
+    pre = [] if s.post_norm else _norm(sh, "fwd", "norm")
+    post = _norm(sh, "fwd", "norm") if s.post_norm else []
+    attention = [*pre, *_cast(sh, T * H, "fwd", "cast"), *attention_forward(sh), stream, *post]
+    mlp: list[Operator] = [*pre, *_cast(sh, T * H, "fwd", "cast")]
+    ups = _mlp(sh)
+    mlp += [Product("fwd", T, k, n, c, name=name) for name, k, n in ups[:-1]]
+    width = s.ffn_width
+    mlp.append(Pointwise("silu_mul" if s.mlp == "gated" else "gelu", "fwd", T * width, c, name="activation"))
+    name, k, n = ups[-1]
+    mlp += [Product("fwd", T, k, n, c, name=name), stream, *post]
+    return attention + mlp
+
+
+def block_input_backward(sh: Shape) -> list[Operator]:
+    """One block's backward to its input: each forward operator's input gradient, the
+    stream's gradients summed where its two paths meet (I's share of B)."""
+    ops: list[Operator] = []
+    for op in reversed(block_forward(sh)):
+        if isinstance(op, Product):
+            if op.name in ("scores", "mix"):
+                continue  # eager attention's products: in _eager_scores' backward
+            ops.append(replace(op, phase="dgrad"))
+        elif isinstance(op, Attention):
+            ops.append(replace(op, phase="bwd"))
+        elif op.kind == "softmax":
+            ops += _eager_scores(sh, "bwd")
+        else:  # (an add's backward: the stream's gradients from the branch and the skip, summed)
+            ops.append(replace(op, phase="bwd"))
+    return ops
+
+
+def block_weight_backward(sh: Shape) -> list[Operator]:
+    """One block's weight gradients (W's share of B): each product's ``wgrad``, a bias's
+    sum over the tokens, and at 16 bits each weight's gradient cast and added to its
+    fp32 gradient; a norm's weight (and bias) gradient comes with its input's."""
+    s, c, T = sh.spec, sh.dtype_bytes, sh.rows
+    ops: list[Operator] = []
+    for op in reversed(block_forward(sh)):
+        if isinstance(op, Product) and op.name not in ("scores", "mix", ""):
+            ops.append(replace(op, phase="wgrad"))
+            if _has_bias(s, op.name):
+                ops.append(Pointwise("reduce", "bwd", T * op.n, c, name="bias"))
+    products = [o for o in block_forward(sh) if isinstance(o, Product) and o.name not in ("scores", "mix")]
+    matrices = sum(o.k * o.n for o in products)
+    ops += _accumulate(matrices, len(products), layer_params(s) - matrices, block_tensors(s) - len(products), c)
+    return ops
+
+
+def _has_bias(s: TransformerSpec, name: str) -> bool:
+    if name in ("qkv", "q", "k", "v"):
+        return s.qkv_bias
+    if name == "proj":
+        return s.o_bias
+    return s.mlp_bias
+
+
+def _accumulate(matrices: int, matrix_tensors: int, rest: int, rest_tensors: int, c: int) -> list[Pointwise]:
+    """The weights' gradients added into their fp32 gradients, a tensor at a time; at 16
+    bits the products' weight gradients are cast first."""
+    def each(total: int, n: int) -> int:
+        return max(1, total // max(1, n))
+
+    ops = [Pointwise("copy", "bwd", each(matrices, matrix_tensors), RESIDUAL_BYTES, count=matrix_tensors,
+                     name="grad cast")] \
+        if c < 4 else []
+    n = matrix_tensors + rest_tensors
+    return ops + [Pointwise("add", "bwd", each(matrices + rest, n), RESIDUAL_BYTES, count=n, name="grad accumulate")]
+
+
+def recompute_forward(sh: Shape) -> list[Operator]:
+    """What a block's backward reruns first (model.recompute): ``full`` the whole block's
+    forward; ``selective`` the attention's projections, scores and output projection
+    from the region's input (cast again at 16 bits)."""
+    if sh.spec.recompute == "full":
+        return block_forward(sh)
+    if sh.spec.recompute == "selective":
+        return [*_cast(sh, sh.rows * sh.spec.n_embd, "fwd", "cast"), *attention_forward(sh)]
+    return []
+
+
+def embedding_forward(sh: Shape) -> list[Operator]:
+    s, T, H = sh.spec, sh.rows, sh.spec.n_embd
+    ops = [Pointwise("copy", "fwd", T * H, RESIDUAL_BYTES, name="token embedding")]
+    if s.position_embedding == "learned":
+        ops.append(Pointwise("add", "fwd", T * H, RESIDUAL_BYTES, name="positions"))
+    if s.post_norm:
+        ops += _norm(sh, "fwd", "embedding norm")
+    return ops
+
+
+def embedding_backward(sh: Shape) -> list[Operator]:
+    """The tables' dense gradients: zeroed, the tokens' rows added in, then accumulated."""
+    s, T, H = sh.spec, sh.rows, sh.spec.n_embd
+    table = embedding_params(s)
+    ops = [*(_norm(sh, "bwd", "embedding norm") if s.post_norm else []),
+           Pointwise("copy", "bwd", table, RESIDUAL_BYTES, name="embedding grad"),
+           Pointwise("add", "bwd", T * H, RESIDUAL_BYTES, name="embedding rows")]
+    tables = 1 + (s.position_embedding == "learned")
+    return ops + [Pointwise("add", "bwd", table // tables, RESIDUAL_BYTES, count=tables, name="grad accumulate")]
+
+
+def head_forward(sh: Shape) -> list[Operator]:
+    """The final norm (BERT: the dense transform and its norm), the vocabulary's product
+    and the loss (its logits cast to fp32 first at 16 bits)."""
+    s, c, T, H, V = sh.spec, sh.dtype_bytes, sh.rows, sh.spec.n_embd, sh.spec.vocab_size
+    ops: list[Operator] = []
+    if s.post_norm:
+        ops += [*_cast(sh, T * H, "fwd", "cast"), Product("fwd", T, H, H, c, name="transform"),
+                Pointwise("gelu", "fwd", T * H, c, name="activation"), *_norm(sh, "fwd", "head norm")]
+    else:
+        ops += _norm(sh, "fwd", "final norm")
+    ops += [*_cast(sh, T * H, "fwd", "cast"), Product("fwd", T, H, V, c, name="lm_head")]
+    if c < 4:
+        ops.append(Pointwise("copy", "fwd", T * V, c, name="logits to fp32"))
+    ops.append(Loss("fwd", T, V, RESIDUAL_BYTES))
+    return ops
+
+
+def head_input_backward(sh: Shape) -> list[Operator]:
+    ops: list[Operator] = []
+    for op in reversed(head_forward(sh)):
+        if isinstance(op, Product):
+            ops.append(replace(op, phase="dgrad"))
+        else:
+            ops.append(replace(op, phase="bwd"))
+    return ops
+
+
+def head_weight_backward(sh: Shape) -> list[Operator]:
+    s, c, T = sh.spec, sh.dtype_bytes, sh.rows
+    ops: list[Operator] = [replace(o, phase="wgrad") for o in reversed(head_forward(sh)) if isinstance(o, Product)]
+    if s.post_norm:
+        ops += [Pointwise("reduce", "bwd", T * s.n_embd, c, name="bias"),
+                Pointwise("reduce", "bwd", T * s.vocab_size, c, name="bias")]
+    products = [o for o in head_forward(sh) if isinstance(o, Product)]
+    matrices = sum(o.k * o.n for o in products)
+    others = 4 if s.post_norm else (1 if s.norm == "rmsnorm" else 2)  # the norms' (and biases') tensors
+    return ops + _accumulate(matrices, len(products), head_params(s) - matrices, others, c)
+
+
+@dataclass(frozen=True)
+class StageOperators:
+    """The operators of each action kind on a stage of ``layers`` blocks (first: the
+    embedding; last: the head and the loss) for one segment (:class:`Shape`)."""
+
+    shape: Shape
+    layers: int
+    first: bool
+    last: bool
+
+    def action(self, kind: str) -> list[Operator]:
+        """F, B, I or W: the operators in the order the runtime launches them."""
+        sh, n = self.shape, self.layers
+        if kind == "F":
+            return [*(embedding_forward(sh) if self.first else []), *times(block_forward(sh), n),
+                    *(head_forward(sh) if self.last else [])]
+        head_i = head_input_backward(sh) if self.last else []
+        head_w = head_weight_backward(sh) if self.last else []
+        rerun = times(recompute_forward(sh), n)
+        inputs = times(block_input_backward(sh), n)
+        weights = times(block_weight_backward(sh), n)
+        embed = embedding_backward(sh) if self.first else []
+        if kind == "B":
+            return [*head_i, *head_w, *rerun, *inputs, *weights, *embed]
+        if kind == "I":  # the first stage's input needs no gradient: its I is empty, W the whole backward
+            return [] if self.first else [*head_i, *rerun, *inputs]
+        if kind == "W":
+            return [*head_i, *head_w, *rerun, *inputs, *weights, *embed] if self.first else [*head_w, *weights]
+        raise ValueError(f"no operators for action kind {kind!r}; kinds: F, B, I, W (S: step_operators)")
+
+
+def step_operators(params: int, tensors: int, matrices: int, matrix_tensors: int, dtype_bytes: int,
+                   impl: str = "foreach") -> list[Operator]:
+    """A stage's optimizer step (pipeflow.runtime.executor), a tensor at a time where the
+    runtime goes so: the clip norm's sum over each gradient (its rows' batched product,
+    to float64, summed, divided and added: five launches), each gradient scaled by the
+    clip, AdamW, and at 16 bits the next step's casts of the ``matrices`` weights."""
+    each = max(1, params // max(1, tensors))
+    ops: list[Operator] = [Pointwise("reduce", "fwd", each, RESIDUAL_BYTES, count=tensors, launches=5, name="clip norm"),
+                           Pointwise("copy", "fwd", each, RESIDUAL_BYTES, count=tensors, name="clip scale"),
+                           Step(params, tensors, impl)]
+    if dtype_bytes < 4:
+        ops.append(Pointwise("copy", "fwd", max(1, matrices // max(1, matrix_tensors)), RESIDUAL_BYTES,
+                             count=matrix_tensors, name="weight casts"))
+    return ops
+
+
+def kernels(op: Operator) -> int:
+    """Kernels the host launches for one operator (before ``count``): a fused kernel is
+    one; the compositions as pipeflow's models write them are more (Llama's RMSNorm
+    as transformers writes it: cast, square, mean, add, rsqrt, two products, cast; the
+    rotation of q or k: two products, a negation, a concatenation and a sum)."""
+    if isinstance(op, Pointwise):
+        if op.launches:
+            return op.launches
+        many = {"rmsnorm": 8, "rotary": 10, "softmax": 1}
+        base = many.get(op.kind, 1)
+        return base * 2 if op.phase == "bwd" and op.kind in ("rmsnorm", "rotary", "layernorm") else base
+    if isinstance(op, Attention):
+        return 1 if op.phase == "fwd" else 2
+    if isinstance(op, Step):
+        return 0  # its measured time holds its own launches
+    return 1
+
+
+def block_tensors(spec: TransformerSpec) -> int:
+    """Parameter tensors of one block (weights, biases, norms): the optimizer's per-tensor work."""
+    projections = 1 if spec.qkv_inputs == 1 else 3
+    biases = (projections if spec.qkv_bias else 0) + int(spec.o_bias) + (spec.mlp_matrices if spec.mlp_bias else 0)
+    norms = 2 * (1 if spec.norm == "rmsnorm" else 2)
+    return projections + 1 + spec.mlp_matrices + biases + norms

@@ -1,0 +1,138 @@
+"""A stage's work as operators (pipeflow.planning.operators) and a device profile that
+prices them as measured (pipeflow.planning.device_profile): the operators' FLOPs are the
+analytic cost's, a measured row is priced as measured, the host's launches cost a stream
+of small kernels, and the shipped H200 profile predicts the measured GPT-2 medium step."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from pipeflow.config import ConfigError, compose, prepare_simulation
+from pipeflow.planning.device_profile import ProfileError, from_sweep, load_profile
+from pipeflow.planning.operators import Attention, Pointwise, Product, Shape, StageOperators
+from pipeflow.planning.transformer import (TransformerSpec, attention_score_flops, head_forward_flops,
+                                           layer_linear_flops)
+from pipeflow.topology.presets import DEVICES, PROFILES
+
+H200 = PROFILES / "h200.json"
+# pipeflow-train model=gpt_medium pipeline.stages=1 precision=bf16 pipeline.microbatch_size=8
+# pipeline.microbatches=4 runtime.device=cuda on one H200 (shared/measurements/h200-2026-11-28)
+MEASURED_GPT_MEDIUM_STEP_S = 0.319
+
+GPT = TransformerSpec("gpt", 4, 4, 128, 256, 128, weights_in_out=True)
+BERT = TransformerSpec("bert", 4, 4, 128, 256, 128, causal=False, post_norm=True, qkv_inputs=3)
+LLAMA = TransformerSpec("llama", 4, 8, 256, 320, 256, n_kv_head=2, mlp="gated", norm="rmsnorm", qkv_bias=False,
+                        o_bias=False, mlp_bias=False, tied=False, position_embedding="rotary", qkv_inputs=3)
+
+
+def _flops(ops, cls) -> float:
+    return sum(o.flops for o in ops if isinstance(o, cls))
+
+
+@pytest.mark.parametrize("spec", [GPT, BERT, LLAMA], ids=lambda s: s.name)
+@pytest.mark.parametrize("recompute", ["none", "full", "selective"])
+@pytest.mark.parametrize("tokens,prefix", [(128, 128), (32, 96)])
+def test_the_operators_flops_are_the_analytic_costs(spec, recompute, tokens, prefix):
+    if prefix != tokens and not spec.causal:
+        pytest.skip("segments need causal attention")
+    spec = dataclasses.replace(spec, recompute=recompute)
+    b, layers = 2, 3
+    stage = StageOperators(Shape(spec, b, tokens, prefix, 2), layers, first=True, last=True)
+    f, back = stage.action("F"), stage.action("B")
+    per_pair = spec.n_head * 3  # the analytic count's softmax: 3 FLOPs a pair, no product
+    scores = attention_score_flops(spec, tokens, prefix)
+    pairs = scores / (spec.n_head * (4 * spec.head_dim + 3))
+    # (BERT's head has its dense transform before the decoder, which the analytic count leaves out)
+    transform = 2 * tokens * spec.n_embd ** 2 if spec.post_norm else 0
+    assert _flops(f, Product) == pytest.approx(b * (layers * layer_linear_flops(spec, tokens)
+                                                    + head_forward_flops(spec, tokens) + transform) + (
+        b * layers * (scores - per_pair * pairs) if spec.attention == "eager" else 0), rel=1e-12)
+    assert _flops(f, Attention) == pytest.approx(b * layers * (scores - per_pair * pairs), rel=1e-12)
+    rerun = {"none": 0.0, "full": 1.0}.get(recompute)
+    block_products = b * layers * layer_linear_flops(spec, tokens)
+    if recompute == "selective":
+        q, kv = spec.n_head * spec.head_dim, spec.kv_heads * spec.head_dim
+        rerun_products = b * layers * 2 * tokens * spec.n_embd * (2 * q + 2 * kv)
+    else:
+        rerun_products = rerun * block_products
+    # each forward product's input and weight gradients, plus what recomputation reruns
+    assert _flops(back, Product) == pytest.approx(2 * _flops(f, Product) + rerun_products, rel=1e-12)
+    # the zero-bubble split: I and W hold B's operators between them (the first stage's I is empty)
+    middle = StageOperators(Shape(spec, b, tokens, prefix, 2), layers, first=False, last=False)
+    assert sorted(map(repr, middle.action("I") + middle.action("W"))) == sorted(map(repr, middle.action("B")))
+    assert stage.action("I") == [] and stage.action("W") == stage.action("B")
+
+
+def test_a_measured_row_is_priced_as_measured_and_odd_widths_by_their_own_rows():
+    prof = load_profile(H200)
+    sweep = json.loads(H200.read_text())
+    row = next(r for r in sweep["sections"]["gemm_bf16"]["rows"] if r["shape"] == "gpt_medium fc1" and r["m"] == 8192)
+    for phase in ("fwd", "dgrad", "wgrad"):
+        assert prof.time(Product(phase, row["m"], row["k"], row["n"], 2)) == pytest.approx(row[f"{phase}_s"], rel=1e-9)
+    # GPT-2's vocabulary of 50,257 is priced by the odd-width rows (several times slower
+    # than 50,304 on the H200), whatever the width of its input
+    odd, even = (prof.time(Product("fwd", 8192, 1600, n, 2)) for n in (50257, 50304))
+    assert odd > 3 * even
+    a = next(r for r in sweep["sections"]["sdpa_bf16"]["rows"] if r["s"] == 2048 and r["h"] == 16)
+    op = Attention("fwd", a["b"] * a["h"], a["s"], a["s"], a["d"], True, 2, heads=a["h"])
+    assert prof.time(op) == pytest.approx(a["fwd_s"], rel=1e-9)
+    assert prof.time(dataclasses.replace(op, phase="bwd")) == pytest.approx(a["fwd_bwd_s"] - a["fwd_s"], rel=1e-9)
+    errors = prof.fit_errors()
+    assert {k.split()[0] for k in errors} >= {"product", "attention", "layernorm", "add", "cross-entropy", "adamw"}
+    # the fitted lines hold on the rows they were fitted to within a quarter
+    assert max(v for k, v in errors.items() if not k.startswith(("product", "attention"))) < 0.25
+
+
+def test_a_stream_of_small_kernels_costs_its_launches_and_large_ones_their_bytes():
+    prof = load_profile(H200)
+    small = Pointwise("add", "fwd", 1024, 4, count=1000)
+    large = Pointwise("add", "fwd", 1 << 28, 4, count=10)
+    t_small, split = prof.action([small])
+    assert t_small == pytest.approx(1000 * prof.launch_s + prof.time(small) / 1000)
+    assert split["host"] > 0.8 * t_small
+    t_large, split = prof.action([large])
+    assert t_large == pytest.approx(prof.launch_s + prof.time(large))
+    assert split["host"] == pytest.approx(prof.launch_s)
+    # a backward pass pays its start on the host before its first kernel
+    assert prof.action([large], backward=True)[0] == pytest.approx(t_large + prof.backward_call_s)
+
+
+def test_the_h200_profile_predicts_the_measured_gpt2_medium_step_and_prints_its_operators(tmp_path, capsys):
+    from pipeflow.simulate import format_report, run_simulation
+
+    cfg = compose("simulate", ["model=gpt_medium", "precision=bf16", "pipeline.stages=1",
+                               "pipeline.microbatch_size=8", "pipeline.microbatches=4", "topology=cluster",
+                               "topology.nodes=1", "topology.gpus_per_node=1", "topology.device=h200", "draw=false"])
+    summary = run_simulation(cfg, tmp_path)
+    assert summary["makespan"] == pytest.approx(MEASURED_GPT_MEDIUM_STEP_S, rel=0.10)
+    split = summary["operator_seconds"][0]
+    assert sum(split.values()) == pytest.approx(summary["makespan"], rel=1e-9)
+    assert split["product"] > split["attention"] > 0 and split["loss"] > 0 and split["optimizer"] > 0
+    report = format_report(summary)
+    assert "compute by operator class" in report and "attention" in report
+    # the same model on an H100 is still FLOPs at the peak and cost.efficiency: no breakdown
+    cfg.topology.device = "h100-80g"
+    assert run_simulation(cfg, tmp_path / "h100")["operator_seconds"] is None
+
+
+def test_a_device_profile_that_is_missing_or_not_a_sweep_is_refused_naming_the_key(tmp_path):
+    with pytest.raises((ConfigError, ValueError), match="topology.device_profile"):
+        prepare_simulation(compose("simulate", ["topology=cluster", f"topology.device_profile={tmp_path}/none.json"]))
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"rows": []}))
+    with pytest.raises(ProfileError, match="not an operator sweep"):
+        load_profile(bad)
+    with pytest.raises(ProfileError, match="adamw"):
+        sweep = json.loads(H200.read_text())
+        del sweep["sections"]["adamw"]
+        from_sweep(sweep, "cut")
+
+
+def test_the_h200_preset_is_the_datasheets_device():
+    d = DEVICES["h200"]
+    assert (d.peak_flops, d.memory_bytes, d.memory_bandwidth) == (989e12, 141e9, 4.8e12)
+    assert d.profile and math.isfinite(load_profile(d.profile).launch_s)
