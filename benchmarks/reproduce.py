@@ -6,7 +6,10 @@ the published one, and the same rows as structured data in ``DIR/reproduction.js
 ``DIR/results.json`` keeps each benchmark's raw results.
 
 Published figures are the ones ALGORITHMS.md quotes (the benchmarks carry them as
-constants); each row names the paper and the ALGORITHMS.md section. Rows without a
+constants); each row names the paper and the ALGORITHMS.md section (Megatron-LM's Table 1,
+which ALGORITHMS.md does not quote, names the paper and the table; its rows state their
+pass band, 0.8-1.2 of the published TFLOP/s per GPU, and ``--quick`` runs three of its
+eight sizes). Rows without a
 published figure are pipeflow's own acceptance targets (runtime against
 torch.distributed.pipelining, simulator accuracy and speed, profiled partition); they
 say so. Each row says how pipeflow got its figure (simulated with an analytic cost,
@@ -48,6 +51,7 @@ from benchmarks import (  # noqa: E402
     bench_bapp,
     bench_closed_forms,
     bench_fidelity,
+    bench_megatron,
     bench_memory,
     bench_partition,
     bench_planner,
@@ -111,6 +115,8 @@ SOURCES: dict[str, Source] = {
     },
     "async": Source("bench_async", bench_async.results),
     "seq1f1b": Source("bench_seq1f1b", bench_seq1f1b.results),
+    "megatron": Source("bench_megatron", bench_megatron.results, ({}, ""),
+                       ({"sizes": bench_megatron.QUICK}, f"--sizes {','.join(bench_megatron.QUICK)}")),
     "bapp_simulated": Source("bench_bapp", bench_bapp.simulated, ({}, "--no-measure")),
     "bapp_measured": Source("bench_bapp", bench_bapp.measured_times, ({"steps": 30, "repeats": 2}, ""),
                             ({"steps": 10, "repeats": 2}, "--steps 10 --repeats 2")),
@@ -236,6 +242,32 @@ def _seq1f1b_claims() -> list[Claim]:
         Claim("Computation-wise split of a 32768-token sequence, s=4, 7B", paper, "[11021, 8421, 7087, 6239]",
               "computed (per-layer FLOP model)", "seq1f1b", _seq_split),
     ]
+
+
+def _megatron_row(params: str) -> Callable[[list[dict]], str]:
+    def figure(rows: list[dict]) -> str:
+        row = next((r for r in rows if r["size"] == params), None)
+        if row is None:
+            raise MeasurementFailed(f"{params}B was not run (--quick runs {', '.join(bench_megatron.QUICK)})")
+        if row["oom"]:
+            raise MeasurementFailed(f"simulated out of memory ({row['memory_gb']:.1f} GB > "
+                                    f"{bench_megatron.LIMIT_GB:.0f} GB)")
+        low, high = bench_megatron.BAND
+        verdict = "within" if bench_megatron.in_band(row["ratio"]) else "OUTSIDE"
+        return (f"{row['tflops']:.1f} TFLOP/s per GPU, {row['ratio']:.3f}x published, {verdict} the "
+                f"{low}-{high} band (step {row['step_s']:.2f} s)")
+    return figure
+
+
+def _megatron_claims() -> list[Claim]:
+    low, high = bench_megatron.BAND
+    out = []
+    for params, s in bench_megatron.SIZES.items():
+        claim = (f"Megatron-LM weak scaling, GPT {params}B on {s.gpus} A100s (TP {s.tp}, PP {s.pp}, DP {s.dp}, "
+                 f"batch {s.batch}, microbatch {s.microbatch}, 1F1B, full recomputation): TFLOP/s per GPU")
+        out.append(Claim(claim, bench_megatron.PAPER, f"{s.published:.0f} TFLOP/s per GPU (pass: {low}-{high}x)",
+                         SIMULATED_A100, "megatron", _megatron_row(params)))
+    return out
 
 
 def _bapp_simulated(rows: list[dict]) -> str:
@@ -390,8 +422,8 @@ def _target_claims() -> list[Claim]:
 
 def claims() -> list[Claim]:
     """Every row of the table, in order: closed forms, then the papers, then pipeflow's targets."""
-    return (_closed_form_claims() + _amdp_claims() + _seq1f1b_claims() + _bapp_claims() + _planner_claims()
-            + _target_claims())
+    return (_closed_form_claims() + _amdp_claims() + _seq1f1b_claims() + _megatron_claims() + _bapp_claims()
+            + _planner_claims() + _target_claims())
 
 
 # ------------------------------------------------------------------------ running them
