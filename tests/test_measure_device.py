@@ -1,0 +1,113 @@
+"""``python -m pipeflow.measure_device``: the operator sweep's file on CPU at smoke sizes,
+and the flags it refuses before measuring anything.
+
+What is checked is the file's structure (every section, its status, its rows' fields and
+that each measured time is a positive number), never how fast anything was.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeflow import measure_device
+from pipeflow.topology import op_sweep
+
+ROW_FIELDS = {  # the fields other code reads from each section's rows
+    "gemm_bf16": {"shape", "m", "k", "n", "dtype", "flop", "fwd_s", "dgrad_s", "wgrad_s"},
+    "gemm_fp32_grid": {"shape", "m", "k", "n", "dtype", "flop", "fwd_s", "dgrad_s", "wgrad_s"},
+    "sdpa_bf16": {"b", "h", "s", "d", "causal", "fwd_s", "fwd_bwd_s"},
+    "elementwise": {"op", "dtype", "rows", "hidden", "input_bytes", "fwd_s", "fwd_bytes"},
+    "cross_entropy": {"tokens", "vocab", "dtype", "logit_bytes", "fwd_s", "fwd_bwd_s"},
+    "adamw": {"params", "tensors", "impl", "s"},
+    "gemm_fp32": {"m", "k", "n", "precision", "s"},
+    "launch": {"op"},
+}
+
+
+def _times(section: str, row: dict) -> list:
+    """A row's measured seconds: its ``*_s`` and ``s_per_*`` fields, its ``s`` (attention's
+    is the sequence length) and its timing's median."""
+    found = [v for k, v in row.items() if k.endswith("_s") or k.startswith("s_per_")]
+    found += [row["s"]] if "s" in row and section != "sdpa_bf16" else []
+    return found + [v["s"] for v in row.values() if isinstance(v, dict) and "s" in v]
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    import torch
+
+    out = tmp_path_factory.mktemp("measure") / "device_profile.json"
+    threads = torch.get_num_threads()
+    # one thread, as pipeflow-train's CPU ranks run: on a shared 2-core host two threads at
+    # times make the smoke sizes' tiny calls wait on each other (once 28 s in place of 3 s)
+    rc = measure_device.main(["--smoke", "--device", "cpu", "--budget-s", "20", "--threads", "1", "--out", str(out)])
+    return rc, json.loads(out.read_text()), threads == torch.get_num_threads()
+
+
+def test_the_smoke_sweep_writes_every_section(smoke):
+    rc, doc, restored = smoke
+    assert rc == 0 and restored and doc["host"]["torch_threads"] == 1
+    assert doc["kind"] == "pipeflow-op-sweep" and doc["version"] == 1
+    assert doc["device"] == "cpu" and doc["status"] == "ok" and doc["budget_s"] == 20.0
+    assert {"processor", "machine", "cpus", "torch_threads"} <= set(doc["host"])
+    assert "cpu_isa" in doc and "torch" in doc and "timing" in doc
+    assert [name for name, _, _ in op_sweep.CPU_SECTIONS] == list(doc["sections"])
+    for name, sec in doc["sections"].items():
+        assert sec["status"] == "ok", (name, sec.get("error"))
+        assert sec["rows"] and sec["seconds"] >= 0
+
+
+def test_every_row_has_its_fields_and_positive_times(smoke):
+    _, doc, _ = smoke
+    for name, sec in doc["sections"].items():
+        timed = [row for row in sec["rows"] if "skipped" not in row]
+        assert timed, name
+        for row in timed:
+            assert ROW_FIELDS[name] <= set(row), (name, row)
+            times = _times(name, row)
+            assert times and all(isinstance(t, float) and t > 0 for t in times), (name, row)
+    dtypes = {sec: {r["dtype"] for r in doc["sections"][sec]["rows"]} for sec in ("gemm_bf16", "gemm_fp32_grid")}
+    assert dtypes == {"gemm_bf16": {"bf16"}, "gemm_fp32_grid": {"fp32"}}
+
+
+def test_the_grids_keep_the_gpu_sizes_and_scale_the_cpu_ones():
+    gpu, cpu = op_sweep.grid_for("cuda", False), op_sweep.grid_for("cpu", False)
+    assert gpu.gemm_ms == [512, 1024, 2048, 4096, 8192, 16384, 32768] and gpu.gemm_shapes == op_sweep.GEMM_SHAPES
+    assert min(cpu.gemm_ms) == 128 and max(cpu.gemm_ms) == 2048
+    assert cpu.gemm_shapes["gpt_small fc1"] == (768, 3072)
+    assert {s for _, _, s, _, _ in cpu.sdpa} == {128, 256, 512, 1024} and {d for *_, d, _ in cpu.sdpa} == {32, 64}
+    assert cpu.elementwise_sizes[0] == 256 * 2**10 and cpu.elementwise_sizes[-1] == 64 * 2**20
+    assert cpu.ce_vocabs == (256, 8192, 50257) and cpu.adamw[-1][0] == 2 * 10**7
+    assert "gemm_fp32_grid" not in [name for name, _, _ in op_sweep.SECTIONS]
+
+
+def test_a_section_cut_short_says_so(tmp_path):
+    sw = op_sweep.Sweep(tmp_path / "ops.json", 20.0, "cpu", smoke=True, say=lambda line: None)
+    sec = sw.section("gemm_bf16", 1.0, lambda rows, deadline: rows.append({"m": 1}) or False)
+    assert sec["status"] == "truncated (deadline)" and sec["rows"] == [{"m": 1}]
+    assert json.loads((tmp_path / "ops.json").read_text())["sections"]["gemm_bf16"]["status"] == "truncated (deadline)"
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--device", "tpu"], "--device=tpu"),
+    (["--budget-s", "0"], "--budget-s=0"),
+    (["--budget-s", "-5"], "--budget-s=-5"),
+    (["--budget-s", "soon"], "--budget-s=soon"),
+    (["--threads", "0"], "--threads=0"),
+])
+def test_bad_flags_exit_2_naming_the_flag_and_writing_nothing(tmp_path, capsys, flags, named):
+    out = tmp_path / "device_profile.json"
+    assert measure_device.main([*flags, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(named) and "allowed values" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cuda_asked_where_none_is_visible_is_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(measure_device, "cuda_visible", lambda: False)
+    assert measure_device.main(["--device", "cuda", "--out", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("--device=cuda") and "auto, cpu" in err
+    assert list(tmp_path.iterdir()) == []
