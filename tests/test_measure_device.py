@@ -21,6 +21,7 @@ ROW_FIELDS = {  # the fields other code reads from each section's rows
     "elementwise": {"op", "dtype", "rows", "hidden", "input_bytes", "fwd_s", "fwd_bytes"},
     "cross_entropy": {"tokens", "vocab", "dtype", "logit_bytes", "fwd_s", "fwd_bwd_s"},
     "adamw": {"params", "tensors", "impl", "s"},
+    "grad_norm": {"params", "tensors", "s", "scale_s"},
     "gemm_fp32": {"m", "k", "n", "precision", "s"},
     "launch": {"op"},
 }

@@ -136,3 +136,16 @@ def test_the_h200_preset_is_the_datasheets_device():
     d = DEVICES["h200"]
     assert (d.peak_flops, d.memory_bytes, d.memory_bandwidth) == (989e12, 141e9, 4.8e12)
     assert d.profile and math.isfinite(load_profile(d.profile).launch_s)
+
+
+def test_a_sweep_that_times_the_gradient_norm_prices_the_clip_by_it():
+    from pipeflow.planning.operators import GradNorm
+
+    sweep = json.loads(H200.read_text())
+    assert from_sweep(sweep, "no norm rows").grad_norm is None  # (the sweep of 2026-12-04 predates the section)
+    rows = [{"params": p, "tensors": n, "s": 1e-4 + 2e-11 * p + 3e-6 * n, "scale_s": 1e-11 * p}
+            for p, n in ((10**6, 4), (10**7, 64), (10**8, 256), (4 * 10**8, 512))]
+    sweep["sections"]["grad_norm"] = {"status": "ok", "rows": rows}
+    prof = from_sweep(sweep, "with norm rows")
+    assert prof.time(GradNorm(2 * 10**8, 300)) == pytest.approx(1e-4 + 3e-11 * 2e8 + 3e-6 * 300, rel=1e-6)
+    assert "gradient norm and clip" in prof.fit_errors()

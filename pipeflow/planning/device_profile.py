@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .operators import CLASSES, Attention, Loss, Operator, Pointwise, Product, Step, kernels
+from .operators import CLASSES, Attention, GradNorm, Loss, Operator, Pointwise, Product, Step, kernels
 
 # the sweep's elementwise rows by the operator kind they price
 _SWEPT = {"layernorm": "layernorm", "rmsnorm": "rmsnorm_llama", "gelu": "gelu_tanh", "silu_mul": "silu_mul",
@@ -159,6 +159,7 @@ class DeviceProfile:
     pointwise: dict = field(default_factory=dict)  # (swept kind, dtype bytes, phase) -> Linear over elements
     loss: dict = field(default_factory=dict)  # (dtype bytes, phase) -> Linear over tokens x vocab
     step: dict = field(default_factory=dict)  # impl -> StepFit
+    grad_norm: StepFit | None = None  # the clip's norm and scale (section grad_norm); None: priced as passes
     facts: dict = field(default_factory=dict)  # the sweep's device, torch, host
 
     # ------------------------------------------------------------ pricing
@@ -172,6 +173,8 @@ class DeviceProfile:
             return op.count * self._pointwise(op)
         if isinstance(op, Loss):
             return op.count * self._lookup(self.loss, (op.dtype_bytes, op.phase), "loss")(op.tokens * op.vocab)
+        if isinstance(op, GradNorm):
+            return op.count * self._grad_norm(op)
         if isinstance(op, Step):
             fit = self.step.get(op.impl) or self.step.get("foreach") or next(iter(self.step.values()), None)
             if fit is None:
@@ -208,6 +211,15 @@ class DeviceProfile:
             self._lookup(self.pointwise, (swept, 4 if op.dtype_bytes == 2 else 2, phase), "pointwise")
         return fit.fixed + fit.per * op.elements * passes
 
+    def _grad_norm(self, op: GradNorm) -> float:
+        """As measured (section grad_norm), or, in a sweep without it, its passes: a read of
+        every gradient (half a copy's traffic) and a scale, five launches and one a tensor."""
+        if self.grad_norm is not None:
+            return self.grad_norm(op.params, op.tensors)
+        each = max(1, op.params // max(1, op.tensors))
+        passes = [Pointwise("reduce", "fwd", each, 4, count=op.tensors), Pointwise("copy", "fwd", each, 4, count=op.tensors)]
+        return sum(self.time(p) for p in passes) + 6 * op.tensors * self.launch_s
+
     def _lookup(self, table: dict, key, what: str):
         got = table.get(key)
         if got is None:
@@ -232,7 +244,7 @@ class DeviceProfile:
             if t <= 0:
                 continue
             n = op.count
-            if isinstance(op, Step):  # its measured time holds its own launches: host and device alike
+            if isinstance(op, (Step, GradNorm)):  # its measured time holds its launches: host and device alike
                 start = max(host, dev)
                 host = dev = start + t
                 split[op.cls] += t
@@ -257,6 +269,8 @@ class DeviceProfile:
             out[f"cross-entropy {phase} {8 * dtype}-bit"] = fit.error
         for impl, fit in sorted(self.step.items()):
             out[f"adamw {impl}"] = fit.error
+        if self.grad_norm is not None:
+            out["gradient norm and clip"] = self.grad_norm.error
         return out
 
     def describe(self) -> dict:
@@ -380,6 +394,8 @@ def from_sweep(sweep: dict, name: str, source: str = "") -> DeviceProfile:
                          _pointwise(sweep, kernel), _loss(sweep, kernel),
                          {impl: fit_step([r for r in adamw if r["impl"] == impl]) for impl in {r["impl"] for r in adamw}},
                          {k: sweep[k] for k in ("device", "gpu", "torch", "host", "cpu_isa") if k in sweep})
+    norms = [{**r, "s": r["s"] + r.get("scale_s", 0.0)} for r in _rows(sweep, "grad_norm")]
+    prof.grad_norm = fit_step(norms) if len(norms) >= 3 else None
     missing = [what for what, got in (("products", prof.products), ("pointwise", prof.pointwise),
                                       ("cross_entropy", prof.loss), ("adamw", prof.step)) if not got]
     if missing:

@@ -131,7 +131,22 @@ class Step:
     flops = 0.0
 
 
-Operator = Product | Attention | Pointwise | Loss | Step
+@dataclass(frozen=True)
+class GradNorm:
+    """The step's gradient norm for the clip, a tensor at a time (pipeflow.runtime.optimizer's
+    square_sum: a batched product of each gradient's rows of 1,024 with themselves, summed
+    in float64), then each gradient scaled by the clip."""
+
+    params: int
+    tensors: int
+    count: int = 1
+    name: str = "clip norm"
+
+    cls = "optimizer"
+    flops = 0.0
+
+
+Operator = Product | Attention | Pointwise | Loss | Step | GradNorm
 
 
 def times(ops: Iterable[Operator], n: int) -> list[Operator]:
@@ -397,10 +412,7 @@ def step_operators(params: int, tensors: int, matrices: int, matrix_tensors: int
     runtime goes so: the clip norm's sum over each gradient (its rows' batched product,
     to float64, summed, divided and added: five launches), each gradient scaled by the
     clip, AdamW, and at 16 bits the next step's casts of the ``matrices`` weights."""
-    each = max(1, params // max(1, tensors))
-    ops: list[Operator] = [Pointwise("reduce", "fwd", each, RESIDUAL_BYTES, count=tensors, launches=5, name="clip norm"),
-                           Pointwise("copy", "fwd", each, RESIDUAL_BYTES, count=tensors, name="clip scale"),
-                           Step(params, tensors, impl)]
+    ops: list[Operator] = [GradNorm(params, tensors), Step(params, tensors, impl)]
     if dtype_bytes < 4:
         ops.append(Pointwise("copy", "fwd", max(1, matrices // max(1, matrix_tensors)), RESIDUAL_BYTES,
                              count=matrix_tensors, name="weight casts"))
@@ -420,7 +432,7 @@ def kernels(op: Operator) -> int:
         return base * 2 if op.phase == "bwd" and op.kind in ("rmsnorm", "rotary", "layernorm") else base
     if isinstance(op, Attention):
         return 1 if op.phase == "fwd" else 2
-    if isinstance(op, Step):
+    if isinstance(op, (Step, GradNorm)):
         return 0  # its measured time holds its own launches
     return 1
 

@@ -448,13 +448,40 @@ def ops_adamw(sw: Sweep, rows: list, deadline: float):
     return True
 
 
+def ops_grad_norm(sw: Sweep, rows: list, deadline: float):
+    """A training step's gradient norm as pipeflow's runtime takes it for the clip: each
+    fp32 gradient's squared sum, as a batched product of its rows of 1,024 elements with
+    themselves summed in float64, added up over the tensors; then each gradient scaled."""
+    torch = sw.torch
+    for n, count in sw.grid.adamw:
+        per = max(1024, n // count // 1024 * 1024)
+        grads = [torch.randn(per, device=sw.dev) for _ in range(count)]
+
+        def norm():
+            total = torch.zeros((), dtype=torch.float64, device=sw.dev)
+            for g in grads:
+                rows_ = g.view(-1, 1024)
+                total += torch.bmm(rows_.unsqueeze(1), rows_.unsqueeze(2)).double().sum() / 1  # (/ copies)
+            return total
+
+        if time.monotonic() > deadline:
+            return False
+        t = sw.time(norm, warm=2, samples=sw.grid.samples, max_inner=20)
+        scale = sw.time(lambda: [g.mul_(1.0) for g in grads], warm=1, samples=sw.grid.samples, max_inner=20)
+        rows.append({"params": per * count, "tensors": count, "s": t["s"], "scale_s": scale["s"]})
+        del grads
+        sw.save()
+    return True
+
+
 SECTIONS = [  # name, the sweep's share of the budget by which it must end, body: a GPU's sweep
     ("launch", 0.06, ops_launch),
     ("gemm_bf16", 0.32, ops_gemm),
     ("sdpa_bf16", 0.48, ops_sdpa),
     ("elementwise", 0.66, ops_elementwise),
     ("cross_entropy", 0.76, ops_cross_entropy),
-    ("adamw", 0.92, ops_adamw),
+    ("adamw", 0.88, ops_adamw),
+    ("grad_norm", 0.92, ops_grad_norm),
     ("gemm_fp32", 1.0, ops_fp32_gemm),
 ]
 CPU_SECTIONS = [  # a CPU's: its products in fp32 too, the runs it prices being fp32 by default; the
@@ -465,7 +492,8 @@ CPU_SECTIONS = [  # a CPU's: its products in fp32 too, the runs it prices being 
     ("sdpa_bf16", 0.41, ops_sdpa),
     ("elementwise", 0.74, ops_elementwise),
     ("cross_entropy", 0.85, ops_cross_entropy),
-    ("adamw", 0.93, ops_adamw),
+    ("adamw", 0.91, ops_adamw),
+    ("grad_norm", 0.94, ops_grad_norm),
     ("gemm_fp32", 1.0, ops_fp32_gemm),
 ]
 
