@@ -149,3 +149,21 @@ def test_a_sweep_that_times_the_gradient_norm_prices_the_clip_by_it():
     prof = from_sweep(sweep, "with norm rows")
     assert prof.time(GradNorm(2 * 10**8, 300)) == pytest.approx(1e-4 + 3e-11 * 2e8 + 3e-6 * 300, rel=1e-6)
     assert "gradient norm and clip" in prof.fit_errors()
+
+
+def test_cpu_ranks_with_a_profile_are_priced_operator_by_operator_one_after_another(tmp_path):
+    from pipeflow.simulate import run_simulation
+
+    sweep = json.loads(H200.read_text())
+    sweep["device"] = "cpu"  # one thread issues and runs: no launch runs ahead of its kernel
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps(sweep))
+    prof = load_profile(path)
+    assert prof.kernel_s is None
+    ops = [Pointwise("add", "fwd", 1024, 4, count=10), Product("fwd", 512, 128, 384, 4)]
+    assert prof.action(ops)[0] == pytest.approx(sum(prof.time(o) for o in ops))
+    cfg = compose("simulate", ["model=gpt_tiny", "pipeline.stages=2", "pipeline.microbatches=4", "cost=analytic",
+                               "topology=local_cpu", f"topology.device_profile={path}", "draw=false"])
+    summary = run_simulation(cfg, tmp_path / "run")
+    assert all(d["busy"] == pytest.approx(sum(split.values()), rel=1e-9)
+               for d, split in zip(summary["per_device"], summary["operator_seconds"]))

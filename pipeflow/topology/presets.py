@@ -80,12 +80,18 @@ def _device(key: str, name, profile: str | None = None) -> Device:
     ``python -m pipeflow.measure_device --out FILE``)."""
     if name not in DEVICES:
         raise ValueError(f"topology.{key}={name!r}: unknown device; allowed values: {', '.join(DEVICES)}")
+    path = _profile_path(profile)
+    return dataclasses.replace(DEVICES[name], profile=path) if path else DEVICES[name]
+
+
+def _profile_path(profile) -> str:
+    """topology.device_profile as an absolute path ("" for none), refused where no file is."""
     if profile is None or profile == "":
-        return DEVICES[name]
+        return ""
     if not isinstance(profile, str) or not Path(profile).is_file():
         raise ValueError(f"topology.device_profile={profile!r}: no such file; make one on the machine with "
                          f"python -m pipeflow.measure_device --out FILE, or leave it null")
-    return dataclasses.replace(DEVICES[name], profile=str(Path(profile).resolve()))
+    return str(Path(profile).resolve())
 
 
 # ------------------------------------------------------------- wiring recipes
@@ -171,6 +177,7 @@ def local_cpu(
     contention: float = 1.0,
     message_host: float = 0.0,
     collective_bandwidth: float | None = None,
+    device_profile: str | None = None,
 ) -> Topology:
     """N CPU ranks on one host, gloo over shared memory / loopback.
 
@@ -186,6 +193,9 @@ def local_cpu(
     ``pipeflow.runtime.calibration_run`` measures all three. ``collective_bandwidth``: the most
     bytes/s an all-reduce reaches (None: the loopback's; gloo reduces on the ranks' cores,
     far below its point-to-point rate; the calibration's step synchronisation measures it).
+    ``device_profile``: an operator sweep of this CPU (``python -m pipeflow.measure_device
+    --device cpu --threads 1 --out FILE``) that prices a rank's actions operator by
+    operator under ``cost=analytic``.
     """
     n = _count("num_devices", num_devices)
     bw = _number("bandwidth", bandwidth)
@@ -195,6 +205,7 @@ def local_cpu(
         _number("peak_flops", peak_flops),
         _number("memory_bytes", memory_bytes),
         _number("memory_bandwidth", memory_bandwidth, strict=False),
+        profile=_profile_path(device_profile),
     )
     b = TopologyBuilder("local_cpu", [dev] * n)
     out = [b.resource(f"loopback-out[{i}]", bw, lat / 2) for i in range(n)]
