@@ -180,7 +180,26 @@ def predict(overrides: list[str], calibration: Path) -> float:
     return res.makespan / max(1, getattr(res, "windows", 1) or 1)
 
 
-def results(ranks=(2, 4), repeats: int = 2, steps: int = 16, names: list[str] | None = None) -> dict:
+def predict_profiled(overrides: list[str], profile: Path, calibration: Path) -> float:
+    """The same schedule's step with ``cost=analytic`` on CPU ranks priced by a device
+    profile (``topology.device_profile``: each action its operators as measured by
+    ``python -m pipeflow.measure_device --device cpu``), and from the calibration only
+    what it measures of the host beside the actions: the ranks' shared cores and
+    contention, gloo's time per message, the links."""
+    from pipeflow.planning.machine_cost import CalibratedCost
+
+    ran = prepare_training(compose("train", overrides)).schedule
+    host = CalibratedCost(ran.num_stages, str(calibration)).host
+    sim_over = [o for o in overrides if not o.startswith(("trainer.", "runtime.", "logger=", "data="))]
+    cfg = compose("simulate", [*sim_over, "cost=analytic", "topology=local_cpu", f"topology.device_profile={profile}",
+                               *(f"topology.{k}={v}" for k, v in host.items() if v is not None)])
+    inputs = prepare_simulation(cfg)
+    res = simulate(ran, inputs.cost, inputs.topology, record=False)
+    return res.makespan / max(1, getattr(res, "windows", 1) or 1)
+
+
+def results(ranks=(2, 4), repeats: int = 2, steps: int = 16, names: list[str] | None = None,
+            profile: Path | None = None) -> dict:
     """Per world size and repeat, each case calibrated and then run at once, cases
     alternating: a prediction and the measurement it is held to are taken seconds apart,
     so a host whose speed drifts over minutes moves both alike (calibrating every case
@@ -195,6 +214,7 @@ def results(ranks=(2, 4), repeats: int = 2, steps: int = 16, names: list[str] | 
             simulated: dict[str, list[float]] = {n: [] for n in here}
             actions: dict[str, dict] = {n: {} for n in here}
             calibrations: dict[str, list[dict]] = {n: [] for n in here}
+            profiled: dict[str, list[float]] = {n: [] for n in here}
             for r in range(repeats):
                 # alternate the order between repeats so drifting load hits every schedule alike
                 for name in (here if r % 2 == 0 else here[::-1]):
@@ -206,6 +226,8 @@ def results(ranks=(2, 4), repeats: int = 2, steps: int = 16, names: list[str] | 
                     plain = [o for o in overrides if not o.startswith(SHARDING)]
                     calibrations[name].append(calibrate(compose("train", plain), path))
                     simulated[name].append(predict(overrides, path))
+                    if profile is not None and name not in BRANCHED:
+                        profiled[name].append(predict_profiled(overrides, profile, path))
                     t, acts = measure(overrides, Path(tmp) / f"p{p}-{name}-{r}", steps)
                     measured[name].append(t)
                     for k, v in acts.items():
@@ -217,6 +239,9 @@ def results(ranks=(2, 4), repeats: int = 2, steps: int = 16, names: list[str] | 
                               "simulated_runs": simulated[name], "error": (sim - meas) / meas,
                               "run_errors": [(s - m) / m for s, m in zip(simulated[name], measured[name])],
                               "actions": actions[name]}
+                if profiled[name]:
+                    pro = statistics.median(profiled[name])
+                    rows[name].update(profiled=pro, profiled_error=(pro - meas) / meas)
             out["ranks"][p] = {"rows": rows, "seconds": time.perf_counter() - t0, "calibrations": calibrations}
     for p, block in out["ranks"].items():
         rows = block["rows"]
@@ -269,12 +294,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=16, help="steps per run; the second half is timed (default 16)")
     ap.add_argument("--schedules", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)}")
     ap.add_argument("--json", type=Path, help="also write every figure here")
+    ap.add_argument("--profile", type=Path, default=None,
+                    help="a CPU device profile (python -m pipeflow.measure_device --device cpu --threads 1 --out F): "
+                         "also price each run by its operators (cost=analytic) beside the calibration")
     args = ap.parse_args(argv)
     names = [n for n in args.schedules.split(",") if n]
     unknown = [n for n in names if n not in CASES]
     if unknown:
         ap.error(f"--schedules: unknown {', '.join(unknown)}; allowed: {', '.join(CASES)}")
-    res = results(tuple(int(x) for x in args.ranks.split(",")), args.repeats, args.steps, names)
+    res = results(tuple(int(x) for x in args.ranks.split(",")), args.repeats, args.steps, names, args.profile)
     for p, block in res["ranks"].items():
         print(f"\n{p} CPU ranks (gloo, 1 thread each), gpt_tiny (cbm_tiny for bapp, chimera_cbm; "
               f"{' '.join(sized('1f1b', p) + sized('bapp', p)) or 'as configured'}), m={MICROBATCHES}, "
@@ -287,8 +315,9 @@ def main(argv: list[str] | None = None) -> int:
             mv = f"{r['measured_vs_1f1b']:.3f}" if r["measured_vs_1f1b"] else "-"
             sv = f"{r['simulated_vs_1f1b']:.3f}" if r["simulated_vs_1f1b"] else "-"
             flag = "" if abs(r["error"]) <= block["target"] else "  <- beyond target"
+            pro = (f"   profiled {r['profiled'] * 1e3:.1f}ms {r['profiled_error']:+.1%}" if "profiled" in r else "")
             print(f"{name:<17} {r['measured'] * 1e3:>8.1f}ms {r['simulated'] * 1e3:>8.1f}ms {mv:>10} {sv:>9} "
-                  f"{r['error']:>+7.1%}{flag}")
+                  f"{r['error']:>+7.1%}{flag}{pro}")
         order = ", ".join(f"{a}/{b}" for a, b in block["misordered"]) or "none"
         print(f"target: every error within {block['target']:.0%}: {'yes' if block['within'] else 'no'}; "
               f"pairs measured >{ORDER_GAP:.0%} apart but ordered the other way by the simulator: {order}")
