@@ -17,7 +17,7 @@ from pipeflow.topology import op_sweep
 ROW_FIELDS = {  # the fields other code reads from each section's rows
     "gemm_bf16": {"shape", "m", "k", "n", "dtype", "flop", "fwd_s", "dgrad_s", "wgrad_s"},
     "gemm_fp32_grid": {"shape", "m", "k", "n", "dtype", "flop", "fwd_s", "dgrad_s", "wgrad_s"},
-    "sdpa_bf16": {"b", "h", "s", "d", "causal", "fwd_s", "fwd_bwd_s"},
+    "sdpa_bf16": {"b", "h", "s", "d", "causal", "dtype", "fwd_s", "fwd_bwd_s"},
     "elementwise": {"op", "dtype", "rows", "hidden", "input_bytes", "fwd_s", "fwd_bytes"},
     "cross_entropy": {"tokens", "vocab", "dtype", "logit_bytes", "fwd_s", "fwd_bwd_s"},
     "adamw": {"params", "tensors", "impl", "s"},

@@ -155,7 +155,7 @@ class DeviceProfile:
     # host and device are one (a CPU: an operator's time holds its call)
     kernel_s: float | None = None
     products: dict = field(default_factory=dict)  # (dtype bytes, phase, aligned) -> (Table, smallest m)
-    attention: dict = field(default_factory=dict)  # (head dim, causal, phase) -> Table over (log keys, log heads)
+    attention: dict = field(default_factory=dict)  # (dtype bytes, head dim, causal, phase) -> Table over (log keys, log heads)
     pointwise: dict = field(default_factory=dict)  # (swept kind, dtype bytes, phase) -> Linear over elements
     loss: dict = field(default_factory=dict)  # (dtype bytes, phase) -> Linear over tokens x vocab
     step: dict = field(default_factory=dict)  # impl -> StepFit
@@ -194,12 +194,12 @@ class DeviceProfile:
 
     def _attention(self, op: Attention) -> float:
         phase = "fwd" if op.phase == "fwd" else "bwd"
-        keys = [k for k in self.attention if k[2] == phase]
+        keys = [k for k in self.attention if k[3] == phase]
         if not keys:
             raise ProfileError(f"device profile {self.source}: no attention rows (section sdpa_bf16)")
-        d, causal, _ = min(keys, key=lambda k: (abs(math.log(k[0] / op.head_dim)), k[1] != op.causal))
-        causal = causal if (d, op.causal, phase) not in self.attention else op.causal
-        return self.attention[(d, causal, phase)]((math.log(op.keys), math.log(op.heads or op.batch_heads)))
+        # the same dtype first (a 16-bit run measured in bf16), then the nearest head dim, then causal alike
+        key = min(keys, key=lambda k: (k[0] != op.dtype_bytes, abs(math.log(k[1] / op.head_dim)), k[2] != op.causal))
+        return self.attention[key]((math.log(op.keys), math.log(op.heads or op.batch_heads)))
 
     def _pointwise(self, op: Pointwise) -> float:
         kind, passes = _AS.get(op.kind, (op.kind, 1.0))
@@ -261,8 +261,8 @@ class DeviceProfile:
         out: dict[str, float] = {}
         for (dtype, phase, fits), (table, _) in sorted(self.products.items()):
             out[f"product {phase} {8 * dtype}-bit{'' if fits else ' unaligned'}"] = table.leave_one_out()
-        for (d, causal, phase), table in sorted(self.attention.items()):
-            out[f"attention {phase} d={d}{' causal' if causal else ''}"] = table.leave_one_out()
+        for (dtype, d, causal, phase), table in sorted(self.attention.items()):
+            out[f"attention {phase} {8 * dtype}-bit d={d}{' causal' if causal else ''}"] = table.leave_one_out()
         for (kind, dtype, phase), fit in sorted(self.pointwise.items()):
             out[f"{kind} {phase} {8 * dtype}-bit"] = fit.error
         for (dtype, phase), fit in sorted(self.loss.items()):
@@ -316,14 +316,23 @@ def _products(sweep: dict) -> dict:
     return out
 
 
-def _attention(sweep: dict) -> dict:
+def _backward(r: dict, serial_call: float) -> float:
+    """A row's backward: its forward and backward less its forward, and where one thread
+    does all (a CPU) less the backward pass's start, which an action pays once
+    (``backward_call_s``), not once per operator; on a GPU the host's start overlaps the
+    device's work in the rows that set the fit."""
+    return r["fwd_bwd_s"] - r["fwd_s"] - serial_call
+
+
+def _attention(sweep: dict, serial_call: float) -> dict:
     grouped: dict = {}
     for r in _rows(sweep, "sdpa_bf16"):
-        op = Attention("fwd", r["b"] * r["h"], r["s"], r["s"], r["d"], bool(r["causal"]), 2)
-        bwd = r["fwd_bwd_s"] - r["fwd_s"]
+        dtype = _DTYPES.get(str(r.get("dtype", "bfloat16")), 2)
+        op = Attention("fwd", r["b"] * r["h"], r["s"], r["s"], r["d"], bool(r["causal"]), dtype)
+        bwd = _backward(r, serial_call)
         for phase, flops, s in (("fwd", op.flops, r["fwd_s"]), ("bwd", 2.5 * op.flops, bwd)):
             if s > 0:
-                grouped.setdefault((r["d"], bool(r["causal"]), phase), []).append(
+                grouped.setdefault((dtype, r["d"], bool(r["causal"]), phase), []).append(
                     (math.log(r["s"]), math.log(r["h"]), flops / s))
     return {k: Table(np.array(v)[:, :2], np.array(v)[:, 2]) for k, v in grouped.items()}
 
@@ -334,14 +343,14 @@ _SWEPT_KERNELS = {"copy": (1, 1), "add": (1, 1), "gelu_tanh": (1, 1), "silu_mul"
                   "rmsnorm_llama": (7, 12)}
 
 
-def _pointwise(sweep: dict, kernel_s: float | None) -> dict:
+def _pointwise(sweep: dict, kernel_s: float | None, serial_call: float) -> dict:
     grouped: dict = {}
     for r in _rows(sweep, "elementwise"):
         dtype = _DTYPES.get(str(r["dtype"]), 4)
         n = r["rows"] * r["hidden"]
         grouped.setdefault((r["op"], dtype, "fwd"), []).append((n, r["fwd_s"]))
-        if r.get("fwd_bwd_s"):
-            grouped.setdefault((r["op"], dtype, "bwd"), []).append((n, r["fwd_bwd_s"] - r["fwd_s"]))
+        if r.get("fwd_bwd_s") and _backward(r, serial_call) > 0:
+            grouped.setdefault((r["op"], dtype, "bwd"), []).append((n, _backward(r, serial_call)))
     out = {}
     for (op, dtype, phase), rows in grouped.items():
         if len(rows) >= 2:
@@ -350,13 +359,14 @@ def _pointwise(sweep: dict, kernel_s: float | None) -> dict:
     return out
 
 
-def _loss(sweep: dict, kernel_s: float | None) -> dict:
+def _loss(sweep: dict, kernel_s: float | None, serial_call: float) -> dict:
     grouped: dict = {}
     for r in _rows(sweep, "cross_entropy"):
         dtype = _DTYPES.get(str(r["dtype"]), 4)
         n = r["tokens"] * r["vocab"]
         grouped.setdefault((dtype, "fwd"), []).append((n, r["fwd_s"]))
-        grouped.setdefault((dtype, "bwd"), []).append((n, r["fwd_bwd_s"] - r["fwd_s"]))
+        if _backward(r, serial_call) > 0:
+            grouped.setdefault((dtype, "bwd"), []).append((n, _backward(r, serial_call)))
     # (its forward: a log-softmax and a gather, reduced; its backward about as many)
     return {k: fit_linear(*zip(*v), None if kernel_s is None else 3 * kernel_s)
             for k, v in grouped.items() if len(v) >= 2}
@@ -389,9 +399,10 @@ def from_sweep(sweep: dict, name: str, source: str = "") -> DeviceProfile:
         raise ProfileError(f"{source or name}: not an operator sweep (no 'sections'; made by "
                            f"python -m pipeflow.measure_device --out FILE)")
     launch, backward, kernel = _host(sweep)
+    serial = backward if kernel is None else 0.0
     adamw = _rows(sweep, "adamw")
-    prof = DeviceProfile(name, source or name, launch, backward, kernel, _products(sweep), _attention(sweep),
-                         _pointwise(sweep, kernel), _loss(sweep, kernel),
+    prof = DeviceProfile(name, source or name, launch, backward, kernel, _products(sweep), _attention(sweep, serial),
+                         _pointwise(sweep, kernel, serial), _loss(sweep, kernel, serial),
                          {impl: fit_step([r for r in adamw if r["impl"] == impl]) for impl in {r["impl"] for r in adamw}},
                          {k: sweep[k] for k in ("device", "gpu", "torch", "host", "cpu_isa") if k in sweep})
     norms = [{**r, "s": r["s"] + r.get("scale_s", 0.0)} for r in _rows(sweep, "grad_norm")]

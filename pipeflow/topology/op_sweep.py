@@ -55,6 +55,7 @@ class Grid:
     ce_vocabs: tuple[int, ...]
     adamw: list[tuple[int, int]]  # (parameters, tensors)
     hidden: int = 1024  # the elementwise inputs' last dimension
+    sdpa_dtypes: tuple[str, ...] = ("bfloat16",)  # attention's dtypes (a CPU trains in fp32 by default)
     samples: int = 5  # timed samples of each measurement (after two warm-up calls and one to size them)
 
 
@@ -85,7 +86,8 @@ def _cpu_grid() -> Grid:
         sdpa=sdpa, elementwise_sizes=[2**18, 2**20, 2**22, 2**24, 2**26], ce_tokens=[128, 512, 1024],
         ce_vocabs=(256, 8192, 50257),
         adamw=[(10**5, 4), (10**6, 16), (10**6, 64), (10**7, 64), (2 * 10**7, 128)],
-        samples=3)  # a CPU's large calls take tens of milliseconds each, one at a time
+        samples=3,  # a CPU's large calls take tens of milliseconds each, one at a time
+        sdpa_dtypes=("float32", "bfloat16"))
 
 
 def _smoke_grid() -> Grid:
@@ -326,15 +328,16 @@ def ops_fp32_gemm(sw: Sweep, rows: list, deadline: float):
 
 
 def ops_sdpa(sw: Sweep, rows: list, deadline: float):
-    """F.scaled_dot_product_attention, bf16, forward and forward+backward."""
+    """F.scaled_dot_product_attention in the grid's dtypes (a GPU's bf16; a CPU's fp32 and
+    bf16), forward and forward+backward; each row names its dtype."""
     torch = sw.torch
     import torch.nn.functional as F
 
-    for b, h, s, d, causal in sw.grid.sdpa:
+    for (b, h, s, d, causal), dtype in ((shape, dt) for dt in sw.grid.sdpa_dtypes for shape in sw.grid.sdpa):
         if time.monotonic() > deadline:
             return False
-        q, k, v = (sw.randn(b, h, s, d, grad=True) for _ in range(3))
-        go = sw.randn(b, h, s, d)
+        q, k, v = (sw.randn(b, h, s, d, dtype=getattr(torch, dtype), grad=True) for _ in range(3))
+        go = sw.randn(b, h, s, d, dtype=getattr(torch, dtype))
         fwd = sw.time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), samples=sw.grid.samples)
 
         def fb():
@@ -343,7 +346,8 @@ def ops_sdpa(sw: Sweep, rows: list, deadline: float):
 
         both = sw.time(fb, samples=sw.grid.samples)
         flop = 4 * b * h * s * s * d * (0.5 if causal else 1.0)  # forward; the backward is about 2.5x
-        rows.append({"b": b, "h": h, "s": s, "d": d, "causal": causal, "fwd_s": fwd["s"], "fwd_bwd_s": both["s"],
+        rows.append({"b": b, "h": h, "s": s, "d": d, "causal": causal, "dtype": dtype, "fwd_s": fwd["s"],
+                     "fwd_bwd_s": both["s"],
                      "fwd_flop": flop, "fwd_tflops": flop / fwd["s"] / 1e12, "fwd_bwd_tflops": 3.5 * flop / both["s"] / 1e12})
         del q, k, v, go
         sw.save()
