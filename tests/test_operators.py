@@ -167,3 +167,10 @@ def test_cpu_ranks_with_a_profile_are_priced_operator_by_operator_one_after_anot
     summary = run_simulation(cfg, tmp_path / "run")
     assert all(d["busy"] == pytest.approx(sum(split.values()), rel=1e-9)
                for d, split in zip(summary["per_device"], summary["operator_seconds"]))
+
+
+def test_an_operator_of_no_known_kind_or_phase_is_refused_where_it_is_made():
+    with pytest.raises(ValueError, match="phase"):
+        Product("forward", 8, 8, 8, 2)
+    with pytest.raises(ValueError, match="pointwise"):
+        Pointwise("layer_norm", "fwd", 8, 4)

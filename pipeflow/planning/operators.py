@@ -55,6 +55,10 @@ class Product:
 
     cls = "product"
 
+    def __post_init__(self) -> None:
+        if self.phase not in PHASES:
+            raise ValueError(f"a product's phase is one of {', '.join(PHASES)}, not {self.phase!r}")
+
     @property
     def flops(self) -> float:
         return 2.0 * self.m * self.k * self.n * self.count
@@ -98,6 +102,11 @@ class Pointwise:
     count: int = 1
     name: str = ""
     launches: int = 0  # kernels per operator; 0: as its kind launches (kernels())
+
+    def __post_init__(self) -> None:
+        if self.kind not in POINTWISE or self.phase not in ("fwd", "bwd"):
+            raise ValueError(f"a pointwise operator is one of {', '.join(POINTWISE)}, fwd or bwd; "
+                             f"not {self.kind!r} {self.phase!r}")
 
     @property
     def cls(self) -> str:
