@@ -32,7 +32,12 @@ class OperatorTimes:
     def _step_operators(self, stage: int) -> list[Operator]:
         spec, n = self.spec, self.layers_per_stage[stage]
         first, last = stage == 0, stage == self.num_stages - 1
-        tensors = n * block_tensors(spec) + (2 if first else 0) + (3 if last and not spec.tied else 2 if last else 0)
+        norm = 1 if spec.norm == "rmsnorm" else 2
+        # the embedding's tables (BERT's token types and norm too); the head's norm, its own
+        # matrix where untied (BERT: the transform, its norm and the decoder's bias)
+        embedding = 1 + (spec.position_embedding == "learned") + (1 + norm if spec.post_norm else 0)
+        head = norm + (not spec.tied) + (2 + norm + 1 if spec.post_norm else 0)
+        tensors = n * block_tensors(spec) + (embedding if first else 0) + (head if last else 0)
         products = n * (spec.mlp_matrices + (2 if spec.qkv_inputs == 1 else 4)) + int(last)
         matrices = self.working_set.cast_params[stage]
         return step_operators(int(self._params[stage]), tensors, int(matrices), products, self.dtype_bytes)
