@@ -174,3 +174,8 @@ def test_an_operator_of_no_known_kind_or_phase_is_refused_where_it_is_made():
         Product("forward", 8, 8, 8, 2)
     with pytest.raises(ValueError, match="pointwise"):
         Pointwise("layer_norm", "fwd", 8, 4)
+
+
+def test_a_device_profile_under_a_cost_model_that_does_not_read_it_is_refused_naming_both_keys():
+    with pytest.raises(ConfigError, match=r"topology.device_profile=.*cost=unit"):
+        prepare_simulation(compose("simulate", ["cost=unit", "topology=cluster", f"topology.device_profile={H200}"]))

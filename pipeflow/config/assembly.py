@@ -337,6 +337,16 @@ def host_calibrated(cfg: DictConfig, cost: CostModel | None) -> bool:
     return isinstance(cost, CalibratedCost) and cfg.topology.name == "local_cpu"
 
 
+def check_profile_cost(cfg: DictConfig, cost: CostModel) -> None:
+    """A device profile (topology.device_profile) is read by the analytic cost alone: under
+    another cost model it would be ignored, so it is refused."""
+    profile = cfg.topology.get("device_profile")
+    if profile and cost.name != "analytic":
+        raise ConfigError(f"topology.device_profile={profile}: a device profile prices the operators of "
+                          f"cost=analytic, and cost={cost.name} prices its actions its own way; use cost=analytic, "
+                          f"or leave topology.device_profile null")
+
+
 def run_topology(cfg: DictConfig, schedule: Schedule, cost: CostModel | None = None, tensor: int = 1) -> Topology:
     """The topology the run's devices sit on. ``tensor`` > 1 (pipeline.tensor_parallel, the
     simulator's): T physical devices per schedule device, seen as their tensor groups

@@ -26,6 +26,7 @@ from .assembly import (
     branched_cost,
     branched_schedule,
     run_topology,
+    check_profile_cost,
     host_calibrated,
     generate_schedule,
     model_spec,
@@ -120,6 +121,7 @@ def prepare_simulation(cfg: DictConfig) -> SimulationInputs:
                                     tensor_parallel=tensor, sequence_parallel=sequence)
         except ValueError as err:
             raise naming_key("cost", cfg.cost.name, err) from None
+    check_profile_cost(cfg, cost)
     # (the devices once more only where a calibration describes this host's)
     topology = run_topology(cfg, schedule, cost, tensor=tensor) if host_calibrated(cfg, cost) else devices
     if tensor > 1:  # each device's tensor group's collectives, on the group's own links
