@@ -273,10 +273,6 @@ class DeviceProfile:
             out["gradient norm and clip"] = self.grad_norm.error
         return out
 
-    def describe(self) -> dict:
-        return {"name": self.name, "source": self.source, "launch_s": self.launch_s,
-                "backward_call_s": self.backward_call_s, "kernel_s": self.kernel_s, **self.facts}
-
 
 def aligned(k: int, n: int, dtype_bytes: int) -> bool:
     """Whether a product's widths let the tensor cores read whole 16-byte rows (k and n

@@ -6,9 +6,7 @@ which holds the shape, the stages' layers, the segments and the dtype it reads."
 
 from __future__ import annotations
 
-from functools import lru_cache
-
-from .device_profile import DeviceProfile, load_profile
+from .device_profile import load_profile
 from .operators import CLASSES, Operator, Shape, StageOperators, block_tensors, step_operators
 from .transformer import TransformerSpec
 
@@ -51,18 +49,13 @@ class OperatorTimes:
 
     def _priced(self, kind: str, stage: int, segment: int, profile: str) -> tuple[float, tuple]:
         cache = self.__dict__.setdefault("_operator_times", {})
-        key = (kind, self.stage_kinds()[stage], self._seg(segment) if kind != "S" else 0, profile)
+        key = (kind, stage, self._seg(segment) if kind != "S" else 0, profile)
         if key not in cache:
-            prof = _profile(profile)
+            prof = load_profile(profile)  # (read once per process)
             ops = self.operators(kind, stage, segment)
             t, split = prof.action(ops, backward=kind in "BIW")
             cache[key] = (t, tuple(split.items()))
         return cache[key]
-
-
-@lru_cache(maxsize=None)
-def _profile(path: str) -> DeviceProfile:
-    return load_profile(path)
 
 
 def device_split(cost, orders, profile: str) -> dict[str, float]:
