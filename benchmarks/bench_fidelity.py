@@ -183,13 +183,16 @@ def predict(overrides: list[str], calibration: Path) -> float:
 def predict_profiled(overrides: list[str], profile: Path, calibration: Path) -> float:
     """The same schedule's step with ``cost=analytic`` on CPU ranks priced by a device
     profile (``topology.device_profile``: each action its operators as measured by
-    ``python -m pipeflow.measure_device --device cpu``), and from the calibration only
-    what it measures of the host beside the actions: the ranks' shared cores and
-    contention, gloo's time per message, the links."""
+    ``python -m pipeflow.measure_device --device cpu``). The host beside the actions (the
+    ranks' shared cores and contention, gloo's time per message, the links) is the
+    profile's own where it calibrated its reference pipeline (section ``pipeline``), else
+    the case's calibration's: nothing of this case's calibration prices it then."""
+    from pipeflow.planning.device_profile import load_profile
     from pipeflow.planning.machine_cost import CalibratedCost
 
     ran = prepare_training(compose("train", overrides)).schedule
-    host = CalibratedCost(ran.num_stages, str(calibration)).host
+    # a profile with its own reference pipeline (section pipeline) brings the host itself
+    host = {} if load_profile(profile).host else CalibratedCost(ran.num_stages, str(calibration)).host
     sim_over = [o for o in overrides if not o.startswith(("trainer.", "runtime.", "logger=", "data="))]
     cfg = compose("simulate", [*sim_over, "cost=analytic", "topology=local_cpu", f"topology.device_profile={profile}",
                                *(f"topology.{k}={v}" for k, v in host.items() if v is not None)])

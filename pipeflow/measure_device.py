@@ -6,7 +6,22 @@
 times matrix products, attention, norms and elementwise ops, cross-entropy, AdamW and the
 cost per launch on one device (auto: the GPU when one is visible, else the CPU) within
 the budget, writing the file after every section; ``topology.device_profile=<file>``
-prices with it. ``--smoke`` measures tiny sizes only (seconds; for tests).
+prices with it. On a CPU it also measures what a step adds to the operators, with the
+runtime's own code:
+
+- section ``blocks``: one block of each transformer family at a tiny size
+  (:mod:`pipeflow.runtime.block_host`), the host's time a block costs beyond its kernels;
+- section ``pipeline`` (``--ranks N``, 2 by default; 0 skips it): a calibration
+  (:mod:`pipeflow.runtime.calibration_run`) of a reference pipeline, gpt_tiny under 1F1B
+  on N local ranks: the host's cores, their contention and a gloo message's cost,
+  which ``topology=local_cpu`` takes from the profile as
+  ``cost=calibrated`` takes them from a calibration; and what each action kind takes
+  inside a step beyond its operators and its block's host time priced alone, per block
+  (``in_step``: the interpreter between kernels whose data has flushed its caches, the
+  executor's bookkeeping around the module). This is ``cost=calibrated`` folded into
+  one measuring command: the profile then prices any model and schedule of the host.
+
+``--smoke`` measures tiny sizes only (seconds; for tests).
 """
 
 from __future__ import annotations
@@ -18,6 +33,76 @@ from pathlib import Path
 from pipeflow.topology.op_sweep import sections_for, sweep
 
 DEVICES = ("auto", "cpu", "cuda")
+BLOCK_MODELS = ("gpt_tiny", "bert_tiny", "llama_tiny")  # one shipped model of each transformer family
+
+
+def block_rows(rows: list, deadline: float, smoke: bool = False) -> bool:
+    """Section ``blocks``: per family, one block's F, B, I and W at a tiny size
+    (:func:`pipeflow.runtime.block_host.measure_block`), with the kernels its operators
+    launch (:mod:`pipeflow.planning.operators`), which the profile's operators price."""
+    import time
+
+    from omegaconf import OmegaConf
+
+    from pipeflow.config import compose
+    from pipeflow.hf import resolve
+    from pipeflow.planning.operators import Shape, StageOperators, kernels
+    from pipeflow.planning.transformer import TransformerSpec
+    from pipeflow.runtime.block_host import TOKENS, measure_block
+
+    for name in BLOCK_MODELS:
+        if time.monotonic() > deadline:
+            return False
+        model = OmegaConf.to_container(compose("train", [f"model={name}"]).model, resolve=True)
+        if model["family"] == "hf_causal":
+            model.update(resolve(model))
+        spec = TransformerSpec.from_config(model)
+        ops = StageOperators(Shape(spec, 1, TOKENS, TOKENS, 4), 1, False, False)
+        row = measure_block(model["family"], model, spec.n_layer, repeats=5 if smoke else 30)
+        row["kernels"] = {k: sum(kernels(o) * o.count for o in ops.action(k)) for k in "FBIW"}
+        rows.append(row)
+    return True
+
+
+def reference(ranks: int, threads: int | None, smoke: bool) -> list[str]:
+    """The reference pipeline section ``pipeline`` calibrates: gpt_tiny (two blocks a
+    stage) under 1F1B on ``ranks`` local ranks, two microbatches of two sequences a rank
+    (smoke: one block a stage, 32 tokens)."""
+    over = ["model=gpt_tiny", "schedule=1f1b", f"pipeline.stages={ranks}", f"pipeline.microbatches={2 * ranks}",
+            "pipeline.microbatch_size=2", f"model.n_layer={(1 if smoke else 2) * ranks}",
+            f"runtime.threads_per_rank={threads or 1}", "logger=none"]
+    return over + (["model.seq_len=32"] if smoke else [])
+
+
+def pipeline_rows(rows: list, deadline: float, path: Path, ranks: int, threads: int | None, smoke: bool) -> bool:
+    """Section ``pipeline``: calibrate the reference pipeline; its host keys, and per action
+    kind its calibrated time beyond what the profile measured so far prices, per block
+    (:func:`pipeflow.planning.device_profile.in_step_rows`)."""
+    import tempfile
+
+    from pipeflow.calibrate import calibrate
+    from pipeflow.config import compose, prepare_simulation
+    from pipeflow.planning.device_profile import in_step_rows
+
+    over = reference(ranks, threads, smoke)
+    with tempfile.TemporaryDirectory(prefix="pipeflow-measure-") as tmp:
+        calib = Path(tmp) / "calibration.json"
+        data = calibrate(compose("train", over), calib)
+        # the operators priced by the sweep as written so far (this section's own rows aside)
+        sim = [o for o in over if not o.startswith(("runtime.", "logger="))]
+        inputs = prepare_simulation(compose("simulate", [*sim, "cost=analytic", "topology=local_cpu",
+                                                         f"topology.device_profile={path}"]))
+        device = inputs.topology.devices[0]
+        priced = {key: inputs.cost.compute_time(key.split("|")[0], int(key.split("|")[1]), 0, device)
+                  for key in data["times"] if key[0] in "FBIW" and not key.startswith("I|0|")}
+    # (not the all-reduce's rate: the reference's tied embedding is 128 KiB, whose all-reduce
+    # is its latency, 20 MB/s as a rate, and priced so GPT-2 small's would take seconds)
+    keep = ("cores", "contention", "latency", "bandwidth", "message_host")
+    rows.append({"reference": over, "host": {k: data["host"][k] for k in keep if k in data["host"]},
+                 "times": {k: data["times"][k] for k in priced}, "priced": priced,
+                 "in_step": in_step_rows(data["times"], priced, list(inputs.cost.layers_per_stage)),
+                 "sync_s": data.get("sync_s")})
+    return True
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -29,6 +114,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", default=None,
                         help="torch's intra-op threads while measuring (default: torch's own); pipeflow-train's "
                              "CPU ranks run runtime.threads_per_rank, 1 by default")
+    parser.add_argument("--ranks", default="2",
+                        help="CPU: local ranks of the reference pipeline the host is calibrated on (default 2; 0 skips "
+                             "section pipeline)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes only: a check that the sweep runs")
     return parser.parse_args(argv)
 
@@ -54,6 +142,8 @@ def refusal(args: argparse.Namespace) -> str | None:
         return f"--budget-s={args.budget_s}: not a positive number of seconds; allowed values: seconds > 0, e.g. 180"
     if args.threads is not None and not (args.threads.isdigit() and int(args.threads) > 0):
         return f"--threads={args.threads}: not a whole number of threads; allowed values: 1, 2, ... (default: torch's)"
+    if not (args.ranks.isdigit() and int(args.ranks) != 1):
+        return f"--ranks={args.ranks}: not a number of ranks; allowed values: 0 (no pipeline section), 2, 3, ..."
     if Path(args.out).is_dir():
         return f"--out={args.out}: a folder; allowed values: a file's path, e.g. device_profile.json"
     return None
@@ -69,10 +159,17 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device if args.device != "auto" else ("cuda" if cuda_visible() else "cpu")
     budget, out = float(args.budget_s), Path(args.out).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
-    names = ", ".join(name for name, _, _ in sections_for(device))
+    names = ", ".join([name for name, _, _ in sections_for(device)] + ([] if device == "cuda" else ["blocks"])
+                      + (["pipeline"] if device == "cpu" and int(args.ranks) else []))
     print(f"measuring {device}{' (smoke sizes)' if args.smoke else ''} for at most {budget:.0f} s: {names}", flush=True)
     threads = int(args.threads) if args.threads else None
-    doc = sweep(out, budget, device, smoke=args.smoke, say=lambda line: print(line, flush=True), threads=threads)
+    ranks = int(args.ranks)
+    extra = [] if device == "cuda" else [("blocks", 1.0, lambda rows, deadline: block_rows(rows, deadline, args.smoke))]
+    if device == "cpu" and ranks:
+        extra.append(("pipeline", 1.0, lambda rows, deadline: pipeline_rows(rows, deadline, out, ranks, threads,
+                                                                             args.smoke)))
+    doc = sweep(out, budget, device, smoke=args.smoke, say=lambda line: print(line, flush=True), threads=threads,
+                extra=tuple(extra))
     print(f"wrote {out} ({doc['status']}, {doc['seconds']} s)")
     print(f"topology.device_profile={out} prices with it")
     return 0

@@ -24,6 +24,8 @@ ROW_FIELDS = {  # the fields other code reads from each section's rows
     "grad_norm": {"params", "tensors", "s", "scale_s"},
     "gemm_fp32": {"m", "k", "n", "precision", "s"},
     "launch": {"op"},
+    "blocks": {"family", "model", "tokens", "F_s", "B_s", "I_s", "W_s", "kernels"},
+    "pipeline": {"reference", "host", "times", "priced", "in_step"},
 }
 
 
@@ -54,7 +56,8 @@ def test_the_smoke_sweep_writes_every_section(smoke):
     assert doc["device"] == "cpu" and doc["status"] == "ok" and doc["budget_s"] == 20.0
     assert {"processor", "machine", "cpus", "torch_threads"} <= set(doc["host"])
     assert "cpu_isa" in doc and "torch" in doc and "timing" in doc
-    assert [name for name, _, _ in op_sweep.CPU_SECTIONS] == list(doc["sections"])
+    # the CPU's own sections: each family's block, and the reference pipeline calibrated
+    assert [name for name, _, _ in op_sweep.CPU_SECTIONS] + ["blocks", "pipeline"] == list(doc["sections"])
     for name, sec in doc["sections"].items():
         assert sec["status"] == "ok", (name, sec.get("error"))
         assert sec["rows"] and sec["seconds"] >= 0
@@ -79,9 +82,41 @@ def test_the_grids_keep_the_gpu_sizes_and_scale_the_cpu_ones():
     assert min(cpu.gemm_ms) == 128 and max(cpu.gemm_ms) == 2048
     assert cpu.gemm_shapes["gpt_small fc1"] == (768, 3072)
     assert {s for _, _, s, _, _ in cpu.sdpa} == {128, 256, 512, 1024} and {d for *_, d, _ in cpu.sdpa} == {32, 64}
-    assert cpu.elementwise_sizes[0] == 256 * 2**10 and cpu.elementwise_sizes[-1] == 64 * 2**20
+    assert cpu.elementwise_sizes[0] == 16 * 2**10 and cpu.elementwise_sizes[-1] == 64 * 2**20
     assert cpu.ce_vocabs == (256, 8192, 50257) and cpu.adamw[-1][0] == 2 * 10**7
     assert "gemm_fp32_grid" not in [name for name, _, _ in op_sweep.SECTIONS]
+
+
+def test_the_cpu_sections_give_the_profile_its_block_times_and_host(smoke, tmp_path):
+    """What blocks and pipeline measured reaches the profile: per family, a block's time
+    less its kernels' calls; the reference pipeline's host keys and its time per block
+    beyond the price, which the local_cpu topology and the operator cost then read."""
+    from pipeflow.config import compose, prepare_simulation
+    from pipeflow.planning.device_profile import from_sweep
+
+    _, doc, _ = smoke
+    prof = from_sweep(doc, "smoke")
+    blocks = {r["family"]: r for r in doc["sections"]["blocks"]["rows"]}
+    assert set(blocks) == {"gpt", "bert", "hf_causal"}
+    gpt = blocks["gpt"]
+    for kind in "FW":
+        assert prof.block_host[("gpt", kind)] == pytest.approx(max(gpt[f"{kind}_s"] - gpt["kernels"][kind] * prof.launch_s, 0))
+    pipe = doc["sections"]["pipeline"]["rows"][0]
+    assert set(pipe["host"]) == {"cores", "contention", "latency", "bandwidth", "message_host"}
+    assert set(pipe["in_step"]) == {"F", "B", "I", "W"} and pipe["in_step"]["W"] == 0.0
+    assert prof.host == pipe["host"] and prof.in_step == pipe["in_step"]
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(doc))
+    over = ["model=gpt_tiny", "model.n_layer=4", "pipeline.stages=2", "cost=analytic", "topology=local_cpu",
+            f"topology.device_profile={path}"]
+    inputs = prepare_simulation(compose("simulate", over))
+    dev = inputs.topology.devices[0]
+    assert inputs.topology.contention == pipe["host"]["contention"] and dev.profile == str(path)
+    # an action: its operators as priced, plus per block its host time alone and in a step
+    ops = inputs.cost.operators("F", 1)
+    alone = prof.action(ops)[0]
+    per_block = max(prof.block_host[("gpt", "F")] + pipe["in_step"]["F"], 0.0)
+    assert inputs.cost.compute_time("F", 1, 0, dev) == pytest.approx(alone + 2 * per_block, rel=1e-12)
 
 
 def test_a_section_cut_short_says_so(tmp_path):
@@ -97,6 +132,8 @@ def test_a_section_cut_short_says_so(tmp_path):
     (["--budget-s", "-5"], "--budget-s=-5"),
     (["--budget-s", "soon"], "--budget-s=soon"),
     (["--threads", "0"], "--threads=0"),
+    (["--ranks", "1"], "--ranks=1"),
+    (["--ranks", "two"], "--ranks=two"),
 ])
 def test_bad_flags_exit_2_naming_the_flag_and_writing_nothing(tmp_path, capsys, flags, named):
     out = tmp_path / "device_profile.json"

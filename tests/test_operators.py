@@ -179,3 +179,57 @@ def test_an_operator_of_no_known_kind_or_phase_is_refused_where_it_is_made():
 def test_a_device_profile_under_a_cost_model_that_does_not_read_it_is_refused_naming_both_keys():
     with pytest.raises(ConfigError, match=r"topology.device_profile=.*cost=unit"):
         prepare_simulation(compose("simulate", ["cost=unit", "topology=cluster", f"topology.device_profile={H200}"]))
+
+
+def test_a_cpu_prices_memory_bound_operators_along_its_measured_rows():
+    """A CPU's bandwidth falls with the size (caches, DRAM, pages mapped fresh): its
+    memory-bound operators are priced along the rows, not by one line through them,
+    which the largest (page-fault-bound) rows would set for every size."""
+    from pipeflow.planning.device_profile import fit_curve, fit_linear
+
+    sizes = [2**12, 2**14, 2**16, 2**18, 2**20]
+    seconds = [2e-6, 5e-6, 20e-6, 80e-6, 3000e-6]  # the last one faulted in page by page
+    curve = fit_curve(sizes, seconds)
+    assert [curve(x) for x in sizes] == pytest.approx(seconds, rel=1e-12)
+    assert curve(3 * 2**14) == pytest.approx(5e-6 + (20e-6 - 5e-6) * (2 * 2**14) / (3 * 2**14), rel=1e-12)
+    # under the smallest row: the line through the two smallest, its intercept a call's cost
+    fixed = 2e-6 - (5e-6 - 2e-6) / (2**14 - 2**12) * 2**12
+    assert curve.fixed == pytest.approx(fixed) and curve(2**11) == pytest.approx(fixed + (2e-6 - fixed) / 2)
+    assert curve(2**21) == pytest.approx(3000e-6 + (3000e-6 - 80e-6) / (2**20 - 2**18) * 2**20)  # past: the last slope
+    assert fit_linear(sizes, seconds)(2**16) > 8 * curve(2**16)  # what one line made of a 64 KiB add
+    assert curve.error > 0  # leave-one-out over the inner rows
+
+
+def test_a_biased_product_writes_its_bias_first_on_a_cpu_and_nothing_on_a_gpu(tmp_path):
+    """torch's CPU addmm copies the bias into every output row before the product adds into
+    them (a pass over the output); cuBLASLt adds it in the product's epilogue."""
+    gpt, llama = (StageOperators(Shape(s, 2, 64, 64, 4), 1, False, False) for s in (GPT, LLAMA))
+    f = gpt.action("F")
+    biases = [o for o in f if isinstance(o, Pointwise) and o.kind == "bias"]
+    products = [o for o in f if isinstance(o, Product) and o.name in ("qkv", "proj", "fc1", "fc2")]
+    assert sorted(b.elements for b in biases) == sorted(p.m * p.n for p in products)
+    # each just before its product, none in the backward (the bias's gradient is W's sum)
+    assert all(isinstance(f[f.index(b) + 1], Product) for b in biases)
+    assert not [o for o in gpt.action("B") if isinstance(o, Pointwise) and o.kind == "bias"]
+    assert not [o for o in llama.action("F") if isinstance(o, Pointwise) and o.kind == "bias"]
+    gpu = load_profile(H200)
+    sweep = json.loads(H200.read_text())
+    sweep["device"] = "cpu"
+    cpu = from_sweep(sweep, "as a cpu")
+    assert gpu.time(biases[0]) == 0.0 and cpu.time(biases[0]) == pytest.approx(
+        cpu.time(Pointwise("add", "fwd", biases[0].elements, 4)))
+
+
+def test_a_reference_pipeline_gives_each_action_kind_its_time_per_block_beyond_the_price():
+    from pipeflow.planning.device_profile import in_step_rows
+
+    times = {"F|0|0": 9e-3, "F|1|0": 10e-3, "B|0|0": 15e-3, "B|1|0": 16e-3, "I|1|0": 11e-3, "W|1|0": 6e-3}
+    priced = {"F|0|0": 8e-3, "F|1|0": 9.4e-3, "B|0|0": 15.2e-3, "B|1|0": 15.6e-3, "I|1|0": 10e-3, "W|1|0": 5e-3}
+    got = in_step_rows(times, priced, [2, 2])
+    # the median over the stages of (measured - priced) per block; I and W were timed in
+    # loops, outside a step: I takes B's, W none
+    assert got["F"] == pytest.approx((0.5e-3 + 0.3e-3) / 2) and got["B"] == pytest.approx((-0.1e-3 + 0.2e-3) / 2)
+    assert got["I"] == got["B"] and got["W"] == 0.0
+    # a GPU's host overlaps its kernels: no block or step time is added there
+    prof = load_profile(H200)
+    assert prof.kernel_s is not None and prof.block_time("gpt", "F") == 0.0

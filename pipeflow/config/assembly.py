@@ -337,6 +337,17 @@ def host_calibrated(cfg: DictConfig, cost: CostModel | None) -> bool:
     return isinstance(cost, CalibratedCost) and cfg.topology.name == "local_cpu"
 
 
+def profiled_host(path: str) -> dict:
+    """The ``local_cpu`` keys a CPU profile measured (its cores, their contention, a gloo
+    message's cost, the all-reduce's rate: section ``pipeline``), none where it has none."""
+    from pipeflow.planning.device_profile import ProfileError, load_profile
+
+    try:
+        return dict(load_profile(path).host)
+    except ProfileError as err:
+        raise ConfigError(str(err)) from None
+
+
 def check_profile_cost(cfg: DictConfig, cost: CostModel) -> None:
     """A device profile (topology.device_profile) is read by the analytic cost alone: under
     another cost model it would be ignored, so it is refused."""
@@ -355,6 +366,9 @@ def run_topology(cfg: DictConfig, schedule: Schedule, cost: CostModel | None = N
     if host_calibrated(cfg, cost):
         # the calibrated host: its cores, their contention, and a gloo message's cost
         topo_cfg = {**OmegaConf.to_container(cfg.topology, resolve=True), **cost.host}
+    elif cfg.topology.name == "local_cpu" and cfg.topology.get("device_profile"):
+        # the same, measured by the profile's own reference pipeline (section pipeline)
+        topo_cfg = {**OmegaConf.to_container(cfg.topology, resolve=True), **profiled_host(cfg.topology.device_profile)}
     needed = devices_needed_for(cfg)
     if tensor > 1:
         needed += f" and pipeline.tensor_parallel={tensor}: {schedule.num_devices} x {tensor} devices"

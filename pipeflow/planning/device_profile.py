@@ -10,10 +10,13 @@ operator of :mod:`pipeflow.planning.operators` from those rows:
   (a product that small waits on its launch, not its FLOPs);
 - attention: the throughput at the nearest head dimension and number of heads,
   interpolated in the prefix's length, forward and backward apart;
-- memory-bound operators (norms, activations, adds, copies), the loss and the
-  optimizer: a fixed cost plus a cost per element (per parameter and per tensor for
-  the optimizer), fitted by least squares on the rows where the device, not the host,
-  sets the time;
+- memory-bound operators (norms, activations, adds, copies) and the loss: on a GPU a
+  fixed cost (its kernels') plus a cost per element fitted on the rows where the
+  device, not the host, sets the time (:class:`Linear`); on a CPU the measured times
+  interpolated between the rows (:class:`Curve`: its bandwidth depends on the size,
+  cache to DRAM to fresh pages);
+- the optimizer: a fixed cost plus a cost per parameter and per tensor, fitted by
+  least squares;
 - the host: ``launch_s`` per kernel issued, ``backward_call_s`` per backward pass.
 
 An action's time (:meth:`DeviceProfile.action`) runs its operators in order with the
@@ -40,8 +43,10 @@ _SWEPT = {"layernorm": "layernorm", "rmsnorm": "rmsnorm_llama", "gelu": "gelu_ta
           "add": "add", "copy": "copy"}
 # kinds the sweep does not time, priced as a swept one over as many passes of their elements:
 # the rotation (two products, a negation, a concatenation, a sum: about five adds' traffic),
-# a bias's or a norm's sum over tokens (one read: half a copy), softmax (a norm's passes)
-_AS = {"rotary": ("add", 5.0), "reduce": ("copy", 0.5), "softmax": ("layernorm", 1.0)}
+# a bias's or a norm's sum over tokens (one read: half a copy), softmax (a norm's passes), a
+# product's bias written into its output (an add's pass: a strided read and a write, not the
+# swept copy's memcpy; nothing on a GPU, see _pointwise)
+_AS = {"rotary": ("add", 5.0), "reduce": ("copy", 0.5), "softmax": ("layernorm", 1.0), "bias": ("add", 1.0)}
 _DTYPES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "float32": 4, "fp32": 4}
 
 
@@ -79,6 +84,62 @@ def fit_linear(sizes, seconds, fixed: float | None = None) -> Linear:
     per = max(float(np.sum((y - fixed) * x) / np.sum(x * x)), 0.0)
     fit = fixed + per * x
     return Linear(fixed, per, float(np.sqrt(np.mean(((fit - y) / y) ** 2))), int(len(x)))
+
+
+@dataclass(frozen=True)
+class Curve:
+    """Seconds of a memory-bound operator against its elements, as measured: linear
+    between neighbouring rows; under the smallest, ``fixed`` plus that row's time per
+    element beyond it; over the largest, the last two rows' slope.
+
+    One straight line cannot fit a CPU: its bandwidth falls as an operator's inputs
+    leave the caches, and over the 32 MiB that glibc maps fresh for every allocation
+    each output page is faulted in anew (a 64 MiB copy ran at 4 GB/s, a 1 MiB one at
+    76). A line through every row priced gpt_tiny's 256 KiB adds at 74 us against the
+    11 measured, and the backward's memory-bound operators at 6.1 ms a stage against the
+    2.2 that torch's profiler counted in the run. ``error``: relative RMS error
+    predicting each inner row from the others."""
+
+    sizes: tuple
+    seconds: tuple
+    fixed: float = 0.0  # a call's own cost (a GPU: its kernels; a CPU: the rows' intercept)
+    error: float = 0.0
+
+    @property
+    def rows(self) -> int:
+        return len(self.sizes)
+
+    def __call__(self, size: float) -> float:
+        xs, ys = self.sizes, self.seconds
+        if size <= xs[0]:
+            return self.fixed + (ys[0] - self.fixed) * size / xs[0]
+        if size >= xs[-1]:
+            if len(xs) == 1:
+                return ys[0] * size / xs[0]
+            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+            return ys[-1] + max(slope, 0.0) * (size - xs[-1])
+        return float(np.interp(size, xs, ys))
+
+
+def fit_curve(sizes, seconds, fixed: float | None = None) -> Curve:
+    """The :class:`Curve` through ``(sizes, seconds)`` (several rows at one size: their
+    median). ``fixed``: a GPU's cost per kernel, measured by replaying a graph of them
+    (the device's own share of a small kernel); otherwise the intercept of the line
+    through the two smallest rows, kept in [0, the smallest time] (a CPU's cost per call)."""
+    by: dict = {}
+    for x, y in zip(sizes, seconds):
+        by.setdefault(float(x), []).append(float(y))
+    xs = sorted(by)
+    ys = [float(np.median(by[x])) for x in xs]
+    if fixed is None:
+        fixed = 0.0
+        if len(xs) >= 2:
+            slope = (ys[1] - ys[0]) / (xs[1] - xs[0])
+            fixed = min(max(ys[0] - slope * xs[0], 0.0), ys[0])
+    fixed = min(float(fixed), ys[0])
+    errs = [Curve(tuple(xs[:i] + xs[i + 1:]), tuple(ys[:i] + ys[i + 1:]), fixed)(xs[i]) / ys[i] - 1.0
+            for i in range(1, len(xs) - 1)]
+    return Curve(tuple(xs), tuple(ys), fixed, float(np.sqrt(np.mean(np.square(errs)))) if errs else 0.0)
 
 
 @dataclass(frozen=True)
@@ -156,10 +217,19 @@ class DeviceProfile:
     kernel_s: float | None = None
     products: dict = field(default_factory=dict)  # (dtype bytes, phase, aligned) -> (Table, smallest m)
     attention: dict = field(default_factory=dict)  # (dtype bytes, head dim, causal, phase) -> Table over (log keys, log heads)
-    pointwise: dict = field(default_factory=dict)  # (swept kind, dtype bytes, phase) -> Linear over elements
-    loss: dict = field(default_factory=dict)  # (dtype bytes, phase) -> Linear over tokens x vocab
+    pointwise: dict = field(default_factory=dict)  # (swept kind, dtype bytes, phase) -> Curve (CPU) or Linear (GPU) over elements
+    loss: dict = field(default_factory=dict)  # (dtype bytes, phase) -> Curve (CPU) or Linear (GPU) over tokens x vocab
     step: dict = field(default_factory=dict)  # impl -> StepFit
     grad_norm: StepFit | None = None  # the clip's norm and scale (section grad_norm); None: priced as passes
+    # (model family, F|B|I|W) -> the host's seconds per block beyond its kernels' calls (section
+    # blocks, a CPU's: pipeflow.runtime.block_host); a family not measured gets none
+    block_host: dict = field(default_factory=dict)
+    # F|B|I|W -> the seconds per block an action takes inside a step beyond its operators and
+    # its block's host time priced alone, and the local host's topology keys: section
+    # pipeline (a CPU's reference pipeline calibrated; pipeflow.measure_device); none where
+    # not measured
+    in_step: dict = field(default_factory=dict)
+    host: dict = field(default_factory=dict)
     facts: dict = field(default_factory=dict)  # the sweep's device, torch, host
 
     # ------------------------------------------------------------ pricing
@@ -202,6 +272,8 @@ class DeviceProfile:
         return self.attention[key]((math.log(op.keys), math.log(op.heads or op.batch_heads)))
 
     def _pointwise(self, op: Pointwise) -> float:
+        if op.kind == "bias" and self.kernel_s is not None:
+            return 0.0  # a GPU's product adds its bias in its epilogue (cuBLASLt)
         kind, passes = _AS.get(op.kind, (op.kind, 1.0))
         swept = _SWEPT[kind]
         # a cast, an add of gradients or a sum is its forward kernel again
@@ -209,7 +281,7 @@ class DeviceProfile:
         fit = self._lookup(self.pointwise, (swept, op.dtype_bytes, phase), "pointwise") \
             if (swept, op.dtype_bytes, phase) in self.pointwise else \
             self._lookup(self.pointwise, (swept, 4 if op.dtype_bytes == 2 else 2, phase), "pointwise")
-        return fit.fixed + fit.per * op.elements * passes
+        return fit(op.elements * passes)
 
     def _grad_norm(self, op: GradNorm) -> float:
         """As measured (section grad_norm), or, in a sweep without it, its passes: a read of
@@ -219,6 +291,20 @@ class DeviceProfile:
         each = max(1, op.params // max(1, op.tensors))
         passes = [Pointwise("reduce", "fwd", each, 4, count=op.tensors), Pointwise("copy", "fwd", each, 4, count=op.tensors)]
         return sum(self.time(p) for p in passes) + 6 * op.tensors * self.launch_s
+
+    def block_time(self, family: str, kind: str, first: bool = False) -> float:
+        """The host's seconds per block of ``family`` in action ``kind`` beyond what its
+        operators price: its block measured alone (section ``blocks``) and what a step
+        adds to that (section ``pipeline``); 0 where not measured, and on a GPU, whose host
+        overlaps its kernels. A first stage has no input path: its I is empty, its W the
+        whole backward."""
+        if self.kernel_s is not None:
+            return 0.0
+        if first and kind in "IW":
+            if kind == "I":
+                return 0.0
+            kind = "B"
+        return max(self.block_host.get((family, kind), 0.0) + self.in_step.get(kind, 0.0), 0.0)
 
     def _lookup(self, table: dict, key, what: str):
         got = table.get(key)
@@ -339,6 +425,17 @@ _SWEPT_KERNELS = {"copy": (1, 1), "add": (1, 1), "gelu_tanh": (1, 1), "silu_mul"
                   "rmsnorm_llama": (7, 12)}
 
 
+def fit_memory_bound(rows: list[tuple[float, float]], kernel_fixed: float | None):
+    """A memory-bound class's model from its (elements, seconds) rows: on a GPU
+    (``kernel_fixed``: its kernels' own cost) a :class:`Linear` through the device-bound
+    rows, since the sweep's small rows time the host issuing them back to back (what the
+    action's launches price apart); on a CPU, where a call's time is the operator's, the
+    :class:`Curve` through every row."""
+    if kernel_fixed is None:
+        return fit_curve(*zip(*rows))
+    return fit_linear(*zip(*rows), kernel_fixed)
+
+
 def _pointwise(sweep: dict, kernel_s: float | None, serial_call: float) -> dict:
     grouped: dict = {}
     for r in _rows(sweep, "elementwise"):
@@ -351,7 +448,7 @@ def _pointwise(sweep: dict, kernel_s: float | None, serial_call: float) -> dict:
     for (op, dtype, phase), rows in grouped.items():
         if len(rows) >= 2:
             launches = _SWEPT_KERNELS.get(op, (1, 1))[phase == "bwd"]
-            out[(op, dtype, phase)] = fit_linear(*zip(*rows), None if kernel_s is None else launches * kernel_s)
+            out[(op, dtype, phase)] = fit_memory_bound(rows, None if kernel_s is None else launches * kernel_s)
     return out
 
 
@@ -364,7 +461,7 @@ def _loss(sweep: dict, kernel_s: float | None, serial_call: float) -> dict:
         if _backward(r, serial_call) > 0:
             grouped.setdefault((dtype, "bwd"), []).append((n, _backward(r, serial_call)))
     # (its forward: a log-softmax and a gather, reduced; its backward about as many)
-    return {k: fit_linear(*zip(*v), None if kernel_s is None else 3 * kernel_s)
+    return {k: fit_memory_bound(v, None if kernel_s is None else 3 * kernel_s)
             for k, v in grouped.items() if len(v) >= 2}
 
 
@@ -389,6 +486,36 @@ def _host(sweep: dict) -> tuple[float, float, float | None]:
     return launch, backward, kernel
 
 
+def _block_host(sweep: dict, launch: float, backward_call: float) -> dict:
+    """Per (family, kind): a block's measured time at a tiny size (section ``blocks``) less
+    the calls its kernels make (``launch`` each, priced with the operators) and, in B and
+    I, the backward pass's start (``backward_call``, priced once per action)."""
+    out: dict = {}
+    for r in _rows(sweep, "blocks"):
+        for kind in "FBIW":
+            t = r[f"{kind}_s"] - r["kernels"][kind] * launch - (backward_call if kind in "BI" else 0.0)
+            out[(r["family"], kind)] = max(t, 0.0)
+    return out
+
+
+def in_step_rows(times: dict, priced: dict, layers: list[int]) -> dict[str, float]:
+    """Per action kind, the seconds per block an action of the reference pipeline took in
+    its step beyond its price: the median over its stages of (calibrated time, ``times``,
+    a calibration's ``"F|stage|segment"`` keys) less the priced time (``priced``, the same
+    keys), over the stage's blocks (``layers``). A 1F1B replay runs F and B; its I and W
+    come from tight loops, which hold none of a step's state: I takes B's (it walks B's
+    graph), W none (its products run by hand, outside autograd)."""
+    extra: dict = {}
+    for key, t in priced.items():
+        kind, stage = key.split("|")[0], int(key.split("|")[1])
+        if key in times and layers[stage] > 0:
+            extra.setdefault(kind, []).append((float(times[key]) - t) / layers[stage])
+    out = {k: float(np.median(v)) for k, v in extra.items() if k in "FB"}
+    if "B" in out:
+        out["I"], out["W"] = out["B"], 0.0
+    return out
+
+
 def from_sweep(sweep: dict, name: str, source: str = "") -> DeviceProfile:
     """A profile from a sweep's JSON (the format :mod:`pipeflow.topology.op_sweep` writes)."""
     if not isinstance(sweep, dict) or "sections" not in sweep:
@@ -401,6 +528,11 @@ def from_sweep(sweep: dict, name: str, source: str = "") -> DeviceProfile:
                          _pointwise(sweep, kernel, serial), _loss(sweep, kernel, serial),
                          {impl: fit_step([r for r in adamw if r["impl"] == impl]) for impl in {r["impl"] for r in adamw}},
                          {k: sweep[k] for k in ("device", "gpu", "torch", "host", "cpu_isa") if k in sweep})
+    prof.block_host = _block_host(sweep, launch, backward)
+    pipeline = _rows(sweep, "pipeline")
+    if pipeline:
+        prof.in_step = {k: float(v) for k, v in pipeline[-1].get("in_step", {}).items()}
+        prof.host = dict(pipeline[-1].get("host", {}))
     norms = [{**r, "s": r["s"] + r.get("scale_s", 0.0)} for r in _rows(sweep, "grad_norm")]
     prof.grad_norm = fit_step(norms) if len(norms) >= 3 else None
     missing = [what for what, got in (("products", prof.products), ("pointwise", prof.pointwise),
@@ -411,14 +543,18 @@ def from_sweep(sweep: dict, name: str, source: str = "") -> DeviceProfile:
     return prof
 
 
-_LOADED: dict[str, DeviceProfile] = {}
+_LOADED: dict[tuple, DeviceProfile] = {}
 
 
 def load_profile(path: str | Path, name: str | None = None) -> DeviceProfile:
     """The profile in ``path`` (a sweep's JSON), read once per process."""
-    key = str(Path(path).resolve())
+    p = Path(path)
+    try:  # a file measured again (or written section by section) is read again
+        stat = p.stat()
+        key = (str(p.resolve()), stat.st_mtime_ns, stat.st_size)
+    except OSError:
+        key = (str(p.resolve()), 0, 0)
     if key not in _LOADED:
-        p = Path(path)
         if not p.is_file():
             raise ProfileError(f"topology.device_profile={path}: no such file (make one with "
                                f"python -m pipeflow.measure_device --out {path})")

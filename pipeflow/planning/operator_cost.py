@@ -54,6 +54,9 @@ class OperatorTimes:
             prof = load_profile(profile)  # (read once per process)
             ops = self.operators(kind, stage, segment)
             t, split = prof.action(ops, backward=kind in "BIW")
+            if kind != "S":  # the host's own time per block, beyond the kernels' calls (a CPU's)
+                host = self.layers_per_stage[stage] * prof.block_time(self.spec.family, kind, first=stage == 0)
+                t, split = t + host, {**split, "host": split.get("host", 0.0) + host}
             cache[key] = (t, tuple(split.items()))
         return cache[key]
 

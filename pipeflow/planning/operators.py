@@ -38,7 +38,7 @@ from typing import Iterable
 from .transformer import RESIDUAL_BYTES, TransformerSpec, embedding_params, head_params, layer_params
 
 PHASES = ("fwd", "dgrad", "wgrad")
-POINTWISE = ("layernorm", "rmsnorm", "gelu", "silu_mul", "add", "copy", "rotary", "reduce", "softmax")
+POINTWISE = ("layernorm", "rmsnorm", "gelu", "silu_mul", "add", "copy", "rotary", "reduce", "softmax", "bias")
 # the operator classes a breakdown reports (docs/simulation.md, "Operators")
 CLASSES = ("product", "attention", "norm", "pointwise", "loss", "optimizer", "host")
 
@@ -224,7 +224,7 @@ def attention_forward(sh: Shape) -> list[Operator]:
         ops.append(_attention(sh, "fwd"))
     ops.append(Pointwise("copy", "fwd", T * q, c, name="merge heads"))
     ops.append(Product("fwd", T, q, s.n_embd, c, name="proj"))
-    return ops
+    return _biased(s, ops)
 
 
 def _eager_scores(sh: Shape, phase: str) -> list[Operator]:
@@ -249,12 +249,25 @@ def block_forward(sh: Shape) -> list[Operator]:
     attention = [*pre, *_cast(sh, T * H, "fwd", "cast"), *attention_forward(sh), stream, *post]
     mlp: list[Operator] = [*pre, *_cast(sh, T * H, "fwd", "cast")]
     ups = _mlp(sh)
-    mlp += [Product("fwd", T, k, n, c, name=name) for name, k, n in ups[:-1]]
+    mlp += _biased(s, [Product("fwd", T, k, n, c, name=name) for name, k, n in ups[:-1]])
     width = s.ffn_width
     mlp.append(Pointwise("silu_mul" if s.mlp == "gated" else "gelu", "fwd", T * width, c, name="activation"))
     name, k, n = ups[-1]
-    mlp += [Product("fwd", T, k, n, c, name=name), stream, *post]
+    mlp += [*_biased(s, [Product("fwd", T, k, n, c, name=name)]), stream, *post]
     return attention + mlp
+
+
+def _biased(s: TransformerSpec, ops: list[Operator]) -> list[Operator]:
+    """``ops`` with each biased product's bias written into its output first (kind
+    ``bias``: torch's CPU addmm copies the bias into every row before the product adds
+    into them; on a GPU cuBLASLt adds it in the product's epilogue, and the profile
+    prices it at nothing)."""
+    out: list[Operator] = []
+    for op in ops:
+        if isinstance(op, Product) and op.name not in ("scores", "mix") and _has_bias(s, op.name):
+            out.append(Pointwise("bias", "fwd", op.m * op.n * op.count, op.dtype_bytes, name="bias"))
+        out.append(op)
+    return out
 
 
 def block_input_backward(sh: Shape) -> list[Operator]:
@@ -270,6 +283,8 @@ def block_input_backward(sh: Shape) -> list[Operator]:
             ops.append(replace(op, phase="bwd"))
         elif op.kind == "softmax":
             ops += _eager_scores(sh, "bwd")
+        elif op.kind == "bias":
+            continue  # its gradient is W's sum over the tokens
         else:  # (an add's backward: the stream's gradients from the branch and the skip, summed)
             ops.append(replace(op, phase="bwd"))
     return ops

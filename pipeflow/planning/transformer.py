@@ -76,6 +76,7 @@ class TransformerSpec:
     # Q, K and V: BERT, Llama-style decoders); at 16 bits each saves its own autocast copy
     qkv_inputs: int = 1
     hf_keys: bool = False  # the model's keys are a Hugging Face config's (model.hf.*): refusals name those
+    family: str = ""  # model.family (a device profile's host time per block is the family's own)
 
     def __post_init__(self) -> None:
         if self.recompute not in ("none", "full", "selective"):
@@ -185,6 +186,7 @@ class TransformerSpec:
             post_norm=family == "bert",
             weights_in_out=family == "gpt",
             hf_keys=family == "hf_causal",
+            family=family,
             **shape,
         )
 

@@ -55,6 +55,8 @@ class Grid:
     ce_vocabs: tuple[int, ...]
     adamw: list[tuple[int, int]]  # (parameters, tensors)
     hidden: int = 1024  # the elementwise inputs' last dimension
+    # the elementwise calls cycle through inputs of this many bytes in all: past the caches
+    cold_bytes: int = 128 << 20
     sdpa_dtypes: tuple[str, ...] = ("bfloat16",)  # attention's dtypes (a CPU trains in fp32 by default)
     samples: int = 5  # timed samples of each measurement (after two warm-up calls and one to size them)
 
@@ -75,7 +77,8 @@ def _cuda_grid() -> Grid:
 
 def _cpu_grid() -> Grid:
     """A grid two CPU cores measure in one to two minutes: products at 128..2048 tokens,
-    attention over 128..1024 tokens (about 2k tokens a call), inputs of 256 KB..64 MB."""
+    attention over 128..1024 tokens (about 2k tokens a call), inputs of 16 KB..64 MB (in the
+    caches to past glibc's 32 MiB of memory mapped fresh per allocation)."""
     heads = [(4, 32), (12, 64)]  # gpt_tiny's and gpt_small's heads
     sdpa = [(max(1, 2048 // s), h, s, d, True) for s in (128, 256, 512, 1024) for h, d in heads]
     sdpa += [(2048 // s, 12, s, 64, False) for s in (128, 512)]  # BERT: not causal
@@ -83,7 +86,7 @@ def _cpu_grid() -> Grid:
         launch_calls=2000, gemm_ms=[128, 256, 512, 1024, 2048], gemm_shapes=CPU_GEMM_SHAPES,
         fp32_shapes=[(1024, 768, 768), (1024, 768, 3072), (1024, 3072, 768), (1024, 1024, 4096),
                      (256, 768, 50257)],
-        sdpa=sdpa, elementwise_sizes=[2**18, 2**20, 2**22, 2**24, 2**26], ce_tokens=[128, 512, 1024],
+        sdpa=sdpa, elementwise_sizes=[2**14, 2**16, 2**18, 2**20, 2**22, 2**24, 2**26], ce_tokens=[128, 512, 1024],
         ce_vocabs=(256, 8192, 50257),
         adamw=[(10**5, 4), (10**6, 16), (10**6, 64), (10**7, 64), (2 * 10**7, 128)],
         samples=3,  # a CPU's large calls take tens of milliseconds each, one at a time
@@ -97,7 +100,7 @@ def _smoke_grid() -> Grid:
         gemm_shapes={name: (max(16, k // 32), max(16, n // 32)) for name, (k, n) in GEMM_SHAPES.items()},
         fp32_shapes=[(64, 32, 64)], sdpa=[(1, 2, s, d, True) for s in (64, 128) for d in (16, 32)],
         elementwise_sizes=[2**18, 2**20], ce_tokens=[64], ce_vocabs=(32000, 50257, 50304),
-        adamw=[(10**4, 4), (10**5, 16)])
+        adamw=[(10**4, 4), (10**5, 16)], cold_bytes=4 << 20)
 
 
 def grid_for(device: str, smoke: bool) -> Grid:
@@ -365,7 +368,16 @@ def _rmsnorm(torch, x, w, eps=1e-5):
 def ops_elementwise(sw: Sweep, rows: list, deadline: float):
     """Norms and elementwise ops over the grid's input sizes (hidden 1024), bf16 and fp32,
     forward and forward+backward: time and the fewest bytes each must move (inputs read
-    once, outputs written once), for a fixed cost + bytes / bandwidth fit."""
+    once, outputs written once).
+
+    Each call reads inputs that no recent call touched: the calls cycle through a pool of
+    inputs of ``cold_bytes`` in all, past the caches, as a model's operators read
+    activations written long before. Over one pair of inputs a 256 KiB fp32 add ran in
+    9.6 us on a 2-core EPYC (its inputs in L2); cycling, 26 us, and inside gpt_tiny's
+    forward torch's profiler counted 25.6 us a call. (Keeping each output a while as
+    well, so that every call wrote fresh memory, made a 1 MiB copy 529 us, page faults
+    mostly; inside the model the same write took 142 us: the allocator there reuses
+    memory the last microbatch freed. The outputs are dropped at once here.)"""
     torch = sw.torch
     import torch.nn.functional as F
 
@@ -374,32 +386,46 @@ def ops_elementwise(sw: Sweep, rows: list, deadline: float):
         e = torch.tensor([], dtype=dtype).element_size()
         for size in sw.grid.elementwise_sizes:
             rows_n = max(1, size // (H * e))
-            x = sw.randn(rows_n, H, dtype=dtype, grad=True)
-            y = sw.randn(rows_n, H, dtype=dtype, grad=True)
+            nb = rows_n * H * e
+            pool = [(sw.randn(rows_n, H, dtype=dtype, grad=True), sw.randn(rows_n, H, dtype=dtype, grad=True))
+                    for _ in range(max(2, math.ceil(sw.grid.cold_bytes / (2 * nb))))]
             gy = sw.randn(rows_n, H, dtype=dtype)
             ln = torch.nn.LayerNorm(H, device=sw.dev, dtype=dtype)
             wr = torch.ones(H, device=sw.dev, dtype=dtype, requires_grad=True)
-            nb = rows_n * H * e
-            ops = {  # name: (fn, fewest bytes forward, fewest bytes forward+backward)
-                "copy": (lambda: x.detach().clone(), 2 * nb, None),
-                "add": (lambda: x + y, 3 * nb, 6 * nb),
-                "gelu_tanh": (lambda: F.gelu(x, approximate="tanh"), 2 * nb, 5 * nb),
-                "silu_mul": (lambda: F.silu(x) * y, 3 * nb, 8 * nb),
-                "layernorm": (lambda: ln(x), 2 * nb, 5 * nb),
-                "rmsnorm_llama": (lambda: _rmsnorm(torch, x, wr), 2 * nb, 5 * nb),
+            weights = (*ln.parameters(), wr)
+            turn = [0]
+
+            def pair():
+                turn[0] = (turn[0] + 1) % len(pool)
+                return pool[turn[0]]
+
+            def one(fn):
+                return lambda: fn(*pair())
+
+            ops = {  # name: (fn of two inputs, fewest bytes forward, fewest bytes forward+backward)
+                "copy": (lambda x, y: x.detach().clone(), 2 * nb, None),
+                "add": (lambda x, y: x + y, 3 * nb, 6 * nb),
+                "gelu_tanh": (lambda x, y: F.gelu(x, approximate="tanh"), 2 * nb, 5 * nb),
+                "silu_mul": (lambda x, y: F.silu(x) * y, 3 * nb, 8 * nb),
+                "layernorm": (lambda x, y: ln(x), 2 * nb, 5 * nb),
+                "rmsnorm_llama": (lambda x, y: _rmsnorm(torch, x, wr), 2 * nb, 5 * nb),
             }
             for name, (fn, fwd_bytes, fb_bytes) in ops.items():
                 if time.monotonic() > deadline:
                     return False
-                t = sw.time(lambda: fn(), samples=sw.grid.samples)
+                t = sw.time(one(fn), samples=sw.grid.samples)
                 row = {"op": name, "dtype": str(dtype).split(".")[-1], "rows": rows_n, "hidden": H, "input_bytes": nb,
-                       "fwd_s": t["s"], "fwd_bytes": fwd_bytes, "fwd_GBps": fwd_bytes / t["s"] / 1e9}
+                       "pool": len(pool), "fwd_s": t["s"], "fwd_bytes": fwd_bytes, "fwd_GBps": fwd_bytes / t["s"] / 1e9}
                 if fb_bytes is not None:
-                    t2 = sw.time(lambda: torch.autograd.backward(fn(), gy), samples=sw.grid.samples)
+                    # the inputs' gradients returned, not accumulated into .grad: a model's
+                    # activation gradients are made and dropped (accumulating into each of the
+                    # pool's cold .grad buffers allocated them fresh: page faults each call)
+                    t2 = sw.time(one(lambda x, y, fn=fn: torch.autograd.grad(fn(x, y), (x, y, *weights), gy,
+                                                                              allow_unused=True)),
+                                 samples=sw.grid.samples)
                     row.update(fwd_bwd_s=t2["s"], fwd_bwd_bytes=fb_bytes, fwd_bwd_GBps=fb_bytes / t2["s"] / 1e9)
                 rows.append(row)
-                x.grad = y.grad = None
-            del x, y, gy
+            del pool, gy
             sw.save()
     return True
 
@@ -498,7 +524,7 @@ CPU_SECTIONS = [  # a CPU's: its products in fp32 too, the runs it prices being 
     ("cross_entropy", 0.85, ops_cross_entropy),
     ("adamw", 0.91, ops_adamw),
     ("grad_norm", 0.94, ops_grad_norm),
-    ("gemm_fp32", 1.0, ops_fp32_gemm),
+    ("gemm_fp32", 0.98, ops_fp32_gemm),
 ]
 
 
@@ -508,9 +534,10 @@ def sections_for(device: str) -> list:
 
 
 def sweep(path: Path, budget_s: float, device: str, smoke: bool = False, say: Callable[[str], None] = print,
-          threads: int | None = None) -> dict:
+          threads: int | None = None, extra: tuple = ()) -> dict:
     """Measure ``device``'s operators within ``budget_s`` seconds into ``path`` at ``threads``
-    intra-op threads (None: torch's setting as it stands); the document."""
+    intra-op threads (None: torch's setting as it stands); the document. ``extra``: more
+    sections, (name, share's end, body(rows, deadline)), run after the device's own."""
     import torch
 
     before = torch.get_num_threads()
@@ -521,6 +548,8 @@ def sweep(path: Path, budget_s: float, device: str, smoke: bool = False, say: Ca
         sw.save()
         for name, share_end, body in sections_for(device):
             sw.section(name, share_end, lambda rows, deadline, body=body: body(sw, rows, deadline))
+        for name, share_end, body in extra:
+            sw.section(name, share_end, body)
     finally:
         torch.set_num_threads(before)
     statuses = [s["status"] for s in sw.doc["sections"].values()]
