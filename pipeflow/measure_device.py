@@ -82,7 +82,7 @@ def pipeline_rows(rows: list, deadline: float, path: Path, ranks: int, threads: 
 
     from pipeflow.calibrate import calibrate
     from pipeflow.config import compose, prepare_simulation
-    from pipeflow.planning.device_profile import in_step_rows
+    from pipeflow.planning.device_profile import in_step_rows, sync_collectives
 
     over = reference(ranks, threads, smoke)
     with tempfile.TemporaryDirectory(prefix="pipeflow-measure-") as tmp:
@@ -95,13 +95,13 @@ def pipeline_rows(rows: list, deadline: float, path: Path, ranks: int, threads: 
         device = inputs.topology.devices[0]
         priced = {key: inputs.cost.compute_time(key.split("|")[0], int(key.split("|")[1]), 0, device)
                   for key in data["times"] if key[0] in "FBIW" and not key.startswith("I|0|")}
-    # (not the all-reduce's rate: the reference's tied embedding is 128 KiB, whose all-reduce
-    # is its latency, 20 MB/s as a rate, and priced so GPT-2 small's would take seconds)
-    keep = ("cores", "contention", "latency", "bandwidth", "message_host")
+    # (the all-reduce's rate as the calibration measured it at 1 and 8 MiB, not from the
+    # step's synchronisation: its tied embedding is 128 KiB, whose all-reduce is its fixed cost)
+    keep = ("cores", "contention", "latency", "bandwidth", "message_host", "collective_bandwidth")
     rows.append({"reference": over, "host": {k: data["host"][k] for k in keep if k in data["host"]},
                  "times": {k: data["times"][k] for k in priced}, "priced": priced,
                  "in_step": in_step_rows(data["times"], priced, list(inputs.cost.layers_per_stage)),
-                 "sync_s": data.get("sync_s")})
+                 "sync_s": data.get("sync_s"), "sync_collectives": sync_collectives(inputs.cost.spec, ranks)})
     return True
 
 

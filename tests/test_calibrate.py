@@ -49,6 +49,10 @@ def test_calibration_has_every_action_of_every_stage(chain):
     assert host["latency"] >= 0 and host["bandwidth"] > 0 and len(host["link_points"]) == 3
     assert host["message_host"] > 0  # posting a gloo message takes the rank some time
     assert cal["sync_s"] > 0
+    # a gloo all-reduce over both ranks at 1 and 8 MiB, its rate in the ring's terms
+    (b1, t1), (b2, t2) = host["collective_points"]
+    assert (b1, b2) == (4.0 * 2**18, 4.0 * 2**21) and 0 < t1 < t2
+    assert host["collective_bandwidth"] == pytest.approx(0.5 * (b2 - b1) / (t2 - t1))
 
 
 def test_calibrated_simulation_uses_the_file(chain):
@@ -60,6 +64,7 @@ def test_calibrated_simulation_uses_the_file(chain):
     assert inputs.topology.cores == cal["host"]["cores"]
     assert inputs.topology.contention == pytest.approx(cal["host"]["contention"])
     assert inputs.topology.message_host == pytest.approx(cal["host"]["message_host"])
+    assert inputs.topology.collective_bandwidth == pytest.approx(cal["host"]["collective_bandwidth"])
     res = simulate(inputs.schedule, inputs.cost, inputs.topology)
     # GPipe: every F and B is priced by the file; each device's STEP adds the step's synchronisation
     assert inputs.cost.step_sync == cal["sync_s"]

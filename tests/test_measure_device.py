@@ -25,7 +25,7 @@ ROW_FIELDS = {  # the fields other code reads from each section's rows
     "gemm_fp32": {"m", "k", "n", "precision", "s"},
     "launch": {"op"},
     "blocks": {"family", "model", "tokens", "F_s", "B_s", "I_s", "W_s", "kernels"},
-    "pipeline": {"reference", "host", "times", "priced", "in_step"},
+    "pipeline": {"reference", "host", "times", "priced", "in_step", "sync_s", "sync_collectives"},
 }
 
 
@@ -102,7 +102,7 @@ def test_the_cpu_sections_give_the_profile_its_block_times_and_host(smoke, tmp_p
     for kind in "FW":
         assert prof.block_host[("gpt", kind)] == pytest.approx(max(gpt[f"{kind}_s"] - gpt["kernels"][kind] * prof.launch_s, 0))
     pipe = doc["sections"]["pipeline"]["rows"][0]
-    assert set(pipe["host"]) == {"cores", "contention", "latency", "bandwidth", "message_host"}
+    assert set(pipe["host"]) == {"cores", "contention", "latency", "bandwidth", "message_host", "collective_bandwidth"}
     assert set(pipe["in_step"]) == {"F", "B", "I", "W"} and pipe["in_step"]["W"] == 0.0
     assert prof.host == pipe["host"] and prof.in_step == pipe["in_step"]
     path = tmp_path / "profile.json"
@@ -117,6 +117,17 @@ def test_the_cpu_sections_give_the_profile_its_block_times_and_host(smoke, tmp_p
     alone = prof.action(ops)[0]
     per_block = max(prof.block_host[("gpt", "F")] + pipe["in_step"]["F"], 0.0)
     assert inputs.cost.compute_time("F", 1, 0, dev) == pytest.approx(alone + 2 * per_block, rel=1e-12)
+    # the step's synchronisation: the reference's (gpt_tiny, tied, 2 ranks) is what it
+    # measured; 4 ranks' world all-reduce takes 3 hops, an untied model has no embedding's
+    rate = pipe["host"]["collective_bandwidth"]
+    assert pipe["sync_collectives"] == [[16.0, 2], [4.0 * 256 * 128, 2]]
+    assert inputs.cost.step_sync == pytest.approx(pipe["sync_s"], rel=1e-9)
+    hop = prof.sync_hop_s
+    assert hop == pytest.approx((pipe["sync_s"] - (8.0 + 65536.0) / rate) / 2, rel=1e-9)
+    four = prepare_simulation(compose("simulate", [*over, "pipeline.stages=4"])).cost.step_sync
+    assert four == pytest.approx(3 * hop + 0.75 * 16 / rate + hop + 65536.0 / rate, rel=1e-9)
+    llama = prepare_simulation(compose("simulate", [*over[1:], "model=llama_tiny"])).cost.step_sync
+    assert llama == pytest.approx(hop + 8.0 / rate, rel=1e-9)
 
 
 def test_a_section_cut_short_says_so(tmp_path):

@@ -348,6 +348,19 @@ def profiled_host(path: str) -> dict:
         raise ConfigError(str(err)) from None
 
 
+def profiled_sync(path: str, spec, schedule: Schedule) -> float:
+    """Seconds of a synchronous step's synchronisation on a profiled CPU host
+    (:meth:`pipeflow.planning.device_profile.DeviceProfile.step_sync`); 0 where the
+    profile calibrated no reference pipeline."""
+    from pipeflow.planning.device_profile import ProfileError, load_profile, sync_collectives
+
+    try:
+        prof = load_profile(path)
+    except ProfileError as err:
+        raise ConfigError(str(err)) from None
+    return prof.step_sync(sync_collectives(spec, schedule.num_devices, schedule.num_stages))
+
+
 def check_profile_cost(cfg: DictConfig, cost: CostModel) -> None:
     """A device profile (topology.device_profile) is read by the analytic cost alone: under
     another cost model it would be ignored, so it is refused."""

@@ -27,6 +27,7 @@ from .assembly import (
     branched_schedule,
     run_topology,
     check_profile_cost,
+    profiled_sync,
     host_calibrated,
     generate_schedule,
     model_spec,
@@ -122,6 +123,10 @@ def prepare_simulation(cfg: DictConfig) -> SimulationInputs:
         except ValueError as err:
             raise naming_key("cost", cfg.cost.name, err) from None
     check_profile_cost(cfg, cost)
+    if isinstance(cost, AnalyticCost) and cfg.topology.name == "local_cpu" and cfg.topology.get("device_profile"):
+        # a synchronous step's all-reduces, as the profile's reference pipeline measured them
+        # (what cost=calibrated charges as its calibration's step_sync)
+        cost.step_sync = profiled_sync(cfg.topology.device_profile, cost.spec, schedule)
     # (the devices once more only where a calibration describes this host's)
     topology = run_topology(cfg, schedule, cost, tensor=tensor) if host_calibrated(cfg, cost) else devices
     if tensor > 1:  # each device's tensor group's collectives, on the group's own links

@@ -230,6 +230,9 @@ class DeviceProfile:
     # not measured
     in_step: dict = field(default_factory=dict)
     host: dict = field(default_factory=dict)
+    # a synchronous step's all-reduces on this host (section pipeline): the fixed seconds of
+    # one, per ring hop, as the reference step measured them; None where not measured
+    sync_hop_s: float | None = None
     facts: dict = field(default_factory=dict)  # the sweep's device, torch, host
 
     # ------------------------------------------------------------ pricing
@@ -305,6 +308,19 @@ class DeviceProfile:
                 return 0.0
             kind = "B"
         return max(self.block_host.get((family, kind), 0.0) + self.in_step.get(kind, 0.0), 0.0)
+
+    def step_sync(self, collectives: list[tuple[float, int]]) -> float:
+        """Seconds of a synchronous step's synchronisation on a profiled CPU host: its
+        all-reduces (``collectives``: (bytes, ranks) each; the runtime's are the gradient
+        norm and the loss over the world, and a tied embedding's gradient between the
+        first and the last stage), each (n - 1) hops of the measured fixed cost and
+        (n - 1) / n of its bytes at the measured all-reduce rate. 0 where the profile did
+        not calibrate a pipeline (section ``pipeline``)."""
+        if self.sync_hop_s is None:
+            return 0.0
+        rate = float(self.host.get("collective_bandwidth") or 0.0)
+        return sum((n - 1) * self.sync_hop_s + ((n - 1) / n * b / rate if rate > 0 else 0.0)
+                   for b, n in collectives if n > 1)
 
     def _lookup(self, table: dict, key, what: str):
         got = table.get(key)
@@ -516,6 +532,31 @@ def in_step_rows(times: dict, priced: dict, layers: list[int]) -> dict[str, floa
     return out
 
 
+def sync_collectives(spec, devices: int, stages: int | None = None) -> list[tuple[float, int]]:
+    """The all-reduces of a synchronous step's synchronisation (the executor's
+    ``_synchronise``), as (bytes, ranks): the gradient norm and the loss in float64 over
+    the world's ``devices``; a tied embedding's fp32 gradient between the first and the
+    last stage's devices where they differ (``stages`` > 1; default: ``devices``).
+    ``spec``: a :class:`~pipeflow.planning.transformer.TransformerSpec` (a tensor rank's)."""
+    out = [(16.0, devices)]
+    if spec.tied and (stages or devices) > 1:
+        out.append((4.0 * spec.vocab_size * spec.n_embd, 2))
+    return out
+
+
+def _sync_hop(row: dict, host: dict) -> float | None:
+    """The fixed seconds per ring hop of the reference step's synchronisation (its
+    ``sync_s`` less its all-reduces' bytes at the measured rate, over their hops); None
+    where the row did not record its collectives."""
+    coll = row.get("sync_collectives")
+    if not coll or row.get("sync_s") is None:
+        return None
+    rate = float(host.get("collective_bandwidth") or 0.0)
+    moved = sum((n - 1) / n * b / rate for b, n in coll if n > 1) if rate > 0 else 0.0
+    hops = sum(n - 1 for _, n in coll if n > 1)
+    return max(float(row["sync_s"]) - moved, 0.0) / hops if hops else None
+
+
 def from_sweep(sweep: dict, name: str, source: str = "") -> DeviceProfile:
     """A profile from a sweep's JSON (the format :mod:`pipeflow.topology.op_sweep` writes)."""
     if not isinstance(sweep, dict) or "sections" not in sweep:
@@ -533,6 +574,7 @@ def from_sweep(sweep: dict, name: str, source: str = "") -> DeviceProfile:
     if pipeline:
         prof.in_step = {k: float(v) for k, v in pipeline[-1].get("in_step", {}).items()}
         prof.host = dict(pipeline[-1].get("host", {}))
+        prof.sync_hop_s = _sync_hop(pipeline[-1], prof.host)
     norms = [{**r, "s": r["s"] + r.get("scale_s", 0.0)} for r in _rows(sweep, "grad_norm")]
     prof.grad_norm = fit_step(norms) if len(norms) >= 3 else None
     missing = [what for what, got in (("products", prof.products), ("pointwise", prof.pointwise),

@@ -150,7 +150,9 @@ class ProfiledCost(CostModel):
 #   the topology, whose ``local_cpu`` latency and bandwidth the calibration sets
 #   (:func:`calibrated_topology_params`), together with the host's ``cores`` and ``contention``
 #   that drive the simulator's processor sharing and ``message_host``, the host time
-#   each message takes from its sender's and its receiver's compute.
+#   each message takes from its sender's and its receiver's compute, and the rate a
+#   gloo all-reduce reaches (``collective_bandwidth``: the replicas' REDUCE, measured at 1
+#   and 8 MiB; calibrations made before it was measured price REDUCE at the link's rate).
 # - memory: the bytes autograd saved in each forward, measured.
 # - tensor parallelism (pipeline.tensor_parallel=T): the times are one rank's of each
 #   device's group of T, their collectives inside as measured, so nothing is added; the
@@ -160,7 +162,7 @@ class ProfiledCost(CostModel):
 # torch-free: a calibration is plain JSON.
 
 FORMAT, VERSION = "pipeflow-calibration", 1
-HOST_KEYS = ("cores", "contention", "latency", "bandwidth", "message_host")
+HOST_KEYS = ("cores", "contention", "latency", "bandwidth", "message_host", "collective_bandwidth")
 
 
 def load_calibration(path: str | Path | None, key: str = "cost.calibration") -> dict:

@@ -265,6 +265,7 @@ def run_rank(rank: int, job) -> dict | None:
     alone = {k: statistics.median(v) for k, v in record.items()}
     alone.update({k: statistics.median(v) for k, v in replayed.items()})
     link = _measure_link(rank, setup, ex, devices, T)
+    collective = _measure_collective(world, T)
     sync = _measure_sync(bench, ex, stages)
     mine = {
         "alone": {f"{k}|{s}|{g}": v for (k, s, g), v in alone.items()},
@@ -272,6 +273,7 @@ def run_rank(rank: int, job) -> dict | None:
         "cpu": cpu,
         "message_host": message_host,
         "link": link,
+        "collective": collective,
         "sync": sync,
         "params": {st.stage: sum(p.numel() * p.element_size() for p in st.params) for st in stages},
         "messages": {f"{p}|{s}|{g}": b for (p, s, g), b in _message_bytes(setup, ex).items()},
@@ -409,6 +411,42 @@ def _measure_link(rank: int, setup, ex: Executor, devices: int, T: int) -> list:
     return link
 
 
+COLLECTIVE_FLOATS = (1 << 18, 1 << 21)  # the all-reduce's two sizes: 1 and 8 MiB of fp32
+
+
+def _measure_collective(world: int, T: int, reps: int = 5) -> list:
+    """A gloo all-reduce over every rank at two sizes (the replicas' REDUCE, a tied
+    embedding's synchronisation): [(bytes, seconds)], the median of ``reps`` after a
+    barrier each; [] with tensor parallelism (its groups' collectives are in the times)
+    or one rank. gloo reduces on the host, chunk by chunk through its own threads: on a
+    2-core EPYC 0.7-0.8 GB/s in the ring's terms, where a ping-pong moves 2-3 GB/s."""
+    if world < 2 or T > 1:
+        return []
+    points = []
+    for numel in COLLECTIVE_FLOATS:
+        buf = torch.ones(numel)
+        times = []
+        for r in range(reps + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(buf)
+            if r:
+                times.append(time.perf_counter() - t0)
+        points.append((numel * 4.0, statistics.median(times)))
+    return points
+
+
+def _collective_bandwidth(points: list, world: int) -> dict:
+    """``collective_bandwidth`` (the topology's ring all-reduce moves (n - 1) / n of the
+    bytes at it) from the two sizes' difference, the fixed cost aside; {} without points."""
+    if len(points) < 2 or world < 2:
+        return {}
+    (b1, t1), (b2, t2) = points[0], points[-1]
+    if not t2 > t1:
+        return {}
+    return {"collective_bandwidth": (world - 1) / world * (b2 - b1) / (t2 - t1), "collective_points": points}
+
+
 def _measure_sync(bench: _Bench, ex: Executor, stages: list) -> float:
     """Run a forward and backward of every stage, then time the step's synchronisation
     five times. Returns the median."""
@@ -484,6 +522,7 @@ def _combine(plan, setup, per_rank: list[dict], world: int, tensor: int = 1,
         "host": {"cores": topo_cores, "contention": contention, "latency": latency, "bandwidth": bandwidth,
                  "message_host": statistics.median(r["message_host"] for r in per_rank),
                  "slowdown_all_ranks": slowdown, "link_points": link,
+                 **_collective_bandwidth(per_rank[0].get("collective", []), world),
                  **({"host_cores": cores, "cpu_per_rank": [r["cpu"] for r in per_rank]} if tensor > 1 else {})},
         "torch": torch.__version__,
     }

@@ -51,6 +51,9 @@ def fitted_host(paths: str | list[str], spec: TransformerSpec, efficiency: float
     if steps:  # the optimizer step: t = params x bytes per param / bandwidth (AnalyticCost's model)
         host["memory_bandwidth"] = sum(b * b for b, _ in steps) / sum(b * t for b, t in steps)
     rates = [f[3] for f in fits if f[3] is not None]
+    # (the rate the step's own synchronisation reached at this model's tied embedding, where
+    # it has one, over the calibration's all-reduce of 1 and 8 MiB between otherwise idle
+    # ranks: 0.18 GB/s for GPT-2 small's 154 MB in its step, 0.5-0.8 GB/s idle at 1-128 MiB)
     if rates:
         host["collective_bandwidth"] = statistics.median(rates)
     return host
