@@ -33,7 +33,7 @@ matmuls, and the input-gradient part I = backward - W.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 from ..families import FAMILIES, family_of
@@ -76,7 +76,9 @@ class TransformerSpec:
     # Q, K and V: BERT, Llama-style decoders); at 16 bits each saves its own autocast copy
     qkv_inputs: int = 1
     hf_keys: bool = False  # the model's keys are a Hugging Face config's (model.hf.*): refusals name those
-    family: str = ""  # model.family (a device profile's host time per block is the family's own)
+    # model.family: a CPU device profile prices its host time per block by family; not part of
+    # the shape (two specs of one shape are equal whichever family named them)
+    family: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if self.recompute not in ("none", "full", "selective"):

@@ -43,6 +43,24 @@ def _median(fn: Callable[[], None], repeats: int) -> float:
     return statistics.median(times)
 
 
+def _phases(first: Callable[[], object], rest: list[Callable[[object], object]], repeats: int) -> list[float]:
+    """Median seconds of each phase of a call made of ``first`` then each of ``rest`` in
+    turn (each fed the previous one's result), every phase timed on its own within the
+    same call: a backward's time is not a difference of two noisy medians."""
+    spans: list[list[float]] = [[] for _ in range(1 + len(rest))]
+    for r in range(repeats + 3):
+        t = time.perf_counter()
+        out = first()
+        marks = [time.perf_counter()]
+        for fn in rest:
+            out = fn(out)
+            marks.append(time.perf_counter())
+        if r >= 3:  # (three warm-up calls)
+            for i, (a, b) in enumerate(zip([t, *marks], marks)):
+                spans[i].append(b - a)
+    return [statistics.median(x) for x in spans]
+
+
 def measure_block(family: str, model_cfg: Mapping, layers: int, seq_len: int = TOKENS, repeats: int = REPEATS) -> dict:
     """Seconds of F, B, I and W of one block of ``family`` (``model_cfg``: a composed model
     config of it, of ``layers`` blocks, three or more) as a middle stage of one block, one microbatch of ``seq_len``
@@ -68,24 +86,19 @@ def measure_block(family: str, model_cfg: Mapping, layers: int, seq_len: int = T
         with meter.hooks():
             return stage(x)
 
-    def whole():
-        torch.autograd.backward(fwd(), grad)
+    def backward(out):
+        torch.autograd.backward(out, grad)
 
-    split: dict = {}
+    def i_only(out):
+        return backward_input(out, grad, [x], params, nodes, keep=meter.keep)[1]
 
-    def i_only():
-        split["pending"] = backward_input(fwd(), grad, [x], params, nodes, keep=meter.keep)[1]
+    def w_only(pending):
+        backward_weight(pending, params)
 
-    def i_then_w():
-        i_only()
-        backward_weight(split.pop("pending"), params)
-
-    f = _median(fwd, repeats)
-    b = _median(whole, repeats) - f
-    i = _median(i_only, repeats) - f
-    w = _median(i_then_w, repeats) - f - i
+    f, b = _phases(fwd, [backward], repeats)
+    _, i, w = _phases(fwd, [i_only, w_only], repeats)
     x.grad = None
     for p in params:
         p.grad = None
     return {"family": family, "model": str(model_cfg.get("name", family)), "tokens": seq_len,
-            "F_s": f, "B_s": b, "I_s": i, "W_s": max(w, 0.0), "no_grad_F_s": _median(forward, repeats)}
+            "F_s": f, "B_s": b, "I_s": i, "W_s": w, "no_grad_F_s": _median(forward, repeats)}
