@@ -101,7 +101,7 @@ def pipeline_rows(rows: list, deadline: float, path: Path, ranks: int, threads: 
     rows.append({"reference": over, "host": {k: data["host"][k] for k in keep if k in data["host"]},
                  "times": {k: data["times"][k] for k in priced}, "priced": priced,
                  "in_step": in_step_rows(data["times"], priced, list(inputs.cost.layers_per_stage)),
-                 "sync_s": data.get("sync_s"), "sync_collectives": sync_collectives(inputs.cost.spec, ranks)})
+                 "sync_s": data.get("sync_s"), "sync_collectives": sync_collectives(inputs.cost.spec, inputs.schedule)})
     return True
 
 

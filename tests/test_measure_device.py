@@ -128,6 +128,9 @@ def test_the_cpu_sections_give_the_profile_its_block_times_and_host(smoke, tmp_p
     assert four == pytest.approx(3 * hop + 0.75 * 16 / rate + hop + 65536.0 / rate, rel=1e-9)
     llama = prepare_simulation(compose("simulate", [*over[1:], "model=llama_tiny"])).cost.step_sync
     assert llama == pytest.approx(hop + 8.0 / rate, rel=1e-9)
+    # ZB-V's first device holds the first stage and the last: the tied copies sum on it, not over gloo
+    v = prepare_simulation(compose("simulate", [*over, "schedule=zb_v", "pipeline.virtual_stages=2"])).cost.step_sync
+    assert v == pytest.approx(hop + 8.0 / rate, rel=1e-9)
 
 
 def test_a_section_cut_short_says_so(tmp_path):

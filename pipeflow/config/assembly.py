@@ -337,28 +337,29 @@ def host_calibrated(cfg: DictConfig, cost: CostModel | None) -> bool:
     return isinstance(cost, CalibratedCost) and cfg.topology.name == "local_cpu"
 
 
-def profiled_host(path: str) -> dict:
-    """The ``local_cpu`` keys a CPU profile measured (its cores, their contention, a gloo
-    message's cost, the all-reduce's rate: section ``pipeline``), none where it has none."""
+def _profile(path: str):
+    """The device profile at ``path``, or a ConfigError saying what is wrong with it."""
     from pipeflow.planning.device_profile import ProfileError, load_profile
 
     try:
-        return dict(load_profile(path).host)
+        return load_profile(path)
     except ProfileError as err:
         raise ConfigError(str(err)) from None
+
+
+def profiled_host(path: str) -> dict:
+    """The ``local_cpu`` keys a CPU profile measured (its cores, their contention, a gloo
+    message's cost, the all-reduce's rate: section ``pipeline``), none where it has none."""
+    return dict(_profile(path).host)
 
 
 def profiled_sync(path: str, spec, schedule: Schedule) -> float:
     """Seconds of a synchronous step's synchronisation on a profiled CPU host
     (:meth:`pipeflow.planning.device_profile.DeviceProfile.step_sync`); 0 where the
     profile calibrated no reference pipeline."""
-    from pipeflow.planning.device_profile import ProfileError, load_profile, sync_collectives
+    from pipeflow.planning.device_profile import sync_collectives
 
-    try:
-        prof = load_profile(path)
-    except ProfileError as err:
-        raise ConfigError(str(err)) from None
-    return prof.step_sync(sync_collectives(spec, schedule.num_devices, schedule.num_stages))
+    return _profile(path).step_sync(sync_collectives(spec, schedule))
 
 
 def check_profile_cost(cfg: DictConfig, cost: CostModel) -> None:

@@ -102,7 +102,7 @@ class Curve:
 
     sizes: tuple
     seconds: tuple
-    fixed: float = 0.0  # a call's own cost (a GPU: its kernels; a CPU: the rows' intercept)
+    fixed: float = 0.0  # a call's own cost: the rows' intercept
     error: float = 0.0
 
     @property
@@ -121,22 +121,19 @@ class Curve:
         return float(np.interp(size, xs, ys))
 
 
-def fit_curve(sizes, seconds, fixed: float | None = None) -> Curve:
+def fit_curve(sizes, seconds) -> Curve:
     """The :class:`Curve` through ``(sizes, seconds)`` (several rows at one size: their
-    median). ``fixed``: a GPU's cost per kernel, measured by replaying a graph of them
-    (the device's own share of a small kernel); otherwise the intercept of the line
-    through the two smallest rows, kept in [0, the smallest time] (a CPU's cost per call)."""
+    median), its ``fixed`` the intercept of the line through the two smallest rows, kept
+    in [0, the smallest time] (a CPU's cost per call)."""
     by: dict = {}
     for x, y in zip(sizes, seconds):
         by.setdefault(float(x), []).append(float(y))
     xs = sorted(by)
     ys = [float(np.median(by[x])) for x in xs]
-    if fixed is None:
-        fixed = 0.0
-        if len(xs) >= 2:
-            slope = (ys[1] - ys[0]) / (xs[1] - xs[0])
-            fixed = min(max(ys[0] - slope * xs[0], 0.0), ys[0])
-    fixed = min(float(fixed), ys[0])
+    fixed = 0.0
+    if len(xs) >= 2:
+        slope = (ys[1] - ys[0]) / (xs[1] - xs[0])
+        fixed = min(max(ys[0] - slope * xs[0], 0.0), ys[0])
     errs = [Curve(tuple(xs[:i] + xs[i + 1:]), tuple(ys[:i] + ys[i + 1:]), fixed)(xs[i]) / ys[i] - 1.0
             for i in range(1, len(xs) - 1)]
     return Curve(tuple(xs), tuple(ys), fixed, float(np.sqrt(np.mean(np.square(errs)))) if errs else 0.0)
@@ -532,15 +529,18 @@ def in_step_rows(times: dict, priced: dict, layers: list[int]) -> dict[str, floa
     return out
 
 
-def sync_collectives(spec, devices: int, stages: int | None = None) -> list[tuple[float, int]]:
+def sync_collectives(spec, schedule) -> list[tuple[float, int]]:
     """The all-reduces of a synchronous step's synchronisation (the executor's
     ``_synchronise``), as (bytes, ranks): the gradient norm and the loss in float64 over
-    the world's ``devices``; a tied embedding's fp32 gradient between the first and the
-    last stage's devices where they differ (``stages`` > 1; default: ``devices``).
-    ``spec``: a :class:`~pipeflow.planning.transformer.TransformerSpec` (a tensor rank's)."""
-    out = [(16.0, devices)]
-    if spec.tied and (stages or devices) > 1:
-        out.append((4.0 * spec.vocab_size * spec.n_embd, 2))
+    every device of ``schedule``; a tied embedding's fp32 gradient over the devices that
+    hold the first or the last stage (the runtime's tied group: none where one device
+    holds both, as a V-shaped schedule's first does). ``spec``: a
+    :class:`~pipeflow.planning.transformer.TransformerSpec` (a tensor rank's)."""
+    out = [(16.0, schedule.num_devices)]
+    if spec.tied and schedule.num_stages > 1:
+        ends = (0, schedule.num_stages - 1)
+        tied = {d for s in ends for _, d in schedule.placement.replicas(s)}
+        out.append((4.0 * spec.vocab_size * spec.n_embd, len(tied)))
     return out
 
 
