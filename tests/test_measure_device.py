@@ -163,3 +163,68 @@ def test_cuda_asked_where_none_is_visible_is_refused(tmp_path, capsys, monkeypat
     err = capsys.readouterr().err.strip()
     assert err.startswith("--device=cuda") and "auto, cpu" in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_operator_classes_of_a_trace():
+    """Each profiler event's class: by its name, and by the scopes around it (the
+    optimizer's step and the step's synchronisation, a cross entropy)."""
+    from pipeflow.runtime.op_trace import SYNC_SCOPE, classify
+
+    assert classify("aten::mm") == classify("aten::addmm") == "product"
+    assert classify("aten::_scaled_dot_product_flash_attention_for_cpu_backward") == "attention"
+    assert classify("aten::scaled_dot_product_attention") == "host"  # the wrapper: its dispatch alone
+    assert classify("aten::native_layer_norm_backward") == "norm"
+    assert classify("aten::gelu") == classify("aten::copy_") == "pointwise"
+    assert classify("aten::_log_softmax") == "loss" and classify("aten::exp", ("aten::cross_entropy_loss",)) == "loss"
+    assert classify("aten::mul_", ("aten::mul_", "Optimizer.step#AdamW.step")) == "optimizer"
+    assert classify("aten::bmm", (SYNC_SCOPE,)) == "optimizer"  # the clip norm's squares
+    assert classify("aten::view") == classify("AddmmBackward0") == "host"
+    assert classify("c10d::send") == classify("gloo:all_reduce") == "comm"
+    assert classify("pipeflow::action::0F1") is None
+
+
+@pytest.mark.slow  # starts 2 ranks
+def test_a_runs_trace_folds_into_its_profile(smoke, tmp_path, capsys):
+    """runtime.trace_steps=1: each rank's operators by class in op_trace.json (the loss on
+    the last stage's rank alone); fold_trace prices the same schedule with the profile, and
+    the profile it writes prices each class's operators at the ratio times the price."""
+    from pipeflow import fold_trace
+    from pipeflow.config import compose, prepare_simulation
+    from pipeflow.planning.device_profile import load_profile
+    from pipeline_runs import train
+
+    _, doc, _ = smoke
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(doc))
+    over = ["model=gpt_tiny", "model.n_layer=4", "model.n_embd=64", "model.seq_len=64", "pipeline.stages=2",
+            "pipeline.microbatches=2", "pipeline.microbatch_size=2"]
+    run = tmp_path / "run"
+    train(run, [*over, "trainer.steps=2", "trainer.val_every=0", "trainer.val_batches=1",
+                "trainer.timeline_step=null", "logger=none", "runtime.trace_steps=1"])
+    ranks = json.loads((run / "op_trace.json").read_text())["ranks"]
+    assert [r["steps"] for r in ranks] == [1, 1]
+    for r in ranks:
+        assert all(r["per_step"][c] > 0 for c in ("product", "attention", "norm", "pointwise", "optimizer", "comm"))
+    assert ranks[0]["per_step"]["loss"] == 0 and ranks[1]["per_step"]["loss"] > 0
+    assert fold_trace.main([str(run), "--profile", str(profile)]) == 2  # no .hydra here: overrides needed
+    assert "give the run's overrides after --" in capsys.readouterr().err
+    fixed = tmp_path / "fixed.json"
+    assert fold_trace.main([str(run), "--profile", str(profile), "--out", str(fixed), "--", *over]) == 0
+    factors = json.loads(fixed.read_text())["corrections"]["classes"]
+    assert set(factors) == {"product", "attention", "norm", "pointwise", "loss", "optimizer"}
+    price = fold_trace.priced(over, profile, "cpu")
+    assert factors["loss"] == pytest.approx(ranks[1]["per_step"]["loss"] / price[1]["loss"], rel=1e-9)
+    # the corrected profile: every operator of a class at its factor times the price
+    sim = ["model=gpt_tiny", "model.n_layer=4", "model.n_embd=64", "model.seq_len=64", "pipeline.stages=2",
+           "cost=analytic", "topology=local_cpu"]
+    ops = prepare_simulation(compose("simulate", [*sim, f"topology.device_profile={profile}"])).cost.operators("B", 1)
+    before, after = load_profile(profile), load_profile(fixed)
+    for op in ops:
+        assert after.time(op) == pytest.approx(factors[op.cls] * before.time(op), rel=1e-12)
+    # folding again multiplies the factors
+    again = fold_trace.corrected(fixed, {"product": 2.0}, run, 1)["corrections"]["classes"]
+    assert again["product"] == pytest.approx(2.0 * factors["product"]) and again["loss"] == factors["loss"]
+    bad = {**doc, "corrections": {"classes": {"matmul": 1.1}}}
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="corrections .*matmul"):
+        load_profile(tmp_path / "bad.json")

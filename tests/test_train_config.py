@@ -283,6 +283,7 @@ def test_resume_from_a_run_that_ended_inside_a_chunk_needs_the_chunk_start(tmp_p
         (["runtime.timeout_s=0"], "runtime.timeout_s=0"),
         (["runtime.master_port=70000"], "runtime.master_port=70000"),
         (["runtime.threads_per_rank=0"], "runtime.threads_per_rank=0"),
+        (["runtime.trace_steps=-1"], "runtime.trace_steps=-1"),
         (["runtime.fail_rank=2", "runtime.fail_at_step=3"], "runtime.fail_rank=2"),  # 2 ranks: 0 and 1
         (["runtime.fail_rank=1"], "runtime.fail_at_step=null"),
         (["runtime.fail_rank=1", "runtime.fail_at_step=2", "runtime.fail_mode=explode"], "runtime.fail_mode=explode"),

@@ -53,7 +53,7 @@ _MAX_DEPTH = 6  # how deep under a given directory runs are looked for
 # repeats of one configuration (their mean and spread are reported).
 _NOT_LABELS = ("seed", "resume", "logger", "hydra", "data.files", "runtime.master_port", "partition.profile",
                "runtime.fail_at_step", "runtime.fail_rank", "runtime.fail_mode", "runtime.dump_grads",
-               "runtime.cuda_paths", "trainer.timeline_step", "draw", "export")
+               "runtime.cuda_paths", "runtime.trace_steps", "trainer.timeline_step", "draw", "export")
 # groups whose option is named by their `name` key: a sub-key only labels runs that
 # share the option (schedule.stash matters between two pipedream runs, not across schedules)
 _GROUPS = ("model", "schedule", "partition", "topology", "data", "optim", "cost", "runtime")

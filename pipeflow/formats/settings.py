@@ -51,6 +51,7 @@ class LocalRuntimeConfig:
     expandable_segments: bool = True  # CUDA: the caching allocator's expandable segments (no block larger than asked)
     memory: str = "count"  # count: saved bytes (cheap, always); profile: every allocation of the last step, by category
     dump_grads: bool = False  # test hook: each rank writes run_dir/grads/rank<r>.pt after its first backward
+    trace_steps: int = 0  # the last N steps under torch's profiler: op_trace.json, each rank's operators by class
     # test hook: CPU ranks take CUDA's code paths (pipeflow.device_paths): attention, staging, memory; [all]: each
     cuda_paths: List[str] = field(default_factory=list)
 

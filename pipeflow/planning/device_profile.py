@@ -231,10 +231,16 @@ class DeviceProfile:
     # one, per ring hop, as the reference step measured them; None where not measured
     sync_hop_s: float | None = None
     facts: dict = field(default_factory=dict)  # the sweep's device, torch, host
+    # operator class -> the factor a run's own trace set on its prices (python -m
+    # pipeflow.fold_trace --out: measured over priced, section corrections); none: 1
+    corrections: dict = field(default_factory=dict)
 
     # ------------------------------------------------------------ pricing
     def time(self, op: Operator) -> float:
-        """Device seconds of ``op`` (all ``count`` of it)."""
+        """Device seconds of ``op`` (all ``count`` of it), corrected by a run's trace."""
+        return self._time(op) * self.corrections.get(op.cls, 1.0)
+
+    def _time(self, op: Operator) -> float:
         if isinstance(op, Product):
             return op.count * self._product(op)
         if isinstance(op, Attention):
@@ -575,6 +581,12 @@ def from_sweep(sweep: dict, name: str, source: str = "") -> DeviceProfile:
         prof.in_step = {k: float(v) for k, v in pipeline[-1].get("in_step", {}).items()}
         prof.host = dict(pipeline[-1].get("host", {}))
         prof.sync_hop_s = _sync_hop(pipeline[-1], prof.host)
+    fixes = (sweep.get("corrections") or {}).get("classes", {})
+    bad = {c: f for c, f in fixes.items() if c not in CLASSES or not isinstance(f, (int, float)) or not f > 0}
+    if bad:
+        raise ProfileError(f"{source or name}: corrections {bad}: each a class of {', '.join(CLASSES)} "
+                           f"and a factor > 0 (python -m pipeflow.fold_trace --out writes them)")
+    prof.corrections = {c: float(f) for c, f in fixes.items()}
     norms = [{**r, "s": r["s"] + r.get("scale_s", 0.0)} for r in _rows(sweep, "grad_norm")]
     prof.grad_norm = fit_step(norms) if len(norms) >= 3 else None
     missing = [what for what, got in (("products", prof.products), ("pointwise", prof.pointwise),

@@ -44,6 +44,7 @@ from .saved_bytes import SavedBytes
 from . import memory_profile
 from .memory_profile import tag, tag_stage
 from .messages import MessageIO
+from .op_trace import SYNC_SCOPE
 from .optimizer import square_sum
 from .mixed_precision import LossScaler, Precision
 from ..models.tensor_parallel import reduce_partial_gradients
@@ -181,7 +182,8 @@ class Executor(MessageIO):
         def before(a: Action) -> None:
             if a.kind == Kind.STEP and not synced:
                 # the world all-reduce for the clip norm and the loss: not compute, not busy
-                synced.append(self._synchronise(reduces, loss_sum))
+                with torch.profiler.record_function(SYNC_SCOPE):  # runtime.trace_steps: the optimizer's class
+                    synced.append(self._synchronise(reduces, loss_sum))
 
         def step(a: Action, io) -> None:
             st = self.stages[(a.pipe, a.stage)]

@@ -31,6 +31,7 @@ from . import watch
 from .device import device_and_backend, join_group, keep_freed_memory, new_group, peak_memory
 from .launch import TrainJob, check_stop, deferred_stop, stop_behind
 from .memory_profile import profile_step
+from .op_trace import OpTrace, traced
 from .optimizer import lr_at
 from ..models.tensor_parallel import whole_gradient
 from .sharded import whole_weights
@@ -49,6 +50,7 @@ class RunState:
     staleness: list = field(default_factory=list)  # asynchronous: every microbatch's weight versions
     replay_to: int = 0  # resumed inside a chunk: the steps up to here are run again, unlogged
     memory: dict | None = None  # runtime.memory=profile: the last chunk's allocations (StepMemory.as_dict)
+    trace: OpTrace | None = None  # runtime.trace_steps: the last steps' operators, by class (runtime.op_trace)
 
 
 def run_worker(rank: int, job: TrainJob) -> dict | None:
@@ -209,6 +211,11 @@ def _finish(rank, job, device, setup: RankSetup, progress, sink, state: RunState
                         max(mt.residual_peak for mt in meters)), saved_peaks, dst=0)
     profiled = [None] * job.world_size if rank == 0 else None
     dist.gather_object(state.memory, profiled, dst=0)
+    traces = [None] * job.world_size if rank == 0 else None
+    dist.gather_object(state.trace.as_dict() if state.trace is not None else None, traces, dst=0)
+    if rank == 0 and any(traces):  # runtime.trace_steps: python -m pipeflow.fold_trace reads it
+        (Path(job.run_dir) / "op_trace.json").write_text(json.dumps({"format": "pipeflow.op_trace/1",
+                                                                     "ranks": traces}, indent=1) + "\n")
     versions = [None] * job.world_size if rank == 0 else None
     dist.gather_object(max((getattr(st, "versions", None).peak_versions if getattr(st, "versions", None) else 1)
                            for st in stages.values()), versions, dst=0)
@@ -395,7 +402,13 @@ def _train_chunk(rank, job, setup: RankSetup, data, sink, progress, state: RunSt
     tl = trainer.timeline_step
     record = tl is not None and max(first, quiet + 1) <= tl <= end
     t0 = _start_clock(record and one_host, setup.device)
-    with profile_step(setup.device, runtime.memory == "profile" and end == steps) as allocated:
+    # runtime.trace_steps=N: the chunks holding the last N steps run under torch's profiler
+    trace_steps = int(getattr(runtime, "trace_steps", 0) or 0)
+    tracing = trace_steps > 0 and end > steps - trace_steps
+    if tracing and state.trace is None:
+        state.trace = OpTrace(setup.device.type)
+    with profile_step(setup.device, runtime.memory == "profile" and end == steps) as allocated, \
+            traced(state.trace if tracing else None, len(batches)):
         ex = setup.fresh_executor(len(batches))
         if setup.is_async:
             stats = ex.train_chunk(batches, normalizers, lrs, base_update=(first - 1) * ex.updates_per_step,

@@ -62,6 +62,9 @@ def check_runtime(rt: DictConfig, world_size: int) -> None:
     number("runtime.timeout_s", rt.timeout_s, "must be > 0 seconds", rt.timeout_s > 0)
     number("runtime.hang_timeout_s", rt.hang_timeout_s, "must be >= 0 seconds (0: never)", rt.hang_timeout_s >= 0)
     at_least("runtime.threads_per_rank", rt.threads_per_rank, 1)
+    trace = rt.get("trace_steps", 0)
+    number("runtime.trace_steps", trace, "must be a whole number >= 0 (0: no trace; N: the last N steps "
+           "under torch's profiler, written to op_trace.json)", is_whole(trace) and trace >= 0)
     if rt.master_port is not None:
         number("runtime.master_port", rt.master_port, "must be null (a free port) or in 1..65535",
                 is_whole(rt.master_port) and 1 <= rt.master_port <= 65535)
