@@ -377,6 +377,17 @@ def _gathered_timeline(rank: int, job, schedule, events: list, tl: int, first: i
     )
 
 
+def _op_trace(runtime, state: RunState, setup: RankSetup, end: int, steps: int) -> OpTrace | None:
+    """runtime.trace_steps=N: the run's trace where this chunk holds one of the last N
+    steps (they run under torch's profiler), else None."""
+    n = int(getattr(runtime, "trace_steps", 0) or 0)
+    if n <= 0 or end <= steps - n:
+        return None
+    if state.trace is None:
+        state.trace = OpTrace(setup.device.type)
+    return state.trace
+
+
 def _train_chunk(rank, job, setup: RankSetup, data, sink, progress, state: RunState, one_host: bool,
                  meta: dict, hook=None) -> None:
     """One chunk of steps without a flush (a synchronous step is a chunk of one): failure
@@ -402,13 +413,8 @@ def _train_chunk(rank, job, setup: RankSetup, data, sink, progress, state: RunSt
     tl = trainer.timeline_step
     record = tl is not None and max(first, quiet + 1) <= tl <= end
     t0 = _start_clock(record and one_host, setup.device)
-    # runtime.trace_steps=N: the chunks holding the last N steps run under torch's profiler
-    trace_steps = int(getattr(runtime, "trace_steps", 0) or 0)
-    tracing = trace_steps > 0 and end > steps - trace_steps
-    if tracing and state.trace is None:
-        state.trace = OpTrace(setup.device.type)
     with profile_step(setup.device, runtime.memory == "profile" and end == steps) as allocated, \
-            traced(state.trace if tracing else None, len(batches)):
+            traced(_op_trace(runtime, state, setup, end, steps), len(batches)):
         ex = setup.fresh_executor(len(batches))
         if setup.is_async:
             stats = ex.train_chunk(batches, normalizers, lrs, base_update=(first - 1) * ex.updates_per_step,
