@@ -11,8 +11,12 @@ class, the measured seconds, the priced ones and their ratio.
 ``--out FILE`` writes the profile again with a ``corrections`` section: each class's
 median ratio over the devices, by which the profile then multiplies every operator of that
 class it prices (a profile corrected before is corrected again: the factors multiply).
-The host's time is not corrected: the trace sees the dispatcher's share of it, not the
-Python around the operators. A class the run does not hold (a loss on no device) keeps
+On a profile with a host (a CPU's reference pipeline), the run's own seconds per message
+posted (gloo's send and receive calls, counted and timed by the trace) replace the
+reference's ``message_host``: a schedule that posts more messages at once than the
+reference 1F1B (interleaved, Chimera) blocks longer on each. The host's other time is not
+corrected: the trace sees the dispatcher's share of it, not the Python around the
+operators. A class the run does not hold (a loss on no device) keeps
 its price. Runs whose ranks are not the schedule's devices one for one (data or tensor
 parallel) are refused: their ranks share a device's prices.
 """
@@ -85,6 +89,13 @@ def fold(meas: list[dict], price: list[dict]) -> dict[str, float]:
     return out
 
 
+def message_host(meas: list[dict]) -> float | None:
+    """The host's seconds per message posted, the median over the ranks that posted any
+    (the trace's own count of gloo's send and receive calls and their time)."""
+    per = [m["post_s"] for m in meas if m.get("post_s")]
+    return statistics.median(per) if per else None
+
+
 def table(meas: list[dict], price: list[dict]) -> str:
     lines = [f"{'device':>6}  {'class':>10}  {'measured':>10}  {'priced':>10}  {'ratio':>6}"]
     for d, (m, p) in enumerate(zip(meas, price)):
@@ -97,12 +108,21 @@ def table(meas: list[dict], price: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def corrected(profile: Path, factors: dict[str, float], run_dir: Path, steps: int) -> dict:
+def corrected(profile: Path, factors: dict[str, float], run_dir: Path, steps: int,
+              posting: float | None = None) -> dict:
+    """The profile's JSON with ``factors`` folded into its corrections, and, where it
+    calibrated a reference pipeline (a CPU's host), the run's own seconds per message
+    posted in place of the reference's (``message_host``)."""
     doc = json.loads(profile.read_text())
-    before = (doc.get("corrections") or {}).get("classes", {})
+    old = doc.get("corrections") or {}
+    before = old.get("classes", {})
     classes = {c: before.get(c, 1.0) * f for c, f in factors.items()}
     classes.update({c: v for c, v in before.items() if c not in classes})
     doc["corrections"] = {"classes": classes, "from": str(run_dir), "steps": steps}
+    has_host = bool(((doc.get("sections") or {}).get("pipeline") or {}).get("rows"))
+    posting = posting if posting is not None else old.get("message_host")
+    if has_host and posting is not None:
+        doc["corrections"]["message_host"] = posting
     return doc
 
 
@@ -130,8 +150,19 @@ def main(argv: list[str] | None = None) -> int:
     print(table(meas, price))
     print("measured / priced, median over the devices: "
           + ", ".join(f"{c} {f:.3f}" for c, f in factors.items()))
+    posting = message_host(meas)
+    if posting is not None:
+        from .planning.device_profile import load_profile
+
+        had = load_profile(args.profile).host.get("message_host")
+        counts = ", ".join(f"{m.get('posts_per_step', 0):.0f}" for m in meas)
+        print(f"posting a message: {posting * 1e3:.3f} ms on the run's host (median over the ranks; "
+              f"{counts} posts a step); "
+              + (f"the profile's reference pipeline: {had * 1e3:.3f} ms" if had is not None else
+                 "the profile holds no host (it calibrated no reference pipeline)"))
     if args.out is not None:
-        args.out.write_text(json.dumps(corrected(args.profile, factors, args.run_dir, steps), indent=1) + "\n")
+        doc = corrected(args.profile, factors, args.run_dir, steps, posting)
+        args.out.write_text(json.dumps(doc, indent=1) + "\n")
         print(f"wrote {args.out}: {args.profile} with these corrections (topology.device_profile={args.out})")
     return 0
 

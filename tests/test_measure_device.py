@@ -8,6 +8,7 @@ that each measured time is a positive number), never how fast anything was.
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -206,6 +207,8 @@ def test_a_runs_trace_folds_into_its_profile(smoke, tmp_path, capsys):
     for r in ranks:
         assert all(r["per_step"][c] > 0 for c in ("product", "attention", "norm", "pointwise", "optimizer", "comm"))
     assert ranks[0]["per_step"]["loss"] == 0 and ranks[1]["per_step"]["loss"] > 0
+    # 2 microbatches: each rank sends 2 messages and receives 2 (its receives posted once)
+    assert [r["posts_per_step"] for r in ranks] == [4, 4] and all(r["post_s"] > 0 for r in ranks)
     assert fold_trace.main([str(run), "--profile", str(profile)]) == 2  # no .hydra here: overrides needed
     assert "give the run's overrides after --" in capsys.readouterr().err
     fixed = tmp_path / "fixed.json"
@@ -219,6 +222,11 @@ def test_a_runs_trace_folds_into_its_profile(smoke, tmp_path, capsys):
            "cost=analytic", "topology=local_cpu"]
     ops = prepare_simulation(compose("simulate", [*sim, f"topology.device_profile={profile}"])).cost.operators("B", 1)
     before, after = load_profile(profile), load_profile(fixed)
+    # the run's own cost of posting a message replaces the reference pipeline's
+    posting = statistics.median(r["post_s"] for r in ranks)
+    assert after.host["message_host"] == pytest.approx(posting, rel=1e-12) != before.host["message_host"]
+    assert {k: v for k, v in after.host.items() if k != "message_host"} == \
+        {k: v for k, v in before.host.items() if k != "message_host"}
     for op in ops:
         assert after.time(op) == pytest.approx(factors[op.cls] * before.time(op), rel=1e-12)
     # folding again multiplies the factors

@@ -587,6 +587,12 @@ def from_sweep(sweep: dict, name: str, source: str = "") -> DeviceProfile:
         raise ProfileError(f"{source or name}: corrections {bad}: each a class of {', '.join(CLASSES)} "
                            f"and a factor > 0 (python -m pipeflow.fold_trace --out writes them)")
     prof.corrections = {c: float(f) for c, f in fixes.items()}
+    posting = (sweep.get("corrections") or {}).get("message_host")
+    if posting is not None:  # a run's own seconds per message posted (fold_trace), over the reference's
+        if not isinstance(posting, (int, float)) or not posting > 0 or not prof.host:
+            raise ProfileError(f"{source or name}: corrections message_host={posting!r}: seconds > 0, for a "
+                               f"profile whose section pipeline calibrated a host")
+        prof.host["message_host"] = float(posting)
     norms = [{**r, "s": r["s"] + r.get("scale_s", 0.0)} for r in _rows(sweep, "grad_norm")]
     prof.grad_norm = fit_step(norms) if len(norms) >= 3 else None
     missing = [what for what, got in (("products", prof.products), ("pointwise", prof.pointwise),

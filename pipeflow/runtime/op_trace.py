@@ -9,7 +9,8 @@ An operator's time is its own (the profiler's self time: a wrapper such as
 device where the rank computes on one (a GPU's kernels), else on the CPU. Its class
 comes from its name and from the scopes around it: what runs under the optimizer's step
 or the step's synchronisation (``pipeflow::sync``: the clip norm) is the optimizer's;
-what runs under a cross entropy is the loss's; gloo's calls are messages, not compute.
+what runs under a cross entropy is the loss's; gloo's calls are messages, not compute
+(their posting, per message, is what a CPU profile calls ``message_host``).
 Views, reshapes and composite wrappers hold only their dispatch: ``host``, with the
 autograd engine's own nodes. The profiler adds a few microseconds to each operator it
 records, so on a CPU the small memory-bound operators read a little slow.
@@ -41,6 +42,7 @@ HOST_OPS = {"aten::t", "aten::transpose", "aten::view", "aten::reshape", "aten::
             "aten::view_as", "aten::reshape_as", "aten::_has_compatible_shallow_copy_type", "aten::is_nonzero",
             "aten::item", "aten::_local_scalar_dense", "aten::set_", "aten::resize_", "aten::to"}
 COMM = ("gloo", "c10d::", "nccl", "record_param_comms")
+POSTS = ("c10d::send", "c10d::recv_", "c10d::recvAnysource_")  # posting one message: the call's own time
 
 
 def classify(name: str, scopes: tuple[str, ...] = ()) -> str | None:
@@ -75,6 +77,8 @@ class OpTrace:
     steps: int = 0
     seconds: dict = field(default_factory=dict)
     ops: dict = field(default_factory=dict)  # the heaviest operators' names per class: seconds
+    posts: int = 0  # messages posted (sends and receives), and the seconds spent posting them
+    post_seconds: float = 0.0
 
     def add(self, prof, steps: int) -> None:
         on_device = self.device == "cuda"
@@ -90,6 +94,9 @@ class OpTrace:
             if us <= 0:
                 continue
             self.seconds[cls] = self.seconds.get(cls, 0.0) + us * 1e-6
+            if ev.name in POSTS:
+                self.posts += 1
+                self.post_seconds += ev.self_cpu_time_total * 1e-6
             per = self.ops.setdefault(cls, {})
             per[ev.name] = per.get(ev.name, 0.0) + us * 1e-6
         self.steps += steps
@@ -100,6 +107,9 @@ class OpTrace:
             "device": self.device,
             "steps": self.steps,
             "per_step": {c: self.seconds.get(c, 0.0) / n for c in (*CLASSES, "comm")},
+            # the host's seconds per message posted (a profile's message_host), over posts_per_step
+            "posts_per_step": self.posts / n,
+            "post_s": self.post_seconds / self.posts if self.posts else None,
             "top_ops": {c: dict(sorted(((k, v / n) for k, v in ops.items()), key=lambda kv: -kv[1])[:8])
                         for c, ops in self.ops.items()},
         }
