@@ -52,6 +52,7 @@ from ..formats.runplan import Lowered
 from ..schedules.versions import forward_version
 from .executor import Executor, Groups, StageState
 from .memory_profile import tag, tag_stage
+from .op_trace import SYNC_SCOPE
 from .optimizer import square_sum
 
 KEEP = (WeightPolicy.STASH, WeightPolicy.DOUBLE_BUFFER)  # backward uses the forward's version
@@ -270,7 +271,8 @@ class AsyncExecutor(Executor):
         def step(a: Action, io) -> None:
             st = self.stages[(a.pipe, a.stage)]
             applied[(a.pipe, a.stage, base_update + a.version)] = st.versions.live
-            self._step(a, st, taken, reduces, tied_work, lrs, base_update, sq_norms)
+            with torch.profiler.record_function(SYNC_SCOPE):  # runtime.trace_steps: the optimizer's class
+                self._step(a, st, taken, reduces, tied_work, lrs, base_update, sq_norms)
 
         def after(a: Action, pos: int) -> None:
             for key in self.take_after.get(pos, ()):  # a replica's gradient of an update is complete
