@@ -79,6 +79,21 @@ def format_summary(summary: dict, run_dir: str) -> str:
 CLAIM = ".pipeflow-run"  # in a run folder while a pipeflow-train writes there: its pid
 
 
+def _place(mine: Path, path: Path) -> None:
+    """``path`` made ``mine``'s copy, or FileExistsError: a hard link where the file system
+    has them (the file appears whole), else an exclusive create written at once."""
+    try:
+        os.link(mine, path)
+        return
+    except FileExistsError:
+        raise
+    except OSError:  # no hard links here
+        pass
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(mine.read_text())
+
+
 def claim_run_dir(run_dir: str) -> Path:
     """Make ``run_dir`` this run's alone, or say why it cannot be: another pipeflow-train
     writing there now (two started in the same second share Hydra's default folder), or
@@ -89,22 +104,28 @@ def claim_run_dir(run_dir: str) -> Path:
         if (Path(run_dir) / earlier).exists():
             raise ConfigError(f"hydra.run.dir={run_dir}: holds another run's {earlier}; give a new folder "
                               f"(or resume=<that folder> with a new hydra.run.dir to continue it)")
-    for _ in range(2):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
+    # the claim appears with its pid already in it (written aside, then linked in place, which
+    # fails where one exists): a racing run never reads a claim still empty and takes it
+    # for a dead run's
+    mine = path.with_name(f"{CLAIM}.{os.getpid()}")
+    mine.write_text(f"{os.getpid()}\n")
+    try:
+        for _ in range(2):
             try:
-                pid = int(path.read_text().strip() or 0)
-            except (OSError, ValueError):
-                pid = 0
-            if pid and pid != os.getpid() and alive(pid):
-                raise ConfigError(f"hydra.run.dir={run_dir}: another pipeflow-train (pid {pid}) is writing there; "
-                                  f"give this run its own folder (hydra.run.dir=...)") from None
-            path.unlink(missing_ok=True)  # a claim left by a run that died: take the folder
-            continue
-        with os.fdopen(fd, "w") as f:
-            f.write(f"{os.getpid()}\n")
-        return path
+                _place(mine, path)
+            except FileExistsError:
+                try:
+                    pid = int(path.read_text().strip() or 0)
+                except (OSError, ValueError):
+                    pid = 0
+                if pid and pid != os.getpid() and alive(pid):
+                    raise ConfigError(f"hydra.run.dir={run_dir}: another pipeflow-train (pid {pid}) is writing "
+                                      f"there; give this run its own folder (hydra.run.dir=...)") from None
+                path.unlink(missing_ok=True)  # a claim left by a run that died: take the folder
+                continue
+            return path
+    finally:
+        mine.unlink(missing_ok=True)
     raise ConfigError(f"hydra.run.dir={run_dir}: could not claim the folder (another run took it just now)")
 
 

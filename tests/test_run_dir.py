@@ -158,3 +158,14 @@ def test_two_misspelt_keys_at_once_are_both_named_in_one_line(module, tmp_path):
     assert err.startswith("pipeline.microbatchez=3: unknown key; pipeline has "), err
     assert "(did you mean pipeline.microbatches?); model.n_layr=2: unknown key; model has " in err, err
     assert err.endswith("(did you mean model.n_layer?)") and "+" not in err, err
+
+
+def test_a_claim_appears_with_its_pid_in_it(tmp_path):
+    """A racing run reads a claim only once it names its run: one made empty and written
+    after (as before) read as a dead run's, and two runs took one folder (seen once in CI)."""
+    path = claim_run_dir(str(tmp_path))
+    assert path.read_text() == f"{os.getpid()}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CLAIM]  # nothing left aside
+    with pytest.raises(ConfigError, match="holds another run's metrics.jsonl"):
+        (tmp_path / "metrics.jsonl").write_text("")
+        claim_run_dir(str(tmp_path))
