@@ -51,7 +51,10 @@ def measured(run_dir: Path) -> list[dict]:
     f = run_dir / "op_trace.json"
     if not f.is_file():
         raise FoldError(f"{run_dir}: no op_trace.json; run pipeflow-train with runtime.trace_steps=N (N >= 1)")
-    return [r for r in json.loads(f.read_text())["ranks"]]
+    ranks = json.loads(f.read_text())["ranks"]
+    if not all(ranks):  # (every rank of a traced run writes its part)
+        raise FoldError(f"{f}: a rank wrote no trace")
+    return ranks
 
 
 def priced(overrides: list[str], profile: Path, device: str) -> list[dict]:
