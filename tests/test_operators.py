@@ -33,6 +33,30 @@ def _flops(ops, cls) -> float:
     return sum(o.flops for o in ops if isinstance(o, cls))
 
 
+def test_the_memory_model_reads_what_the_operators_keep():
+    """A block's saved bytes are its forward operators' tensors, each once: at fp32 Llama's
+    Q, K and V products and its gate and up read (and keep) one input each, at 16 bits
+    each product its own cast (3 + 2 tensors of x*b*H*2 bytes for 2 + 1); and the cost
+    model's activation bytes on a middle stage are the layers' and the rotary tables'."""
+    from pipeflow.planning.cost import AnalyticCost
+    from pipeflow.planning.operators import block_forward, block_saved, kept
+    from pipeflow.planning.transformer import stage_shared_saved
+
+    b, x, H = 2, 64, LLAMA.n_embd
+    fp32, bf16 = (kept(block_forward(Shape(LLAMA, b, x, x, c))) for c in (4, 2))
+    assert {"attn.in", "mlp.in"} <= set(fp32) and not {"q.in", "gate.in"} & set(fp32)
+    assert {"q.in", "k.in", "v.in", "gate.in", "up.in"} <= set(bf16) and not {"attn.in", "mlp.in"} & set(bf16)
+    inputs = {name: t.nbytes for name, t in bf16.items() if name[:-3] in {"q", "k", "v", "gate", "up"}}
+    assert len(inputs) == 5 and set(inputs.values()) == {x * b * H * 2}
+    # at fp32 the products name 3 + 2 inputs, of which 2 + 1 are one tensor counted again
+    ops = block_forward(Shape(LLAMA, b, x, x, 4))
+    named = sum(t.nbytes for o in ops if isinstance(o, Product) for t in o.saves)
+    assert named - sum(t.nbytes for t in kept(o for o in ops if isinstance(o, Product)).values()) == 3 * x * b * H * 4
+    cost = AnalyticCost(dataclasses.replace(LLAMA, n_layer=6), 3, microbatch_size=b, dtype_bytes=2)
+    per_stage = 2 * block_saved(Shape(LLAMA, b, LLAMA.seq_len, LLAMA.seq_len, 2))[0]
+    assert cost.activation_bytes(1, 0) == per_stage + stage_shared_saved(LLAMA, LLAMA.seq_len)
+
+
 @pytest.mark.parametrize("spec", [GPT, BERT, LLAMA], ids=lambda s: s.name)
 @pytest.mark.parametrize("recompute", ["none", "full", "selective"])
 @pytest.mark.parametrize("tokens,prefix", [(128, 128), (32, 96)])

@@ -514,7 +514,7 @@ def test_fp32_grouped_query_attention_on_a_gpu_keeps_its_keys_repeated(model, to
     K and V repeated to every query head (measured on an H100: llama_tiny at 2k tokens,
     441 MiB a rank, where the math fallback held 2157), and the model keeps those copies."""
     from pipeflow.config import prepare_simulation as prepare
-    from pipeflow.planning.transformer import layer_saved_widths
+    from pipeflow.planning.operators import Shape, block_saved
 
     cfg = compose("simulate", [f"model={model}", "schedule=1f1b", "pipeline.stages=2", "topology=cluster",
                                "topology.nodes=1", f"topology.device={topology}", f"precision={precision}"])
@@ -522,5 +522,6 @@ def test_fp32_grouped_query_attention_on_a_gpu_keeps_its_keys_repeated(model, to
     assert spec.kv_repeat is repeat
     c = 4 if precision == "fp32" else 2
     plain = dataclasses.replace(spec, kv_repeat=False)
-    extra = layer_saved_widths(spec, c).key - layer_saved_widths(plain, c).key
+    # one sequence, one token attending over one key: the attention keeps K and V a key
+    extra = block_saved(Shape(spec, 1, 1, 1, c))[0] - block_saved(Shape(plain, 1, 1, 1, c))[0]
     assert extra == (2 * (spec.n_head - spec.kv_heads) * spec.head_dim * c if repeat else 0)

@@ -13,7 +13,8 @@ from pipeflow.config import ConfigError, compose, prepare_simulation
 from pipeflow.config.tensor_degree import check_tensor_parallel
 from pipeflow.planning.cost import AnalyticCost, layer_cost
 from pipeflow.planning.tensor_cost import shard_spec
-from pipeflow.planning.transformer import TransformerSpec, norm_saved_bytes
+from pipeflow.planning.operators import norm_saved_bytes
+from pipeflow.planning.transformer import TransformerSpec
 from pipeflow.sim import simulate
 from pipeflow.topology import get_topology
 from pipeflow.topology.presets import preset_params

@@ -17,8 +17,8 @@ from ..topology.topology import Device
 from .cbm_shape import cbm_shape
 from .cost import CostModel, _check_int, _check_number, layer_cost
 from .branched_memory import BranchedWorkingSet
-from .transformer import (TransformerSpec, layer_forward_flops, layer_linear_flops, layer_params,
-                          weight_residual_width)
+from .operators import Shape, block_residual
+from .transformer import TransformerSpec, layer_forward_flops, layer_linear_flops, layer_params
 
 
 def _branch_spec(name: str, branch, tokens: int, vocab: int, recompute: str = "none") -> TransformerSpec:
@@ -228,7 +228,7 @@ class BranchedAnalyticCost(BranchedWorkingSet, CostModel):
     def weight_residual_bytes(self, stage: int, segment: int) -> float:
         """What a zero-bubble I keeps for W: each matrix product's input and output
         gradient (compute dtype). A block's are a GPT block's
-        (:func:`~pipeflow.planning.transformer.weight_residual_width`); an interaction
+        (:func:`~pipeflow.planning.operators.block_residual`); an interaction
         block's cross-attention adds its query and output projections' (4H per own
         token) and the packed key/value projection's (Ho + 2H per token of the other
         branch); the head keeps its matching MLP's (Hv + Ht in, Ht out; Ht in, 1 out per
@@ -240,7 +240,7 @@ class BranchedAnalyticCost(BranchedWorkingSet, CostModel):
             per_pair = Hv + Ht + Ht + Ht + 1
             return float(b * c * (per_pair + self.tokens["text"] * (Ht + self.vocab)))
         spec, x = self.spec[branch], self.tokens[branch]
-        return float((hi - lo) * weight_residual_width(spec, c) * x * b * c + self._cross_residual(stage))
+        return float((hi - lo) * block_residual(Shape(spec, b, x, x, c)) + self._cross_residual(stage))
 
     def _params(self, stage: int) -> float:
         """The stage's parameters, counted on pipeflow/models/cbm.py: a branch's blocks

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from .cost import layer_cost
-from .transformer import norm_saved_bytes
+from .operators import norm_saved_bytes
 from .products import mlp_product_scratch, weight_phase_bytes, weight_product_scratch
 from .working_set import BackwardWorkingSet
 

@@ -31,16 +31,14 @@ from .layer_cost import LayerCost, layer_cost  # noqa: F401 - re-exported (branc
 from .tensor_cost import TensorShards, sequence_parallel_layer, shard_spec
 from .held_outputs import HeldOutputs
 from .operator_cost import OperatorTimes
+from .operators import first_stage_saved, head_residual, last_stage_saved
 from .working_set import BackwardWorkingSet, WorkingSetTerms, checked_segment
 from .transformer import (
     RESIDUAL_BYTES,
     TransformerSpec,
     embedding_params,
-    first_stage_saved,
     head_forward_flops,
     head_params,
-    head_residual_width,
-    last_stage_saved,
     layer_matrix_params,
     layer_params,
     shared_head_params,
@@ -355,7 +353,7 @@ class AnalyticCost(TensorShards, WorkingSetTerms, HeldOutputs, OperatorTimes, Co
                 f += hf
                 w += hf
                 a += last_stage_saved(spec, x, b, dt)
-                r += head_residual_width(spec) * x * b * dt
+                r += head_residual(spec, x, b, dt)
             # I's working set, and a block's saved bytes
             i_row.append((*self.working_set.stage_input_workspace(n, one, x, last), one.saved))
             if first:

@@ -7,16 +7,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .operators import Shape, block_residual, block_saved
 from .transformer import (
+    RESIDUAL_BYTES,
     TransformerSpec,
     attention_linear_flops,
     attention_score_flops,
     layer_forward_flops,
     layer_linear_flops,
-    layer_saved_widths,
     recomputed_matrix_params,
     segment_own_kv,
-    weight_residual_width,
 )
 
 
@@ -37,46 +37,44 @@ def layer_cost(spec: TransformerSpec, tokens: int, prefix: int, microbatch_size:
                dtype_bytes: int = 2, segmented: bool = False) -> LayerCost:
     """One layer's FLOPs and bytes for the last ``tokens`` tokens of a ``prefix`` (its
     whole sequence, or a segment's prefix in a ``segmented`` run), with model.recompute
-    applied: what it keeps is :func:`~pipeflow.planning.transformer.layer_saved_widths`
-    (docs/planning.md). :class:`AnalyticCost` and the planner's closed form both price
+    applied: what it keeps is what its forward's operators keep
+    (:func:`~pipeflow.planning.operators.block_saved`; docs/planning.md). :class:`AnalyticCost` and the planner's closed form both price
     layers with it."""
     x, P, b, dt = tokens, prefix, microbatch_size, dtype_bytes
     f = layer_forward_flops(spec, x, P)
-    w = layer_saved_widths(spec, dt)
-    # eager attention's batched matrix products copy K and V (repeated to every query
-    # head) unless one sequence over one key/value head lets them take views
-    key = w.key
-    if spec.attention == "eager" and b == 1 and spec.kv_heads == 1:
-        key = 2 * spec.head_dim * dt
+    # the tensors the block's forward operators keep (pipeflow.planning.operators), and of
+    # them the attention region's; the stream (each sub-layer's input) is fp32 (r bytes)
+    plain, region = block_saved(Shape(spec, b, x, P, dt))
+    stream = spec.n_embd * RESIDUAL_BYTES
     own = segment_own_kv(spec, x, P, b, dt) if segmented else 0.0
-    attention = x * w.attention_token + P * key + x * P * w.pair
-    a = b * (x * w.token + P * key + x * P * w.pair + own)
+    a = plain + b * own
     e, t = 0.0, 0.0
     if spec.recompute == "full":
         # the block keeps only its input (and a segment's keys and values, held for the
         # later segments); the backward reruns the block's forward
         # the rerun reads the block's input, kept, where its saved bytes counted it again:
         # the first norm's input (pre-norm), the Q/K/V products' at fp32 (post-norm)
-        t = float(a) - (b * x * w.block_input if not spec.post_norm or dt >= 4 else 0)
+        t = float(a) - (b * x * stream if not spec.post_norm or dt >= 4 else 0)
         if spec.qkv_inputs != 1:
             # the rerun hands its keys and values to no one (the segment's cache holds the
             # forward's): its own projections' outputs go once the attention has read them
             t -= b * own
-        a = b * (x * w.block_input + own)
+        a = b * (x * stream + own)
         e = f
     elif spec.recompute == "selective":
         # the attention sub-layer keeps only its input; its forward (projections and
         # scores) runs again in the backward, and holds what it rebuilt meanwhile
-        a -= b * (attention - x * w.region_input)
+        a -= region - b * x * stream
+        attention = region
         if dt >= 4:  # at full precision the projections read the region's input itself, kept
-            attention -= x * spec.n_embd * dt
+            attention -= b * x * spec.n_embd * dt
         if P > x and spec.qkv_inputs == 1:  # the rerun's own keys and values, views in the fused
-            attention += x * 2 * spec.kv_heads * spec.head_dim * dt  # output, beside the prefix's copy
-        t = float(b * attention)
+            attention += b * x * 2 * spec.kv_heads * spec.head_dim * dt  # output, beside the prefix's copy
+        t = float(attention)
         e = attention_score_flops(spec, x, P) + attention_linear_flops(spec, x)
     if dt < 4:  # the rerun casts the weights it uses anew, held while the block's backward runs
         t += recomputed_matrix_params(spec) * dt
     # what W still needs after I: each weight matmul's input and output gradient,
     # GPT (3H + Fw) + (5H + Fw) per token — the zero-bubble paper's 32*b*s*H at 2 bytes
-    r = weight_residual_width(spec, dt) * x * b * dt
+    r = block_residual(Shape(spec, b, x, x, dt))
     return LayerCost(f, layer_linear_flops(spec, x), e, float(a), t, r)

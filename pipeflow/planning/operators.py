@@ -32,7 +32,7 @@ cast; each weight's 16-bit gradient is cast and added to its fp32 gradient).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Iterable
 
 from .transformer import RESIDUAL_BYTES, TransformerSpec, embedding_params, head_params, layer_params
@@ -44,6 +44,23 @@ CLASSES = ("product", "attention", "norm", "pointwise", "loss", "optimizer", "ho
 
 
 @dataclass(frozen=True)
+class Saved:
+    """A tensor a forward operator keeps for its backward: its name within one block
+    (operators that keep one tensor name it alike, and it counts once: GPT's Q, K and V
+    read one input), its bytes for the whole call, and whether it lies inside the
+    attention's region, which ``selective`` recomputation reruns instead of keeping."""
+
+    name: str
+    nbytes: float
+    region: bool = False
+
+
+def _saves() -> tuple:
+    # what an operator keeps for its backward: not part of what it costs (its price's key)
+    return field(default=(), compare=False)
+
+
+@dataclass(frozen=True)
 class Product:
     phase: str  # fwd | dgrad | wgrad
     m: int  # rows of the input (tokens, or queries of a batched product)
@@ -52,6 +69,7 @@ class Product:
     dtype_bytes: int
     count: int = 1
     name: str = ""
+    saves: tuple[Saved, ...] = _saves()
 
     cls = "product"
 
@@ -76,6 +94,7 @@ class Attention:
     count: int = 1
     name: str = "attention"
     heads: int = 0  # of batch_heads, the heads of one sequence (0: unknown)
+    saves: tuple[Saved, ...] = _saves()
 
     cls = "attention"
 
@@ -102,6 +121,7 @@ class Pointwise:
     count: int = 1
     name: str = ""
     launches: int = 0  # kernels per operator; 0: as its kind launches (kernels())
+    saves: tuple[Saved, ...] = _saves()
 
     def __post_init__(self) -> None:
         if self.kind not in POINTWISE or self.phase not in ("fwd", "bwd"):
@@ -123,6 +143,7 @@ class Loss:
     dtype_bytes: int
     count: int = 1
     name: str = "cross_entropy"
+    saves: tuple[Saved, ...] = _saves()
 
     cls = "loss"
     flops = 0.0
@@ -186,9 +207,24 @@ def _cast(sh: Shape, elements: int, phase: str, name: str) -> list[Pointwise]:
     return [Pointwise("copy", phase, elements, RESIDUAL_BYTES, name=name)]
 
 
-def _norm(sh: Shape, phase: str, name: str) -> list[Pointwise]:
+def _norm(sh: Shape, phase: str, name: str, key: str = "", region: bool = False,
+          input_bytes: int = RESIDUAL_BYTES) -> list[Pointwise]:
+    """A norm over the rows; forward, it keeps (as tensors ``key``.*) what
+    :func:`norm_saved` counts, its input at ``input_bytes`` an element."""
     kind = "rmsnorm" if sh.spec.norm == "rmsnorm" else "layernorm"
-    return [Pointwise(kind, phase, sh.rows * sh.spec.n_embd, RESIDUAL_BYTES, name=name)]
+    saves = norm_saved(sh, key or name, region, input_bytes) if phase == "fwd" else ()
+    return [Pointwise(kind, phase, sh.rows * sh.spec.n_embd, RESIDUAL_BYTES, name=name, saves=saves)]
+
+
+def norm_saved(sh: Shape, key: str, region: bool = False, input_bytes: int = RESIDUAL_BYTES) -> tuple[Saved, ...]:
+    """What one norm keeps: LayerNorm (torch's kernel) its input (fp32: the stream) and
+    two fp32 statistics a row; RMSNorm (transformers' Llama-style, written in Python) its
+    fp32 input, the normalised input the weight multiplies and one fp32 reciprocal root."""
+    T, H = sh.rows, sh.spec.n_embd
+    kept = [Saved(f"{key}.in", T * H * input_bytes, region)]
+    if sh.spec.norm == "rmsnorm":
+        return (*kept, Saved(f"{key}.normed", T * H * RESIDUAL_BYTES, region), Saved(f"{key}.rstd", T * 4, region))
+    return (*kept, Saved(f"{key}.stats", T * 8, region))
 
 
 def _projections(sh: Shape) -> list[tuple[str, int, int]]:
@@ -205,9 +241,22 @@ def _mlp(sh: Shape) -> list[tuple[str, int, int]]:
 
 
 def _attention(sh: Shape, phase: str) -> Attention:
-    s = sh.spec
+    s, c, T = sh.spec, sh.dtype_bytes, sh.rows
+    q = s.n_head * s.head_dim
+    saves: tuple[Saved, ...] = ()
+    if phase == "fwd":  # Q, its output (the output projection's input too), a log-sum-exp a query head,
+        # K and V over the keys (repeated to every query head where the runtime hands them so: kv_repeat)
+        kv = (q if s.kv_repeat else s.kv_heads * s.head_dim) * sh.sequences * sh.prefix * c
+        saves = (Saved("q", T * q * c, True), Saved("attn.out", T * q * c, True),
+                 Saved("lse", T * s.n_head * 4, True), Saved("k", kv, True), Saved("v", kv, True))
     return Attention(phase, sh.sequences * s.n_head, sh.tokens, sh.prefix, s.head_dim, s.causal, sh.dtype_bytes,
-                     heads=s.n_head)
+                     heads=s.n_head, saves=saves)
+
+
+def _input_name(sh: Shape, name: str, shared: str) -> str:
+    """The tensor a product keeps as its input: at full precision the products of one
+    input read (and keep) that one tensor; at 16 bits autocast casts it for each product."""
+    return shared if sh.dtype_bytes >= 4 else f"{name}.in"
 
 
 def attention_forward(sh: Shape) -> list[Operator]:
@@ -215,46 +264,89 @@ def attention_forward(sh: Shape) -> list[Operator]:
     projection's: what ``selective`` recomputation reruns."""
     s, c, T = sh.spec, sh.dtype_bytes, sh.rows
     q, kv = s.n_head * s.head_dim, s.kv_heads * s.head_dim
-    ops: list[Operator] = [Product("fwd", T, k, n, c, name=name) for name, k, n in _projections(sh)]
-    if s.position_embedding == "rotary":  # q and k rotated (x cos + rotate_half(x) sin, in fp32)
+    ops: list[Operator] = [Product("fwd", T, k, n, c, name=name,
+                                   saves=(Saved(_input_name(sh, name, "attn.in"), T * k * c, True),))
+                           for name, k, n in _projections(sh)]
+    if s.position_embedding == "rotary":  # q and k rotated (x cos + rotate_half(x) sin, in fp32; its
+        # tables, kept once a stage: transformer.stage_shared_saved)
         ops.append(Pointwise("rotary", "fwd", T * (q + kv), RESIDUAL_BYTES, name="rotary"))
     if s.attention == "eager":
         ops += _eager_scores(sh, "fwd")
     else:
         ops.append(_attention(sh, "fwd"))
     ops.append(Pointwise("copy", "fwd", T * q, c, name="merge heads"))
-    ops.append(Product("fwd", T, q, s.n_embd, c, name="proj"))
+    ops.append(Product("fwd", T, q, s.n_embd, c, name="proj", saves=(Saved("attn.out", T * q * c, True),)))
     return _biased(s, ops)
 
 
 def _eager_scores(sh: Shape, phase: str) -> list[Operator]:
-    """Eager attention: two batched products and a softmax over the scores (fp32)."""
+    """Eager attention: two batched products and a softmax over the scores (fp32).
+    Forward, the products keep Q, and K and V repeated to every query head (copies;
+    views where one sequence over one key/value head allows), the softmax its output a
+    pair of each head, and with dropout the mix keeps the dropout's mask and output."""
     s, c = sh.spec, sh.dtype_bytes
     bh, x, p, d = sh.sequences * s.n_head, sh.tokens, sh.prefix, s.head_dim
-    scores = Pointwise("softmax", "fwd" if phase == "fwd" else "bwd", bh * x * p, RESIDUAL_BYTES, name="softmax")
-    if phase == "fwd":
-        return [Product("fwd", x, d, p, c, count=bh, name="scores"), scores,
-                Product("fwd", x, p, d, c, count=bh, name="mix")]
-    return [Product("dgrad", x, p, d, c, count=bh, name="mix"), Product("wgrad", x, p, d, c, count=bh, name="mix"),
-            scores, Product("dgrad", x, d, p, c, count=bh, name="scores"),
-            Product("wgrad", x, d, p, c, count=bh, name="scores")]
+    if phase != "fwd":
+        scores = Pointwise("softmax", "bwd", bh * x * p, RESIDUAL_BYTES, name="softmax")
+        return [Product("dgrad", x, p, d, c, count=bh, name="mix"), Product("wgrad", x, p, d, c, count=bh, name="mix"),
+                scores, Product("dgrad", x, d, p, c, count=bh, name="scores"),
+                Product("wgrad", x, d, p, c, count=bh, name="scores")]
+    width = d if sh.sequences == 1 and s.kv_heads == 1 else s.n_head * d
+    kv, pairs = sh.sequences * p * width * c, bh * x * p
+    probs = [Saved("probs", pairs * c, True)]
+    mixed = [Saved("probs.mask", pairs, True), Saved("probs.dropped", pairs * c, True)] if s.dropout_masks else probs
+    return [Product("fwd", x, d, p, c, count=bh, name="scores",
+                    saves=(Saved("q", sh.rows * s.n_head * d * c, True), Saved("k", kv, True))),
+            Pointwise("softmax", "fwd", pairs, RESIDUAL_BYTES, name="softmax", saves=tuple(probs)),
+            Product("fwd", x, p, d, c, count=bh, name="mix", saves=(*mixed, Saved("v", kv, True)))]
+
+
+def _stream(sh: Shape, branch: str, region: bool) -> Pointwise:
+    """The residual add closing a branch (with dropout, keeping the branch's mask)."""
+    T, H = sh.rows, sh.spec.n_embd
+    saves = (Saved(f"{branch}.dropout", T * H, region),) if sh.spec.dropout_masks else ()
+    return Pointwise("add", "fwd", T * H, RESIDUAL_BYTES, name="residual", saves=saves)
 
 
 def block_forward(sh: Shape) -> list[Operator]:
-    """One block's forward operators (pre-norm; post-norm the norms follow the adds)."""
-    s, c, T, H = sh.spec, sh.dtype_bytes, sh.rows, sh.spec.n_embd
-    stream = Pointwise("add", "fwd", T * H, RESIDUAL_BYTES, name="residual")
-    pre = [] if s.post_norm else _norm(sh, "fwd", "norm")
-    post = _norm(sh, "fwd", "norm") if s.post_norm else []
-    attention = [*pre, *_cast(sh, T * H, "fwd", "cast"), *attention_forward(sh), stream, *post]
-    mlp: list[Operator] = [*pre, *_cast(sh, T * H, "fwd", "cast")]
+    """One block's forward operators (pre-norm; post-norm the norms follow the adds).
+    Selective recomputation's region is the attention's operators, its dropout and, post-norm, its norm."""
+    s, c, T = sh.spec, sh.dtype_bytes, sh.rows
+    post = s.post_norm
+    attention = [*([] if post else _norm(sh, "fwd", "norm", "norm1")), *_cast(sh, T * s.n_embd, "fwd", "cast"),
+                 *attention_forward(sh), _stream(sh, "attn", True),
+                 *(_norm(sh, "fwd", "norm", "norm1", region=True) if post else [])]
+    mlp: list[Operator] = [*([] if post else _norm(sh, "fwd", "norm", "norm2")), *_cast(sh, T * s.n_embd, "fwd", "cast")]
     ups = _mlp(sh)
-    mlp += _biased(s, [Product("fwd", T, k, n, c, name=name) for name, k, n in ups[:-1]])
+    mlp += _biased(s, [Product("fwd", T, k, n, c, name=name, saves=(Saved(_input_name(sh, name, "mlp.in"), T * k * c),))
+                       for name, k, n in ups[:-1]])
     width = s.ffn_width
-    mlp.append(Pointwise("silu_mul" if s.mlp == "gated" else "gelu", "fwd", T * width, c, name="activation"))
+    inner = (("gate.out", "gate.act", "up.out") if s.mlp == "gated" else ("act.in",))
+    mlp.append(Pointwise("silu_mul" if s.mlp == "gated" else "gelu", "fwd", T * width, c, name="activation",
+                         saves=tuple(Saved(t, T * width * c) for t in inner)))
     name, k, n = ups[-1]
-    mlp += [*_biased(s, [Product("fwd", T, k, n, c, name=name)]), stream, *post]
+    mlp += [*_biased(s, [Product("fwd", T, k, n, c, name=name, saves=(Saved(f"{name}.in", T * k * c),))]),
+            _stream(sh, "mlp", False), *(_norm(sh, "fwd", "norm", "norm2") if post else [])]
     return attention + mlp
+
+
+def kept(ops: Iterable[Operator]) -> dict[str, Saved]:
+    """The tensors ``ops`` keep for their backward, each once, by name."""
+    out: dict[str, Saved] = {}
+    for op in ops:
+        if getattr(op, "phase", "") != "fwd":
+            continue
+        for t in op.saves:
+            out.setdefault(t.name, t)
+    return out
+
+
+def block_saved(sh: Shape) -> tuple[float, float]:
+    """What one block's forward keeps for its backward without recomputation, and of that
+    what lies inside the attention's region (selective recomputation's), for the whole
+    microbatch: its operators' tensors (:class:`Saved`), each counted once."""
+    tensors = kept(block_forward(sh)).values()
+    return float(sum(t.nbytes for t in tensors)), float(sum(t.nbytes for t in tensors if t.region))
 
 
 def _biased(s: TransformerSpec, ops: list[Operator]) -> list[Operator]:
@@ -340,10 +432,14 @@ def recompute_forward(sh: Shape) -> list[Operator]:
 
 
 def embedding_forward(sh: Shape) -> list[Operator]:
+    """The tables' lookups; they keep the token ids (int64), a learned table's position
+    ids (one row for the microbatch), BERT's embedding norm and, with dropout, its mask."""
     s, T, H = sh.spec, sh.rows, sh.spec.n_embd
-    ops = [Pointwise("copy", "fwd", T * H, RESIDUAL_BYTES, name="token embedding")]
+    ids = (Saved("ids", T * 8), *((Saved("embedding.dropout", T * H),) if s.dropout_masks else ()))
+    ops = [Pointwise("copy", "fwd", T * H, RESIDUAL_BYTES, name="token embedding", saves=ids)]
     if s.position_embedding == "learned":
-        ops.append(Pointwise("add", "fwd", T * H, RESIDUAL_BYTES, name="positions"))
+        ops.append(Pointwise("add", "fwd", T * H, RESIDUAL_BYTES, name="positions",
+                             saves=(Saved("positions", sh.tokens * 8),)))
     if s.post_norm:
         ops += _norm(sh, "fwd", "embedding norm")
     return ops
@@ -362,19 +458,70 @@ def embedding_backward(sh: Shape) -> list[Operator]:
 
 def head_forward(sh: Shape) -> list[Operator]:
     """The final norm (BERT: the dense transform and its norm), the vocabulary's product
-    and the loss (its logits cast to fp32 first at 16 bits)."""
+    and the loss (its logits cast to fp32 first at 16 bits). They keep the norm's, the
+    head's input (in the compute dtype), the loss's fp32 log-softmax and its int64
+    targets; BERT's transform its input, its GeLU's input and its norm's, the norm's input
+    in the compute dtype."""
     s, c, T, H, V = sh.spec, sh.dtype_bytes, sh.rows, sh.spec.n_embd, sh.spec.vocab_size
     ops: list[Operator] = []
     if s.post_norm:
-        ops += [*_cast(sh, T * H, "fwd", "cast"), Product("fwd", T, H, H, c, name="transform"),
-                Pointwise("gelu", "fwd", T * H, c, name="activation"), *_norm(sh, "fwd", "head norm")]
+        ops += [*_cast(sh, T * H, "fwd", "cast"),
+                Product("fwd", T, H, H, c, name="transform", saves=(Saved("transform.in", T * H * c),)),
+                Pointwise("gelu", "fwd", T * H, c, name="activation", saves=(Saved("transform.out", T * H * c),)),
+                *_norm(sh, "fwd", "head norm", input_bytes=c)]
     else:
         ops += _norm(sh, "fwd", "final norm")
-    ops += [*_cast(sh, T * H, "fwd", "cast"), Product("fwd", T, H, V, c, name="lm_head")]
+    ops += [*_cast(sh, T * H, "fwd", "cast"), Product("fwd", T, H, V, c, name="lm_head",
+                                                      saves=(Saved("lm_head.in", T * H * c),))]
     if c < 4:
         ops.append(Pointwise("copy", "fwd", T * V, c, name="logits to fp32"))
-    ops.append(Loss("fwd", T, V, RESIDUAL_BYTES))
+    ops.append(Loss("fwd", T, V, RESIDUAL_BYTES, saves=(Saved("log_softmax", T * V * 4), Saved("targets", T * 8))))
     return ops
+
+
+def _weight_products(ops: Iterable[Operator]) -> list[Product]:
+    """The forward products of ``ops`` that have a weight (not eager attention's)."""
+    return [o for o in ops if isinstance(o, Product) and o.phase == "fwd" and o.name not in ("scores", "mix")]
+
+
+def weight_residual(ops: Iterable[Operator]) -> float:
+    """What a zero-bubble I keeps for its W of forward operators ``ops``: each weight
+    product's input (each tensor once, as the forward kept it) and its output's gradient,
+    in the compute dtype (GPT's block (3H + I) + (5H + I) a token: the zero-bubble
+    paper's 32 b s H at 2 bytes)."""
+    products = _weight_products(ops)
+    return saved_bytes(products) + float(sum(o.m * o.n * o.dtype_bytes * o.count for o in products))
+
+
+def block_residual(sh: Shape) -> float:
+    """:func:`weight_residual` of one block."""
+    return weight_residual(block_forward(sh))
+
+
+def head_residual(spec: TransformerSpec, tokens: int, microbatch_size: int, dtype_bytes: int) -> float:
+    """:func:`weight_residual` of the head (the LM head's input and the logits' gradient;
+    BERT's transform's input and output gradient too), for one microbatch."""
+    return weight_residual(head_forward(Shape(spec, microbatch_size, tokens, tokens, dtype_bytes)))
+
+
+def norm_saved_bytes(spec: TransformerSpec) -> float:
+    """Per token, what one norm of ``spec``'s keeps (:func:`norm_saved`)."""
+    return float(sum(t.nbytes for t in norm_saved(Shape(spec, 1, 1, 1, RESIDUAL_BYTES), "norm")))
+
+
+def saved_bytes(ops: Iterable[Operator]) -> float:
+    """What forward operators ``ops`` keep for their backward (:func:`kept`), in bytes."""
+    return float(sum(t.nbytes for t in kept(ops).values()))
+
+
+def first_stage_saved(spec: TransformerSpec, tokens: int, microbatch_size: int) -> float:
+    """What the embedding keeps for one microbatch (:func:`embedding_forward`)."""
+    return saved_bytes(embedding_forward(Shape(spec, microbatch_size, tokens, tokens, RESIDUAL_BYTES)))
+
+
+def last_stage_saved(spec: TransformerSpec, tokens: int, microbatch_size: int, dtype_bytes: int) -> float:
+    """What the head and the loss keep for one microbatch (:func:`head_forward`)."""
+    return saved_bytes(head_forward(Shape(spec, microbatch_size, tokens, tokens, dtype_bytes)))
 
 
 def head_input_backward(sh: Shape) -> list[Operator]:

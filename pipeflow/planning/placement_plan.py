@@ -30,13 +30,12 @@ from ..topology.topology import Topology
 from .cost import AnalyticCost, layer_cost
 from .tensor_cost import (collectives_time, layer_collectives, sequence_parallel_layer, shard_spec,
                           stage_collectives)
+from .operators import first_stage_saved, last_stage_saved
 from .transformer import (
     TransformerSpec,
     embedding_params,
-    first_stage_saved,
     head_forward_flops,
     head_params,
-    last_stage_saved,
     layer_matrix_params,
     layer_params,
     recomputed_matrix_params,

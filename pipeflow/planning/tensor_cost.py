@@ -31,7 +31,8 @@ from __future__ import annotations
 import dataclasses
 
 from .layer_cost import LayerCost
-from .transformer import RESIDUAL_BYTES, TransformerSpec, last_stage_saved, norm_saved_bytes
+from .operators import last_stage_saved, norm_saved_bytes
+from .transformer import RESIDUAL_BYTES, TransformerSpec
 
 AR, AG, RS = "all-reduce", "all-gather", "reduce-scatter"
 

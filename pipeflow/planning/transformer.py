@@ -327,81 +327,6 @@ RESIDUAL_BYTES = 4
 ATTENTION = ("sdpa", "eager")
 
 
-@dataclass(frozen=True)
-class SavedWidths:
-    """Bytes one layer's forward keeps for its backward (no recomputation), for a
-    microbatch of one sequence, by what they scale with: per token of the call
-    (``token``), per key the call attends over (``key``: its own tokens, or the whole
-    prefix on a later sequence segment) and per query-key pair (``pair``); what a
-    segmented run holds of a segment's own keys and values beside them is
-    :func:`segment_own_kv`'s. The ``attention_*`` fields are the part the attention sub-layer keeps inside itself: selective recomputation
-    drops them and keeps the sub-layer's input instead (``region_input`` per token).
-    Full recomputation keeps the layer's input only (``block_input`` per token)."""
-
-    token: float
-    key: float
-    pair: float
-    attention_token: float
-    region_input: float
-    block_input: float
-
-
-def norm_saved_bytes(spec: TransformerSpec) -> float:
-    """Per token, what one norm keeps: LayerNorm (torch's kernel) its fp32 input and two
-    fp32 statistics; RMSNorm (transformers' Llama-style, written in Python) its fp32
-    input, the normalised input the weight multiplies and one fp32 reciprocal root."""
-    H = spec.n_embd
-    if spec.norm == "rmsnorm":
-        return 2 * H * RESIDUAL_BYTES + 4
-    return H * RESIDUAL_BYTES + 8
-
-
-def layer_saved_widths(spec: TransformerSpec, dtype_bytes: int) -> SavedWidths:
-    """What one layer keeps for its backward (see :class:`SavedWidths`), counted tensor by
-    tensor on the runtime's layers (docs/planning.md, "Activation bytes"); c =
-    ``dtype_bytes`` (the compute dtype), r = 4 (:data:`RESIDUAL_BYTES`), H hidden, h query
-    heads of d, kv key/value heads, I the MLP width:
-
-    - two norms (:func:`norm_saved_bytes`);
-    - the inputs of the Q/K/V and the MLP matrix products, in the compute dtype: 2H c (at 16
-      bits one autocast copy per product, :func:`matrix_inputs`: separate Q, K and V keep 3H c);
-    - attention, ``sdpa``: Q (h d c), the kernel's output (the output projection's input
-      too, h d c) and a fp32 log-sum-exp per query head (4h) per token, and per key
-      attended over the key and the value (2 kv d c; 2 h d c where the kernel is handed
-      them repeated, ``kv_repeat``). ``eager``: Q and the output
-      projection's input (2 h d c) per token, the key and value repeated to every query
-      head (2 h d c) per key, and per pair and query head the softmax output (c; with
-      dropout also its 1-byte mask and its output, c);
-    - (a segmented run holds each segment's own keys and values for the later segments
-      beside these: :func:`segment_own_kv`);
-    - the MLP: GeLU (torch's kernel) keeps its input and output, 2I c; a gated MLP its
-      gate's output, the gate's activation, the up projection and their product, 4I c;
-    - with dropout, a 1-byte mask after the attention and after the MLP, 2H.
-
-    GPT (LayerNorm, GeLU, I = 4H, eager, dropout) at c = 2 with 2-byte norms is
-    Korthikanti et al.'s 34H per token and 5h per pair (they count Q, K, V once, as one
-    fused projection's output; the scores' dropout output with the pairs)."""
-    H, c, r = spec.n_embd, dtype_bytes, RESIDUAL_BYTES
-    q, kv = spec.n_head * spec.head_dim, spec.kv_heads * spec.head_dim
-    qkv_in, mlp_in = matrix_inputs(spec, dtype_bytes)
-    if spec.attention == "eager":
-        # K and V repeated to every query head, copies (layer_cost: views for one sequence
-        # over one key/value head)
-        attn_token, key = (qkv_in * H + 2 * q) * c, 2 * q * c
-        pair = spec.n_head * (2 * c + 1 if spec.dropout_masks else c)
-    else:
-        attn_token, key = (qkv_in * H + 2 * q) * c + 4 * spec.n_head, 2 * (q if spec.kv_repeat else kv) * c
-        pair = 0
-    masks = 2 * H if spec.dropout_masks else 0
-    mlp = (mlp_in * H + (4 if spec.mlp == "gated" else 2) * spec.ffn_width) * c
-    norms = 2 * norm_saved_bytes(spec)
-    inside = attn_token + (H if spec.dropout_masks else 0)  # and its output dropout's mask
-    if spec.post_norm:  # BERT: the attention sub-layer ends with its LayerNorm, whose input it keeps
-        inside += norm_saved_bytes(spec)
-    return SavedWidths(token=norms + attn_token + mlp + masks, key=key, pair=pair,
-                       attention_token=inside, region_input=H * r, block_input=H * r)
-
-
 def segment_own_kv(spec: TransformerSpec, tokens: int, prefix: int, microbatch_size: int, dtype_bytes: int) -> float:
     """Per sequence, what one layer of a segmented run holds of a segment's own keys and
     values for the later segments, on top of what its attention keeps. A later segment's
@@ -436,34 +361,6 @@ def matrix_inputs(spec: TransformerSpec, dtype_bytes: int) -> tuple[int, int]:
     return spec.qkv_inputs, 2 if spec.mlp == "gated" else 1
 
 
-def first_stage_saved(spec: TransformerSpec, tokens: int, microbatch_size: int) -> float:
-    """What the embedding keeps for one microbatch: the token ids (int64), the position
-    ids of a learned table (one row for the microbatch), BERT's embedding LayerNorm and,
-    with dropout, its mask."""
-    x, b = tokens, microbatch_size
-    a = 8.0 * x * b
-    if spec.position_embedding == "learned":
-        a += 8.0 * x
-    if spec.post_norm:
-        a += x * b * norm_saved_bytes(spec)
-    if spec.dropout_masks:
-        a += x * b * spec.n_embd
-    return a
-
-
-def last_stage_saved(spec: TransformerSpec, tokens: int, microbatch_size: int, dtype_bytes: int) -> float:
-    """What the head and the loss keep for one microbatch: the final norm, the head's
-    input (c), the fp32 log-softmax over the vocabulary (4V) and the int64 targets; BERT's
-    MLM head transforms first (a dense layer, GeLU and a LayerNorm: 3H c more and the
-    norm's statistics, its input in the compute dtype)."""
-    x, b, H, c = tokens, microbatch_size, spec.n_embd, dtype_bytes
-    if spec.post_norm:
-        head = 4 * H * c + 8
-    else:
-        head = norm_saved_bytes(spec) + H * c
-    return x * b * (head + 4.0 * spec.vocab_size + 8)
-
-
 def stage_shared_saved(spec: TransformerSpec, tokens: int) -> float:
     """What every stage holding layers keeps once per microbatch, whatever its layers:
     rotary positions' cos and sin tables (fp32, one row per token), which the rotation
@@ -478,23 +375,6 @@ def own_key_bytes(spec: TransformerSpec, dtype_bytes: int) -> int:
     """Bytes per element of the keys a segment hands its later segments: the rotation's output with
     rotary positions, fp32 under autocast (its tables are the stream's dtype); else the compute dtype."""
     return RESIDUAL_BYTES if spec.position_embedding == "rotary" else dtype_bytes
-
-
-def head_residual_width(spec: TransformerSpec) -> int:
-    """Elements per token the head keeps from I until W: the LM head's input and the logits'
-    gradient (H + V), and BERT's MLM transform's dense layer's input and output gradient (2H more)."""
-    return (3 if spec.post_norm else 1) * spec.n_embd + spec.vocab_size
-
-
-def weight_residual_width(spec: TransformerSpec, dtype_bytes: int = 4) -> int:
-    """Elements per token one layer keeps from I until W (zero-bubble split): each weight
-    matmul's input and output gradient. Inputs: the Q/K/V input H (one tensor for the
-    three), the projection's input h*d, the MLP input H (shared by gate and up), the down
-    projection's (FC2's) input I. Output gradients: Q h*d, K and V 2*kv*d, the projection
-    H, gate and up 2I (FC1: I), down H. Sum: 4H + 2*h*d + 2*kv*d + m*I; GPT: 8H + 2I."""
-    H, q, kv = spec.n_embd, spec.n_head * spec.head_dim, spec.kv_heads * spec.head_dim
-    qkv_in, mlp_in = matrix_inputs(spec, dtype_bytes)  # at 16 bits, a copy per product
-    return (2 + qkv_in + mlp_in) * H + 2 * q + 2 * kv + spec.mlp_matrices * spec.ffn_width
 
 
 def kv_repeat_on(spec: TransformerSpec, dtype_bytes: int, gpu: bool) -> bool:

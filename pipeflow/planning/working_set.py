@@ -20,9 +20,9 @@ from typing import Callable, Sequence
 
 from .optimizer_step import decay_tensors, one_at_a_time_most
 from .products import down_weight_scratch, mlp_product_scratch, rerun_rotation_bytes, weight_phase_bytes, weight_products
-from .transformer import (RESIDUAL_BYTES, TransformerSpec, head_params, head_residual_width, last_stage_saved,
-                          layer_params, matrix_inputs, norm_params, norm_saved_bytes, recomputed_matrix_params,
-                          shared_head_params)
+from .operators import head_residual, last_stage_saved, norm_saved_bytes
+from .transformer import (RESIDUAL_BYTES, TransformerSpec, head_params, layer_params, matrix_inputs, norm_params,
+                          recomputed_matrix_params, shared_head_params)
 
 
 def checked_segment(segment: int, segment_lengths: Sequence[int]) -> int:
@@ -402,7 +402,7 @@ class BackwardWorkingSet:
         backward (:meth:`_final_norm`), then the blocks'. The most of the three."""
         spec, b, c = self.spec, self.microbatch_size, self.dtype_bytes
         x_b = x * b
-        head_kept, head_saved = head_residual_width(spec) * x_b * c, last_stage_saved(spec, x, b, c)
+        head_kept, head_saved = head_residual(spec, x, b, c), last_stage_saved(spec, x, b, c)
         head_moves = head_kept - head_saved + x_b * spec.n_embd * RESIDUAL_BYTES
         head = 2.0 * x_b * spec.vocab_size * 4  # the loss's and the log-softmax's gradients; the second, kept
         if head >= head_moves + rise + block and head >= self._final_norm(x_b, head_moves)[0]:
