@@ -32,6 +32,7 @@ cast; each weight's 16-bit gradient is cast and added to its fp32 gradient).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from typing import Iterable
 
@@ -212,17 +213,18 @@ def _norm(sh: Shape, phase: str, name: str, key: str = "", region: bool = False,
     """A norm over the rows; forward, it keeps (as tensors ``key``.*) what
     :func:`norm_saved` counts, its input at ``input_bytes`` an element."""
     kind = "rmsnorm" if sh.spec.norm == "rmsnorm" else "layernorm"
-    saves = norm_saved(sh, key or name, region, input_bytes) if phase == "fwd" else ()
+    saves = norm_saved(sh.spec.norm, sh.rows, sh.spec.n_embd, key or name, region, input_bytes) if phase == "fwd" else ()
     return [Pointwise(kind, phase, sh.rows * sh.spec.n_embd, RESIDUAL_BYTES, name=name, saves=saves)]
 
 
-def norm_saved(sh: Shape, key: str, region: bool = False, input_bytes: int = RESIDUAL_BYTES) -> tuple[Saved, ...]:
+def norm_saved(norm: str, rows: int, H: int, key: str, region: bool = False,
+               input_bytes: int = RESIDUAL_BYTES) -> tuple[Saved, ...]:
     """What one norm keeps: LayerNorm (torch's kernel) its input (fp32: the stream) and
     two fp32 statistics a row; RMSNorm (transformers' Llama-style, written in Python) its
     fp32 input, the normalised input the weight multiplies and one fp32 reciprocal root."""
-    T, H = sh.rows, sh.spec.n_embd
+    T = rows
     kept = [Saved(f"{key}.in", T * H * input_bytes, region)]
-    if sh.spec.norm == "rmsnorm":
+    if norm == "rmsnorm":
         return (*kept, Saved(f"{key}.normed", T * H * RESIDUAL_BYTES, region), Saved(f"{key}.rstd", T * 4, region))
     return (*kept, Saved(f"{key}.stats", T * 8, region))
 
@@ -341,6 +343,7 @@ def kept(ops: Iterable[Operator]) -> dict[str, Saved]:
     return out
 
 
+@functools.lru_cache(maxsize=4096)  # (a search prices one shape for many candidates)
 def block_saved(sh: Shape) -> tuple[float, float]:
     """What one block's forward keeps for its backward without recomputation, and of that
     what lies inside the attention's region (selective recomputation's), for the whole
@@ -493,11 +496,13 @@ def weight_residual(ops: Iterable[Operator]) -> float:
     return saved_bytes(products) + float(sum(o.m * o.n * o.dtype_bytes * o.count for o in products))
 
 
+@functools.lru_cache(maxsize=4096)  # (a search prices one shape for many candidates)
 def block_residual(sh: Shape) -> float:
     """:func:`weight_residual` of one block."""
     return weight_residual(block_forward(sh))
 
 
+@functools.lru_cache(maxsize=4096)  # (a search prices one shape for many candidates)
 def head_residual(spec: TransformerSpec, tokens: int, microbatch_size: int, dtype_bytes: int) -> float:
     """:func:`weight_residual` of the head (the LM head's input and the logits' gradient;
     BERT's transform's input and output gradient too), for one microbatch."""
@@ -506,7 +511,12 @@ def head_residual(spec: TransformerSpec, tokens: int, microbatch_size: int, dtyp
 
 def norm_saved_bytes(spec: TransformerSpec) -> float:
     """Per token, what one norm of ``spec``'s keeps (:func:`norm_saved`)."""
-    return float(sum(t.nbytes for t in norm_saved(Shape(spec, 1, 1, 1, RESIDUAL_BYTES), "norm")))
+    return _norm_token_bytes(spec.norm, spec.n_embd)
+
+
+@functools.lru_cache(maxsize=64)
+def _norm_token_bytes(norm: str, H: int) -> float:
+    return float(sum(t.nbytes for t in norm_saved(norm, 1, H, "norm")))
 
 
 def saved_bytes(ops: Iterable[Operator]) -> float:
@@ -514,11 +524,13 @@ def saved_bytes(ops: Iterable[Operator]) -> float:
     return float(sum(t.nbytes for t in kept(ops).values()))
 
 
+@functools.lru_cache(maxsize=4096)  # (a search prices one shape for many candidates)
 def first_stage_saved(spec: TransformerSpec, tokens: int, microbatch_size: int) -> float:
     """What the embedding keeps for one microbatch (:func:`embedding_forward`)."""
     return saved_bytes(embedding_forward(Shape(spec, microbatch_size, tokens, tokens, RESIDUAL_BYTES)))
 
 
+@functools.lru_cache(maxsize=4096)  # (a search prices one shape for many candidates)
 def last_stage_saved(spec: TransformerSpec, tokens: int, microbatch_size: int, dtype_bytes: int) -> float:
     """What the head and the loss keep for one microbatch (:func:`head_forward`)."""
     return saved_bytes(head_forward(Shape(spec, microbatch_size, tokens, tokens, dtype_bytes)))
