@@ -45,6 +45,7 @@ from .groups.model import check_recompute, resolve_model
 from .groups.optim import check_optim
 from .groups.partition import check_profiled_partition
 from .groups.pipeline import check_pipeline
+from .groups.compile import check_compile, compiled
 from .groups.precision import check_precision, resolve_precision
 from .checks import check_export
 from .groups.resume import check_resume, resume_expect
@@ -85,6 +86,9 @@ def prepare_simulation(cfg: DictConfig) -> SimulationInputs:
     if cfg.export is not None and cfg.export not in EXPORT_FORMATS:
         raise ConfigError(f"export={cfg.export}: unknown format; allowed values: null, {', '.join(EXPORT_FORMATS)}")
     check_known_keys(cfg)
+    if compiled(cfg):
+        raise ConfigError("compile=true: pipeflow-simulate prices eager execution only (a compiled block's operators "
+                          "are not in its device profiles yet); use compile=false")
     resolve_model(cfg)
     check_pipeline(cfg)
     tensor, sequence = tensor_degree(cfg)
@@ -207,6 +211,7 @@ def prepare_training(cfg: DictConfig, hydra: DictConfig | None = None, measure: 
     check_runtime(cfg.runtime, schedule.num_devices * tensor)
     check_precision(cfg, schedule)
     check_recompute(cfg.model)
+    check_compile(cfg, schedule, topology.on_gpus)
     check_logger(cfg.logger)
     check_data_files(cfg.data)
     check_text_data(cfg.data, spec.seq_len)
@@ -320,6 +325,9 @@ def _prepare_branched(cfg: DictConfig, family, hydra: DictConfig | None) -> Trai
     check_runtime(cfg.runtime, schedule.num_devices)
     check_precision(cfg, schedule)
     check_recompute(cfg.model)
+    if compiled(cfg):
+        raise ConfigError(f"compile=true: not with model.family={cfg.model.family} yet (its branches' blocks are not "
+                          f"compiled); use compile=false")
     check_logger(cfg.logger)
     check_data_files(cfg.data)
     if cfg.data.get("files"):

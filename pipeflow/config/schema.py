@@ -48,6 +48,7 @@ class SimulateConfig:
     export: Optional[str] = None  # torch_csv: also write schedule.csv
     draw: Union[bool, str] = "auto"  # timeline.png: auto (when it can be read), true (always), false (never)
     precision: str = "auto"  # auto | fp32 | bf16 | fp16 (config.groups.precision): bytes per element, the devices' peak
+    compile: bool = False  # each transformer block compiled on its own (config.groups.compile): not priced yet
     logger: Any = MISSING  # logger/none (simulate.yaml's default) or logger/wandb: one W&B run per job
 
 
@@ -81,6 +82,7 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     # auto | fp32 | bf16 | fp16 (config.groups.precision): the autocast dtype; fp32 master weights and optimizer state
     precision: str = "auto"
+    compile: bool = False  # each transformer block compiled on its own (config.groups.compile)
     resume: Optional[str] = None  # a previous run dir to continue from (its latest checkpoint)
     export: Optional[str] = None  # hf: the trained hf_causal model as a Hugging Face folder (<run>/hf)
     seed: int = 1234

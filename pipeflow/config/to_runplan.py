@@ -75,6 +75,7 @@ def build_run_plan(cfg: DictConfig, schedule: Schedule, spec: TransformerSpec | 
         eval_lowered=_evaluation(cfg, schedule, tied) if asynchronous else None,
         chunk_lowered=_last_chunk(cfg, schedule, family.branched, tied) if asynchronous else {},
         tensor_parallel=int(pipe.get("tensor_parallel", 1)), sequence_parallel=bool(pipe.get("sequence_parallel", False)),
+        compile=bool(cfg.get("compile", False)),
     )
 
 

@@ -102,6 +102,7 @@ class RunPlan:
     # split its stages (ranks device * T .. device * T + T - 1); sequence_parallel with it
     tensor_parallel: int = 1
     sequence_parallel: bool = False
+    compile: bool = False  # each transformer block compiled on its own (config.groups.compile)
 
     @property
     def world_size(self) -> int:

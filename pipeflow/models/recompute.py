@@ -243,10 +243,12 @@ def _regions(block: nn.Module, mode: str) -> list[tuple[object, str]]:
 
 def apply_recompute(stage: nn.Module, mode: str, block_types: tuple[type, ...]) -> nn.Module:
     """Make every block of ``stage`` (the modules of ``block_types``) recompute as
-    ``mode`` says; ``stage.recompute`` records the mode (GPT's segment path reads it)."""
+    ``mode`` says; ``stage.recompute`` records the mode (GPT's segment path reads it),
+    ``stage.block_types`` the blocks' types."""
     if mode not in MODES:
         raise ValueError(f"model.recompute={mode}: allowed values: {', '.join(MODES)}")
     stage.recompute = mode
+    stage.block_types = tuple(block_types)  # the family's blocks (pipeflow.models.regional reads them too)
     if mode == "none":
         return stage
     for block in [m for m in stage.modules() if isinstance(m, block_types)]:

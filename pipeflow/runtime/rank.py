@@ -106,6 +106,10 @@ def _stage(plan: RunPlan, adapter, groups: Groups, pipe: int, stage: int, rank: 
     state for their tied copies only; ZeRO-1/2/3: this replica's slice)."""
     schedule, optim = plan.schedule, plan.optim
     module = adapter.build_stage(stage)
+    if plan.compile:  # compile=true: each block compiled on its own (config.groups.compile)
+        from ..models.regional import compile_blocks
+
+        compile_blocks(module)
     graph = schedule.graph  # sources read the batch, sinks compute the loss
     st = StageState(pipe, stage, module, first=not graph.preds[stage], last=not graph.succs[stage])
     st.params = [p for p in module.parameters() if p.requires_grad]
