@@ -47,6 +47,7 @@ import torch
 
 from ..device_paths import cuda_path
 from ..topology.kernel_scratch import quiet_stderr
+from . import watch
 from .memory_replay import (_FROM_SEND, _FROM_TAG, _PRIORITY, StepMemory, as_allocator_history, block_bytes,
                             frees_of_released, replay, replay_history)
 
@@ -255,15 +256,18 @@ def profile_step(device: torch.device, enabled: bool = True):
     from torch.profiler import ProfilerActivity, profile
 
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True)
-    with quiet_stderr():  # kineto announces its start and stop on stderr, once per rank
-        prof.start()
-    _active = True
-    try:
-        yield result
-    finally:
-        _active = False
-        with quiet_stderr():
-            prof.stop()
+    # the watchdog takes no frame of the main thread meanwhile: one that outlived its call
+    # would free the call's tensors on the watchdog's thread, whose frees are not recorded
+    with watch.paused():
+        with quiet_stderr():  # kineto announces its start and stop on stderr, once per rank
+            prof.start()
+        _active = True
+        try:
+            yield result
+        finally:
+            _active = False
+            with quiet_stderr():
+                prof.stop()
     measured = analyse(prof.profiler.kineto_results, device)
     result.peak_bytes, result.at_peak, result.category_peaks, result.peak_action = \
         measured.peak_bytes, measured.at_peak, measured.category_peaks, measured.peak_action

@@ -14,25 +14,26 @@ forever: a board of small shared arrays, written by each rank's watchdog thread.
 - ``acks``: a rank whose signal handler ran (it heard a stop). A rank inside a blocking
   C call never runs its handler; the launcher kills it rather than wait out W&B's grace.
 
-Sampling reads the main thread's stack as :mod:`faulthandler` writes it (a C walk of the
-interpreter's frames into a file), never through ``sys._current_frames()``: that makes a
-frame object of each thread's innermost call, and a frame object that outlives its call
-keeps the call's locals (a step's tensors) alive until the watchdog lets go of it, which
-then frees them on the watchdog's thread. A rank's memory was the larger for it, and
-torch's profiler, which records only the profiled threads' frees, counted those tensors
-live until their address was used again (``runtime.memory=profile``: a Llama 1F1B bf16
-stage with full recomputation measured 262-655 KB over its peak, in 2 runs of 30 under
-load, the watchdog descheduled while it held the frame).
+Sampling takes the main thread's innermost frame (``sys._current_frames()``) and lets go
+of it at once, keeping its position only: a frame object that outlives its call keeps
+the call's locals (a step's tensors) alive until the watchdog lets go of it, which then
+frees them on the watchdog's thread. torch's profiler records only the profiled
+threads' frees, so ``runtime.memory=profile`` counted such tensors live until their
+address was used again (a Llama 1F1B bf16 stage with full recomputation: 262-655 KB
+over its peak, in 2 runs of 30 under load, the watchdog descheduled while it held a
+frame). So a profiled step runs :func:`paused`: the watchdog takes no frame in it.
+(``faulthandler.dump_traceback``, which reads every thread's frames without making
+frame objects, walks other threads' states unlocked: tensor-parallel Seq1F1B ranks
+crashed with SIGSEGV, 4 runs in 4.)
 """
 
 from __future__ import annotations
 
 import contextlib
-import faulthandler
-import re
-import tempfile
+import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 
 WHERE = 240  # bytes of each rank's place on the board
@@ -80,11 +81,18 @@ def arm() -> None:
 _paused: list[bool] = []  # inside paused(): a long call that is no hang (writing a checkpoint)
 
 
+_sampling = threading.Lock()  # held by the watchdog while it holds a frame of the main thread
+
+
 @contextlib.contextmanager
 def paused():
     """A block whose one long call is work, not waiting (torch.save of a large model to
-    a slow disk): this rank counts as moving, so the job is not ended while it writes."""
+    a slow disk), or that must not have its frames held (a memory-profiled step): this
+    rank counts as moving, so the job is not ended while it writes, and the watchdog
+    takes no frame of the main thread (a sample under way when it begins is waited for)."""
     _paused.append(True)
+    with _sampling:
+        pass
     try:
         yield
     finally:
@@ -95,9 +103,6 @@ def heard_stop() -> None:
     """The rank's signal handler ran: it can stop by itself."""
     if _board:
         _board[0].acks[_rank[0]] = 1
-
-
-_FRAME = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d+) in (?P<name>.*)$')
 
 
 def describe(stack: list[tuple[str, int, str]]) -> str:
@@ -111,52 +116,31 @@ def describe(stack: list[tuple[str, int, str]]) -> str:
     return text
 
 
-def thread_stack(text: str, ident: int) -> list[tuple[str, int, str]]:
-    """Thread ``ident``'s calls, innermost first, in a traceback of every thread as
-    :func:`faulthandler.dump_traceback` writes it ([] where it is not there)."""
-    out, mine = [], False
-    for line in text.splitlines():
-        head = re.match(r"^(?:Current thread|Thread) (0x[0-9a-fA-F]+)", line)
-        if head:
-            if mine:
-                break
-            mine = int(head.group(1), 16) == ident
-        elif mine and (m := _FRAME.match(line)):
-            out.append((m["file"], int(m["line"]), m["name"]))
-    return out
-
-
 class Sampler:
-    """The main thread's position, sample by sample; ``since``: when it last moved. It
-    holds no frame (see the module's docstring): a position is the main thread's calls,
-    each a file, a line and a function, as faulthandler writes them."""
+    """The main thread's position, sample by sample; ``since``: when it last moved. A
+    sample holds the main thread's frame only while it reads its position (see the
+    module's docstring) and returns the calls, never the frame."""
 
     def __init__(self) -> None:
         self.main = threading.main_thread().ident
         self.key = None
         self.since = time.monotonic()
-        self._out = tempfile.TemporaryFile()
-
-    def stack(self) -> list[tuple[str, int, str]]:
-        """The main thread's calls now, innermost first."""
-        out = self._out
-        out.seek(0)
-        out.truncate()
-        faulthandler.dump_traceback(out, all_threads=True)
-        out.seek(0)
-        return thread_stack(out.read().decode(errors="replace"), self.main)
 
     def sample(self, now: float):
-        """(the monotonic time since which the main thread has not moved, its calls) or
-        (0.0, None) where it moved since the last sample."""
-        stack = self.stack()
-        if not stack:
+        """(the monotonic time since which the main thread has not moved, its calls as
+        ``(file, line, function)``, innermost first) or (0.0, None) where it moved since
+        the last sample."""
+        frame = sys._current_frames().get(self.main)
+        if frame is None:
             return 0.0, None
-        key = tuple(stack)
-        if key != self.key:
+        key = (id(frame), id(frame.f_code), frame.f_lasti)
+        moved = key != self.key
+        calls = None if moved else [(f.filename, f.lineno, f.name) for f in reversed(traceback.extract_stack(frame))]
+        del frame
+        if moved:
             self.key, self.since = key, now
             return 0.0, None
-        return self.since, stack
+        return self.since, calls
 
 
 def look(rank: int, sampler: Sampler, beat: bool) -> None:
@@ -169,7 +153,11 @@ def look(rank: int, sampler: Sampler, beat: bool) -> None:
     if not _armed or _paused:
         board.stuck[rank] = 0.0
         return
-    since, stack = sampler.sample(now)
+    with _sampling:
+        if _paused:  # (paused while this sample waited)
+            board.stuck[rank] = 0.0
+            return
+        since, stack = sampler.sample(now)
     if since and not board.stuck[rank]:
         board._set_place(rank, describe(stack))
     board.stuck[rank] = since
