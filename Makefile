@@ -57,6 +57,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_simulator
 	$(BIN)/python -m benchmarks.bench_simulate_cli
 	$(BIN)/python -m benchmarks.bench_runtime_vs_torch
+	$(BIN)/python -m benchmarks.bench_step_vs_plain
 	$(BIN)/python -m benchmarks.bench_predicted_vs_measured
 	$(BIN)/python -m benchmarks.bench_partition
 	$(BIN)/python -m benchmarks.bench_async
