@@ -4,17 +4,17 @@ combination refused before any rank starts, in one sentence naming the key."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
 from pipeflow.config import ConfigError, compose, prepare_simulation, prepare_training
+from pipeflow.config.groups import compile as compile_group
+from pipeflow.config.groups.compile import cpp_compiler
 
 import pipeline_runs
 
 slow = pytest.mark.slow
-needs_compiler = pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")),
+needs_compiler = pytest.mark.skipif(not cpp_compiler(),
                                     reason="compile=true on CPU ranks needs a C++ compiler (inductor's kernels)")
 
 
@@ -32,6 +32,18 @@ def test_compile_refuses_what_it_does_not_compose_with_yet(over, says):
     with pytest.raises(ConfigError, match="^compile=true: ") as err:
         prepare_training(cfg)
     assert says in str(err.value) and "compile=false" in str(err.value)
+
+
+def test_a_cpu_run_without_a_cpp_compiler_is_refused_and_a_gpu_run_needs_none(monkeypatch):
+    """Inductor builds CPU kernels with a C++ compiler; CUDA's it builds with Triton."""
+    from pipeflow.config.prepare import generate_schedule
+
+    cfg = compose("train", ["compile=true", "pipeline.stages=2"])
+    schedule = generate_schedule(cfg)
+    monkeypatch.setattr(compile_group, "cpp_compiler", lambda: None)
+    with pytest.raises(ConfigError, match="compile=true: compiling for CPU ranks needs a C\\+\\+ compiler"):
+        compile_group.check_compile(cfg, schedule, on_gpus=False)
+    compile_group.check_compile(cfg, schedule, on_gpus=True)  # (no refusal)
 
 
 def test_the_simulator_refuses_compile():

@@ -105,14 +105,14 @@ def heard_stop() -> None:
         _board[0].acks[_rank[0]] = 1
 
 
-def describe(stack: list[tuple[str, int, str]]) -> str:
-    """Where a thread sits, from its ``(file, line, function)`` calls, innermost first:
-    its innermost call, and the pipeflow line that made it."""
-    top = stack[0]
-    ours = next((f for f in stack if "/pipeflow/" in f[0]), None)
-    text = f"{top[2]} ({top[0].rsplit('/', 1)[-1]}:{top[1]})"
+def describe(stack: traceback.StackSummary) -> str:
+    """Where a thread sits, from its calls (outermost first, as ``traceback.extract_stack``
+    gives them): its innermost call, and the pipeflow line that made it."""
+    top = stack[-1]
+    ours = next((f for f in reversed(stack) if "/pipeflow/" in f.filename), None)
+    text = f"{top.name} ({top.filename.rsplit('/', 1)[-1]}:{top.lineno})"
     if ours is not None and ours is not top:
-        text += f" from {ours[0].split('/pipeflow/', 1)[1]}:{ours[1]} in {ours[2]}"
+        text += f" from {ours.filename.split('/pipeflow/', 1)[1]}:{ours.lineno} in {ours.name}"
     return text
 
 
@@ -127,15 +127,15 @@ class Sampler:
         self.since = time.monotonic()
 
     def sample(self, now: float):
-        """(the monotonic time since which the main thread has not moved, its calls as
-        ``(file, line, function)``, innermost first) or (0.0, None) where it moved since
-        the last sample."""
+        """(the monotonic time since which the main thread has not moved, its calls: a
+        ``traceback.StackSummary``, which holds no frame) or (0.0, None) where it moved
+        since the last sample."""
         frame = sys._current_frames().get(self.main)
         if frame is None:
             return 0.0, None
         key = (id(frame), id(frame.f_code), frame.f_lasti)
         moved = key != self.key
-        calls = None if moved else [(f.filename, f.lineno, f.name) for f in reversed(traceback.extract_stack(frame))]
+        calls = None if moved else traceback.extract_stack(frame)
         del frame
         if moved:
             self.key, self.since = key, now

@@ -20,11 +20,8 @@ from ..values import ConfigError
 
 
 def compiled(cfg: DictConfig) -> bool:
-    """``compile``, checked: true or false."""
-    value = cfg.get("compile", False)
-    if not isinstance(value, bool):
-        raise ConfigError(f"compile={value}: allowed values: false, true (each transformer block compiled on its own)")
-    return value
+    """``compile`` (a bool by the apps' schemas; an app without the key: false)."""
+    return bool(cfg.get("compile", False))
 
 
 def check_compile(cfg: DictConfig, schedule, on_gpus: bool) -> None:
@@ -50,11 +47,12 @@ def check_compile(cfg: DictConfig, schedule, on_gpus: bool) -> None:
         raise ConfigError(f"compile=true: not with this run yet: {why}; use compile=false, or a synchronous "
                           f"schedule without the split (1f1b, gpipe, interleaved_1f1b, chimera) and "
                           f"model.recompute=none")
-    if not on_gpus and not _cpp_compiler():
+    if not on_gpus and not cpp_compiler():
         raise ConfigError("compile=true: compiling for CPU ranks needs a C++ compiler (inductor builds its kernels "
                           "with one) and none was found ($CXX, g++, c++ or clang++); install one, or use compile=false")
 
 
-def _cpp_compiler() -> str | None:
+def cpp_compiler() -> str | None:
+    """The C++ compiler inductor would build CPU kernels with, or None."""
     names = [os.environ.get("CXX") or "", "g++", "c++", "clang++"]
     return next((path for name in names if name and (path := shutil.which(name))), None)
