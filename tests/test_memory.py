@@ -564,11 +564,13 @@ def test_an_input_gradient_holds_what_the_model_says(model, recompute):
 
 @pytest.mark.parametrize("family", ["gpt", "llama", "bert"])
 def test_a_cpu_optimizer_step_holds_what_the_cost_model_says(family):
-    """torch's AdamW on CPU steps one tensor at a time: its most is a tensor's two fp32
-    temporaries beside the one before's denominator, in the module's order (GPT-2 small's
-    last stage at real width: its head beside the MLP down projection's, 9 MiB over the
-    largest tensor's two alone). Every stage position of each family, grouped-query
-    attention (llama) and BERT's MLM head included: the bytes, but for a few scalars."""
+    """Each of torch's AdamW implementations (optim.impl) holds what the cost model says
+    beside the state: fused nothing; foreach every second moment's square root; a tensor
+    at a time (single) a tensor's two fp32 temporaries beside the one before's
+    denominator, in the module's order (GPT-2 small's last stage at real width: its head
+    beside the MLP down projection's, 9 MiB over the largest tensor's two alone). Every
+    stage position of each family, grouped-query attention (llama) and BERT's MLM head
+    included: the bytes, but for a few scalars."""
     from test_attention import _model
 
     from pipeflow.models import bert, gpt, hf_causal
@@ -580,20 +582,25 @@ def test_a_cpu_optimizer_step_holds_what_the_cost_model_says(family):
     over = {"gpt": ["model=gpt_tiny"], "llama": ["model=llama_tiny"], "bert": ["model=bert_tiny", "data=mlm_corpus"]}
     module = {"gpt": gpt, "llama": hf_causal, "bert": bert}[family]
     model = _model(*over[family], "model.seq_len=32")
-    optim = AdamWConfig(lr=1e-3, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8)
     split = [1, 2, 1]
     cost = AnalyticCost(TransformerSpec.from_config(model), 3, microbatch_size=2, dtype_bytes=4, layers_per_stage=split)
-    cost.step_per_tensor = True
-    for stage in range(3):
-        st = module.build_stage(model, split, stage, seed=0)
-        opt = make_optimizer(st, optim)
-        for p in st.parameters():
-            p.grad = torch.ones_like(p)
-        opt.step()  # the moments made by the first step; the second holds only its temporaries
-        with profile_allocations() as sizes:
-            opt.step()
-        # (and a few scalars: the step's count, 12 bytes)
-        assert most_live(sizes) == pytest.approx(cost.step_workspace_bytes(stage), abs=64), (family, stage)
+    for impl in ("single", "foreach", "fused"):
+        optim = AdamWConfig(lr=1e-3, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8, impl=impl)
+        cost.step_impl = impl
+        for stage in range(3):
+            st = module.build_stage(model, split, stage, seed=0)
+            opt = make_optimizer(st, optim)
+            assert bool(opt.defaults["fused"]) is (impl == "fused") and bool(opt.defaults["foreach"]) is (impl == "foreach")
+            for p in st.parameters():
+                p.grad = torch.ones_like(p)
+            opt.step()  # the moments made by the first step; the second holds only its temporaries
+            with profile_allocations() as sizes:
+                opt.step()
+            # (and a few scalars: the step counts, 4 bytes a tensor, and foreach's lists)
+            tensors = sum(1 for _ in st.parameters())
+            assert most_live(sizes) == pytest.approx(cost.step_workspace_bytes(stage), abs=64 + 8 * tensors), \
+                (family, impl, stage)
+        assert cost.step_workspace_bytes(1) > 0 if impl != "fused" else cost.step_workspace_bytes(1) == 0
 
 
 def test_the_clip_norms_sum_of_squares_makes_no_float64_copy():

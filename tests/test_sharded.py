@@ -5,7 +5,10 @@ the simulator holds, byte for byte."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
+import torch
 
 import pipeline_runs
 from pipeflow.config import ConfigError, compose, prepare_simulation
@@ -97,8 +100,9 @@ def test_each_sharding_level_lowers_each_ranks_memory_as_simulated(tmp_path):
             assert predicted["peak_memory_bytes"] == pytest.approx(meas["peak_bytes"], rel=0.03), shard
         peaks[shard] = ([m["peak_bytes"] for m in run["memory_profile"]],
                         [d["peak_memory_bytes"] for d in sim["per_device"]])
-    assert losses["optimizer"] == losses["none"]  # AdamW's update of each slice, op for op: the same weights
-    for shard in ("gradients", "full", "full:microbatch"):  # (the clip norm summed by slices)
+    # (fused AdamW, the default: each slice's update the whole tensors' to rounding; the
+    # single-tensor update, op for op, is the same bit for bit: the test below)
+    for shard in ("optimizer", "gradients", "full", "full:microbatch"):  # (the clip norm summed by slices)
         assert losses[shard] == pytest.approx(losses["none"], rel=1e-6)
     # (full with pipeline.gather=step gathers each chunk once a step and lets it go after
     # its last backward: the peak, at the reduction, less the parameters' other half;
@@ -127,6 +131,42 @@ def test_a_sharded_run_resumes_onto_the_same_sharding_and_continues_exactly(shar
     unsharded = pipeline_runs.train(tmp_path / "unsharded", [*common, f"resume={tmp_path / 'short'}"])
     assert unsharded["summary"]["shard"] == "none"
     assert unsharded["losses"] == pytest.approx(whole["losses"][2:], rel=2e-5)
+
+
+def test_a_sharded_slices_update_is_torchs_adamw(tmp_path):
+    """ShardedAdamW's update of its slice, on a one-rank group (the slice the whole flat):
+    with ``optim.impl=single`` torch's single-tensor AdamW op for op, bit for bit; fused,
+    torch's fused kernel over the flat, the per-tensor fused update to rounding."""
+    import torch.distributed as dist
+
+    from pipeflow.formats.settings import AdamWConfig
+    from pipeflow.runtime.optimizer import make_optimizer
+    from pipeflow.runtime.sharded import ShardedAdamW
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        for impl, exact in (("single", True), ("fused", False)):
+            optim = AdamWConfig(lr=1e-2, weight_decay=0.1, impl=impl)
+            torch.manual_seed(0)
+            ref = torch.nn.Sequential(torch.nn.Linear(13, 7), torch.nn.LayerNorm(7), torch.nn.Linear(7, 5))
+            mine = copy.deepcopy(ref)
+            plain = make_optimizer(ref, optim)
+            sharded = ShardedAdamW(mine, optim, list(mine.parameters()), [], dist.group.WORLD)
+            for step in range(4):
+                x = torch.randn(3, 13)
+                for module in (ref, mine):
+                    module(x).square().sum().backward()
+                plain.step()
+                sharded.step()
+                plain.zero_grad(set_to_none=True)
+                sharded.zero_grad()
+            for a, b in zip(ref.parameters(), mine.parameters()):
+                if exact:
+                    assert torch.equal(a, b), impl
+                else:
+                    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_a_sharded_step_updates_an_nth_and_all_gathers_on_the_ring():

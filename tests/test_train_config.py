@@ -276,6 +276,7 @@ def test_resume_from_a_run_that_ended_inside_a_chunk_needs_the_chunk_start(tmp_p
         (["optim.grad_clip=-1"], "optim.grad_clip=-1"),
         (["optim.min_lr_ratio=2"], "optim.min_lr_ratio=2"),
         (["optim.eps=0"], "optim.eps=0"),
+        (["optim.impl=apex"], "optim.impl=apex"),
         # runtime
         (["runtime.backend=mpi"], "runtime.backend=mpi"),
         (["runtime.device=tpu"], "runtime.device=tpu"),

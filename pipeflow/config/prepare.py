@@ -15,6 +15,7 @@ from pipeflow.families import FAMILIES, family_of
 from pipeflow.formats.runplan import RunPlan
 from pipeflow.planning.cost import AnalyticCost, CostModel
 from pipeflow.planning.cost_models import build_cost_model
+from pipeflow.planning.optimizer_step import step_impl
 from pipeflow.planning.partitioners import PARTITIONERS
 from pipeflow.planning.transformer import TransformerSpec, kv_repeat_on
 from pipeflow.schedules.export import check_exportable
@@ -135,9 +136,11 @@ def prepare_simulation(cfg: DictConfig) -> SimulationInputs:
     topology = run_topology(cfg, schedule, cost, tensor=tensor) if host_calibrated(cfg, cost) else devices
     if tensor > 1:  # each device's tensor group's collectives, on the group's own links
         cost.place_tensor_groups(topology)
-    # torch's AdamW steps CPU tensors one at a time (its foreach path is for accelerators)
+    # torch's AdamW as the ranks will run it (optim.impl on the topology's device; a
+    # simulate config has no optim group: its default, auto)
     if isinstance(cost, AnalyticCost):
-        cost.step_per_tensor = not topology.on_gpus
+        cost.step_impl = step_impl(OmegaConf.select(cfg, "optim.impl", default=None) or "auto",
+                                   "cuda" if topology.on_gpus else "cpu")
     if not topology.on_gpus:
         # this host's kernels: the math library's scratch inside a 16-bit product (the
         # analytic and the branched cost models price it), the fused attention's backward's

@@ -22,6 +22,7 @@ class AdamWConfig:
     warmup_steps: int = 20  # linear warm-up from 0
     min_lr_ratio: float = 0.1  # cosine decay to lr * min_lr_ratio at trainer.steps
     grad_clip: Optional[float] = 1.0  # global gradient-norm clip; null or 0: none
+    impl: str = "auto"  # auto (fused where torch has the kernel: CPU, CUDA) | fused | foreach | single
 
 
 @dataclass

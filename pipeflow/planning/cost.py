@@ -183,7 +183,7 @@ class AnalyticCost(TensorShards, WorkingSetTerms, HeldOutputs, OperatorTimes, Co
     # this host's kernels, set where the stages run on CPUs (pipeflow.config.prepare)
     product_scratch = _host_kernel("product_scratch")
     attention_scratch = _host_kernel("attention_scratch")
-    step_per_tensor = _host_kernel("step_per_tensor")
+    step_impl = _host_kernel("step_impl")
 
     def __init__(
         self,

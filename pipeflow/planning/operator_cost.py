@@ -38,7 +38,8 @@ class OperatorTimes:
         tensors = n * block_tensors(spec) + (embedding if first else 0) + (head if last else 0)
         products = n * (spec.mlp_matrices + (2 if spec.qkv_inputs == 1 else 4)) + int(last)
         matrices = self.working_set.cast_params[stage]
-        return step_operators(int(self._params[stage]), tensors, int(matrices), products, self.dtype_bytes)
+        return step_operators(int(self._params[stage]), tensors, int(matrices), products, self.dtype_bytes,
+                              getattr(self, "step_impl", "fused"))
 
     def operator_time(self, kind: str, stage: int, segment: int, profile: str) -> float:
         return self._priced(kind, stage, segment, profile)[0]

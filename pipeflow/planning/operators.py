@@ -154,7 +154,7 @@ class Loss:
 class Step:
     params: int
     tensors: int
-    impl: str = "foreach"  # torch's AdamW on CUDA: foreach; fused; single
+    impl: str = "fused"  # torch's AdamW as the ranks run it (optim.impl): fused; foreach; single
     count: int = 1
     name: str = "adamw"
 
@@ -590,7 +590,7 @@ class StageOperators:
 
 
 def step_operators(params: int, tensors: int, matrices: int, matrix_tensors: int, dtype_bytes: int,
-                   impl: str = "foreach") -> list[Operator]:
+                   impl: str = "fused") -> list[Operator]:
     """A stage's optimizer step (pipeflow.runtime.executor), a tensor at a time where the
     runtime goes so: the clip norm's sum over each gradient (its rows' batched product,
     to float64, summed, divided and added: five launches), each gradient scaled by the

@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from .optimizer_step import decay_tensors, one_at_a_time_most
+from .optimizer_step import decay_tensors, step_workspace
 from .products import down_weight_scratch, mlp_product_scratch, rerun_rotation_bytes, weight_phase_bytes, weight_products
 from .operators import head_residual, last_stage_saved, norm_saved_bytes
 from .transformer import (RESIDUAL_BYTES, TransformerSpec, head_params, layer_params, matrix_inputs, norm_params,
@@ -57,7 +57,7 @@ class BackwardWorkingSet:
     # this host's kernels where the stages run on CPUs (set by pipeflow.config.prepare)
     product_scratch: Callable | None = None  # pipeflow.topology.kernel_scratch.product_scratch: a 16-bit product's scratch
     attention_scratch: Callable | None = None  # pipeflow.topology.kernel_scratch.attention_scratch: the fused kernel's
-    step_per_tensor: bool = False  # the optimizer steps one tensor at a time (torch's AdamW on CPU)
+    step_impl: str = "fused"  # torch's AdamW as the ranks run it: fused | foreach | single (runtime.optimizer.step_impl)
     own_casts: bool = False  # each microbatch casts the weights for itself (an asynchronous schedule's)
     # the phases computed, by their arguments: several terms of the memory walk read each
     _phases: dict = field(default_factory=dict, init=False, repr=False)
@@ -563,16 +563,14 @@ class BackwardWorkingSet:
         return 2.0 * (self.cast_params[stage] - self.layers_per_stage[stage] * recomputed_matrix_params(self.spec))
 
     def step_workspace_bytes(self, stage: int) -> float:
-        """What the optimizer step holds while it runs (:mod:`pipeflow.planning.optimizer_step`):
-        foreach, on an accelerator, 4 B/param; on CPU (``step_per_tensor``, set from the
-        topology) one tensor at a time, in the module's order. It matters where a step runs
-        while activations are live (the asynchronous schedules, which step inside the walk,
-        and a stage whose activations recomputation made small)."""
-        if self.step_per_tensor:
-            first, last = stage == 0, stage == self.num_stages - 1
-            sizes = decay_tensors(self.spec, self.layers_per_stage[stage], first, last)
-            return 4.0 * one_at_a_time_most(sizes)
-        return 4.0 * self.params[stage]
+        """What the optimizer step holds while it runs (:mod:`pipeflow.planning.optimizer_step`,
+        by ``step_impl``, set from the config and the topology): fused, nothing; foreach,
+        4 B/param; a tensor at a time (single), its most in the module's order. It matters
+        where a step runs while activations are live (the asynchronous schedules, which
+        step inside the walk, and a stage whose activations recomputation made small)."""
+        first, last = stage == 0, stage == self.num_stages - 1
+        return step_workspace(self.step_impl, self.params[stage],
+                              lambda: decay_tensors(self.spec, self.layers_per_stage[stage], first, last))
 
 
 

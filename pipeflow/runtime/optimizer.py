@@ -1,6 +1,16 @@
 """A rank's optimizer and learning-rate policy: AdamW with decoupled weight decay on
 matrices only, linear warm-up then cosine decay to ``lr * min_lr_ratio`` (the ``optim``
 config group).
+
+``optim.impl`` picks torch's implementation of the update: ``fused`` (one kernel over
+every tensor of a group, in place: no temporaries; torch has it for CPU and CUDA
+tensors), ``foreach`` (the group's tensors a list at a time: the square root of every
+second moment in a new buffer), ``single`` (a tensor at a time: each tensor's two
+temporaries), or ``auto``: fused where the device has the kernel, else torch's own
+default for the device. The three give the same update to rounding (fused against
+single: a few 1e-9 after five steps of a unit-scale tensor); the memory model prices each
+one's temporaries (:mod:`pipeflow.planning.optimizer_step`) and the time model each one's
+measured step (a device profile's ``adamw`` rows).
 """
 
 from __future__ import annotations
@@ -10,6 +20,7 @@ import math
 import torch
 
 from ..formats.settings import AdamWConfig
+from ..planning.optimizer_step import step_impl
 
 
 def lr_at(step: int, optim: AdamWConfig, steps: int) -> float:
@@ -44,14 +55,19 @@ def square_sum(t: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
 
 
 def make_optimizer(module: torch.nn.Module, optim: AdamWConfig, params: list | None = None) -> torch.optim.Optimizer:
-    """AdamW over the module's parameters (or the given subset of them)."""
+    """AdamW over the module's parameters (or the given subset of them), in the
+    implementation ``optim.impl`` picks for their device (:func:`step_impl`)."""
     chosen = [p for p in module.parameters() if p.requires_grad] if params is None else params
     # weight decay on matrices only (GPT-2 / nanoGPT practice): not on biases or norms
     decay = [p for p in chosen if p.dim() >= 2]
     rest = [p for p in chosen if p.dim() < 2]
+    device = chosen[0].device.type if chosen else "cpu"
+    impl = step_impl(getattr(optim, "impl", "auto"), device)
+    kind = {"fused": {"fused": True}, "foreach": {"foreach": True}, "single": {"foreach": False}}[impl]
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": optim.weight_decay}, {"params": rest, "weight_decay": 0.0}],
         lr=optim.lr,
         betas=(optim.beta1, optim.beta2),
         eps=optim.eps,
+        **kind,
     )

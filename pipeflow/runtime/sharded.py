@@ -16,9 +16,12 @@ no such slice.
 Under ZeRO-1 the gradients are all-reduced as without sharding (the executor's REDUCE),
 so every replica holds the whole gradient; under ZeRO-2 the executor sums the squared
 norm of the slices across the replicas and clips the slices. The update of
-a slice is torch's single-tensor AdamW written out, op for op, so a sharded run's
-weights are the unsharded run's. A tied embedding's copies (summed across their stages
-by the executor) keep a plain AdamW of their own on every replica, as without sharding.
+a slice is torch's fused AdamW kernel over the slice where ``optim.impl`` is fused (the
+default on CPU and CUDA: the unsharded run's update to rounding, the kernel's vector
+lanes falling on other elements), else its single-tensor AdamW written out, op for op,
+so that a sharded run's weights are the unsharded run's bit for bit (``single``). A
+tied embedding's copies (summed across their stages by the executor) keep a plain AdamW
+of their own on every replica, as without sharding.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch.distributed as dist
 
 from ..schedules.ir import Kind
 from .memory_profile import tag
-from .optimizer import make_optimizer, square_sum
+from .optimizer import make_optimizer, square_sum, step_impl
 
 
 class ShardedAdamW:
@@ -50,6 +53,9 @@ class ShardedAdamW:
         self.via_allreduce = dist.get_backend(group) == "gloo"
         self.betas = (optim.beta1, optim.beta2)
         self.eps = optim.eps
+        # optim.impl: fused, torch's kernel over each slice; else the single-tensor update
+        # written out (foreach over one slice is the same update)
+        self.fused = step_impl(getattr(optim, "impl", "auto"), params[0].device.type if params else "cpu") == "fused"
         lr = optim.lr
         tied_ids = {id(p) for p in tied}
         own = [p for p in params if id(p) not in tied_ids]
@@ -262,6 +268,14 @@ class ShardedAdamW:
                 self.moments[i] = (torch.zeros_like(param), torch.zeros_like(param))
             exp_avg, exp_avg_sq = self.moments[i]
             lr, decay = group["lr"], group["weight_decay"]
+            if self.fused:  # torch's fused kernel over the slice, in place (no temporary)
+                torch._fused_adamw_([param], [grad], [exp_avg], [exp_avg_sq], [],
+                                    [torch.tensor(float(self.steps), device=param.device)], lr=lr, beta1=beta1,
+                                    beta2=beta2, weight_decay=decay, eps=self.eps, amsgrad=False, maximize=False)
+                del grad
+                if not self.full:
+                    self._all_gather(self.flats[i], start, share)
+                continue
             # torch.optim.AdamW's single-tensor update (torch.optim.adam._single_tensor_adam),
             # its denominator computed in place (the same values, one temporary)
             if decay != 0:

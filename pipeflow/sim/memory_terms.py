@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..planning.optimizer_step import step_workspace
+
 
 @dataclass(frozen=True)
 class Term:
@@ -197,14 +199,15 @@ def _flat_gradients(key, cost, value) -> float:  # (name, stage)
 
 
 def _sharded_step_workspace(key, cost, value) -> float:  # (name, stage, replicas, level)
-    # what a ZeRO-1/2 step holds beside the state (pipeflow.runtime.sharded): its share's
-    # denominator and, under ZeRO-1, the share's gradient gathered from the whole ones
-    # (fp32; the two weight-decay groups priced as one, over by the vectors' share); then
-    # the tied copy's own AdamW, as the unsharded step prices it per parameter
+    # what a ZeRO-1/2 step holds beside the state (pipeflow.runtime.sharded): under ZeRO-1
+    # the share's gradient gathered from the whole ones, and but for the fused kernel the
+    # share's denominator (fp32; the two weight-decay groups priced as one, over by the
+    # vectors' share); then the tied copy's own AdamW, as the unsharded step prices it
     tied = value(("tied_gradient_bytes", key[1]))
     flat = value(("flat_parameters", key[1]))
-    return max((2.0 if key[3] == "optimizer" else 1.0) * flat / key[2],  # (ZeRO-3: as ZeRO-2)
-               tied * (2.0 if getattr(cost, "step_per_tensor", False) else 1.0))
+    impl = getattr(cost, "step_impl", "fused")
+    shares = (key[3] == "optimizer") + (impl != "fused")  # (ZeRO-3: as ZeRO-2)
+    return max(shares * flat / key[2], step_workspace(impl, tied / 4, lambda: [tied / 4]))
 
 
 def _flat_parameters(key, cost, value) -> float:  # (name, stage)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
+from ...planning.optimizer_step import IMPLS
 from ..values import ConfigError, at_least, number
 
 OPTIMIZERS = ("adamw",)
@@ -21,5 +22,8 @@ def check_optim(optim: DictConfig) -> None:
     number("optim.eps", optim.eps, "must be > 0", optim.eps > 0)
     at_least("optim.warmup_steps", optim.warmup_steps, 0)
     number("optim.min_lr_ratio", optim.min_lr_ratio, "must be in [0, 1]", 0 <= optim.min_lr_ratio <= 1)
+    impl = optim.get("impl", "auto")
+    if impl not in IMPLS:
+        raise ConfigError(f"optim.impl={impl}: unknown AdamW implementation; allowed values: {', '.join(IMPLS)}")
     if optim.grad_clip is not None:
         number("optim.grad_clip", optim.grad_clip, "must be >= 0, or null for no clipping", optim.grad_clip >= 0)

@@ -121,7 +121,7 @@ class MemoryPrices:
         if number is None:
             return ("own", id(cost))
         return (number, getattr(cost, "product_scratch", None), getattr(cost, "attention_scratch", None),
-                getattr(cost, "step_per_tensor", False))
+                getattr(cost, "step_impl", "fused"))
 
     def _stage_kinds(self, cost: AnalyticCost) -> list[tuple]:
         """Each stage's kind: (its layers, first, last)."""
