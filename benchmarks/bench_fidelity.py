@@ -28,6 +28,12 @@ Targets: within 10% on 2 ranks, 15% on 4; every such pair ordered alike.
 
     .venv/bin/python -m benchmarks.bench_fidelity                      # 2 and 4 ranks, 2 repeats
     .venv/bin/python -m benchmarks.bench_fidelity --ranks 2 --repeats 1 --json out.json
+    .venv/bin/python -m benchmarks.bench_fidelity --ranks 2 --schedules 1f1b,zb_h1 --override compile=true
+
+``--override`` adds a config override to every case (its calibration, its prediction
+and its run): with ``compile=true`` each case's blocks are compiled in the calibration
+as in the run (a zero-bubble case's with its weight products eager), so the simulator
+prices the compiled step from what the calibration measured of it.
 
 It reports, it does not fail. Run it on a quiet machine: the ranks share its cores.
 """
@@ -202,7 +208,7 @@ def predict_profiled(overrides: list[str], profile: Path, calibration: Path) -> 
 
 
 def results(ranks=(2, 4), repeats: int = 2, steps: int = 16, names: list[str] | None = None,
-            profile: Path | None = None) -> dict:
+            profile: Path | None = None, extra: list[str] | None = None) -> dict:
     """Per world size and repeat, each case calibrated and then run at once, cases
     alternating: a prediction and the measurement it is held to are taken seconds apart,
     so a host whose speed drifts over minutes moves both alike (calibrating every case
@@ -221,7 +227,8 @@ def results(ranks=(2, 4), repeats: int = 2, steps: int = 16, names: list[str] | 
             for r in range(repeats):
                 # alternate the order between repeats so drifting load hits every schedule alike
                 for name in (here if r % 2 == 0 else here[::-1]):
-                    overrides = [*base(p, steps, ranks_per_device(name)), *CASES[name], *sized(name, p)]
+                    overrides = [*base(p, steps, ranks_per_device(name)), *CASES[name], *sized(name, p),
+                                 *(extra or [])]
                     path = Path(tmp) / f"p{p}-{name}-{r}.json"
                     # a sharded case is calibrated unsharded: the same compute, its whole
                     # optimizer step, whose share and collectives the simulator prices
@@ -300,14 +307,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", type=Path, default=None,
                     help="a CPU device profile (python -m pipeflow.measure_device --device cpu --threads 1 --out F): "
                          "also price each run by its operators (cost=analytic) beside the calibration")
+    ap.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every case's calibration, prediction and run (repeatable), "
+                         "e.g. --override compile=true")
     args = ap.parse_args(argv)
+    if args.profile is not None and any(o.replace(" ", "") == "compile=true" for o in args.override):
+        ap.error("--profile prices eager operators; compile=true is priced by each case's calibration alone")
     names = [n for n in args.schedules.split(",") if n]
     unknown = [n for n in names if n not in CASES]
     if unknown:
         ap.error(f"--schedules: unknown {', '.join(unknown)}; allowed: {', '.join(CASES)}")
-    res = results(tuple(int(x) for x in args.ranks.split(",")), args.repeats, args.steps, names, args.profile)
+    res = results(tuple(int(x) for x in args.ranks.split(",")), args.repeats, args.steps, names, args.profile,
+                  args.override)
     for p, block in res["ranks"].items():
-        print(f"\n{p} CPU ranks (gloo, 1 thread each), gpt_tiny (cbm_tiny for bapp, chimera_cbm; "
+        extra = f" with {' '.join(args.override)}" if args.override else ""
+        print(f"\n{p} CPU ranks (gloo, 1 thread each){extra}, gpt_tiny (cbm_tiny for bapp, chimera_cbm; "
               f"{' '.join(sized('1f1b', p) + sized('bapp', p)) or 'as configured'}), m={MICROBATCHES}, "
               f"mbs={MICROBATCH_SIZE}; {args.repeats} run(s) x {args.steps} steps, median of the second halves; "
               f"{block['seconds']:.0f} s")

@@ -86,6 +86,18 @@ def test_calibration_of_another_layout_is_refused(chain):
         prepare_simulation(cfg)
 
 
+def test_a_calibration_prices_only_runs_that_compile_as_it_did(chain):
+    """An eager calibration (compile: none) prices compile=false alone: compile=true is
+    refused, naming what the file's blocks ran as."""
+    path, cal = chain
+    assert cal["config"]["compile"] == "none"
+    over = ["model.n_layer=4", "pipeline.stages=2", "schedule=1f1b", "cost=calibrated", f"cost.calibration={path}"]
+    prepare_simulation(compose("simulate", over))
+    with pytest.raises(ConfigError, match="compile=true: cost.calibration=.* timed blocks run as 'none' and this "
+                                          "1f1b run's would run as 'blocks'"):
+        prepare_simulation(compose("simulate", [*over, "compile=true"]))
+
+
 def test_segments_and_branches_calibrate(tmp_path):
     seg = calibrate(compose("train", [*TINY, "schedule=seq1f1b", "pipeline.stages=2", "pipeline.segments=2"]),
                     tmp_path / "seg.json")

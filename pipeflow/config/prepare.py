@@ -46,7 +46,7 @@ from .groups.model import check_recompute, resolve_model
 from .groups.optim import check_optim
 from .groups.partition import check_profiled_partition
 from .groups.pipeline import check_pipeline
-from .groups.compile import check_compile, compiled
+from .groups.compile import check_compile, check_compile_cost, compiled
 from .groups.precision import check_precision, resolve_precision
 from .checks import check_export
 from .groups.resume import check_resume, resume_expect
@@ -87,9 +87,11 @@ def prepare_simulation(cfg: DictConfig) -> SimulationInputs:
     if cfg.export is not None and cfg.export not in EXPORT_FORMATS:
         raise ConfigError(f"export={cfg.export}: unknown format; allowed values: null, {', '.join(EXPORT_FORMATS)}")
     check_known_keys(cfg)
-    if compiled(cfg):
-        raise ConfigError("compile=true: pipeflow-simulate prices eager execution only (a compiled block's operators "
-                          "are not in its device profiles yet); use compile=false")
+    if compiled(cfg) and cfg.cost.name != "calibrated":
+        raise ConfigError(f"compile=true: cost.name={cfg.cost.name} prices eager kernels (its formulas or its device "
+                          f"profile's operators), and a compiled block's are measured by a calibration: "
+                          f"python -m pipeflow.calibrate --out calibration.json compile=true <the run's overrides>, "
+                          f"then cost=calibrated cost.calibration=calibration.json (or compile=false)")
     resolve_model(cfg)
     check_pipeline(cfg)
     tensor, sequence = tensor_degree(cfg)
@@ -128,6 +130,7 @@ def prepare_simulation(cfg: DictConfig) -> SimulationInputs:
         except ValueError as err:
             raise naming_key("cost", cfg.cost.name, err) from None
     check_profile_cost(cfg, cost)
+    check_compile_cost(cfg, schedule, cost)
     if isinstance(cost, AnalyticCost) and cfg.topology.name == "local_cpu" and cfg.topology.get("device_profile"):
         # a synchronous step's all-reduces, as the profile's reference pipeline measured them
         # (what cost=calibrated charges as its calibration's step_sync)
@@ -328,9 +331,6 @@ def _prepare_branched(cfg: DictConfig, family, hydra: DictConfig | None) -> Trai
     check_runtime(cfg.runtime, schedule.num_devices)
     check_precision(cfg, schedule)
     check_recompute(cfg.model)
-    if compiled(cfg):
-        raise ConfigError(f"compile=true: not with model.family={cfg.model.family} yet (its branches' blocks are not "
-                          f"compiled); use compile=false")
     check_logger(cfg.logger)
     check_data_files(cfg.data)
     if cfg.data.get("files"):

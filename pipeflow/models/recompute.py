@@ -226,6 +226,7 @@ def recomputed(fn):
         region.forget_unused_rng()
         return out
 
+    run.recomputes = fn  # (what the region reruns: regional compile compiles it inside the region)
     return run
 
 

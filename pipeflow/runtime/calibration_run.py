@@ -513,6 +513,8 @@ def _combine(plan, setup, per_rank: list[dict], world: int, tensor: int = 1,
             # each device's ranks (their times include the tensor groups' collectives)
             "tensor_parallel": tensor,
             "sequence_parallel": bool(sequence_parallel),
+            # what the times' blocks ran as (compile=true: compiled; Schedule.compile_mode)
+            "compile": setup.schedule.compile_mode(bool(plan.compile)),
         },
         "times": {k: v for k, v in alone.items() if not k.startswith("act|")},
         "activation_bytes": {k.split("|", 1)[1]: v for k, v in alone.items() if k.startswith("act|")},

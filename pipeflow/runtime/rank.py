@@ -109,7 +109,8 @@ def _stage(plan: RunPlan, adapter, groups: Groups, pipe: int, stage: int, rank: 
     if plan.compile:  # compile=true: each block compiled on its own (config.groups.compile)
         from ..models.regional import compile_blocks
 
-        compile_blocks(module)
+        # (the zero-bubble split: each weight product eager, its W deferred)
+        compile_blocks(module, eager_products=schedule.splits_backward)
     graph = schedule.graph  # sources read the batch, sinks compute the loss
     st = StageState(pipe, stage, module, first=not graph.preds[stage], last=not graph.succs[stage])
     st.params = [p for p in module.parameters() if p.requires_grad]

@@ -335,6 +335,20 @@ class Schedule:
     def num_stages(self) -> int:
         return self.graph.num_stages
 
+    @property
+    def splits_backward(self) -> bool:
+        """Some backward runs as I then W (the zero-bubble split)."""
+        return any(a.kind in (Kind.I, Kind.W) for order in self.orders for a in order)
+
+    def compile_mode(self, compile: bool) -> str:
+        """What a run of this schedule compiles with ``compile`` (a calibration records it,
+        :mod:`pipeflow.runtime.calibration_run`): ``none``; ``blocks``, each block whole;
+        ``eager_products``, each block but its weight products (the zero-bubble split:
+        :func:`pipeflow.models.regional.compile_blocks`)."""
+        if not compile:
+            return "none"
+        return "eager_products" if self.splits_backward else "blocks"
+
     def actions(self) -> Iterator[tuple[int, int, Action]]:
         """(device, position, action) for every action."""
         for dev, order in enumerate(self.orders):

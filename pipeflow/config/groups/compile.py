@@ -1,10 +1,11 @@
 """The top-level ``compile`` of pipeflow-train and pipeflow-simulate: each transformer
-block compiled on its own (regional compile, :func:`pipeflow.models.recompute.compile_blocks`).
+block compiled on its own (regional compile, :func:`pipeflow.models.regional.compile_blocks`).
 
-It composes, for now, with the synchronous schedules whose backward is one pass (1F1B,
-GPipe, interleaved 1F1B, Chimera, looped BFS, ...), every family but the concurrent-branch
-one, at every precision, on CPU and CUDA ranks. Each combination that does not compose
-yet is refused in one sentence before any rank starts, never run eagerly in silence.
+It composes with every schedule (the zero-bubble split's I and W through compiled blocks
+whose weight products stay eager, the asynchronous policies' weight versions, Seq1F1B's
+segments over their key/value prefix), recomputation (compiled inside its regions),
+tensor and sequence parallelism, each sharding level, every family, at every precision,
+on CPU and CUDA ranks. What it needs: a C++ compiler where the ranks are CPUs.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ import os
 import shutil
 
 from omegaconf import DictConfig
-
-from pipeflow.schedules.ir import Kind, WeightPolicy
 
 from ..values import ConfigError
 
@@ -25,28 +24,9 @@ def compiled(cfg: DictConfig) -> bool:
 
 
 def check_compile(cfg: DictConfig, schedule, on_gpus: bool) -> None:
-    """compile=true with what the runtime compiles today (see the module's docstring)."""
+    """compile=true where inductor can build the ranks' kernels (see the module's docstring)."""
     if not compiled(cfg):
         return
-    pipe, model = cfg.pipeline, cfg.model
-    why = None
-    if any(a.kind in (Kind.I, Kind.W) for order in schedule.orders for a in order):
-        why = (f"schedule.name={cfg.schedule.name} splits the backward into I and W, which runs autograd's nodes of "
-               f"a block one by one, and a compiled block is one node")
-    elif schedule.policy != WeightPolicy.SYNC:
-        why = f"schedule.name={cfg.schedule.name} swaps weight versions under the blocks (an asynchronous policy)"
-    elif schedule.num_segments > 1:
-        why = f"schedule.name={cfg.schedule.name} runs sequence segments over a key/value prefix"
-    elif (model.get("recompute") or "none") != "none":
-        why = f"model.recompute={model.recompute} reruns the blocks' forwards in pipeflow's own regions"
-    elif int(pipe.get("tensor_parallel", 1)) > 1:
-        why = f"pipeline.tensor_parallel={pipe.tensor_parallel} cuts the blocks across ranks"
-    elif schedule.shard != "none":
-        why = f"pipeline.shard={schedule.shard} shards the blocks' weights or gradients across the replicas"
-    if why:
-        raise ConfigError(f"compile=true: not with this run yet: {why}; use compile=false, or a synchronous "
-                          f"schedule without the split (1f1b, gpipe, interleaved_1f1b, chimera) and "
-                          f"model.recompute=none")
     if not on_gpus and not cpp_compiler():
         raise ConfigError("compile=true: compiling for CPU ranks needs a C++ compiler (inductor builds its kernels "
                           "with one) and none was found ($CXX, g++, c++ or clang++); install one, or use compile=false")
@@ -56,3 +36,20 @@ def cpp_compiler() -> str | None:
     """The C++ compiler inductor would build CPU kernels with, or None."""
     names = [os.environ.get("CXX") or "", "g++", "c++", "clang++"]
     return next((path for name in names if name and (path := shutil.which(name))), None)
+
+
+def check_compile_cost(cfg: DictConfig, schedule, cost) -> None:
+    """A calibration's times are of blocks run as this simulation's would run them
+    (:meth:`pipeflow.schedules.ir.Schedule.compile_mode`: eager, compiled whole, or compiled but
+    for the weight products under the zero-bubble split)."""
+    data = getattr(cost, "data", None)
+    if not isinstance(data, dict) or "config" not in data:
+        return
+    made = data["config"].get("compile", "none")  # (a calibration from before compile=true: eager)
+    want = schedule.compile_mode(compiled(cfg))
+    if made != want:
+        raise ConfigError(f"compile={str(compiled(cfg)).lower()}: cost.calibration={cfg.cost.calibration} timed blocks "
+                          f"run as '{made}' and this {schedule.name} run's would run as '{want}' (none: eager; "
+                          f"blocks: compiled whole; eager_products: compiled but for their weight products, under the "
+                          f"zero-bubble split); calibrate with the same compile and schedule")
+
