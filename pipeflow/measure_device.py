@@ -168,8 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     if device == "cpu" and ranks:
         extra.append(("pipeline", 1.0, lambda rows, deadline: pipeline_rows(rows, deadline, out, ranks, threads,
                                                                              args.smoke)))
+    from pipeflow.models.loss import cross_entropy_sum  # (the runs' loss: the sweep times it)
+
     doc = sweep(out, budget, device, smoke=args.smoke, say=lambda line: print(line, flush=True), threads=threads,
-                extra=tuple(extra))
+                extra=tuple(extra), loss=cross_entropy_sum)
     print(f"wrote {out} ({doc['status']}, {doc['seconds']} s)")
     print(f"topology.device_profile={out} prices with it")
     return 0

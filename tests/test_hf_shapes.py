@@ -196,7 +196,8 @@ def test_llama_activation_bytes_by_hand():
     c = AnalyticCost(spec, 4, microbatch_size=b)
     assert c.activation_bytes(1, 0) == layer + rotary
     assert c.activation_bytes(0, 0) == layer + rotary + 8 * S * b  # the token ids; no dropout mask
-    assert c.activation_bytes(3, 0) == layer + rotary + S * b * (2 * H * 4 + 4 + H * dt + 4 * V + 8)
+    # the last: the final norm, the head's input, the loss's 16-bit logits, log-sum-exp and target
+    assert c.activation_bytes(3, 0) == layer + rotary + S * b * (2 * H * 4 + 4 + H * dt + V * dt + 4 + 8)
     eager = AnalyticCost(dataclasses.replace(spec, attention="eager"), 4, microbatch_size=b)
     per_token_eager = per_token - 2 * 64 * dt - 4 * 4 + 2 * 128 * dt  # K, V at 4 heads, no log-sum-exp
     assert eager.activation_bytes(1, 0) == S * b * per_token_eager + S * S * b * 4 * dt + rotary

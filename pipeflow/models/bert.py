@@ -32,6 +32,7 @@ from transformers.models.bert.modeling_bert import BertEmbeddings, BertLayer, Be
 
 from pipeflow.models.attention import IMPLEMENTATION, Pattern, check_mode
 from pipeflow.models.splittable import block_output, family_spec, layer_bounds, seeded_normal_
+from pipeflow.models.loss import cross_entropy_sum
 from pipeflow.models.recompute import apply_recompute
 from pipeflow.models.tensor_parallel import enter, head_input
 
@@ -165,7 +166,4 @@ def mlm_loss(logits: Tensor, labels: Tensor, normalizer: float) -> Tensor:
 
     The runtime passes the global batch's count of masked positions, so the losses of
     its microbatches add up to the mean over every masked token of the batch."""
-    loss = F.cross_entropy(
-        logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-    return loss / normalizer
+    return cross_entropy_sum(logits, labels, IGNORE_INDEX) / normalizer  # (chunked: no fp32 copy of the logits)

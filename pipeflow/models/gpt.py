@@ -34,6 +34,7 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 from pipeflow.models.attention import IMPLEMENTATION, Pattern, SegmentCache, check_mode
 from pipeflow.models.splittable import block_output, family_spec, layer_bounds, seeded_normal_
+from pipeflow.models.loss import cross_entropy_sum
 from pipeflow.models.recompute import apply_recompute
 from pipeflow.models.tensor_parallel import enter, head_input
 
@@ -194,8 +195,7 @@ def lm_loss(logits: Tensor, targets: Tensor, normalizer: float) -> Tensor:
     The runtime passes the global batch's token count, so the losses (and gradients)
     of its microbatches and segments add up to the global batch's mean — the scaling a
     pipelined step needs to match one device."""
-    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), reduction="sum")
-    return loss / normalizer
+    return cross_entropy_sum(logits, targets) / normalizer  # (chunked: no fp32 copy of the logits)
 
 
 def hidden_shape(model_cfg: Mapping, microbatch_size: int, seq_len: int) -> tuple[int, int, int]:

@@ -150,6 +150,14 @@ class Loss:
     flops = 0.0
 
 
+CHUNK_ELEMENTS = 1 << 22  # the loss's fp32 chunk: at most 16 MiB (GPT-2's vocabulary: 83 rows; pipeflow.models.loss)
+
+
+def chunk_rows(vocab: int) -> int:
+    """Rows of ``vocab`` logits the loss (:mod:`pipeflow.models.loss`) takes at a time."""
+    return max(1, CHUNK_ELEMENTS // max(1, vocab))
+
+
 @dataclass(frozen=True)
 class Step:
     params: int
@@ -461,10 +469,11 @@ def embedding_backward(sh: Shape) -> list[Operator]:
 
 def head_forward(sh: Shape) -> list[Operator]:
     """The final norm (BERT: the dense transform and its norm), the vocabulary's product
-    and the loss (its logits cast to fp32 first at 16 bits). They keep the norm's, the
-    head's input (in the compute dtype), the loss's fp32 log-softmax and its int64
-    targets; BERT's transform its input, its GeLU's input and its norm's, the norm's input
-    in the compute dtype."""
+    and the loss (:mod:`pipeflow.models.loss`: chunked, its logits cast to fp32 a chunk at
+    a time as it reads them at 16 bits). They keep the norm's, the head's input (in the
+    compute dtype), the loss's logits (in the compute dtype), one fp32 log-sum-exp a
+    token and its int64 targets; BERT's transform its input, its GeLU's input and its
+    norm's, the norm's input in the compute dtype."""
     s, c, T, H, V = sh.spec, sh.dtype_bytes, sh.rows, sh.spec.n_embd, sh.spec.vocab_size
     ops: list[Operator] = []
     if s.post_norm:
@@ -476,9 +485,12 @@ def head_forward(sh: Shape) -> list[Operator]:
         ops += _norm(sh, "fwd", "final norm")
     ops += [*_cast(sh, T * H, "fwd", "cast"), Product("fwd", T, H, V, c, name="lm_head",
                                                       saves=(Saved("lm_head.in", T * H * c),))]
-    if c < 4:
-        ops.append(Pointwise("copy", "fwd", T * V, c, name="logits to fp32"))
-    ops.append(Loss("fwd", T, V, RESIDUAL_BYTES, saves=(Saved("log_softmax", T * V * 4), Saved("targets", T * 8))))
+    if s.vocab_parallel:  # (a rank's cut: the parallel loss keeps an fp32 softmax, its targets and two masks)
+        ops.append(Pointwise("copy", "fwd", T * V, c, name="logits to fp32") if c < 4 else None)
+        ops.append(Loss("fwd", T, V, RESIDUAL_BYTES, saves=(Saved("softmax", T * V * 4), Saved("targets", T * 10))))
+        return [o for o in ops if o is not None]
+    # (the loss casts 16-bit logits as it reads them: its measured time holds the cast)
+    ops.append(Loss("fwd", T, V, c, saves=(Saved("logits", T * V * c), Saved("lse", T * 4), Saved("targets", T * 8))))
     return ops
 
 

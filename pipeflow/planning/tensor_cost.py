@@ -33,6 +33,7 @@ import dataclasses
 from .layer_cost import LayerCost
 from .operators import last_stage_saved, norm_saved_bytes
 from .transformer import RESIDUAL_BYTES, TransformerSpec
+from .working_set import loss_forward_bytes
 
 AR, AG, RS = "all-reduce", "all-gather", "reduce-scatter"
 
@@ -55,6 +56,7 @@ def shard_spec(spec: TransformerSpec, tensor: int) -> TransformerSpec:
         head_dim_override=spec.head_dim,
         n_inner=spec.ffn_width // T,
         vocab_size=spec.vocab_size // T if vocabulary_split(spec, T) else spec.vocab_size,
+        vocab_parallel=vocabulary_split(spec, T),
     )
 
 
@@ -203,6 +205,31 @@ class TensorShards:
         return collectives_time(self.tensor_links, collectives, device)
 
     def forward_workspace_bytes(self, stage: int, segment: int) -> float:
+        """What a forward holds at its most beyond what it keeps: the larger on top of
+        what it keeps then of a tensor group's MLP (:meth:`_tensor_forward_workspace`)
+        and a last stage's loss (its fp32 chunk: :func:`~pipeflow.planning.working_set.loss_forward_bytes`,
+        all kept by then but its targets)."""
+        return self._forward_most(stage, segment)[0]
+
+    def forward_late_saved_bytes(self, stage: int, segment: int) -> float:
+        """Of what a forward keeps, what it saves after its most
+        (:meth:`forward_workspace_bytes`): a tensor group's head and loss, over the whole
+        tokens (the head gathers them); at the loss's most its targets."""
+        return self._forward_most(stage, segment)[1]
+
+    def _forward_most(self, stage: int, segment: int) -> tuple[float, float]:
+        """(workspace, saved after it) of :meth:`forward_workspace_bytes`'s instant."""
+        x, b = self.segment_lengths[self._seg(segment)], self.microbatch_size
+        tensor = self._tensor_forward_workspace(stage, segment)
+        late = (float(last_stage_saved(self.spec, x, b, self.dtype_bytes))
+                if tensor and stage == self.num_stages - 1 else 0.0)
+        if stage != self.num_stages - 1 or self.spec.vocab_parallel:
+            return tensor, late
+        loss = loss_forward_bytes(x * b, self.spec.vocab_size)
+        targets = 8.0 * x * b
+        return (tensor, late) if tensor - late >= loss - targets else (loss, targets)
+
+    def _tensor_forward_workspace(self, stage: int, segment: int) -> float:
         """What a tensor-parallel forward holds at its most beyond what it keeps: at its
         last block's MLP output projection, the partial product summed across the group
         (the product and the all-reduce's copy of it, in the compute dtype; with sequence
@@ -228,14 +255,6 @@ class TensorShards:
         summed = 2 * x * b * H * c + (own * b * H * c if self.sequence_parallel else 0.0)
         return float(held + gathered + summed)
 
-    def forward_late_saved_bytes(self, stage: int, segment: int) -> float:
-        """Of what a forward keeps, what it saves after its most
-        (:meth:`forward_workspace_bytes`): a last stage's head and loss, over the whole
-        tokens (the head gathers them)."""
-        if stage != self.num_stages - 1 or not self.forward_workspace_bytes(stage, segment):
-            return 0.0
-        return float(last_stage_saved(self.spec, self.segment_lengths[self._seg(segment)], self.microbatch_size,
-                                      self.dtype_bytes))
 
     def _per_rank(self, value: float) -> float:
         return value / self.tensor_parallel if self.sequence_parallel else value

@@ -75,6 +75,9 @@ class TransformerSpec:
     # matrix products that read the attention's input: 1 (GPT's fused c_attn) or 3 (separate
     # Q, K and V: BERT, Llama-style decoders); at 16 bits each saves its own autocast copy
     qkv_inputs: int = 1
+    # a tensor rank's cut of the vocabulary: the loss is the parallel cross-entropy
+    # (pipeflow.models.tensor_parallel), which keeps an fp32 softmax of its logits
+    vocab_parallel: bool = False
     hf_keys: bool = False  # the model's keys are a Hugging Face config's (model.hf.*): refusals name those
     # model.family: a CPU device profile prices its host time per block by family; not part of
     # the shape (two specs of one shape are equal whichever family named them)

@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 
 from .optimizer_step import decay_tensors, step_workspace
 from .products import down_weight_scratch, mlp_product_scratch, rerun_rotation_bytes, weight_phase_bytes, weight_products
-from .operators import head_residual, last_stage_saved, norm_saved_bytes
+from .operators import chunk_rows, head_residual, last_stage_saved, norm_saved_bytes
 from .transformer import (RESIDUAL_BYTES, TransformerSpec, head_params, layer_params, matrix_inputs, norm_params,
                           recomputed_matrix_params, shared_head_params)
 
@@ -34,6 +34,27 @@ def checked_segment(segment: int, segment_lengths: Sequence[int]) -> int:
         )
     return segment
 
+
+
+def loss_forward_bytes(rows: int, vocab: int) -> float:
+    """What the loss's forward (:class:`pipeflow.models.loss.ChunkedCrossEntropy`) holds at
+    its most beside the logits and its log-sum-exps, over ``rows`` tokens of ``vocab``
+    logits: one chunk's fp32 logits with six fp32 columns (each row's maximum, target
+    logit and sum, and the loss's terms), each token's target taken (int64) and whether it
+    counts (a byte), and the loss's sum."""
+    return float(4 * min(rows, chunk_rows(vocab)) * (vocab + 6) + 9 * rows + 4)
+
+
+def loss_backward_bytes(rows: int, vocab: int, dtype_bytes: int, parallel: bool = False) -> float:
+    """What the loss's backward (:class:`pipeflow.models.loss.ChunkedCrossEntropy`) holds at
+    its most, over ``rows`` tokens of ``vocab`` logits: the logits' gradient (in the
+    compute dtype, made whole at its start), one chunk's fp32 softmax with its two fp32
+    columns (the -1 at each target, each row's share of the gradient), and each token's
+    target taken (int64) and whether it counts (a byte). A rank's cut of the vocabulary
+    (``parallel``, the parallel cross-entropy): two fp32 rows of its logits."""
+    if parallel:
+        return float(2 * rows * vocab * 4)
+    return float(rows * vocab * dtype_bytes + 4 * min(rows, chunk_rows(vocab)) * (vocab + 2) + 9 * rows)
 
 @dataclass(frozen=True, eq=False)
 class BackwardWorkingSet:
@@ -249,14 +270,14 @@ class BackwardWorkingSet:
     def _head_phases(self, stage: int, x: int, phases: list, fresh: bool | None,
                      stream: float) -> list[tuple[float, float, float]]:
         """A last stage's backward's phases: the head's runs first, holding the loss's
-        gradient over the vocabulary and the log-softmax's (two fp32 rows of V), and has
-        freed what the head kept, and made its gradients, before the blocks' ``phases``;
-        after it the final norm's (:meth:`_final_norm`)."""
+        (:func:`loss_backward_bytes`), and has freed what the head kept, and made its
+        gradients, before the blocks' ``phases``; after it the final norm's
+        (:meth:`_final_norm`)."""
         spec, b = self.spec, self.microbatch_size
         head = last_stage_saved(spec, x, b, self.dtype_bytes)
         head_made = 4.0 * (head_params(spec) - (shared_head_params(spec) if stage == 0 else 0)) if fresh else 0.0
         phases = [(n - head, f + head, m + head_made) for n, f, m in phases]
-        phases.append((2.0 * x * b * spec.vocab_size * 4, 0.0, 0.0))
+        phases.append((loss_backward_bytes(x * b, spec.vocab_size, self.dtype_bytes, spec.vocab_parallel), 0.0, 0.0))
         final, held = self._final_norm(x * b, stream - head)  # (after the head, its stream's gradient made)
         if final:
             phases.append((final, head - held, head_made))
@@ -395,8 +416,8 @@ class BackwardWorkingSet:
 
     def _input_head(self, x: int, block: float, rise: float, kept: float, freed: float) -> tuple[float, float, float]:
         """:meth:`stage_input_workspace` of a last stage, whose blocks' most is ``block`` + ``rise``
-        (``kept``, ``freed`` by then): the head runs first, holding the two fp32 rows of V
-        of B, and moves the level by what it keeps for W (its input and the logits'
+        (``kept``, ``freed`` by then): the head runs first, holding the loss's backward
+        (:func:`loss_backward_bytes`), and moves the level by what it keeps for W (its input and the logits'
         gradient) less what it saved, and by the gradient it hands the blocks (the
         stream's, fp32: on a stage below it arrived as a message); then the final norm's
         backward (:meth:`_final_norm`), then the blocks'. The most of the three."""
@@ -404,7 +425,7 @@ class BackwardWorkingSet:
         x_b = x * b
         head_kept, head_saved = head_residual(spec, x, b, c), last_stage_saved(spec, x, b, c)
         head_moves = head_kept - head_saved + x_b * spec.n_embd * RESIDUAL_BYTES
-        head = 2.0 * x_b * spec.vocab_size * 4  # the loss's and the log-softmax's gradients; the second, kept
+        head = loss_backward_bytes(x_b, spec.vocab_size, c, spec.vocab_parallel)  # (the logits' gradient, kept for W)
         if head >= head_moves + rise + block and head >= self._final_norm(x_b, head_moves)[0]:
             return float(head), float(x_b * spec.vocab_size * c), 0.0
         final, held = self._final_norm(x_b, head_moves)
@@ -646,6 +667,11 @@ class WorkingSetTerms:
     def step_workspace_bytes(self, stage: int) -> float:
         """:meth:`BackwardWorkingSet.step_workspace_bytes`."""
         return self.working_set.step_workspace_bytes(stage)
+
+    def one_tensor_step_bytes(self, elements: float) -> float:
+        """What an AdamW of one fp32 tensor of ``elements`` holds while it steps, in the
+        working set's ``step_impl`` (a sharded stage's tied copy's own optimizer)."""
+        return step_workspace(self.working_set.step_impl, elements, lambda: [elements])
 
     def own_casts(self) -> "WorkingSetTerms":
         """This cost model as an asynchronous schedule's backward sees it, each microbatch

@@ -31,6 +31,10 @@ PRODUCTS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addm
             "aten::_addmm_activation", "aten::addbmm"}
 LOSS_OPS = {"aten::_log_softmax", "aten::log_softmax", "aten::nll_loss_forward", "aten::nll_loss_backward",
             "aten::_log_softmax_backward_data", "aten::nll_loss_nd", "aten::nll_loss", "aten::cross_entropy_loss"}
+# the scopes the loss's operators run in: torch's cross-entropy, pipeflow's chunked one
+# (pipeflow.models.loss: its forward's record_function, its backward's autograd node)
+LOSS_SCOPES = {"aten::cross_entropy_loss", "pipeflow::cross_entropy"}
+LOSS_BACKWARD = "ChunkedCrossEntropyBackward"
 # operators that move no data of their own: their self time is the dispatcher's
 HOST_OPS = {"aten::t", "aten::transpose", "aten::view", "aten::reshape", "aten::_reshape_alias", "aten::as_strided",
             "aten::expand", "aten::permute", "aten::unsqueeze", "aten::squeeze", "aten::select", "aten::slice",
@@ -56,7 +60,7 @@ def classify(name: str, scopes: tuple[str, ...] = ()) -> str | None:
     if not name.startswith("aten::"):
         # the autograd engine's nodes (AddmmBackward0, ...) hold its own work
         return "host" if name.endswith(("Backward0", "Backward1")) or "autograd::engine" in name else None
-    if name in LOSS_OPS or any(s == "aten::cross_entropy_loss" for s in scopes):
+    if name in LOSS_OPS or any(s in LOSS_SCOPES or s.startswith(LOSS_BACKWARD) for s in scopes):
         return "loss"
     if "attention" in name or "scaled_dot_product" in name:
         return "host" if name == "aten::scaled_dot_product_attention" else "attention"

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..planning.optimizer_step import step_workspace
-
 
 @dataclass(frozen=True)
 class Term:
@@ -205,9 +203,9 @@ def _sharded_step_workspace(key, cost, value) -> float:  # (name, stage, replica
     # vectors' share); then the tied copy's own AdamW, as the unsharded step prices it
     tied = value(("tied_gradient_bytes", key[1]))
     flat = value(("flat_parameters", key[1]))
-    impl = getattr(cost, "step_impl", "fused")
-    shares = (key[3] == "optimizer") + (impl != "fused")  # (ZeRO-3: as ZeRO-2)
-    return max(shares * flat / key[2], step_workspace(impl, tied / 4, lambda: [tied / 4]))
+    shares = (key[3] == "optimizer") + (getattr(cost, "step_impl", "fused") != "fused")  # (ZeRO-3: as ZeRO-2)
+    one = getattr(cost, "one_tensor_step_bytes", None)  # (a cost model without working sets: a denominator)
+    return max(shares * flat / key[2], (one(tied / 4) if one else tied) if tied else 0.0)
 
 
 def _flat_parameters(key, cost, value) -> float:  # (name, stage)

@@ -431,9 +431,11 @@ def ops_elementwise(sw: Sweep, rows: list, deadline: float):
 
 
 def ops_cross_entropy(sw: Sweep, rows: list, deadline: float):
-    """F.cross_entropy forward and forward+backward over (tokens, vocab) logits in fp32 and bf16."""
+    """The runtime's loss (``sw.loss``: measure_device hands it pipeflow.models.loss's
+    chunked cross-entropy, which casts 16-bit logits a chunk at a time) forward and
+    forward+backward over (tokens, vocab) logits in fp32 and bf16."""
     torch = sw.torch
-    import torch.nn.functional as F
+    cross_entropy_sum = sw.loss
 
     for t_ in sw.grid.ce_tokens:
         for vocab in sw.grid.ce_vocabs:
@@ -442,8 +444,8 @@ def ops_cross_entropy(sw: Sweep, rows: list, deadline: float):
                     return False
                 logits = sw.randn(t_, vocab, dtype=dtype, grad=True)
                 tgt = torch.randint(0, vocab, (t_,), device=sw.dev)
-                f = sw.time(lambda: F.cross_entropy(logits, tgt), samples=sw.grid.samples)
-                fb = sw.time(lambda: F.cross_entropy(logits, tgt).backward(), samples=sw.grid.samples)
+                f = sw.time(lambda: cross_entropy_sum(logits, tgt), samples=sw.grid.samples)
+                fb = sw.time(lambda: cross_entropy_sum(logits, tgt).backward(), samples=sw.grid.samples)
                 nb = t_ * vocab * logits.element_size()
                 rows.append({"tokens": t_, "vocab": vocab, "dtype": str(dtype).split(".")[-1], "logit_bytes": nb,
                              "fwd_s": f["s"], "fwd_bwd_s": fb["s"]})
@@ -534,10 +536,11 @@ def sections_for(device: str) -> list:
 
 
 def sweep(path: Path, budget_s: float, device: str, smoke: bool = False, say: Callable[[str], None] = print,
-          threads: int | None = None, extra: tuple = ()) -> dict:
+          threads: int | None = None, extra: tuple = (), loss: Callable | None = None) -> dict:
     """Measure ``device``'s operators within ``budget_s`` seconds into ``path`` at ``threads``
     intra-op threads (None: torch's setting as it stands); the document. ``extra``: more
-    sections, (name, share's end, body(rows, deadline)), run after the device's own."""
+    sections, (name, share's end, body(rows, deadline)), run after the device's own.
+    ``loss(logits, targets)``: the summed cross-entropy the runs use (None: torch's)."""
     import torch
 
     before = torch.get_num_threads()
@@ -545,6 +548,7 @@ def sweep(path: Path, budget_s: float, device: str, smoke: bool = False, say: Ca
         torch.set_num_threads(threads)
     try:
         sw = Sweep(path, budget_s, device, smoke, say)
+        sw.loss = loss or (lambda logits, targets: torch.nn.functional.cross_entropy(logits, targets, reduction="sum"))
         sw.save()
         for name, share_end, body in sections_for(device):
             sw.section(name, share_end, lambda rows, deadline, body=body: body(sw, rows, deadline))
