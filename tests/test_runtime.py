@@ -166,3 +166,21 @@ def test_the_plans_tied_stages_are_the_stages_whose_modules_hold_a_tied_copy(mod
                                                                       lambda: [])()}
     assert holding == set(plan.tied_stages)
     assert bool(holding) == (model in ("gpt_tiny", "bert_tiny", "qwen2_tiny"))
+
+
+@pytest.mark.parametrize("norm", [0.3, 7.0], ids=["under", "over"])
+def test_the_clip_on_the_device_is_the_hosts_bit_for_bit(norm):
+    """The clip an accelerator's rank applies without reading the norm (a device tensor:
+    its factor at most 1, applied always) leaves the gradients the host's clip leaves
+    (a float: applied only where it clips), whether or not the norm is over the clip."""
+    import torch
+
+    from pipeflow.runtime.executor import clip_gradients
+
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(33, 17, generator=gen), torch.randn(5, generator=gen)]
+    host, device = [g.clone() for g in grads], [g.clone() for g in grads]
+    clip_gradients(host, norm, 1.0)
+    clip_gradients(device, torch.tensor(norm, dtype=torch.float64), 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(host, device))
+    assert all(torch.equal(a, g) for a, g in zip(host, grads)) is (norm < 1.0)

@@ -52,6 +52,22 @@ from .sharded import gather_handlers
 from .stage import Groups, Messages, StageState, StepStats, sync_tied
 
 
+def clip_gradients(grads: list[torch.Tensor], norm: float | torch.Tensor, clip: float) -> None:
+    """Scale ``grads`` in place by ``clip / (norm + 1e-6)`` where that is under 1. ``norm``
+    a float: the host decides (no product where nothing is clipped); a device tensor: the
+    factor is computed and applied on the device, at most 1 (a factor of 1 changes no
+    gradient), so the host never waits for it. Either way the same gradients, bit for bit."""
+    if isinstance(norm, torch.Tensor):
+        coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef)
+        return
+    coef = clip / (norm + 1e-6)
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+
+
 class Executor(MessageIO):
     def __init__(
         self,
@@ -74,6 +90,9 @@ class Executor(MessageIO):
         self.precision = precision or Precision("fp32", adapter.device.type)
         self.scaler = LossScaler(self.precision.loss_scale) if self.precision.name == "fp16" else None
         self._skip = False  # fp16: this step's gradients overflowed
+        # the host reads the clip norm mid-step (_synchronise) where that costs no wait (a
+        # CPU rank's tensors are the host's); on an accelerator it is read at the step's end
+        self.host_reads = adapter.device.type == "cpu"
         self.sent_bytes = 0  # bytes this rank sent to other ranks (activations and gradients)
         schedule = lowered.schedule
         self.lowered = lowered
@@ -205,7 +224,8 @@ class Executor(MessageIO):
         if not synced:
             raise RuntimeError(f"schedule {self.schedule.name!r} has no STEP on rank {self.rank}; nothing was updated")
         grad_norm, loss, scale = synced[0]
-        return StepStats(loss, grad_norm, busy, events, loss_scale=scale, skipped=self._skip)
+        # (read now, the step's work launched: on an accelerator the step's one wait)
+        return StepStats(float(loss), float(grad_norm), busy, events, loss_scale=scale, skipped=self._skip)
 
     def _forward(self, a: Action, io: Messages, batch, normalizer, into: torch.Tensor | None = None) -> torch.Tensor:
         """Run a stage forward (the walk's handler of F: its loss, on a last stage, added
@@ -433,19 +453,23 @@ class Executor(MessageIO):
             st.tensor_reduced = False
         vec = torch.stack([sq, self._once(loss_sum).double()])
         dist.all_reduce(vec)
-        norm = math.sqrt(vec[0].item())
-        # every rank sees the same norm, so every rank skips the same steps
-        self._skip = self.scaler is not None and not self.scaler.update(math.isfinite(norm))
-        if self.grad_clip and not self._skip:
-            coef = self.grad_clip / (norm + 1e-6)
-            if coef < 1.0:
-                for st in self.stages.values():
-                    for p in st.params:
-                        if p.grad is not None:
-                            p.grad.mul_(coef)
-                for g in slices:
-                    g.mul_(coef)
-        return norm, vec[1].item(), scale
+        grads = [p.grad for st in self.stages.values() for p in st.params if p.grad is not None] + slices
+        if self.host_reads or self.scaler is not None:
+            # (fp16: whether to skip the step is the host's to decide, from the norm)
+            norm = math.sqrt(vec[0].item())
+            # every rank sees the same norm, so every rank skips the same steps
+            self._skip = self.scaler is not None and not self.scaler.update(math.isfinite(norm))
+            if self.grad_clip and not self._skip:
+                clip_gradients(grads, norm, self.grad_clip)
+            return norm, vec[1].item(), scale
+        # on an accelerator the host does not wait for the norm: the clip's factor stays on
+        # the device, and the norm and the loss are read when the step has been launched
+        # (train_step)
+        self._skip = False
+        norm = vec[0].sqrt()
+        if self.grad_clip:
+            clip_gradients(grads, norm, self.grad_clip)
+        return norm, vec[1], scale
 
     def _once(self, loss: torch.Tensor) -> torch.Tensor:
         """A loss every tensor rank of a device computed alike: counted by the first alone."""
