@@ -617,3 +617,18 @@ def test_the_clip_norms_sum_of_squares_makes_no_float64_copy():
         assert got.dtype == torch.float64
         assert float(got) == pytest.approx(float(g.double().pow(2).sum()), rel=1e-6), n
         assert most_live(sizes) < max(2 * 8 * 1024, n)  # well under one float32 copy: not two float64 ones
+
+
+def test_the_step_implementation_follows_the_device_and_the_setting():
+    """optim.impl=auto is fused where torch has the kernel (CPU and CUDA ranks), else
+    foreach; a named one is that one on every device; the simulator's cost model takes
+    the GPU ranks' (topology.on_gpus) without a GPU here."""
+    from pipeflow.config import compose, prepare_simulation
+    from pipeflow.planning.optimizer_step import step_impl
+
+    assert [step_impl("auto", d) for d in ("cpu", "cuda", "mps")] == ["fused", "fused", "foreach"]
+    assert step_impl("single", "cuda") == "single" and step_impl("foreach", "cpu") == "foreach"
+    with pytest.raises(ValueError, match="optim.impl=apex"):
+        step_impl("apex", "cpu")
+    gpu = prepare_simulation(compose("simulate", ["topology=dgx_a100_8", "pipeline.stages=2"]))
+    assert gpu.topology.on_gpus and gpu.cost.step_impl == "fused" and gpu.cost.step_workspace_bytes(0) == 0
