@@ -394,7 +394,8 @@ class Executor(MessageIO):
             reduce_partial_gradients(st.params)
             st.tensor_reduced = True
 
-    def _synchronise(self, reduces, loss_sum: torch.Tensor) -> tuple[float | torch.Tensor, float | torch.Tensor, float | None]:
+    def _synchronise(self, reduces, loss_sum: torch.Tensor
+                     ) -> tuple[float | torch.Tensor, float | torch.Tensor, float | None]:
         for st in self.stages.values():  # runtime.memory=profile: the gradients the reductions replace
             tag_stage(st.module, None)
             self._tensor_partials(st)
