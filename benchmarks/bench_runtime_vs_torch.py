@@ -154,8 +154,10 @@ class TorchTrainer:
 
         # per-microbatch mean loss; torch divides the summed gradients by m (scale_grads),
         # which is pipeflow's sum(CE) / global tokens (see tests/test_torch_pipelining.py)
+        vocab = int(cfg["model"]["vocab_size"])  # (the words of a padded head: model.vocab_multiple)
+
         def loss_fn(logits, targets):
-            return lm_loss(logits, targets, tokens_per_microbatch)
+            return lm_loss(logits, targets, tokens_per_microbatch, vocab)
 
         cls = getattr(pipelining, pair.torch_schedule)
         self.stages = stages

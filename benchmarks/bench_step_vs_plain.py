@@ -2,8 +2,10 @@
 eager and compiled: what pipeflow's runtime costs over the loop a user would write.
 
 Four trainers in one process, over the same GPT (by default GPT-2 small's width: n_embd
-768, 12 heads, its 50,257-token vocabulary; 2 layers and 256 tokens, so that a CPU step
-takes about a second), the same batches and the same starting weights:
+768, 12 heads, its 50,257-token vocabulary, the embedding and head padded to 50,304 rows
+as the preset's model.vocab_multiple=64 says, ``--vocab-multiple 1`` for none; 2 layers and
+256 tokens, so that a CPU step takes about a second), the same batches and the same
+starting weights:
 
 - ``pipeflow``: ``pipeflow-train``'s own rank set-up (``pipeflow.runtime.rank.build_rank``)
   for ``pipeline.stages=1``, its executor's ``train_step`` (the schedule's forwards and
@@ -11,7 +13,8 @@ takes about a second), the same batches and the same starting weights:
 - ``pipeflow compiled``: the same with ``compile=true`` (each block compiled on its own);
 - ``plain``: ``transformers``' ``GPT2LMHeadModel`` built from the same config (its stock
   ``sdpa`` attention) with pipeflow's weights copied in, the microbatches' losses
-  (pipeflow's: summed cross-entropy over the global token count) backpropagated one
+  (pipeflow's: summed cross-entropy over the global token count, over the words' logits
+  of a padded head, as nanoGPT's loop scores them) backpropagated one
   after another, ``clip_grad_norm_``, then ``torch.optim.AdamW(fused=True)`` with
   pipeflow's parameter groups and learning rate;
 - ``plain compiled``: the same model under ``torch.compile`` (the whole model).
@@ -27,6 +30,7 @@ data and weights, a few 1e-6 apart).
     .venv/bin/python -m benchmarks.bench_step_vs_plain
     .venv/bin/python -m benchmarks.bench_step_vs_plain --repeats 3 --steps 8 --layers 2 --seq 256
     .venv/bin/python -m benchmarks.bench_step_vs_plain --model gpt_tiny --layers 4 --seq 128
+    .venv/bin/python -m benchmarks.bench_step_vs_plain --vocab-multiple 1   # GPT-2's head unpadded
 
 Prints a table; it reports, it does not fail.
 """
@@ -59,8 +63,9 @@ TARGET_COMPILED = 1.05
 
 
 def overrides(model: str, layers: int, seq: int, microbatches: int, mbs: int, steps: int, threads: int,
-              compiled: bool) -> list[str]:
-    return [f"model={model}", f"model.n_layer={layers}", f"model.seq_len={seq}", "model.dropout=0",
+              compiled: bool, vocab_multiple: int | None = None) -> list[str]:
+    padding = [] if vocab_multiple is None else [f"model.vocab_multiple={vocab_multiple}"]
+    return [f"model={model}", *padding, f"model.n_layer={layers}", f"model.seq_len={seq}", "model.dropout=0",
             "schedule=1f1b", "pipeline.stages=1", f"pipeline.microbatches={microbatches}",
             f"pipeline.microbatch_size={mbs}", f"trainer.steps={steps}", "trainer.timeline_step=null",
             "trainer.val_every=0", "trainer.val_batches=1", f"runtime.threads_per_rank={threads}", "logger=none",
@@ -91,14 +96,15 @@ class PlainTrainer:
         self.optimizer = torch.optim.AdamW(
             [{"params": matrices, "weight_decay": optim.weight_decay}, {"params": rest, "weight_decay": 0.0}],
             lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, fused=True)
-        self.clip, self.normalizer, self.vocab = optim.grad_clip, normalizer, config.vocab_size
+        self.clip, self.normalizer, self.vocab = optim.grad_clip, normalizer, int(model_cfg["vocab_size"])
 
     def step(self, batch, lr: float, microbatches: int) -> float:
         inputs, targets = batch
         total = 0.0
         for x, y in zip(inputs.chunk(microbatches), targets.chunk(microbatches)):
             logits = self.run(input_ids=x).logits
-            loss = F.cross_entropy(logits.float().view(-1, self.vocab), y.reshape(-1), reduction="sum") / self.normalizer
+            words = logits[..., :self.vocab].float().reshape(-1, self.vocab)  # (a padded head's words)
+            loss = F.cross_entropy(words, y.reshape(-1), reduction="sum") / self.normalizer
             loss.backward()
             total += float(loss.detach())
         if self.clip:
@@ -146,13 +152,14 @@ def _run(port: int, plans: dict, model_cfg: dict, batches: list, microbatches: i
 
 def measure(model: str = "gpt_small", layers: int = 2, seq: int = 256, microbatches: int = 2, mbs: int = 2,
             repeats: int = 2, steps: int = 8, threads: int | None = None, compiled: bool = True,
-            warmup: int = WARMUP) -> dict:
+            warmup: int = WARMUP, vocab_multiple: int | None = None) -> dict:
     """``repeats`` fresh processes of ``steps`` rotating steps each (see the module's
     docstring); without ``compiled``, the two eager trainers alone."""
     from pipeflow.data.text import build_text_data
 
     threads = threads or os.cpu_count() or 1
-    inputs = {c: prepare_training(compose("train", overrides(model, layers, seq, microbatches, mbs, steps, threads, c)))
+    inputs = {c: prepare_training(compose("train", overrides(model, layers, seq, microbatches, mbs, steps, threads, c,
+                                                             vocab_multiple)))
               for c in ((False, True) if compiled else (False,))}
     plans = {c: i.plan for c, i in inputs.items()}
     cfg = OmegaConf.to_container(inputs[False].config, resolve=True)
@@ -178,6 +185,7 @@ def measure(model: str = "gpt_small", layers: int = 2, seq: int = 256, microbatc
 
     diffs = [abs(a - b) / abs(b) for run in runs for a, b in zip(run["loss"]["pipeflow"], run["loss"]["plain"])]
     return {"model": model, "layers": layers, "seq": seq, "microbatches": microbatches, "mbs": mbs,
+            "vocab": cfg["model"]["vocab_size"], "rows": inputs[False].spec.vocab_size,
             "threads": threads, "steps": steps, "repeats": repeats, "median": med, "runs": runs,
             "eager_ratio": med["pipeflow"] / med["plain"],
             "compiled_ratio": med["pipeflow compiled"] / med["plain compiled"] if compiled else None,
@@ -196,12 +204,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2, help="fresh processes (default 2)")
     ap.add_argument("--steps", type=int, default=8, help=f"steps per run; the first {WARMUP} are warm-up")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: every core)")
+    ap.add_argument("--vocab-multiple", type=int, default=None,
+                    help="model.vocab_multiple (default: the preset's; 1: the head unpadded)")
     ap.add_argument("--json", type=Path, default=None, help="also write the structured results here")
     args = ap.parse_args(argv)
     if args.steps <= WARMUP:
         ap.error(f"--steps must exceed the {WARMUP} warm-up steps")
-    r = measure(args.model, args.layers, args.seq, args.microbatches, args.mbs, args.repeats, args.steps, args.threads)
-    print(f"{r['model']} width, {r['layers']} layers, {r['seq']} tokens, m={r['microbatches']} x {r['mbs']} sequences, "
+    r = measure(args.model, args.layers, args.seq, args.microbatches, args.mbs, args.repeats, args.steps, args.threads,
+                vocab_multiple=args.vocab_multiple)
+    print(f"{r['model']} width ({r['vocab']} words, {r['rows']} head rows), {r['layers']} layers, {r['seq']} tokens, "
+          f"m={r['microbatches']} x {r['mbs']} sequences, "
           f"one stage, {r['threads']} thread(s); {r['repeats']} run(s) x {r['steps']} steps, the four trainers taking "
           f"turns step by step, the first {WARMUP} of each run dropped; fp32")
     for name in r["median"]:

@@ -223,11 +223,13 @@ def test_resuming_with_other_training_settings_says_what_changed(trained_run):
     from pipeflow.config.groups.resume import resume_changes
 
     cfg = compose("train", [f"resume={trained_run}", "precision=bf16", "pipeline.microbatch_size=2",
-                            "trainer.steps=3", "logger=none"])
+                            "model.vocab_multiple=64", "trainer.steps=3", "logger=none"])
+    tables = " (the vocabulary's tables are cut or padded to this run's rows: their padding is zero)"
     assert resume_changes(prepare_training(cfg).config) == [
         f"resuming with {key}={new}, where the checkpoint was written with {key}={old}: its weights and "
-        f"optimizer state carry over" for key, new, old in (("precision", "bf16", "fp32"),
-                                                              ("pipeline.microbatch_size", 2, 4))]
+        f"optimizer state carry over{then}" for key, new, old, then in (("precision", "bf16", "fp32", ""),
+                                                                         ("model.vocab_multiple", 64, 1, tables),
+                                                                         ("pipeline.microbatch_size", 2, 4, ""))]
 
 
 @slow

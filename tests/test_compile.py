@@ -1,6 +1,9 @@
 """compile=true: each transformer block compiled on its own (pipeflow.models.regional),
-composing with the synchronous schedules without the zero-bubble split; every other
-combination refused before any rank starts, in one sentence naming the key."""
+composing with every schedule (the zero-bubble split's I and W through blocks whose weight
+products stay eager), recomputation, segments, tensor parallelism, sharding and every
+family: trained to the eager run's losses (and gradients); what cannot compile (CPU ranks
+without a C++ compiler, a simulation without a calibration's times) refused before any
+rank starts, in one sentence naming the key."""
 
 from __future__ import annotations
 

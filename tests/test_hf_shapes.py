@@ -139,6 +139,9 @@ def test_gpt_and_bert_presets_keep_their_closed_forms(preset):
     cfg = _model_cfg(preset)
     spec = TransformerSpec.from_config(cfg)
     L, h, H, V, S, Pn = cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.vocab_size, cfg.seq_len, cfg.n_positions
+    multiple = cfg.get("vocab_multiple") or 1  # (the head's products run at the padded rows)
+    V = -(-V // multiple) * multiple
+    assert (spec.vocab_size, spec.scored_vocab) == (V, cfg.vocab_size)
     Fw = cfg.n_inner or 4 * H
     assert Fw == 4 * H
     d, b = H // h, 2
@@ -273,7 +276,9 @@ def test_spec_reads_the_shape_keys():
         True, False, False, True, "rotary")
     gpt = TransformerSpec.from_config(_model_cfg("gpt_small"))
     # GPT-2's Conv1D stores its weights [in, out] (the others' nn.Linear: [out, in])
-    assert gpt == TransformerSpec("gpt_small", 12, 12, 768, 50257, 1024, n_positions=1024, weights_in_out=True)
+    # (its embedding and head padded to a multiple of 64 rows: model.vocab_multiple; the loss scores 50,257)
+    assert gpt == TransformerSpec("gpt_small", 12, 12, 768, 50304, 1024, n_positions=1024, weights_in_out=True,
+                                  loss_vocab=50257)
     assert spec.weights_in_out is False
     assert (gpt.kv_heads, gpt.head_dim, gpt.mlp, gpt.tied, gpt.dropout_masks) == (12, 64, "gelu", True, False)
     assert gpt.attention == "sdpa"

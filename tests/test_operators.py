@@ -128,11 +128,23 @@ def test_a_stream_of_small_kernels_costs_its_launches_and_large_ones_their_bytes
 def test_the_h200_profile_predicts_the_measured_gpt2_medium_step_and_prints_its_operators(tmp_path, capsys):
     from pipeflow.simulate import format_report, run_simulation
 
-    cfg = compose("simulate", ["model=gpt_medium", "precision=bf16", "pipeline.stages=1",
-                               "pipeline.microbatch_size=8", "pipeline.microbatches=4", "topology=cluster",
-                               "topology.nodes=1", "topology.gpus_per_node=1", "topology.device=h200", "draw=false"])
+    # (the measured run's head was GPT-2's 50,257 words wide: model.vocab_multiple=1)
+    over = ["model=gpt_medium", "precision=bf16", "pipeline.stages=1", "pipeline.microbatch_size=8",
+            "pipeline.microbatches=4", "topology=cluster", "topology.nodes=1", "topology.gpus_per_node=1",
+            "topology.device=h200", "draw=false"]
+    cfg = compose("simulate", [*over, "model.vocab_multiple=1"])
     summary = run_simulation(cfg, tmp_path)
     assert summary["makespan"] == pytest.approx(MEASURED_GPT_MEDIUM_STEP_S, rel=0.10)
+    # the preset's head padded to 50,304 rows: its products priced by the sweep's rows at that
+    # width (630-790 TFLOP/s there, 90-140 at 50,257), the loss over the same 50,257 words
+    padded = run_simulation(compose("simulate", over), tmp_path / "padded")["operator_seconds"][0]
+    unpadded = summary["operator_seconds"][0]
+    assert padded["loss"] == pytest.approx(unpadded["loss"], rel=1e-9)
+    prof, tokens = load_profile(H200), 8 * 1024
+    head = {v: 4 * sum(prof.time(Product(phase, tokens, 1024, v, 2)) for phase in ("fwd", "dgrad", "wgrad"))
+            for v in (50257, 50304)}
+    assert unpadded["product"] - padded["product"] == pytest.approx(head[50257] - head[50304], rel=1e-6)
+    assert head[50257] - head[50304] > 0.06  # (72 ms of the 0.32 s step)
     split = summary["operator_seconds"][0]
     assert sum(split.values()) == pytest.approx(summary["makespan"], rel=1e-9)
     assert split["product"] > split["attention"] > 0 and split["loss"] > 0 and split["optimizer"] > 0

@@ -55,12 +55,16 @@ def test_a_checkpoint_resumes_under_another_layout_as_the_run_would_have_gone_on
 @slow
 def test_tensor_parallel_and_back(base, tmp_path):
     """1 -> 2 tensor ranks at step 2 (saving at step 3 there), then 2 -> 1 at step 3: the
-    pieces gathered whole and cut again each way."""
+    pieces gathered whole and cut again each way. The tensor-parallel leg pads the
+    vocabulary (model.vocab_multiple=48: 256 words, 288 rows, the second tensor rank's
+    cut 112 words and 32 padding columns its loss never reads): the unpadded checkpoint's
+    tables get zero rows, its own checkpoint's lose them again, and the losses are the
+    unpadded run's."""
     run, losses = base
     tp = tmp_path / "tp2"
     # (trainer.steps stays 4: the learning rate's schedule runs to the last step)
     out = pipeline_runs.train(tp, [*SMALL, "pipeline.stages=2", "pipeline.tensor_parallel=2", "trainer.steps=4",
-                                   "trainer.save_every=1", f"resume={_step(run, 2)}"])
+                                   "model.vocab_multiple=48", "trainer.save_every=1", f"resume={_step(run, 2)}"])
     assert out["summary"]["tensor_parallel"] == 2 and out["summary"]["world_size"] == 4
     assert out["losses"] == pytest.approx(losses[2:], rel=2e-5)
     meta = json.loads((tp / "checkpoints" / "step_0000003" / "meta.json").read_text())
@@ -68,6 +72,10 @@ def test_tensor_parallel_and_back(base, tmp_path):
     # each parameter written once, whole, by the first tensor rank of its stage's device
     names = [n for files in meta["names"].values() for n in files]
     assert len(names) == len(set(names)) and set(meta["names"]) == {"rank0.pt", "rank2.pt"}
+    import torch
+
+    wte = torch.load(tp / "checkpoints" / "step_0000003" / "rank0.pt", weights_only=False)["params"]["wte.weight"]
+    assert wte.shape == (288, 32) and wte[:256].abs().sum() > 0 and not wte[256:].any()
     back = pipeline_runs.train(tmp_path / "tp1", [*SMALL, "pipeline.stages=2", "trainer.steps=4",
                                                   f"resume={_step(tp, 3)}"])
     assert back["losses"] == pytest.approx(losses[3:], rel=2e-5)

@@ -20,6 +20,7 @@ MODEL_SHAPE = ("family", "n_layer", "n_embd", "n_head", "n_kv_head", "head_dim",
 BRANCH_SHAPE = ("n_layer", "n_embd", "n_head", "vocab_size", "image_size", "patch_size", "channels")
 # what a run may change on resuming (said, not refused): the same weights train on
 TRAINING = {"precision": ("precision",), "model.recompute": ("model", "recompute"),
+            "model.vocab_multiple": ("model", "vocab_multiple"),
             "pipeline.microbatches": ("pipeline", "microbatches"),
             "pipeline.microbatch_size": ("pipeline", "microbatch_size"), "seed": ("seed",)}
 # what shapes a batch and where it comes from: also said, with what it changes

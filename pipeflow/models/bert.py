@@ -85,9 +85,11 @@ class BertStage(nn.Module):
     """Layers [lo, hi) of a BERT encoder; the embeddings when first, the MLM head when last."""
 
     def __init__(self, config: BertConfig, lo: int, hi: int, first: bool, last: bool, seed: int,
-                 attention: str = "sdpa"):
+                 attention: str = "sdpa", vocab: int | None = None):
         super().__init__()
         self.attention = check_mode(attention)
+        # the words the loss scores; config.vocab_size may be padded past them (model.vocab_multiple)
+        self.vocab = config.vocab_size if vocab is None else vocab
         if not 0 <= lo < hi <= config.num_hidden_layers:
             raise ValueError(
                 f"stage layers [{lo}, {hi}): need 0 <= lo < hi <= model.n_layer={config.num_hidden_layers}"
@@ -106,7 +108,9 @@ class BertStage(nn.Module):
         for name, param in self.named_parameters():
             if name == "cls.decoder.weight":
                 # the tied copy starts equal to the embedding it mirrors
-                seeded_normal_(param, INIT_STD, seed, "embeddings.word_embeddings.weight")
+                seeded_normal_(param, INIT_STD, seed, "embeddings.word_embeddings.weight", rows=self.vocab)
+            elif name == "embeddings.word_embeddings.weight":
+                seeded_normal_(param, INIT_STD, seed, name, rows=self.vocab)  # (padding rows: zero)
             elif name.endswith("LayerNorm.weight"):
                 nn.init.ones_(param)
             elif name.endswith("bias"):  # Linear and LayerNorm biases, and cls.bias
@@ -150,7 +154,7 @@ def build_stage(model_cfg: Mapping, layers_per_stage: Sequence[int], stage: int,
     config = bert_config(model_cfg)
     lo, hi = layer_bounds(config.num_hidden_layers, layers_per_stage, stage)
     module = BertStage(config, lo, hi, first=stage == 0, last=stage == len(layers_per_stage) - 1, seed=seed,
-                       attention=model_cfg.get("attention") or "sdpa")
+                       attention=model_cfg.get("attention") or "sdpa", vocab=model_cfg.get("vocab_size"))
     return apply_recompute(module, model_cfg.get("recompute") or "none", (BertLayer,))
 
 
@@ -158,12 +162,13 @@ def build_model(model_cfg: Mapping, seed: int) -> BertStage:
     """The whole model as one stage: the pipeline.stages=1 reference."""
     config = bert_config(model_cfg)
     return BertStage(config, 0, config.num_hidden_layers, first=True, last=True, seed=seed,
-                     attention=model_cfg.get("attention") or "sdpa")
+                     attention=model_cfg.get("attention") or "sdpa", vocab=model_cfg.get("vocab_size"))
 
 
-def mlm_loss(logits: Tensor, labels: Tensor, normalizer: float) -> Tensor:
-    """Cross-entropy summed over the masked positions (label != -100), divided by ``normalizer``.
+def mlm_loss(logits: Tensor, labels: Tensor, normalizer: float, vocab: int | None = None) -> Tensor:
+    """Cross-entropy summed over the masked positions (label != -100), divided by
+    ``normalizer``, over the first ``vocab`` logits of each (a padded head's; None: all).
 
     The runtime passes the global batch's count of masked positions, so the losses of
     its microbatches add up to the mean over every masked token of the batch."""
-    return cross_entropy_sum(logits, labels, IGNORE_INDEX) / normalizer  # (chunked: no fp32 copy of the logits)
+    return cross_entropy_sum(logits, labels, IGNORE_INDEX, vocab) / normalizer  # (chunked: no fp32 copy of the logits)

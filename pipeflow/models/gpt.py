@@ -78,9 +78,11 @@ class GPTStage(nn.Module):
     """Layers [lo, hi) of a GPT-2; the token+position embedding when first, final LayerNorm + LM head when last."""
 
     def __init__(self, config: GPT2Config, lo: int, hi: int, first: bool, last: bool, seed: int,
-                 attention: str = "sdpa"):
+                 attention: str = "sdpa", vocab: int | None = None):
         super().__init__()
         self.attention = check_mode(attention)
+        # the words the loss scores; config.vocab_size may be padded past them (model.vocab_multiple)
+        self.vocab = config.vocab_size if vocab is None else vocab
         if not 0 <= lo < hi <= config.n_layer:
             raise ValueError(
                 f"stage layers [{lo}, {hi}): need 0 <= lo < hi <= model.n_layer={config.n_layer}"
@@ -104,7 +106,9 @@ class GPTStage(nn.Module):
         for name, param in self.named_parameters():
             if name == "lm_head.weight":
                 # the tied copy starts equal to the embedding it mirrors
-                seeded_normal_(param, INIT_STD, seed, "wte.weight")
+                seeded_normal_(param, INIT_STD, seed, "wte.weight", rows=self.vocab)
+            elif name == "wte.weight":
+                seeded_normal_(param, INIT_STD, seed, name, rows=self.vocab)  # (padding rows: zero)
             elif name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")):
                 nn.init.ones_(param)
             elif name.endswith(".bias"):
@@ -178,7 +182,7 @@ def build_stage(model_cfg: Mapping, layers_per_stage: Sequence[int], stage: int,
     config = gpt2_config(model_cfg)
     lo, hi = layer_bounds(config.n_layer, layers_per_stage, stage)
     module = GPTStage(config, lo, hi, first=stage == 0, last=stage == len(layers_per_stage) - 1, seed=seed,
-                      attention=model_cfg.get("attention") or "sdpa")
+                      attention=model_cfg.get("attention") or "sdpa", vocab=model_cfg.get("vocab_size"))
     return apply_recompute(module, model_cfg.get("recompute") or "none", (GPT2Block,))
 
 
@@ -186,16 +190,17 @@ def build_model(model_cfg: Mapping, seed: int) -> GPTStage:
     """The whole model as one stage: the pipeline.stages=1 reference."""
     config = gpt2_config(model_cfg)
     return GPTStage(config, 0, config.n_layer, first=True, last=True, seed=seed,
-                    attention=model_cfg.get("attention") or "sdpa")
+                    attention=model_cfg.get("attention") or "sdpa", vocab=model_cfg.get("vocab_size"))
 
 
-def lm_loss(logits: Tensor, targets: Tensor, normalizer: float) -> Tensor:
-    """Summed next-token cross-entropy divided by ``normalizer``.
+def lm_loss(logits: Tensor, targets: Tensor, normalizer: float, vocab: int | None = None) -> Tensor:
+    """Summed next-token cross-entropy divided by ``normalizer``, over the first ``vocab``
+    logits of each token (a padded head's; None: all of them).
 
     The runtime passes the global batch's token count, so the losses (and gradients)
     of its microbatches and segments add up to the global batch's mean — the scaling a
     pipelined step needs to match one device."""
-    return cross_entropy_sum(logits, targets) / normalizer  # (chunked: no fp32 copy of the logits)
+    return cross_entropy_sum(logits, targets, vocab=vocab) / normalizer  # (chunked: no fp32 copy of the logits)
 
 
 def hidden_shape(model_cfg: Mapping, microbatch_size: int, seq_len: int) -> tuple[int, int, int]:

@@ -13,6 +13,11 @@ backward visit ``rows`` rows at a time (:func:`chunk_rows`: an fp32 chunk of at 
 prices exactly that (:func:`pipeflow.planning.operators.head_forward`,
 :func:`pipeflow.planning.working_set.loss_backward_bytes`).
 
+A head padded past the vocabulary (``model.vocab_multiple``) hands over logits as wide
+as it is; the loss reads the first ``vocab`` of each row and gives the others a zero
+gradient in the one gradient tensor it makes (a slice of the logits before the loss would
+make a second, the slice's backward padding the loss's gradient out).
+
 The gradient of a row is ``(softmax(row) - onehot(target)) * g``: ``exp(row - lse)``
 with the target's entry less one, in fp32, cast to the logits' dtype. Rows whose
 target is ``ignore_index`` (an unmasked position of BERT's MLM) count nothing and get
@@ -34,8 +39,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     module's docstring); an fp32 scalar."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, ignore_index: int) -> Tensor:
-        n, vocab = logits.shape
+    def forward(ctx, logits: Tensor, targets: Tensor, ignore_index: int, vocab: int) -> Tensor:
+        n = logits.size(0)
         rows = chunk_rows(vocab)
         lse = torch.empty(n, dtype=torch.float32, device=logits.device)
         valid = targets != ignore_index
@@ -46,7 +51,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         chunk = torch.empty(min(rows, n), vocab, dtype=torch.float32, device=logits.device)
         for lo in range(0, n, rows):
             p = chunk[:min(rows, n - lo)]
-            p.copy_(logits[lo:lo + rows])
+            p.copy_(logits[lo:lo + rows, :vocab])
             top = p.amax(dim=1, keepdim=True)
             p.sub_(top)
             picked = p.gather(1, safe[lo:lo + rows]).squeeze(1)  # the target's shifted logit
@@ -55,32 +60,40 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             total += ((sums - picked) * valid[lo:lo + rows]).sum()
             torch.add(sums, top.squeeze(1), out=lse[lo:lo + rows])
         ctx.save_for_backward(logits, lse, targets)
-        ctx.ignore_index = ignore_index
+        ctx.ignore_index, ctx.vocab = ignore_index, vocab
         return total
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         logits, lse, targets = ctx.saved_tensors
-        rows = chunk_rows(logits.size(1))
+        vocab = ctx.vocab
+        rows = chunk_rows(vocab)
         out = torch.empty_like(logits)
+        out[:, vocab:].zero_()  # (a padded head's padding logits: no loss reads them)
         valid = targets != ctx.ignore_index
         safe = torch.where(valid, targets, 0).unsqueeze(1)
         # one fp32 chunk for every chunk: the logits cast into it as it reads them (a
         # subtraction of 16-bit logits and fp32 sums made an fp32 copy before its result)
-        chunk = torch.empty(min(rows, logits.size(0)), logits.size(1), dtype=torch.float32, device=logits.device)
+        chunk = torch.empty(min(rows, logits.size(0)), vocab, dtype=torch.float32, device=logits.device)
         for lo in range(0, logits.size(0), rows):
             p = chunk[:min(rows, logits.size(0) - lo)]
-            p.copy_(logits[lo:lo + rows])
+            p.copy_(logits[lo:lo + rows, :vocab])
             p.sub_(lse[lo:lo + rows].unsqueeze(1))
             p.exp_()
             p.scatter_add_(1, safe[lo:lo + rows], torch.full_like(safe[lo:lo + rows], -1, dtype=p.dtype))
             p.mul_((grad * valid[lo:lo + rows]).unsqueeze(1))
-            out[lo:lo + rows].copy_(p)
-        return out, None, None
+            out[lo:lo + rows, :vocab].copy_(p)
+        return out, None, None, None
 
 
-def cross_entropy_sum(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:
+def cross_entropy_sum(logits: Tensor, targets: Tensor, ignore_index: int = -100, vocab: int | None = None) -> Tensor:
     """Summed cross-entropy over the last dimension of ``logits`` (any leading shape,
-    ``targets`` the same leading shape), in fp32, by :class:`ChunkedCrossEntropy`."""
+    ``targets`` the same leading shape), in fp32, by :class:`ChunkedCrossEntropy`; over
+    its first ``vocab`` entries where the head is padded past the vocabulary (the rest get
+    a zero gradient), None: all of them."""
+    width = logits.size(-1)
+    vocab = width if vocab is None else vocab
+    if not 0 < vocab <= width:
+        raise ValueError(f"the loss scores {vocab} words of {width} logits a token: need 1 to {width}")
     with torch.profiler.record_function(SCOPE):
-        return ChunkedCrossEntropy.apply(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index)
+        return ChunkedCrossEntropy.apply(logits.reshape(-1, width), targets.reshape(-1), ignore_index, vocab)

@@ -157,7 +157,7 @@ def _profile_unit(name: str, kind: str, module: nn.Module, device: torch.device,
         x = ids if kind == "embedding" else hidden.detach().requires_grad_(True)
         out = module(x)
         if kind == "head":
-            out = lm_loss(out, targets, normalizer)
+            out = lm_loss(out, targets, normalizer, getattr(module, "vocab", None))
         return out
 
     def backward_of(out):

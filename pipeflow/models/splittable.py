@@ -34,10 +34,16 @@ def seeded_generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
-def seeded_normal_(param: Tensor, std: float, seed: int, name: str) -> None:
-    values = torch.randn(param.shape, generator=seeded_generator(seed, name), dtype=torch.float32) * std
+def seeded_normal_(param: Tensor, std: float, seed: int, name: str, rows: int | None = None) -> None:
+    """``param`` drawn from N(0, std) by the generator of (seed, name). ``rows``: only its
+    first rows are drawn (as an unpadded table of that many rows draws them) and the rest
+    are zero: a vocabulary table padded past its words (model.vocab_multiple), whose padding
+    rows no token looks up and no loss scores, so they stay zero as they train."""
+    rows = param.size(0) if rows is None else rows
+    values = torch.randn((rows, *param.shape[1:]), generator=seeded_generator(seed, name), dtype=torch.float32) * std
     with torch.no_grad():
-        param.copy_(values)
+        param[:rows].copy_(values)
+        param[rows:].zero_()
 
 
 def block_output(out) -> Tensor:

@@ -203,38 +203,54 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class _ParallelCrossEntropy(torch.autograd.Function):
-    """Cross-entropy per token over logits cut by vocabulary (this rank's ``[lo, lo + V/T)``)."""
+    """Cross-entropy per token over logits cut by vocabulary (this rank's ``[lo, lo + V/T)``),
+    of which the first ``scored`` columns are words (the rest: a padded head's padding, read
+    by no rank's loss and given a zero gradient)."""
 
     @staticmethod
-    def forward(ctx, logits, targets, lo, tp, ignore_index):
-        logits = logits.float()
-        top = tp.all_reduce(logits.max(-1).values, dist.ReduceOp.MAX)
-        shifted = logits - top.unsqueeze(-1)
+    def forward(ctx, logits, targets, lo, tp, ignore_index, scored):
+        width = logits.size(-1)
+        words = logits[..., :scored].float()
+        # (a rank whose whole cut is padding takes part in the sums with nothing)
+        top = words.max(-1).values if scored else words.new_full(words.shape[:-1], float("-inf"))
+        top = tp.all_reduce(top, dist.ReduceOp.MAX)
+        shifted = words - top.unsqueeze(-1)
         exp = shifted.exp()
         total = tp.all_reduce(exp.sum(-1))
-        rows = logits.size(-1)
         ignored = targets == ignore_index
         local = targets - lo
-        mine = (local >= 0) & (local < rows) & ~ignored
-        picked = shifted.gather(-1, torch.where(mine, local, 0).unsqueeze(-1)).squeeze(-1) * mine
+        mine = (local >= 0) & (local < scored) & ~ignored
+        picked = shifted.gather(-1, torch.where(mine, local, 0).unsqueeze(-1)).squeeze(-1) * mine if scored \
+            else torch.zeros_like(total)
         picked = tp.all_reduce(picked)
         loss = (total.log() - picked) * ~ignored
         ctx.save_for_backward(exp.div_(total.unsqueeze(-1)), local, mine, ignored)
+        ctx.width = width
         return loss
 
     @staticmethod
     def backward(ctx, g):
         softmax, local, mine, ignored = ctx.saved_tensors
         g = g * ~ignored
-        grad = softmax * g.unsqueeze(-1)
-        grad.scatter_add_(-1, torch.where(mine, local, 0).unsqueeze(-1), (-g * mine).unsqueeze(-1))
-        return grad, None, None, None, None
+        scored = softmax.size(-1)
+        if scored == ctx.width:
+            grad = softmax * g.unsqueeze(-1)
+        else:  # the padding's columns: zero, in the one gradient tensor
+            grad = softmax.new_zeros((*softmax.shape[:-1], ctx.width))
+            torch.mul(softmax, g.unsqueeze(-1), out=grad[..., :scored])
+        if scored:
+            grad.scatter_add_(-1, torch.where(mine, local, 0).unsqueeze(-1), (-g * mine).unsqueeze(-1))
+        return grad, None, None, None, None, None
 
 
-def parallel_cross_entropy(logits: Tensor, targets: Tensor, tp: TensorGroup, ignore_index: int = -100) -> Tensor:
-    """Summed cross-entropy of ``logits`` [..., V/T] (this rank's vocabulary slice) against ``targets``."""
+def parallel_cross_entropy(logits: Tensor, targets: Tensor, tp: TensorGroup, ignore_index: int = -100,
+                           vocab: int | None = None) -> Tensor:
+    """Summed cross-entropy of ``logits`` [..., V/T] (this rank's vocabulary slice) against
+    ``targets``; of the whole head's columns the first ``vocab`` are words (a padded head,
+    model.vocab_multiple; None: every column)."""
     lo = tp.rank * logits.size(-1)
-    return _ParallelCrossEntropy.apply(logits, targets, lo, tp, ignore_index).sum()
+    scored = logits.size(-1) if vocab is None else min(logits.size(-1), max(0, vocab - lo))
+    return _ParallelCrossEntropy.apply(logits, targets, lo, tp, ignore_index, scored).sum()
 
 
 # ----------------------------------------------------------------------------- cutting a stage

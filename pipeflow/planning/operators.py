@@ -490,7 +490,9 @@ def head_forward(sh: Shape) -> list[Operator]:
         ops.append(Loss("fwd", T, V, RESIDUAL_BYTES, saves=(Saved("softmax", T * V * 4), Saved("targets", T * 10))))
         return [o for o in ops if o is not None]
     # (the loss casts 16-bit logits as it reads them: its measured time holds the cast)
-    ops.append(Loss("fwd", T, V, c, saves=(Saved("logits", T * V * c), Saved("lse", T * 4), Saved("targets", T * 8))))
+    # (a padded head, model.vocab_multiple: the loss reads the scored columns of logits as wide as the head's)
+    ops.append(Loss("fwd", T, s.scored_vocab, c,
+                    saves=(Saved("logits", T * V * c), Saved("lse", T * 4), Saved("targets", T * 8))))
     return ops
 
 

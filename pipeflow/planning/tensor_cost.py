@@ -225,7 +225,7 @@ class TensorShards:
                 if tensor and stage == self.num_stages - 1 else 0.0)
         if stage != self.num_stages - 1 or self.spec.vocab_parallel:
             return tensor, late
-        loss = loss_forward_bytes(x * b, self.spec.vocab_size)
+        loss = loss_forward_bytes(x * b, self.spec.scored_vocab)  # (a padded head's chunk: the scored columns)
         targets = 8.0 * x * b
         return (tensor, late) if tensor - late >= loss - targets else (loss, targets)
 

@@ -79,6 +79,10 @@ class TransformerSpec:
     # (pipeflow.models.tensor_parallel), which keeps an fp32 softmax of its logits
     vocab_parallel: bool = False
     hf_keys: bool = False  # the model's keys are a Hugging Face config's (model.hf.*): refusals name those
+    # the vocabulary the loss scores where the embedding and the head are padded past it
+    # (model.vocab_multiple: vocab_size is then the padded width their products run at);
+    # None: vocab_size, unpadded
+    loss_vocab: int | None = None
     # model.family: a CPU device profile prices its host time per block by family; not part of
     # the shape (two specs of one shape are equal whichever family named them)
     family: str = field(default="", compare=False)
@@ -122,6 +126,11 @@ class TransformerSpec:
         if self.head_dim_override is not None:
             return self.head_dim_override
         return self.n_embd // self.n_head
+
+    @property
+    def scored_vocab(self) -> int:
+        """The logits the loss reads of each token's ``vocab_size`` (the rest are padding)."""
+        return self.loss_vocab if self.loss_vocab is not None else self.vocab_size
 
     @property
     def kv_heads(self) -> int:
@@ -175,13 +184,15 @@ class TransformerSpec:
             if get(key) is not None:
                 shape[field] = get(key)
         shape["dropout_masks"] = float(get("dropout") or 0.0) > 0
+        padded = padded_vocab(get("vocab_size"), get("vocab_multiple"))
         shape["qkv_inputs"] = int(get("qkv_inputs") or (1 if family == "gpt" else 3))
         return TransformerSpec(
             name=str(get("name") or family),
             n_layer=get("n_layer"),
             n_head=get("n_head"),
             n_embd=get("n_embd"),
-            vocab_size=get("vocab_size"),
+            vocab_size=padded,
+            loss_vocab=get("vocab_size") if padded != get("vocab_size") else None,
             seq_len=seq_len,
             n_inner=get("n_inner"),
             n_positions=get("n_positions"),
@@ -194,6 +205,17 @@ class TransformerSpec:
             family=family,
             **shape,
         )
+
+
+def padded_vocab(vocab: int, multiple) -> int:
+    """``vocab`` rounded up to a multiple of ``multiple`` (model.vocab_multiple; None or 1:
+    unpadded): the rows of the embedding and the head, so their products run at a width the
+    kernels tile well (nanoGPT pads GPT-2's 50,257 to 50,304). The padded logits never
+    reach the loss."""
+    if multiple is None:
+        return vocab
+    _positive_int("vocab_multiple", multiple)
+    return -(-vocab // multiple) * multiple if isinstance(vocab, int) and not isinstance(vocab, bool) else vocab
 
 
 def _positive_int(key: str, value) -> None:

@@ -45,16 +45,20 @@ def loss_forward_bytes(rows: int, vocab: int) -> float:
     return float(4 * min(rows, chunk_rows(vocab)) * (vocab + 6) + 9 * rows + 4)
 
 
-def loss_backward_bytes(rows: int, vocab: int, dtype_bytes: int, parallel: bool = False) -> float:
+def loss_backward_bytes(rows: int, vocab: int, dtype_bytes: int, parallel: bool = False,
+                        scored: int | None = None) -> float:
     """What the loss's backward (:class:`pipeflow.models.loss.ChunkedCrossEntropy`) holds at
     its most, over ``rows`` tokens of ``vocab`` logits: the logits' gradient (in the
     compute dtype, made whole at its start), one chunk's fp32 softmax with its two fp32
     columns (the -1 at each target, each row's share of the gradient), and each token's
-    target taken (int64) and whether it counts (a byte). A rank's cut of the vocabulary
-    (``parallel``, the parallel cross-entropy): two fp32 rows of its logits."""
+    target taken (int64) and whether it counts (a byte). A padded head (``scored`` of its
+    ``vocab`` logits read, model.vocab_multiple): the gradient is as wide as the logits, the
+    chunk as the ``scored`` columns. A rank's cut of the vocabulary (``parallel``, the
+    parallel cross-entropy): two fp32 rows of its logits."""
     if parallel:
         return float(2 * rows * vocab * 4)
-    return float(rows * vocab * dtype_bytes + 4 * min(rows, chunk_rows(vocab)) * (vocab + 2) + 9 * rows)
+    scored = vocab if scored is None else scored
+    return float(rows * vocab * dtype_bytes + 4 * min(rows, chunk_rows(scored)) * (scored + 2) + 9 * rows)
 
 @dataclass(frozen=True, eq=False)
 class BackwardWorkingSet:
@@ -277,7 +281,8 @@ class BackwardWorkingSet:
         head = last_stage_saved(spec, x, b, self.dtype_bytes)
         head_made = 4.0 * (head_params(spec) - (shared_head_params(spec) if stage == 0 else 0)) if fresh else 0.0
         phases = [(n - head, f + head, m + head_made) for n, f, m in phases]
-        phases.append((loss_backward_bytes(x * b, spec.vocab_size, self.dtype_bytes, spec.vocab_parallel), 0.0, 0.0))
+        phases.append((loss_backward_bytes(x * b, spec.vocab_size, self.dtype_bytes, spec.vocab_parallel,
+                                          spec.scored_vocab), 0.0, 0.0))
         final, held = self._final_norm(x * b, stream - head)  # (after the head, its stream's gradient made)
         if final:
             phases.append((final, head - held, head_made))
@@ -425,7 +430,7 @@ class BackwardWorkingSet:
         x_b = x * b
         head_kept, head_saved = head_residual(spec, x, b, c), last_stage_saved(spec, x, b, c)
         head_moves = head_kept - head_saved + x_b * spec.n_embd * RESIDUAL_BYTES
-        head = loss_backward_bytes(x_b, spec.vocab_size, c, spec.vocab_parallel)  # (the logits' gradient, kept for W)
+        head = loss_backward_bytes(x_b, spec.vocab_size, c, spec.vocab_parallel, spec.scored_vocab)  # (the logits' gradient, kept for W)
         if head >= head_moves + rise + block and head >= self._final_norm(x_b, head_moves)[0]:
             return float(head), float(x_b * spec.vocab_size * c), 0.0
         final, held = self._final_norm(x_b, head_moves)

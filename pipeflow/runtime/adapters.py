@@ -49,6 +49,8 @@ class GPTAdapter:
         segment_lengths: Sequence[int] | None = None,
     ):
         self.model_cfg = model_cfg
+        # the words the loss scores (the head's logits may be padded past them: model.vocab_multiple)
+        self.vocab = model_cfg.get("vocab_size")
         # Seq1F1B: the sequence is cut into segments of these lengths (None: one segment)
         self.segment_lengths = list(segment_lengths) if segment_lengths else None
         self.segment_starts = [sum(self.segment_lengths[:i]) for i in range(len(self.segment_lengths))] \
@@ -103,8 +105,8 @@ class GPTAdapter:
         if self._vocabulary_parallel(logits):
             from ..models.tensor_parallel import parallel_cross_entropy
 
-            return parallel_cross_entropy(logits, targets, self.tensor) / normalizer
-        return lm_loss(logits, targets, normalizer)
+            return parallel_cross_entropy(logits, targets, self.tensor, vocab=self.vocab) / normalizer
+        return lm_loss(logits, targets, normalizer, self.vocab)
 
     def message_spec(self, src_stage: int, dst_stage: int, segment: int = 0) -> tuple[tuple[int, ...], torch.dtype]:
         mbs, tokens, width = self._hidden
@@ -140,8 +142,9 @@ class BertAdapter(GPTAdapter):
         if self._vocabulary_parallel(logits):
             from ..models.tensor_parallel import parallel_cross_entropy
 
-            return parallel_cross_entropy(logits, self._rows(batch[1], mb), self.tensor, IGNORE_INDEX) / normalizer
-        return bert.mlm_loss(logits, self._rows(batch[1], mb), normalizer)
+            return parallel_cross_entropy(logits, self._rows(batch[1], mb), self.tensor, IGNORE_INDEX,
+                                          vocab=self.vocab) / normalizer
+        return bert.mlm_loss(logits, self._rows(batch[1], mb), normalizer, self.vocab)
 
     def build_data(self, data_cfg: Mapping):
         """Masked byte windows: any step's batch and masking are a function of (seed, step)."""

@@ -128,6 +128,22 @@ def _piece(p, whole, tp):
     return torch.cat([c.chunk(tp.size, dim)[tp.rank] for c in whole.chunk(blocks, dim)], dim)
 
 
+# a GPT's or a BERT's tables with a row a word (model.vocab_multiple pads them; the padding is zero)
+VOCABULARY_TABLES = ("wte.weight", "lm_head.weight", "embeddings.word_embeddings.weight", "cls.decoder.weight",
+                     "cls.bias")
+
+
+def _vocabulary_rows(name: str, whole, rows: int | None):
+    """``whole`` as this run's vocabulary table ``name`` holds it: a checkpoint written at
+    another padding (model.vocab_multiple) has more or fewer zero rows past the words (the
+    words are the same: the model's vocab_size is checked before any rank starts)."""
+    if rows is None or name not in VOCABULARY_TABLES or whole.size(0) == rows:
+        return whole
+    fitted = whole.new_zeros((rows, *whole.shape[1:]))
+    fitted[:min(rows, whole.size(0))] = whole[:rows]
+    return fitted
+
+
 # ---------------------------------------------------------------- optimizer state by parameter
 
 def _moments(st) -> dict[int, tuple]:
@@ -294,16 +310,21 @@ def _load(resume, rank, stages, meta, step, scaler) -> int:
     for _, st in _held(stages):
         tp = _tp(st)
         aliases = _aliases(st)
+        rows = getattr(getattr(st.module, "config", None), "vocab_size", None)
         state = {}
         with torch.no_grad():
             for name, p in _named(st):
                 source = first_tied[aliases[id(p)]] if id(p) in aliases else name
                 if source not in params:
                     raise ValueError(f"resume={resume}: the checkpoint holds no parameter {source}")
-                p.copy_(_piece(p, params[source], tp).to(p.dtype))
+
+                def whole(t, source=source, p=p):
+                    return _piece(p, _vocabulary_rows(source, t, rows), tp)
+
+                p.copy_(whole(params[source]).to(p.dtype))
                 if source in optim:
                     s = optim[source]
-                    state[id(p)] = (_piece(p, s["exp_avg"], tp), _piece(p, s["exp_avg_sq"], tp), int(s["step"]))
+                    state[id(p)] = (whole(s["exp_avg"]), whole(s["exp_avg_sq"]), int(s["step"]))
         _set_moments(st, state)
     own = torch.load(folder / f"rank{rank}.pt", map_location="cpu", weights_only=False, mmap=True) \
         if same and (folder / f"rank{rank}.pt").exists() else {}

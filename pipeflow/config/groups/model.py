@@ -24,6 +24,9 @@ class ModelConfig:
     n_embd: int = MISSING
     n_inner: Optional[int] = None  # FFN width; None means 4 * n_embd
     vocab_size: int = MISSING
+    # the embedding's and the head's rows padded to a multiple of this for their products
+    # (GPT-2's 50,257 -> 50,304 at 64); the padded logits never reach the loss; 1: unpadded
+    vocab_multiple: int = 1
     n_positions: int = MISSING
     seq_len: int = MISSING
     dropout: float = 0.0  # read by pipeflow.models; the cost model counts dropout masks when > 0

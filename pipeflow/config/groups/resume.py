@@ -70,4 +70,6 @@ def _then(key: str, value) -> str:
         return f" (rotary positions have no table), and sequences may be up to {value} tokens"
     if key.startswith("data."):
         return ", and the batches from here on come from this run's data"
+    if key == "model.vocab_multiple":
+        return " (the vocabulary's tables are cut or padded to this run's rows: their padding is zero)"
     return ""
