@@ -44,13 +44,18 @@ sweep: $(STAMP)
 compare: $(STAMP)
 	$(BIN)/pipeflow-compare $(or $(ARGS),$$(ls -d outputs/multirun/*/*/* 2>/dev/null | sort -t/ -k4,5 | tail -n 1))
 
-# pytest exits 5 when it collects no tests; that is not a failure here.
+# pytest exits 5 when it collects no tests; that is not a failure here. Two test files run
+# at a time (pytest-xdist; a file's tests on one worker, where they share its module's
+# reference runs): one at a time, the suite kept 0.58 of a core busy on average on a 2-core
+# host (ranks waiting on each other, subprocesses starting); two at a time took 0.63 of
+# the wall time (739 s against 1,165 s, 2026-12-07). make test PYTEST_WORKERS=1: one at a time.
+PYTEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS) || { rc=$$?; [ $$rc -eq 5 ] || exit $$rc; }
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS) || { rc=$$?; [ $$rc -eq 5 ] || exit $$rc; }
 
-# The torch-free and unit tests (no ranks, no subprocesses, no large searches): under a minute.
+# The torch-free and unit tests (no ranks, no subprocesses, no large searches).
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS) || { rc=$$?; [ $$rc -eq 5 ] || exit $$rc; }
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS) || { rc=$$?; [ $$rc -eq 5 ] || exit $$rc; }
 
 # Performance lives here, not in the tests: each benchmark measures side by side in one run.
 bench: $(STAMP)
