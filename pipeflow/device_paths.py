@@ -17,7 +17,11 @@ arithmetic runs in CI, at fp32 and under CPU autocast:
 - ``memory``: ``runtime.memory=profile`` read as the CUDA caching allocator's history
   is (:mod:`pipeflow.runtime.memory_profile`): the step's allocations as the allocator's
   trace (blocks of 512 bytes), each tag and action placed by the allocator's counts of
-  allocations and frees at that moment.
+  allocations and frees at that moment;
+- ``reads``: a GPU rank's step, which reads no device value before its work is launched
+  (:class:`pipeflow.runtime.executor.Executor`): the clip's factor computed and applied on
+  the device, the gradient norm and the loss read at the step's end (a CPU rank reads
+  them mid-step, which costs it no wait).
 
 What stays CUDA's alone (the kernels themselves, the caching allocator's blocks, CUDA's
 random generators) is what the ``cuda`` tests run where a GPU is lent
@@ -29,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 
-PATHS = ("attention", "staging", "memory")
+PATHS = ("attention", "staging", "memory", "reads")
 
 _emulated: frozenset = frozenset()
 

@@ -23,7 +23,7 @@ def test_the_switch_names_its_paths_and_refuses_others():
     with cuda_paths():
         assert device_paths.emulated() == device_paths.PATHS
     assert device_paths.emulated() == ()
-    with pytest.raises(ValueError, match=r"runtime.cuda_paths=kernels: allowed values: attention, staging, memory, all"):
+    with pytest.raises(ValueError, match=r"runtime.cuda_paths=kernels: allowed values: attention, staging, memory, reads, all"):
         device_paths.check(["kernels"])
 
 

@@ -43,6 +43,20 @@ def reference(tmp_path_factory):
     return train(tmp_path_factory.mktemp("ref"), "pipeline.stages=1", "trainer.steps=5", "runtime.dump_grads=true")
 
 
+def test_a_step_that_reads_the_device_only_at_its_end_trains_as_one_device(reference, tmp_path):
+    """runtime.cuda_paths=[reads]: CPU ranks take an accelerator's step, which reads no
+    device value mid-step (the clip's factor on the device, the norm and the loss read
+    once the step is launched): the single device's gradients and losses, under ZB-H1 (a
+    step where W's follow the last B's)."""
+    run = train(tmp_path, "schedule=zb_h1", "pipeline.stages=2", "trainer.steps=5", "runtime.dump_grads=true",
+                "runtime.cuda_paths=[reads]")
+    pipeline_runs.assert_same_grads(run["grads"], reference["grads"])
+    assert run["losses"] == pytest.approx(reference["losses"], rel=1e-4)
+    norms = [row["grad_norm"] for row in pipeline_runs.metrics(tmp_path)]
+    # read at each step's end; over optim.grad_clip=1, so every step's factor clipped on the device
+    assert len(norms) == 5 and all(isinstance(n, float) and n > 1.0 for n in norms)
+
+
 @pytest.mark.parametrize("name,p", CASES)
 def test_gradients_and_losses_match_single_device(name, p, reference, tmp_path):
     extra = ["pipeline.virtual_stages=2"] if SPECS[name].virtual_stages else []

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from ..device_paths import cuda_path
 from ..formats.timeline import Event
 from ..schedules.ir import Action, Kind
 from ..formats.runplan import Lowered
@@ -92,7 +93,8 @@ class Executor(MessageIO):
         self._skip = False  # fp16: this step's gradients overflowed
         # the host reads the clip norm mid-step (_synchronise) where that costs no wait (a
         # CPU rank's tensors are the host's); on an accelerator it is read at the step's end
-        self.host_reads = adapter.device.type == "cpu"
+        # (runtime.cuda_paths=[reads]: a CPU rank takes the accelerator's branch)
+        self.host_reads = not cuda_path("reads", adapter.device)
         self.sent_bytes = 0  # bytes this rank sent to other ranks (activations and gradients)
         schedule = lowered.schedule
         self.lowered = lowered
