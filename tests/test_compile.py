@@ -148,16 +148,17 @@ def test_the_split_through_compiled_blocks_runs_each_product_once():
         torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=n)
 
 
-# the acceptance's schedules beyond the 1F1B run above, over three families and with
-# selective recomputation, in three pairs of runs (a run compiles its blocks in 10-20 s
+# the acceptance's schedules beyond the 1F1B run above, over the four families and with
+# selective recomputation, in four pairs of runs (a run compiles its blocks in 10-20 s
 # on 2 cores: the pairs cover the grid rather than fill it; Llama's interleaved Seq1F1B
-# runs virtual stages and segments at once; test_compile_composes_with_every_schedule_and_feature
-# prepares the rest)
+# runs virtual stages and segments at once, the branched model BAPP's two pipelines;
+# test_compile_composes_with_every_schedule_and_feature prepares the rest)
 TRAINED = {
     "gpt-zb_h1-selective": ["schedule=zb_h1", "model.recompute=selective"],
     "llama-seq1f1b-interleaved": ["model=llama_tiny", "model.seq_len=64", "schedule=seq1f1b_interleaved",
                                   "pipeline.virtual_stages=2", "pipeline.segments=2"],
     "bert-chimera": ["model=bert_tiny", "data=mlm_corpus", "model.seq_len=64", "schedule=chimera"],
+    "cbm-bapp": ["model=cbm_tiny", "data=image_text", "schedule=bapp"],
 }
 
 
