@@ -141,3 +141,20 @@ def test_the_profiled_peak_is_the_allocators_own(tmp_path):
     run = pipeline_runs.train(tmp_path, over)
     for rank in run["summary"]["memory_profile"]:
         assert rank["peak_bytes"] == rank["allocator_peak_bytes"] > 0, rank
+
+
+def test_a_gpu_steps_walk_makes_no_host_synchronisation(tmp_path):
+    """Issue 63's check: from the second step on, one GPU rank walks each step under
+    torch.cuda.set_sync_debug_mode("error") up to the reads at its end (runtime.sync_check).
+    At bf16 (the clip's factor on the device, the norm and the loss read once the step is
+    launched) it trains; at fp16 the loss scaler reads the norm mid-step to decide whether
+    to skip the update, and the same check fails that run, naming the synchronising call."""
+    from pipeflow.runtime.launch import JobFailed
+
+    over = ["model=gpt_tiny", "pipeline.stages=1", "runtime.device=cuda", "runtime.backend=nccl",
+            "runtime.sync_check=true", "trainer.steps=3", "trainer.val_every=0", "trainer.timeline_step=null",
+            "logger=none", "pipeline.microbatches=4", "pipeline.microbatch_size=2"]
+    run = pipeline_runs.train(tmp_path / "bf16", [*over, "precision=bf16"])
+    assert run["summary"]["status"] == "finished" and len(run["losses"]) == 3
+    with pytest.raises(JobFailed, match="synchroniz"):
+        pipeline_runs.train(tmp_path / "fp16", [*over, "precision=fp16"])

@@ -260,6 +260,7 @@ def test_resume_from_a_run_that_ended_inside_a_chunk_needs_the_chunk_start(tmp_p
         (["model.vocab_size=100"], "model.vocab_size=100"),  # bytes need 256
         (["model.dropout=1.0"], "model.dropout=1.0"),
         (["model.vocab_multiple=0"], "model.vocab_multiple=0"),
+        (["runtime.sync_check=true", "runtime.device=cpu"], "runtime.sync_check=true"),
         (["topology.num_devices=1"], "topology.num_devices=1"),
         (["partition.name=greedy"], "partition.name=greedy"),
         # trainer

@@ -53,8 +53,11 @@ class LocalRuntimeConfig:
     memory: str = "count"  # count: saved bytes (cheap, always); profile: every allocation of the last step, by category
     dump_grads: bool = False  # test hook: each rank writes run_dir/grads/rank<r>.pt after its first backward
     trace_steps: int = 0  # the last N steps under torch's profiler: op_trace.json, each rank's operators by class
-    # test hook: CPU ranks take CUDA's code paths (pipeflow.device_paths): attention, staging, memory; [all]: each
+    # test hook: CPU ranks take CUDA's code paths (pipeflow.device_paths): attention, staging, memory, reads; [all]: each
     cuda_paths: List[str] = field(default_factory=list)
+    # test hook: from the second step on, a CUDA rank walks its step under torch.cuda.set_sync_debug_mode("error"),
+    # up to the reads at its end: a host synchronisation inside the step fails the run, naming the call
+    sync_check: bool = False
 
 
 @dataclass

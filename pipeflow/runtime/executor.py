@@ -24,6 +24,7 @@ are clipped by that norm, then each STEP updates its stage.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import math
@@ -69,6 +70,21 @@ def clip_gradients(grads: list[torch.Tensor], norm: float | torch.Tensor, clip: 
             g.mul_(coef)
 
 
+@contextlib.contextmanager
+def no_syncs(on: bool):
+    """``on``: the block runs under ``torch.cuda.set_sync_debug_mode("error")``, so that any
+    call in it that makes the host wait for a CUDA device raises, naming itself."""
+    if not on:
+        yield
+        return
+    was = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(was)
+
+
 class Executor(MessageIO):
     def __init__(
         self,
@@ -95,6 +111,9 @@ class Executor(MessageIO):
         # CPU rank's tensors are the host's); on an accelerator it is read at the step's end
         # (runtime.cuda_paths=[reads]: a CPU rank takes the accelerator's branch)
         self.host_reads = not cuda_path("reads", adapter.device)
+        # runtime.sync_check (a test hook, CUDA ranks): the walk of a step under
+        # torch.cuda.set_sync_debug_mode("error"); the worker sets it from the second step
+        self.sync_check = False
         self.sent_bytes = 0  # bytes this rank sent to other ranks (activations and gradients)
         schedule = lowered.schedule
         self.lowered = lowered
@@ -221,8 +240,9 @@ class Executor(MessageIO):
         if self.schedule.shard == "full":  # ZeRO-3: the schedule's GATHERs and FREEs
             handlers = gather_handlers(self.stages, self.meter, handlers)
         with self.precision.shared_casts():
-            busy, events, io = self._walk(self.steps, self.tail, handlers, record, t0, before=before)
-        self._finish(io, "iteration")
+            with no_syncs(self.sync_check):
+                busy, events, io = self._walk(self.steps, self.tail, handlers, record, t0, before=before)
+                self._finish(io, "iteration")
         if not synced:
             raise RuntimeError(f"schedule {self.schedule.name!r} has no STEP on rank {self.rank}; nothing was updated")
         grad_norm, loss, scale = synced[0]

@@ -349,6 +349,12 @@ def _falls_in(every: int, first: int, end: int) -> bool:
     return bool(every) and end // every > (first - 1) // every
 
 
+def _checks_syncs(runtime, device, first: int) -> bool:
+    """runtime.sync_check on a CUDA rank, from the second step: the first step's allocations
+    and kernel choices may make the host wait, the later ones may not."""
+    return bool(getattr(runtime, "sync_check", False)) and device.type == "cuda" and first > 1
+
+
 def _inject_failure(rank: int, runtime, first: int, end: int, hook) -> None:
     """The test hook runtime.fail_at_step: rank fail_rank fails as fail_mode says where
     that step falls in [first, end] (hook: the group of fail_mode=collective)."""
@@ -416,6 +422,7 @@ def _train_chunk(rank, job, setup: RankSetup, data, sink, progress, state: RunSt
     with profile_step(setup.device, runtime.memory == "profile" and end == steps) as allocated, \
             traced(_op_trace(runtime, state, setup, end, steps), len(batches)):
         ex = setup.fresh_executor(len(batches))
+        ex.sync_check = _checks_syncs(runtime, setup.device, first)
         if setup.is_async:
             stats = ex.train_chunk(batches, normalizers, lrs, base_update=(first - 1) * ex.updates_per_step,
                                    base_mb=(first - 1) * setup.schedule.microbatches_per_step, record=record, t0=t0)

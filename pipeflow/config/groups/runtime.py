@@ -55,6 +55,11 @@ def check_runtime(rt: DictConfig, world_size: int) -> None:
                 f"(NCCL puts each rank on its own GPU); use fewer pipeline.stages, runtime.backend=gloo (ranks "
                 f"share the GPUs, messages pass through host memory) or runtime.device=cpu"
             )
+    if rt.get("sync_check") and (rt.device == "cpu" or (rt.device == "auto" and not _cuda_devices())):
+        where = "cpu" if rt.device == "cpu" else "auto, CPU ranks here (no CUDA device is visible)"
+        raise ConfigError(f"runtime.sync_check=true: checks that a CUDA rank's step makes no host synchronisation, "
+                          f"and runtime.device={where}; use it on a GPU (runtime.device=cuda or auto), or "
+                          f"runtime.sync_check=false")
     try:
         check_paths(list(rt.get("cuda_paths") or []))
     except ValueError as err:
