@@ -74,6 +74,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_split
 	$(BIN)/python -m benchmarks.bench_attention
 	$(BIN)/python -m benchmarks.bench_vocab_padding
+	$(BIN)/python -m benchmarks.bench_compile_grid
 	$(BIN)/python -m benchmarks.bench_report_width
 	$(BIN)/python -m benchmarks.bench_memory
 	$(BIN)/python -m benchmarks.bench_split_memory

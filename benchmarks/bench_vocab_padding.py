@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--multiple", type=int, default=None, help="the padding's multiple (default: the preset's, or 64)")
     args = ap.parse_args(argv)
     model = compose("train", [f"model={args.model}"]).model
-    multiple = args.multiple or (model.get("vocab_multiple") if (model.get("vocab_multiple") or 1) > 1 else 64)
+    preset = model.get("vocab_multiple") or 1
+    multiple = args.multiple or (preset if preset > 1 else 64)
     r = measure(model.n_embd, model.vocab_size, multiple, args.tokens, args.repeats)
     v, p = r["vocab"], r["rows"]
     print(f"{args.model}: the head [{args.tokens} tokens x {r['width']}] x [{r['width']} x V] and the chunked loss, "

@@ -430,7 +430,8 @@ class BackwardWorkingSet:
         x_b = x * b
         head_kept, head_saved = head_residual(spec, x, b, c), last_stage_saved(spec, x, b, c)
         head_moves = head_kept - head_saved + x_b * spec.n_embd * RESIDUAL_BYTES
-        head = loss_backward_bytes(x_b, spec.vocab_size, c, spec.vocab_parallel, spec.scored_vocab)  # (the logits' gradient, kept for W)
+        # (the logits' gradient, kept for W)
+        head = loss_backward_bytes(x_b, spec.vocab_size, c, spec.vocab_parallel, spec.scored_vocab)
         if head >= head_moves + rise + block and head >= self._final_norm(x_b, head_moves)[0]:
             return float(head), float(x_b * spec.vocab_size * c), 0.0
         final, held = self._final_norm(x_b, head_moves)

@@ -77,12 +77,12 @@ class GPTAdapter:
         from ..planning.transformer import TransformerSpec
 
         spec = TransformerSpec.from_config(self.model_cfg)
-        self._vocab = spec.vocab_size
+        self._head_rows = spec.vocab_size  # (padded past the words where model.vocab_multiple says)
         return shard_stage(module, self.tensor, spec.n_head, spec.n_kv_head)
 
     def _vocabulary_parallel(self, logits: torch.Tensor) -> bool:
         """Whether the head's logits are this rank's slice of the vocabulary."""
-        return self.tensor is not None and logits.size(-1) * self.tensor.size == self._vocab
+        return self.tensor is not None and logits.size(-1) * self.tensor.size == self._head_rows
 
     def _rows(self, t: torch.Tensor, mb: int) -> torch.Tensor:
         return t[mb * self.mbs : (mb + 1) * self.mbs].to(self.device, non_blocking=True)

@@ -50,7 +50,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from ..schedules.ir import Action, Kind, WeightPolicy
 from ..formats.runplan import Lowered
 from ..schedules.versions import forward_version
-from .executor import Executor, Groups, StageState
+from .executor import Executor, Groups, StageState, no_syncs
 from .memory_profile import tag, tag_stage
 from .op_trace import SYNC_SCOPE
 from .optimizer import square_sum
@@ -279,7 +279,8 @@ class AsyncExecutor(Executor):
                 self._take_grads(key, taken, tied_local, tied_work, tied_copies, base_update)
 
         handlers = {Kind.F: forward, Kind.B: backward, Kind.REDUCE: reduce, Kind.STEP: step}
-        busy, events, io = self._walk(self.steps, self.tail, handlers, record, t0, after=after)
+        with no_syncs(self.sync_check):  # (runtime.sync_check: the chunk's walk reads nothing mid-way)
+            busy, events, io = self._walk(self.steps, self.tail, handlers, record, t0, after=after)
         # tied updates no STEP of this chunk could take: apply them now, in order
         for (pipe, stage, w), us in sorted(self.tied_plan.items(), key=lambda kv: kv[0][2] < 0):
             if w == -1:

@@ -110,7 +110,7 @@ def _stage(plan: RunPlan, adapter, groups: Groups, pipe: int, stage: int, rank: 
         from ..models.regional import compile_blocks
 
         # (the zero-bubble split: each weight product eager, its W deferred)
-        compile_blocks(module, eager_products=schedule.splits_backward)
+        compile_blocks(module, eager_products=schedule.uses_split_backward())
     graph = schedule.graph  # sources read the batch, sinks compute the loss
     st = StageState(pipe, stage, module, first=not graph.preds[stage], last=not graph.succs[stage])
     st.params = [p for p in module.parameters() if p.requires_grad]

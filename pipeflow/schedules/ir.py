@@ -335,11 +335,6 @@ class Schedule:
     def num_stages(self) -> int:
         return self.graph.num_stages
 
-    @property
-    def splits_backward(self) -> bool:
-        """Some backward runs as I then W (the zero-bubble split)."""
-        return any(a.kind in (Kind.I, Kind.W) for order in self.orders for a in order)
-
     def compile_mode(self, compile: bool) -> str:
         """What a run of this schedule compiles with ``compile`` (a calibration records it,
         :mod:`pipeflow.runtime.calibration_run`): ``none``; ``blocks``, each block whole;
@@ -347,7 +342,7 @@ class Schedule:
         :func:`pipeflow.models.regional.compile_blocks`)."""
         if not compile:
             return "none"
-        return "eager_products" if self.splits_backward else "blocks"
+        return "eager_products" if self.uses_split_backward() else "blocks"
 
     def actions(self) -> Iterator[tuple[int, int, Action]]:
         """(device, position, action) for every action."""
@@ -359,6 +354,7 @@ class Schedule:
         return [[a for a in order if a.kind in Kind.COMPUTE] for order in self.orders]
 
     def uses_split_backward(self) -> bool:
+        """Some backward runs as I then W (the zero-bubble split)."""
         return any(a.kind == Kind.I for order in self.orders for a in order)
 
     def overlap_partner(self) -> dict[Action, Action]:
