@@ -3,10 +3,11 @@ a run's own operators beside a device profile's prices, and the profile correcte
 
 The run traced its last steps (``pipeflow-train ... runtime.trace_steps=N``: each
 rank's seconds per step in each operator class, ``op_trace.json``,
-:mod:`pipeflow.runtime.op_trace`). This prices the same schedule's actions with the
-profile (``cost=analytic topology.device_profile=FILE``, the run's own overrides, read
-from its ``.hydra/overrides.yaml`` or given after ``--``) and prints, for each device and
-class, the measured seconds, the priced ones and their ratio.
+:mod:`pipeflow.runtime.op_trace`). This prices the same job's actions with the profile
+(``cost=analytic topology.device_profile=FILE``): the run's own config, every key as it
+ran (its ``.hydra/config.yaml``, else its ``config.json``, or the overrides given after
+``--``), not the simulator's defaults, with the layers per stage its summary records; and
+prints, for each device and class, the measured seconds, the priced ones and their ratio.
 
 ``--out FILE`` writes the profile again with a ``corrections`` section: each class's
 median ratio over the devices, by which the profile then multiplies every operator of that
@@ -17,8 +18,11 @@ reference's ``message_host``: a schedule that posts more messages at once than t
 reference 1F1B (interleaved, Chimera) blocks longer on each. The host's other time is not
 corrected: the trace sees the dispatcher's share of it, not the Python around the
 operators. A class the run does not hold (a loss on no device) keeps
-its price. Runs whose ranks are not the schedule's devices one for one (data or tensor
-parallel) are refused: their ranks share a device's prices.
+its price. Refused, in one sentence each, before anything is priced or written: runs whose
+ranks are not the schedule's devices one for one (data or tensor parallel: their ranks
+share a device's prices), compiled runs (their fused kernels are not the profile's eager
+operators), a trace cut short, a profile of another kind of device than the run's, and an
+``--out`` that cannot be written (the file is written whole, aside and moved into place).
 """
 
 from __future__ import annotations
@@ -29,53 +33,161 @@ import statistics
 import sys
 from pathlib import Path
 
+import yaml
+from omegaconf import DictConfig, open_dict
+
+from .faults import Fault, WriteFailed
+from .formats.files import check_file, write_aside
 from .planning.operators import CLASSES
 
 CORRECTED = tuple(c for c in CLASSES if c != "host")
 
 
-class FoldError(ValueError):
-    pass
+class FoldError(Fault, ValueError):
+    """A run or a trace this cannot fold: one sentence naming the file or key."""
 
 
-def run_overrides(run_dir: Path, given: list[str]) -> list[str]:
+def run_config(run_dir: Path, given: list[str]) -> DictConfig:
+    """The run's own training config, every key as the run had it: ``given`` (the run's
+    overrides, after ``--``) composed as pipeflow-train composes them; else the run's
+    ``.hydra/config.yaml`` (the whole composed config), else its ``config.json`` (the run
+    plan's record of it)."""
+    from omegaconf import OmegaConf
+
+    from .config import compose
+
     if given:
-        return given
-    f = run_dir / ".hydra" / "overrides.yaml"
-    if not f.is_file():
-        raise FoldError(f"{run_dir}: no .hydra/overrides.yaml; give the run's overrides after --")
-    return [line[2:].strip().strip("'\"") for line in f.read_text().splitlines() if line.startswith("- ")]
+        return compose("train", given)
+    for name in (".hydra/config.yaml", "config.json"):
+        f = run_dir / name
+        if f.is_file():
+            try:
+                cfg = OmegaConf.load(f) if f.suffix == ".yaml" else OmegaConf.create(json.loads(f.read_text()))
+            except (OSError, ValueError, yaml.YAMLError) as err:
+                raise FoldError(f"{f}: not the run's config ({type(err).__name__}); give the run's overrides "
+                                f"after --") from None
+            if not isinstance(cfg, DictConfig) or "pipeline" not in cfg or "model" not in cfg:
+                raise FoldError(f"{f}: not the run's config (no pipeline or model); give the run's overrides after --")
+            return cfg
+    raise FoldError(f"{run_dir}: no .hydra/config.yaml or config.json (not a pipeflow-train run folder?); give the "
+                    f"run's overrides after --")
+
+
+def check_foldable(cfg: DictConfig) -> None:
+    """Refuse a run whose trace the profile's prices cannot be set beside: a compiled
+    run's kernels (not the eager operators a profile prices), and ranks that are not the
+    schedule's devices one for one (data or tensor parallel: they share a device's prices)."""
+    if cfg.get("compile"):
+        raise FoldError("compile=true: a compiled run's fused kernels are not the eager operators a device profile "
+                        "prices, so its trace cannot be folded; trace an eager run (compile=false)")
+    for key in ("data_parallel", "tensor_parallel"):
+        n = cfg.pipeline.get(key, 1)
+        if n != 1:
+            raise FoldError(f"pipeline.{key}={n}: the run's ranks are not the schedule's devices one for one (each "
+                            f"device's prices would be shared by {n} ranks); fold a run with pipeline.{key}=1")
 
 
 def measured(run_dir: Path) -> list[dict]:
+    """Each rank's traced seconds per step (``op_trace.json``), or FoldError naming the file."""
     f = run_dir / "op_trace.json"
     if not f.is_file():
         raise FoldError(f"{run_dir}: no op_trace.json; run pipeflow-train with runtime.trace_steps=N (N >= 1)")
-    ranks = json.loads(f.read_text())["ranks"]
-    if not all(ranks):  # (every rank of a traced run writes its part)
-        raise FoldError(f"{f}: a rank wrote no trace")
+    try:
+        ranks = json.loads(f.read_text())["ranks"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise FoldError(f"{f}: not a whole trace ({type(err).__name__}: {err}); trace the run again with "
+                        f"pipeflow-train ... runtime.trace_steps=N") from None
+    if not isinstance(ranks, list) or not ranks:
+        raise FoldError(f"{f}: no rank's trace in it; trace the run again with pipeflow-train ... runtime.trace_steps=N")
+    if not all(isinstance(r, dict) and isinstance(r.get("per_step"), dict) for r in ranks):
+        # (every rank of a traced run writes its part)
+        raise FoldError(f"{f}: a rank wrote no trace; trace the run again with pipeflow-train ... runtime.trace_steps=N")
     return ranks
 
 
-def priced(overrides: list[str], profile: Path, device: str) -> list[dict]:
+def run_layers(run_dir: Path | None, planned: list[int], stages: int) -> list[int]:
+    """The blocks each stage held in the run: its summary's (a profiled cut measured as the
+    run started), else the run plan's."""
+    summary = run_dir / "summary.json" if run_dir is not None else None
+    if summary is not None and summary.is_file():
+        try:
+            layers = json.loads(summary.read_text()).get("layers_per_stage")
+        except (OSError, ValueError, AttributeError):
+            layers = None
+        if isinstance(layers, list) and len(layers) == stages:
+            return [int(n) for n in layers]
+    if len(planned) != stages:
+        raise FoldError(f"partition.name=profiled: the cut the run measured is in its summary.json, which "
+                        f"{'is not in ' + str(run_dir) if run_dir else 'a run given by its overrides lacks'}; give "
+                        f"the cut as partition.profile=FILE")
+    return list(planned)
+
+
+def _gpu_preset(profile: Path) -> str:
+    """The topology.device preset of the GPU ``profile`` was measured on (a100-80g where
+    no preset is its model: the simulation then says so)."""
+    from .topology.presets import DEVICES, measured_on
+
+    gpu = (measured_on(profile) or ("", ""))[1].lower().replace(" ", "")
+    return next((name for name in DEVICES if name != "cpu" and name.split("-")[0] in gpu), "a100-80g")
+
+
+def simulation_config(run: DictConfig, resolved: DictConfig, layers: list[int], profile: Path,
+                      device: str, devices: int) -> DictConfig:
+    """The simulator's config of the run's own job: every key the training and simulate
+    configs share (pipeline, model, schedule, topology, precision) as the run had it (their
+    defaults differ: 2 stages of 4 microbatches of 4 against 4 of 8 of 1), its layers per
+    stage, the profile on its devices. Ranks that ran on GPUs the run's topology did not
+    name (local_cpu with runtime.device=cuda) are one node's GPUs of the profile's model."""
+    from omegaconf import OmegaConf, open_dict
+
+    from .config import CONF_DIR, PLANNED, compose
+
+    groups = [f"schedule={run.schedule.name}", "cost=analytic"]
+    if (CONF_DIR / "model" / f"{run.model.name}.yaml").is_file():
+        groups.append(f"model={run.model.name}")
+    gpus = device != "cpu" and run.topology.name == "local_cpu"
+    groups += ["topology=cluster", "topology.nodes=1", f"topology.gpus_per_node={devices}",
+               f"topology.device={_gpu_preset(profile)}"] if gpus else [f"topology={run.topology.name}"]
+    shared = {k: run[k] for k in ("pipeline", "model", "schedule", "topology") if not (gpus and k == "topology")}
+    try:
+        cfg = OmegaConf.merge(compose("simulate", groups), shared)
+    except Exception as err:  # noqa: BLE001 - omegaconf's errors for a key the simulator lacks
+        raise FoldError(f"the run's config holds what the simulator does not take ({type(err).__name__}: "
+                        f"{str(err).splitlines()[0]}); give the run's overrides after --") from None
+    with open_dict(cfg):
+        cfg.precision = resolved.precision  # (as the run resolved auto: on its own topology)
+        cfg.topology.device_profile = str(profile)
+        if cfg.schedule.name != PLANNED:  # (a plan's cut is its own; prepare_simulation takes it)
+            cfg.cost.layers_per_stage = list(layers)
+    return cfg
+
+
+def priced(run: DictConfig | list[str], profile: Path, device: str, run_dir: Path | None = None
+           ) -> tuple[list[dict], str | None]:
     """Each device's seconds per step by class, as ``profile`` prices the schedule the run
-    ran (the training config's own, as bench_fidelity takes it)."""
+    ran (``run``: its training config, or the overrides that compose it), and the line
+    that says a GPU profile prices another GPU's preset (None where it does not)."""
     from .config import compose, prepare_training
     from .config.prepare import prepare_simulation
     from .simulate import operator_breakdown
+    from .topology.presets import profile_note
 
-    ran = prepare_training(compose("train", overrides)).schedule
-    keep = [o for o in overrides if not o.startswith(("trainer.", "runtime.", "logger=", "data=", "hydra."))]
-    if not any(o.startswith("topology=") for o in keep):
-        keep += ["topology=local_cpu"] if device == "cpu" else \
-            ["topology=cluster", "topology.nodes=1", f"topology.gpus_per_node={ran.num_devices}"]
-    cfg = compose("simulate", [*keep, "cost=analytic", f"topology.device_profile={profile}"])
-    inputs = prepare_simulation(cfg)
-    rows = operator_breakdown(ran, inputs.cost, inputs.topology)
+    run = compose("train", run) if isinstance(run, list) else run.copy()
+    check_foldable(run)
+    with open_dict(run):
+        run.resume = None  # (the schedule is the run's whatever it resumed from)
+    inputs = prepare_training(run)
+    ran = inputs.schedule
+    layers = run_layers(run_dir, list(inputs.plan.layers_per_stage or []), ran.num_stages)
+    cfg = simulation_config(run, inputs.config, layers, profile, device, ran.num_devices)
+    sim = prepare_simulation(cfg)
+    rows = operator_breakdown(ran, sim.cost, sim.topology)
     if rows is None:
-        raise FoldError(f"--profile {profile}: the simulator priced no operators with it")
+        raise FoldError(f"model={run.model.name}: the simulator prices its actions whole, not operator by operator "
+                        f"from a device profile (chain transformers only), so its trace has no prices to fold against")
     windows = max(1, getattr(ran, "windows", 1) or 1)
-    return [{c: v / windows for c, v in r.items()} if r else {} for r in rows]
+    return [{c: v / windows for c, v in r.items()} if r else {} for r in rows], profile_note(sim.topology.devices)
 
 
 def fold(meas: list[dict], price: list[dict]) -> dict[str, float]:
@@ -130,6 +242,8 @@ def corrected(profile: Path, factors: dict[str, float], run_dir: Path, steps: in
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Fold the run's trace against the profile; the exit status (2: a run, trace, profile
+    or --out refused before any work; 1: --out could not be written)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     given = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
@@ -138,18 +252,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", type=Path, required=True, help="the device profile to check (measure_device --out)")
     ap.add_argument("--out", type=Path, default=None, help="write the profile corrected by the run's ratios here")
     args = ap.parse_args(argv)
-    from .config.values import ConfigError
-    from .planning.device_profile import ProfileError
-
     try:
+        why = check_file(args.out) if args.out is not None else None
+        if why is not None:
+            raise FoldError(f"--out={args.out}: {why}; give a file's path in a folder you can write")
         meas = measured(args.run_dir)
-        price = priced(run_overrides(args.run_dir, given), args.profile, meas[0].get("device", "cpu"))
+        price, note = priced(run_config(args.run_dir, given), args.profile, meas[0].get("device", "cpu"), args.run_dir)
         factors = fold(meas, price)
-    except (FoldError, ConfigError, ProfileError) as err:
-        print(f"error: {err}", file=sys.stderr)
+    except Fault as err:  # (the config's, the profile's and the trace's refusals)
+        print(err, file=sys.stderr)
         return 2
     steps = min(m.get("steps", 0) for m in meas)
     print(f"{args.run_dir}: {steps} traced steps, each rank's seconds per step beside {args.profile}'s prices")
+    if note:
+        print(note)
     print(table(meas, price))
     print("measured / priced, median over the devices: "
           + ", ".join(f"{c} {f:.3f}" for c, f in factors.items()))
@@ -165,7 +281,11 @@ def main(argv: list[str] | None = None) -> int:
                  "the profile holds no host (it calibrated no reference pipeline)"))
     if args.out is not None:
         doc = corrected(args.profile, factors, args.run_dir, steps, posting)
-        args.out.write_text(json.dumps(doc, indent=1) + "\n")
+        try:
+            write_aside(args.out, json.dumps(doc, indent=1) + "\n")
+        except WriteFailed as err:
+            print(err, file=sys.stderr)
+            return 1
         print(f"wrote {args.out}: {args.profile} with these corrections (topology.device_profile={args.out})")
     return 0
 

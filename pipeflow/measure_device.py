@@ -5,9 +5,11 @@
 
 times matrix products, attention, norms and elementwise ops, cross-entropy, AdamW and the
 cost per launch on one device (auto: the GPU when one is visible, else the CPU) within
-the budget, writing the file after every section; ``topology.device_profile=<file>``
-prices with it. On a CPU it also measures what a step adds to the operators, with the
-runtime's own code:
+the budget, writing the file whole after every section; ``topology.device_profile=<file>``
+prices with it. ``--out`` is checked before anything is measured, and a write that fails
+stops the sweep in one sentence; a sweep that ends without the rows a step needs (a budget
+that cut its sections short) says so and exits 1. On a CPU it also measures what a step
+adds to the operators, with the runtime's own code:
 
 - section ``blocks``: one block of each transformer family at a tiny size
   (:mod:`pipeflow.runtime.block_host`), the host's time a block costs beyond its kernels;
@@ -27,10 +29,13 @@ runtime's own code:
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
-from pipeflow.topology.op_sweep import sections_for, sweep
+from pipeflow.faults import Fault
+from pipeflow.formats.files import check_file
+from pipeflow.topology.op_sweep import CPU_SECTIONS, SECTIONS, sections_for, sweep
 
 DEVICES = ("auto", "cpu", "cuda")
 BLOCK_MODELS = ("gpt_tiny", "bert_tiny", "llama_tiny")  # one shipped model of each transformer family
@@ -140,12 +145,20 @@ def refusal(args: argparse.Namespace) -> str | None:
         budget = float("nan")
     if not budget > 0 or budget == float("inf"):
         return f"--budget-s={args.budget_s}: not a positive number of seconds; allowed values: seconds > 0, e.g. 180"
+    # a section starts where 1 s of its share is left, and the first's share is the least
+    name, first, _ = min(SECTIONS[0], CPU_SECTIONS[0], key=lambda section: section[1])
+    if budget * first < 1:
+        return (f"--budget-s={args.budget_s}: too short for any section (the first, {name}, has {first:.0%} of the "
+                f"budget and a section needs 1 s); allowed values: seconds >= {math.ceil(1 / first)}, 180 by default")
     if args.threads is not None and not (args.threads.isdigit() and int(args.threads) > 0):
         return f"--threads={args.threads}: not a whole number of threads; allowed values: 1, 2, ... (default: torch's)"
     if not (args.ranks.isdigit() and int(args.ranks) != 1):
         return f"--ranks={args.ranks}: not a number of ranks; allowed values: 0 (no pipeline section), 2, 3, ..."
     if Path(args.out).is_dir():
         return f"--out={args.out}: a folder; allowed values: a file's path, e.g. device_profile.json"
+    why = check_file(args.out)
+    if why is not None:
+        return f"--out={args.out}: {why}; allowed values: a file's path in a folder you can write"
     return None
 
 
@@ -158,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = args.device if args.device != "auto" else ("cuda" if cuda_visible() else "cpu")
     budget, out = float(args.budget_s), Path(args.out).resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)  # (checked: refusal's check_file)
     names = ", ".join([name for name, _, _ in sections_for(device)] + ([] if device == "cuda" else ["blocks"])
                       + (["pipeline"] if device == "cpu" and int(args.ranks) else []))
     print(f"measuring {device}{' (smoke sizes)' if args.smoke else ''} for at most {budget:.0f} s: {names}", flush=True)
@@ -170,11 +183,38 @@ def main(argv: list[str] | None = None) -> int:
                                                                              args.smoke)))
     from pipeflow.models.loss import cross_entropy_sum  # (the runs' loss: the sweep times it)
 
-    doc = sweep(out, budget, device, smoke=args.smoke, say=lambda line: print(line, flush=True), threads=threads,
-                extra=tuple(extra), loss=cross_entropy_sum)
+    try:
+        doc = sweep(out, budget, device, smoke=args.smoke, say=lambda line: print(line, flush=True),
+                    threads=threads, extra=tuple(extra), loss=cross_entropy_sum)
+    except Fault as err:  # (the file as it was after the last section written whole, or none)
+        print(err, file=sys.stderr)
+        return 1
     print(f"wrote {out} ({doc['status']}, {doc['seconds']} s)")
+    wrong = prices_nothing(doc, out, args.budget_s)
+    if wrong:
+        print(wrong, file=sys.stderr)
+        return 1
     print(f"topology.device_profile={out} prices with it")
     return 0
+
+
+def prices_nothing(doc: dict, out: Path, budget: str) -> str | None:
+    """The one line that says the sweep in ``out`` cannot price a step (a section it needs
+    has no rows: skipped or cut short by the budget, or failed), and what to do; None
+    where it can."""
+    from pipeflow.planning.device_profile import ProfileError, from_sweep
+
+    try:
+        from_sweep(doc, out.stem, str(out))
+        return None
+    except ProfileError as err:
+        reason = str(err).removeprefix(f"{out}: ").split(";")[0]
+    short = [name for name, sec in doc["sections"].items() if sec["status"] in ("skipped", "truncated (deadline)")]
+    failed = [name for name, sec in doc["sections"].items() if sec["status"] == "error"]
+    cause = (f"sections {', '.join(failed)} failed (their errors are in the file)" if failed and not short else
+             f"--budget-s={budget} cut short or skipped sections {', '.join(short)}; measure again with a longer "
+             f"--budget-s (180 by default)")
+    return f"{out} cannot price a step ({reason}): {cause}"
 
 
 if __name__ == "__main__":

@@ -30,7 +30,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from pipeflow.config import CONF_DIR, ConfigError, check_logger, drop_empty_run_dir, run_app
+from pipeflow.config import CONF_DIR, ConfigError, check_logger, drop_empty_run_dir, run_app, save_hydra_config
+from pipeflow.faults import Fault
+from pipeflow.formats.files import write_aside
 from pipeflow.planning.baselines import BASELINES
 from pipeflow.planning.planner import GB, Plan, evaluate, fits, plan
 from pipeflow.planning.transformer import TransformerSpec
@@ -88,7 +90,7 @@ def run_plan(cfg: DictConfig, out_dir: str | Path) -> dict:
         "model_config": OmegaConf.to_container(cfg.model, resolve=True),
         "files": files,
     }
-    (out / "plan.json").write_text(json.dumps(doc, indent=2) + "\n")
+    write_aside(out / "plan.json", json.dumps(doc, indent=2) + "\n")
     summary = simulated_summary(best, res, topology, cfg, fits(best, topology, limit), files)
     write_summary(out, summary)
     return {"plan": best, "baselines": baselines, "degrees": degrees, "files": files, "devices": topology.devices,
@@ -259,9 +261,10 @@ def plan_app(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     out_dir = hydra_cfg.runtime.output_dir
     try:
+        save_hydra_config(cfg)
         check_logger(cfg.logger)
         summary = run_plan(cfg, out_dir)
-    except ConfigError as err:
+    except Fault as err:  # a bad config, a file that could not be written: one sentence
         drop_empty_run_dir(out_dir)
         raise SystemExit(str(err)) from None
     print(format_plan(summary))

@@ -31,7 +31,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from pipeflow.config import CONF_DIR, ConfigError, check_logger, drop_empty_run_dir, run_app
+from pipeflow.config import CONF_DIR, ConfigError, check_logger, drop_empty_run_dir, run_app, save_hydra_config
+from pipeflow.faults import Fault
+from pipeflow.formats.files import write_aside
 from pipeflow.planning.search import (NothingFits, SearchResult, collector_off,
                                       default_workers, pareto, search)
 from pipeflow.planning.search.verdicts import (candidate_config, draw_pareto, format_search, train_config,
@@ -73,11 +75,11 @@ def _run_search(cfg: DictConfig, out_dir: str | Path) -> tuple[SearchResult, lis
     write_candidates_csv(result, out / "candidates.csv")
     header = f"pipeflow-search's pick for {model} on {topology.name} ({topology.num_devices} devices)"
     attention = str(cfg.model.get("attention") or "sdpa")  # what the search priced, trained the same
-    (out / "best.yaml").write_text(train_config(result.best, model, header, attention, cfg.precision))
+    write_aside(out / "best.yaml", train_config(result.best, model, header, attention, cfg.precision))
     k = min(int(cfg.search.write_top), len(result.ranked))
     (out / "candidate").mkdir(exist_ok=True)
     for n, q in enumerate(result.ranked[:k], 1):
-        (out / "candidate" / f"c{n}.yaml").write_text(candidate_config(q, n, model, attention, cfg.precision))
+        write_aside(out / "candidate" / f"c{n}.yaml", candidate_config(q, n, model, attention, cfg.precision))
         (out / "predicted" / f"c{n}").mkdir(parents=True, exist_ok=True)
         write_summary(out / "predicted" / f"c{n}", predicted_summary(q, cfg, topology, n))
     if k:
@@ -132,9 +134,10 @@ def predicted_summary(q, cfg: DictConfig, topology, rank: int) -> dict:
 def search_app(cfg: DictConfig) -> None:
     out_dir = HydraConfig.get().runtime.output_dir
     try:
+        save_hydra_config(cfg)
         check_logger(cfg.logger)
         result, files = run_search(cfg, out_dir)
-    except ConfigError as err:
+    except Fault as err:  # a bad config, a file that could not be written: one sentence
         drop_empty_run_dir(out_dir)
         raise SystemExit(str(err)) from None
     print(format_search(result, cfg.model.name, cfg.topology.name, result.best.candidate.devices, int(cfg.search.top)))

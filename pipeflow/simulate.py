@@ -30,7 +30,9 @@ from pipeflow.config import (
     prepare_simulation,
     register_configs,
     run_app,
+    save_hydra_config,
 )
+from pipeflow.faults import Fault
 from pipeflow.schedules.data_parallel import pipeline_shape
 from pipeflow.schedules.export import write_torch_csv
 from pipeflow.config.assembly import schedule_refusal
@@ -39,6 +41,7 @@ from pipeflow.sim.engine import SimulationError, simulate
 from pipeflow.sim.gantt import draw_timeline, unreadable
 from pipeflow.sim.device_memory import device_memory, library_workspace
 from pipeflow.planning.operator_cost import device_split
+from pipeflow.topology.presets import profile_note
 from pipeflow.tracking.record import run_key, write_summary
 
 # Hydra composes against these schemas, so they must be in the ConfigStore before main().
@@ -102,6 +105,9 @@ def _run_simulation(cfg: DictConfig, out_dir: str | Path, notes: list[str] | Non
         png.unlink()  # an earlier run's picture in this folder is not this run's
     if reason is not None and notes is not None:
         notes.append(f"timeline.png not drawn: {reason}; draw=true draws it anyway")
+    said = profile_note(topology.devices)  # (a GPU's profile pricing another GPU: both named)
+    if said is not None and notes is not None:
+        notes.append(said)
     if cfg.export == "torch_csv":
         write_torch_csv(schedule, out / "schedule.csv")
         files.append("schedule.csv")
@@ -344,9 +350,10 @@ def simulate_app(cfg: DictConfig) -> None:
     out_dir = hydra_cfg.runtime.output_dir
     notes: list[str] = []
     try:
+        save_hydra_config(cfg)
         check_logger(cfg.logger)
         summary = run_simulation(cfg, out_dir, notes)
-    except ConfigError as err:
+    except Fault as err:  # a bad config, a file that could not be written: one sentence
         drop_empty_run_dir(out_dir)
         raise SystemExit(str(err)) from None  # the sentence on stderr, exit status 1, no traceback
     print(format_report(summary))

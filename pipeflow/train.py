@@ -31,7 +31,9 @@ from pipeflow.config import (
     run_app,
     prepare_training,
     register_configs,
+    save_hydra_config,
 )
+from pipeflow.faults import Fault, WriteFailed
 from pipeflow.config.groups.resume import resume_changes
 from pipeflow.runtime.cluster import adopt_launcher_env, alive
 
@@ -108,7 +110,11 @@ def claim_run_dir(run_dir: str) -> Path:
     # fails where one exists): a racing run never reads a claim still empty and takes it
     # for a dead run's
     mine = path.with_name(f"{CLAIM}.{os.getpid()}")
-    mine.write_text(f"{os.getpid()}\n")
+    try:
+        mine.write_text(f"{os.getpid()}\n")
+    except OSError as err:
+        mine.unlink(missing_ok=True)
+        raise WriteFailed(mine, err) from None
     try:
         for _ in range(2):
             try:
@@ -127,6 +133,14 @@ def claim_run_dir(run_dir: str) -> Path:
     finally:
         mine.unlink(missing_ok=True)
     raise ConfigError(f"hydra.run.dir={run_dir}: could not claim the folder (another run took it just now)")
+
+
+def _to_log_file(line: str) -> None:
+    """``line`` into the run folder's train.log only (the console hears it from _stop)."""
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, line, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 def _stop(message: str, hydra_cfg: DictConfig) -> None:
@@ -148,14 +162,15 @@ def train_app(cfg: DictConfig) -> None:
     torchrun = adopt_launcher_env()  # torchrun's variables, or srun's translated into them
     try:
         claim = None if torchrun else claim_run_dir(run_dir)
-    except ConfigError as err:
+    except Fault as err:
         drop_empty_run_dir(run_dir)
         _stop(str(err), hydra_cfg)
     try:
+        save_hydra_config(cfg)  # once the folder is this run's: a run refused above leaves another's alone
         # (partition=profiled without a profile: measured into the claimed folder, after every check)
         inputs = prepare_training(cfg, hydra_cfg, lambda plain, spec, stages: profile_for_partition(
             plain, spec, stages, run_dir))
-    except ConfigError as err:
+    except Fault as err:  # a bad config, a file that could not be written: one sentence
         if claim is not None:
             claim.unlink(missing_ok=True)
         drop_empty_run_dir(run_dir)
@@ -189,13 +204,25 @@ def _train(inputs, hydra_cfg, run_dir: str) -> None:
                  f"summary.json (status: interrupted) and the metrics so far are in {run_dir}")
         raise SystemExit(128 + stopped.signum) from None
     except JobFailed as err:
-        log.info(str(err).splitlines()[0])
-        _stop(str(err), hydra_cfg)
+        # one line, printed once (a rank's traceback, for a bug, it printed itself; the
+        # whole of it is in failure.json), and into train.log beside the run's other lines
+        line = str(err).splitlines()[0]
+        _to_log_file(line)
+        _stop(line, hydra_cfg)
     log.info(format_summary(summary, run_dir))
     if plan.record.get("export") == "hf" and summary.get("status") == "finished":
+        from pipeflow.faults import Fault
         from pipeflow.formats.hf_folder import export_hf
 
-        out = export_hf(run_dir, Path(run_dir) / "hf", plan.record["model"])
+        try:
+            out = export_hf(run_dir, Path(run_dir) / "hf", plan.record["model"])
+        except Fault as err:
+            line = str(err)
+            if isinstance(err, OSError):  # a full disk: the run and its checkpoint are whole, no export is there
+                line += (f"; the run finished and its checkpoint is whole: make room and export it with "
+                         f"python -m pipeflow.formats.hf_folder {run_dir}")
+            _to_log_file(line)
+            _stop(line, hydra_cfg)
         log.info(f"wrote the trained model as a Hugging Face folder: {out} (transformers' from_pretrained loads it)")
     if summary.get("status") == "diverged":
         log.info(f"the loss is not finite from step {summary['diverged_at']}: the run diverged "

@@ -278,8 +278,8 @@ def test_a_rotary_models_longest_sequence_is_no_weights_shape():
 SEARCHES = {
     "no devices": (["search.devices=0"], "search.devices=0: must be a whole number >= 1"),
     "a batch nothing divides": (["search.global_batch=7", "search.stages=[1]"],
-                                "search: none of the 0 candidates can run (the global batch does not divide into "
-                                "data_parallel x microbatch_size: "),
+                                "search.global_batch=7: no combination of the search's options adds up (the global "
+                                "batch does not divide into data_parallel x microbatch_size: "),
     "a binary calibration": (["topology=local_cpu", "search.devices=2", "search.calibration=[{file}]"],
                              "search.calibration={file}: not a calibration file (not UTF-8 text: byte 0 is 0x93)"),
 }
@@ -490,3 +490,128 @@ def test_the_closest_unfit_candidates_show_the_limit_as_given():
     lines = oom_lines(SimpleNamespace(out_of_memory=[q], closed=[q, q]), rows=3)
     assert lines[0] == "1 of 2 priced candidates do not fit; the closest:"
     assert lines[2].split()[-6:] == ["1.50", "1.50", "+0.0004", "1", "closed", "form"], lines
+
+
+# ------------------------------------------- issue 76: values that cannot work, refused before any rank
+RANGES = {  # overrides -> the sentence's start (in-process: prepare_training, as pipeflow-train runs it first)
+    "a timeout past the store's C int": (["runtime.timeout_s=1e12"], "runtime.timeout_s=1000000000000.0: too long: "
+                                         "at most 536870 seconds (about 6.2 days): the launcher's rendezvous store"),
+    "a timeout past timedelta": (["runtime.timeout_s=1e20"], "runtime.timeout_s=1e+20: too long: at most 536870"),
+    "an endless timeout": (["runtime.timeout_s=inf"], "runtime.timeout_s=inf: too long: at most 536870 seconds"),
+    "a timeout under the heartbeat's": (["runtime.timeout_s=0.1"], "runtime.timeout_s=0.1: too short: every wait on "
+                                        "another rank ends there"),
+    "no timeout": (["runtime.timeout_s=nan"], "runtime.timeout_s=nan: not a number; use 2.5..536870 seconds"),
+    "a hang timeout under a beat": (["runtime.hang_timeout_s=0.1"], "runtime.hang_timeout_s=0.1: must be 0 (never) "
+                                    "or at least 2.5 seconds: a healthy rank beats every 0.5 s"),
+    "a negative hang timeout": (["runtime.hang_timeout_s=-1"], "runtime.hang_timeout_s=-1.0: must be 0 (never)"),
+    "an endless loss scale": (["runtime.loss_scale=inf"], "runtime.loss_scale=inf: fp16's first loss scale must be "
+                              "a finite number > 0"),
+    "threads past torch's pool": (["runtime.threads_per_rank=100000"], "runtime.threads_per_rank=100000: must be a "
+                                "whole number in 1.."),
+    "a padding past the host's memory": (["model.vocab_multiple=1000000000"], "model.vocab_multiple=1000000000: pads "
+                                         "the 256 words to 1,000,000,000 rows, and the model's state (16 bytes a "
+                                         "parameter: fp32 weights, gradients, AdamW's two moments) then needs at "
+                                         "least 1.86 TiB, more than this host's memory (16 GiB)"),
+}
+
+
+def _host_of_16_gib(monkeypatch):
+    from pipeflow.config.groups import runtime
+
+    monkeypatch.setattr(runtime, "host_memory", lambda: (16 * 2**30, "this host's memory"))
+    for key in ("RANK", "WORLD_SIZE", "SLURM_STEP_NUM_TASKS"):  # (the ranks start here)
+        monkeypatch.delenv(key, raising=False)
+
+
+@pytest.mark.parametrize("case", list(RANGES))
+def test_a_value_that_cannot_work_is_refused_naming_its_range(case, monkeypatch):
+    """Accepted until issue 76: timeouts the store turned into a traceback (DistNetworkError
+    after "4000000000000000ms", OverflowError) or gloo's unkeyed timeout, a hang timeout
+    that failed a healthy run, and a vocabulary padding that started the ranks to die
+    allocating hundreds of gigabytes."""
+    from pipeflow.config import ConfigError, compose, prepare_training
+
+    _host_of_16_gib(monkeypatch)
+    over, sentence = RANGES[case]
+    with pytest.raises(ConfigError) as err:
+        prepare_training(compose("train", over))
+    assert str(err.value).startswith(sentence), str(err.value)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("over", [["runtime.timeout_s=2.5", "runtime.hang_timeout_s=2.5"],
+                                  ["runtime.timeout_s=536870", "runtime.hang_timeout_s=0"],
+                                  ["model.vocab_multiple=64"], ["model.vocab_multiple=1000000"]])
+def test_the_ends_of_the_ranges_are_accepted(over, monkeypatch):
+    from pipeflow.config import compose, prepare_training
+
+    _host_of_16_gib(monkeypatch)
+    assert prepare_training(compose("train", over)).plan is not None
+
+
+def test_the_ranges_are_the_launchers_own():
+    """The config cannot import the runtime: its copies of the heartbeat and of the store's
+    wait (4 x runtime.timeout_s) are held to the launcher's here."""
+    from pipeflow.config.groups import runtime as group
+
+    runtime = Path(SOURCE) / "pipeflow" / "runtime"  # (read, not imported: the runtime imports torch)
+    supervise = (runtime / "supervise.py").read_text()
+    assert f"\nBEAT = {group.BEAT_S}  #" in supervise and "3 * BEAT + 1.0" in supervise
+    for module in ("launch.py", "calibration_run.py"):
+        assert f"runtime.timeout_s * {group.STORE_WAITS}" in (runtime / module).read_text(), module
+    assert group.MAX_TIMEOUT_S * group.STORE_WAITS * 1000 <= 2**31 - 1
+
+
+def test_padding_on_ranks_elsewhere_is_held_to_the_table_on_one_rank(monkeypatch):
+    """GPUs (or a cluster launcher's ranks): the rank holding the token table holds its
+    weights and gradient at least, split by tensor parallelism; whether the padding or
+    the model is too large, a padding that alone overflows the device is named."""
+    from pipeflow.config import ConfigError, compose
+    from pipeflow.config.groups import model
+    from pipeflow.planning.transformer import TransformerSpec
+
+    monkeypatch.setattr(model, "rank_memory", lambda rt: (2**30, "GPU 0's memory", False))
+    cfg = compose("train", ["model.vocab_multiple=10000000"])  # gpt_tiny: 128 wide
+    spec = TransformerSpec.from_config(cfg.model)
+    with pytest.raises(ConfigError, match=r"^model.vocab_multiple=10000000: pads the 256 words to 10,000,000 rows, "
+                                          r"and the token table's fp32 weights and gradient on the rank that holds it "
+                                          r"then needs at least 9.54 GiB, more than GPU 0's memory \(1 GiB\)"):
+        model.check_vocab_memory(cfg, spec)
+    model.check_vocab_memory(cfg, spec, tensor=16)  # 0.6 GiB a rank
+    cfg.model.vocab_multiple = 64
+    model.check_vocab_memory(cfg, TransformerSpec.from_config(cfg.model))
+
+
+def test_compile_true_builds_a_tiny_function_before_any_rank(monkeypatch, tmp_path):
+    """CXX=/bin/false passed the check (it was found) and failed in the ranks, torch's
+    "Set TORCHDYNAMO_VERBOSE=1" as the failure's line; the compiler inductor runs now
+    builds a tiny OpenMP function first, once per compiler a process."""
+    from pipeflow.config import ConfigError, compose
+    from pipeflow.config.groups import compile as group
+    from pipeflow.config.prepare import generate_schedule
+
+    cfg = compose("train", ["compile=true"])
+    schedule = generate_schedule(cfg)
+    monkeypatch.setenv("CXX", "/bin/false")
+    with pytest.raises(ConfigError) as err:
+        group.check_compile(cfg, schedule, on_gpus=False)
+    assert str(err.value) == ("compile=true: the C++ compiler inductor would build the CPU ranks' kernels with, "
+                              "/bin/false (CXX), could not build a tiny function (exit status 1, no message); set CXX "
+                              "to a working g++ or clang++, or use compile=false")
+    group.check_compile(cfg, schedule, on_gpus=True)  # (Triton's kernels: no C++ compiler)
+    talks = tmp_path / "cxx"
+    talks.write_text("#!/bin/sh\necho \"$0: fatal error: omp.h: No such file or directory\" >&2\nexit 4\n")
+    talks.chmod(0o755)
+    monkeypatch.setenv("CXX", str(talks))
+    with pytest.raises(ConfigError, match="could not build a tiny function \\(exit status 4: .*cxx: fatal error: "
+                                          "omp.h: No such file or directory\\)"):
+        group.check_compile(cfg, schedule, on_gpus=False)
+    monkeypatch.setenv("CXX", str(tmp_path / "nowhere"))
+    with pytest.raises(ConfigError, match=f"and CXX='{tmp_path / 'nowhere'}' was not found"):
+        group.check_compile(cfg, schedule, on_gpus=False)
+    runs = []
+    real = group.subprocess.run
+    monkeypatch.setattr(group.subprocess, "run", lambda *a, **k: runs.append(a) or real(*a, **k))
+    group.compiler_fault.cache_clear()
+    assert group.compiler_fault("/bin/true") is None and group.compiler_fault("/bin/true") is None
+    assert len(runs) == 1

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1] / "pipeflow"
 LAYERS: list[tuple[str, ...]] = [
     # checks, family specs (HF configs), the IR, the hardware; the records layers hand each
     # other (the run plan, the timeline and its trace)
-    ("pipeflow.numbers", "pipeflow.families", "pipeflow.hf", "pipeflow.schedules", "pipeflow.topology",
+    ("pipeflow.faults", "pipeflow.numbers", "pipeflow.families", "pipeflow.hf", "pipeflow.schedules", "pipeflow.topology",
      "pipeflow.formats", "pipeflow.device_paths"),  # (device_paths: which device's code paths run)
     ("pipeflow.sim",),  # the discrete-event simulator
     ("pipeflow.planning", "pipeflow.tracking"),  # costs, partitions, planner, coordinator; metrics and W&B

@@ -79,3 +79,57 @@ def test_tensor_parallel_and_back(base, tmp_path):
     back = pipeline_runs.train(tmp_path / "tp1", [*SMALL, "pipeline.stages=2", "trainer.steps=4",
                                                   f"resume={_step(tp, 3)}"])
     assert back["losses"] == pytest.approx(losses[3:], rel=2e-5)
+
+
+def _sync_checkpoint(run, step: int, chunk_start: int | None = None) -> None:
+    """A whole checkpoint folder at ``step`` as a synchronous run (``chunk_start``: an
+    asynchronous one that ended inside a chunk) leaves it; its one rank file is no
+    tensor (the plan reads its record only)."""
+    folder = run / "checkpoints" / f"step_{step:07d}"
+    folder.mkdir(parents=True)
+    (folder / "rank0.pt").write_bytes(b"x" * 10)
+    (folder / "meta.json").write_text(json.dumps({
+        "step": step, "format": 2, "chunk_start": step if chunk_start is None else chunk_start, "world_size": 1,
+        "meta": {}, "files": {"rank0.pt": 10}, "names": {}}))
+    (run / "checkpoints" / "latest").write_text(f"{step}\n")
+
+
+@pytest.mark.parametrize("written,steps,chunks", [
+    ((4, None), 6, {2}),  # issue 76: every rank raised "no schedule for a chunk of 2 steps (it has [6, 8])"
+    ((4, None), 21, {4, 5}),  # 5-8 to the grid, 9-16, then 17-21
+    ((10, 8), 12, {4}),  # an asynchronous run that ended inside its chunk 9-16 restarts it at 8
+    ((3, 0), 6, {6}),  # ... inside its first chunk: from the seed's weights, 1-6
+])
+def test_a_resumed_asynchronous_plan_holds_its_first_chunk_to_the_grid(written, steps, chunks, tmp_path):
+    """A checkpoint off the windows' grid (a synchronous run's at step 4, windows 8)
+    resumes into an asynchronous schedule with a shorter first chunk, to the grid's next
+    line: the plan holds a schedule for each chunk the run trains."""
+    from pipeflow.config import compose, prepare_training
+
+    if written[1] not in (None, 0):
+        _sync_checkpoint(tmp_path, written[1])
+    _sync_checkpoint(tmp_path, written[0], written[1])
+    plan = prepare_training(compose("train", ["schedule=pipedream", "pipeline.stages=2", f"trainer.steps={steps}",
+                                              f"resume={tmp_path}"])).plan
+    assert plan.schedule.windows == 8 and set(plan.chunk_lowered) == chunks - {8}
+    assert all(plan.chunk(n).schedule.windows == n for n in chunks)
+
+
+@slow
+def test_a_synchronous_checkpoint_trains_on_in_an_asynchronous_schedule(base, tmp_path):
+    """Issue 76: the 1F1B run's step-2 checkpoint into PipeDream (windows 8) to step 4
+    (every rank raised: no schedule for a chunk of 2 steps): steps 3-4 are one chunk,
+    the grid's 1-8 cut at both ends. Stopped at step 3 instead (inside that chunk, whose
+    start, step 2, is saved in the run's own folder) and resumed to 4 from that folder
+    alone, it replays step 3 and gives the same step 4."""
+    run, _ = base
+    common = [*SMALL, "pipeline.stages=2", "schedule=pipedream"]
+    straight = pipeline_runs.train(tmp_path / "straight", [*common, "trainer.steps=4", f"resume={_step(run, 2)}"])
+    assert straight["summary"]["resumed_from"] == 2 and len(straight["losses"]) == 2
+    short = tmp_path / "short"
+    pipeline_runs.train(short, [*common, "trainer.steps=3", f"resume={_step(run, 2)}"])
+    assert sorted(p.name for p in (short / "checkpoints").iterdir()) == ["latest", "step_0000002", "step_0000003"]
+    assert json.loads((short / "checkpoints" / "step_0000003" / "meta.json").read_text())["chunk_start"] == 2
+    again = pipeline_runs.train(tmp_path / "again", [*common, "trainer.steps=4", f"resume={short}"])
+    assert again["summary"]["resumed_from"] == 3
+    assert again["losses"] == pytest.approx(straight["losses"][1:], rel=1e-6)

@@ -116,7 +116,8 @@ def test_a_run_folder_that_cannot_be_written_is_refused_in_one_line(tmp_path):
 def test_a_full_disk_names_the_file_and_leaves_a_whole_failure_record(tmp_path):
     """Issue 16, item 5: the checkpoint goes to a file on a full device (/dev/full
     answers every write with ENOSPC): the job fails naming the file and the reason, and
-    failure.json is whole."""
+    failure.json is whole. Issue 76: that sentence is the whole report, printed once (no
+    rank's traceback, no second copy from the app's log)."""
     run_dir = tmp_path / "run"
     folder = run_dir / "checkpoints" / "step_0000002"
     folder.mkdir(parents=True)
@@ -124,9 +125,11 @@ def test_a_full_disk_names_the_file_and_leaves_a_whole_failure_record(tmp_path):
     proc = _app([*SMALL, "trainer.steps=2", f"hydra.run.dir={run_dir}"], tmp_path)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 1
-    first = next(line for line in err.splitlines() if line.startswith("rank "))
-    assert first == f"rank 0 failed: pipeflow.runtime.checkpoint.CheckpointError: could not write the checkpoint " \
-                    f"file {folder / 'rank0.pt'}: No space left on device", err
+    sentence = f"rank 0 failed: could not write the checkpoint file {folder / 'rank0.pt'}: No space left on device"
+    said = [line for line in (out + err).splitlines() if line.startswith("rank 0 failed")]
+    assert said == [sentence], out + err
+    assert "Traceback" not in out + err, out + err
+    assert (run_dir / "train.log").read_text().count(sentence) == 1
     record = json.loads((run_dir / "failure.json").read_text())
     assert record["rank"] == 0 and "No space left on device" in record["error"]
     assert not (run_dir / "summary.json").exists()

@@ -479,6 +479,33 @@ def test_local_cpu_needs_the_rank_count():
         prepare_search(compose_search(["model=gpt_tiny", "topology=local_cpu"]))
 
 
+def test_a_search_none_of_whose_candidates_can_run_names_the_search_key_and_keeps_the_numbers():
+    """Issue 76: every candidate refused printed its rules with each digit replaced
+    ("e.g. n or n; ... (n, n, n, ...)") and no key the user set."""
+    spec, pricer = _pricer(devices=4)
+    space = SearchSpace(devices=4, global_batch=3, n_layer=spec.n_layer, schedules=["chimera", "amdp"],
+                        microbatch_sizes=(1,))
+    with pytest.raises(ValueError) as err:
+        search(space, pricer)
+    msg = str(err.value)
+    assert msg.startswith("search.global_batch=3: none of the "), msg
+    assert "pipeline.microbatches=3: schedule 'chimera' needs an even number of microbatches" in msg
+    assert "e.g. 4 or 8" in msg and "e.g. n" not in msg and "(n, n" not in msg, msg
+    assert msg.endswith("; change search.global_batch, search.microbatch_sizes or search.schedules"), msg
+    assert "\n" not in msg
+
+
+def test_a_search_whose_options_make_no_candidate_names_the_key_that_left_them_out():
+    spec, pricer = _pricer(devices=8)
+    space = SearchSpace(devices=8, global_batch=7, n_layer=spec.n_layer, schedules=["1f1b"], stages=[1],
+                        microbatch_sizes=(2, 4))
+    with pytest.raises(ValueError) as err:
+        search(space, pricer)
+    assert str(err.value) == ("search.global_batch=7: no combination of the search's options adds up (the global "
+                              "batch does not divide into data_parallel x microbatch_size: 2 left out); change "
+                              "search.global_batch, search.microbatch_sizes or search.schedules")
+
+
 def test_the_app_refuses_a_budget_nothing_fits(tmp_path):
     with pytest.raises(ConfigError, match="search.memory_limit_gb=0.0001: no candidate fits"):
         run_search(compose_search([*CPU, "search.memory_limit_gb=0.0001"]), tmp_path)

@@ -27,9 +27,12 @@ measured step times disagree beyond the fidelity target.
 from __future__ import annotations
 
 import csv
+import io
 import statistics
 from pathlib import Path
 from typing import Any
+
+from pipeflow.formats.files import write_aside
 
 import matplotlib
 
@@ -138,7 +141,7 @@ def _convergence(runs: list[Run], colours: dict, window: int, path: Path) -> Pat
     fig.suptitle("Convergence")
     rows = -(-len(names) // 3)
     fig.tight_layout(rect=(0, min(0.3, 0.02 + 0.03 * rows), 1, 1))
-    fig.savefig(path, dpi=DPI)
+    write_aside(path, lambda f: fig.savefig(f, dpi=DPI, format="png"))
     plt.close(fig)
     return path
 
@@ -185,7 +188,7 @@ def _throughput(table: list[dict], colours: dict, path: Path) -> Path | None:
     _bars(b, labels, _values(table, labels, "bubble"), colours, "Measured bubble ratio",
           "1 - busy / (ranks x step time)", share=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
+    write_aside(path, lambda f: fig.savefig(f, dpi=DPI, format="png"))
     plt.close(fig)
     return path
 
@@ -239,7 +242,7 @@ def _memory(runs: list[Run], colours: dict, path: Path) -> Path | None:
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
+    write_aside(path, lambda f: fig.savefig(f, dpi=DPI, format="png"))
     plt.close(fig)
     return path
 
@@ -297,7 +300,7 @@ def _step_time(runs: list[Run], table: list[dict], groups: list[dict], colours: 
         _bars(fig.add_subplot(grid[row, 1]), labels, _values(sims, labels, "sim_bubble"), colours,
               "Simulated bubble ratio", "idle / (devices x makespan)", share=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
+    write_aside(path, lambda f: fig.savefig(f, dpi=DPI, format="png"))
     plt.close(fig)
     return path
 
@@ -319,12 +322,12 @@ def _csv_cell(value: Any) -> str:
 
 
 def write_csv(rows: list[dict], columns: list[str], path: Path) -> Path:
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({c: _csv_cell(row.get(c)) for c in columns})
-    return path
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=columns)
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({c: _csv_cell(row.get(c)) for c in columns})
+    return write_aside(path, text.getvalue())
 
 
 _CAPTIONS = {
@@ -359,6 +362,6 @@ def write_report(runs: list[Run], table: list[dict], groups: list[dict], out_dir
     report.disagreements = sim_disagreements(groups, table)
     page = render_page(title=title, runs=runs, table=table, groups=groups, figures=report.figures,
                        captions=_CAPTIONS, inputs=inputs, target=target, window=window)
-    report.html.write_text(page, encoding="utf-8")
+    write_aside(report.html, page)
     report.files.append(report.html)
     return report

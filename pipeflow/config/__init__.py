@@ -26,7 +26,8 @@ from .assembly import (
     segment_lengths,
 )
 from .checks import check_known_keys
-from .command_line import check_group_choices, check_output_dir, check_overrides, check_run_dir, drop_empty_run_dir, run_app
+from .command_line import (check_group_choices, check_output_dir, check_overrides, check_run_dir, drop_empty_run_dir,
+                           run_app, save_hydra_config)
 from .derive import schedule_schema
 from .groups.data import DATA_FAMILY, data_file_list
 from .groups.logger import check_logger
@@ -41,6 +42,7 @@ __all__ = [
     "SimulationInputs", "TrainingInputs", "at_least", "branched_schedule", "check_group_choices", "check_known_keys",
     "check_logger", "check_output_dir", "check_overrides", "check_run_dir", "compose", "data_file_list",
     "drop_empty_run_dir",
+    "save_hydra_config",
     "devices_needed_for", "naming_key", "number", "planned_schedule", "prepare_simulation", "prepare_training",
     "register_configs", "resolve_model", "resolve_precision", "run_app", "runtime_schedules", "schedule_options",
     "schedule_schema", "schedule_spec", "segment_lengths",

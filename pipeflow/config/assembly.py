@@ -364,12 +364,16 @@ def profiled_sync(path: str, spec, schedule: Schedule) -> float:
 
 def check_profile_cost(cfg: DictConfig, cost: CostModel) -> None:
     """A device profile (topology.device_profile) is read by the analytic cost alone: under
-    another cost model it would be ignored, so it is refused."""
+    another cost model it would be ignored, so it is refused; under the analytic cost it
+    is read now, so that one that prices nothing (a sweep whose sections were skipped) is
+    refused before the simulation, not in the middle of it."""
     profile = cfg.topology.get("device_profile")
     if profile and cost.name != "analytic":
         raise ConfigError(f"topology.device_profile={profile}: a device profile prices the operators of "
                           f"cost=analytic, and cost={cost.name} prices its actions its own way; use cost=analytic, "
                           f"or leave topology.device_profile null")
+    if profile:
+        _profile(profile)
 
 
 def run_topology(cfg: DictConfig, schedule: Schedule, cost: CostModel | None = None, tensor: int = 1) -> Topology:

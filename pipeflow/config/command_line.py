@@ -12,6 +12,9 @@ import shutil
 from pathlib import Path
 from typing import Sequence
 
+from pipeflow.faults import WriteFailed
+from pipeflow.formats.files import check_folder, write_aside
+
 from .schema import CONF_DIR
 from .values import ConfigError
 
@@ -144,47 +147,27 @@ def check_output_dir(key: str, path: str | os.PathLike) -> None:
     """Refuse a folder the app could not create or write (``hydra.run.dir=/proc/x``, a
     read-only disk) in one sentence naming the key, the path and the reason. Creates
     nothing that is left behind."""
-    target = Path(path).expanduser().absolute()
-    # Several processes may check one folder at once (torchrun's nodes, a multirun's
-    # jobs): a folder another made meanwhile is used as it is, each probes with a file of
-    # its own, and a folder another made and let go of under it is made again
-    tries = 50
-    for attempt in range(tries):
-        made, missing, probe = [], [], target
-        while not probe.exists():
-            missing.append(probe)
-            probe = probe.parent
-        if not probe.is_dir():
-            if probe.exists():
-                raise ConfigError(f"{key}={path}: {probe} is a file, not a folder")
-            continue  # let go of by another meanwhile
-        try:
-            for folder in reversed(missing):
-                try:
-                    folder.mkdir()
-                    made.append(folder)
-                except FileExistsError:
-                    pass
-            probe = target / f".pipeflow-write-check-{os.getpid()}"
-            with open(probe, "w"):
-                pass
-            probe.unlink()
-            return
-        except FileNotFoundError as err:
-            if attempt == tries - 1:
-                raise ConfigError(f"{key}={path}: cannot write there ({err.strerror or err}); give a folder you "
-                                  f"can write") from None
-        except OSError as err:
-            raise ConfigError(f"{key}={path}: cannot write there ({err.strerror or err}); give a folder you can write") \
-                from None
-        finally:
-            for folder in reversed(made):
-                try:
-                    folder.rmdir()
-                except OSError:
-                    pass
-    raise ConfigError(f"{key}={path}: cannot write there (its folders kept disappearing while checked); "
-                      f"give a folder you can write")
+    why = check_folder(path)
+    if why is not None:
+        raise ConfigError(f"{key}={path}: {why}" + ("; give a folder you can write" if why.startswith("cannot") else ""))
+
+
+def save_hydra_config(cfg) -> None:
+    """The run folder's ``.hydra/`` (config.yaml, hydra.yaml, overrides.yaml: what Hydra
+    itself writes there), each file written whole: the apps set ``hydra.output_subdir``
+    to null, since Hydra's own writing leaves a file cut short and a traceback on a full
+    disk. Raises WriteFailed naming the file; the caller drops the folder it made."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    whole = HydraConfig.instance().cfg  # {"hydra": ...}, as Hydra saves it
+    folder = Path(whole.hydra.runtime.output_dir) / ".hydra"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise WriteFailed(folder, err) from None
+    for name, node in (("config.yaml", cfg), ("hydra.yaml", whole), ("overrides.yaml", whole.hydra.overrides.task)):
+        write_aside(folder / name, OmegaConf.to_yaml(node))
 
 
 def drop_empty_run_dir(run_dir: str | os.PathLike) -> None:
@@ -260,6 +243,7 @@ def run_app(app, config_name: str, argv: Sequence[str] | None = None) -> None:
     """A console script's front: the command line checked as the checks above do (one
     sentence on stderr and exit status 1 for a bad one, before Hydra composes), then the
     Hydra app ``app``; Ctrl-C before the app's own handling ends in one line too."""
+    import logging
     import signal
     import sys
 
@@ -284,6 +268,9 @@ def run_app(app, config_name: str, argv: Sequence[str] | None = None) -> None:
 
     for sig in stopped:
         signal.signal(sig, stop)
+    # a log line that cannot be written (train.log on a full disk) is dropped, not printed
+    # with a traceback: the write that matters (metrics, a summary) fails in one sentence
+    logging.raiseExceptions = False
     try:
         app()
     except (KeyboardInterrupt, _Stopped) as err:

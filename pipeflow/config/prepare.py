@@ -42,7 +42,7 @@ from .assembly import (
 from .checks import check_known_keys
 from .groups.data import DATA_FAMILY, DATA_VOCAB, check_data_files, check_text_data, resolve_auto_data
 from .groups.logger import check_logger
-from .groups.model import check_recompute, resolve_model
+from .groups.model import check_recompute, check_vocab_memory, resolve_model
 from .groups.optim import check_optim
 from .groups.partition import check_profiled_partition
 from .groups.pipeline import check_pipeline
@@ -215,6 +215,7 @@ def prepare_training(cfg: DictConfig, hydra: DictConfig | None = None, measure: 
     check_trainer(cfg.trainer)
     check_optim(cfg.optim)
     check_runtime(cfg.runtime, schedule.num_devices * tensor)
+    check_vocab_memory(cfg, spec, tensor)
     check_precision(cfg, schedule)
     check_recompute(cfg.model)
     check_compile(cfg, schedule, topology.on_gpus)

@@ -12,7 +12,7 @@ from typing import Callable
 from omegaconf import DictConfig, OmegaConf
 
 from pipeflow.families import family_of
-from pipeflow.formats.checkpoint_folder import model_record, training_record
+from pipeflow.formats.checkpoint_folder import model_record, read_meta, resolve, restart_step, training_record
 from pipeflow.formats.runplan import AdapterRef, Lowered, RunPlan
 from pipeflow.planning.partitioners import partition_layers
 from pipeflow.planning.transformer import TransformerSpec
@@ -73,7 +73,7 @@ def build_run_plan(cfg: DictConfig, schedule: Schedule, spec: TransformerSpec | 
         checkpoint_records={"model": model_record(model), "training": training_record(plain)},
         spec=spec, topology=topology, resume=plain.get("resume"), tied_stages=tied, segment_lengths=lengths,
         eval_lowered=_evaluation(cfg, schedule, tied) if asynchronous else None,
-        chunk_lowered=_last_chunk(cfg, schedule, family.branched, tied) if asynchronous else {},
+        chunk_lowered=_short_chunks(cfg, plain, schedule, family.branched, tied) if asynchronous else {},
         tensor_parallel=int(pipe.get("tensor_parallel", 1)), sequence_parallel=bool(pipe.get("sequence_parallel", False)),
         compile=bool(cfg.get("compile", False)),
     )
@@ -131,17 +131,32 @@ def _evaluation(cfg: DictConfig, schedule: Schedule, tied: tuple) -> Lowered:
     return Lowered.of(evaluation, tied)
 
 
-def _last_chunk(cfg: DictConfig, schedule: Schedule, branched: bool, tied: tuple) -> dict[int, Lowered]:
-    """The shorter last chunk a run whose steps are no multiple of the schedule's windows
-    ends on: {its windows: its schedule, lowered}."""
-    pipe = cfg.pipeline
-    last = int(cfg.trainer.steps) % schedule.windows
-    if not last:
-        return {}
-    options = dict(schedule_options(cfg.schedule), windows=last)
-    try:
-        chunk = build_schedule(cfg.schedule.name, pipe.stages, pipe.microbatches, pipe.virtual_stages, pipe.segments,
-                               **({"graph": schedule.graph} if branched else {}), **options)
-    except ScheduleConfigError as err:
-        raise ConfigError(str(err)) from None
-    return {last: Lowered.of(chunk, tied)}
+def _short_chunks(cfg: DictConfig, plain: dict, schedule: Schedule, branched: bool,
+                  tied: tuple) -> dict[int, Lowered]:
+    """The chunks shorter than the schedule's windows a run trains, {their windows: their
+    schedule, lowered}: the last, which the run's end cuts short, and a resumed run's
+    first, from where it restarts to the windows' grid (a synchronous checkpoint, or one
+    written with other windows, lies off the grid)."""
+    pipe, windows, steps = cfg.pipeline, schedule.windows, int(cfg.trainer.steps)
+    begin = 0  # the step the run's first chunk starts after
+    if plain.get("resume"):
+        folder, _ = resolve(plain["resume"])
+        begin = restart_step(read_meta(folder, plain["resume"]), steps)
+    lengths = {_chunk_length(begin, steps, windows), steps - max(begin, (steps - 1) // windows * windows)}
+    out = {}
+    for length in sorted(lengths - {windows}):
+        options = dict(schedule_options(cfg.schedule), windows=length)
+        try:
+            chunk = build_schedule(cfg.schedule.name, pipe.stages, pipe.microbatches, pipe.virtual_stages,
+                                   pipe.segments, **({"graph": schedule.graph} if branched else {}), **options)
+        except ScheduleConfigError as err:
+            raise ConfigError(str(err)) from None
+        out[length] = Lowered.of(chunk, tied)
+    return out
+
+
+def _chunk_length(done: int, steps: int, windows: int) -> int:
+    """The steps of the chunk after step ``done``: chunks lie on a grid of ``windows``
+    steps (1..W, W+1..2W, ...), the last cut by the run's end (the runtime's
+    ``_chunk_end``)."""
+    return min(steps, (done // windows + 1) * windows) - done

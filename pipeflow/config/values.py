@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from pipeflow.faults import Fault
 from pipeflow.numbers import is_whole
 from pipeflow.families import BYTE_VOCAB, MLM_VOCAB  # noqa: F401 - re-exported
 
@@ -16,7 +17,7 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 EXPORT_FORMATS = ("torch_csv",)  # pipeflow-simulate's export
 
-class ConfigError(ValueError):
+class ConfigError(Fault, ValueError):
     """A configuration that cannot run. The message is one sentence naming the key."""
 
 

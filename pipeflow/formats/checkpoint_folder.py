@@ -80,53 +80,83 @@ def step_dir(run_dir: str | Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step_{step:07d}"
 
 
-def resolve(resume: str) -> tuple[Path, int]:
+def resolve(resume: str, said: str | None = None) -> tuple[Path, int]:
     """``resume`` is a run directory (its latest checkpoint) or one ``checkpoints/step_N``
-    folder; return that step's folder and the step."""
+    folder; return that step's folder and the step. ``said``: how errors name it
+    (``resume=<resume>``)."""
+    said = said or f"resume={resume}"
     path = Path(resume)
     if path.name.startswith("step_") and path.is_dir():
         try:
             return path, int(path.name.split("_", 1)[1])
         except ValueError:
-            raise ValueError(f"resume={resume}: not a checkpoint folder (step_<N>)") from None
+            raise ValueError(f"{said}: not a checkpoint folder (step_<N>)") from None
     marker = path / "checkpoints" / LATEST
     if not marker.exists():
         raise FileNotFoundError(
-            f"resume={resume}: no finished checkpoint there (checkpoints/{LATEST} is missing); "
+            f"{said}: no finished checkpoint there (checkpoints/{LATEST} is missing); "
             f"give a run directory that saved one, or one of its checkpoints/step_N folders"
         )
     try:
         step = int(marker.read_text().strip())
     except ValueError:
-        raise ValueError(f"resume={resume}: checkpoints/{LATEST} is not a step number (cut short?)") from None
-    return step_dir(str(path), step), step
+        raise ValueError(f"{said}: checkpoints/{LATEST} is not a step number (cut short?)") from None
+    folder = step_dir(str(path), step)
+    if not folder.is_dir():  # removed since (by hand, or a disk cleaned up)
+        others = sorted(p.name for p in (path / "checkpoints").glob("step_*") if p.is_dir())
+        raise FileNotFoundError(
+            f"{said}: checkpoints/{LATEST} names step {step}, whose folder {folder} is missing; give one of its "
+            + (f"checkpoints/step_N folders ({', '.join(others)})" if others else "checkpoints/step_N folders "
+               "(there are none: the run has no checkpoint left)"))
+    return folder, step
 
 
-def read_meta(folder: Path, resume: str) -> dict:
+def read_meta(folder: Path, resume: str, said: str | None = None) -> dict:
+    said = said or f"resume={resume}"
     try:
         return json.loads((folder / META).read_text())
     except FileNotFoundError:
-        raise ValueError(f"resume={resume}: {folder} is incomplete (no {META}: the run stopped while saving it); "
+        raise ValueError(f"{said}: {folder} is incomplete (no {META}: the run stopped while saving it); "
                          f"give an earlier checkpoints/step_N folder") from None
     except (OSError, ValueError) as err:
-        raise ValueError(f"resume={resume}: {folder / META} cannot be read ({err})") from None
+        raise ValueError(f"{said}: {folder / META} cannot be read ({err})") from None
 
 
-def verify(resume: str, expect: dict) -> tuple[Path, dict]:
-    """Check, without torch, that the checkpoint ``resume`` names is whole and holds the
-    model ``expect`` describes (a checkpoint of the earlier format: written for its
-    pipeline too, any of schedule, stages, world_size, placement, layers_per_stage);
-    return its folder and meta record. Raises ValueError naming ``resume`` and what is
-    wrong."""
-    folder, step = resolve(resume)
-    record = read_meta(folder, resume)
+def whole(checkpoint: str, said: str | None = None) -> tuple[Path, dict]:
+    """The folder and meta record of the checkpoint ``checkpoint`` names (:func:`resolve`),
+    checked without torch to be whole: its record there, every rank's file there at the
+    size written. Raises ValueError (FileNotFoundError) starting with ``said``
+    (``resume=<checkpoint>``) and saying what is wrong."""
+    said = said or f"resume={checkpoint}"
+    folder, _ = resolve(checkpoint, said)
+    record = read_meta(folder, checkpoint, said)
     for name, size in record["files"].items():
         path = folder / name
         if not path.exists():
-            raise ValueError(f"resume={resume}: {path} is missing; the checkpoint is incomplete")
+            raise ValueError(f"{said}: {path} is missing; the checkpoint is incomplete")
         if path.stat().st_size != size:
-            raise ValueError(f"resume={resume}: {path} has {path.stat().st_size} bytes where {size} were written "
+            raise ValueError(f"{said}: {path} has {path.stat().st_size} bytes where {size} were written "
                              f"(cut short or changed since)")
+    return folder, record
+
+
+def restart_step(record: dict, steps: int) -> int:
+    """The step a run resumed from the checkpoint ``record`` (its meta) and trained to
+    ``steps`` starts its first chunk after: the checkpoint's, or where the asynchronous
+    chunk it ended inside began (the resumed run replays up to the checkpoint)."""
+    step = int(record["step"])
+    start = int(record.get("chunk_start", step))
+    return start if start < step < steps else step
+
+
+def verify(resume: str, expect: dict) -> tuple[Path, dict]:
+    """Check, without torch, that the checkpoint ``resume`` names is whole (:func:`whole`)
+    and holds the model ``expect`` describes (a checkpoint of the earlier format: written
+    for its pipeline too, any of schedule, stages, world_size, placement,
+    layers_per_stage); return its folder and meta record. Raises ValueError naming
+    ``resume`` and what is wrong."""
+    folder, record = whole(resume)
+    step = int(record["step"])
     saved = record["meta"]
     movable = int(record.get("format", 1)) >= 2  # saved by name, whole: any layout loads it
     for key, value in expect.items():

@@ -48,6 +48,9 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from ..faults import WriteFailed
+from .files import write_aside
+
 FORMAT = "pipeflow.timeline/1"
 STREAMS = ("compute", "wait", "collective", "comm")
 # Chrome traces count in microseconds; this converts one timeline unit into them.
@@ -204,14 +207,20 @@ def write_trace(path: str | os.PathLike, pieces: Iterable[str], compress: bool |
         compress = size > COMPRESS_ABOVE
     path = plain + ".gz" if compress else plain
     parent = os.path.dirname(path)
-    if parent:
-        os.makedirs(parent, exist_ok=True)
-    with open(path, "wb") as fh:
+    try:
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+    except OSError as err:
+        raise WriteFailed(path, err) from None
+
+    def write(fh) -> None:
         if compress:
             _write_gzipped(fh, chain(held, pieces))
         else:
             for piece in chain(held, pieces):
                 fh.write(piece.encode("ascii"))  # every string in it is escaped to ASCII
+
+    write_aside(path, write)  # whole or not at all
     stale = plain + ".gz" if path == plain else plain
     if os.path.exists(stale):
         os.remove(stale)

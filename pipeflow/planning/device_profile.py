@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..faults import Fault
 from .operators import CLASSES, Attention, GradNorm, Loss, Operator, Pointwise, Product, Step, kernels
 
 # the sweep's elementwise rows by the operator kind they price
@@ -50,8 +51,12 @@ _AS = {"rotary": ("add", 5.0), "reduce": ("copy", 0.5), "softmax": ("layernorm",
 _DTYPES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "float32": 4, "fp32": 4}
 
 
-class ProfileError(ValueError):
-    """A profile file that cannot price a step (missing sections, unreadable rows)."""
+class ProfileError(Fault, ValueError):
+    """A profile file that cannot price a step (missing sections, unreadable rows): one
+    sentence naming the file."""
+
+
+_LONGER = " (a longer --budget-s if its sections were cut short or skipped)"
 
 
 @dataclass(frozen=True)
@@ -484,7 +489,7 @@ def _loss(sweep: dict, kernel_s: float | None, serial_call: float) -> dict:
             for k, v in grouped.items() if len(v) >= 2}
 
 
-def _host(sweep: dict) -> tuple[float, float, float | None]:
+def _host(sweep: dict, source: str) -> tuple[float, float, float | None]:
     """Seconds per kernel the host launches (a tiny add issued back to back), per backward
     pass (a tiny add's forward and backward less its forward: its backward launches no
     kernel), and the device's own per kernel (a graph of 100 tiny adds replayed, less an
@@ -492,7 +497,8 @@ def _host(sweep: dict) -> tuple[float, float, float | None]:
     launches = [r["s_per_call_async"] for r in _rows(sweep, "launch")
                 if r.get("op") == "add_out_tiny" and "s_per_call_async" in r]
     if not launches:
-        raise ProfileError("the sweep has no launch rows (section launch): the host's cost per kernel is unknown")
+        raise ProfileError(f"{source}: the sweep has no launch rows (section launch), so the host's cost per kernel "
+                           f"is unknown; measure again with python -m pipeflow.measure_device --out FILE{_LONGER}")
     launch = float(np.median(launches))
     adds = [r["fwd_bwd_s"] - r["fwd_s"] for r in _rows(sweep, "elementwise") if r["op"] == "add" and r.get("fwd_bwd_s")]
     backward = max(min(adds), 0.0) if adds else 0.0
@@ -568,7 +574,7 @@ def from_sweep(sweep: dict, name: str, source: str = "") -> DeviceProfile:
     if not isinstance(sweep, dict) or "sections" not in sweep:
         raise ProfileError(f"{source or name}: not an operator sweep (no 'sections'; made by "
                            f"python -m pipeflow.measure_device --out FILE)")
-    launch, backward, kernel = _host(sweep)
+    launch, backward, kernel = _host(sweep, source or name)
     serial = backward if kernel is None else 0.0
     adamw = _rows(sweep, "adamw")
     prof = DeviceProfile(name, source or name, launch, backward, kernel, _products(sweep), _attention(sweep, serial),
@@ -595,11 +601,12 @@ def from_sweep(sweep: dict, name: str, source: str = "") -> DeviceProfile:
         prof.host["message_host"] = float(posting)
     norms = [{**r, "s": r["s"] + r.get("scale_s", 0.0)} for r in _rows(sweep, "grad_norm")]
     prof.grad_norm = fit_step(norms) if len(norms) >= 3 else None
-    missing = [what for what, got in (("products", prof.products), ("pointwise", prof.pointwise),
-                                      ("cross_entropy", prof.loss), ("adamw", prof.step)) if not got]
+    missing = [what for what, got in (("products", prof.products), ("attention", prof.attention),  # (every model's)
+                                      ("pointwise", prof.pointwise), ("cross_entropy", prof.loss),
+                                      ("adamw", prof.step)) if not got]
     if missing:
         raise ProfileError(f"{source or name}: the sweep has no rows for {', '.join(missing)}; measure again "
-                           f"with python -m pipeflow.measure_device --out FILE")
+                           f"with python -m pipeflow.measure_device --out FILE{_LONGER}")
     return prof
 
 
@@ -622,5 +629,8 @@ def load_profile(path: str | Path, name: str | None = None) -> DeviceProfile:
             sweep = json.loads(p.read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise ProfileError(f"topology.device_profile={path}: not readable JSON ({e})") from None
-        _LOADED[key] = from_sweep(sweep, name or p.stem, str(path))
+        try:
+            _LOADED[key] = from_sweep(sweep, name or p.stem, str(path))
+        except ProfileError as e:  # (the key as well as the file: from_sweep names the file)
+            raise ProfileError(f"topology.device_profile={e}" if str(e).startswith(f"{path}:") else str(e)) from None
     return _LOADED[key]

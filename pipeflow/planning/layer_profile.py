@@ -30,6 +30,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from pipeflow.faults import WriteFailed
+from pipeflow.formats.files import write_aside
+
 FORMAT = "pipeflow-profile"
 VERSION = 1
 UNIT_KINDS = ("embedding", "block", "head")
@@ -142,9 +145,11 @@ class ModelProfile:
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-        return path
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise WriteFailed(path, err) from None
+        return write_aside(path, json.dumps(self.to_dict(), indent=1) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> "ModelProfile":

@@ -60,6 +60,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..faults import WriteFailed
+from ..formats.files import write_aside
 from ..schedules.ir import Action, Kind
 from .calibrate_fit import _contention, _device_times, _fit_link, _host_cores, _tensor_cores
 from .executor import Executor
@@ -284,7 +286,7 @@ def run_rank(rank: int, job) -> dict | None:
     if rank != 0:
         return None
     result = _combine(plan, setup, gathered, world, tensor=T, sequence_parallel=plan.sequence_parallel)
-    Path(job.run_dir, "calibration.json").write_text(json.dumps(result, indent=1) + "\n")
+    write_aside(Path(job.run_dir, "calibration.json"), json.dumps(result, indent=1) + "\n")
     return result
 
 
@@ -540,6 +542,9 @@ def calibrate(plan, out: str | Path | None = None) -> dict:
         launch(TrainJob(plan, tmp, entry="pipeflow.runtime.calibration_run:run_rank"))
         result = json.loads(Path(tmp, "calibration.json").read_text())
     if out is not None:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(result, indent=1) + "\n")
+        try:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise WriteFailed(out, err) from None
+        write_aside(out, json.dumps(result, indent=1) + "\n")
     return result

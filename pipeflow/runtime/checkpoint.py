@@ -44,6 +44,7 @@ import os
 from pathlib import Path
 
 # the checkpoint folder's layout and its torch-free reading (the up-front check's)
+from ..faults import Fault
 from ..formats.checkpoint_folder import LATEST, META, read_meta, resolve, verify  # noqa: F401 - re-exported
 from ..formats.checkpoint_folder import step_dir as _step_dir
 from . import watch
@@ -54,7 +55,7 @@ from .sharded import ShardedAdamW, whole_weights
 FORMAT = 2
 
 
-class CheckpointError(OSError):
+class CheckpointError(Fault, OSError):
     """A checkpoint that cannot be written or read, in one sentence naming the path."""
 
 
@@ -66,9 +67,13 @@ def _write(path: Path, write) -> None:
         with open(tmp, "wb") as f:
             write(f)
         os.replace(tmp, path)
-    except OSError as err:
+    except (OSError, RuntimeError) as err:
         tmp.unlink(missing_ok=True)
-        raise CheckpointError(f"could not write the checkpoint file {path}: {err.strerror or err}") from None
+        # torch.save's zip writer reports a full disk as a RuntimeError over the OSError
+        cause = err if isinstance(err, OSError) else err.__context__
+        if not isinstance(cause, OSError):
+            raise
+        raise CheckpointError(f"could not write the checkpoint file {path}: {cause.strerror or cause}") from None
 
 
 # ---------------------------------------------------------------- names and owners

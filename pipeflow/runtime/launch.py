@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import logging
 import os
 import signal
 import socket
@@ -35,6 +36,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..faults import Fault, said
 from ..formats.runplan import RunPlan
 
 import torch.multiprocessing  # noqa: F401 - registers the pickling of tensors sent to the ranks
@@ -213,6 +215,9 @@ def _rank_entry(rank: int, job: TrainJob, port: int, errors, env: dict, launcher
         for sig in (*STOP_SIGNALS, PEER_FAILED):
             signal.signal(sig, _on_stop_signal)
         sys.unraisablehook = _quiet_stops  # a stop that lands in a destructor: check_stop() raises it again
+        # a log line that cannot be written (a full disk) is dropped, not printed with a
+        # traceback: the write that matters (metrics, a checkpoint) fails in one sentence
+        logging.raiseExceptions = False
         # a forked rank inherits the server's environment, not the launcher's: restore the latter
         os.environ.clear()
         os.environ.update(env)
@@ -234,12 +239,16 @@ def _report(rank: int, err: BaseException, errors) -> None:
             # SystemExit, not os._exit: multiprocessing's finalizers release the rank's
             # semaphores, which the resource tracker would otherwise report as leaked
             raise SystemExit(STOPPED) from None
-        text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+        # a Fault is its sentence, which the launcher prints; a bug keeps its traceback,
+        # printed here as it happened (the launcher prints its last line)
+        fault = isinstance(err, Fault)
+        text = said(err) + "\n" if fault else "".join(traceback.format_exception(type(err), err, err.__traceback__))
         try:
             errors.put((rank, text))
         finally:
-            sys.stderr.write(f"[rank {rank}] {text}")
-            sys.stderr.flush()
+            if not fault:
+                sys.stderr.write(f"[rank {rank}] {text}")
+                sys.stderr.flush()
         raise SystemExit(1) from None
     except Stopped:  # the stop landed while the rank was reporting an error: the stop wins
         raise SystemExit(STOPPED) from None
@@ -254,10 +263,11 @@ def _record_adopted_failure(job: TrainJob, rank: int, err: BaseException) -> Non
     learnt at start-up). A rank that only lost a peer ("connection closed", a timeout)
     writes one only where there is none, and the cause's record replaces it."""
     text = "".join(traceback.format_exception(type(err), err, err.__traceback__)).strip()
-    last = text.splitlines()[-1] if text else type(err).__name__
+    last = said(err) if isinstance(err, Fault) else (text.splitlines()[-1] if text else type(err).__name__)
     path = Path(job.run_dir) / "failure.json"
     if not isinstance(err, Stopped) and not _CONSEQUENCE.search(last):
-        _record_failure(job.run_dir, JobFailed(rank, last + "\n" + text))  # the cause: over any other record
+        # the cause: over any other record (a Fault's sentence is its whole record)
+        _record_failure(job.run_dir, JobFailed(rank, last if isinstance(err, Fault) else last + "\n" + text))
         return
     # a lost peer: recorded at once (torchrun may end this rank any moment now), but only
     # where no record is, so the rank that caused it, writing after, replaces this one
@@ -339,16 +349,13 @@ def _watch_ranks(job: TrainJob, procs, errors, board, stop: list, on_stop, hang_
             on_stop(signal.SIGTERM, None)
             continue
         if any(p.exitcode not in (None, 0) for p in procs):
-            failed = _failure(procs, errors, hearing)
-            _record_failure(job.run_dir, failed)
-            raise failed
+            raise _record_failure(job.run_dir, _failure(procs, errors, hearing))
         if all(p.exitcode == 0 for p in procs):
             return
         hung = _hung(procs, hearing, hang_after) or _stuck(procs, board, hang_after)
         if hung is not None:
             _stop(procs)
-            _record_failure(job.run_dir, hung)
-            raise hung
+            raise _record_failure(job.run_dir, hung)
         time.sleep(0.1)
 
 

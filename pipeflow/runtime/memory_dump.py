@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+from ..formats.files import write_aside
+
 
 def operators(ev, depth: int = 12) -> list[str]:
     """The names of the operators (and ranges) an event ran in, innermost first."""
@@ -72,9 +74,9 @@ def dump_cpu_peak(path: str, events: list, made_by: dict, step, actions: list, r
             made[ptr] = made_by.get(id(e), [])[:3]
         if span is not None and span[0] <= t <= span[1]:
             timeline.append((total, x, made.get(ptr, [])))
-    with open(path, "w") as f:
-        json.dump({"peak_bytes": step.peak_bytes, "at_peak": step.at_peak, "peak_action": step.peak_action,
-                   "action_peaks": step.action_peaks, "live": rows, "timeline": timeline}, f, indent=1)
+    write_aside(path, json.dumps({"peak_bytes": step.peak_bytes, "at_peak": step.at_peak,
+                                  "peak_action": step.peak_action, "action_peaks": step.action_peaks,
+                                  "live": rows, "timeline": timeline}, indent=1))
 
 
 def dump_cuda_peak(path: str, trace: list, tags: list, step, block) -> None:
@@ -98,6 +100,6 @@ def dump_cuda_peak(path: str, trace: list, tags: list, step, block) -> None:
                         for f in e.get("frames", [])[:48]]}
             for addr, e in live.items()]
     rows.sort(key=lambda r: -r["bytes"])
-    with open(path, "w") as f:
-        json.dump({"peak_bytes": step.peak_bytes, "at_peak": step.at_peak, "peak_action": step.peak_action,
-                   "action_peaks": step.action_peaks, "live": rows}, f, indent=1)
+    write_aside(path, json.dumps({"peak_bytes": step.peak_bytes, "at_peak": step.at_peak,
+                                  "peak_action": step.peak_action, "action_peaks": step.action_peaks,
+                                  "live": rows}, indent=1))

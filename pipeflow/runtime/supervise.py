@@ -152,7 +152,8 @@ def _failure(procs, errors, hearing: _Hearing | None = None) -> JobFailed:
         return JobFailed(r, f"the process was killed by signal {name}{others}")
     if reported:
         r, text = (causes or reported)[0]
-        return JobFailed(r, text.strip().splitlines()[-1] + "\n" + text)
+        lines = text.strip().splitlines()  # a Fault's one sentence, or a traceback ending in its error
+        return JobFailed(r, lines[-1] + ("\n" + text if len(lines) > 1 else ""))
     r, code = next(((r, c) for r, c in codes if c not in (None, 0)), (0, None))
     if code == 255 and all(p.exitcode == 255 for p in procs):
         return JobFailed(r, "the process that started the ranks (multiprocessing's fork server) ended; "
@@ -160,13 +161,18 @@ def _failure(procs, errors, hearing: _Hearing | None = None) -> JobFailed:
     return JobFailed(r, f"the process ended with exit status {code} and no Python error")
 
 
-def _record_failure(run_dir: str, failed: JobFailed) -> None:
+def _record_failure(run_dir: str, failed: JobFailed) -> JobFailed:
     """run_dir/failure.json: which rank failed and why, so a report over many runs can
-    show this one as crashed (with its partial metrics) rather than guess."""
+    show this one as crashed (with its partial metrics) rather than guess. Returns the
+    failure to raise: ``failed``, or where the record could not be written (the disk
+    that failed the rank is full), the same failure saying so in its one line."""
     message = str(failed)
     record = {"rank": failed.rank, "error": message.splitlines()[0], "detail": message}
     try:
         os.makedirs(run_dir, exist_ok=True)
         write_json(Path(run_dir) / "failure.json", record)
     except OSError as err:  # the failure itself is what the caller must hear about
-        sys.stderr.write(f"could not write {Path(run_dir) / 'failure.json'}: {err.strerror or err}\n")
+        first, _, rest = failed.message.partition("\n")
+        note = f" (and failure.json could not be written: {err.strerror or err})"
+        return JobFailed(failed.rank, first + note + ("\n" + rest if rest else ""))
+    return failed

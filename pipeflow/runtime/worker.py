@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 
 from .. import device_paths
+from ..formats.checkpoint_folder import restart_step
+from ..formats.files import write_aside
 from ..formats.timeline import Timeline
 from ..schedules.data_parallel import pipeline_shape
 from ..schedules.versions import summarize, weight_versions
@@ -84,6 +86,7 @@ def run_worker(rank: int, job: TrainJob) -> dict | None:
         # runtime.fail_mode=collective: a group that the failing rank alone will use (made by all)
         hook = new_group(list(range(dist.get_world_size()))) if runtime.fail_mode == "collective" else None
         watch.arm()  # training begins: the watchdog looks at a rank that sits in one call
+        _keep_chunk_start(rank, job, setup, state, meta)
         while state.step < plan.trainer.steps:
             _train_chunk(rank, job, setup, data, sink, progress, state, one_host, meta, hook)
         result = _finish(rank, job, device, setup, progress, sink, state, t_start)
@@ -141,14 +144,12 @@ def _set_up(rank: int, job: TrainJob, device: torch.device) -> tuple:
     start_step = restart = 0
     if plan.resume:
         _, record = checkpoint.verify(plan.resume, {})
-        start_step = restart = int(record["step"])
-        chunk_start = int(record.get("chunk_start", start_step))
-        if chunk_start < start_step < plan.trainer.steps:
+        start_step, restart = int(record["step"]), restart_step(record, plan.trainer.steps)
+        if restart < start_step:
             # it ended inside a chunk: restart that chunk (from the initial weights when it
             # was the first) and replay up to the checkpoint, as the longer run computed it
-            restart = chunk_start
-            if chunk_start > 0:
-                checkpoint.load(plan.resume, rank, stages, meta, step=chunk_start, scaler=setup.executor.scaler)
+            if restart > 0:
+                checkpoint.load(plan.resume, rank, stages, meta, step=restart, scaler=setup.executor.scaler)
         else:
             checkpoint.load(plan.resume, rank, stages, meta, scaler=setup.executor.scaler)
     return setup, data, {**meta, "restart": restart}, start_step
@@ -163,7 +164,7 @@ def _rank0_records(job: TrainJob, start_step: int) -> tuple:
     plan = job.plan
     sink = MetricsSink(job.run_dir, plan.record, dataclasses.asdict(plan.logger), resume_step=start_step)
     progress = Progress(plan.trainer.steps, initial=start_step, log=Path(job.run_dir) / "train.log")
-    (Path(job.run_dir) / "config.json").write_text(json.dumps(plan.record, indent=2, default=str) + "\n")
+    write_aside(Path(job.run_dir) / "config.json", json.dumps(plan.record, indent=2, default=str) + "\n")
     return sink, progress
 
 
@@ -214,8 +215,8 @@ def _finish(rank, job, device, setup: RankSetup, progress, sink, state: RunState
     traces = [None] * job.world_size if rank == 0 else None
     dist.gather_object(state.trace.as_dict() if state.trace is not None else None, traces, dst=0)
     if rank == 0 and any(traces):  # runtime.trace_steps: python -m pipeflow.fold_trace reads it
-        (Path(job.run_dir) / "op_trace.json").write_text(json.dumps({"format": "pipeflow.op_trace/1",
-                                                                     "ranks": traces}, indent=1) + "\n")
+        write_aside(Path(job.run_dir) / "op_trace.json",
+                    json.dumps({"format": "pipeflow.op_trace/1", "ranks": traces}, indent=1) + "\n")
     versions = [None] * job.world_size if rank == 0 else None
     dist.gather_object(max((getattr(st, "versions", None).peak_versions if getattr(st, "versions", None) else 1)
                            for st in stages.values()), versions, dst=0)
@@ -322,7 +323,7 @@ def _staleness_summary(run_dir: str, records: list[dict], setup: RankSetup) -> d
         # accounting of one iteration is the run's (all zero unless the schedule is wrong)
         out = summarize(weight_versions(setup.schedule))
         return {k: out[k] for k in ("max_staleness", "mean_staleness", "max_mismatch", "mean_mismatch")}
-    (Path(run_dir) / "staleness.json").write_text(json.dumps(records) + "\n")
+    write_aside(Path(run_dir) / "staleness.json", json.dumps(records) + "\n")
     out = summarize(records)
     out["updates"] = len({r["update"] for r in records})
     return out
@@ -342,6 +343,17 @@ def _chunk_end(first: int, steps: int, cap: int) -> int:
     ``cap`` steps (1..cap, cap+1..2cap, ...) cut only by the run's last step, so where
     validation and checkpoints fall never changes where the schedule flushes."""
     return min(steps, ((first - 1) // cap + 1) * cap)
+
+
+def _keep_chunk_start(rank, job, setup: RankSetup, state: RunState, meta: dict) -> None:
+    """A resumed asynchronous run whose end falls inside its first chunk saves the weights
+    it starts that chunk from in its own folder: its last checkpoint records where that
+    chunk began, and a run resumed from it restarts there. (A run from step 0 starts from
+    the seed's weights; a later chunk's start is saved where the chunk before it ends.)"""
+    cap, steps, begin = setup.steps_per_chunk, job.plan.trainer.steps, state.step
+    if begin > 0 and cap > 1 and _chunk_end(begin + 1, steps, cap) == steps and steps % cap:
+        checkpoint.save(job.run_dir, begin, rank, setup.stages, meta, chunk_start=begin,
+                        scaler=setup.executor.scaler, schedule=setup.schedule, device=setup.executor.rank)
 
 
 def _falls_in(every: int, first: int, end: int) -> bool:

@@ -28,6 +28,7 @@ import csv
 import io
 from os import PathLike
 
+from ..formats.files import write_aside
 from .ir import Kind, Schedule, WeightPolicy
 from .lowering import Comm, lower
 
@@ -141,6 +142,4 @@ def to_torch_csv(schedule: Schedule) -> str:
 
 def write_torch_csv(schedule: Schedule, path: str | PathLike) -> None:
     """Write :func:`to_torch_csv` to ``path`` (checked before the file is opened)."""
-    text = to_torch_csv(schedule)
-    with open(path, "w", newline="") as f:
-        f.write(text)
+    write_aside(path, to_torch_csv(schedule))

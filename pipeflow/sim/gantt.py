@@ -22,6 +22,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from ..faults import WriteFailed
+from ..formats.files import write_aside
 from ..formats.timeline import Timeline
 
 # past this many compute bars, drop hatching and edges (they cost time and turn to mush)
@@ -124,9 +126,12 @@ def draw_timeline(timeline: Timeline, path: str | os.PathLike, title: str | None
     fig.tight_layout()
 
     parent = os.path.dirname(path)
-    if parent:
-        os.makedirs(parent, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
+    try:
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+    except OSError as err:
+        raise WriteFailed(path, err) from None
+    write_aside(path, lambda f: fig.savefig(f, dpi=dpi, format="png"))  # whole or not at all
     return path
 
 

@@ -22,6 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from ..faults import WriteFailed
+from ..formats.files import write_aside
+
 KIND = "pipeflow-op-sweep"
 VERSION = 1
 
@@ -111,10 +114,9 @@ def grid_for(device: str, smoke: bool) -> Grid:
 
 
 def write_json(path: Path, data) -> None:
-    """Write atomically (a file cut short by a kill never replaces a whole one)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    os.replace(tmp, path)
+    """Write whole, aside and moved into place (a file cut short by a kill or a full disk
+    never replaces a whole one); WriteFailed names the file."""
+    write_aside(path, json.dumps(data, indent=1, default=str))
 
 
 def host_facts(torch) -> dict:
@@ -212,6 +214,8 @@ class Sweep:
             try:
                 done = body(rows, deadline)
                 sec["status"] = "ok" if done is not False else "truncated (deadline)"
+            except WriteFailed:
+                raise  # the file cannot be written: measuring on would be lost
             except Exception:  # noqa: BLE001 - a section's error is recorded, the others still run
                 sec.update(status="error", error=traceback.format_exc()[-3000:])
         sec["seconds"] = round(time.monotonic() - t, 2)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import math
 from typing import Callable, Mapping
 from pathlib import Path
@@ -77,10 +78,13 @@ def _count(key: str, value, minimum: int = 1) -> int:
 def _device(key: str, name, profile: str | None = None) -> Device:
     """The preset device ``name``, priced by the operator sweep in ``profile`` where one is
     given (topology.device_profile: pipeflow.planning.device_profile; made by
-    ``python -m pipeflow.measure_device --out FILE``)."""
+    ``python -m pipeflow.measure_device --out FILE``), refused where the sweep was
+    measured on the other kind of device (a CPU's for a GPU, a GPU's for a CPU)."""
     if name not in DEVICES:
         raise ValueError(f"topology.{key}={name!r}: unknown device; allowed values: {', '.join(DEVICES)}")
     path = _profile_path(profile)
+    if path:
+        _check_kind(profile, path, name, f"topology.{key}={name} is {'a CPU' if name == 'cpu' else 'a GPU'}")
     return dataclasses.replace(DEVICES[name], profile=path) if path else DEVICES[name]
 
 
@@ -92,6 +96,60 @@ def _profile_path(profile) -> str:
         raise ValueError(f"topology.device_profile={profile!r}: no such file; make one on the machine with "
                          f"python -m pipeflow.measure_device --out FILE, or leave it null")
     return str(Path(profile).resolve())
+
+
+_MEASURED: dict[tuple, tuple[str, str] | None] = {}
+
+
+def measured_on(path: str | Path) -> tuple[str, str] | None:
+    """What the sweep in ``path`` was measured on, as its top level records it
+    (pipeflow.topology.op_sweep): ("cpu", the processor) or ("gpu", the GPU's name); None
+    where the file does not say (unreadable: the profile's own reading says why)."""
+    p = Path(path)
+    try:
+        stat = p.stat()
+        key = (str(p.resolve()), stat.st_mtime_ns, stat.st_size)
+        if key not in _MEASURED:
+            doc = json.loads(p.read_text())
+            device = doc.get("device") if isinstance(doc, dict) else None
+            if device == "cpu":
+                _MEASURED[key] = ("cpu", str((doc.get("host") or {}).get("processor") or "a CPU"))
+            else:
+                _MEASURED[key] = ("gpu", str(doc.get("gpu") or "a GPU")) if device == "cuda" else None
+        return _MEASURED[key]
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _check_kind(profile: str, path: str, device: str, named: str) -> None:
+    """A profile prices the kind of device it was measured on: one of a CPU on a GPU
+    preset, or of a GPU on a CPU, is refused, naming both (``named``: what the topology
+    says its device is, "topology.device=h200 is a GPU")."""
+    measured = measured_on(path)
+    kind = "cpu" if device == "cpu" else "gpu"
+    if measured is None or measured[0] == kind:
+        return
+    other = "python -m pipeflow.measure_device --device cuda --out FILE on the GPU" if kind == "gpu" else \
+        "python -m pipeflow.measure_device --device cpu --threads 1 --out FILE"
+    raise ValueError(f"topology.device_profile={profile}: measured on {'a CPU' if measured[0] == 'cpu' else 'a GPU'} "
+                     f"({measured[1]}), and {named}: a profile prices "
+                     f"the kind of device it was measured on; give one measured there ({other}), or leave "
+                     f"topology.device_profile null")
+
+
+def profile_note(devices) -> str | None:
+    """The line that says a GPU profile prices another GPU preset (topology.device=a100-80g
+    priced by a sweep of an H100: the H100's times beside the A100's memory and links),
+    naming both; None where each device's profile was measured on its own model."""
+    for dev in devices:
+        if not dev.profile or dev.name == "cpu":
+            continue
+        measured = measured_on(dev.profile)
+        model = dev.name.split("-")[0]  # a100, h100, h200, v100
+        if measured is not None and measured[0] == "gpu" and model not in measured[1].lower().replace(" ", ""):
+            return (f"topology.device_profile={dev.profile} was measured on {measured[1]} and prices "
+                    f"topology.device={dev.name}'s operators; its memory and links stay {dev.name}'s")
+    return None
 
 
 # ------------------------------------------------------------- wiring recipes
@@ -200,12 +258,15 @@ def local_cpu(
     n = _count("num_devices", num_devices)
     bw = _number("bandwidth", bandwidth)
     lat = _number("latency", latency, strict=False)
+    profile = _profile_path(device_profile)
+    if profile:
+        _check_kind(device_profile, profile, "cpu", "topology=local_cpu's ranks are CPUs")
     dev = Device(
         "cpu",
         _number("peak_flops", peak_flops),
         _number("memory_bytes", memory_bytes),
         _number("memory_bandwidth", memory_bandwidth, strict=False),
-        profile=_profile_path(device_profile),
+        profile=profile,
     )
     b = TopologyBuilder("local_cpu", [dev] * n)
     out = [b.resource(f"loopback-out[{i}]", bw, lat / 2) for i in range(n)]

@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from pipeflow.formats.files import write_aside
+
 # The configuration key: a simulated run predicts a measured one when all of these agree.
 KEY_FIELDS = ("schedule", "stages", "microbatches", "virtual_stages", "segments", "microbatch_size", "model",
               "attention", "precision", "recompute", "partition", "data_parallel", "shard", "topology")
@@ -121,13 +123,6 @@ def strict(value: Any) -> Any:
 
 
 def write_whole(path: Path, record: Mapping, default=str) -> Path:
-    """Write ``record`` as JSON whole or not at all: the text goes to a temporary file
-    renamed into place, so a full disk leaves no empty or cut-short file behind."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(json.dumps(strict(dict(record)), indent=2, default=default) + "\n")
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
+    """Write ``record`` as JSON whole or not at all (:func:`pipeflow.formats.files.write_aside`:
+    a full disk leaves no empty or cut-short file behind; WriteFailed names the file)."""
+    return write_aside(path, json.dumps(strict(dict(record)), indent=2, default=default) + "\n")

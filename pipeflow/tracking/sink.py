@@ -17,11 +17,15 @@ explicit ``WANDB_MODE`` decides for ``auto``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 from pathlib import Path
 from typing import Any, Mapping
+
+from pipeflow.faults import WriteFailed
+from pipeflow.formats.files import Lines, write_aside
 
 __all__ = ["MetricsSink", "flat_scalars", "read_metrics", "resolve_wandb_mode", "wandb_credentials"]
 
@@ -106,10 +110,14 @@ class MetricsSink:
 
     def __init__(self, run_dir: str, config: dict, logger_cfg: dict, resume_step: int = 0) -> None:
         self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise WriteFailed(self.run_dir, err) from None
         self.metrics_path = self.run_dir / "metrics.jsonl"
         if resume_step > 0 and self.metrics_path.exists():
             self._truncate_after(resume_step)
+        self._file = Lines(self.metrics_path)  # created by the first log()
         self._last_step = resume_step
         self._finished = False
         self.wandb_run = None
@@ -117,7 +125,6 @@ class MetricsSink:
         self._owns_wandb_service = False
         if logger_cfg.get("name") == "wandb":
             self._start_wandb(config, logger_cfg)
-        self._file = None  # metrics.jsonl, opened for appending by the first log()
 
     def _truncate_after(self, step: int) -> None:
         kept = []
@@ -127,7 +134,7 @@ class MetricsSink:
                     kept.append(line)
             except (json.JSONDecodeError, AttributeError):
                 continue  # a line cut short by the crash that made the resume necessary
-        self.metrics_path.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
+        write_aside(self.metrics_path, "".join(f"{line}\n" for line in kept))
 
     def _start_wandb(self, config: dict, logger_cfg: dict) -> None:
         asked = str(logger_cfg.get("mode", "auto"))
@@ -176,20 +183,25 @@ class MetricsSink:
     def log(self, step: int, metrics: dict) -> None:
         """One line ``{"step": step, **metrics}`` in metrics.jsonl, and the same to W&B."""
         row = {"step": int(step), **{k: _plain(v) for k, v in metrics.items()}}
-        try:
-            if self._file is None:
-                self._file = open(self.metrics_path, "a", encoding="utf-8")
-            # strict JSON: a non-finite number (a diverged loss) is null, not NaN
-            from .record import strict
+        from .record import strict
 
-            self._file.write(json.dumps(strict(row), default=_json_default) + "\n")
-            # flushed line by line: a crashed run keeps every step it logged
-            self._file.flush()
-        except OSError as err:  # a full disk, a folder gone: name the file
-            raise OSError(err.errno, f"could not write {self.metrics_path}: {err.strerror or err}") from None
+        # strict JSON: a non-finite number (a diverged loss) is null, not NaN; a line is
+        # written whole or not at all (a full disk: WriteFailed names the file), and
+        # reaches the file at once, so a crashed run keeps every step it logged
+        self._file.append(json.dumps(strict(row), default=_json_default))
         self._last_step = max(self._last_step, int(step))
         if self.wandb_run is not None:
-            self.wandb_run.log({k: v for k, v in row.items() if k != "step"}, step=int(step))
+            with self._writing_wandb():
+                self.wandb_run.log({k: v for k, v in row.items() if k != "step"}, step=int(step))
+
+    @contextlib.contextmanager
+    def _writing_wandb(self):
+        """W&B writes its run's files under run_dir/wandb (offline, and online as a
+        cache): a failure to write them (a full disk) is said naming that folder."""
+        try:
+            yield
+        except OSError as err:
+            raise WriteFailed(self.run_dir / "wandb", err) from None
 
     def log_timeline(self, timeline, step: int) -> None:
         """Write the measured ``timeline`` of ``step`` as run_dir/timeline.json and
@@ -212,7 +224,9 @@ class MetricsSink:
             import wandb
 
             # W&B drops rows logged at a step lower than one already logged
-            self.wandb_run.log({key: wandb.Image(str(path), caption=caption)}, step=max(int(step), self._last_step))
+            with self._writing_wandb():
+                self.wandb_run.log({key: wandb.Image(str(path), caption=caption)},
+                                   step=max(int(step), self._last_step))
 
     def finish(self, summary: dict, exit_code: int = 0) -> None:
         """Write run_dir/summary.json, put its scalars in the W&B run summary, close
@@ -225,26 +239,34 @@ class MetricsSink:
             self.close(exit_code=1)
             raise
         if self.wandb_run is not None:
-            self.wandb_run.summary.update(flat_scalars(summary))
+            with self._writing_wandb():
+                self.wandb_run.summary.update(flat_scalars(summary))
         self.close(exit_code=exit_code)
 
     def close(self, exit_code: int) -> None:
         """Close metrics.jsonl and finish the W&B run (its files flushed so that
-        ``wandb sync`` has the whole run); a second call does nothing."""
+        ``wandb sync`` has the whole run); a second call does nothing. Closing a run that
+        failed (``exit_code`` non-zero) raises nothing of its own: the failure that
+        ended the run is what it reports, even where W&B cannot write either."""
         if self._finished:
             return
         self._finished = True
-        if self._file is not None:
-            self._file.close()
-        if self.wandb_run is not None:
-            self.wandb_run.finish(exit_code=exit_code)
-            if self._owns_wandb_service:
-                import wandb
+        self._file.close()
+        if self.wandb_run is None:
+            return
+        try:
+            with self._writing_wandb():
+                self.wandb_run.finish(exit_code=exit_code)
+                if self._owns_wandb_service:
+                    import wandb
 
-                # finish() may return before wandb's service has written the run file,
-                # and the atexit hook that would wait for it does not run in a rank
-                # started by multiprocessing; stopping the service waits for the flush.
-                wandb.teardown()
+                    # finish() may return before wandb's service has written the run file,
+                    # and the atexit hook that would wait for it does not run in a rank
+                    # started by multiprocessing; stopping the service waits for the flush.
+                    wandb.teardown()
+        except WriteFailed:
+            if exit_code == 0:
+                raise
 
     # A run that dies between start and finish still closes its files, and W&B marks it
     # failed rather than leaving it "running" forever.

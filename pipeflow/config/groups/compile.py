@@ -5,13 +5,20 @@ It composes with every schedule (the zero-bubble split's I and W through compile
 whose weight products stay eager, the asynchronous policies' weight versions, Seq1F1B's
 segments over their key/value prefix), recomputation (compiled inside its regions),
 tensor and sequence parallelism, each sharding level, every family, at every precision,
-on CPU and CUDA ranks. What it needs: a C++ compiler where the ranks are CPUs.
+on CPU and CUDA ranks. What it needs: a C++ compiler where the ranks are CPUs, the one
+inductor would run ($CXX, else g++), which builds a tiny OpenMP function here before any
+rank starts (a compiler that cannot failed in the ranks, the first step into the compile).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 from omegaconf import DictConfig
 
@@ -24,18 +31,65 @@ def compiled(cfg: DictConfig) -> bool:
 
 
 def check_compile(cfg: DictConfig, schedule, on_gpus: bool) -> None:
-    """compile=true where inductor can build the ranks' kernels (see the module's docstring)."""
-    if not compiled(cfg):
+    """compile=true where inductor can build the ranks' kernels (see the module's docstring):
+    on CPU ranks, its C++ compiler builds a tiny function here first (:func:`compiler_fault`)."""
+    if not compiled(cfg) or on_gpus:
         return
-    if not on_gpus and not cpp_compiler():
-        raise ConfigError("compile=true: compiling for CPU ranks needs a C++ compiler (inductor builds its kernels "
-                          "with one) and none was found ($CXX, g++, c++ or clang++); install one, or use compile=false")
+    compiler = cpp_compiler()
+    if not compiler:
+        named = f"CXX={os.environ['CXX']!r}" if "CXX" in os.environ else DEFAULT_CXX
+        raise ConfigError(f"compile=true: compiling for CPU ranks needs a C++ compiler (inductor builds its kernels "
+                          f"with $CXX, else {DEFAULT_CXX}) and {named} was not found; install one or set CXX to one, "
+                          f"or use compile=false")
+    fault = compiler_fault(compiler)
+    if fault:
+        named = f"{compiler} (CXX)" if "CXX" in os.environ else compiler
+        raise ConfigError(f"compile=true: the C++ compiler inductor would build the CPU ranks' kernels with, {named}, "
+                          f"could not build a tiny function ({fault}); set CXX to a working g++ or clang++, or use "
+                          f"compile=false")
+
+
+DEFAULT_CXX = "clang++" if sys.platform == "darwin" else "g++"  # torch._inductor.config.cpp.cxx's, where CXX is unset
+
+# a tiny kernel built as inductor builds its own: C++20, OpenMP, a shared library (cpp_builder's flags)
+_PROBE = """#include <omp.h>
+extern "C" int pipeflow_probe(int n) {
+    int sum = 0;
+#pragma omp parallel for reduction(+ : sum)
+    for (int i = 0; i < n; ++i) sum += i;
+    return sum + omp_get_max_threads();
+}
+"""
+_FLAGS = ["-std=c++20", "-shared", "-fPIC", "-O1"] + (["-Xclang", "-fopenmp", "-undefined", "dynamic_lookup"]
+                                                      if sys.platform == "darwin" else ["-fopenmp"])
 
 
 def cpp_compiler() -> str | None:
-    """The C++ compiler inductor would build CPU kernels with, or None."""
-    names = [os.environ.get("CXX") or "", "g++", "c++", "clang++"]
-    return next((path for name in names if name and (path := shutil.which(name))), None)
+    """The C++ compiler inductor would build CPU kernels with ($CXX, else g++; clang++ on
+    macOS), as a path, or None where it is not found."""
+    name = os.environ.get("CXX", DEFAULT_CXX)  # (as inductor reads it: CXX set empty names no compiler)
+    return shutil.which(name) if name else None
+
+
+@functools.lru_cache(maxsize=None)
+def compiler_fault(compiler: str) -> str | None:
+    """Why ``compiler`` cannot build a tiny OpenMP function into a shared library as
+    inductor builds its kernels (a few words), or None; asked once per compiler a process."""
+    try:
+        with tempfile.TemporaryDirectory(prefix="pipeflow-cxx-") as tmp:
+            src = Path(tmp) / "probe.cpp"
+            src.write_text(_PROBE)
+            done = subprocess.run([compiler, *_FLAGS, str(src), "-o", str(Path(tmp) / "probe.so")],
+                                  capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return "it did not finish in 120 s"
+    except OSError as err:
+        return err.strerror or str(err)
+    if done.returncode == 0:
+        return None
+    lines = [line.strip() for line in (done.stderr + done.stdout).splitlines() if line.strip()]
+    said = next((line for line in lines if "error" in line.lower()), lines[0] if lines else "")
+    return f"exit status {done.returncode}" + (f": {said[:200]}" if said else ", no message")
 
 
 def check_compile_cost(cfg: DictConfig, schedule, cost) -> None:

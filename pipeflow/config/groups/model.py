@@ -4,12 +4,16 @@ check), recomputation and attention.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
 from omegaconf import MISSING, DictConfig
 
+from pipeflow.planning.transformer import TransformerSpec, total_params
+
 from ..values import ConfigError
+from .runtime import rank_memory
 
 RECOMPUTE = ("none", "full", "selective")  # model.recompute (pipeflow.models.recompute.MODES, torch-free here)
 
@@ -87,3 +91,41 @@ def check_recompute(model: DictConfig) -> None:
     if attention not in ATTENTION:
         raise ConfigError(f"model.attention={attention}: allowed values: {', '.join(ATTENTION)} (sdpa: the fused "
                           f"scaled-dot-product kernel; eager: scores computed and kept)")
+
+
+STATE_BYTES = 16  # a parameter's fp32 weight, gradient and AdamW's two moments (fp32 at every precision)
+TABLE_BYTES = 8  # a vocabulary table's fp32 weights and gradient: whole on its rank for its product, sharded or not
+
+
+def check_vocab_memory(cfg: DictConfig, spec: TransformerSpec | None, tensor: int = 1) -> None:
+    """model.vocab_multiple, where its padding is what takes the model past the memory the
+    ranks have (:func:`.runtime.rank_memory`): CPU ranks started here share the host, which
+    must hold the model's whole state at least; elsewhere (GPUs, a cluster launcher's ranks)
+    the rank holding the token table holds its weights and gradient at least (split by
+    ``tensor``). Lower bounds: a value refused here cannot run; one passed may still not fit."""
+    multiple = cfg.model.get("vocab_multiple")
+    if spec is None or spec.loss_vocab is None or not multiple:
+        return
+    memory = rank_memory(cfg.runtime)
+    if memory is None:
+        return
+    size, where, shared = memory
+    plain = dataclasses.replace(spec, vocab_size=spec.loss_vocab, loss_vocab=None)
+    if shared:
+        need, unpadded = (total_params(s) * STATE_BYTES for s in (spec, plain))
+        what = f"the model's state ({STATE_BYTES} bytes a parameter: fp32 weights, gradients, AdamW's two moments)"
+    else:
+        need, unpadded = (s.vocab_size * s.n_embd * TABLE_BYTES / tensor for s in (spec, plain))
+        what = "the token table's fp32 weights and gradient on the rank that holds it"
+    if need > size and (unpadded <= size or need - unpadded > size):
+        raise ConfigError(f"model.vocab_multiple={multiple}: pads the {spec.loss_vocab:,} words to "
+                          f"{spec.vocab_size:,} rows, and {what} then needs at least {_bytes(need)}, more than "
+                          f"{where} ({_bytes(size)}); use a multiple near the kernels' tile, e.g. 64 (GPT-2's 50,257 "
+                          f"words: 50,304 rows), or 1: unpadded")
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
+        if n >= size:
+            return f"{n / size:,.3g} {unit}" if n < 1000 * size or unit != "TiB" else f"{n / size:,.0f} TiB"
+    return f"{n:,.0f} B"

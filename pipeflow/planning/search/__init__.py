@@ -62,6 +62,51 @@ def _rule(c: Candidate, why: str) -> str:
     return f"{c.schedule}: {key.split('=')[0]}: " + re.sub(r"\b\d+\b", "n", rule or key)
 
 
+# the search.* keys a rule's key comes from (its candidates' sizes are the search's options)
+_SEARCH_KEYS = {"pipeline.microbatches": ("search.global_batch", "search.microbatch_sizes"),
+                "pipeline.microbatch_size": ("search.microbatch_sizes",), "pipeline.stages": ("search.stages",),
+                "pipeline.data_parallel": ("search.devices",), "pipeline.virtual_stages": ("search.virtual_stages",),
+                "pipeline.segments": ("search.segments",), "schedule.split": ("search.splits",),
+                "model.recompute": ("search.recompute",), "partition.name": ("search.partitions",),
+                "pipeline.shard": ("search.shard",), "pipeline.gather": ("search.gather",),
+                "pipeline.tensor_parallel": ("search.tensor_parallel",)}
+# and those behind a reason space.candidates left combinations out for
+_LEFT_OUT_KEYS = {"global batch": ("search.global_batch", "search.microbatch_sizes"),
+                  "than layers": ("search.stages", "search.virtual_stages"), "asynchronous": ("search.schedules",)}
+
+
+def _none_run(space: SearchSpace, n: int, refused: dict[str, int], said: dict[str, str]) -> str:
+    """The sentence for a search none of whose candidates can run: the search key the
+    commonest rule comes from and its value, up to three rules each in a sentence of its
+    own (its numbers kept) with how many candidates it refused, and the keys to change."""
+    if refused:
+        rules = sorted(refused, key=lambda r: (-refused[r], r))[:3]
+        keys = [k for r in rules for k in _SEARCH_KEYS.get(r.split(": ")[1], ())]
+        reasons = "; ".join(f"{refused[r]} of them: {said[r]}" for r in rules)
+        head = f"none of the {n} candidates can run"
+    else:  # none built: what left the combinations out
+        left_out = sorted(space.skipped.items(), key=lambda kv: -kv[1])[:3]
+        keys = [k for why, _ in left_out for words, ks in _LEFT_OUT_KEYS.items() if words in why for k in ks]
+        reasons = "; ".join(f"{why}: {k} left out" for why, k in left_out) or "none was made"
+        head = "no combination of the search's options adds up"
+    keys = list(dict.fromkeys([*keys, "search.schedules"]))
+    change = ", ".join(keys[:-1]) + f" or {keys[-1]}" if len(keys) > 1 else keys[0]
+    return f"{keys[0]}={_setting(space, keys[0])}: {head} ({reasons}); change {change}"
+
+
+def _setting(space: SearchSpace, key: str) -> str:
+    """A search key's value as the command line writes it (lists in brackets, null)."""
+    value = {"search.global_batch": space.global_batch, "search.devices": space.devices,
+             "search.stages": space.stages, "search.schedules": space.schedules,
+             "search.microbatch_sizes": space.microbatch_sizes, "search.virtual_stages": space.virtual_stages,
+             "search.segments": space.segments, "search.splits": space.splits, "search.recompute": space.recompute,
+             "search.partitions": space.partitions, "search.shard": space.shards, "search.gather": space.gathers,
+             "search.tensor_parallel": sorted({t for t, _ in space.tensors})}.get(key)
+    if value is None:
+        return "null"
+    return f"[{','.join(map(str, value))}]" if isinstance(value, (list, tuple)) else str(value)
+
+
 _PRICER: Pricer | None = None  # the pricer a forked worker inherits
 _PROGRESS: Progress | None = None  # and the phase's counters
 
@@ -204,6 +249,7 @@ def _search(space: SearchSpace, pricer: Pricer, simulate_top: int, workers: int,
     global _PRICER
     t0 = time.perf_counter()
     refused: dict[str, int] = {}
+    said: dict[str, str] = {}  # a rule -> the first sentence it refused a candidate in, numbers and all
     closed: list[Priced] = []
     every = list(candidates(space))
     n = len(every)
@@ -221,17 +267,14 @@ def _search(space: SearchSpace, pricer: Pricer, simulate_top: int, workers: int,
             if isinstance(q, str):
                 rule = _rule(c, q)
                 refused[rule] = refused.get(rule, 0) + 1
+                said.setdefault(rule, q)
             else:
                 closed.append(q)
     finally:
         _PRICER = None
     t1 = time.perf_counter()
     if not closed:
-        # none priced: what refused them, or (none built) what left the combinations out
-        left_out = sorted(space.skipped.items(), key=lambda kv: -kv[1])[:3]
-        reasons = "; ".join(sorted(refused)[:3]) or "; ".join(f"{why}: {k} left out" for why, k in left_out) \
-            or "no combination of the search's options adds up"
-        raise ValueError(f"search: none of the {n} candidates can run ({reasons})")
+        raise ValueError(_none_run(space, n, refused, said))
     closed.sort(key=lambda q: q.step_time)
     fitting = [q for q in closed if q.fits]
     if not fitting:

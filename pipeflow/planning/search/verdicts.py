@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import json
 from pathlib import Path
+
+from pipeflow.formats.files import write_aside
 
 from . import GIB, SearchResult
 from .price import Priced, pareto
@@ -205,8 +208,10 @@ def draw_pareto(result: SearchResult, path: Path, title: str) -> None:
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7, ncol=2, loc="upper right")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        write_aside(path, lambda f: fig.savefig(f, dpi=110, format="png"))
+    finally:
+        plt.close(fig)
 
 
 def _keys(c, attention: str, precision: str) -> list[str]:
@@ -252,11 +257,12 @@ def write_candidates_csv(result: SearchResult, path: Path) -> None:
             row.update({**s.to_dict(), "closed_form_step_time": q.step_time})
         rows.append(row)
     names = list(rows[0])
-    with path.open("w", newline="") as f:  # (rows as lists: DictWriter checks each row's keys)
-        w = csv.writer(f)
-        w.writerow(names)
-        w.writerows([row[k] for k in names] for row in rows)
+    text = io.StringIO(newline="")
+    w = csv.writer(text)  # (rows as lists: DictWriter checks each row's keys)
+    w.writerow(names)
+    w.writerows([row[k] for k in names] for row in rows)
+    write_aside(path, text.getvalue())
 
 
 def write_json(path: Path, doc: dict) -> None:
-    path.write_text(json.dumps(doc, indent=2) + "\n")
+    write_aside(path, json.dumps(doc, indent=2) + "\n")
