@@ -33,6 +33,18 @@ def _app(module: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess
                           capture_output=True, text=True, timeout=180)
 
 
+def _refusal(args: list[str]) -> str:
+    """The sentence pipeflow-train's up-front check refuses ``args`` with, in this process
+    (prepare_training, as the app calls it first). A group of such cases has one of them
+    run through the app itself (:func:`_refused`), which prints the same sentence alone."""
+    from pipeflow.config import ConfigError, compose, prepare_training
+    from pipeflow.config.command_line import free_form
+
+    with pytest.raises(ConfigError) as err:  # (model.hf.* as the app takes it: any transformers field)
+        prepare_training(compose("train", free_form([*args, "logger=none"])))
+    return str(err.value)
+
+
 def _refused(module: str, args: list[str], tmp_path: Path) -> str:
     """The app's one line on stderr, checked: exit 1, nothing on stdout, no run folder."""
     run_dir = tmp_path / "run"
@@ -95,10 +107,15 @@ HF_VALUES = {  # a Hugging Face shape that transformers or a rank would have fai
 }
 
 
-@slow
 @pytest.mark.parametrize("case", list(HF_VALUES))
-def test_a_hugging_face_shape_that_cannot_build_is_refused_before_any_rank(case, tmp_path):
+def test_a_hugging_face_shape_that_cannot_build_is_refused_before_any_rank(case):
     args, sentence = HF_VALUES[case]
+    assert _refusal([*args, "trainer.steps=2"]) == sentence
+
+
+@slow
+def test_the_app_says_a_hugging_face_refusal_alone(tmp_path):
+    args, sentence = HF_VALUES["a width in words"]
     assert _refused("pipeflow.train", [*args, "trainer.steps=2"], tmp_path) == sentence
 
 
@@ -165,15 +182,22 @@ WEIGHTS = {
 }
 
 
-@slow
 @pytest.mark.parametrize("case", list(WEIGHTS))
 def test_a_checkpoint_that_does_not_fit_the_model_is_refused_before_any_rank(checkpoint, case, tmp_path):
     """Each was a traceback from inside the ranks, about 11 s in (the shape and the missing
-    tensors from one rank only); the files' headers are read up front now."""
+    tensors from one rank only); the files' headers are read up front now (the app's own
+    line for one of them: the next test)."""
     bad = _weights(checkpoint, case, tmp_path)
+    err = _refusal(["model=hf_causal", f"model.config={checkpoint}", f"model.weights={bad}", "trainer.steps=2"])
+    assert err.startswith(f"model.weights={bad}") and WEIGHTS[case] in err, err
+
+
+@slow
+def test_the_app_says_a_checkpoint_refusal_alone(checkpoint, tmp_path):
+    bad = _weights(checkpoint, "a shape", tmp_path)
     err = _refused("pipeflow.train", ["model=hf_causal", f"model.config={checkpoint}", f"model.weights={bad}",
                                       "trainer.steps=2"], tmp_path)
-    assert err.startswith(f"model.weights={bad}") and WEIGHTS[case] in err, err
+    assert err.startswith(f"model.weights={bad}") and WEIGHTS["a shape"] in err, err
 
 
 def test_model_weights_takes_a_file_or_its_folder_and_names_what_is_neither(checkpoint, tmp_path):
@@ -194,10 +218,12 @@ def test_model_weights_takes_a_file_or_its_folder_and_names_what_is_neither(chec
 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory) -> Path:
-    """gpt_tiny trained 2 steps at fp32 on 2 ranks: a run to resume."""
+    """gpt_tiny trained 2 steps at fp32 on 2 ranks: a run to resume (launched in this
+    process, as the app launches it; the refusals below go through the app)."""
+    import pipeline_runs
+
     run = tmp_path_factory.mktemp("runs") / "base"
-    proc = _app("pipeflow.train", ["trainer.steps=2", "precision=fp32", "logger=none", f"hydra.run.dir={run}"], run.parent)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    pipeline_runs.train(run, ["trainer.steps=2", "precision=fp32", "trainer.timeline_step=null", "logger=none"])
     return run
 
 
@@ -244,14 +270,21 @@ def test_resuming_with_a_larger_position_table_is_refused_naming_it(trained_run,
 
 
 @slow
-def test_resuming_with_other_sequences_and_data_says_so_and_records_them(trained_run, tmp_path):
+def test_resuming_with_other_sequences_and_data_says_so_and_records_them(trained_run, tmp_path, caplog):
     """The checkpoint recorded neither the sequence length nor the data: a resumed run
-    that changed them said nothing."""
+    that changed them said nothing. (pipeflow-train's launch of the checked job, in this
+    process: its lines are the app's log.)"""
+    import logging
+
+    from pipeflow.config import compose, prepare_training
+    from pipeflow.train import _train
+
     run = tmp_path / "resumed"
-    proc = _app("pipeflow.train", [f"resume={trained_run}", "model.seq_len=64", "data.max_bytes=1000000",
-                                   "trainer.steps=3", "logger=none", f"hydra.run.dir={run}"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    said = proc.stdout + proc.stderr
+    over = [f"resume={trained_run}", "model.seq_len=64", "data.max_bytes=1000000", "trainer.steps=3",
+            "trainer.timeline_step=null", "logger=none"]
+    with caplog.at_level(logging.INFO, logger="pipeflow.train"):
+        _train(prepare_training(compose("train", over)), None, str(run))
+    said = caplog.text
     assert ("resuming with model.seq_len=64, where the checkpoint was written with model.seq_len=128: its weights "
             "and optimizer state carry over, and each sequence from here on is 64 tokens") in said
     assert ("resuming with data.max_bytes=1000000, where the checkpoint was written with data.max_bytes=3000000: "

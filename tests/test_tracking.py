@@ -303,26 +303,8 @@ def test_enabled_progress_shows_step_loss_and_throughput(capsys):
 
 
 # ----------------------------------------------------------------- through the real app
-
-
-def test_a_multirun_is_one_wandb_group_with_a_run_per_job(schedule_sweep):
-    """pipeflow-train -m ...: three short jobs on two CPU ranks each (the session's sweep,
-    conftest.py); every job's run folder has its files, and its offline W&B run carries
-    the sweep's group, the job's overrides as tags and the job folder as name."""
-    from pipeline_runs import SWEEP_SCHEDULES
-
-    jobs = sorted((p for p in schedule_sweep.iterdir() if p.is_dir()), key=lambda p: int(p.name.split("_")[0]))
-    assert [j.name.split("_", 1)[0] for j in jobs] == ["0", "1", "2"]
-    for job, schedule in zip(jobs, SWEEP_SCHEDULES):
-        assert [r["step"] for r in read_metrics(job)] == [1, 2, 3, 4, 5, 6]
-        assert json.loads((job / "summary.json").read_text())["schedule"] == schedule
-        assert Timeline.load(job / "timeline.json").source == "measured"
-        assert (job / "timeline.png").read_bytes()[:8] == PNG
-
-        run = of_type(wandb_records(offline_run_file(job)), "run")[0]
-        assert run.run_group == f"train-{schedule_sweep.name}" and run.display_name == job.name
-        assert f"schedule={schedule}" in run.tags and "trainer.steps=6" in run.tags
-        assert not any(t.startswith("hydra.") for t in run.tags)
+# (the session sweep's W&B group is tested in test_compare.py, beside the other tests that
+# read that sweep: one worker runs it once)
 
 
 def test_an_asynchronous_run_reaches_wandb_with_every_step(wandb_home, tmp_path):

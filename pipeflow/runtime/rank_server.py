@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 
-PRELOAD = ["pipeflow.runtime.worker"]
+# the runtime, and the Agg figure rank 0 draws the measured timeline with (imported in each
+# rank 0 it cost 0.8 s a launch: a test session's hundreds of short runs)
+PRELOAD = ["pipeflow.runtime.worker", "matplotlib.figure", "matplotlib.backends.backend_agg"]
 
 
 def rank_context():
