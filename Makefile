@@ -50,18 +50,26 @@ compare: $(STAMP)
 # host (ranks waiting on each other, subprocesses starting); two at a time took 0.63 of
 # the wall time (739 s against 1,165 s, 2026-12-07). make test PYTEST_WORKERS=1: one at a time.
 PYTEST_WORKERS ?= 2
-test: $(STAMP) browser
+test: browser $(STAMP)
+	@$(BROWSER_WAIT)
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS) || { rc=$$?; [ $$rc -eq 5 ] || exit $$rc; }
 
-# The report page's browser test opens report.html in Debian's chromium: installed here
-# where it is missing and the machine allows it (root with apt-get, as CI runs; about 30 s).
+# The report page's browser test opens report.html in Debian's chromium: installed where
+# it is missing and the machine allows it (root with apt-get, as CI runs), in the
+# background while the venv builds (about 30 s); the tests start once it is there.
 # Elsewhere the test skips, saying why; under CI=true it fails instead of skipping.
+BROWSER_LOG := $(or $(TMPDIR),/tmp)/pipeflow-chromium-install
 browser:
 	@[ -x /usr/bin/chromium ] || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
-	  && echo "installing Debian's chromium for the report page's browser test" \
-	  && apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-	     --no-install-recommends chromium >/dev/null 2>&1; } \
+	  && echo "installing Debian's chromium for the report page's browser test (log: $(BROWSER_LOG).log)" \
+	  && touch $(BROWSER_LOG).running && { ( apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	     apt-get install -y -qq --no-install-recommends chromium; rm -f $(BROWSER_LOG).running ) \
+	     >$(BROWSER_LOG).log 2>&1 & }; } \
 	  || echo "no /usr/bin/chromium, and it cannot be installed here: the report page's browser test will skip"
+# (at most 10 minutes: a marker left by an install that was killed does not hold the tests)
+BROWSER_WAIT = for i in $$(seq 600); do [ -f $(BROWSER_LOG).running ] || break; sleep 1; done; \
+	rm -f $(BROWSER_LOG).running; [ -x /usr/bin/chromium ] || [ ! -f $(BROWSER_LOG).log ] \
+	  || echo "chromium did not install (see $(BROWSER_LOG).log): the report page's browser test will skip"
 
 # The torch-free and unit tests (no ranks, no subprocesses, no large searches).
 test-fast: $(STAMP)
