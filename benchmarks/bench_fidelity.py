@@ -193,7 +193,7 @@ def predict_profiled(overrides: list[str], profile: Path, calibration: Path) -> 
     ranks' shared cores and contention, gloo's time per message, the links) is the
     profile's own where it calibrated its reference pipeline (section ``pipeline``), else
     the case's calibration's: nothing of this case's calibration prices it then."""
-    from pipeflow.planning.device_profile import load_profile
+    from pipeflow.planning.from_sweep import load_profile
     from pipeflow.planning.machine_cost import CalibratedCost
 
     ran = prepare_training(compose("train", overrides)).schedule

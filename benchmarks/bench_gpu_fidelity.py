@@ -114,7 +114,7 @@ def table(results: list[dict]) -> str:
 
 
 def fit_table(profile_path: str) -> str:
-    from pipeflow.planning.device_profile import load_profile
+    from pipeflow.planning.from_sweep import load_profile
 
     prof = load_profile(profile_path)
     lines = [f"the profile's fit error per operator class ({profile_path}; relative RMS on its own rows, "

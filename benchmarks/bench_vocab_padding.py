@@ -76,7 +76,7 @@ def measure(width: int, vocab: int, multiple: int, tokens: int, repeats: int, se
 def h200_prices(width: int, vocab: int, rows: int, tokens: int) -> dict[int, float]:
     """The shipped H200 profile's seconds for the head's forward, input-gradient and
     weight-gradient products at bf16, at each width."""
-    from pipeflow.planning.device_profile import load_profile
+    from pipeflow.planning.from_sweep import load_profile
     from pipeflow.planning.operators import Product
     from pipeflow.topology.presets import PROFILES
 

@@ -1,11 +1,6 @@
-"""Model family specs: what each layer needs to know about a family, declared once.
-
-A family (``model.family``) is its stage models (``pipeflow/models/<family>.py``), a
-runtime adapter, the data set it trains on, and what it supports. The configuration
-checks, the runtime, the analytic cost model and the planner read these specs instead
-of comparing family names. Torch-free: the adapter is named by import path and loaded
-by the runtime alone.
-"""
+"""Model family specs (``model.family``): each family's stage models, runtime adapter (by
+import path), data set and what it supports, declared once and read by the checks, the
+runtime, the cost model and the planner instead of family names. Torch-free."""
 
 from __future__ import annotations
 

@@ -1,29 +1,12 @@
 """``python -m pipeflow.fold_trace RUN_DIR --profile FILE [--out FILE] [-- OVERRIDES]``:
 a run's own operators beside a device profile's prices, and the profile corrected by them.
 
-The run traced its last steps (``pipeflow-train ... runtime.trace_steps=N``: each
-rank's seconds per step in each operator class, ``op_trace.json``,
-:mod:`pipeflow.runtime.op_trace`). This prices the same job's actions with the profile
-(``cost=analytic topology.device_profile=FILE``): the run's own config, every key as it
-ran (its ``.hydra/config.yaml``, else its ``config.json``, or the overrides given after
-``--``), not the simulator's defaults, with the layers per stage its summary records; and
-prints, for each device and class, the measured seconds, the priced ones and their ratio.
-
-``--out FILE`` writes the profile again with a ``corrections`` section: each class's
-median ratio over the devices, by which the profile then multiplies every operator of that
-class it prices (a profile corrected before is corrected again: the factors multiply).
-On a profile with a host (a CPU's reference pipeline), the run's own seconds per message
-posted (gloo's send and receive calls, counted and timed by the trace) replace the
-reference's ``message_host``: a schedule that posts more messages at once than the
-reference 1F1B (interleaved, Chimera) blocks longer on each. The host's other time is not
-corrected: the trace sees the dispatcher's share of it, not the Python around the
-operators. A class the run does not hold (a loss on no device) keeps
-its price. Refused, in one sentence each, before anything is priced or written: runs whose
-ranks are not the schedule's devices one for one (data or tensor parallel: their ranks
-share a device's prices), compiled runs (their fused kernels are not the profile's eager
-operators), a trace cut short, a profile of another kind of device than the run's, and an
-``--out`` that cannot be written (the file is written whole, aside and moved into place).
-"""
+Prices the job of a run traced with ``runtime.trace_steps=N`` (``op_trace.json``) under
+the profile, with the run's own config and layers per stage, and prints each device's
+classes: measured seconds, priced ones, their ratio. ``--out`` writes the profile with
+each class's median ratio as a correction (and, for a CPU's host, the run's seconds per
+message as ``message_host``). Refusals, one sentence each: docs/simulation.md, "Checking
+a profile against a run's own trace"."""
 
 from __future__ import annotations
 
@@ -48,10 +31,9 @@ class FoldError(Fault, ValueError):
 
 
 def run_config(run_dir: Path, given: list[str]) -> DictConfig:
-    """The run's own training config, every key as the run had it: ``given`` (the run's
-    overrides, after ``--``) composed as pipeflow-train composes them; else the run's
-    ``.hydra/config.yaml`` (the whole composed config), else its ``config.json`` (the run
-    plan's record of it)."""
+    """The run's own training config, every key as it ran: ``given`` (its overrides, after
+    ``--``) composed as pipeflow-train does; else its ``.hydra/config.yaml``; else its
+    ``config.json``."""
     from omegaconf import OmegaConf
 
     from .config import compose
@@ -74,9 +56,8 @@ def run_config(run_dir: Path, given: list[str]) -> DictConfig:
 
 
 def check_foldable(cfg: DictConfig) -> None:
-    """Refuse a run whose trace the profile's prices cannot be set beside: a compiled
-    run's kernels (not the eager operators a profile prices), and ranks that are not the
-    schedule's devices one for one (data or tensor parallel: they share a device's prices)."""
+    """FoldError for a run the profile's prices cannot be set beside: a compiled run, or ranks
+    that are not the schedule's devices one for one (data or tensor parallel)."""
     if cfg.get("compile"):
         raise FoldError("compile=true: a compiled run's fused kernels are not the eager operators a device profile "
                         "prices, so its trace cannot be folded; trace an eager run (compile=false)")
@@ -134,11 +115,9 @@ def _gpu_preset(profile: Path) -> str:
 
 def simulation_config(run: DictConfig, resolved: DictConfig, layers: list[int], profile: Path,
                       device: str, devices: int) -> DictConfig:
-    """The simulator's config of the run's own job: every key the training and simulate
-    configs share (pipeline, model, schedule, topology, precision) as the run had it (their
-    defaults differ: 2 stages of 4 microbatches of 4 against 4 of 8 of 1), its layers per
-    stage, the profile on its devices. Ranks that ran on GPUs the run's topology did not
-    name (local_cpu with runtime.device=cuda) are one node's GPUs of the profile's model."""
+    """The simulator's config of the run's own job: the keys training and simulation share as
+    the run had them (their defaults differ), its layers per stage, the profile on its
+    devices (GPUs under local_cpu: one node of the profile's GPU)."""
     from omegaconf import OmegaConf, open_dict
 
     from .config import CONF_DIR, PLANNED, compose
@@ -165,9 +144,9 @@ def simulation_config(run: DictConfig, resolved: DictConfig, layers: list[int], 
 
 def priced(run: DictConfig | list[str], profile: Path, device: str, run_dir: Path | None = None
            ) -> tuple[list[dict], str | None]:
-    """Each device's seconds per step by class, as ``profile`` prices the schedule the run
-    ran (``run``: its training config, or the overrides that compose it), and the line
-    that says a GPU profile prices another GPU's preset (None where it does not)."""
+    """Each device's seconds per step by class as ``profile`` prices the run's schedule
+    (``run``: its config, or the overrides that compose it), and the line saying a GPU
+    profile prices another GPU's preset (or None)."""
     from .config import compose, prepare_training
     from .config.prepare import prepare_simulation
     from .simulate import operator_breakdown
@@ -225,9 +204,8 @@ def table(meas: list[dict], price: list[dict]) -> str:
 
 def corrected(profile: Path, factors: dict[str, float], run_dir: Path, steps: int,
               posting: float | None = None) -> dict:
-    """The profile's JSON with ``factors`` folded into its corrections, and, where it
-    calibrated a reference pipeline (a CPU's host), the run's own seconds per message
-    posted in place of the reference's (``message_host``)."""
+    """The profile's JSON with ``factors`` folded into its corrections and, where it has a
+    reference pipeline's host, the run's seconds per message as ``message_host``."""
     doc = json.loads(profile.read_text())
     old = doc.get("corrections") or {}
     before = old.get("classes", {})
@@ -271,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
           + ", ".join(f"{c} {f:.3f}" for c, f in factors.items()))
     posting = message_host(meas)
     if posting is not None:
-        from .planning.device_profile import load_profile
+        from .planning.from_sweep import load_profile
 
         had = load_profile(args.profile).host.get("message_host")
         counts = ", ".join(f"{m.get('posts_per_step', 0):.0f}" for m in meas)

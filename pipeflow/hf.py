@@ -1,17 +1,8 @@
-"""The ``hf_causal`` family's configuration side: a Hugging Face decoder read from a
-``config.json`` (or a local model folder) and the ``model.hf`` fields, never from a hub.
-
-:func:`load_hf_config` builds the transformers config (``AutoConfig`` for the file's
-``model_type``); :func:`shape_keys` reads it as the shape keys every other layer of
-pipeflow reads (``n_layer``, ``n_embd``, ``n_kv_head``, ``mlp``, ``norm``, ...), so the
-analytic cost model, the planner and the configuration checks price and check a Llama
-the way they do a GPT. :func:`resolve` fills those keys into the ``model`` group before
-any rank starts; the ranks build the model from the same config
-(:mod:`pipeflow.models.hf_causal`).
-
-Importing transformers' configs imports torch (seconds), so nothing here runs unless
-the family is ``hf_causal``.
-"""
+"""The ``hf_causal`` family's configuration side: a Hugging Face decoder read from a local
+``config.json`` or model folder (never a hub). :func:`load_hf_config` builds the
+transformers config, :func:`shape_keys` reads it as pipeflow's shape keys (``n_layer``,
+``n_embd``, ``mlp``, ...) and :func:`resolve` fills them into the ``model`` group before any
+rank starts. Imports torch (through transformers) only for this family."""
 
 from __future__ import annotations
 
@@ -113,10 +104,9 @@ POSITIVE = (*REQUIRED, "intermediate_size", "num_key_value_heads", "head_dim", "
 
 
 def check_shape_fields(fields: Mapping, model_type: str, model_cfg: Mapping) -> None:
-    """Refuse, naming the field, a config that leaves out a shape field (or, but GPT-2's
-    MLP width, its intermediate size), gives one that is not a whole number of at least 1,
-    or heads that do not divide the width (without an explicit head_dim) or query heads
-    that key/value heads do not divide: each a sentence before any rank builds a layer."""
+    """ValueError, naming the field, for a config that leaves out a shape field (but GPT-2's MLP
+    width), gives one that is not a whole number >= 1, or has heads that do not divide the
+    width (without head_dim) or query heads that key/value heads do not divide."""
     from transformers import CONFIG_MAPPING
 
     aliases = dict(getattr(CONFIG_MAPPING[model_type], "attribute_map", {}) or {})
@@ -268,9 +258,8 @@ def weight_files(path: str) -> list[Path]:
 
 
 def safetensors_shapes(file: Path) -> dict[str, tuple[int, ...]]:
-    """Each tensor's shape from a safetensors file's header (8 bytes of its length, then
-    JSON), read without loading a tensor; a file cut short or not safetensors at all is a
-    ValueError naming it."""
+    """Each tensor's shape from a safetensors file's header, read without loading a tensor;
+    ValueError naming a file cut short or not safetensors."""
     size = file.stat().st_size
     with open(file, "rb") as f:
         head = f.read(8)
@@ -301,9 +290,8 @@ def safetensors_shapes(file: Path) -> dict[str, tuple[int, ...]]:
 
 
 def check_weights(model_cfg: Mapping, config) -> None:
-    """``model.weights`` against the model: every parameter there by name (a tied head
-    from the embedding), with its shape; the files' headers only, the model built on the
-    meta device, so a bad checkpoint is refused before any rank starts."""
+    """``model.weights`` against the model: every parameter by name (a tied head from the
+    embedding) with its shape, from the files' headers and a model on the meta device."""
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -3,28 +3,10 @@
     python -m pipeflow.measure_device --out device_profile.json [--device auto|cpu|cuda] [--budget-s 180]
                                       [--threads N] [--smoke]
 
-times matrix products, attention, norms and elementwise ops, cross-entropy, AdamW and the
-cost per launch on one device (auto: the GPU when one is visible, else the CPU) within
-the budget, writing the file whole after every section; ``topology.device_profile=<file>``
-prices with it. ``--out`` is checked before anything is measured, and a write that fails
-stops the sweep in one sentence; a sweep that ends without the rows a step needs (a budget
-that cut its sections short) says so and exits 1. On a CPU it also measures what a step
-adds to the operators, with the runtime's own code:
-
-- section ``blocks``: one block of each transformer family at a tiny size
-  (:mod:`pipeflow.runtime.block_host`), the host's time a block costs beyond its kernels;
-- section ``pipeline`` (``--ranks N``, 2 by default; 0 skips it): a calibration
-  (:mod:`pipeflow.runtime.calibration_run`) of a reference pipeline, gpt_tiny under 1F1B
-  on N local ranks: the host's cores, their contention and a gloo message's cost,
-  which ``topology=local_cpu`` takes from the profile as
-  ``cost=calibrated`` takes them from a calibration; and what each action kind takes
-  inside a step beyond its operators and its block's host time priced alone, per block
-  (``in_step``: the interpreter between kernels whose data has flushed its caches, the
-  executor's bookkeeping around the module). This is ``cost=calibrated`` folded into
-  one measuring command: the profile then prices any model and schedule of the host.
-
-``--smoke`` measures tiny sizes only (seconds; for tests).
-"""
+On a CPU two more sections: ``blocks`` (each family's block host time,
+:mod:`pipeflow.runtime.block_host`) and ``pipeline`` (``--ranks N``, 0 skips it: a
+calibration of gpt_tiny under 1F1B, :mod:`pipeflow.runtime.calibration_run`). Exits 1
+where the file cannot price a step; docs/simulation.md, "Measuring a device"."""
 
 from __future__ import annotations
 
@@ -43,15 +25,15 @@ BLOCK_MODELS = ("gpt_tiny", "bert_tiny", "llama_tiny")  # one shipped model of e
 
 def block_rows(rows: list, deadline: float, smoke: bool = False) -> bool:
     """Section ``blocks``: per family, one block's F, B, I and W at a tiny size
-    (:func:`pipeflow.runtime.block_host.measure_block`), with the kernels its operators
-    launch (:mod:`pipeflow.planning.operators`), which the profile's operators price."""
+    (:func:`pipeflow.runtime.block_host.measure_block`), with the kernels its operators launch."""
     import time
 
     from omegaconf import OmegaConf
 
     from pipeflow.config import compose
     from pipeflow.hf import resolve
-    from pipeflow.planning.operators import Shape, StageOperators, kernels
+    from pipeflow.planning.operators import Shape, kernels
+    from pipeflow.planning.stage_operators import StageOperators
     from pipeflow.planning.transformer import TransformerSpec
     from pipeflow.runtime.block_host import TOKENS, measure_block
 
@@ -70,9 +52,8 @@ def block_rows(rows: list, deadline: float, smoke: bool = False) -> bool:
 
 
 def reference(ranks: int, threads: int | None, smoke: bool) -> list[str]:
-    """The reference pipeline section ``pipeline`` calibrates: gpt_tiny (two blocks a
-    stage) under 1F1B on ``ranks`` local ranks, two microbatches of two sequences a rank
-    (smoke: one block a stage, 32 tokens)."""
+    """The reference pipeline section ``pipeline`` calibrates: gpt_tiny under 1F1B on ``ranks``
+    local ranks (smoke: one block a stage, 32 tokens)."""
     over = ["model=gpt_tiny", "schedule=1f1b", f"pipeline.stages={ranks}", f"pipeline.microbatches={2 * ranks}",
             "pipeline.microbatch_size=2", f"model.n_layer={(1 if smoke else 2) * ranks}",
             f"runtime.threads_per_rank={threads or 1}", "logger=none"]
@@ -80,8 +61,8 @@ def reference(ranks: int, threads: int | None, smoke: bool) -> list[str]:
 
 
 def pipeline_rows(rows: list, deadline: float, path: Path, ranks: int, threads: int | None, smoke: bool) -> bool:
-    """Section ``pipeline``: calibrate the reference pipeline; its host keys, and per action
-    kind its calibrated time beyond what the profile measured so far prices, per block
+    """Section ``pipeline``: calibrate the reference pipeline; its host keys, and per action kind
+    its time beyond the profile's price, per block
     (:func:`pipeflow.planning.device_profile.in_step_rows`)."""
     import tempfile
 
@@ -199,10 +180,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def prices_nothing(doc: dict, out: Path, budget: str) -> str | None:
-    """The one line that says the sweep in ``out`` cannot price a step (a section it needs
-    has no rows: skipped or cut short by the budget, or failed), and what to do; None
-    where it can."""
-    from pipeflow.planning.device_profile import ProfileError, from_sweep
+    """The line saying the sweep in ``out`` cannot price a step (a section it needs has no rows)
+    and what to do; None where it can."""
+    from pipeflow.planning.device_profile import ProfileError
+    from pipeflow.planning.from_sweep import from_sweep
 
     try:
         from_sweep(doc, out.stem, str(out))

@@ -7,19 +7,9 @@
 
     pipeflow-plan -m --config-dir sweeps --config-name plan_topologies   # presets x methods
 
-Chooses the number of stages, the contiguous layer cut, the mapping of stages onto
-devices and the 1F1B microbatch order (:mod:`pipeflow.planning.planner`), within
-``plan.memory_limit_gb`` per device, at each tensor degree of ``plan.tensor_parallel``
-the model and the nodes take (each device a group of T GPUs; the fastest fitting degree
-wins, the best plan of each printed). Prints the plan as a table and the predicted
-iteration times of the baselines (uniform + identity mapping, PipeDream-style,
-DAPPLE-style; :mod:`pipeflow.planning.baselines`); ``plan.method`` picks a baseline as
-the plan instead, to compare the methods run by run. Writes plan.json, summary.json
-(the plan's simulated iteration with pipeflow-simulate's keys, ``kind: simulated``) and
-timeline.png (the predicted timeline) to the Hydra run directory; ``logger=wandb`` also
-makes the job one W&B run. A model that cannot fit stops with one sentence saying by
-how much.
-"""
+The plan (:mod:`pipeflow.planning.planner`) and the baselines
+(:mod:`pipeflow.planning.baselines`) at each tensor degree, printed; plan.json,
+summary.json and timeline.png written to the run directory (docs/planning.md)."""
 
 from __future__ import annotations
 
@@ -45,9 +35,9 @@ from pipeflow.config.plan_app import (METHODS, PlanAppConfig, PlanInputs, PlanOp
                                   compose_plan, prepare_plan, register_plan_configs)
 
 def run_plan(cfg: DictConfig, out_dir: str | Path) -> dict:
-    """Plan the configured run, write plan.json, summary.json (and timeline.png), return
-    the plan, the baselines and the summary. Raises ConfigError (one sentence naming the
-    key) when the config cannot be planned."""
+    """Plan the configured run, write plan.json, summary.json (and timeline.png); return the
+    plan, the baselines and the summary. ConfigError (one sentence naming the key) where the
+    config cannot be planned."""
     pipe, opts = cfg.pipeline, cfg.plan
     inputs = prepare_plan(cfg)
     spec, limit, kw = inputs.spec, inputs.limit, inputs.kw
@@ -99,11 +89,9 @@ def run_plan(cfg: DictConfig, out_dir: str | Path) -> dict:
 
 def _chosen_plan(method: str, spec: TransformerSpec, inputs: PlanInputs, pipe: DictConfig,
                  opts: DictConfig) -> tuple[Plan, dict]:
-    """The plan of ``plan.method`` at each degree of plan.tensor_parallel the model and the
-    nodes take (the topology-aware planner's, or a baseline's: one pipeline, whether or not
-    it fits the memory limit; ``fits`` in the summary says), the fastest that fits of them
-    (a baseline's at the lowest degree when none does); and per degree (str keys, as in
-    plan.json) the best plan's figures, or why the degree has none."""
+    """The plan of ``plan.method`` at each degree of plan.tensor_parallel the model and nodes
+    take, the fastest that fits (a baseline's at the lowest degree when none does), and per
+    degree (str keys) the best plan's figures or why it has none."""
     limit, kw, sp = inputs.limit, inputs.kw, inputs.sequence_parallel
     plans: dict[int, Plan] = {}
     degrees: dict[str, dict] = {str(t): {"left_out": why} for t, why in inputs.left_out.items()}
@@ -145,10 +133,8 @@ def timeline_title(p: Plan, topology: str) -> str:
 
 def simulated_summary(p: Plan, res: SimResult, topology: Topology, cfg: DictConfig, fit: bool,
                       files: list[str]) -> dict:
-    """summary.json of a plan, with the keys pipeflow-simulate's has (``kind``, ``schedule``,
-    ``stages``, ``microbatches``, ``makespan``, ``bubble_ratio``, ``peak_activation_bytes``,
-    ``per_device``, ``model``, ``cost``, ``topology``) plus the plan's own. The bubble ratio
-    and ``per_device`` cover the devices the plan uses; the topology's others stay idle."""
+    """summary.json of a plan: pipeflow-simulate's keys plus the plan's own; the bubble ratio
+    and ``per_device`` cover the devices the plan uses."""
     used = sorted({d for row in p.pipelines for d in row})
     per_device = [d for d in res.summary()["per_device"] if d["device"] in used]
     busy = sum(d["busy"] for d in per_device)

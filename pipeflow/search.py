@@ -8,19 +8,8 @@ for a model on a topology, a global batch and a memory limit per device; no GPU 
     pipeflow-search search.schedules=[1f1b,zb_h1,zb_v] search.recompute=[none]
     pipeflow-search search.staleness=true                      # asynchronous schedules too
 
-Every candidate trains the same global batch (``search.global_batch`` sequences per
-update) on all the devices. Each is priced in closed form (the schedule's bubble
-formula, its memory exactly as the simulator counts it); the ``search.simulate``
-fastest that fit, and the fastest of every schedule, are simulated, and the simulator's
-order is the answer (:mod:`pipeflow.planning.search`). Writes to the Hydra run
-directory: search.json (the table, the front, what did not fit), candidates.csv (every
-priced candidate), pareto.png, best.yaml (``pipeflow-train --config-dir <dir>
---config-name best``), candidate/cN.yaml (the top ``search.write_top``, trained side by
-side by ``sweeps/search_top.yaml``), predicted/cN/summary.json (their simulated
-summaries) and summary.json (the pick's), which ``pipeflow-compare`` reads beside
-measured runs. A budget nothing fits stops with one sentence naming the smallest
-requirement found.
-"""
+Each candidate is priced in closed form and the fastest simulated
+(:mod:`pipeflow.planning.search`); the files it writes: docs/planning.md."""
 
 from __future__ import annotations
 
@@ -49,9 +38,8 @@ log = logging.getLogger("pipeflow.search")
 
 
 def run_search(cfg: DictConfig, out_dir: str | Path) -> tuple[SearchResult, list[str]]:
-    """Search and write the files; return the result and the file names. Raises
-    ConfigError naming the key for a config that cannot be searched, or the smallest
-    requirement found for a budget nothing fits."""
+    """Search and write the files; return the result and the file names. ConfigError naming the
+    key for a config that cannot be searched, or the smallest requirement where nothing fits."""
     with collector_off():  # (the search's objects are kept until its files are written)
         return _run_search(cfg, out_dir)
 

@@ -5,13 +5,9 @@
     pipeflow-simulate -m schedule=gpipe,1f1b,zb_h1 pipeline.microbatches=8,16
     pipeflow-simulate -m --config-dir sweeps --config-name simulate_schedules   # one W&B group
 
-Composition only: config -> schedule (registry) -> cost model -> topology -> simulator
--> files in the Hydra run directory (summary.json with ``kind: simulated``,
-timeline.json, gzipped as timeline.json.gz when large, timeline.png when it can be read
-or ``draw=true``, and schedule.csv with ``export=torch_csv``) -> with ``logger=wandb``,
-one W&B run per job (:mod:`pipeflow.tracking.simulated`; a multirun's jobs share one
-group).
-"""
+Composition only: config -> schedule -> cost model -> topology -> simulator -> the run folder's files
+(docs/simulation.md lists them) -> with ``logger=wandb`` one W&B run per job
+(:mod:`pipeflow.tracking.simulated`)."""
 
 from __future__ import annotations
 
@@ -53,15 +49,9 @@ DRAW_VALUES = ("auto", True, False)
 
 def run_simulation(cfg: DictConfig, out_dir: str | Path, notes: list[str] | None = None,
                    actions: list | None = None) -> dict:
-    """Simulate the configured run and write its files into ``out_dir``; return the summary.
-
-    Raises ConfigError (one sentence naming the key) before any work if the config
-    cannot be simulated. ``notes``, when given, receives a line for the console about
-    what was not written and why (a picture too dense to read). ``actions`` (per
-    device, an action's name such as "1I3", or None) adds each device's
-    ``memory_at_action``: what the simulator says that action holds at its most
-    (``benchmarks/bench_memory.py`` asks for the action where a rank measured its peak).
-    """
+    """Simulate the configured run, write its files into ``out_dir`` and return the summary. ConfigError
+    (one sentence naming the key) before any work. ``notes`` receives console lines on what was not
+    written; ``actions`` (per device, an action's name or None) adds each device's ``memory_at_action``."""
     # Checking, simulating and writing 64 x 1024 allocate millions of objects and no
     # reference cycles; left on, the cyclic collector rescans them again and again (half
     # a second). It is back on once they are freed, when _run_simulation has returned.
@@ -75,6 +65,7 @@ def run_simulation(cfg: DictConfig, out_dir: str | Path, notes: list[str] | None
 
 
 def _run_simulation(cfg: DictConfig, out_dir: str | Path, notes: list[str] | None, actions: list | None) -> dict:
+    """:func:`run_simulation`'s work (the cyclic collector off)."""
     if cfg.draw not in DRAW_VALUES:
         raise ConfigError(f"draw={cfg.draw}: allowed values: auto (the picture when it can be read), "
                           f"true (always), false (never)")
@@ -112,6 +103,16 @@ def _run_simulation(cfg: DictConfig, out_dir: str | Path, notes: list[str] | Non
         write_torch_csv(schedule, out / "schedule.csv")
         files.append("schedule.csv")
 
+    summary = _summary(cfg, inputs, result, sim_summary, categories, files)
+    write_summary(out, summary)
+    return summary
+
+
+def _summary(cfg: DictConfig, inputs, result, sim_summary: dict, categories: list[dict] | None,
+             files: list[str]) -> dict:
+    """summary.json of a simulated run (``kind: simulated``)."""
+    pipe = cfg.pipeline
+    schedule, cost, topology = inputs.schedule, inputs.cost, inputs.topology
     memory = memory_fit(schedule, cost, topology, sim_summary["per_device"], categories)
     operators = operator_breakdown(schedule, cost, topology)
     summary = {
@@ -155,17 +156,13 @@ def _run_simulation(cfg: DictConfig, out_dir: str | Path, notes: list[str] | Non
         "files": files,
     }
     summary["run_key"] = run_key(cfg, **pipeline_shape(schedule, pipe.stages))
-    write_summary(out, summary)
     return summary
 
 
 def memory_fit(schedule, cost, topology, per_device: list[dict], categories: list[dict] | None = None) -> dict:
-    """Whether every device holds what the run asks of it: the model state of the stages
-    it holds for the whole run (weights, gradients, optimizer state:
-    ``cost.model_state_bytes``) plus its peak of saved activations, against its memory.
-    Adds ``model_state_bytes``, ``peak_memory_bytes`` and ``memory_bytes`` to each device's
-    entry; returns ``fits`` and ``out_of_memory_devices`` (``fits`` null when the cost
-    model has no bytes, as cost=unit)."""
+    """Whether every device's peak memory (its stages' model state and what the walk holds) fits: adds
+    ``model_state_bytes``, ``peak_memory_bytes`` and ``memory_bytes`` to each ``per_device`` entry;
+    returns ``fits`` (null for cost=unit) and ``out_of_memory_devices``."""
     if cost.name == "unit":
         return {"fits": None, "out_of_memory_devices": []}
     short = []
@@ -220,15 +217,8 @@ def memory_line(s: dict) -> str | None:
 
 
 def _simulate_checked(schedule, cost, topology):
-    """Simulate ``schedule`` and check it once.
-
-    The validator's completeness check runs first (:func:`check_complete`: set arithmetic
-    for a schedule that passes). Its dependency and deadlock checks are a dry run of the
-    same dependencies the simulator resolves, and the simulator stops on a missing
-    dependency or a deadlock itself, so they run only when it stopped, for the
-    validator's naming of every action at fault (ScheduleError). The idle-gap analysis
-    runs only where the summary or the timeline shows it (branched models).
-    """
+    """Simulate ``schedule`` and check it once: the completeness checks first; the validator's dependency
+    and deadlock walk only where the simulator stopped, to name the actions at fault (ScheduleError)."""
     check_complete(schedule)
     check_overlaps(schedule)
     try:
@@ -292,8 +282,7 @@ def format_report(summary: dict) -> str:
 
 
 def operator_breakdown(schedule, cost, topology) -> list[dict] | None:
-    """Each device's compute seconds by operator class where its operators are priced
-    from a measured profile (``topology.device=h200``, ``topology.device_profile``)."""
+    """Each device's compute seconds by operator class where a measured profile prices it, else None."""
     if not hasattr(cost, "operator_split") or not any(d.profile for d in topology.devices):
         return None
     return [device_split(cost, orders, topology.devices[i].profile) if topology.devices[i].profile else None
@@ -321,8 +310,7 @@ def _table(cols, rows) -> list[str]:
 
 
 def _branch_table(per_device: list[dict]) -> list[str]:
-    """Branched models: busy time per branch and idle time per cause, one row per device
-    (causes that never occur are left out); nothing for unlabelled models."""
+    """Branched models: busy time per branch and idle time per cause, a row per device."""
     if not any(d.get("busy_by_branch") for d in per_device):
         return []
     labels = list(dict.fromkeys(k for d in per_device for k in d.get("busy_by_branch", {})))
@@ -370,8 +358,7 @@ def simulate_app(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    """The console script: the command line checked before Hydra composes (one line for a
-    bad group choice, key or output folder), then the app."""
+    """The console script: the command line checked before Hydra composes, then the app."""
     run_app(simulate_app, "simulate")
 
 

@@ -195,7 +195,7 @@ def _train(inputs, hydra_cfg, run_dir: str) -> None:
     for change in resume_changes(inputs.config):
         log.info(change)
     log.info(f"training {plan.record['model']['name']} with {plan.schedule.name}: p={plan.stages}, "
-             f"m={plan.microbatches}, {plan.trainer.steps} steps on {inputs.world_size} ranks; run folder {run_dir}")
+             f"m={plan.microbatches}, {plan.trainer.steps} steps on {plan.world_size} ranks; run folder {run_dir}")
     try:
         summary = launch(TrainJob(plan, run_dir), on_start=lambda rank, pid: log.info(f"rank {rank}: pid {pid}"))
     except JobStopped as stopped:

@@ -621,7 +621,7 @@ def test_compile_true_builds_a_tiny_function_before_any_rank(monkeypatch, tmp_pa
     builds a tiny OpenMP function first, once per compiler a process."""
     from pipeflow.config import ConfigError, compose
     from pipeflow.config.groups import compile as group
-    from pipeflow.config.prepare import generate_schedule
+    from pipeflow.config.assembly import generate_schedule
 
     cfg = compose("train", ["compile=true"])
     schedule = generate_schedule(cfg)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -41,9 +42,14 @@ def _setup(model, p):
 @pytest.mark.parametrize("p", [2, 4, 8])
 @pytest.mark.parametrize("m", [1, 3, 8, 16])
 def test_valid_for_every_policy(p, m):
+    """Every policy's schedule passes the validator, and runs each stage's F and B once
+    per microbatch and one step per stage."""
     graph, _ = cbm_stage_graph(ONE, p, p)
     for pol in policies():
-        validate(bapp(p, m, graph, pol))
+        s = validate(bapp(p, m, graph, pol))
+        kinds = Counter((a.kind, a.stage) for _, _, a in s.actions())
+        for stage in range(graph.num_stages):
+            assert (kinds[("F", stage)], kinds[("B", stage)], kinds[("S", stage)]) == (m, m, 1)
 
 
 @pytest.mark.parametrize("p", [2, 4, 8])

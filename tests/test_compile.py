@@ -39,7 +39,7 @@ def test_compile_composes_with_every_schedule_and_feature(over):
 
 def test_a_cpu_run_without_a_cpp_compiler_is_refused_and_a_gpu_run_needs_none(monkeypatch):
     """Inductor builds CPU kernels with a C++ compiler; CUDA's it builds with Triton."""
-    from pipeflow.config.prepare import generate_schedule
+    from pipeflow.config.assembly import generate_schedule
 
     cfg = compose("train", ["compile=true", "pipeline.stages=2"])
     schedule = generate_schedule(cfg)
@@ -58,7 +58,7 @@ def test_the_simulator_prices_compile_only_by_a_calibration():
 
 
 def test_the_compile_mode_follows_the_split():
-    from pipeflow.config.prepare import generate_schedule
+    from pipeflow.config.assembly import generate_schedule
 
     one = generate_schedule(compose("train", ["schedule=1f1b"]))
     split = generate_schedule(compose("train", ["schedule=zb_h1"]))

@@ -298,6 +298,26 @@ def test_step_time_is_memory_bound_and_scales_with_params():
     assert AnalyticCost(GPT, 4, dtype_bytes=4).model_state_bytes(1) == 16 * p  # fp32: no casts
 
 
+def test_a_parameter_costs_one_state_and_one_step_wherever_it_is_priced():
+    """pipeflow.planning.model_state: 16 B of fp32 weight, gradient and moments and, at 16
+    bits, a 2 B cast (Megatron's 18 B/param of mixed-precision Adam); AdamW's step reads
+    and writes weight and moments, reads the gradient (28 B) and writes the 16-bit copy.
+    The analytic cost and the planner's closed form price a stage by them."""
+    from pipeflow.planning.model_state import cast_bytes, parameter_state, step_bytes, step_time
+    from pipeflow.planning.placement_plan import StageModel
+
+    assert parameter_state(10) == {"parameters": 40, "gradients": 40, "optimizer_state": 80}
+    assert sum(parameter_state(10).values()) + cast_bytes(10, 2) == 180 and cast_bytes(10, 4) == 0.0
+    assert (step_bytes(10, 2), step_bytes(10, 4)) == (300, 280)
+    assert step_time(10, 2, 0.0) == 0.0 and step_time(10, 2, 150.0) == 2.0
+    c, model = AnalyticCost(GPT, 4, layers_per_stage=[1, 3, 3, 1]), StageModel(GPT)
+    for s, n in enumerate(c.layers_per_stage):
+        p, ends = c.stage_params(s), (s == 0, s == 3)
+        assert model.params(n, *ends) == p
+        step = step_bytes(p, 2) / DEV.memory_bandwidth
+        assert c.compute_time("S", s, 0, DEV) == model.step_time(n, *ends, DEV) == step
+
+
 # ------------------------------------------------------------------- config
 
 

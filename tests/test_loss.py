@@ -9,9 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from pipeflow.models.loss import chunk_rows, cross_entropy_sum
-from pipeflow.planning.operators import Loss, Shape, head_forward, saved_bytes
+from pipeflow.planning.layer_operators import head_forward
+from pipeflow.planning.operators import Loss, Shape
+from pipeflow.planning.saved_tensors import saved_bytes
 from pipeflow.planning.transformer import TransformerSpec
-from pipeflow.planning.working_set import loss_backward_bytes, loss_forward_bytes
+from pipeflow.planning.loss_memory import loss_backward_bytes, loss_forward_bytes
 
 VOCAB = 50257  # GPT-2's: 83 rows a chunk
 PADDED = 50304  # model.vocab_multiple=64: the head's width, of which the loss scores VOCAB

@@ -94,7 +94,7 @@ def test_the_cpu_sections_give_the_profile_its_block_times_and_host(smoke, tmp_p
     less its kernels' calls; the reference pipeline's host keys and its time per block
     beyond the price, which the local_cpu topology and the operator cost then read."""
     from pipeflow.config import compose, prepare_simulation
-    from pipeflow.planning.device_profile import from_sweep
+    from pipeflow.planning.from_sweep import from_sweep
 
     _, doc, _ = smoke
     prof = from_sweep(doc, "smoke")
@@ -193,7 +193,7 @@ def test_a_runs_trace_folds_into_its_profile(smoke, tmp_path):
     the profile it writes prices each class's operators at the ratio times the price."""
     from pipeflow import fold_trace
     from pipeflow.config import compose, prepare_simulation
-    from pipeflow.planning.device_profile import load_profile
+    from pipeflow.planning.from_sweep import load_profile
     from pipeline_runs import train
 
     _, doc, _ = smoke

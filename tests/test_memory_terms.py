@@ -10,12 +10,13 @@ import pytest
 
 from pipeflow.planning.branched_cost import BranchedAnalyticCost
 from pipeflow.planning.cost import COARSE_ABSENT, AnalyticCost, CostModel
+from pipeflow.formats.memory_categories import APART, CATEGORIES, MEANINGS, MEASURED, STATE
 from pipeflow.planning.unit_cost import UnitCost
-from pipeflow.sim.memory_tape import CATEGORIES
-from pipeflow.sim.memory_terms import COMPOSED, REQUIRED, TERMS, MissingTerm, missing_terms, price, term_value
+from pipeflow.sim.memory_terms import COMPOSED, REQUIRED, TERMS, MissingTerm, Term, missing_terms, price, term_value
 
-GLOSSARY = Path(__file__).resolve().parents[1] / "docs" / "memory_terms.md"
-TAGS = set(CATEGORIES) | {"kv"}  # the runtime's tags (pipeflow.runtime.memory_replay)
+ROOT = Path(__file__).resolve().parents[1]
+GLOSSARY = ROOT / "docs" / "memory_terms.md"
+TAGS = set(MEASURED)  # the runtime's tags (pipeflow.runtime.memory_replay)
 
 
 def _tables() -> tuple[dict, dict]:
@@ -93,3 +94,37 @@ def test_every_composition_is_composed_by_a_rule_of_its_own():
     from pipeflow.sim.memory_terms import COMPOSE
 
     assert set(COMPOSE) | {"extra_versions"} == set(COMPOSED)
+
+
+def test_the_simulator_and_the_runtime_count_in_one_list_of_categories():
+    """One list (pipeflow.formats.memory_categories): the tape's categories, the runtime's
+    (those plus the tags it measures apart), the pairs compared; a term naming no
+    category, or a cost model whose state_bytes lacks one, is refused."""
+    import ast
+
+    from pipeflow.runtime import memory_replay
+    from pipeflow.sim import memory_tape
+    from pipeflow.sim.device_memory import COMPARED
+
+    assert memory_tape.CATEGORIES is CATEGORIES and tuple(MEANINGS) == CATEGORIES and set(STATE) <= set(CATEGORIES)
+    assert memory_replay.CATEGORIES is MEASURED and set(MEASURED) == set(CATEGORIES) | set(APART)
+    assert list(COMPARED) == list(CATEGORIES) and COMPARED["activations"] == (("activations", "kv"), ("activations",))
+    assert sorted(t for measured, _ in COMPARED.values() for t in measured) == sorted(MEASURED)
+    # the replay ranks every tag (temporaries: untagged), and the runtime tags only measured categories
+    assert set(memory_replay._PRIORITY) == set(MEASURED) - {"temporaries"}
+    tagged = set()
+    for path in (ROOT / "pipeflow" / "runtime").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "tag" and len(node.args) == 2:
+                arg = node.args[1]
+            elif isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["_tag"]:
+                arg = node.value
+            else:
+                continue
+            if isinstance(arg, ast.Constant):
+                tagged.add(arg.value)
+    assert {"weight_versions", "optimizer_state", "residuals", "kv", "inputs"} <= tagged <= set(MEASURED)
+    with pytest.raises(ValueError, match="buffers is no memory category"):
+        Term("buffer_bytes", "buffers", "a stage's buffers")
+    with pytest.raises(MissingTerm, match="state_bytes prices no 'casts'"):
+        term_value(("state", 0, "casts"), type("NoCasts", (), {"state_bytes": lambda self, s: {"parameters": 1.0}})())

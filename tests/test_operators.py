@@ -12,8 +12,10 @@ import math
 import pytest
 
 from pipeflow.config import ConfigError, compose, prepare_simulation
-from pipeflow.planning.device_profile import ProfileError, from_sweep, load_profile
-from pipeflow.planning.operators import Attention, Pointwise, Product, Shape, StageOperators
+from pipeflow.planning.device_profile import ProfileError
+from pipeflow.planning.from_sweep import from_sweep, load_profile
+from pipeflow.planning.operators import Attention, Pointwise, Product, Shape
+from pipeflow.planning.stage_operators import StageOperators
 from pipeflow.planning.transformer import (TransformerSpec, attention_score_flops, head_forward_flops,
                                            layer_linear_flops)
 from pipeflow.topology.presets import DEVICES, PROFILES
@@ -39,7 +41,8 @@ def test_the_memory_model_reads_what_the_operators_keep():
     each product its own cast (3 + 2 tensors of x*b*H*2 bytes for 2 + 1); and the cost
     model's activation bytes on a middle stage are the layers' and the rotary tables'."""
     from pipeflow.planning.cost import AnalyticCost
-    from pipeflow.planning.operators import block_forward, block_saved, kept
+    from pipeflow.planning.layer_operators import block_forward
+    from pipeflow.planning.saved_tensors import block_saved, kept
     from pipeflow.planning.transformer import stage_shared_saved
 
     b, x, H = 2, 64, LLAMA.n_embd
@@ -221,7 +224,7 @@ def test_a_cpu_prices_memory_bound_operators_along_its_measured_rows():
     """A CPU's bandwidth falls with the size (caches, DRAM, pages mapped fresh): its
     memory-bound operators are priced along the rows, not by one line through them,
     which the largest (page-fault-bound) rows would set for every size."""
-    from pipeflow.planning.device_profile import fit_curve, fit_linear
+    from pipeflow.planning.profile_fits import fit_curve, fit_linear
 
     sizes = [2**12, 2**14, 2**16, 2**18, 2**20]
     seconds = [2e-6, 5e-6, 20e-6, 80e-6, 3000e-6]  # the last one faulted in page by page

@@ -514,7 +514,8 @@ def test_fp32_grouped_query_attention_on_a_gpu_keeps_its_keys_repeated(model, to
     K and V repeated to every query head (measured on an H100: llama_tiny at 2k tokens,
     441 MiB a rank, where the math fallback held 2157), and the model keeps those copies."""
     from pipeflow.config import prepare_simulation as prepare
-    from pipeflow.planning.operators import Shape, block_saved
+    from pipeflow.planning.operators import Shape
+    from pipeflow.planning.saved_tensors import block_saved
 
     cfg = compose("simulate", [f"model={model}", "schedule=1f1b", "pipeline.stages=2", "topology=cluster",
                                "topology.nodes=1", f"topology.device={topology}", f"precision={precision}"])

@@ -365,6 +365,8 @@ def test_free_graph_false_keeps_the_graph_until_w():
     module, run = _case("gpt_last")
     params = list(module.parameters())
     leaves, out, g = run()
-    _, pending = backward_input(out, g, leaves, params, free_graph=False)
-    torch.autograd.grad(out, leaves, grad_outputs=g, retain_graph=True)  # still there: no error
+    grads, pending = backward_input(out, g, leaves, params, free_graph=False)
+    again = torch.autograd.grad(out, leaves, grad_outputs=g, retain_graph=True)  # the graph is still there
+    assert all(torch.equal(a, b) for a, b in zip(again, grads))
     backward_weight(pending, params)
+    assert all(p.grad is not None for p in params)

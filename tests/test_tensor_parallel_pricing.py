@@ -7,13 +7,12 @@ every refusal. No rank is started."""
 from __future__ import annotations
 
 import pytest
-from omegaconf import OmegaConf
 
 from pipeflow.config import ConfigError, compose, prepare_simulation
 from pipeflow.config.tensor_degree import check_tensor_parallel
 from pipeflow.planning.cost import AnalyticCost, layer_cost
 from pipeflow.planning.tensor_cost import shard_spec
-from pipeflow.planning.operators import norm_saved_bytes
+from pipeflow.planning.saved_tensors import norm_saved_bytes
 from pipeflow.planning.transformer import TransformerSpec
 from pipeflow.sim import simulate
 from pipeflow.topology import get_topology
@@ -173,10 +172,8 @@ def test_T_1_is_todays_cost():
 # ------------------------------------------------------------------------------ refusals
 
 
-def _check(spec, T=2, sp=False, schedule=None, lengths=None, model="gpt"):
-    cfg = OmegaConf.create({"pipeline": {"tensor_parallel": T, "sequence_parallel": sp},
-                            "model": {"family": model}})
-    check_tensor_parallel(cfg, schedule, spec, lengths)
+def _check(spec, T=2, sp=False, schedule=None, lengths=None):
+    check_tensor_parallel(T, sp, schedule, spec, lengths)  # (spec None: a concurrent-branch model)
 
 
 @pytest.mark.parametrize("spec,T,sp,lengths,message", [
@@ -208,7 +205,7 @@ def test_a_branched_model_is_refused():
     with pytest.raises(ConfigError, match=r"^pipeline\.tensor_parallel=2: a concurrent-branch model"):
         prepare_simulation(compose("simulate", ["model=cbm_tiny", "pipeline.tensor_parallel=2"]))
     with pytest.raises(ConfigError, match=r"concurrent-branch"):
-        _check(None, model="cbm")
+        _check(None)
 
 
 def test_groups_that_leave_a_node_or_split_it_unevenly_are_refused():

@@ -1,10 +1,7 @@
-"""The caution that goes wherever simulated and measured step times stand side by side and
-disagree beyond the fidelity target: what the simulator predicts, what was measured, and
-why the two can differ, in words that depend on the cost model the simulation used.
-
-The configurations come from :func:`pipeflow.compare.table.sim_disagreements` (group rows,
-means over seeds); the same sentences go to the page (:mod:`.page`) and the console.
-"""
+"""The caution wherever simulated and measured step times disagree beyond the fidelity
+target (the configurations of :func:`pipeflow.compare.table.sim_disagreements`): what the
+simulator predicts, what was measured and why they can differ under its cost model, in the
+same sentences on the page and the console."""
 
 from __future__ import annotations
 

@@ -4,17 +4,12 @@
     pipeflow-compare RUN_DIR OTHER_RUN_DIR outputs/multirun/simulate/... out=reports/sched
     pipeflow-compare outputs/multirun/train/... report=wandb     # also a W&B report when online
 
-Arguments are run or multirun directories (any mix, any number) and key=value settings
-(below). Writes into out (default outputs/compare/<date>/<time>): report.html
-(self-contained, figures embedded, its tables fit a 1400 px window), the figures as
-PNGs, runs.csv (one row per run, every column) and configurations.csv (one row per
-configuration, means over seeds). Runs that crashed or stopped early are reported as
-such, with what they logged before stopping. A measured run with a simulated run of its
-configuration gets the simulator's deviation (sim_error), flagged beyond the fidelity
-target: 10% on up to 2 ranks, 15% on more (sim_tolerance=FRACTION for another); the
-report then says, in a caution, what was simulated, what was measured and why they can
-differ.
-"""
+Arguments are run or multirun directories (any mix) and key=value settings (below).
+Writes into out (default outputs/compare/<date>/<time>): report.html, the figures as PNGs,
+runs.csv (one row per run) and configurations.csv (means over seeds). Runs that stopped
+early are reported as such. A measured run with a simulation of its configuration gets
+the simulator's deviation (sim_error), flagged beyond 10% on up to 2 ranks, 15% on more
+(sim_tolerance=FRACTION for another), with a caution saying why they can differ."""
 
 from __future__ import annotations
 
@@ -73,9 +68,8 @@ RUN_FILES = ("summary.json", "metrics.jsonl", "config.json", ".hydra")
 
 
 def check_report_dir(out: Path, inputs: list[Path], overwrite: bool) -> None:
-    """``out`` must not be (or lie inside) a run being compared, and, unless
-    ``overwrite``, must not hold another report or runs: writing there replaced a report
-    or wrote into a run's folder, silently."""
+    """CompareConfigError where ``out`` is (or lies inside) a run being compared or, unless
+    ``overwrite``, holds another report or runs."""
     target = out.expanduser().resolve()
     for p in inputs:
         src = p.expanduser().resolve()

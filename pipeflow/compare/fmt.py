@@ -1,14 +1,7 @@
-"""How the report's numbers and column names read, on the page and on the console.
-
-The CSV files keep every column under its raw name and every number at full precision:
-they are the machine-readable output. What a person reads goes through here instead:
-
-- :data:`COLUMNS` names each column in words, with its unit (``step_time_s`` reads
-  "step time (s)");
-- :func:`cell` rounds a value by what it is: times to 3 significant digits, losses to 4,
-  rates grouped by thousands, ratios as percentages, byte counts in B, KiB, MiB, GiB
-  (:func:`human_bytes`), never in exponent notation such as ``3.60448e+06``.
-"""
+"""How the report's numbers and column names read, on the page and the console (the CSV
+files keep raw names and full precision): :data:`COLUMNS` names each column in words with
+its unit; :func:`cell` rounds a value by what it is, bytes in binary units
+(:func:`human_bytes`), never in exponent notation."""
 
 from __future__ import annotations
 
@@ -95,9 +88,8 @@ def significant(value: float, digits: int = 3) -> str:
 
 
 def human_bytes(count: float | None, trim: bool = False) -> str:
-    """A byte count in the largest binary unit below it, 3 significant digits:
-    3604480 -> "3.44 MiB", 512 -> "512 B"; ``trim``: trailing zeros dropped, as on an
-    axis ("5 MiB", not "5.00 MiB")."""
+    """A byte count in the largest binary unit below it, 3 significant digits (3604480 ->
+    "3.44 MiB"); ``trim``: trailing zeros dropped ("5 MiB")."""
     if count is None:
         return ""
     value, unit = float(count), 0

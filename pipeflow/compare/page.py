@@ -1,23 +1,9 @@
-"""report.html: one self-contained page that fits a 1400 px wide window.
-
-The page shows the columns a reader compares, named in words with their units and
-rounded (:mod:`.fmt`); the CSV files beside it keep every column. So that no table
-widens the page:
-
-- each table holds one kind of row with at most :data:`MAX_COLUMNS` columns: training
-  runs, simulated runs, simulated against measured (per configuration), and the means
-  over seeds when a configuration has several runs;
-- a column whose value is the same in every row (the seed, the depth, the cost model)
-  leaves the table for a line above it; a column nobody has a value in is left out;
-- a run's folder is printed small under its configuration, breakable at ``,`` and ``/``;
-  every cell may wrap, and a table that still cannot fit scrolls in its own box
-  (``.table``), never the page.
-
-Where simulated and measured step times stand side by side and differ beyond the
-fidelity target, a caution says what the simulator predicts, what was measured and why
-they can differ (:mod:`.caution`): in full at the top, briefly beside the step-time
-figure and table.
-"""
+"""report.html: one self-contained page that fits a 1400 px wide window. Its tables show the
+columns a reader compares, in words, with units, rounded (:mod:`.fmt`), each table one
+kind of row of at most :data:`MAX_COLUMNS` columns (a column equal in every row becomes a
+line above it); a table that still cannot fit scrolls in its own box, never the page.
+Where simulated and measured step times differ beyond the fidelity target, a caution
+(:mod:`.caution`) says why, in full at the top and briefly beside the step times."""
 
 from __future__ import annotations
 

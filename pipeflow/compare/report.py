@@ -1,28 +1,7 @@
-"""The local report: PNG figures, CSV tables and one self-contained HTML page.
-
-Figures (each written only when the runs have what it draws):
-
-- ``convergence.png``: loss against step, samples, optimizer updates and training time,
-  one line per configuration (the mean over its seeds, with a band from the lowest to
-  the highest seed), smoothed by a trailing mean; a run that crashed or stopped early,
-  diverged or skipped every update is drawn dashed and ends in a cross at its last
-  logged step;
-- ``throughput.png``: tokens per second and the measured bubble ratio per configuration
-  (bars: mean over seeds, whiskers: lowest to highest);
-- ``memory.png``: peak memory and peak saved activations per rank, and the simulator's
-  peak activation bytes per device for simulated runs;
-- ``step_time.png``: measured step time beside the simulated iteration time where the
-  inputs hold both (each simulated bar marked with its deviation from the measured one,
-  and "beyond ±N%" when that is beyond the fidelity target), and the simulated bubble
-  ratio.
-
-Every figure is at most :data:`WIDTH_IN` inches wide at :data:`DPI` (1375 px), and grows
-in height with the number of configurations. Byte counts read in KiB, MiB, GiB.
-
-The CSV files hold every column at full precision; the page (:mod:`.page`) shows the
-columns a reader compares, in words and rounded, and the caution where simulated and
-measured step times disagree beyond the fidelity target.
-"""
+"""The local report: PNG figures (``convergence.png``, ``throughput.png``, ``memory.png``,
+``step_time.png``; each only when the runs have what it draws), CSV tables at full
+precision and one self-contained HTML page (:mod:`.page`). Every figure is at most
+:data:`WIDTH_IN` inches wide at :data:`DPI`; what each shows: docs/comparing.md."""
 
 from __future__ import annotations
 
@@ -56,9 +35,8 @@ _UNFINISHED = tuple(s for s in (*UNFINISHED, *UNTRAINED) if s != "empty")
 
 
 class Report:
-    """What :func:`write_report` wrote: its title, the paths of the files, the figures by
-    name, and the configurations whose simulated step time is beyond the fidelity target
-    (:func:`pipeflow.compare.table.sim_cautions`)."""
+    """What :func:`write_report` wrote: its title, the files' paths, the figures by name and the
+    configurations whose simulated step time is beyond the fidelity target."""
 
     def __init__(self, out_dir: Path, title: str):
         self.out_dir = out_dir
@@ -148,9 +126,8 @@ def _convergence(runs: list[Run], colours: dict, window: int, path: Path) -> Pat
 
 def _bars(ax, labels: list[str], values: list[list[float]], colours: dict, title: str, xlabel: str, *,
           share: bool = False) -> None:
-    """One horizontal bar per label (labels read along the y axis, however long): the
-    mean of its values, whiskers from the lowest to the highest. ``share``: the values
-    are fractions, read as percentages."""
+    """One horizontal bar per label: the mean of its values, whiskers lowest to highest
+    (``share``: fractions, read as percentages)."""
     means = [statistics.fmean(v) if v else 0.0 for v in values]
     err = [[m - min(v) if v else 0 for m, v in zip(means, values)],
            [max(v) - m if v else 0 for m, v in zip(means, values)]]

@@ -1,33 +1,11 @@
 """Find and read the runs a comparison is made of.
 
-A *run directory* is what one ``pipeflow-train`` or ``pipeflow-simulate`` job writes:
-
-- training (``kind="measured"``): ``metrics.jsonl`` (a row per logged step), ``config.json``
-  (the resolved config the ranks ran), ``summary.json`` once the run finished, and
-  ``failure.json`` when a rank failed;
-- simulation (``kind="simulated"``): ``summary.json`` with the predicted ``makespan``,
-  ``bubble_ratio`` and memory;
-- under Hydra both also get ``.hydra/config.yaml`` and ``.hydra/overrides.yaml``.
-
-A *multirun directory* holds run directories (one per job, at any depth). Every run
-found is kept, whatever state it is in; :attr:`Run.status` says which:
-
-- ``finished``: summary.json is there;
-- ``interrupted``: summary.json says the run was stopped (a signal, its launcher gone)
-  at its ``last_step``; its metrics up to there are kept;
-- ``crashed``: failure.json names the rank that failed (metrics up to the crash are kept);
-- ``incomplete``: metrics but no summary and no recorded failure (killed from outside,
-  or still running);
-- ``empty``: nothing was measured (the job stopped before its first step, e.g. a config
-  the up-front check refused);
-- ``diverged``: summary.json says the run ended with a loss that is not finite (from its
-  ``diverged_at`` step);
-- ``no_updates``: summary.json says every step's update was skipped (fp16 gradients
-  that overflowed at every loss scale): nothing was trained.
-
-The last two ran to their end, but their numbers are no result: like the unfinished
-ones they are listed apart, drawn dashed and left out of the target loss.
-"""
+A *run directory* is what one ``pipeflow-train`` (``metrics.jsonl``, ``config.json``,
+``summary.json`` once finished, ``failure.json`` when a rank failed) or
+``pipeflow-simulate`` job (``summary.json``) writes; a *multirun directory* holds them at
+any depth. Every run found is kept, whatever its :attr:`Run.status`: ``finished``,
+``interrupted``, ``crashed``, ``incomplete``, ``empty``, ``diverged`` or ``no_updates``
+(docs/comparing.md); all but the first are listed apart and left out of the target loss."""
 
 from __future__ import annotations
 
@@ -263,9 +241,8 @@ def _labelled(key: str) -> bool:
 
 
 def label_runs(runs: list[Run]) -> None:
-    """Set each run's ``label``: the config values that differ across the runs of its
-    kind, schedule first, e.g. ``"amdp, microbatches=8"``. Runs that differ only by seed
-    share a label (they are repeats of one configuration)."""
+    """Set each run's ``label``: the config values that differ across the runs of its kind,
+    schedule first (``"amdp, microbatches=8"``); runs that differ only by seed share one."""
     for kind in ("measured", "simulated"):
         group = [r for r in runs if r.kind == kind]
         flat = [{k: v for k, v in flatten(r.config).items() if _labelled(k)} for r in group]
@@ -299,10 +276,9 @@ def label_runs(runs: list[Run]) -> None:
 
 
 def _path_tails(values: list) -> dict[str, str]:
-    """Each path among ``values`` (a string holding ``/``: model.config, model.weights,
-    schedule.path) as its last components, as few as tell the distinct values apart:
-    ``/data/llama/config.json`` and ``/data/qwen/config.json`` read ``llama/config.json``
-    and ``qwen/config.json``; a lone ``/runs/a/weights`` reads ``weights``."""
+    """Each path among ``values`` as its last components, as few as tell the values apart
+    (``/data/llama/config.json`` -> ``llama/config.json``; a lone ``/runs/a/weights`` ->
+    ``weights``)."""
     distinct = list(dict.fromkeys(v for v in values if isinstance(v, str) and "/" in v))
     parts = {v: [p for p in v.rstrip("/").split("/") if p] or [v] for v in distinct}
     out: dict[str, str] = {}

@@ -1,27 +1,9 @@
-"""The numbers of a comparison: one row per run, one row per configuration, and the
-curves the plots draw.
-
-Everything a row says about a training run comes from that run's own files: losses,
-samples, updates and time from its ``metrics.jsonl`` (so a crashed run still has a row,
-with what it logged before the crash), rates and peaks from its ``summary.json`` when it
-finished, else from its rows. Simulated runs fill the ``sim_*`` columns; a training run
-gets the ``sim_*`` columns of the simulated run of the same configuration (schedule,
-depth, microbatches, segments, model) when one is among the inputs, and with them the
-simulator's fidelity on that run: ``sim_error``, the signed deviation of the simulated
-step time from the measured one, ``sim_tolerance``, the target it is held to
-(:func:`sim_tolerance`), and ``sim_flag`` when it is beyond.
-
-X axes of the convergence curves, per logged step:
-
-- ``step``: the optimizer step number of synchronous runs; a step of an asynchronous
-  run is one global batch too, but may hold several updates (PipeDream: one per
-  microbatch);
-- ``samples``: sequences consumed so far, as the run logged them;
-- ``updates``: optimizer updates applied so far (an asynchronous run logs its own
-  count; a synchronous step is one update);
-- ``time``: seconds spent in training steps so far (``train_time``; validation and
-  checkpoints are not training time).
-"""
+"""The numbers of a comparison: one row per run, one row per configuration, and the curves
+the plots draw (x axes: :data:`X_AXES`). A row's numbers come from the run's own files
+(``metrics.jsonl``, ``summary.json`` once finished); a training run gets the ``sim_*``
+columns of the simulated run of its configuration when one is compared, with the
+simulator's fidelity on it (``sim_error``, ``sim_tolerance``: :func:`sim_tolerance`,
+``sim_flag``). docs/comparing.md says what each column means."""
 
 from __future__ import annotations
 
@@ -141,9 +123,8 @@ def by_label(runs: Iterable[Run]) -> dict[str, list[Run]]:
 
 
 def target_loss(runs: list[Run], window: int) -> float | None:
-    """The default target of time-to-target: the highest smoothed final loss among the
-    runs that finished, so that every finished run reaches it (among all runs with
-    losses when none finished)."""
+    """The default target of time-to-target: the highest smoothed final loss among the finished
+    runs (among all runs with losses when none finished)."""
     finals, finished = [], []
     for run in runs:
         if run.kind != "measured":
@@ -189,10 +170,9 @@ def _max(values) -> float | None:
 
 
 def sim_key(run: Run) -> dict:
-    """What makes a simulated run the prediction of a measured one: the ``run_key`` its
-    summary.json carries (:mod:`pipeflow.tracking.record`, one for every app). A run with
-    none (it ended before its summary, or an older file): the same key read from its
-    config and summary, a field neither names left open (None)."""
+    """What makes a simulated run the prediction of a measured one: its summary's ``run_key``
+    (:mod:`pipeflow.tracking.record`); without one, the key read from its config and summary,
+    a field neither names None."""
     key = (run.summary or {}).get("run_key")
     if key:
         return dict(key)
@@ -419,9 +399,8 @@ def _where(label: str, table: list[dict]) -> str:
 
 
 def sim_disagreements(groups: list[dict], table: list[dict]) -> list[dict]:
-    """The measured configurations whose simulated step time deviates from the measured
-    one beyond the target: their group rows, each with ``name`` (the label, and the
-    depth when the label does not say it)."""
+    """The group rows of the measured configurations whose simulated step time deviates beyond
+    the target, each with ``name`` (the label, and the depth where the label lacks it)."""
     return [{**g, "name": g["label"] + _where(g["label"], table)} for g in groups
             if g.get("kind") == "measured" and g.get("sim_flag")]
 

@@ -1,24 +1,6 @@
-"""The W&B side of pipeflow-compare: the comparison as a W&B report, and the upload of
-the offline runs that report has to show.
-
-:func:`build_report` assembles the report with the ``wandb_workspaces.reports.v2`` API
-(loss curves grouped by schedule, throughput and bubble bars, a run comparer, and the
-local comparison table) without touching the network; :func:`publish` saves it. Runs
-that logged offline (no credentials at training time) are on disk only, so the report
-would show nothing of them: :func:`sync_offline_runs` uploads them first with
-``wandb sync``.
-
-Two things about wandb-workspaces 0.4 this module relies on, found in its source:
-
-- a config key is addressed differently in different places. The runs of a nested
-  config ``{"schedule": {"name": ...}}`` are stored by W&B as
-  ``schedule.value.name``; a Runset's ``groupby`` takes ``"config.schedule.name"`` and
-  inserts the ``.value`` itself, a panel's ``groupby`` takes ``wr.Config("schedule.name")``.
-- a Runset's filter is kept as a Python-like expression string that is parsed again on
-  save, after regular expressions have turned every ``=`` into ``==`` and every ``<`` /
-  ``>`` into ``<=`` / ``>=``, inside string literals too. A group name with one of those
-  characters would be filtered on a different name, so it is refused.
-"""
+"""The W&B side of pipeflow-compare: :func:`build_report` assembles the comparison as a W&B
+report (``wandb_workspaces.reports.v2``, no network), :func:`publish` saves it, and
+:func:`sync_offline_runs` first uploads the offline runs it shows (``wandb sync``)."""
 
 from __future__ import annotations
 
@@ -45,7 +27,8 @@ _SMOOTHING = 0.3
 # Runs of one group (schedule) are drawn as their mean with a min-max band: with the
 # few seeds a sweep usually has, the band shows every run rather than an estimate.
 _AGG, _BAND = "mean", "minmax"
-# Characters that wandb-workspaces rewrites inside a filter's string literals.
+# Characters that wandb-workspaces 0.4 rewrites inside a filter's string literals (it re-parses
+# the filter after turning "=" into "==", "<" into "<="): a group named with one is refused.
 _FILTER_MANGLED = set("=<>")
 # A report title longer than this fails W&B's validation.
 _MAX_TITLE = 128
@@ -56,10 +39,8 @@ class WandbSyncError(RuntimeError):
 
 
 def group_by_config_key(group_by: str) -> str:
-    """The run config key that ``group_by`` means. A bare name is a Hydra config group
-    (schedule, model, partition, ...) and stands for the name of the chosen option,
-    ``<group>.name``, since the group itself is a nested dict in the run config; a
-    dotted key (``pipeline.microbatches``) is a config key as it is."""
+    """The run config key ``group_by`` means: a bare name is a config group and stands for its
+    option's ``<group>.name``; a dotted key is itself. ValueError for an empty or dangling key."""
     if not group_by or group_by.startswith(".") or group_by.endswith("."):
         raise ValueError(f"not a config key to group by: {group_by!r}")
     return group_by if "." in group_by else f"{group_by}.name"
@@ -69,17 +50,10 @@ def build_report(*, entity: str | None, project: str, groups: list[str], title: 
                  table_markdown: str, group_by: str = "schedule",
                  loss_key: str = "loss", throughput_key: str = "mean_tokens_per_s",
                  bubble_key: str = "measured_bubble_ratio") -> "wr.Report":
-    """The report object, not yet saved: no network.
-
-    The report shows the runs of the W&B ``groups`` (one group per sweep, see
-    ``pipeflow.tracking.labels.logger_labels``) in ``entity``/``project``, grouped by
-    the config key that ``group_by`` means (:func:`group_by_config_key`): ``loss_key``
-    against each of :data:`LOSS_X_AXES`, bars of the run summaries' ``throughput_key``
-    and ``bubble_key``, a run comparer, and ``table_markdown``, the table
-    pipeflow-compare computed from the run directories. ``entity=None`` asks W&B for the default entity
-    of the logged-in user, which needs network and credentials; an explicit entity
-    keeps this function offline.
-    """
+    """The report object, not yet saved (no network unless ``entity`` is None, the logged-in
+    user's default): the runs of the W&B ``groups`` grouped by ``group_by``, ``loss_key``
+    against each of :data:`LOSS_X_AXES`, bars of ``throughput_key`` and ``bubble_key``, a run
+    comparer and ``table_markdown``. ValueError for a group name wandb-workspaces would mangle."""
     import wandb_workspaces.reports.v2 as wr
 
     if not groups:
@@ -102,7 +76,7 @@ def build_report(*, entity: str | None, project: str, groups: list[str], title: 
         name="Compared runs",
         # repr() quotes each name as a Python literal, which is what the filter parser reads
         filters=f"Metric('Group') in {list(groups)!r}",
-        groupby=[f"config.{key}"],
+        groupby=[f"config.{key}"],  # a Runset inserts W&B's ".value"; a panel takes wr.Config(key)
     )
     rows = -(-len(LOSS_X_AXES) // 2)  # of line plots
     panels = [
@@ -142,28 +116,18 @@ def build_report(*, entity: str | None, project: str, groups: list[str], title: 
 
 
 def publish(report: "wr.Report") -> str:
-    """Save the report to W&B and return its URL (needs network + credentials).
-
-    Saving resolves each runset's project on the server, so a project that does not
-    exist (runs never synced) fails here rather than giving an empty report.
-    """
+    """Save the report to W&B and return its URL (network and credentials); a project that
+    does not exist fails here."""
     report.save()
     return report.url
 
 
 def sync_offline_runs(run_dirs: list[Path], *, entity: str | None = None,
                       project: str | None = None) -> list[Path]:
-    """Upload the offline W&B runs found under each run dir (``<run_dir>/wandb/offline-run-*``)
-    that have not been synced yet, with ``wandb sync``; return the ones it synced.
-
-    A run is synced when each of its ``.wandb`` files has the ``<name>.wandb.synced``
-    marker that wandb-core writes after an upload (wandb's own ``wandb sync`` and
-    ``wandb clean`` read the same marker). ``entity``/``project`` override where the
-    runs go, as ``wandb sync --entity/--project`` do. ``wandb sync`` exits 0 in some
-    failures (it only prints "Not authenticated.", or upload errors), so success is the
-    marker being there afterwards, not the exit status; a failure raises
-    :class:`WandbSyncError` naming the run dir, with wandb's message.
-    """
+    """Upload, with ``wandb sync``, the offline runs under each run dir
+    (``<run_dir>/wandb/offline-run-*``) not yet synced; return those synced. ``entity`` and
+    ``project`` override where they go. WandbSyncError naming the run dir, with wandb's
+    message, where a run is left without its ``.wandb.synced`` marker."""
     synced: list[Path] = []
     for run_dir in map(Path, run_dirs):
         pending = [d for d in sorted((run_dir / "wandb").glob("offline-run-*")) if _unsynced(d)]
@@ -177,6 +141,7 @@ def sync_offline_runs(run_dirs: list[Path], *, entity: str | None = None,
         cmd += [str(d.resolve()) for d in pending]
         # cwd: wandb writes its CLI debug log under ./wandb, which belongs with the run;
         # stdin closed: a sync that wants to prompt for a key fails instead of waiting
+        # wandb sync exits 0 on some failures ("Not authenticated."): its synced marker says
         proc = subprocess.run(cmd, cwd=run_dir, stdin=subprocess.DEVNULL, capture_output=True, text=True)
         left = [d.name for d in pending if _unsynced(d)]
         if proc.returncode != 0 or left:

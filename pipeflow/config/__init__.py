@@ -9,10 +9,12 @@
 - :mod:`.assembly`: config -> schedule (by its spec), model shape, segments, cost, topology;
   what the runtime's ranks import;
 - :mod:`.checks`: the check that spans the groups (no key a schema lacks);
+- :mod:`.resolved`: what a config resolves to (schedule, shape, degrees, topology,
+  precision, segments), decided once per preparation;
 - :mod:`.prepare`: ``prepare_simulation`` and ``prepare_training``, everything checked
   before any work starts (before any rank is spawned);
-- :mod:`.runplan`: a checked train config -> the run plan the ranks instantiate;
-- :mod:`.cli`: the apps' command-line helpers.
+- :mod:`.to_runplan`: a checked train config -> the run plan the ranks instantiate;
+- :mod:`.command_line`: the apps' command-line helpers.
 """
 
 from .assembly import (

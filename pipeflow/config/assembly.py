@@ -29,6 +29,7 @@ from pipeflow.topology.tensor import tensor_topology
 from pipeflow.topology.topology import Topology
 
 from .derive import schedule_schema
+from .tensor_degree import tensor_degree
 from .values import ConfigError, naming_key
 
 
@@ -69,12 +70,12 @@ def schedule_spec(schedule_cfg: Any) -> ScheduleSpec:
         raise ConfigError(str(err)) from None
 
 
-def schedule_options(schedule_cfg: Any) -> dict:
+def schedule_options(schedule_cfg: Any, spec: ScheduleSpec | None = None) -> dict:
     """The generator's options as the config gives them (null ones left to the generator's
     defaults), each key checked against the schedule's schema: a key it does not have, or
     a value of the wrong type, raises ConfigError naming the key and the allowed ones.
-    ``schedule_cfg`` composed or a plain dict."""
-    spec = schedule_spec(schedule_cfg)
+    ``schedule_cfg`` composed or a plain dict; ``spec``: its :func:`schedule_spec`, where known."""
+    spec = spec or schedule_spec(schedule_cfg)
     plain = schedule_cfg if isinstance(schedule_cfg, dict) else OmegaConf.to_container(schedule_cfg, resolve=True)
     allowed = spec.keys()
     for key, value in plain.items():
@@ -106,8 +107,8 @@ def planned_schedule(cfg: Any):
     if "partition" in cfg and cfg.partition.name not in ("uniform", "planner"):
         raise ConfigError(f"partition.name={cfg.partition.name}: schedule=planned cuts the model as its plan says; "
                           f"allowed values: planner (or the default uniform, which the plan replaces)")
-    tensor = int(pipe.get("tensor_parallel", 1) or 1)
-    sp = bool(pipe.get("sequence_parallel", False)) and tensor > 1
+    tensor, sp = tensor_degree(cfg)
+    sp = sp and tensor > 1
     if path:
         try:
             p = Plan.from_json(Path(str(path)).expanduser().read_text())
@@ -164,14 +165,14 @@ def schedule_source(cfg: DictConfig) -> str:
 MESSAGE_LIMIT = 600  # characters of a refusal: one sentence, not every device of a large schedule
 
 
-def validated(schedule: Schedule, cfg: DictConfig) -> None:
-    """The validator's verdict (:func:`~pipeflow.schedules.validate.validate`) as one
-    sentence that names where the schedule came from; a schedule that cannot run is
-    refused before any rank starts."""
-    from pipeflow.schedules.validate import ScheduleError, validate
+def validated(schedule: Schedule, cfg: DictConfig) -> list:
+    """The validator's verdict (:func:`~pipeflow.schedules.validate.completion_order`) as
+    one sentence that names where the schedule came from; a schedule that cannot run is
+    refused before any rank starts. Returns its dry run's completion order."""
+    from pipeflow.schedules.validate import ScheduleError, completion_order
 
     try:
-        validate(schedule)
+        return completion_order(schedule)
     except ScheduleError as err:
         raise schedule_refusal(err, schedule, cfg) from None
 
@@ -191,11 +192,12 @@ def refusal(where: str, message: str, prefix: str = "") -> str:
     return line if len(line) <= MESSAGE_LIMIT else line[:MESSAGE_LIMIT - 16].rstrip(" ,|") + " ... (cut short)"
 
 
-def generate_schedule(cfg: DictConfig) -> Schedule:
-    """The schedule the config names, generated but not validated."""
+def generate_schedule(cfg: DictConfig, spec: ScheduleSpec | None = None) -> Schedule:
+    """The schedule the config names, generated but not validated; ``spec``: its
+    :func:`schedule_spec`, where known."""
     pipe = cfg.pipeline
-    options = schedule_options(cfg.schedule)
-    spec = schedule_spec(cfg.schedule)
+    spec = spec or schedule_spec(cfg.schedule)
+    options = schedule_options(cfg.schedule, spec)
     if spec.assemble is not None:
         if pipe.get("data_parallel", 1) != 1:
             raise ConfigError(f"pipeline.data_parallel={pipe.data_parallel}: schedule '{spec.name}' is assembled "
@@ -213,7 +215,7 @@ def generate_schedule(cfg: DictConfig) -> Schedule:
     return sharded(schedule, pipe.get("shard", "none"), pipe.get("gather", "step"))
 
 
-def short_schedules(cfg: DictConfig) -> tuple | None:
+def short_schedules(cfg: DictConfig, spec: ScheduleSpec | None = None) -> tuple | None:
     """((the schedule at m0 microbatches, at m0 + 2 periods), k) where the config's m is k
     periods past m0 (:mod:`pipeflow.schedules.periods`): its memory walk follows from
     theirs (:func:`pipeflow.sim.device_memory.device_memory`'s ``periods``). None where
@@ -230,7 +232,7 @@ def short_schedules(cfg: DictConfig) -> tuple | None:
         resized = copy.deepcopy(cfg)
         resized.pipeline.microbatches = m
         try:
-            pair.append(generate_schedule(resized))
+            pair.append(generate_schedule(resized, spec))
         except ConfigError:  # (a size the generator refuses: walk the whole schedule)
             return None
     return tuple(pair), k
@@ -288,29 +290,33 @@ def segment_lengths(cfg: Any) -> list[int] | None:
     None for every other schedule. ``cfg`` is the composed config or the same as plain
     dicts (``cfg["schedule"]``, ``cfg["pipeline"]``, ``cfg["model"]``). Raises ConfigError
     naming the key."""
-    schedule, pipe, model = cfg["schedule"], cfg["pipeline"], cfg["model"]
-    if not schedule_spec(schedule).segments:
+    if not schedule_spec(cfg["schedule"]).segments:
         return None
     try:
-        spec = TransformerSpec.from_config(model)
+        spec = TransformerSpec.from_config(cfg["model"])
     except ValueError as err:
-        raise naming_key("model", model.get("name"), err) from None
-    split = schedule.get("split")
+        raise naming_key("model", cfg["model"].get("name"), err) from None
+    tensor, sequence = tensor_degree(cfg)
+    return split_segments(cfg, spec, tensor if sequence else 1)
+
+
+def split_segments(cfg: Any, spec: TransformerSpec, multiple: int) -> list[int]:
+    """``schedule.split``'s cut (uniform where null) of the model's ``spec.seq_len`` tokens
+    into ``pipeline.segments`` segments, each a multiple of ``multiple`` (sequence
+    parallelism cuts each segment into its tensor ranks' slices). Raises ConfigError."""
+    split = cfg["schedule"].get("split")
     try:
-        # sequence parallelism cuts each segment into tensor_parallel slices
-        tensor = int(pipe.get("tensor_parallel", 1) or 1) if pipe.get("sequence_parallel", False) else 1
-        return split_sequence("uniform" if split is None else split, spec.seq_len, pipe.get("segments", 1), spec,
-                              multiple=tensor)
+        return split_sequence("uniform" if split is None else split, spec.seq_len, cfg["pipeline"].get("segments", 1),
+                              spec, multiple=multiple)
     except ValueError as err:
         raise ConfigError(str(err)) from None
 
 
-def simulation_segments(cfg: DictConfig, schedule: Schedule) -> list[int] | None:
-    """The segment lengths the cost model prices (None: whole sequences), checked
-    against the cost group: analytic takes them as cost.segment_lengths (an explicit
-    list there wins, if it has one length per segment), unit prices every segment
-    alike, profiled measured whole sequences only."""
-    lengths = segment_lengths(cfg)
+def simulation_segments(cfg: DictConfig, schedule: Schedule, lengths: list[int] | None) -> list[int] | None:
+    """The segment lengths the cost model prices (None: whole sequences), the run's
+    ``lengths`` checked against the cost group: analytic takes them as
+    cost.segment_lengths (an explicit list there wins, if it has one length per
+    segment), unit prices every segment alike, profiled measured whole sequences only."""
     if lengths is None:
         return None
     name = cfg.cost.get("name")
@@ -339,7 +345,8 @@ def host_calibrated(cfg: DictConfig, cost: CostModel | None) -> bool:
 
 def _profile(path: str):
     """The device profile at ``path``, or a ConfigError saying what is wrong with it."""
-    from pipeflow.planning.device_profile import ProfileError, load_profile
+    from pipeflow.planning.device_profile import ProfileError
+    from pipeflow.planning.from_sweep import load_profile
 
     try:
         return load_profile(path)
@@ -376,16 +383,17 @@ def check_profile_cost(cfg: DictConfig, cost: CostModel) -> None:
         _profile(profile)
 
 
-def run_topology(cfg: DictConfig, schedule: Schedule, cost: CostModel | None = None, tensor: int = 1) -> Topology:
-    """The topology the run's devices sit on. ``tensor`` > 1 (pipeline.tensor_parallel, the
-    simulator's): T physical devices per schedule device, seen as their tensor groups
-    (:class:`pipeflow.topology.tensor.TensorTopology`, T consecutive devices of one node)."""
+def run_topology(cfg: DictConfig, schedule: Schedule, tensor: int = 1, host: dict | None = None) -> Topology:
+    """The topology the run's devices sit on. ``tensor`` > 1 (pipeline.tensor_parallel):
+    T physical devices per schedule device, seen as their tensor groups
+    (:class:`pipeflow.topology.tensor.TensorTopology`, T consecutive devices of one node).
+    ``host``: topology keys a calibration measured of this host (:func:`host_calibrated`)."""
     topo_cfg = cfg.topology
-    if host_calibrated(cfg, cost):
-        # the calibrated host: its cores, their contention, and a gloo message's cost
-        topo_cfg = {**OmegaConf.to_container(cfg.topology, resolve=True), **cost.host}
+    if host is not None:
+        topo_cfg = {**OmegaConf.to_container(cfg.topology, resolve=True), **host}
     elif cfg.topology.name == "local_cpu" and cfg.topology.get("device_profile"):
-        # the same, measured by the profile's own reference pipeline (section pipeline)
+        # the host's cores, their contention and a gloo message's cost, as the profile's own
+        # reference pipeline measured them (section pipeline)
         topo_cfg = {**OmegaConf.to_container(cfg.topology, resolve=True), **profiled_host(cfg.topology.device_profile)}
     needed = devices_needed_for(cfg)
     if tensor > 1:
@@ -400,10 +408,11 @@ def run_topology(cfg: DictConfig, schedule: Schedule, cost: CostModel | None = N
         raise ConfigError(str(err)) from None
 
 
-def branched_schedule(cfg: DictConfig) -> tuple[Schedule, list]:
+def branched_schedule(cfg: DictConfig, sched_spec: ScheduleSpec | None = None) -> tuple[Schedule, list]:
     """A concurrent-branch model's stage graph (cut at the interaction layers), grouped
     onto the schedule's chain of devices, and what each stage holds; generated, not
-    validated (bapp's coordinator runs here, once per job)."""
+    validated (bapp's coordinator runs here, once per job). ``sched_spec``: the
+    schedule's :func:`schedule_spec`, where known."""
     from pipeflow.planning.cbm_shape import cbm_shape, cbm_stage_counts, cbm_stage_graph
 
     if cfg.pipeline.get("data_parallel", 1) != 1:
@@ -413,7 +422,7 @@ def branched_schedule(cfg: DictConfig) -> tuple[Schedule, list]:
         raise ConfigError(f"pipeline.shard={cfg.pipeline.shard}: a branched model's stages are not sharded "
                           f"(allowed values: none)")
     plain = OmegaConf.to_container(cfg.model, resolve=True)
-    sched_spec = schedule_spec(cfg.schedule)
+    sched_spec = sched_spec or schedule_spec(cfg.schedule)
     bapp = sched_spec.branch_aware
     try:
         shape = cbm_shape(plain)
@@ -423,7 +432,7 @@ def branched_schedule(cfg: DictConfig) -> tuple[Schedule, list]:
     except ValueError as err:
         raise naming_key("model", cfg.model.name, err) from None
     pipe = cfg.pipeline
-    options = schedule_options(cfg.schedule)
+    options = schedule_options(cfg.schedule, sched_spec)
     try:
         if "coordinate" in sched_spec.config_keys and cfg.schedule.get("coordinate", True) is not False:
             if options:

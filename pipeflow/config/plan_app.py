@@ -151,7 +151,7 @@ def tensor_degrees(cfg: DictConfig, spec: TransformerSpec, topology: Topology) -
     tensors: dict[int, Topology] = {}
     left: dict[int, str] = {}
     def grouped(t: int) -> Topology | str:
-        return grouped_topology(cfg.model, spec, topology, t, cfg.plan.sequence_parallel)
+        return grouped_topology(spec, topology, t, cfg.plan.sequence_parallel)
 
     for t in sorted(set(given)):
         got = grouped(t)

@@ -1,5 +1,6 @@
 """prepare_simulation and prepare_training: check a composed config and build what it
-names, before any work starts (for training: before any rank is spawned).
+names, before any work starts (for training: before any rank is spawned). Each resolves
+the run once (:func:`.resolved.resolve`) and checks that one value.
 """
 
 from __future__ import annotations
@@ -25,37 +26,30 @@ from pipeflow.topology.topology import Topology
 from .assembly import (
     PLANNED,
     branched_cost,
-    branched_schedule,
-    run_topology,
     check_profile_cost,
-    profiled_sync,
     host_calibrated,
-    generate_schedule,
-    model_spec,
-    simulation_segments,
+    profiled_sync,
+    run_topology,
     runtime_schedules,
     schedule_spec,
-    segment_lengths,
     short_schedules,
     validated,
 )
-from .checks import check_known_keys
+from .checks import check_export, check_known_keys
+from .groups.compile import check_compile, check_compile_cost, compiled
 from .groups.data import DATA_FAMILY, DATA_VOCAB, check_data_files, check_text_data, resolve_auto_data
 from .groups.logger import check_logger
 from .groups.model import check_recompute, check_vocab_memory, resolve_model
 from .groups.optim import check_optim
 from .groups.partition import check_profiled_partition
 from .groups.pipeline import check_pipeline
-from .groups.compile import check_compile, check_compile_cost, compiled
-from .groups.precision import check_precision, resolve_precision
-from .checks import check_export
+from .groups.precision import check_precision
 from .groups.resume import check_resume, resume_expect
 from .groups.runtime import check_runtime
 from .groups.trainer import check_trainer
+from .resolved import Resolved, resolve
 from .to_runplan import Measure, build_run_plan
-from .tensor_degree import check_tensor_parallel, tensor_degree
 from .values import EXPORT_FORMATS, ConfigError, naming_key, number
-
 
 
 def _family(cfg: DictConfig):
@@ -94,50 +88,61 @@ def prepare_simulation(cfg: DictConfig) -> SimulationInputs:
                           f"then cost=calibrated cost.calibration=calibration.json (or compile=false)")
     resolve_model(cfg)
     check_pipeline(cfg)
-    tensor, sequence = tensor_degree(cfg)
-    branched = _family(cfg).branched
-    if branched:
-        check_tensor_parallel(cfg, None, None, None)
-        schedule, specs = branched_schedule(cfg)
-        spec, lengths = None, None
-        # the precision the run would train in sets the bytes per element, as below
-        devices = run_topology(cfg, schedule)
-        precision = resolve_precision(cfg, devices)
-        cost = branched_cost(cfg, specs, dtype_bytes=4 if precision == "fp32" else 2)
+    family = _family(cfg)
+    run = resolve(cfg, schedule_spec(cfg.schedule), family, priced=True)
+    spec, dtype_bytes = run.spec, 4 if run.precision == "fp32" else 2  # (the precision the run would train in)
+    if family.branched:
+        cost = branched_cost(cfg, run.parts, dtype_bytes=dtype_bytes)
     else:
-        schedule = generate_schedule(cfg)
-        spec = model_spec(cfg, schedule)
-        lengths = simulation_segments(cfg, schedule)
-        check_tensor_parallel(cfg, schedule, spec, lengths)
-        cost_cfg = cfg.cost
-        devices = run_topology(cfg, schedule, tensor=tensor)
-        precision = resolve_precision(cfg, devices)
-        if kv_repeat_on(spec, 4 if precision == "fp32" else 2, devices.on_gpus):
+        if kv_repeat_on(spec, dtype_bytes, run.topology.on_gpus):
             spec = dataclasses.replace(spec, kv_repeat=True)
-        if cfg.cost.name == "analytic" and cfg.cost.get("dtype_bytes") is None:
-            # the precision the run would train in sets the bytes per element
-            cost_cfg = {**OmegaConf.to_container(cfg.cost, resolve=True),
-                        "dtype_bytes": 4 if precision == "fp32" else 2}
-        if schedule.name == PLANNED and cfg.cost.name == "analytic":
-            cost_cfg = {**OmegaConf.to_container(cfg.cost, resolve=True), **cost_cfg,
-                        "layers_per_stage": list(schedule.layers_per_stage)}
-        if lengths is not None and cfg.cost.name == "analytic":
-            # the split drives the analytic cost: unequal segments, unequal times and memory
-            cost_cfg = {**OmegaConf.to_container(cfg.cost, resolve=True), **cost_cfg, "segment_lengths": lengths}
-        try:
-            cost = build_cost_model(cost_cfg, schedule.num_stages, spec, cfg.pipeline.microbatch_size,
-                                    tensor_parallel=tensor, sequence_parallel=sequence)
-        except ValueError as err:
-            raise naming_key("cost", cfg.cost.name, err) from None
+        cost = _chain_cost(cfg, run, spec)
     check_profile_cost(cfg, cost)
-    check_compile_cost(cfg, schedule, cost)
+    check_compile_cost(cfg, run.schedule, cost)
+    topology = _on_its_devices(cfg, run, cost)
+    if cfg.export == "torch_csv":
+        try:
+            check_exportable(run.schedule)
+        except ValueError as err:
+            raise ConfigError(f"export=torch_csv: {err}") from None
+    periods = None if family.branched else short_schedules(cfg, run.schedule_spec)
+    return SimulationInputs(run.schedule, spec, cost, topology, run.segments, periods)
+
+
+def _chain_cost(cfg: DictConfig, run: Resolved, spec: TransformerSpec) -> CostModel:
+    """The cost group's model of a chain model's run; the analytic cost takes from the run
+    what its group leaves unset (the precision's bytes per element), a plan's cut and
+    the segments' lengths (unequal segments, unequal times and memory)."""
+    cost_cfg, extra = cfg.cost, {}
+    if cfg.cost.name == "analytic":
+        if cfg.cost.get("dtype_bytes") is None:
+            extra["dtype_bytes"] = 4 if run.precision == "fp32" else 2
+        if run.schedule.name == PLANNED:
+            extra["layers_per_stage"] = list(run.schedule.layers_per_stage)
+        if run.segments is not None:
+            extra["segment_lengths"] = run.segments
+    if extra:
+        cost_cfg = {**OmegaConf.to_container(cfg.cost, resolve=True), **extra}
+    try:
+        return build_cost_model(cost_cfg, run.schedule.num_stages, spec, cfg.pipeline.microbatch_size,
+                                tensor_parallel=run.tensor, sequence_parallel=run.sequence)
+    except ValueError as err:
+        raise naming_key("cost", cfg.cost.name, err) from None
+
+
+def _on_its_devices(cfg: DictConfig, run: Resolved, cost: CostModel) -> Topology:
+    """The topology the simulation runs on (a calibration's host where it describes this
+    one), with what ``cost`` reads of those devices set on it: a profiled host's step
+    synchronisation, the tensor groups, the ranks' AdamW, this host's kernels' scratch."""
+    schedule = run.schedule
     if isinstance(cost, AnalyticCost) and cfg.topology.name == "local_cpu" and cfg.topology.get("device_profile"):
         # a synchronous step's all-reduces, as the profile's reference pipeline measured them
         # (what cost=calibrated charges as its calibration's step_sync)
         cost.step_sync = profiled_sync(cfg.topology.device_profile, cost.spec, schedule)
-    # (the devices once more only where a calibration describes this host's)
-    topology = run_topology(cfg, schedule, cost, tensor=tensor) if host_calibrated(cfg, cost) else devices
-    if tensor > 1:  # each device's tensor group's collectives, on the group's own links
+    # (the devices once more only where a calibration describes this host's: its cores,
+    # their contention, and a gloo message's cost)
+    topology = run_topology(cfg, schedule, run.tensor, cost.host) if host_calibrated(cfg, cost) else run.topology
+    if run.tensor > 1:  # each device's tensor group's collectives, on the group's own links
         cost.place_tensor_groups(topology)
     # torch's AdamW as the ranks will run it (optim.impl on the topology's device; a
     # simulate config has no optim group: its default, auto)
@@ -151,18 +156,12 @@ def prepare_simulation(cfg: DictConfig) -> SimulationInputs:
 
         # (on a rank's threads: both allocate per thread; a simulate config has no runtime
         # group, and a rank runs one by default)
-        dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(precision, "float32")
+        dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(run.precision, "float32")
         threads = int(OmegaConf.select(cfg, "runtime.threads_per_rank", default=None) or 1)
-        if precision in ("bf16", "fp16"):
+        if run.precision in ("bf16", "fp16"):
             cost.product_scratch = functools.partial(product_scratch, dtype=dtype, threads=threads)
         cost.attention_scratch = functools.partial(attention_scratch, dtype=dtype, threads=threads)
-    if cfg.export == "torch_csv":
-        try:
-            check_exportable(schedule)
-        except ValueError as err:
-            raise ConfigError(f"export=torch_csv: {err}") from None
-    periods = None if branched else short_schedules(cfg)
-    return SimulationInputs(schedule, spec, cost, topology, lengths, periods)
+    return topology
 
 
 # ---------------------------------------------------------------------------- training
@@ -194,50 +193,44 @@ def prepare_training(cfg: DictConfig, hydra: DictConfig | None = None, measure: 
     ``partition=profiled``, after every check), so a bad config fails before any rank
     starts. ``cfg`` is left alone: what is resolved (a model preset, data=auto,
     precision=auto) is resolved in a copy, the inputs' ``config``. ``hydra``: the app's
-    Hydra config (a multirun's W&B labels); ``measure``: see :func:`.runplan.build_run_plan`."""
+    Hydra config (a multirun's W&B labels); ``measure``: see :func:`.to_runplan.build_run_plan`."""
     check_known_keys(cfg)
     cfg = copy.deepcopy(cfg)
     resolve_model(cfg)
     check_pipeline(cfg)
     resolve_auto_data(cfg)
     family = _family(cfg)
-    _check_runs_it(cfg)
-    if family.branched:
-        return _prepare_branched(cfg, family, hydra)
-    schedule = generate_schedule(cfg)
-    spec = model_spec(cfg, schedule)
-    topology = run_topology(cfg, schedule)
-    resolve_precision(cfg, topology)
-    _check_model_and_data(cfg, family)
-    lengths = segment_lengths(cfg)  # a split the sequence cannot take fails here, naming its key
-    _check_partition(cfg, schedule, spec)
-    tensor = tensor_degree(cfg)[0]
+    sched = schedule_spec(cfg.schedule)
+    _check_runs_it(cfg, sched)
+    run = resolve(cfg, sched, family)
     check_trainer(cfg.trainer)
     check_optim(cfg.optim)
-    check_runtime(cfg.runtime, schedule.num_devices * tensor)
-    check_vocab_memory(cfg, spec, tensor)
-    check_precision(cfg, schedule)
+    check_runtime(cfg.runtime, run.schedule.num_devices * run.tensor)  # (its ranks)
+    check_precision(cfg, run.schedule)
     check_recompute(cfg.model)
-    check_compile(cfg, schedule, topology.on_gpus)
     check_logger(cfg.logger)
     check_data_files(cfg.data)
-    check_text_data(cfg.data, spec.seq_len)
-    check_tensor_parallel(cfg, schedule, spec, lengths)
-    if tensor > 1:  # T devices per schedule device, each group inside a node
-        topology = run_topology(cfg, schedule, tensor=tensor)
-    check_resume(cfg.resume, resume_expect(cfg, schedule), cfg.trainer.steps)
-    check_export(cfg.get("export"), family.name)
+    if family.branched:
+        _check_branched(cfg, run)
+    else:  # a padded vocabulary's memory, a compiler for compile=true, text data as the ranks read it
+        _check_model_and_data(cfg, family)
+        _check_partition(cfg, run.schedule, run.spec)
+        check_vocab_memory(cfg, run.spec, run.tensor)
+        check_compile(cfg, run.schedule, run.topology.on_gpus)
+        check_text_data(cfg.data, run.spec.seq_len)
+        check_export(cfg.get("export"), family.name)
+    check_resume(cfg.resume, resume_expect(cfg, run.schedule), cfg.trainer.steps)
     # Generators are tested to be valid, but the runtime would deadlock on a schedule that
     # is not, so one validation here (milliseconds at training sizes) is cheap insurance.
-    validated(schedule, cfg)
-    plan = build_run_plan(cfg, schedule, spec, topology, lengths=lengths, hydra=hydra, measure=measure)
-    return TrainingInputs(schedule, spec, topology, plan, cfg)
+    completion = validated(run.schedule, cfg)
+    plan = build_run_plan(cfg, run, completion, hydra=hydra, measure=measure)
+    return TrainingInputs(run.schedule, run.spec, run.topology, plan, cfg)
 
 
-def _check_runs_it(cfg: DictConfig) -> None:
-    """The runtime executes the schedule at this size."""
+def _check_runs_it(cfg: DictConfig, sched) -> None:
+    """The runtime executes the schedule (``sched``, its spec) at this size."""
     name, pipe = cfg.schedule.name, cfg.pipeline
-    if not schedule_spec(cfg.schedule).runtime:
+    if not sched.runtime:
         raise ConfigError(
             f"schedule.name={name}: the runtime does not execute this schedule yet (pipeflow-simulate does); "
             f"allowed values: {', '.join(runtime_schedules())}"
@@ -307,13 +300,10 @@ def _check_partition(cfg: DictConfig, schedule: Schedule, spec: TransformerSpec)
         check_profiled_partition(cfg.partition, spec, schedule.num_stages)
 
 
-def _prepare_branched(cfg: DictConfig, family, hydra: DictConfig | None) -> TrainingInputs:
-    """A concurrent-branch model: its stage DAG grouped onto the schedule's chain of devices."""
-    if cfg.pipeline.get("tensor_parallel", 1) != 1:
-        raise ConfigError(f"pipeline.tensor_parallel={cfg.pipeline.tensor_parallel}: a concurrent-branch model's "
-                          f"stages (vision and text branches, their interaction) are not split across tensor-parallel "
-                          f"ranks; allowed values: 1")
-    schedule, specs = branched_schedule(cfg)
+def _check_branched(cfg: DictConfig, run: Resolved) -> None:
+    """A concurrent-branch model's run: its stage DAG grouped onto the schedule's chain of
+    devices, on its family's data (a user's image-text files read now), cut uniformly."""
+    family = run.family
     if cfg.data.name != family.data:
         raise ConfigError(
             f"data.name={cfg.data.name}: model.family={cfg.model.family} trains on {family.data}; "
@@ -325,15 +315,6 @@ def _prepare_branched(cfg: DictConfig, family, hydra: DictConfig | None) -> Trai
             f"interaction layers (pipeflow.planning.cbm_shape.cbm_stage_graph); allowed values: uniform"
         )
     number("model.dropout", cfg.model.dropout, "a probability; use a number in [0, 1)", 0 <= cfg.model.dropout < 1)
-    topology = run_topology(cfg, schedule)
-    resolve_precision(cfg, topology)
-    check_trainer(cfg.trainer)
-    check_optim(cfg.optim)
-    check_runtime(cfg.runtime, schedule.num_devices)
-    check_precision(cfg, schedule)
-    check_recompute(cfg.model)
-    check_logger(cfg.logger)
-    check_data_files(cfg.data)
     if cfg.data.get("files"):
         # the user's own image-text files: missing columns or mixed image sizes must stop
         # the run here, not in every rank after start-up
@@ -347,7 +328,3 @@ def _prepare_branched(cfg: DictConfig, family, hydra: DictConfig | None) -> Trai
                                   OmegaConf.to_container(cfg.model, resolve=True), int(cfg.seed))
         except ValueError as err:
             raise ConfigError(str(err).strip().splitlines()[0]) from None
-    check_resume(cfg.resume, resume_expect(cfg, schedule), cfg.trainer.steps)
-    validated(schedule, cfg)
-    plan = build_run_plan(cfg, schedule, None, topology, branch_layers=[s.hi - s.lo for s in specs], hydra=hydra)
-    return TrainingInputs(schedule, None, topology, plan, cfg)

@@ -113,7 +113,7 @@ def _tensor_options(cfg, spec: TransformerSpec, topology) -> tuple[list[tuple[in
     out, left = [], {}
     for t in sorted(set(degrees)):
         for sp in ([False] if t == 1 else sps):
-            why = grouped_topology(cfg.model, spec, topology, t, sp)
+            why = grouped_topology(spec, topology, t, sp)
             if isinstance(why, str):
                 left[why] = 1
             else:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from pipeflow.families import family_of
 from pipeflow.schedules.ir import Schedule, WeightPolicy
 
 from .values import ConfigError
@@ -23,18 +22,18 @@ def tensor_degree(cfg: Any) -> tuple[int, bool]:
     return int(pipe.get("tensor_parallel", 1) or 1), bool(pipe.get("sequence_parallel", False))
 
 
-def check_tensor_parallel(cfg: Any, schedule: Schedule | None, spec, lengths: Sequence[int] | None) -> None:
+def check_tensor_parallel(T: int, sp: bool, schedule: Schedule | None, spec, lengths: Sequence[int] | None) -> None:
     """Raise ConfigError, one sentence naming ``pipeline.tensor_parallel`` (or
-    ``pipeline.sequence_parallel``), where T ranks cannot split the run: an asynchronous
-    schedule, a branched model, heads, key/value heads or the MLP's width that do not
-    split into T, and with sequence parallelism a sequence or a segment whose tokens do
-    not. ``spec`` is the model's TransformerSpec (None for a branched model), ``lengths``
-    the segment lengths (None: whole sequences). Nothing to check at T = 1."""
-    T, sp = tensor_degree(cfg)
+    ``pipeline.sequence_parallel``), where T ranks (``sp``: with sequence parallelism)
+    cannot split the run: an asynchronous schedule, a branched model, heads, key/value
+    heads or the MLP's width that do not split into T, and with sequence parallelism a
+    sequence or a segment whose tokens do not. ``spec`` is the model's TransformerSpec
+    (None for a branched model), ``lengths`` the segment lengths (None: whole sequences).
+    Nothing to check at T = 1."""
     if T == 1:
         return
     key = f"pipeline.tensor_parallel={T}"
-    if spec is None or family_of(cfg["model"]).branched:
+    if spec is None:
         raise ConfigError(f"{key}: a concurrent-branch model's stages (vision and text branches, their "
                           f"interaction) are not split across tensor-parallel ranks; allowed values: 1")
     if schedule is not None and (schedule.policy != WeightPolicy.SYNC or schedule.windows > 1):
@@ -66,16 +65,15 @@ def check_tensor_parallel(cfg: Any, schedule: Schedule | None, spec, lengths: Se
                               f"cost.segment_lengths)")
 
 
-def grouped_topology(model_cfg: Any, spec, topology, tensor: int, sequence_parallel: bool):
+def grouped_topology(spec, topology, tensor: int, sequence_parallel: bool):
     """``topology`` seen as tensor groups of ``tensor`` GPUs for the model ``spec``
     (:func:`pipeflow.topology.tensor.tensor_topology`), or the sentence saying why the
     model (:func:`check_tensor_parallel`) or the nodes refuse that degree: the planner's
     and the search's question for each degree they try."""
     from pipeflow.topology.tensor import tensor_topology
 
-    run = {"model": model_cfg, "pipeline": {"tensor_parallel": tensor, "sequence_parallel": sequence_parallel}}
     try:
-        check_tensor_parallel(run, None, spec, None)
+        check_tensor_parallel(tensor, sequence_parallel, None, spec, None)
         return tensor_topology(topology, tensor)
     except (ConfigError, ValueError) as err:
         return str(err)

@@ -11,7 +11,6 @@ from typing import Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipeflow.families import family_of
 from pipeflow.formats.checkpoint_folder import model_record, read_meta, resolve, restart_step, training_record
 from pipeflow.formats.runplan import AdapterRef, Lowered, RunPlan
 from pipeflow.planning.partitioners import partition_layers
@@ -23,8 +22,9 @@ from pipeflow.schedules.registry import build_schedule
 from pipeflow.tracking.labels import logger_labels
 from pipeflow.tracking.record import run_key
 
-from .assembly import PLANNED, schedule_options, schedule_spec
+from .assembly import PLANNED, schedule_options, validated
 from .groups.data import data_file_list
+from .resolved import Resolved
 from .values import ConfigError
 
 # partition=profiled without a profile file: (the plain config, the model's shape, the
@@ -33,49 +33,44 @@ from .values import ConfigError
 Measure = Callable[[dict, TransformerSpec, int], str]
 
 
-def build_run_plan(cfg: DictConfig, schedule: Schedule, spec: TransformerSpec | None, topology,
-                   lengths: list[int] | None = None, branch_layers: list[int] | None = None, hydra=None,
+def build_run_plan(cfg: DictConfig, run: Resolved, completion: list, hydra=None,
                    measure: Measure | None = None) -> RunPlan:
-    """The plan of a checked, resolved train config whose ``schedule`` was validated.
-    ``spec``: the chain model's shape (None for a concurrent-branch model, whose stages'
-    layer counts are ``branch_layers``); ``lengths``: its sequence segments' tokens
-    (:func:`.assembly.segment_lengths`); ``hydra``: the app's Hydra config, which labels
-    a multirun's W&B runs; ``measure``: profiles the model where ``partition=profiled``
-    names no profile (without it, such a plan has no layers)."""
-    family = family_of(cfg.model)
+    """The plan of a checked train config that resolved to ``run``, whose schedule was
+    validated (``completion``: its dry run's order). ``hydra``: the app's Hydra config,
+    which labels a multirun's W&B runs; ``measure``: profiles the model where
+    ``partition=profiled`` names no profile (without it, such a plan has no layers)."""
+    family, schedule, spec, lengths = run.family, run.schedule, run.spec, run.segments
     plain = run_record(cfg, hydra)
     model, pipe = plain["model"], cfg.pipeline
     mbs, seed = int(pipe.microbatch_size), int(cfg.seed)
     tied = ()
     if family.branched:
-        bapp = schedule_spec(cfg.schedule).branch_aware
         # bapp cuts each branch into pipeline.stages stages; chain schedules group the graph
         adapter = AdapterRef(family.adapter, dict(model_cfg=model, microbatch_size=mbs, seed=seed,
                                                   num_devices=int(pipe.stages),
-                                                  stage_counts=(int(pipe.stages),) * 2 if bapp else None))
-        layers = list(branch_layers or [])
+                                                  stage_counts=(int(pipe.stages),) * 2
+                                                  if run.schedule_spec.branch_aware else None))
+        layers = [s.hi - s.lo for s in run.parts]
     else:
         layers = _layers(cfg, plain, schedule, spec, measure)
         adapter = AdapterRef(family.adapter, dict(model_cfg=model, layers_per_stage=layers, microbatch_size=mbs,
-                                                  seq_len=spec.seq_len, seed=seed,
+                                                  seq_len=spec.seq_len, seed=seed, spec=spec,
                                                   **({"segment_lengths": lengths} if lengths else {})))
         # the embedding (first stage) and the head (last) share one weight where the family ties them
         tied = (0, schedule.num_stages - 1) if family.tied(model) else ()
-    shape = pipeline_shape(schedule, pipe.stages)
     asynchronous = schedule.policy != WeightPolicy.SYNC
     return RunPlan(
-        schedule, layers, adapter, str(cfg.precision), str(model.get("attention") or "sdpa"),
-        str(model.get("recompute") or "none"), Lowered.of(schedule, tied),
+        schedule, layers, adapter, run.precision, str(model.get("attention") or "sdpa"),
+        str(model.get("recompute") or "none"), Lowered.of(schedule, tied, completion),
         optim=OmegaConf.to_object(cfg.optim), trainer=OmegaConf.to_object(cfg.trainer),
         runtime=OmegaConf.to_object(cfg.runtime), logger=_logger(cfg, plain), data=plain["data"], seed=seed,
         microbatches=int(pipe.microbatches), stages=int(pipe.stages), record=plain,
-        run_key=run_key(plain, **shape),
+        run_key=run_key(plain, **pipeline_shape(schedule, pipe.stages)),
         checkpoint_records={"model": model_record(model), "training": training_record(plain)},
-        spec=spec, topology=topology, resume=plain.get("resume"), tied_stages=tied, segment_lengths=lengths,
+        spec=spec, topology=run.topology, resume=plain.get("resume"), tied_stages=tied, segment_lengths=lengths,
         eval_lowered=_evaluation(cfg, schedule, tied) if asynchronous else None,
-        chunk_lowered=_short_chunks(cfg, plain, schedule, family.branched, tied) if asynchronous else {},
-        tensor_parallel=int(pipe.get("tensor_parallel", 1)), sequence_parallel=bool(pipe.get("sequence_parallel", False)),
-        compile=bool(cfg.get("compile", False)),
+        chunk_lowered=_short_chunks(cfg, plain, run, tied) if asynchronous else {},
+        tensor_parallel=run.tensor, sequence_parallel=run.sequence, compile=bool(cfg.get("compile", False)),
     )
 
 
@@ -131,13 +126,13 @@ def _evaluation(cfg: DictConfig, schedule: Schedule, tied: tuple) -> Lowered:
     return Lowered.of(evaluation, tied)
 
 
-def _short_chunks(cfg: DictConfig, plain: dict, schedule: Schedule, branched: bool,
-                  tied: tuple) -> dict[int, Lowered]:
+def _short_chunks(cfg: DictConfig, plain: dict, run: Resolved, tied: tuple) -> dict[int, Lowered]:
     """The chunks shorter than the schedule's windows a run trains, {their windows: their
     schedule, lowered}: the last, which the run's end cuts short, and a resumed run's
     first, from where it restarts to the windows' grid (a synchronous checkpoint, or one
     written with other windows, lies off the grid)."""
-    pipe, windows, steps = cfg.pipeline, schedule.windows, int(cfg.trainer.steps)
+    schedule, pipe, steps = run.schedule, cfg.pipeline, int(cfg.trainer.steps)
+    windows = schedule.windows
     begin = 0  # the step the run's first chunk starts after
     if plain.get("resume"):
         folder, _ = resolve(plain["resume"])
@@ -145,13 +140,14 @@ def _short_chunks(cfg: DictConfig, plain: dict, schedule: Schedule, branched: bo
     lengths = {_chunk_length(begin, steps, windows), steps - max(begin, (steps - 1) // windows * windows)}
     out = {}
     for length in sorted(lengths - {windows}):
-        options = dict(schedule_options(cfg.schedule), windows=length)
+        options = dict(schedule_options(cfg.schedule, run.schedule_spec), windows=length)
         try:
             chunk = build_schedule(cfg.schedule.name, pipe.stages, pipe.microbatches, pipe.virtual_stages,
-                                   pipe.segments, **({"graph": schedule.graph} if branched else {}), **options)
+                                   pipe.segments, check=False,
+                                   **({"graph": schedule.graph} if run.family.branched else {}), **options)
         except ScheduleConfigError as err:
             raise ConfigError(str(err)) from None
-        out[length] = Lowered.of(chunk, tied)
+        out[length] = Lowered.of(chunk, tied, validated(chunk, cfg))
     return out
 
 

@@ -1,23 +1,11 @@
-"""Image-text pairs for the concurrent-branch model (pipeflow.models.cbm).
+"""Image-text pairs for the concurrent-branch model (pipeflow.models.cbm): a
+``datasets.Dataset`` with "image" ([H, W] or [C, H, W] floats) and "text" (a caption)
+columns; by default scikit-learn's bundled 8x8 digits, captioned from their labels, or a
+user's ``data.files`` (parquet, json/jsonl, csv with images as JSON lists).
 
-A ``datasets.Dataset`` with an "image" column (a 2-D [H, W] or 3-D [C, H, W] array of
-floats) and a "text" column (a caption). The default data is scikit-learn's 8x8
-handwritten digits (shipped with the package, no download), pixels scaled to [0, 1],
-each captioned from its label: "a handwritten digit seven". Users can pass their own
-pairs through ``data.files`` (parquet, json/jsonl or csv that datasets can load; in csv
-an image is a JSON list string).
-
-Each batch trains both of the model's losses:
-
-- ITM (image-text matching): half the rows of every batch get the caption of another
-  example with a different caption (label 0), the others keep their own (label 1).
-- MLM: 15% of a caption's byte tokens are picked; of those 80% become MASK, 10% a random
-  byte, 10% stay as they were; the model predicts the original bytes there.
-
-As with pipeflow.data.text, ``train_batch(step, batch_size)`` is a pure function of
-(seed, step): every rank of a pipeline recomputes the same batch, and a resumed run sees
-the batches it would have seen.
-"""
+Each batch trains ITM (half the rows get another example's caption, label 0) and MLM (15%
+of a caption's bytes picked: 80% MASK, 10% a random byte, 10% kept), and is a pure
+function of (seed, step), as in pipeflow.data.text."""
 
 from __future__ import annotations
 
@@ -211,12 +199,10 @@ class ImageTextPairs:
 
 
 def build_image_text_data(data_cfg: Mapping, model_cfg: Mapping, seed: int) -> ImageTextPairs:
-    """The ``data`` group (image_text): files (null -> the digits), val_fraction, mask_prob,
-    cache_dir. Checks the images fit ``model.vision`` and the ids fit ``model.text``.
-
-    A batch is a dict of tensors: image [B, C, H, W] float32, input_ids [B, T] int64
-    (masked captions), mlm_labels [B, T] int64 (-100 where nothing is predicted),
-    itm_label [B] float32 (1 matched, 0 mismatched)."""
+    """The ``data`` group (image_text): files (null: the digits), val_fraction, mask_prob,
+    cache_dir; ValueError where the images do not fit ``model.vision`` or the ids
+    ``model.text``. A batch: image [B, C, H, W] float32, input_ids [B, T] int64, mlm_labels
+    [B, T] int64 (-100: nothing predicted), itm_label [B] float32 (1 matched, 0 mismatched)."""
     files = data_cfg.get("files")
     if files is None:
         ds = digits_dataset()

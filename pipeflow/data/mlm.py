@@ -1,21 +1,9 @@
-"""Masked-language-modelling batches over the byte-level corpus (BERT runs).
-
-The text is the GPT runs' corpus (:mod:`pipeflow.data.text`), packed into the same
-windows; each sequence is ``seq_len`` bytes of one window. Masking follows BERT: 15%
-(``data.mask_prob``) of the positions are chosen; of those 80% become [MASK], 10% a
-random byte and 10% stay as they are; the labels hold the original byte at the chosen
-positions and -100 (ignored) elsewhere. Every sequence has at least one chosen position,
-so no microbatch is ever without a target.
-
-Token ids: bytes are 0..255 (byte 0 ends a document, see ``text.EOT``), and the special
-tokens sit above them. Only [MASK] is produced today; [PAD], [CLS] and [SEP] are reserved
-so a model trained on this vocabulary can take sentence pairs later without resizing.
-A BERT for this data needs ``model.vocab_size >= MLM_VOCAB`` (260, conf/model/bert_tiny).
-
-The masking is a pure function of (seed, step) for training batches and of (seed, batch
-index) for validation: every rank of a pipeline recomputes the same batch on its own
-(the first stage needs the inputs, the last the labels), and a resumed run is exact.
-"""
+"""Masked-language-modelling batches over the byte-level corpus (BERT runs): the windows of
+:mod:`pipeflow.data.text`, ``data.mask_prob`` (15%) of positions chosen (80% [MASK], 10% a
+random byte, 10% kept; at least one per sequence), labels -100 elsewhere. Ids: bytes
+0..255, then the special tokens ([MASK] used; [PAD], [CLS], [SEP] reserved), so
+``model.vocab_size >= MLM_VOCAB``. A pure function of (seed, step), or (seed, batch index)
+for validation."""
 
 from __future__ import annotations
 

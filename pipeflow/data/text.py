@@ -1,14 +1,7 @@
 """Byte-level text for the GPT runs: a corpus loaded through ``datasets``, packed into
-fixed-length windows, and batches that are a pure function of (seed, step).
-
-The default corpus is the running Python's own standard library source: always on
-disk, plain UTF-8, a few MB of real text, so a CPU run learns something visible without
-any download (the runs must work with HF_DATASETS_OFFLINE=1).
-
-Every rank of a pipeline can recompute any step's batch on its own (the first stage
-needs the inputs, the last the targets), and a resumed run sees exactly the batches
-it would have seen: nothing about the data order lives in iterator state.
-"""
+fixed-length windows, and batches that are a pure function of (seed, step), so any rank
+recomputes any step's batch and a resumed run sees the batches it would have. The default
+corpus is the running Python's standard library source (on disk, no download)."""
 
 from __future__ import annotations
 
@@ -90,12 +83,9 @@ def tokenize_documents(texts: Sequence[str], tokenizer) -> np.ndarray:
 
 def load_corpus_tokens(files: Sequence[str], max_bytes: int | None = None, cache_dir: str | None = None,
                        tokenizer: str | None = None) -> np.ndarray:
-    """The files' text as bytes (uint8), in file order, each document followed by EOT;
-    with ``tokenizer`` (a local folder), as that tokenizer's ids (int64) instead.
-
-    Reads through ``datasets.load_dataset("text", sample_by="document")`` (one row per
-    file, cached as Arrow). Text mode turns "\\r\\n" into "\\n". With ``max_bytes`` only
-    the leading files that reach it are read, and the text is cut to that many bytes."""
+    """The files' text as bytes (uint8), in file order, each document followed by EOT; with
+    ``tokenizer`` (a local folder), its ids (int64). Read through ``datasets`` (text mode:
+    "\\r\\n" becomes "\\n"); ``max_bytes`` cuts the text to that many bytes."""
     files = [os.fspath(f) for f in files]
     if not files:
         raise ValueError("data.files is empty: list at least one text file, or set data.files=null for the default corpus")
@@ -140,11 +130,9 @@ def load_corpus_tokens(files: Sequence[str], max_bytes: int | None = None, cache
 
 
 class PackedText:
-    """Tokens cut into non-overlapping windows of seq_len + 1 (inputs and shifted targets).
-
-    The last ``val_fraction`` of the windows are held out as one contiguous block, so
-    validation text is text the model never trained on (neighbouring windows of a
-    source file would leak it)."""
+    """Tokens cut into non-overlapping windows of seq_len + 1 (inputs and shifted targets); the
+    last ``val_fraction`` of them held out as one contiguous block, so no neighbouring window
+    leaks into validation."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, val_fraction: float, seed: int):
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
@@ -195,9 +183,8 @@ class PackedText:
         return self._pairs(rows)
 
     def val_batches(self, batch_size: int, max_batches: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Up to ``max_batches`` batches over the validation windows in order. Every batch
-        is full (a pipeline cuts it into fixed-size microbatches): the last one wraps
-        around to the first validation windows."""
+        """Up to ``max_batches`` full batches over the validation windows in order (the last wraps
+        around to the first windows)."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r}: must be a whole number >= 1")
         if self.num_val == 0:
@@ -209,9 +196,8 @@ class PackedText:
 
 
 def build_text_data(data_cfg: Mapping, seq_len: int, seed: int) -> PackedText:
-    """The ``data`` config group (text_corpus): files (null -> the default corpus),
-    max_bytes, val_fraction, cache_dir (null -> a folder under the temp dir), tokenizer
-    (null -> bytes; a local tokenizer folder)."""
+    """The ``data`` config group (text_corpus): files (null: the default corpus), max_bytes,
+    val_fraction, cache_dir (null: under the temp dir), tokenizer (null: bytes)."""
     files = data_cfg.get("files")
     if files is None:
         files = default_corpus_files()

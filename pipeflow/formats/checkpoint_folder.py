@@ -1,8 +1,6 @@
 """A checkpoint folder's layout and its torch-free reading: the up-front check refuses a
-missing, incomplete, cut-short or mismatched checkpoint before any rank starts, and the
-runtime (:mod:`pipeflow.runtime.checkpoint`, which writes and loads the tensors) reads
-the same way.
-"""
+missing, incomplete or mismatched checkpoint before any rank starts, and the runtime
+(:mod:`pipeflow.runtime.checkpoint`) reads it the same way."""
 
 from __future__ import annotations
 
@@ -124,9 +122,8 @@ def read_meta(folder: Path, resume: str, said: str | None = None) -> dict:
 
 def whole(checkpoint: str, said: str | None = None) -> tuple[Path, dict]:
     """The folder and meta record of the checkpoint ``checkpoint`` names (:func:`resolve`),
-    checked without torch to be whole: its record there, every rank's file there at the
-    size written. Raises ValueError (FileNotFoundError) starting with ``said``
-    (``resume=<checkpoint>``) and saying what is wrong."""
+    checked without torch to be whole (its record and every rank's file at the size written).
+    ValueError (FileNotFoundError) starting with ``said`` and saying what is wrong."""
     said = said or f"resume={checkpoint}"
     folder, _ = resolve(checkpoint, said)
     record = read_meta(folder, checkpoint, said)
@@ -141,20 +138,18 @@ def whole(checkpoint: str, said: str | None = None) -> tuple[Path, dict]:
 
 
 def restart_step(record: dict, steps: int) -> int:
-    """The step a run resumed from the checkpoint ``record`` (its meta) and trained to
-    ``steps`` starts its first chunk after: the checkpoint's, or where the asynchronous
-    chunk it ended inside began (the resumed run replays up to the checkpoint)."""
+    """The step after which a run resumed from the checkpoint ``record`` and trained to ``steps``
+    starts its first chunk: the checkpoint's, or the start of the asynchronous chunk it ended
+    inside."""
     step = int(record["step"])
     start = int(record.get("chunk_start", step))
     return start if start < step < steps else step
 
 
 def verify(resume: str, expect: dict) -> tuple[Path, dict]:
-    """Check, without torch, that the checkpoint ``resume`` names is whole (:func:`whole`)
-    and holds the model ``expect`` describes (a checkpoint of the earlier format: written
-    for its pipeline too, any of schedule, stages, world_size, placement,
-    layers_per_stage); return its folder and meta record. Raises ValueError naming
-    ``resume`` and what is wrong."""
+    """Check, without torch, that the checkpoint ``resume`` names is whole and holds the model
+    ``expect`` describes; return its folder and meta record. ValueError naming ``resume`` and
+    what is wrong."""
     folder, record = whole(resume)
     step = int(record["step"])
     saved = record["meta"]

@@ -1,14 +1,8 @@
-"""Every file pipeflow writes is written whole or not at all: aside under a temporary name
-in its own folder, then renamed into place (a rename within a folder is atomic), so a
-full disk, a read-only mount or a crash leaves what was there before and never a file cut
-short. A failure raises :class:`pipeflow.faults.WriteFailed` naming the file.
-
-- :func:`write_aside`: one file (text, bytes, or a writer given the open file);
-- :class:`Lines`: a log that grows a line at a time (``metrics.jsonl``): a line is
-  appended whole or the file is cut back to where it was;
-- :func:`folder_aside`: a folder of files (an export) built aside and moved into place;
-- :func:`check_folder`: a folder an app will write, refused before any work starts.
-"""
+"""Every file pipeflow writes is written whole or not at all: aside under a temporary name in
+its own folder, then renamed into place, so a full disk or a crash leaves what was there.
+A failure raises :class:`pipeflow.faults.WriteFailed` naming the file. :func:`write_aside`
+(one file), :class:`Lines` (a log a line at a time), :func:`folder_aside` (a folder),
+:func:`check_folder` (a folder an app will write, refused before any work starts)."""
 
 from __future__ import annotations
 
@@ -26,10 +20,9 @@ def _aside(path: Path) -> Path:
 
 def write_aside(path: str | os.PathLike, data: str | bytes | Callable[[BinaryIO], None],
                 durable: bool = False) -> Path:
-    """Write ``data`` (text as UTF-8, bytes, or a function writing to the open binary
-    file) to ``path`` whole: aside, then renamed over it. ``durable``: on disk before
-    the rename (fsync), for files a later run trusts after a power loss. Raises
-    WriteFailed naming ``path``; the temporary file is removed."""
+    """Write ``data`` (text as UTF-8, bytes, or a function writing to the open binary file) to
+    ``path`` whole. ``durable``: fsync before the rename. WriteFailed naming ``path`` (the
+    temporary file removed)."""
     path = Path(path)
     tmp = _aside(path)
     try:
@@ -54,9 +47,8 @@ def write_aside(path: str | os.PathLike, data: str | bytes | Callable[[BinaryIO]
 
 
 class Lines:
-    """A file that grows a line at a time, each line whole: a write that fails (a full
-    disk) cuts the file back to its last whole line and raises WriteFailed naming it.
-    Lines reach the file as they are appended (a crashed run keeps every line before)."""
+    """A file that grows a line at a time, each line whole, reaching the file as appended; a
+    failed write cuts it back to its last whole line and raises WriteFailed naming it."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -87,10 +79,9 @@ class Lines:
 
 @contextlib.contextmanager
 def folder_aside(out: str | os.PathLike) -> Iterator[Path]:
-    """A folder to fill in place of ``out``: built under a temporary name beside it and
-    renamed to ``out`` when the block ends well (an ``out`` already there is replaced
-    whole); when the block fails, the temporary folder is removed and ``out`` is as it
-    was. A failure to write raises WriteFailed naming ``out``."""
+    """A folder to fill in place of ``out``, built beside it and renamed to ``out`` (replacing one
+    there) when the block ends well, removed when it fails (``out`` as it was). WriteFailed
+    naming ``out``."""
     out = Path(out)
     tmp = _aside(out)
     try:
@@ -121,9 +112,8 @@ def folder_aside(out: str | os.PathLike) -> Iterator[Path]:
 
 
 def check_folder(path: str | os.PathLike) -> str | None:
-    """Why the folder ``path`` (made where missing) could not be written, or None: a file
-    where a folder is needed, a read-only mount, no permission. Creates nothing that is
-    left behind (a folder it makes to probe is removed again)."""
+    """Why the folder ``path`` (made where missing) could not be written, or None; leaves
+    nothing behind."""
     target = Path(path).expanduser().absolute()
     # Several processes may check one folder at once (torchrun's nodes, a multirun's jobs):
     # a folder another made meanwhile is used as it is, each probes with a file of its own,

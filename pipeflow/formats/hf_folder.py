@@ -1,21 +1,10 @@
 """A trained ``hf_causal`` run as a Hugging Face folder (``config.json`` and
-``model.safetensors``) that ``transformers`` loads with ``from_pretrained``.
+``model.safetensors``) that ``transformers`` loads with ``from_pretrained``: the
+checkpoint's tensors under transformers' names as they are (a tied head is the embedding),
+checked as ``resume=`` checks them, the folder built aside and moved into place.
+``pipeflow-train ... export=hf`` writes ``<run folder>/hf``; for a run that already ended::
 
-The run's checkpoint holds every parameter once, whole, under transformers' own name
-(:mod:`pipeflow.runtime.checkpoint`), whatever layout trained it: the folder is those
-tensors as they are, and the model's transformers config. A tied head is the embedding
-(transformers ties it again on loading); an untied one is saved under its own name.
-
-The checkpoint is checked as ``resume=`` checks it (whole, of the run's model) before
-anything is written; the folder is built aside and moved into place whole (a full disk
-leaves no half export), and it may only replace a previous export: a run folder, or a
-folder holding anything else, is refused.
-
-``pipeflow-train ... export=hf`` writes ``<run folder>/hf`` once the run ends; for a run
-that already ended::
-
-    python -m pipeflow.formats.hf_folder <run folder or checkpoints/step_N> [<out folder>]
-"""
+    python -m pipeflow.formats.hf_folder <run folder or checkpoints/step_N> [<out folder>]"""
 
 from __future__ import annotations
 
@@ -40,11 +29,10 @@ class ExportFailed(Fault, ValueError):
 
 
 def export_hf(checkpoint: str | Path, out: str | Path, model_cfg: dict | None = None) -> Path:
-    """Write the checkpoint ``checkpoint`` names (a run folder: its latest) as a Hugging
-    Face folder ``out``; ``model_cfg``: the run's model group (else the run's
-    ``config.json``'s). Returns ``out``. Raises ExportFailed (a checkpoint that is not
-    whole, of another model, an ``out`` that is no export) before writing anything, and
-    WriteFailed naming ``out`` when it cannot be written (``out`` is then as it was)."""
+    """Write the checkpoint ``checkpoint`` names (a run folder: its latest) as a Hugging Face
+    folder ``out`` (``model_cfg``: the run's model group, else its ``config.json``'s); return
+    ``out``. ExportFailed (not whole, another model, an ``out`` that is no export) before
+    writing; WriteFailed naming ``out`` when it cannot be written (``out`` left as it was)."""
     said = str(checkpoint)
     try:
         folder, record = whole(said, said)

@@ -8,10 +8,11 @@ Plain and picklable:
 
 - what runs: the validated schedule (and an asynchronous run's chunk and evaluation
   schedules), each lowered once for every device (:class:`Lowered`: the actions with
-  the sends and receives the lowering pass derives, the tied weight's update plan, the
-  stages' optimizer owners), the layers per stage (a profiled partition's too), the
-  model's shape, segment lengths, precision, attention and recomputation, the tensor
-  degree, the topology, and the model family's runtime adapter by import path;
+  the sends and receives the lowering pass derives, paired in each sender's order too,
+  the tied weight's update plan, the stages' optimizer owners), the layers per stage (a
+  profiled partition's too), the model's shape (the stages are built from it), segment
+  lengths, precision, attention and recomputation, the tensor degree, the topology, and
+  the model family's runtime adapter by import path;
 - how to train: the ``optim``, ``trainer``, ``runtime`` and ``logger`` settings
   (:mod:`pipeflow.formats.settings`), the data set's arguments, the seed, the
   checkpoint to resume from;
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeflow.schedules.ir import Schedule, WeightPolicy
-from pipeflow.schedules.lowering import lower
+from pipeflow.schedules.lowering import check_pair_order, lower, order_pairs
 from pipeflow.schedules.versions import tied_update_plan
 from pipeflow.schedules.zero import zero_owners
 
@@ -51,21 +52,30 @@ class AdapterRef:
 class Lowered:
     """A schedule as every rank runs it, worked out once: ``per_device``, each device's
     actions with the sends and receives the lowering pass derived
-    (:func:`pipeflow.schedules.lowering.lower`); ``tied``, an asynchronous schedule's
-    update plan of the weight its tied stages share (device -> (pipe, stage, update) ->
-    the updates that STEP applies: :func:`~pipeflow.schedules.versions.tied_update_plan`);
-    ``owners``, the device holding each replicated stage's optimizer state where the
-    schedule reduces to an owner (:func:`~pipeflow.schedules.zero.zero_owners`)."""
+    (:func:`pipeflow.schedules.lowering.lower`); ``paired``, the same with each device's
+    receives in the order their senders send them, checked (what ranks that match a
+    pair's messages in order run: NCCL, ``runtime.p2p=ordered``;
+    :func:`~pipeflow.schedules.lowering.order_pairs`); ``tied``, an asynchronous
+    schedule's update plan of the weight its tied stages share (device -> (pipe, stage,
+    update) -> the updates that STEP applies:
+    :func:`~pipeflow.schedules.versions.tied_update_plan`); ``owners``, the device holding
+    each replicated stage's optimizer state where the schedule reduces to an owner
+    (:func:`~pipeflow.schedules.zero.zero_owners`)."""
 
     schedule: Schedule
     per_device: list
+    paired: list
     tied: dict
     owners: dict
 
     @classmethod
-    def of(cls, schedule: Schedule, tied_stages: tuple) -> "Lowered":
-        tied = tied_update_plan(schedule, tied_stages) if schedule.policy != WeightPolicy.SYNC else {}
-        return cls(schedule, lower(schedule), tied, zero_owners(schedule.placement) if schedule.zero else {})
+    def of(cls, schedule: Schedule, tied_stages: tuple, completion: list | None = None) -> "Lowered":
+        """``completion``: the schedule's dry-run order, where its validation ran it."""
+        per_device = lower(schedule)
+        paired = order_pairs(per_device)
+        check_pair_order(paired)
+        tied = tied_update_plan(schedule, tied_stages, completion) if schedule.policy != WeightPolicy.SYNC else {}
+        return cls(schedule, per_device, paired, tied, zero_owners(schedule.placement) if schedule.zero else {})
 
 
 @dataclass(frozen=True)

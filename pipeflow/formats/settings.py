@@ -1,9 +1,6 @@
 """The settings a rank reads, typed: the ``optim``, ``trainer``, ``runtime`` and ``logger``
-groups' schemas. The configuration layer registers them with Hydra (every key typed and
-defaulted here) and checks their values (:mod:`pipeflow.config.groups`); the run plan
-carries them to the ranks as instances (:class:`pipeflow.formats.runplan.RunPlan`), so a
-rank reads ``plan.optim.lr``, never the config.
-"""
+groups' schemas, checked by :mod:`pipeflow.config.groups` and carried to the ranks as
+instances in the run plan (a rank reads ``plan.optim.lr``, never the config)."""
 
 from __future__ import annotations
 

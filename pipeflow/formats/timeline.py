@@ -1,32 +1,11 @@
-"""One timeline format for simulated and measured runs.
+"""One timeline format for simulated and measured runs (:class:`Timeline` of :class:`Event`).
 
-The simulator writes a :class:`Timeline`; the runtime records its measured action
-start/end times into the same class, so predicted and measured runs can be compared
-event by event, exported the same way (Chrome trace JSON, which Perfetto and
-chrome://tracing open) and drawn the same way (:mod:`pipeflow.sim.gantt`).
-
-An :class:`Event` is one interval on one stream of one device:
-
-- ``compute``: an F, B, I, W or STEP action on the device's compute stream;
-- ``collective``: a REDUCE (all-reduce of a replicated stage's gradients), one event
-  per participating device;
-- ``comm``: a point-to-point transfer of an activation or gradient; it sits on the
-  sending device, ``src``/``dst`` are the devices and ``nbytes`` the payload, and it
-  spans from the moment the transfer got its links to its arrival;
-- ``wait``: an idle gap of the compute stream and what ended it (simulations of
-  branched models): named ``"wait <action>"`` after the action that waited (``"drain"``
-  after the device's last action), ``src`` the device of the cause, and ``extra`` holding
-  ``cause_kind`` (interaction, head, chain, reduce, stream, drain), ``cause`` (the
-  action that resolved last), ``cause_device`` and ``message``.
-
-The Chrome-trace export (:mod:`pipeflow.formats.trace`) is lossless: every field of every
-event that differs from its default is kept in the event's ``args`` (the stream is the
-name of the event's thread, a compute event's kind its ``cat``), the timeline's own
-fields in ``otherData`` and every event's exact start and end in ``exactTimes``, so
-``Timeline.load`` reads back exactly what ``save`` wrote (not only the microsecond
-``ts``/``dur``, cut to whole nanoseconds, that the viewers use). A large trace can be
-saved gzipped (``timeline.json.gz``); ``load`` reads either form.
-"""
+An event's ``stream``: ``compute`` (an F, B, I, W or STEP action), ``collective`` (a
+REDUCE, one event per device), ``comm`` (a transfer, on the sender: ``src``/``dst``,
+``nbytes``, from getting its links to arrival) or ``wait`` (an idle gap of a branched
+model's compute stream, ``"wait <action>"``; ``extra``: ``cause_kind``, ``cause``,
+``cause_device``, ``message``). Saved as a lossless Chrome trace
+(:mod:`pipeflow.formats.trace`; docs/simulation.md, "Large runs")."""
 
 from __future__ import annotations
 
@@ -93,10 +72,8 @@ class Event:
 class Timeline:
     """Events of one run (one iteration, or whatever the producer recorded).
 
-    ``time_unit`` is the unit of ``start``/``end``: "s", "ms", "us", or "units" for
-    simulations with unit costs (one unit is drawn as one second in Chrome traces). ``source`` says whether
-    the times were predicted ("simulated") or observed ("measured").
-    """
+    ``time_unit``: the unit of ``start``/``end``, "s", "ms", "us" or "units" (unit costs;
+    drawn as seconds); ``source``: "simulated" or "measured"."""
 
     events: list[Event]
     num_devices: int
@@ -115,11 +92,9 @@ class Timeline:
     @classmethod
     def from_columns(cls, columns: dict[str, list], num_devices: int, time_unit: str = "s",
                      source: str = "simulated", meta: dict | None = None) -> "Timeline":
-        """A timeline of the events in ``columns`` (one list per Event field, all of one
-        length), whose Event objects are made when something first reads ``events``:
-        :meth:`save` and :meth:`column` read the columns themselves, so a producer that
-        holds its events as columns (the simulator) writes a quarter of a million of
-        them without one object each."""
+        """A timeline of the events in ``columns`` (one equal-length list per Event field); the
+        Event objects are made only when ``events`` is first read (:meth:`save` and
+        :meth:`column` read the columns)."""
         return _ColumnTimeline(None, num_devices, time_unit, source, {} if meta is None else meta, columns=columns)
 
     def __eq__(self, other) -> bool:
@@ -171,15 +146,9 @@ class Timeline:
 
     # ------------------------------------------------------------ chrome trace
     def to_chrome_trace(self) -> dict:
-        """Chrome trace / Perfetto JSON (object form): what :meth:`save` writes, parsed.
-
-        One process per device ("device N"); one thread per stream lane, named after the
-        stream. Compute and collective streams never overlap themselves in a simulation,
-        but transfers (and measured events) can, and the viewers nest "X" events of one
-        thread, so partial overlaps would be drawn wrong: each stream is split greedily
-        into as many lanes as it needs ("comm", "comm 2", ...). The layout is
-        :mod:`pipeflow.formats.trace`'s.
-        """
+        """Chrome trace / Perfetto JSON (object form), what :meth:`save` writes, parsed: one process
+        per device, one thread per stream lane (a stream whose events overlap is split into
+        lanes: "comm", "comm 2", ...)."""
         return json.loads("".join(self._trace_pieces()))
 
     def _trace_pieces(self) -> Iterator[str]:
@@ -191,13 +160,8 @@ class Timeline:
 
     @classmethod
     def from_chrome_trace(cls, trace: dict) -> "Timeline":
-        """Inverse of :meth:`to_chrome_trace` (and of the traces earlier versions wrote,
-        with every field and the exact times in each event's ``args``).
-
-        A trace written by another tool is read as well as it can be: each "X" event
-        becomes an event on device ``pid`` with its thread's name as the stream (when
-        it is one of compute/wait/collective/comm) and ``ts``/``dur`` in microseconds.
-        """
+        """Inverse of :meth:`to_chrome_trace`. Another tool's trace is read as well as it can be:
+        each "X" event on device ``pid``, its thread's name as the stream, ``ts``/``dur`` in µs."""
         if isinstance(trace, list):  # the bare-array form of the format
             trace = {"traceEvents": trace}
         if "traceEvents" not in trace:
@@ -260,30 +224,21 @@ class Timeline:
         )
 
     def save(self, path: str | os.PathLike, compress: bool | None = False) -> str:
-        """Write the Chrome-trace JSON (open it in https://ui.perfetto.dev); return the path.
-
-        ``compress``: False writes plain JSON at ``path``; True writes it gzipped at
-        ``path`` + ".gz"; None gzips only a trace whose text is longer than
-        :data:`pipeflow.formats.trace.COMPRESS_ABOVE`. A path that ends in ".gz" is always
-        gzipped. The other form, if an earlier save left it beside, is removed, so that
-        :meth:`load` of either name never reads a stale file. Perfetto opens the gzipped
-        file as it is.
-        """
+        """Write the Chrome-trace JSON; return the path. ``compress``: False plain at ``path``,
+        True gzipped at ``path`` + ".gz", None gzipped when longer than
+        :data:`pipeflow.formats.trace.COMPRESS_ABOVE` (a ".gz" path always is); the other
+        form, if left beside by an earlier save, is removed."""
         return write_trace(path, self._trace_pieces(), compress)
 
     def save_beside(self, path: str | os.PathLike, compress: bool | None = False):
-        """:meth:`save`, the file compressed and written on a thread of its own while the
-        caller goes on (:func:`~pipeflow.formats.trace.write_trace_beside`): a future
-        whose result is the path."""
+        """:meth:`save` on a thread of its own (:func:`~pipeflow.formats.trace.write_trace_beside`):
+        a future whose result is the path."""
         return write_trace_beside(path, self._trace_pieces(), compress)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Timeline":
-        """Read what :meth:`save` wrote (or another tool's Chrome trace), plain or gzipped.
-
-        ``path`` may name the plain file when only the gzipped one exists
-        ("timeline.json" finds "timeline.json.gz"), or a run folder (its timeline file,
-        :func:`timeline_file`)."""
+        """Read what :meth:`save` wrote (or another tool's Chrome trace), plain or gzipped; ``path``
+        may name the plain file when only the gzipped one exists, or a run folder."""
         return cls.from_chrome_trace(read_trace(path))
 
     @classmethod

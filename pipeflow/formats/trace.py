@@ -1,32 +1,12 @@
 """The Chrome trace of a timeline, as text, written fast; read back from either form.
 
-:class:`pipeflow.formats.timeline.Timeline` saves and loads through this module. The text is
-made column by column (one list per field of every event) with string formatting, not
-through json's encoder, which spends seconds on a quarter of a million events (64
-devices x 1024 microbatches): a column is read from the events in C (``attrgetter``),
-each distinct value of a repeating field is written once and looked up, and each
-record is one ``%`` of a template.
-
-The layout, a valid Chrome trace (JSON object form) that Perfetto and chrome://tracing
-open:
-
-- ``displayTimeUnit`` and ``otherData`` (the timeline's own fields) first, where every
-  version of Perfetto's importer reads them;
-- ``traceEvents``: one process per device ("device N") and one thread per stream lane,
-  named after the stream ("compute", "comm", "comm 2", ...), since the viewers nest the
-  events of a thread and so must never see two overlap; then one "X" record per event:
-  ``name``, ``cat`` (a compute event's kind, else its stream), ``pid``/``tid``,
-  ``ts``/``dur`` in microseconds cut to whole nanoseconds, and in ``args`` its stage and
-  microbatch and every other field that differs from its default (a wait event's
-  ``extra`` also at the top of ``args``, where the viewers show it);
-- ``exactTimes`` last: every event's exact start and end, as float64 (little-endian,
-  their bytes shuffled: all first bytes, then all second bytes, ..., which gzip packs
-  well) in base64, so a load gives back the very floats (their ``repr`` would cost a
-  second at that size). The viewers skip a key they do not know.
-
-A trace whose text is over :data:`COMPRESS_ABOVE` can be written gzipped, at gzip's
-fastest level; :func:`read_trace` takes either form.
-"""
+:class:`pipeflow.formats.timeline.Timeline` saves and loads through here. The text is made
+column by column with string formatting (json's encoder spends seconds on 64 x 1024
+microbatches). The layout: ``displayTimeUnit`` and ``otherData`` (the timeline's fields)
+first; ``traceEvents``, one process per device, one thread per stream lane, one "X" record
+per event (``ts``/``dur`` µs cut to whole nanoseconds; in ``args`` every field that differs
+from its default); ``exactTimes`` last, the exact starts and ends as byte-shuffled float64
+in base64. A text over :data:`COMPRESS_ABOVE` can be written gzipped."""
 
 from __future__ import annotations
 
@@ -129,13 +109,9 @@ def trace_pieces(columns: dict[str, list], num_devices: int, time_unit: str, sou
 
 def lanes(devices: list[int], streams: list[str], starts: np.ndarray, ends: np.ndarray
           ) -> tuple[list[int], list[tuple]]:
-    """The Chrome thread of every event, and the threads as (device, label, tid).
-
-    A (device, stream) whose events, in list order, start in order and never overlap
-    (every stream of a simulation) is one lane; any other is split greedily in (start,
-    position) order: each event takes the first lane that is free by its start. Tids
-    follow the streams in STREAMS order (compute on top), then their lanes. Grouping
-    and the overlap test are array operations."""
+    """The Chrome thread of every event, and the threads as (device, label, tid). A (device,
+    stream) whose events start in order and never overlap is one lane; any other is split
+    greedily (each event takes the first lane free by its start). Tids follow STREAMS order."""
     stream_id = {s: i for i, s in enumerate(dict.fromkeys(streams))}
     width, name_of = len(stream_id), list(stream_id)
     # one int per (device, stream); a stable sort keeps each group in list order
@@ -185,12 +161,8 @@ def _greedy_lanes(order: list[int], codes: list[int], starts: list[float], ends:
 
 
 def write_trace(path: str | os.PathLike, pieces: Iterable[str], compress: bool | None = False) -> str:
-    """Write the text ``pieces`` to ``path``; return the path written.
-
-    ``compress``: False writes plain JSON at ``path``; True writes it gzipped at ``path``
-    + ".gz"; None gzips only a text longer than :data:`COMPRESS_ABOVE`. A path that ends
-    in ".gz" is always gzipped. The other form, if an earlier save left it beside, is
-    removed, so that a load of either name never reads a stale file."""
+    """Write the text ``pieces`` to ``path``; return the path written. ``compress`` as
+    :meth:`pipeflow.formats.timeline.Timeline.save`'s; the other form, if beside, is removed."""
     path = os.fspath(path)
     plain = path[:-3] if path.endswith(".gz") else path
     if path.endswith(".gz"):
@@ -228,11 +200,8 @@ def write_trace(path: str | os.PathLike, pieces: Iterable[str], compress: bool |
 
 
 def write_trace_beside(path: str | os.PathLike, pieces: Iterable[str], compress: bool | None = False) -> Future:
-    """:func:`write_trace`, its text made here and then compressed and written on a thread
-    of its own: zlib lets go of the interpreter while it compresses, so what the caller
-    does next runs beside it (pipeflow-simulate's memory walk: of a 64-stage,
-    1,024-microbatch 1F1B's 0.5 s trace, the 0.2 s of compressing). The future's result
-    is the path written, or the error."""
+    """:func:`write_trace`, its text made here, then compressed and written on a thread of its
+    own (zlib releases the interpreter); a future whose result is the path, or the error."""
     # one piece: the thread compresses it in one call that holds the interpreter not at
     # all (piece by piece it waited for the interpreter at every piece, the walk holding it)
     text = ["".join(pieces)]
@@ -249,9 +218,8 @@ def write_trace_beside(path: str | os.PathLike, pieces: Iterable[str], compress:
 
 
 def _write_gzipped(fh, pieces: Iterable[str]) -> None:
-    """Write ``pieces`` to the binary file ``fh`` as one gzip stream, piece by piece (a
-    second thread compressing beside the one making the text gained nothing on a
-    shared 2-core host: the handing over cost what the overlap saved)."""
+    """Write ``pieces`` to the binary file ``fh`` as one gzip stream, piece by piece."""
+    # on this thread: a second one compressing beside gained nothing on a shared 2-core host
     deflate = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, 31)  # 31: with gzip's header and trailer
     for piece in pieces:
         fh.write(deflate.compress(piece.encode("ascii")))
@@ -259,11 +227,9 @@ def _write_gzipped(fh, pieces: Iterable[str]) -> None:
 
 
 def _viewer_times(starts: np.ndarray, ends: np.ndarray, scale: float, finite: bool) -> tuple[list, list]:
-    """``ts`` and ``dur`` in microseconds on one nanosecond grid: the start and the end
-    are each cut to whole nanoseconds (``int``, which keeps their order) and ``dur`` is
-    the difference, so an event that starts where another ends never overlaps it in
-    the viewers (which would misnest them). Numbers for "%.3f", or JSON text (NaN,
-    Infinity) when some time is not finite."""
+    """``ts`` and ``dur`` in µs on one nanosecond grid (start and end each cut, ``dur`` their
+    difference, so touching events never overlap in the viewers); "%.3f" numbers, or JSON
+    text (NaN, Infinity) when some time is not finite."""
     if not finite:
         return ([_microseconds(s * scale) for s in starts.tolist()],
                 [_microseconds((t - s) * scale) for s, t in zip(starts.tolist(), ends.tolist())])
@@ -368,9 +334,8 @@ def _unpack(text: str) -> array:
 
 # --------------------------------------------------------------------------- reading
 def exact_times(trace: dict) -> tuple[array, array] | None:
-    """The exact (starts, ends) of a trace's events, in the order of its X records, or
-    None (a trace of an earlier version, with them in each event's args, or of another
-    tool)."""
+    """The exact (starts, ends) of a trace's events in the order of its X records, or None (an
+    earlier version's or another tool's trace)."""
     times = trace.get("exactTimes")
     if not isinstance(times, dict) or times.get("encoding") != _TIMES:
         return None
@@ -378,8 +343,9 @@ def exact_times(trace: dict) -> tuple[array, array] | None:
 
 
 def read_trace(path: str | os.PathLike) -> dict:
-    """The parsed JSON of a trace file, plain or gzipped, found as :meth:`Timeline.load`
-    describes; ValueError naming the file when it is not JSON."""
+    """The parsed JSON of a trace file, plain or gzipped, found as
+    :meth:`~pipeflow.formats.timeline.Timeline.load` does; ValueError naming the file when
+    it is not JSON."""
     path = timeline_file(path) if os.path.isdir(path) else _existing_form(os.fspath(path))
     with open(path, "rb") as fh:
         data = fh.read()

@@ -1,37 +1,9 @@
-"""Attention as every pipeflow model computes it (``model.attention``).
-
-- ``sdpa`` (the default): ``torch.nn.functional.scaled_dot_product_attention``, the
-  fused kernel (flash attention on CPU, flash or memory-efficient on CUDA). It keeps its
-  inputs, its output and one log-sum-exp per query and head for the backward, and
-  recomputes the scores there: no ``s x s`` tensor outlives the call.
-- ``eager``: ``q k^T``, the mask, softmax, ``@ v``, written out; the backward keeps the
-  softmax output, one value per query-key pair and head. Kept as the reference the fused
-  path is checked against.
-
-One function, :func:`attention`, serves GPT-2's, BERT's and every Hugging Face decoder's
-attention modules, which call it through transformers' attention interface (their
-configs name :data:`IMPLEMENTATION`); the concurrent-branch model's
-``nn.MultiheadAttention`` runs the same kernel itself (``need_weights=False``) or the
-eager path (``need_weights=True``). What a call may see is a
-:class:`Pattern`, passed where transformers passes the attention mask: causal or not,
-and how many keys of earlier sequence segments (Seq1F1B) precede its first query; a
-sliding window comes from the attention module itself (Mistral, Qwen2), as transformers
-passes it.
-
-Which keys a query sees, with ``offset`` earlier keys: query ``t`` (position
-``offset + t``) sees key ``j`` when ``j <= offset + t`` (causal; the lower-right
-alignment of a segment's queries over the whole prefix) and ``j > offset + t - window``
-(sliding window). A whole causal sequence without a window needs no mask: the kernel's
-``is_causal``. Otherwise the fused path needs the mask; torch's CPU kernel would keep
-it (``T x P``) for its backward, so on CPU :class:`_MaskedFlashCPU` runs the same
-kernel, keeps what it keeps but the mask, and rebuilds the mask in the backward. On
-CUDA the lower-right causal mask is torch's ``causal_lower_right``, which the kernels
-take without a materialised mask.
-
-Attention dropout: torch's CPU flash kernel has none, so on CPU a fused call with
-dropout runs torch's math path (which keeps the scores, as eager does); CUDA's kernels
-fuse it.
-"""
+"""Attention as every pipeflow model computes it (``model.attention``): ``sdpa`` (the
+default, torch's fused kernel: no ``s x s`` tensor outlives the call) or ``eager`` (written
+out, the reference). :func:`attention` serves GPT-2's, BERT's and the Hugging Face
+decoders' modules through transformers' attention interface; a :class:`Pattern` passed as
+the mask says causal or not and the Seq1F1B offset. docs/training.md, "Attention and long
+sequences", says more."""
 
 from __future__ import annotations
 
@@ -71,7 +43,8 @@ def check_mode(mode) -> str:
 
 
 def allowed(queries: int, keys: int, offset: int, window: int | None, device) -> Tensor:
-    """[queries, keys] booleans: which keys each query of a causal call sees (module docstring)."""
+    """[queries, keys] booleans: key ``j`` is seen by query ``t`` after ``offset`` earlier keys
+    when ``j <= offset + t`` (lower-right causal) and ``j > offset + t - window``."""
     q = torch.arange(offset, offset + queries, device=device)[:, None]
     k = torch.arange(keys, device=device)[None, :]
     ok = k <= q
@@ -94,9 +67,8 @@ def _needs_mask(pattern: Pattern, queries: int, keys: int, window: int | None) -
 
 
 class _MaskedFlashCPU(torch.autograd.Function):
-    """torch's CPU flash kernel with a mask, keeping for the backward what the kernel
-    keeps (q, k, v, the output, the log-sum-exp) but not the mask: the backward rebuilds
-    it. A segment's ``T x P`` mask is the only ``s^2`` tensor a fused call would keep."""
+    """torch's CPU flash kernel with a mask, keeping for the backward what the kernel keeps
+    but not the ``T x P`` mask, which the backward rebuilds."""
 
     @staticmethod
     def forward(ctx, q, k, v, offset: int, window, scale):
@@ -117,13 +89,9 @@ class _MaskedFlashCPU(torch.autograd.Function):
 
 
 def _kernel_inputs(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Q, K and V in the dtype the kernel computes in: under autocast on their device,
-    autocast's dtype, as autocast casts ``F.scaled_dot_product_attention``'s inputs. A
-    call that does not pass through autocast's dispatch needs it done by hand: our CPU
-    kernel's autograd function, and torch's lower-right causal bias, whose
-    ``__torch_function__`` runs before autocast and checks that the three share a dtype
-    (a rotary model's Q and K are fp32 there, the rotation's output, V 16-bit: the crash
-    of Llama's later segments at bf16 on an H200)."""
+    """Q, K and V in the dtype the kernel computes in (autocast's, under autocast on their
+    device), cast by hand for calls that bypass autocast's dispatch: our CPU kernel and
+    torch's lower-right causal bias, which checks that the three share a dtype."""
     device = q.device.type
     if not torch.is_autocast_enabled(device):
         return q, k, v
@@ -213,11 +181,9 @@ def attend(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, dr
 
 
 class SegmentCache:
-    """The key/value cache a decoder layer sees on a sequence segment (Seq1F1B): ``update``
-    returns the earlier segments' keys and values with this segment's appended, and
-    records this segment's own. ``past`` is (keys, values) of the earlier segments: one
-    tensor each, or one per earlier segment (the runtime's leaves). A recomputed region
-    calls it again in the backward: the first record stands (the values are the same)."""
+    """The key/value cache a decoder layer sees on a Seq1F1B segment: ``update`` returns the
+    earlier segments' keys and values (``past``: one tensor each, or one per segment) with
+    this segment's appended, and records this segment's own (the first record stands)."""
 
     def __init__(self, past):
         self.past = None if past is None else tuple(_parts(t) for t in past)

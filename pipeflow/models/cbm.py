@@ -1,31 +1,9 @@
-"""A concurrent-branch multimodal model (CBM), cut into the stages of a StageGraph.
-
-Two transformer branches run side by side:
-
-- vision: a ViT-style branch. The image is cut into patch_size x patch_size patches,
-  each patch projected to n_embd (a strided Conv2d), plus learned positions.
-- text: byte tokens (plus MASK and PAD ids, see pipeflow.data.image_text) and learned
-  positions, bidirectional self-attention (the text is trained by masked-token loss).
-
-Depth d of a branch is its hidden state after d blocks (depth 0: the embeddings).
-At an interaction depth k (``model.interaction_layers``, 1-based) block k of each
-branch also cross-attends to the *other* branch's hidden state at depth k-1
-(co-attention). Reading the partner's previous depth, not its current one, keeps the
-two branches free of a cycle: both blocks k depend only on depth k-1.
-
-A fused head joins the branches: mean-pooled vision + mean-pooled text -> one
-image-text matching (ITM) logit, and a masked-token (MLM) head on every text position.
-
-The stage split (:func:`cbm_stage_graph`) puts a stage boundary right before every
-interaction depth in both branches, so the stage that needs the partner's depth k-1
-receives exactly that tensor: the whole output of the partner stage that ends there.
-Each stage therefore holds at most one interaction block, its first.
-
-As in pipeflow.models.gpt, parameter names are global (``vision.blocks.<i>.*``,
-``text.blocks.<i>.*``, ``head.*``; block i computes depth i+1) and every parameter is
-drawn from its own generator seeded by (seed, name), so any split holds exactly the
-whole model's weights and gradients compare by name.
-"""
+"""A concurrent-branch multimodal model (CBM), cut into the stages of a StageGraph: a
+ViT-style vision branch and a bidirectional byte-text branch side by side; at each
+interaction depth k (``model.interaction_layers``) block k of each branch cross-attends to
+the other's depth k-1 (no cycle), and a fused head gives an image-text matching logit
+and masked-token logits. :func:`cbm_stage_graph` cuts before every interaction depth.
+Parameter names are global and drawn per (seed, name), as in :mod:`pipeflow.models.gpt`."""
 
 from __future__ import annotations
 
@@ -70,12 +48,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block; with ``cross_dim`` it also cross-attends to the
-    other branch (queries from this branch, keys and values from the other).
-
-    ``attention`` (model.attention): ``sdpa`` asks ``nn.MultiheadAttention`` for no
-    weights, and it runs the fused kernel; ``eager`` asks for them, and it computes the
-    scores, softmax and weighted sum itself."""
+    """Pre-LayerNorm transformer block; with ``cross_dim`` it also cross-attends to the other
+    branch (keys and values from it). ``attention``: ``sdpa`` (fused) or ``eager``."""
 
     def __init__(self, dim: int, n_head: int, dropout: float, cross_dim: int | None = None,
                  attention: str = "sdpa"):
@@ -155,11 +129,8 @@ class Branch(nn.Module):
 
 
 class Head(nn.Module):
-    """Fused head: pooled vision + pooled text -> ITM logit; text positions -> MLM logits.
-
-    Returns one tensor [B, 1 + T * vocab_size]: column 0 the ITM logit, then the MLM
-    logits flattened (see :func:`split_head_output`). One tensor because a stage sends
-    and returns exactly one."""
+    """Fused head: pooled vision + pooled text -> ITM logit; text positions -> MLM logits, as
+    one tensor [B, 1 + T * vocab_size] (a stage sends one; :func:`split_head_output`)."""
 
     def __init__(self, shape: CBMShape):
         super().__init__()
@@ -204,14 +175,9 @@ def _init_weights(module: nn.Module, shape: CBMShape, seed: int) -> None:
 
 
 class CBMStage(nn.Module):
-    """One stage of :func:`cbm_stage_graph`.
-
-    forward(x): for a source stage (a branch's first) ``x`` is the raw batch tensor:
-    images [B, C, H, W] float for vision, token ids [B, T] long for text. Otherwise ``x``
-    is a dict {pred_stage_index: tensor} holding the outputs of all of the stage's
-    predecessors. Returns one tensor: the branch's hidden state at depth ``hi``
-    ([B, patches, vision.n_embd] or [B, T, text.n_embd]); the head returns
-    [B, 1 + T * vocab_size] (see :func:`split_head_output`)."""
+    """One stage of :func:`cbm_stage_graph`. ``x``: a source stage's batch tensor (images
+    [B, C, H, W] or token ids [B, T]), else {predecessor stage: tensor}. Returns the branch's
+    hidden state at depth ``hi``, or the head's [B, 1 + T * vocab_size]."""
 
     def __init__(self, shape: CBMShape, spec: CBMStageSpec, seed: int):
         super().__init__()

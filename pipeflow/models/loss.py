@@ -1,28 +1,9 @@
 """The language-model loss without a whole fp32 copy of the logits: cross-entropy a chunk
-of rows at a time (every family's LM and MLM loss on one rank; a vocabulary-parallel
-head has its own, :func:`pipeflow.models.tensor_parallel.parallel_cross_entropy`).
-
-``F.cross_entropy(logits.float(), ...)`` made an fp32 copy of the logits at 16 bits, kept
-an fp32 log-softmax of every logit for its backward, and in the backward held two fp32
-tensors of every logit (the log-softmax's gradient and the cast's). For GPT-2's 50,257
-words that is 200 KB a token each. :class:`ChunkedCrossEntropy` keeps the logits as
-the head made them (in the compute dtype) and one log-sum-exp a row; its forward and
-backward visit ``rows`` rows at a time (:func:`chunk_rows`: an fp32 chunk of at most
-``CHUNK_ELEMENTS``, :mod:`pipeflow.planning.operators`), so beside the logits' gradient
-(in the compute dtype, made once) the backward holds one fp32 chunk. The memory model
-prices exactly that (:func:`pipeflow.planning.operators.head_forward`,
-:func:`pipeflow.planning.working_set.loss_backward_bytes`).
-
-A head padded past the vocabulary (``model.vocab_multiple``) hands over logits as wide
-as it is; the loss reads the first ``vocab`` of each row and gives the others a zero
-gradient in the one gradient tensor it makes (a slice of the logits before the loss would
-make a second, the slice's backward padding the loss's gradient out).
-
-The gradient of a row is ``(softmax(row) - onehot(target)) * g``: ``exp(row - lse)``
-with the target's entry less one, in fp32, cast to the logits' dtype. Rows whose
-target is ``ignore_index`` (an unmasked position of BERT's MLM) count nothing and get
-a zero gradient, as with torch's.
-"""
+of rows at a time (:func:`pipeflow.planning.operators.chunk_rows`: an fp32 chunk of at
+most ``CHUNK_ELEMENTS``), keeping the logits in the compute dtype and one log-sum-exp a
+row. A head padded past the vocabulary gives its extra logits a zero gradient; rows whose
+target is ``ignore_index`` count nothing. The memory model prices what it holds
+(docs/training.md on ``pipeflow/models/loss.py``)."""
 
 from __future__ import annotations
 
@@ -35,8 +16,8 @@ SCOPE = "pipeflow::cross_entropy"  # the profiler's name for the loss (pipeflow.
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
-    """The summed cross-entropy of ``logits`` [N, V] against ``targets`` [N] (see the
-    module's docstring); an fp32 scalar."""
+    """The summed cross-entropy of ``logits`` [N, V] against ``targets`` [N], an fp32 scalar;
+    a row's gradient is ``(softmax(row) - onehot(target)) * g``, cast to the logits' dtype."""
 
     @staticmethod
     def forward(ctx, logits: Tensor, targets: Tensor, ignore_index: int, vocab: int) -> Tensor:
@@ -87,10 +68,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
 
 def cross_entropy_sum(logits: Tensor, targets: Tensor, ignore_index: int = -100, vocab: int | None = None) -> Tensor:
-    """Summed cross-entropy over the last dimension of ``logits`` (any leading shape,
-    ``targets`` the same leading shape), in fp32, by :class:`ChunkedCrossEntropy`; over
-    its first ``vocab`` entries where the head is padded past the vocabulary (the rest get
-    a zero gradient), None: all of them."""
+    """Summed fp32 cross-entropy over the last dimension of ``logits`` (``targets``: the same
+    leading shape), by :class:`ChunkedCrossEntropy`, over its first ``vocab`` entries (None:
+    all)."""
     width = logits.size(-1)
     vocab = width if vocab is None else vocab
     if not 0 < vocab <= width:

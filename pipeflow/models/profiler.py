@@ -1,20 +1,8 @@
-"""Measure a GPT's layer sequence on this machine: the input of the ``profiled``
-partitioner and cost model (:mod:`pipeflow.planning.layer_profile`).
-
-Every unit is a :class:`~pipeflow.models.gpt.GPTStage`, so what is timed is the code the
-runtime runs: the embedding is a first stage with its blocks removed, block i a middle
-stage holding block i alone, the head a last stage with its blocks removed (final
-LayerNorm and the untied ``lm_head`` copy, as on any last stage of a split) followed by
-the runtime's loss, :func:`~pipeflow.models.gpt.lm_loss`. The units compute attention as
-``model.attention`` says, as the runtime's stages do.
-
-Per unit: forward and backward time (median over ``repeats`` after ``warmup`` rounds),
-the AdamW step over its parameters, the bytes autograd saved in the forward for the
-backward (``torch.autograd.graph.saved_tensors_hooks``; each storage counted once, the
-unit's own parameters not counted), and its parameter bytes.
-
-    python -m pipeflow.profile --out profile.json model.vocab_size=8192
-"""
+"""Measure a GPT's (or hf_causal decoder's) layer sequence on this machine, the input of
+the ``profiled`` partitioner and cost model (:mod:`pipeflow.planning.layer_profile`). Each
+unit (embedding, each block, head with its loss) is a stage as the runtime cuts it; per
+unit the forward, backward and AdamW times (medians), the bytes autograd saves, and the
+parameter bytes. ``python -m pipeflow.profile --out profile.json``."""
 
 from __future__ import annotations
 
@@ -134,10 +122,8 @@ def profile_model(
 
 def _profile_unit(name: str, kind: str, module: nn.Module, device: torch.device, ids: torch.Tensor,
                   targets: torch.Tensor, hidden: torch.Tensor, warmup: int, repeats: int) -> LayerProfile:
-    """One unit's forward, backward and optimizer step times (medians of ``repeats``
-    after ``warmup``), the bytes autograd saves in its forward, and its parameter bytes:
-    the embedding fed token ids, every other unit a hidden state that needs a gradient,
-    the head its loss over ``targets``."""
+    """One unit's forward, backward and optimizer step times (medians of ``repeats`` after
+    ``warmup``), the bytes autograd saves in its forward and its parameter bytes."""
     module.train()
     params = [p for p in module.parameters() if p.requires_grad]
     param_ptrs = {p.untyped_storage().data_ptr() for p in params}

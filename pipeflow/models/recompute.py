@@ -1,32 +1,8 @@
-"""Activation recomputation (``model.recompute``), for every model family.
-
-- ``none``: every block keeps what its backward needs.
-- ``full``: each block keeps only its input; its backward first recomputes the block's
-  forward (torchtitan's and Megatron's full recomputation).
-- ``selective``: each block's attention sub-layer keeps only its input and is
-  recomputed in the backward. The MLP's activations are kept. Attention holds the
-  largest activations per token, the T x T scores.
-
-A recomputed region is pipeflow's own non-reentrant checkpoint (:class:`_Region`): the
-forward runs with autograd's saved-tensor hooks packing each saved tensor as a slot
-(nothing kept); the first unpack in a backward reruns the region, with the random
-state and the autocast state of its forward (dropout draws the same masks twice), and
-every slot of that backward reads the rerun's tensors. Unlike PyTorch's
-``torch.utils.checkpoint``, a slot may be read more than once in one backward: the
-zero-bubble split's I reads a matrix product's saved input just before the product's
-node runs (:mod:`pipeflow.runtime.backward`), and the node's own unpack follows; with
-torch's checkpoint the first read outside the engine rebuilt the block once per read
-and the second inside raised. So I rebuilds each block once, as B does. A rerun's
-tensors go with their slots (as the graph frees its nodes) or at the end of that
-backward, whichever is first.
-
-The region's input is saved through :class:`_Keep`, an identity whose backward needs
-nothing: the region holds that input outside autograd's saved-tensor hooks, and the
-saved-bytes meter (:mod:`pipeflow.runtime.saved_bytes`) counts only what passes through
-those hooks; _Keep puts the input through them, with the other tensors the region holds
-for its rerun (a Llama layer's rotary cos and sin), so the meter counts what
-recomputation really keeps.
-"""
+"""Activation recomputation (``model.recompute``: ``none``, ``full`` per block, ``selective``
+the attention sub-layer). A region is pipeflow's own non-reentrant checkpoint
+(:class:`_Region`): the first unpack in a backward reruns it with its forward's random and
+autocast state; unlike ``torch.utils.checkpoint`` a saved tensor may be read twice in one
+backward, as the zero-bubble I does (docs/training.md, "Activation recomputation")."""
 
 from __future__ import annotations
 
@@ -40,9 +16,8 @@ MODES = ("none", "full", "selective")
 
 
 class _Keep(torch.autograd.Function):
-    """Identity that saves its input for the backward (where it is not needed), and
-    with it the other tensors the region holds (``held``): the saved-bytes meter then
-    counts what a recomputed region keeps."""
+    """Identity that saves its input (and the region's other ``held`` tensors) for a backward
+    that needs none: the saved-bytes meter then counts what a recomputed region keeps."""
 
     @staticmethod
     def forward(ctx, x, *held):
@@ -55,10 +30,9 @@ class _Keep(torch.autograd.Function):
 
 
 def _kept(value, seen: dict, held: list):
-    """``value`` through _Keep, once per tensor: an argument passed twice stays one
-    tensor (self-attention's query, key and value; MultiheadAttention takes its packed
-    projection only when they are the same object). The first one kept also saves
-    ``held`` (emptied)."""
+    """``value`` through _Keep, once per tensor (an argument passed twice stays one object, as
+    MultiheadAttention's packed projection needs); the first one kept also saves ``held``
+    (emptied)."""
     if isinstance(value, torch.Tensor) and value.is_floating_point() and value.requires_grad:
         if id(value) not in seen:
             seen[id(value)] = _Keep.apply(value, *held)
@@ -68,10 +42,8 @@ def _kept(value, seen: dict, held: list):
 
 
 def _held(args: tuple, kwargs: dict) -> list:
-    """The floating tensors a region holds that need no gradient, one level into tuples
-    and lists too (transformers' layers take the rotary positions' cos and sin as one
-    ``position_embeddings`` pair): the region keeps them for its rerun, outside
-    autograd."""
+    """The floating tensors a region holds that need no gradient, one level into tuples and
+    lists too (a rotary ``position_embeddings`` pair): kept for its rerun, outside autograd."""
     out, seen = [], set()
     for v in (*args, *kwargs.values()):
         for t in (v if isinstance(v, (tuple, list)) else (v,)):
@@ -101,9 +73,8 @@ class _Slot:
 
 
 class _Region:
-    """One call of a recomputed region: its inputs (detached), the random states of its
-    forward (those it drew from) and its autocast state, and the tensors of its latest
-    rerun with the backward (autograd graph task) it was for."""
+    """One call of a recomputed region: its detached inputs, the random and autocast states of
+    its forward, and its latest rerun's tensors with the backward they were for."""
 
     def __init__(self, fn, args: tuple, kwargs: dict) -> None:
         self.fn = fn
@@ -123,9 +94,8 @@ class _Region:
         self.autocast_cache = torch.is_autocast_cache_enabled()
 
     def forget_unused_rng(self) -> None:
-        """After the forward: a generator it drew nothing from (no dropout, or p = 0) needs
-        no restoring in the rerun, so its state is let go (the CPU generator's is 5056
-        bytes, which a stage would otherwise keep per region and microbatch in flight)."""
+        """After the forward: let go of the state of each generator it drew nothing from (5056
+        bytes for the CPU's, per region and microbatch in flight)."""
         if self.rng is not None and torch.equal(self.rng, torch.get_rng_state()):
             self.rng = None
         kept = [(d, s) for d, s in zip(self.cuda, self.cuda_rng) if not torch.equal(s, torch.cuda.get_rng_state(d))]

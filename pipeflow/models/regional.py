@@ -1,28 +1,8 @@
 """Regional compilation (``compile=true``): each transformer block of a stage compiled on
-its own, as torchtitan does, rather than the stage whole. A stage's embedding, head and
-loss stay eager; the blocks, one class repeated, compile once and share the code (their
-weights are the compiled code's inputs, not constants), so a stage of many layers costs
-one compile, and a pipeline's stages cut the model anywhere between blocks.
-
-Under recomputation (``model.recompute``) the compiled code goes inside pipeflow's
-recomputed regions (:mod:`pipeflow.models.recompute`), not around them: the region's
-saved-tensor hooks, random state and rerun stay eager Python, and what they wrap is
-compiled, so the rerun in the backward runs the same compiled forward. ``full``: the
-block's forward, inside its region. ``selective``: the attention, inside its region,
-and each of the block's other sub-modules (its norms and MLP) on its own.
-
-Under the zero-bubble split (``eager_products``) a block's weight products stay out of
-the compiled code: a compiled graph's backward is one autograd node that computes every
-gradient of its graph at once, so I would make the weight gradients W is there to
-defer (torch's pipelining refuses compile with its split schedules for this). Each
-product with a weight (``nn.Linear``, GPT-2's ``Conv1D``, a tensor-parallel rank's cut)
-runs eagerly, a graph break around it, so its backward is the matrix-product node that
-the split's walk (:mod:`pipeflow.runtime.backward`) does by hand, its input gradient in I
-and its weight gradient in W; what lies between the products (the norms, the residual
-adds, the attention's kernel, the activation) is compiled. A compiled piece that holds
-a norm's weight hands its gradient to I, which takes norms' with the input gradient
-anyway (the walk's "direct" parameters), so nothing is computed twice.
-"""
+its own, as torchtitan does; embedding, head and loss stay eager. Under recomputation the
+compiled code goes inside the recomputed regions; under the zero-bubble split
+(``eager_products``) each weight product stays eager, so its backward is the node the
+split does by hand (docs/training.md, "Compiled blocks")."""
 
 from __future__ import annotations
 
@@ -56,10 +36,9 @@ def weight_products(block: nn.Module) -> list[nn.Module]:
 
 
 def compile_blocks(stage: nn.Module, eager_products: bool = False) -> int:
-    """Compile each block of ``stage`` in place (``nn.Module.compile``: the module, its
-    parameters and their names stay as they are, so optimizers, checkpoints and tied
-    weights see the same tensors); a recomputed block, and with ``eager_products`` the
-    weight products, as the module's docstring says. The number of blocks compiled."""
+    """Compile each block of ``stage`` in place (``nn.Module.compile``: parameters and their
+    names unchanged); a recomputed block inside its regions, and with ``eager_products`` the
+    weight products left eager. Returns the number of blocks compiled."""
     from .recompute import recomputed
 
     found = blocks(stage)

@@ -13,13 +13,15 @@ from torch import Tensor
 from ..planning.transformer import TransformerSpec
 
 
-def family_spec(model_cfg: Mapping, family: str, what: str) -> tuple[TransformerSpec, float]:
-    """The model's shape (checked with the project's messages) and its dropout, for a
-    builder of ``family`` models (``what`` names it in the error)."""
+def family_spec(model_cfg: Mapping, family: str, what: str,
+                spec: TransformerSpec | None = None) -> tuple[TransformerSpec, float]:
+    """The model's shape (checked with the project's messages; ``spec``: the one a run plan
+    carries, else read from ``model_cfg``) and its dropout, for a builder of ``family``
+    models (``what`` names it in the error)."""
     got = model_cfg.get("family", "gpt")
     if got != family:
         raise ValueError(f"model.family={got}: the {what} stage model builds {what} only; allowed values: {family}")
-    spec = TransformerSpec.from_config(model_cfg)
+    spec = spec or TransformerSpec.from_config(model_cfg)
     dropout = model_cfg.get("dropout", 0.0)
     if dropout is None:
         dropout = 0.0

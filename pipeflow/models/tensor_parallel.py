@@ -1,38 +1,8 @@
 """Tensor (and sequence) parallelism inside a pipeline stage, Megatron-LM style
-(``pipeline.tensor_parallel=T``, ``pipeline.sequence_parallel``).
-
-A stage is built whole (every split draws the same weights, :mod:`pipeflow.models.splittable`)
-and then cut in place across the T ranks of its tensor group by :func:`shard_stage`:
-
-- the attention's query/key/value projections and the MLP's first projection(s) are
-  *column-parallel*: each rank keeps 1/T of their output features (whole heads; a fused
-  Q|K|V matrix is cut block by block; grouped-query key/value heads are split when T
-  divides them and otherwise replicated, T/kv ranks holding the same head);
-- the attention's output projection and the MLP's last projection are *row-parallel*:
-  each rank keeps 1/T of their input features and their partial products are summed
-  across the group (an all-reduce), the bias added once, after the sum;
-- the token embedding is *vocabulary-parallel* (each rank embeds the ids of its 1/T of
-  the vocabulary, the others give zero, and the group sums), and so is the LM head,
-  whose logits stay cut by vocabulary: :func:`parallel_cross_entropy` takes the loss over
-  them with three small all-reduces (maximum, sum of exponentials, target logit). Where T
-  does not divide the vocabulary, the embedding and the head are replicated.
-
-The communication sits where the activations enter the attention and the MLP
-(:data:`COLUMN_INPUT`: identity forward, all-reduce of the input gradient backward) and
-where the row-parallel products leave them. With sequence parallelism the
-stream, the norms and the dropouts run on the rank's 1/T of the tokens: the entry
-becomes an all-gather along the sequence (its backward a reduce-scatter), the exit a
-reduce-scatter (its backward an all-gather); the stage's messages are the rank's
-slice of the tokens (Megatron's scatter/gather between stages, for free). Parameters
-that then see only the rank's tokens (norms, row-parallel biases) get partial
-gradients, summed across the group before the step (:func:`reduce_partial_gradients`).
-
-The collectives run inside the autograd functions below and nowhere else, so every
-schedule's actions (the zero-bubble I/W split included: the input path holds them all,
-the weight gradients need none) run unchanged on each rank of the group, in the same
-order on all of them. Parameter names stay global; :func:`whole_gradient` puts a
-gradient's pieces back together (the gradient dump of the parity tests).
-"""
+(``pipeline.tensor_parallel=T``): :func:`shard_stage` cuts a whole stage in place, Q/K/V
+and the MLP's first projections by column, the output projections by row, embedding and
+head by vocabulary. The collectives live only in the autograd functions here, so every
+schedule runs unchanged (docs/training.md, "Tensor and sequence parallelism")."""
 
 from __future__ import annotations
 
@@ -46,9 +16,9 @@ from torch import Tensor, nn
 
 @dataclass
 class TensorGroup:
-    """This rank's tensor-parallel group: ``size`` ranks, this one ``rank`` among them,
-    the process ``group``; ``sequence_parallel``; ``kv_group`` the ranks sharing this
-    rank's key/value heads where they are replicated (None otherwise)."""
+    """This rank's tensor-parallel group: ``size`` ranks, this one ``rank``, the process
+    ``group``, ``sequence_parallel``, and ``kv_group``: the ranks sharing this rank's
+    replicated key/value heads (None where they are split)."""
 
     size: int
     rank: int
@@ -203,9 +173,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class _ParallelCrossEntropy(torch.autograd.Function):
-    """Cross-entropy per token over logits cut by vocabulary (this rank's ``[lo, lo + V/T)``),
-    of which the first ``scored`` columns are words (the rest: a padded head's padding, read
-    by no rank's loss and given a zero gradient)."""
+    """Cross-entropy per token over logits cut by vocabulary (this rank's ``[lo, lo + V/T)``);
+    the first ``scored`` columns are words, the padding gets a zero gradient."""
 
     @staticmethod
     def forward(ctx, logits, targets, lo, tp, ignore_index, scored):
@@ -271,10 +240,9 @@ def _qualified(module: nn.Module):
 
 
 def shard_stage(module: nn.Module, tp: TensorGroup, n_head: int, n_kv_head: int | None = None) -> nn.Module:
-    """Cut a whole stage across its tensor group in place (module docstring); returns it.
-    Marks each parameter with how its gradient comes together (``_tp_split``: (dim, blocks)
-    of a piece; ``_tp_partial``: a group its gradient is summed over; ``_tp_copies``: how
-    many ranks of the group hold it whole)."""
+    """Cut a whole stage across its tensor group in place; returns it. Marks each parameter
+    with how its gradient comes together: ``_tp_split`` ((dim, blocks) of a piece),
+    ``_tp_partial`` (a group it is summed over), ``_tp_copies`` (ranks holding it whole)."""
     T = tp.size
     n_kv = n_kv_head or n_head
     if n_head % T or (n_kv % T and T % n_kv):

@@ -1,26 +1,9 @@
-"""Baseline planners the topology-aware planner (:mod:`pipeflow.planning.planner`) is
-compared with. Each returns a :class:`~pipeflow.planning.planner.Plan` scored by the
-same simulator (1F1B), so iteration times compare directly.
-
-- :func:`uniform_plan`: as many stages as devices (and layers) allow, the layers split
-  as evenly as possible, stage i on device i (the naive mapping).
-- :func:`pipedream_plan`: PipeDream's planner without replication: a dynamic program
-  over stage counts and contiguous cuts that minimises the slowest stage, assuming
-  every device is like device 0 and every link has one uniform bandwidth (the median
-  of the topology's pairwise bandwidths); memory is not considered; identity mapping.
-- :func:`dapple_plan`: DAPPLE's planner without replication: devices taken by one of
-  its placement policies (append-first: fill a node before the next, i.e. device
-  order; scatter-first: round robin over nodes), GPUs assumed all like device 0 (DAPPLE
-  targets homogeneous clusters) but the real links between the chosen devices priced,
-  the cut minimising the slowest stage within the memory limit, and the stage count
-  and policy minimising DAPPLE's 1F1B latency estimate.
-
-``**tensor`` (``tensor_parallel``, ``sequence_parallel``) goes to :func:`evaluate`: a
-baseline's layout on a topology of tensor groups, simulated per rank.
-
-Not here yet: the baselines' own replication (PipeDream's per-stage replicas, DAPPLE's
-data-parallel pipelines); all three plan one pipeline.
-"""
+"""Baseline planners the topology-aware planner is compared with, each planning one pipeline
+as a :class:`~pipeflow.planning.placement_plan.Plan` scored by the same 1F1B simulation:
+:func:`uniform_plan` (an even cut, stage i on device i), :func:`pipedream_plan` (PipeDream's
+dynamic program, every device like device 0 and every link the median one, memory ignored)
+and :func:`dapple_plan` (DAPPLE's append-first or scatter-first placement over the real
+links, within the memory limit). ``**tensor`` goes to :func:`evaluate`."""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
-"""Analytic cost of a concurrent-branch model's stages (vision tower, text tower, fused head).
-
-Each branch is a bidirectional transformer over its own tokens (image patches or text
-bytes), priced with the same per-layer FLOP and activation model as a single-branch
-transformer (:mod:`pipeflow.planning.transformer`). An interaction block adds a
-cross-attention over the other branch's tokens: a query projection of its own tokens,
-key/value projections of the partner's, the score and weighted-sum matmuls and an output
-projection. The head pools both branches, scores image-text matching (negligible) and
-predicts the masked text bytes (one vocabulary projection per text token).
-"""
+"""Analytic cost of a concurrent-branch model's stages (vision tower, text tower, fused head): each branch a
+bidirectional transformer over its own tokens priced as :mod:`pipeflow.planning.transformer` prices one,
+an interaction block adding a cross-attention over the other branch's tokens (docs/planning.md, "The
+concurrent-branch model")."""
 
 from __future__ import annotations
 
@@ -17,7 +11,9 @@ from ..topology.topology import Device
 from .cbm_shape import cbm_shape
 from .cost import CostModel, _check_int, _check_number, layer_cost
 from .branched_memory import BranchedWorkingSet
-from .operators import Shape, block_residual
+from .model_state import cast_bytes, parameter_state
+from .operators import Shape
+from .saved_tensors import block_residual
 from .transformer import TransformerSpec, layer_forward_flops, layer_linear_flops, layer_params
 
 
@@ -27,10 +23,8 @@ def _branch_spec(name: str, branch, tokens: int, vocab: int, recompute: str = "n
 
 
 class BranchedAnalyticCost(BranchedWorkingSet, CostModel):
-    """Stage times from FLOPs for a stage DAG whose stages hold [lo, hi) blocks of one branch.
-
-    ``stages``: (branch, lo, hi) per stage, branch in vision | text | head.
-    """
+    """Times and memory terms of a stage DAG whose ``stages`` are (branch, lo, hi): blocks [lo, hi) of
+    vision, text or head."""
 
     # no tied weights, no tensor groups, no sequence segments; its optimizer step's
     # buffers are not priced yet
@@ -117,24 +111,9 @@ class BranchedAnalyticCost(BranchedWorkingSet, CostModel):
         return self.microbatch_size * self.tokens[branch] * self.spec[branch].n_embd * self.dtype_bytes
 
     def activation_bytes(self, stage: int, segment: int) -> float:
-        """What one microbatch's forward keeps on the stage, counted tensor by tensor on
-        pipeflow/models/cbm.py (c the compute dtype's bytes, the stream and norms fp32):
-
-        - a block is a GPT block (``nn.MultiheadAttention`` keeps its packed Q/K/V
-          projection's input and output, the fused kernel's output and log-sum-exp):
-          :func:`~pipeflow.planning.cost.layer_cost` of the branch's shape;
-        - an interaction block adds its cross-attention: per own token a norm (4H + 8),
-          the query projection's input, the query and the kernel's output (3H c) and the
-          log-sum-exp (4h); per token of the other branch (width Ho) its norm (4Ho + 8),
-          the key and value projections' input (Ho c; two copies where Ho != H, when
-          the projections are separate) and the keys and values (2H c);
-        - the embedding: the image (its cast, C*S^2 c per image) or the token ids and
-          position ids (int64);
-        - the head: per vision token its norm's input (4Hv + 8); per text token its
-          norm's (4Ht + 8), the MLM projection's input (Ht c), the fp32 log-softmax over
-          the vocabulary (4V) and the target (int64); per pair the matching MLP's
-          inputs ((Hv + Ht) c, Ht c twice) and the logit and label of its loss.
-        ``benchmarks/bench_memory.py`` compares it with what the runtime's ranks hold."""
+        """Bytes one microbatch's forward keeps on the stage, counted tensor by tensor on
+        pipeflow/models/cbm.py: its GPT blocks' (:func:`~pipeflow.planning.cost.layer_cost`), interaction
+        blocks' cross-attentions, the embedding's input, the head's."""
         branch, lo, hi = self.stages[stage]
         b, c = self.microbatch_size, self.dtype_bytes
         if branch == "head":
@@ -150,7 +129,7 @@ class BranchedAnalyticCost(BranchedWorkingSet, CostModel):
         return float(a)
 
     def _cross_saved(self, stage: int) -> float:
-        """What the stage's interaction blocks' cross-attentions keep (see :meth:`activation_bytes`)."""
+        """Bytes the stage's interaction blocks' cross-attentions keep."""
         branch, lo, hi = self.stages[stage]
         b, c = self.microbatch_size, self.dtype_bytes
         spec, x = self.spec[branch], self.tokens[branch]
@@ -172,8 +151,7 @@ class BranchedAnalyticCost(BranchedWorkingSet, CostModel):
         return float(a)
 
     def _cross_residual(self, stage: int) -> float:
-        """What the stage's interaction blocks' cross-attentions keep from I for W (see
-        :meth:`weight_residual_bytes`)."""
+        """Bytes the stage's cross-attentions keep from I for W."""
         branch, lo, hi = self.stages[stage]
         spec, x = self.spec[branch], self.tokens[branch]
         other = "text" if branch == "vision" else "vision"
@@ -182,9 +160,8 @@ class BranchedAnalyticCost(BranchedWorkingSet, CostModel):
         return float(n * self.microbatch_size * self.dtype_bytes)
 
     def input_gradient_bytes(self, stage: int, segment: int) -> float:
-        """The gradients a backward makes for its stage's inputs (fp32): the branch's
-        stream from the stage below, the other branch's for an interaction block, both
-        branches' for the head."""
+        """Bytes of the fp32 input gradients a backward makes: its branch's stream, the other branch's for
+        an interaction block, both for the head."""
         branch, lo, hi = self.stages[stage]
         b = self.microbatch_size
         width = {k: self.tokens[k] * self.spec[k].n_embd for k in ("vision", "text")}
@@ -195,8 +172,7 @@ class BranchedAnalyticCost(BranchedWorkingSet, CostModel):
         return float(4 * b * n)
 
     def output_bytes(self, stage: int, segment: int) -> float:
-        """A branch stage's output (fp32) stays until its gradient returns; at 16 bits so
-        does the copy it was sent as (one per successor at most)."""
+        """Bytes of a branch stage's output held until its gradient returns (fp32, and its 16-bit copy)."""
         branch = self.stages[stage][0]
         if branch == "head":
             return 0.0
@@ -211,14 +187,11 @@ class BranchedAnalyticCost(BranchedWorkingSet, CostModel):
         return float(self.microbatch_size * self.tokens[branch] * self.spec[branch].n_embd * self.dtype_bytes)
 
     def local_output_bytes(self, stage: int, segment: int) -> float:
-        """A branch stage's output (fp32) kept until its backward where a successor runs on
-        the same device; at 16 bits beside the copy the successor restores (at fp32 the
-        successor's input is the output itself: :meth:`shared_output_bytes`)."""
+        """At 16 bits, bytes of an output kept to its backward for a successor on this device."""
         return self._own_output(stage) if self.dtype_bytes < 4 and self.stages[stage][0] != "head" else 0.0
 
     def shared_output_bytes(self, stage: int, segment: int) -> float:
-        """At fp32, the output a successor on the same device took as its input: the
-        stage's alone once that successor's backward has let go of it."""
+        """At fp32, bytes of the output a successor on this device took as its input."""
         return self._own_output(stage) if self.dtype_bytes >= 4 and self.stages[stage][0] != "head" else 0.0
 
     def _own_output(self, stage: int) -> float:
@@ -226,13 +199,9 @@ class BranchedAnalyticCost(BranchedWorkingSet, CostModel):
         return float(self.microbatch_size * self.tokens[branch] * self.spec[branch].n_embd * 4)
 
     def weight_residual_bytes(self, stage: int, segment: int) -> float:
-        """What a zero-bubble I keeps for W: each matrix product's input and output
-        gradient (compute dtype). A block's are a GPT block's
-        (:func:`~pipeflow.planning.operators.block_residual`); an interaction
-        block's cross-attention adds its query and output projections' (4H per own
-        token) and the packed key/value projection's (Ho + 2H per token of the other
-        branch); the head keeps its matching MLP's (Hv + Ht in, Ht out; Ht in, 1 out per
-        pair) and the MLM projection's (Ht + V per text token)."""
+        """Bytes a zero-bubble I keeps for W: each matrix product's input and output gradient
+        (:func:`~pipeflow.planning.saved_tensors.block_residual` per block, plus the cross-attentions'
+        and the head's products)."""
         branch, lo, hi = self.stages[stage]
         b, c = self.microbatch_size, self.dtype_bytes
         if branch == "head":
@@ -243,12 +212,7 @@ class BranchedAnalyticCost(BranchedWorkingSet, CostModel):
         return float((hi - lo) * block_residual(Shape(spec, b, x, x, c)) + self._cross_residual(stage))
 
     def _params(self, stage: int) -> float:
-        """The stage's parameters, counted on pipeflow/models/cbm.py: a branch's blocks
-        (a GPT block each), an interaction block's cross-attention (a norm for each side,
-        a query projection of this branch, key and value projections from the other's
-        width, an output projection, their biases), the branch's embedding on its first
-        stage (the vision patch projection and position table; the text token and
-        position tables); the head's two norms, its matching MLP and its MLM projection."""
+        """The stage's parameters, counted on pipeflow/models/cbm.py."""
         branch, lo, hi = self.stages[stage]
         Ht, V = self.spec["text"].n_embd, self.vocab
         if branch == "head":
@@ -263,8 +227,7 @@ class BranchedAnalyticCost(BranchedWorkingSet, CostModel):
         return float(n)
 
     def _block_params(self, branch: str, blk: int) -> float:
-        """A block's parameters (see :meth:`_params`): a GPT block's, an interaction block's
-        cross-attention's besides."""
+        """A block's parameters (with its cross-attention's in an interaction block)."""
         return float(layer_params(self.spec[branch]) + (self._cross_params(branch) if blk in self.interactions else 0))
 
     def _cross_params(self, branch: str) -> float:
@@ -276,8 +239,7 @@ class BranchedAnalyticCost(BranchedWorkingSet, CostModel):
         return self._params(stage) * self.dtype_bytes
 
     def _cast_params(self, stage: int) -> float:
-        """The parameters autocast casts to 16 bits (the weights of matrix products and of
-        the patch projection, their biases; not the embedding tables or the norms)."""
+        """The parameters autocast casts to 16 bits (matrix products and the patch projection, with biases)."""
         branch, lo, hi = self.stages[stage]
         Ht, V = self.spec["text"].n_embd, self.vocab
         if branch == "head":
@@ -293,8 +255,7 @@ class BranchedAnalyticCost(BranchedWorkingSet, CostModel):
         return float(n)
 
     def _recomputed_cast_params(self, stage: int) -> float:
-        """Of :meth:`_cast_params`, the weights a recomputed region casts anew (full: the
-        blocks'; selective: their attention sub-layers')."""
+        """Of :meth:`_cast_params`, those a recomputed region casts anew."""
         branch, lo, hi = self.stages[stage]
         if branch == "head" or self.recompute == "none":
             return 0.0
@@ -306,20 +267,12 @@ class BranchedAnalyticCost(BranchedWorkingSet, CostModel):
         return float(sum(block + (cross if b in self.interactions else 0) for b in range(lo, hi)))
 
     def held_cast_bytes(self, stage: int) -> float:
-        """The step's shared 16-bit casts (what a later microbatch's backward holds the
-        gradients of): every cast weight but a recomputed region's."""
-        if self.dtype_bytes >= 4:
-            return 0.0
-        return 2.0 * (self._cast_params(stage) - self._recomputed_cast_params(stage))
+        """Bytes of the step's shared 16-bit casts: every cast weight but a recomputed region's."""
+        return cast_bytes(self._cast_params(stage) - self._recomputed_cast_params(stage), self.dtype_bytes)
 
     def state_bytes(self, stage: int) -> dict:
-        """The runtime's model state of a stage (:meth:`CostModel.state_bytes`): fp32
-        weights and gradients and AdamW's two fp32 moments, whatever the precision, and
-        at 16 bits one cast of each weight autocast casts, shared by the step's
-        microbatches (``Precision.shared_casts``; a recomputed region casts its own)."""
-        p = self._params(stage)
-        casts = self.held_cast_bytes(stage)
-        return {"parameters": 4.0 * p, "gradients": 4.0 * p, "optimizer_state": 8.0 * p, "casts": casts}
+        """A stage's model state by category, the shared 16-bit casts included."""
+        return {**parameter_state(self._params(stage)), "casts": self.held_cast_bytes(stage)}
 
     def model_state_bytes(self, stage: int) -> float:
         return float(sum(self.state_bytes(stage).values()))

@@ -1,42 +1,34 @@
-"""The working sets of a concurrent-branch model's backwards (B, I, W), and the region a
-recomputation rebuilds: what :class:`~pipeflow.planning.branched_cost.BranchedAnalyticCost`
-prices on top of what its stages keep, each instant the simulator's memory walk
-(:mod:`pipeflow.sim.device_memory`) may peak at. A branch's blocks are GPT blocks (their
-walks are a transformer's, :mod:`pipeflow.planning.working_set`, of the branch's
-shape); an interaction block's cross-attention and the fused head add their own."""
+"""The working sets (bytes) of a concurrent-branch model's B, I and W and the region a
+recomputation rebuilds, for :class:`~pipeflow.planning.branched_cost.BranchedAnalyticCost`:
+a branch's blocks walk as GPT blocks of its shape; cross-attention and the head add their own."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from .cost import layer_cost
-from .operators import norm_saved_bytes
+from .saved_tensors import norm_saved_bytes
 from .products import mlp_product_scratch, weight_phase_bytes, weight_product_scratch
 from .working_set import BackwardWorkingSet
 
 
 class BranchedWorkingSet:
-    """B's, I's and W's working sets of a concurrent-branch stage (mixed into
-    :class:`~pipeflow.planning.branched_cost.BranchedAnalyticCost`: ``stages``, ``spec``,
-    ``tokens``, ``interactions``, ``microbatch_size``, ``dtype_bytes``, ``recompute``)."""
+    """:class:`~pipeflow.planning.branched_cost.BranchedAnalyticCost`'s working-set mixin (reads its
+    ``stages``, ``spec``, ``tokens``, ``interactions``, ``microbatch_size``, ``dtype_bytes``,
+    ``recompute``)."""
 
     def forward_workspace_bytes(self, stage: int, segment: int) -> float:
-        """What the head's forward holds at its most on top of what it keeps: at the loss's
-        log-softmax, the head's output (the matching logit and the MLM logits, concatenated
-        in the compute dtype: one tensor to send) and the fp32 MLM logits the softmax reads
-        (a copy: the logits' slice of that output is not contiguous; at 16 bits the
-        contiguous 16-bit copy is let go once cast). Measured: cbm GPipe on 4 ranks, the
-        head's forward and its first backward within a few bytes of each other. The blocks'
-        forwards: not priced (below their backwards' working sets)."""
+        """The head's forward's most on top of what it keeps, in bytes: at the loss's
+        log-softmax, its output (compute dtype) beside an fp32 copy of the MLM logits. 0 for a
+        block stage (its forwards stay below its backwards' working sets)."""
         if self.stages[stage][0] != "head":
             return 0.0
         b, c, tv = self.microbatch_size, self.dtype_bytes, self.tokens["text"] * self.vocab
         return float(b * ((1 + tv) * c + tv * max(c, 4)))
 
     def workspace_bytes(self, stage: int, segment: int) -> float:
-        """What a backward holds at its most on top of the level before its frees
-        (:meth:`_mlp_phase`); the head's, the loss's and the log-softmax's gradients over
-        the vocabulary (two fp32 rows of V per text token)."""
+        """A backward's most on top of the level before its frees, in bytes (:meth:`_mlp_phase`);
+        the head's, the loss's and log-softmax's gradients (two fp32 rows of V per text token)."""
         return self._mlp_phase(stage, segment)[0]
 
     def backward_freed_bytes(self, stage: int, segment: int) -> float:
@@ -45,24 +37,16 @@ class BranchedWorkingSet:
         return self._mlp_phase(stage, segment)[1]
 
     def held_cast_workspace_bytes(self, stage: int, segment: int) -> float:
-        """:meth:`workspace_bytes` near a backward's end through shared casts (the
-        simulator's ``held_cast_gradients``, which counts every cast's 16-bit gradient
-        itself): the MLP's working set without its weights' gradients or frees."""
+        """:meth:`workspace_bytes` near the end of a backward through shared casts (the simulator
+        counts the casts' gradients itself): the MLP's working set without its weights' gradients."""
         return self._mlp_phase(stage, segment, end=True)[0]
 
     def _mlp_phase(self, stage: int, segment: int, end: bool = False) -> tuple[float, float]:
-        """A block's backward peaks in its MLP's: the hidden gradient (I wide, c) beside
-        the gradient that arrived, as the executor hands it to the backward (fp32: several
-        successors' summed, at 16 bits restored to fp32, the messages let go; the walk
-        holds the messages to the backward's end, so only the difference is on top), at
-        full precision in the down projection's product (its weight gradient beside
-        ``.grad``, measured: cbm 1F1B fp32 on 4 ranks, the text embedding stage). At 16
-        bits where the MLP's weights are shared casts (no recomputation of it) the peak
-        is later, in the up projection's weight-gradient product: both projections'
-        16-bit weight gradients held for the casts' backward, the up projection's input
-        gradient, and the activation's input and the down projection's input freed
-        (measured: cbm 1F1B bf16 on 4 ranks, the text stages' backwards). Full
-        recomputation adds the rebuilt block; selective, the larger of the two."""
+        """(held, freed) bytes at a block's MLP backward, where it peaks: the hidden gradient beside
+        the arrived gradient (less the messages the walk holds) and the down projection's weight
+        gradient, or at 16 bits with shared casts the up projection's product (both 16-bit weight
+        gradients held, the MLP's inputs freed; not with ``end``). Full recomputation adds the
+    rebuilt block, selective takes the larger."""
         branch = self.stages[stage][0]
         b, c = self.microbatch_size, self.dtype_bytes
         if branch == "head":
@@ -83,9 +67,8 @@ class BranchedWorkingSet:
         return float(max(rebuilt, grads) if self.recompute == "selective" else rebuilt + grads), freed
 
     def _succs(self, stage: int) -> list[int]:
-        """The stages reading a branch stage's output (pipeflow.planning.cbm_shape's
-        graph): its branch's next stage (the head after the last), and the other
-        branch's stage starting at the same depth where that block is an interaction."""
+        """The stages reading a branch stage's output: its branch's next (the head after the last),
+        and the other branch's stage at the same depth where that block is an interaction."""
         branch, lo, hi = self.stages[stage]
         other = "text" if branch == "vision" else "vision"
         same = [i for i, (br, l, _) in enumerate(self.stages) if br == branch and l == hi]
@@ -93,19 +76,16 @@ class BranchedWorkingSet:
         return same + [i for i, (br, l, _) in enumerate(self.stages) if br == other and l == hi and hi in self.interactions]
 
     def input_workspace_bytes(self, stage: int, segment: int) -> float:
-        """The zero-bubble I's most on top of the level before it: a block stage's walks
-        as a GPT block stage's of the branch's shape
-        (:meth:`BackwardWorkingSet.stage_input_workspace`; an interaction block's
-        cross-attention is not its peak); the head's is its backward's."""
+        """The zero-bubble I's most on top of the level before it, in bytes: a GPT block stage's
+        of the branch's shape (``BackwardWorkingSet.stage_input_workspace``); the head's, its
+        backward's."""
         if self.stages[stage][0] == "head":
             return self.workspace_bytes(stage, segment)
         return self._input_split(stage)[0]
 
     def input_kept_bytes(self, stage: int, segment: int) -> float:
-        """What I has kept for W by its peak: a block stage's walks as a GPT block
-        stage's of the branch's shape (:meth:`BackwardWorkingSet.stage_input_workspace`; an
-        interaction block's cross-attention comes last, after the peak); the head's
-        none (its peak is the loss's gradients, before it keeps anything)."""
+        """What I has kept for W by its peak, in bytes (an interaction block's cross-attention
+        comes after the peak; the head keeps nothing by then)."""
         return self._input_split(stage)[1]
 
     def input_freed_bytes(self, stage: int, segment: int) -> float:
@@ -139,9 +119,9 @@ class BranchedWorkingSet:
         return most, kept, freed
 
     def rebuilt_layer_bytes(self, stage: int, segment: int) -> float:
-        """model.recompute: the region a backward rebuilds, one at a time, and holds while
-        it runs (full: a block with its cross-attention; selective: the larger attention
-        sub-layer), with its weights' 16-bit casts, made anew."""
+        """The region a backward rebuilds and holds while it runs, in bytes (``full``: a block
+        with its cross-attention; ``selective``: the larger attention sub-layer), with its
+        weights' 16-bit casts made anew; 0 without recomputation."""
         branch, lo, hi = self.stages[stage]
         return max((self._block_rebuilt(branch, blk) for blk in range(lo, hi)), default=0.0)
 
@@ -177,22 +157,9 @@ class BranchedWorkingSet:
         return self._fresh_phase(stage, segment)[2]
 
     def _fresh_phase(self, stage: int, segment: int) -> tuple[float, float, float]:
-        """A backward into a stage with no gradients makes them as it goes: at full
-        precision into ``.grad``, at 16 bits where its microbatch's forward made the
-        casts (the step's first backward is the first forward's) each cast's backward as
-        soon as its block's is done (it is younger than every node of the blocks before
-        it). At a block's MLP the down projection's is made by then (its 16-bit gradient
-        not held); at the self-attention of the first or the last block it passes, or an
-        interaction block's cross-attention, the blocks' it passed and its MLP's (and
-        cross-attention's) are made and their saved bytes freed (the phases of
-        :meth:`cast_phase_bytes`; measured: cbm GPipe bf16 selective on 4 ranks, the text
-        stage of blocks 1-2 peaks in its first backward at block 1's self-attention).
-        With full recomputation each block is rebuilt in turn, so the most is at a
-        block's MLP, of those it passes, where the rebuilt region and the gradients made
-        by then (the blocks' it passed, whole) are: measured, cbm GPipe bf16 full on 2
-        ranks, the same stage peaks at block 1's MLP (the interaction block: its rebuilt
-        region is the larger), block 2's gradients and the down projection's made.
-        Returns (on top of the level before its frees, freed, made)."""
+        """(on top of the level before its frees, freed, made) bytes of a backward into a stage with no
+        gradients, which makes them as it goes: the most of its MLP's instant and the attention
+        phases (:meth:`_attention_phases`); with full recomputation, at a rebuilt block's MLP."""
         branch, lo, hi = self.stages[stage]
         ws, freed = self._mlp_phase(stage, segment)
         if branch == "head":
@@ -219,17 +186,9 @@ class BranchedWorkingSet:
         return float(best[0]), float(best[1]), float(best[2])
 
     def cast_phase_bytes(self, stage: int, segment: int) -> float:
-        """A backward through shared casts an earlier forward made (the transformer's
-        :meth:`~pipeflow.planning.working_set.BackwardWorkingSet.cast_phase_bytes`), at
-        the attention of the first or the last block it passes: that attention's working
-        set and the 16-bit gradients of the shared casts it has passed (the MLP's of each
-        block so far, the attention's of the blocks behind where nothing is recomputed).
-        An interaction block's cross-attention runs its backward first: the rebuilt
-        sub-layer (recomputation), the gradients of its queries, of the keys and values
-        over the other branch's tokens and of both streams, and the product of the
-        key/value weight gradient (its result and the host's scratch). Measured: cbm
-        GPipe bf16 with selective recomputation on 4 ranks, the vision stage's later
-        backwards peak in that product, three MLPs' gradients beside it."""
+        """A backward's most through an earlier forward's shared casts, at the attention of the first or
+        last block it passes (the 16-bit gradients of the casts passed held; an interaction's
+        cross-attention adds its own gradients and key/value product), in bytes. 0 at fp32."""
         return self._cast_phase(stage)[0]
 
     def cast_phase_freed_bytes(self, stage: int, segment: int) -> float:
@@ -245,10 +204,9 @@ class BranchedWorkingSet:
         return float(held), float(freed)
 
     def _attention_phases(self, stage: int, fresh: bool) -> list[tuple[float, float, float]]:
-        """(held, freed, made) at the attention of the first and of the last block a
-        backward passes (see :meth:`cast_phase_bytes`): through shared casts (``fresh``
-        false) the casts' 16-bit gradients held; into a stage with no gradients where its
-        microbatch made the casts (``fresh``), their gradients made instead."""
+        """(held, freed, made) bytes at the attention of the first and of the last block a backward
+        passes: through shared casts the casts' 16-bit gradients held, or with ``fresh`` (a stage
+        with no gradients yet) their gradients made instead."""
         branch, lo, hi = self.stages[stage]
         b, c = self.microbatch_size, self.dtype_bytes
         if branch == "head" or hi <= lo:
@@ -288,8 +246,8 @@ class BranchedWorkingSet:
         return out
 
     def weight_workspace_bytes(self, stage: int, segment: int) -> float:
-        """What a zero-bubble W holds at its most on top of its level, before it lets go of
-        what I kept for it (:func:`~pipeflow.planning.working_set.weight_phase_bytes`)."""
+        """A zero-bubble W's most on top of its level, in bytes, before it lets go of what I kept
+        for it (:func:`~pipeflow.planning.products.weight_phase_bytes`)."""
         return weight_phase_bytes(self._weight_products(stage), self.dtype_bytes,
                                   getattr(self, "product_scratch", None), False)
 
@@ -299,11 +257,9 @@ class BranchedWorkingSet:
                                   getattr(self, "product_scratch", None), True)
 
     def _weight_products(self, stage: int) -> list[tuple[int, int, int]]:
-        """(rows, columns, tokens) of the weights W computes by a matrix product, in the
-        order it runs them: the head's MLM projection and matching MLP; a block's MLP down
-        and up projections, an interaction block's cross-attention (output, the packed
-        projection's key/value piece over the other branch's tokens, its query piece), the
-        self-attention's output and packed Q/K/V projections."""
+        """(rows, columns, tokens) of the weight-gradient products W runs, in order: the head's MLM
+        projection and matching MLP; per block the MLP's down and up, an interaction's
+        cross-attention (output, key/value, query), the self-attention's output and packed Q/K/V."""
         branch, lo, hi = self.stages[stage]
         b = self.microbatch_size
         if branch == "head":

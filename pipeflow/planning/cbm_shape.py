@@ -1,7 +1,5 @@
-"""The concurrent-branch model's shape and its cut into stages, torch-free: the
-configuration checks and assembles a CBM run from these, the planner and the coordinator
-price it, and :mod:`pipeflow.models.cbm` builds the modules they describe.
-"""
+"""The concurrent-branch model's shape and its cut into stages, torch-free (the config, the
+planner and the coordinator read it; :mod:`pipeflow.models.cbm` builds the modules)."""
 
 from __future__ import annotations
 
@@ -110,12 +108,10 @@ def _attention(mode) -> str:
 class CBMStageSpec:
     """What one stage of :func:`cbm_stage_graph` holds and which predecessors feed it.
 
-    branch: "vision", "text" or "head". lo, hi: the branch's blocks [lo, hi) (0-based
-    block i computes depth i+1); -1 for the head. chain_pred: the same branch's previous
-    stage (None for a branch's first stage, whose input is the raw batch tensor).
-    partner_pred: the other branch's stage ending at depth lo, when block lo is an
-    interaction block. For the head: chain_pred is the last vision stage and
-    partner_pred the last text stage."""
+    branch: "vision", "text" or "head". lo, hi: the branch's blocks [lo, hi) (block i computes
+    depth i+1); -1 for the head. chain_pred: the branch's previous stage (None: the first,
+    fed the batch). partner_pred: the other branch's stage ending at depth lo when block lo is
+    an interaction block. The head's: the last vision and the last text stage."""
 
     stage: int
     branch: str
@@ -130,11 +126,9 @@ class CBMStageSpec:
 
 
 def _split_branch(n_layer: int, cuts: Sequence[int], stages: int, branch: str) -> list[tuple[int, int]]:
-    """``stages`` contiguous block ranges covering [0, n_layer) with a boundary at every cut.
-
-    The cuts cut the branch into segments; every segment gets one stage, and each extra
-    stage goes to the segment whose stages are currently the longest (ties: the first),
-    so the largest stage, which sets the pipeline's pace, is as small as it can be."""
+    """``stages`` contiguous block ranges covering [0, n_layer) with a boundary at every cut;
+    each extra stage goes to the segment between cuts whose stages are the longest (ties: the
+    first), so the largest stage is as small as it can be."""
     bounds = [0, *sorted(cuts), n_layer]
     seg_len = [bounds[i + 1] - bounds[i] for i in range(len(bounds) - 1)]
     if not len(seg_len) <= stages <= n_layer:
@@ -158,19 +152,12 @@ def _split_branch(n_layer: int, cuts: Sequence[int], stages: int, branch: str) -
 
 
 def cbm_stage_graph(model_cfg: Mapping, vision_stages: int, text_stages: int) -> tuple[StageGraph, list[CBMStageSpec]]:
-    """The CBM as a StageGraph and what each stage holds.
-
-    Stages 0..Vs-1 are the vision chain (stage 0 holds the patch embedding), Vs..Vs+Ts-1
-    the text chain (stage Vs holds the token embedding) and stage Vs+Ts the fused head.
-    Edges: each branch's chain; for every interaction depth k, an edge from the stage of
-    each branch that ends at depth k-1 to the other branch's stage that starts with
-    block k; both branches' last stages -> head. A boundary is placed right before
-    every interaction depth (in both branches) and the remaining layers are spread as
-    evenly as the boundaries allow.
-
-    Stage *indices* are branch-major, so with interactions they are not a topological
-    order (a text stage feeds a vision stage with a smaller index): run stages in
-    ``graph.topological_order()``."""
+    """The CBM as a StageGraph and what each stage holds: stages 0..Vs-1 the vision chain
+    (stage 0 with the patch embedding), Vs..Vs+Ts-1 the text chain (stage Vs with the token
+    embedding), Vs+Ts the fused head. Edges: each chain; at every interaction depth k, from
+    each branch's stage ending at k-1 to the other's starting with block k; both last stages
+    to the head. A boundary stands before every interaction depth, the rest spread evenly.
+    Indices are branch-major, not a topological order: run ``graph.topological_order()``."""
     shape = cbm_shape(model_cfg)
     vs = whole("pipeline.stages (vision stages)", vision_stages)
     ts = whole("pipeline.stages (text stages)", text_stages)

@@ -1,14 +1,8 @@
-"""The adaptive interaction coordinator: choose BAPP's per-device policy with the simulator.
-
-For a concurrent-branch model, a partition (p stages per branch), a cost model and a
-topology, every policy of the small space in :mod:`pipeflow.schedules.bapp` (priority x
-leading branch x extra warm-up x head device) is generated with the cost model's stage
-times, simulated, and kept if every device stays within the memory limit (its peak as
-pipeflow-simulate walks it: sim.device_memory.device_peaks). The fastest wins; ties go to
-the earlier policy in the enumeration, which starts with the uncoordinated one
-(first come first served, vision leads, no extra warm-up), so the result is never
-slower than it.
-"""
+"""The adaptive interaction coordinator: BAPP's per-device policy chosen with the simulator.
+Every policy of :mod:`pipeflow.schedules.bapp`'s space (priority x leading branch x extra
+warm-up x head device) is simulated with the cost model's stage times and kept if every
+device fits the memory limit; the fastest wins, ties to the earlier, which starts with the
+uncoordinated policy, so the result is never slower than it."""
 
 from __future__ import annotations
 

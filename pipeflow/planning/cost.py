@@ -1,20 +1,9 @@
 """Cost models: how long each action takes and how many bytes it moves and keeps.
 
-The simulator asks a :class:`CostModel` for compute times (per action kind, stage,
-sequence segment and device), message sizes between stages, activation memory and
-gradient sizes; the topology turns bytes into transfer and all-reduce times.
-
-- :class:`UnitCost`: fixed times, the textbook setting (F = 1, B = 2) in which bubble
-  formulas are stated; what schedule tests and pictures use.
-- :class:`AnalyticCost`: times from a FLOP count of a transformer (GPT, BERT, or a
-  Hugging Face decoder's shape: :mod:`pipeflow.planning.transformer`) at a fraction of
-  the device's peak, and memory from Korthikanti et al. 2022 ("Reducing Activation
-  Recomputation in Large Transformer Models"); docs/planning.md writes them out.
-- :class:`ProfiledCost`: times, activation and parameter bytes summed from a measured
-  profile (:mod:`pipeflow.planning.layer_profile`) over the units each stage holds.
-- :class:`CalibratedCost`: a configuration's real step measured on this machine by
-  :mod:`pipeflow.runtime.calibration_run` (actions, messages, host contention, the step's sync).
-"""
+:class:`CostModel` is the simulator's interface; :class:`AnalyticCost` prices a transformer from its
+FLOPs and its tensors' bytes (docs/planning.md writes the formulas out). The others:
+:class:`~.unit_cost.UnitCost` (textbook units, F = 1, B = 2), :class:`~.machine_cost.ProfiledCost` and
+:class:`~.machine_cost.CalibratedCost` (measured)."""
 
 from __future__ import annotations
 
@@ -30,19 +19,19 @@ from ..topology.topology import Device
 from .layer_cost import LayerCost, layer_cost  # noqa: F401 - re-exported (branched_cost, plans, tests)
 from .tensor_cost import TensorShards, sequence_parallel_layer, shard_spec
 from .held_outputs import HeldOutputs
+from .model_state import gradient_bytes, parameter_state, step_time
 from .operator_cost import OperatorTimes
-from .operators import first_stage_saved, head_residual, last_stage_saved
+from .saved_tensors import first_stage_saved, head_residual, last_stage_saved
 from .working_set import BackwardWorkingSet, WorkingSetTerms, checked_segment
 from .transformer import (
-    RESIDUAL_BYTES,
     TransformerSpec,
+    arrived_input_saved,
     embedding_params,
     head_forward_flops,
-    head_params,
     layer_matrix_params,
-    layer_params,
     shared_head_params,
     own_key_bytes,
+    stage_params,
     stage_shared_saved,
 )
 
@@ -57,9 +46,9 @@ COARSE_ABSENT = frozenset(REQUIRED - {"state_bytes", "param_bytes", "activation_
 
 
 class CostModel(ABC):
-    """Time of each action and the bytes of each memory term. The memory terms are the
-    contract of :mod:`pipeflow.sim.memory_terms`: a concrete cost model prices each
-    required term or lists it in ``absent_terms``, checked when the class is defined."""
+    """Time of each action and the bytes of each memory term. A concrete cost model prices each term of
+    :mod:`pipeflow.sim.memory_terms` or lists it in ``absent_terms``, checked when the class is defined
+    (MissingTerm)."""
 
     name: str
     absent_terms: frozenset = frozenset()  # the memory terms it does not price (0 bytes, said so)
@@ -85,34 +74,30 @@ class CostModel(ABC):
 
     @abstractmethod
     def compute_time(self, kind: str, stage: int, segment: int, device: Device) -> float:
-        """Seconds (or units) of action ``kind`` in F, B, I, W, S (S = the stage's optimizer step)."""
+        """Seconds (or units) of action ``kind`` in F, B, I, W, S (S: the stage's optimizer step)."""
 
     @abstractmethod
     def message_bytes(self, src_stage: int, dst_stage: int, segment: int) -> float:
-        """Activation sent by F(src) to F(dst); the gradient sent back has the same size."""
+        """Bytes F(src) sends to F(dst); the gradient sent back is the same size."""
 
     @abstractmethod
     def activation_bytes(self, stage: int, segment: int) -> float:
-        """What one forward keeps alive for its backward."""
+        """Bytes one forward keeps alive for its backward."""
 
     @abstractmethod
     def weight_residual_bytes(self, stage: int, segment: int) -> float:
-        """Of that, what stays alive after I until W (zero-bubble split)."""
+        """Of that, the bytes that stay after I until W (zero-bubble split)."""
 
     @abstractmethod
     def param_bytes(self, stage: int) -> float:
         """Gradient bytes a REDUCE all-reduces."""
 
     def model_state_bytes(self, stage: int) -> float:
-        """Weights, gradients and optimizer state a stage holds for the whole run (0 if not modelled)."""
+        """Bytes of model state a stage holds for the whole run (0 if not modelled)."""
         return 0.0
 
     def state_bytes(self, stage: int) -> dict:
-        """The model state of a stage by what holds it (:data:`pipeflow.sim.device_memory.STATE`):
-        ``parameters`` and ``optimizer_state`` for the whole run, ``gradients`` from the
-        stage's first backward to its optimizer step, ``casts`` (a 16-bit copy of the
-        weights its matrix products use) from its first forward to its step. A cost
-        model that does not split them gives weights and the rest of its model state."""
+        """A stage's model state in bytes by category (this default: weights and the rest)."""
         weights = float(self.param_bytes(stage))
         return {"parameters": weights, "gradients": 0.0,
                 "optimizer_state": max(0.0, float(self.model_state_bytes(stage)) - weights), "casts": 0.0}
@@ -142,15 +127,13 @@ def _check_int(key: str, value, minimum: int = 1) -> int:
 
 
 def uniform_layers(n_layer: int, num_stages: int) -> list[int]:
-    """Layers per stage as even as possible; the first stages take the remainder
-    (the last stage already carries the LM head)."""
+    """Layers per stage as even as possible, the first stages taking the remainder."""
     base, extra = divmod(n_layer, num_stages)
     return [base + (1 if s < extra else 0) for s in range(num_stages)]
 
 
 def _host_kernel(name: str) -> property:
-    """A cost model's attribute that is its working set's host kernel ``name`` (set after
-    the cost model is built: it takes a working set with it)."""
+    """A property that is the working set's host kernel ``name`` (setting it replaces the working set)."""
 
     def get(self):
         return getattr(self.working_set, name)
@@ -162,22 +145,11 @@ def _host_kernel(name: str) -> property:
 
 
 class AnalyticCost(TensorShards, WorkingSetTerms, HeldOutputs, OperatorTimes, CostModel):
-    """Times from transformer FLOPs, memory from Korthikanti et al. 2022.
-
-    On a device with a profile (``Device.profile``: ``topology.device=h200``, or
-    ``topology.device_profile=FILE``) each action is its operators priced as measured
-    there (:mod:`pipeflow.planning.operator_cost`), not its FLOPs at ``efficiency``.
-
-    Stage s holds ``layers_per_stage[s]`` blocks; the embedding sits on stage 0, the
-    final norm and the LM head on the last stage. A microbatch of
-    ``microbatch_size`` sequences may be cut into sequence segments (Seq1F1B):
-    segment i has ``segment_lengths[i]`` tokens and a prefix ending with it.
-
-    compute time = FLOPs * microbatch_size / (device.peak_flops * efficiency).
-    The optimizer step is memory-bound: mixed-precision Adam reads and writes the fp32
-    master weight and both moments (24 B/param), reads the fp32 gradient (4 B) and
-    writes the 16-bit weight copy, at device.memory_bandwidth (0 when that is unknown).
-    """
+    """Times from transformer FLOPs at ``efficiency`` of the device's peak (a roofline with its weight
+    traffic), or from its measured operators on a device with a profile
+    (:mod:`pipeflow.planning.operator_cost`); memory from the tensors the runtime keeps. Stage s holds
+    ``layers_per_stage[s]`` blocks (embedding first, head last); segment i of a microbatch has
+    ``segment_lengths[i]`` tokens (Seq1F1B). ValueError on a bad argument."""
 
     name = "analytic"
     # this host's kernels, set where the stages run on CPUs (pipeflow.config.prepare)
@@ -313,8 +285,7 @@ class AnalyticCost(TensorShards, WorkingSetTerms, HeldOutputs, OperatorTimes, Co
                                                params=self._params, cast_params=cast_params)
 
     def _layer_rows(self) -> list:
-        """One layer's costs per segment (:func:`layer_cost`), on the rank's tokens under
-        sequence parallelism (its norms, dropouts and the stream on x/T tokens)."""
+        """One layer's :func:`layer_cost` per segment (a rank's tokens under sequence parallelism)."""
         spec, b, dt = self.spec, self.microbatch_size, self.dtype_bytes
         split = self.num_segments > 1
         ones = [layer_cost(spec, x, P, b, dt, segmented=split) for x, P in zip(self.segment_lengths, self.prefixes)]
@@ -324,11 +295,10 @@ class AnalyticCost(TensorShards, WorkingSetTerms, HeldOutputs, OperatorTimes, Co
         return ones
 
     def _stage_rows(self, n: int, first: bool, last: bool, ones: list) -> tuple:
-        """A stage of ``n`` layers' rows per segment: forward FLOPs, I's workspace, the
-        rebuilt layer, Seq1F1B's key/value gradient, recomputed FLOPs, W's FLOPs, saved
-        activations and the residuals W keeps."""
+        """A stage of ``n`` layers' rows per segment: forward FLOPs, I's workspace, the rebuilt layer,
+        Seq1F1B's K/V gradient, recomputed FLOPs, W's FLOPs, saved and residual bytes."""
         spec, b, dt = self.spec, self.microbatch_size, self.dtype_bytes
-        H, kv_width, split = spec.n_embd, spec.kv_heads * spec.head_dim, self.num_segments > 1
+        kv_width, split = spec.kv_heads * spec.head_dim, self.num_segments > 1
         f_row, w_row, a_row, r_row, e_row, t_row, g_row, i_row = [], [], [], [], [], [], [], []
         for one, x, P in zip(ones, self.segment_lengths, self.prefixes):
             f = n * one.forward
@@ -340,14 +310,7 @@ class AnalyticCost(TensorShards, WorkingSetTerms, HeldOutputs, OperatorTimes, Co
             # the gradient of this segment's K and V that later segments' backwards
             # accumulate until this segment's own backward runs (Seq1F1B)
             g_row.append(float(n * x * b * kv_width * (own_key_bytes(spec, dt) + dt)) if split else 0.0)
-            if first:
-                a += first_stage_saved(spec, x, b)
-            elif spec.post_norm and dt < 4 and spec.recompute == "none":
-                # the stage's input, restored to fp32 where it arrives (Precision.arrived),
-                # is kept by the runtime for its backward; a pre-norm block's norm saves
-                # that very tensor, and so does a recomputed region (its input), but
-                # BERT's first products save only their 16-bit casts
-                a += x * b * H * RESIDUAL_BYTES
+            a += first_stage_saved(spec, x, b) if first else arrived_input_saved(spec, x, b, dt)
             if last:
                 hf = head_forward_flops(spec, x)
                 f += hf
@@ -370,10 +333,7 @@ class AnalyticCost(TensorShards, WorkingSetTerms, HeldOutputs, OperatorTimes, Co
         return (f_row, i_row, t_row, g_row, e_row, w_row, a_row, r_row)
 
     def _weight_traffic(self) -> dict:
-        """What each action moves through memory for its stage's weights (the roofline's
-        memory side): F and I read the matrices, a rebuilt forward reads them again, B
-        and W read and write the fp32 gradient of every parameter (the embedding's too:
-        its gradient is dense); W itself reads activations, not weights."""
+        """Bytes each action kind moves for its stage's weights and fp32 gradients."""
         spec, dt = self.spec, self.dtype_bytes
         embedding = [embedding_params(spec) if s == 0 else 0 for s in range(self.num_stages)]
         matrices = [p - e for p, e in zip(self._params, embedding)]
@@ -381,28 +341,20 @@ class AnalyticCost(TensorShards, WorkingSetTerms, HeldOutputs, OperatorTimes, Co
         return {
             "F": [m * dt for m in matrices],
             "I": [m * dt * (1 + again) for m in matrices],
-            "W": [8.0 * p for p in self._params],
-            "B": [m * dt * (2 + again) + 8.0 * p for m, p in zip(matrices, self._params)],
+            "W": [2 * gradient_bytes(p) for p in self._params],
+            "B": [m * dt * (2 + again) + 2 * gradient_bytes(p) for m, p in zip(matrices, self._params)],
         }
 
     # ---------------------------------------------------------------- queries
 
     def stage_kinds(self) -> list[int]:
-        """Per stage, the first of its kind (its layers, first or not, last or not): every
-        per-stage number here depends on nothing else (tests/test_search.py checks the terms)."""
+        """Per stage, the first stage of its kind (layers, first, last)."""
         first: dict[tuple, int] = {}
         return [first.setdefault((n, s == 0, s == self.num_stages - 1), s) for s, n in enumerate(self.layers_per_stage)]
 
     def stage_params(self, stage: int) -> int:
-        spec = self.spec
-        n = self.layers_per_stage[stage] * layer_params(spec)
-        if stage == 0:
-            n += embedding_params(spec)
-        if stage == self.num_stages - 1:
-            n += head_params(spec)
-            if stage == 0:  # one stage: a tied head is the embedding itself
-                n -= shared_head_params(spec)
-        return n
+        """The parameters stage ``stage`` holds (:func:`~pipeflow.planning.transformer.stage_params`)."""
+        return stage_params(self.spec, self.layers_per_stage[stage], stage == 0, stage == self.num_stages - 1)
 
     def flops(self, kind: str, stage: int, segment: int) -> float:
         """FLOPs of one action for the whole microbatch (F, B, I or W)."""
@@ -419,10 +371,7 @@ class AnalyticCost(TensorShards, WorkingSetTerms, HeldOutputs, OperatorTimes, Co
                 t += self.tensor_time(kind, stage, segment, device)
             return t
         if kind == "S":
-            if device.memory_bandwidth <= 0:
-                return 0.0
-            per_param = 28 + (self.dtype_bytes if self.dtype_bytes < 4 else 0)
-            return self._params[stage] * per_param / device.memory_bandwidth
+            return step_time(self._params[stage], self.dtype_bytes, device.memory_bandwidth)
         # the device's peak for this precision (fp32: its fp32 or TF32 rate), or the time
         # to move the action's weight traffic, whichever is longer (a roofline)
         compute = self.flops(kind, stage, segment) / (device.flops(self.dtype_bytes) * self.efficiency)
@@ -433,9 +382,7 @@ class AnalyticCost(TensorShards, WorkingSetTerms, HeldOutputs, OperatorTimes, Co
         return compute
 
     def compute_table(self, kind: str, stages: Sequence[int], device: Device) -> np.ndarray:
-        """:meth:`compute_time` of ``kind`` (F, B, I or W) for every segment of each of
-        ``stages``: an array [stage, segment], the same numbers in a few array operations
-        (the search's tables; a subclass's own compute_time, element by element)."""
+        """:meth:`compute_time` of ``kind`` (F, B, I or W) as an array [stage, segment] over ``stages``."""
         g = self.num_segments
         if kind not in self._flops:
             raise self._bad_kind(kind)
@@ -458,9 +405,7 @@ class AnalyticCost(TensorShards, WorkingSetTerms, HeldOutputs, OperatorTimes, Co
         return out
 
     def weight_traffic_bytes(self, kind: str, stage: int) -> float:
-        """Bytes one action of ``kind`` moves for its stage's weights and their gradients,
-        whatever its tokens: what makes many small actions (tiny microbatches, many
-        sequence segments) cost more than their FLOPs."""
+        """Bytes one action of ``kind`` moves for its stage's weights and gradients, whatever its tokens."""
         if kind not in self._traffic:
             raise self._bad_kind(kind)
         return self._traffic[kind][stage]
@@ -478,9 +423,7 @@ class AnalyticCost(TensorShards, WorkingSetTerms, HeldOutputs, OperatorTimes, Co
         return self._residual[stage][self._seg(segment)]
 
     def rebuilt_layer_bytes(self, stage: int, segment: int) -> float:
-        """model.recompute: the backward rebuilds one layer at a time (full: the whole
-        layer's tensors; selective: its attention sub-layer's), and holds it on top of
-        what the forwards saved (Korthikanti et al. count the same one layer)."""
+        """Bytes of the layer (or attention sub-layer) a recomputing backward rebuilds at a time."""
         return self._rebuilt[stage][self._seg(segment)]
 
     def kv_gradient_bytes(self, stage: int, segment: int) -> float:
@@ -490,29 +433,21 @@ class AnalyticCost(TensorShards, WorkingSetTerms, HeldOutputs, OperatorTimes, Co
         return float(self._params[stage] * self.dtype_bytes)
 
     def model_state_bytes(self, stage: int) -> float:
-        """What the runtime keeps of a stage's model at its most (:meth:`state_bytes`
-        summed): fp32 weights, fp32 gradients and AdamW's two fp32 moments, 16 B/param,
-        and at 16 bits one 16-bit cast of each matrix-product weight, 2 B per such
-        parameter: about Megatron's 18 B/param of mixed-precision Adam (16-bit weights,
-        fp32 gradients, fp32 master weights and moments), arrived at the other way."""
+        """:meth:`state_bytes` summed."""
         return float(sum(self.state_bytes(stage).values()))
 
     def state_bytes(self, stage: int) -> dict:
-        """The runtime's model state of a stage (see :meth:`CostModel.state_bytes`): it
-        keeps fp32 weights whatever the precision and casts them under autocast, one cast
-        per weight per step shared by every microbatch (``Precision.shared_casts``)."""
-        p = float(self._params[stage])
+        """A stage's model state by category, the shared 16-bit casts included."""
+        state = parameter_state(float(self._params[stage]))
         # transformers' BertEmbeddings keeps two int64 index rows as buffers (position and
         # token-type ids, a table's length each), held by the first stage with its weights
-        rows = 2.0 * 8 * self.spec.positions if stage == 0 and self.spec.post_norm else 0.0
-        return {"parameters": 4.0 * p + rows, "gradients": 4.0 * p, "optimizer_state": 8.0 * p,
-                "casts": self.held_cast_bytes(stage)}
+        state["parameters"] += 2.0 * 8 * self.spec.positions if stage == 0 and self.spec.post_norm else 0.0
+        return {**state, "casts": self.held_cast_bytes(stage)}
 
     def tied_gradient_bytes(self, stage: int) -> float:
-        """An asynchronous schedule's update of a tied embedding, held by the first or last
-        stage from its own STEP to the one that applies it (the tied matrix's fp32 gradient)."""
+        """Bytes of a tied embedding's fp32 gradient an asynchronous end stage holds until applied."""
         ends = (0, self.num_stages - 1) if self.num_stages > 1 else ()
-        return 4.0 * shared_head_params(self.spec) if stage in ends else 0.0
+        return gradient_bytes(shared_head_params(self.spec)) if stage in ends else 0.0
 
     def _seg(self, segment: int) -> int:
         return checked_segment(segment, self.segment_lengths)

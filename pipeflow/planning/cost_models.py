@@ -27,14 +27,10 @@ def build_cost_model(
     cfg: Mapping, num_stages: int, spec: TransformerSpec | None, microbatch_size: int,
     tensor_parallel: int = 1, sequence_parallel: bool = False,
 ) -> CostModel:
-    """The cost model the ``cost`` config group names; its other keys are that model's parameters.
-    ``tensor_parallel`` and ``sequence_parallel`` (pipeline.*) price one rank of each
-    device's tensor group: the analytic model's from the rank's shape, the calibrated
-    model's as measured on such ranks (its file must be of the same T); the others know
-    no per-rank shape.
-
-    A key set to null keeps the parameter's default, except where the default itself is
-    None (e.g. ``cost.comm`` for unit costs), where null is a value of its own."""
+    """The cost model the ``cost`` config group names, its other keys that model's parameters.
+    ``tensor_parallel`` and ``sequence_parallel`` price one rank of each device's tensor group
+    (analytic: the rank's shape; calibrated: a file of the same T). A key set to null keeps
+    the default, except where the default is None (``cost.comm`` of unit costs)."""
     raw = dict(cfg)
     name = raw.get("name")
     nullable = set()

@@ -1,12 +1,7 @@
-"""Ground truth for the planner on small instances: every number of pipeline replicas,
-every stage count, every contiguous cut and every injective placement of the stages
-of every replica onto devices, each simulated (1F1B).
-
-Placements that only renumber the replicas are counted once (the replicas' first
-devices increasing). Without replication the count is sum over p of
-C(L-1, p-1) * D!/(D-p)!; keep L and D small (8 layers on 4 devices is 1,523
-simulations, about a second).
-"""
+"""Ground truth for the planner on small instances: every replica count, stage count,
+contiguous cut and injective placement of the stages onto devices (replicas' renumberings
+once), each simulated (1F1B). Without replication that is sum over p of
+C(L-1, p-1) * D!/(D-p)! simulations: 1,523 for 8 layers on 4 devices, about a second."""
 
 from __future__ import annotations
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .operators import Shape, block_residual, block_saved
+from .operators import Shape
+from .saved_tensors import block_residual, block_saved
 from .transformer import (
     RESIDUAL_BYTES,
     TransformerSpec,
@@ -35,11 +36,9 @@ class LayerCost:
 
 def layer_cost(spec: TransformerSpec, tokens: int, prefix: int, microbatch_size: int = 1,
                dtype_bytes: int = 2, segmented: bool = False) -> LayerCost:
-    """One layer's FLOPs and bytes for the last ``tokens`` tokens of a ``prefix`` (its
-    whole sequence, or a segment's prefix in a ``segmented`` run), with model.recompute
-    applied: what it keeps is what its forward's operators keep
-    (:func:`~pipeflow.planning.operators.block_saved`; docs/planning.md). :class:`AnalyticCost` and the planner's closed form both price
-    layers with it."""
+    """One layer's :class:`LayerCost` for the last ``tokens`` tokens of a ``prefix`` (its whole
+    sequence, or a segment's prefix), with model.recompute applied; what it keeps is what its
+    forward's operators keep (:func:`~pipeflow.planning.saved_tensors.block_saved`)."""
     x, P, b, dt = tokens, prefix, microbatch_size, dtype_bytes
     f = layer_forward_flops(spec, x, P)
     # the tensors the block's forward operators keep (pipeflow.planning.operators), and of

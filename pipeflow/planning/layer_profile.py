@@ -1,26 +1,8 @@
-"""A measured profile of a GPT's layer sequence, and the partition it implies.
-
-A :class:`ModelProfile` holds one :class:`LayerProfile` per unit of the layer sequence
-the runtime cuts into stages: the embedding, each transformer block, then the final
-LayerNorm with the LM head and the loss. Each unit has its forward and backward time for
-one microbatch, the optimizer step over its parameters, the bytes autograd keeps from
-its forward for its backward, and its parameter bytes. It is measured by
-:mod:`pipeflow.models.profiler` (torch) and stored as JSON; everything here is torch-free
-so the simulator and the config check can read it.
-
-:func:`partition_profile` is the ``profiled`` partitioner: the contiguous split of the
-blocks into stages (embedding on the first, head on the last, every stage >= 1 block)
-whose slowest stage (forward + backward) is fastest, with every stage's peak memory
-within a limit. Peak memory of stage s of p is modelled as
-
-    (p - s) x activation bytes of one microbatch  +  4 x parameter bytes
-
-- ``p - s`` microbatches in flight: under 1F1B stage s runs p - s forwards before its
-  first backward (GPipe keeps all m, so the model understates it there; with
-  interleaving p is the number of model chunks, an approximation);
-- 4 x the fp32 parameter bytes: the weights, their gradients and AdamW's two moments,
-  as the runtime keeps them.
-"""
+"""A measured profile of a GPT's layer sequence, and the partition it implies (torch-free).
+:class:`ModelProfile` holds a :class:`LayerProfile` per unit the runtime cuts into stages
+(embedding, blocks, head with the loss): seconds per microbatch, saved and parameter bytes.
+:func:`partition_profile` is the ``profiled`` partitioner; stage s of p's peak memory is
+modelled as ``(p - s) x activation bytes + 4 x parameter bytes``."""
 
 from __future__ import annotations
 
@@ -192,17 +174,10 @@ def stage_costs(
 
 
 def partition_profile(profile: ModelProfile, stages: int, memory_limit: float | None = None) -> list[int]:
-    """Blocks per stage minimising the slowest stage's forward + backward time, with every
-    stage's modelled peak memory <= ``memory_limit`` bytes (None: no limit).
-
-    Exact, like :func:`pipeflow.planning.partitioners.by_parameters`: a dynamic program over
-    (stage, first block) finds the optimal slowest stage T* among splits whose stages all
-    fit; a second one, among those with every stage <= T*, picks the smallest sum of
-    squared stage times (the most even below the bottleneck); remaining ties go to more
-    blocks on earlier stages. Since a stage's time and memory depend only on its own
-    blocks and position, excluding the stages that do not fit keeps the programs exact.
-    Raises ValueError naming ``partition.memory_limit`` when no split fits.
-    """
+    """Blocks per stage minimising the slowest stage's forward + backward seconds, every stage's
+    modelled peak memory <= ``memory_limit`` bytes (None: no limit); of those the most even,
+    ties to more blocks on earlier stages (exact: two dynamic programs). ValueError naming
+    ``partition.memory_limit`` when no split fits."""
     n = profile.n_layer
     check_stage_count(stages, n)
     if memory_limit is not None and (
@@ -224,9 +199,8 @@ def partition_profile(profile: ModelProfile, stages: int, memory_limit: float | 
 
 
 class _Splits:
-    """The contiguous splits of a profile's blocks into ``stages`` stages, each stage s
-    on blocks [i, j) priced from sums over the blocks: its forward + backward time and
-    its modelled peak memory (see the module's docstring)."""
+    """The contiguous splits of a profile's blocks into ``stages`` stages, stage s on blocks
+    [i, j) priced from sums over the blocks (time and modelled peak memory)."""
 
     def __init__(self, profile: ModelProfile, stages: int, memory_limit: float | None) -> None:
         self.n, self.stages, self.last, self.memory_limit = profile.n_layer, stages, stages - 1, memory_limit

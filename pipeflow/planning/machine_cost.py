@@ -15,16 +15,10 @@ from .transformer import TransformerSpec
 
 class ProfiledCost(CostModel):
     """Per-stage costs summed from a profile measured on this machine
-    (:mod:`pipeflow.models.profiler`): stage s holds ``layers_per_stage[s]`` blocks (None:
-    the profiled partitioner's split of the same profile), plus the embedding on the first
-    and the head on the last stage.
-
-    F and B are the sums of the units' measured times; I and W split B in half (the
-    profile does not time them apart; a matmul's input and weight gradients cost the same
-    FLOPs); S is the optimizer step over the stage's parameters. Messages are one fp32
-    hidden state, priced by the topology. Activation bytes are what autograd saved; the
-    I-to-W residual is not measured (0). One sequence segment only.
-    """
+    (:mod:`pipeflow.models.profiler`): stage s holds ``layers_per_stage[s]`` blocks (None: the
+    profiled partitioner's split), the first also the embedding, the last the head. F and B
+    are the units' measured seconds, I and W half of B each, S the optimizer step; activations
+    are what autograd saved, the I-to-W residual 0. One sequence segment only."""
 
     absent_terms = COARSE_ABSENT  # activations, messages and model state alone
 

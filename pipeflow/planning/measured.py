@@ -1,48 +1,10 @@
-"""A cost model measured from a run: per-stage action times read off a timeline.
-
-:meth:`MeasuredCost.from_timeline` turns the timeline of one iteration (measured by the
-runtime, or simulated) into mean durations per (action kind, stage) and a per-message
-time, so the simulator can replay the schedule with the costs the hardware actually
-had. Comparing that prediction with the measured step time checks the simulator's
-model of a pipeline (dependencies, messages, the flush) on real numbers.
-
-What an event contains. A simulated action starts when its input has arrived. A
-measured one may not: a runtime that starts the clock before waiting on the receive
-of the action's input (pipeflow's executor did until it learned to wait first) records
-wait + compute in one event. Both read correctly here: an event whose cross-device
-input (F: the forward of the previous stage; B/I: the backward of the next stage, same
-microbatch) could not have arrived when it started is counted only from the input's
-arrival, ``producer end + message time``.
-
-The message time (when ``message_time="calibrate"``) comes from the gaps between a
-producer and its consumer on another device, in either of two forms:
-
-- the consumer's device was free before the producer ended and started the consumer
-  after it (it waited outside any event): ``consumer start - producer end``;
-- the consumer started before the producer ended (it waited inside its event):
-  ``consumer end - mean compute time - producer end``, the mean taken over the events
-  of the same kind and stage that did not wait.
-
-The median of those samples is the message time: a fixed time per message in the
-timeline's own clock. On a host of CPU ranks a message costs gloo's per-message work
-and the wake-up of a waiting rank far more than bytes over a link, and calibrating also
-absorbs the tens of microseconds by which the ranks' clocks start apart (each rank
-times from its own exit from the step's barrier). With no sample (no rank ever waited
-for a message) the message time is unknown and the topology's links price
-``message_bytes`` (bandwidth plus latency) instead.
-
-What is not modelled: the time a device spends between two actions whose inputs are
-there (posting sends and receives, the executor's own bookkeeping, a rank descheduled
-while its peer computes). It is neither compute nor message, so the replay leaves it
-out and tends to predict a little short on a busy host.
-
-The optimizer step. Before its first STEP the runtime synchronises the ranks (the tied
-embedding's all-reduce and the gradient-norm all-reduce), which the schedule does not
-model as an action. That time shows as the gap before STEP; the smallest gap over the
-devices (the last device to finish its backward waits only for the collective itself)
-is ``step_sync``, which the simulator adds once to each device's first STEP of a
-synchronous step. A simulated timeline has no such gap.
-"""
+"""A cost model measured from a run: mean per-(kind, stage) action times read off one
+iteration's timeline, so the simulator replays a schedule at the costs the hardware had
+(``benchmarks/bench_predicted_vs_measured.py``). An event is counted from its cross-device
+input's arrival (``producer end + message time``); the message time is fixed or
+calibrated from the producer-to-consumer gaps (:meth:`_Gaps.calibrated_message_time`);
+``step_sync``, the smallest gap before a device's first STEP, is added once to each
+device's first STEP. The host's time between two ready actions is not modelled."""
 
 from __future__ import annotations
 
@@ -56,15 +18,9 @@ from .cost import COARSE_ABSENT, KINDS, CostModel, _check_int, _check_number
 
 
 class MeasuredCost(CostModel):
-    """Fixed per-(kind, stage) compute times, e.g. means measured in a real run.
-
-    ``times`` maps (kind, stage) to a duration in ``time_unit`` for kinds F, B, I, W, S;
-    every stage the simulator runs must have its kinds. ``message_time`` is the time of
-    every message (None: the topology prices ``message_bytes`` over its links, which
-    needs ``time_unit="s"``). Memory is not measured: activation and gradient sizes are
-    the given constants (0 by default), so memory figures from a simulation with this
-    model are not meaningful unless they are set.
-    """
+    """Fixed per-(kind, stage) compute times (kinds F, B, I, W, S) in ``time_unit``;
+    ``message_time`` every message's (None: the topology prices ``message_bytes``, which needs
+    ``time_unit="s"``). Memory sizes are the given constants (0 by default): not measured."""
 
     absent_terms = COARSE_ABSENT  # activations, messages and model state alone
 
@@ -165,15 +121,10 @@ class MeasuredCost(CostModel):
         activation_bytes: float = 0.0,
         param_bytes: float = 0.0,
     ) -> "MeasuredCost":
-        """Mean durations per (kind, stage) of one iteration's timeline (see the module doc).
-
-        ``message_time``: "calibrate" (from the gaps; None if there is no sample), a
-        number (fixed, in the timeline's unit), or None (the topology's links price
-        ``message_bytes``). The stage graph is taken to be a chain 0 -> 1 -> ... (the
-        runtime executes chains); events of every pipeline replica count. With
-        replicated stages (Chimera) a measured gap before STEP also holds the replicas'
-        all-reduce, which the simulator prices again through REDUCE: expect S too long.
-        """
+        """Mean durations per (kind, stage) of one iteration's timeline, the stages a chain, every
+        replica's events counted. ``message_time``: "calibrate" (None without a sample), a number
+        in the timeline's unit, or None (links price ``message_bytes``). With replicated stages
+        (Chimera) S also holds the replicas' all-reduce, which the simulator prices again."""
         num_stages = _check_int("pipeline.stages", num_stages)
         events = _compute_events(timeline, num_stages)
         work = [e for e in events if e.kind != "S"]
@@ -208,8 +159,8 @@ class MeasuredCost(CostModel):
 
 
 def _compute_events(timeline, num_stages: int) -> list:
-    """The timeline's compute events (F, B, I, W, S), each checked to be on one of the
-    ``num_stages`` stages."""
+    """The timeline's compute events (F, B, I, W, S); ValueError if it has none or one is not
+    on a stage below ``num_stages``."""
     events = [e for e in timeline.events if e.stream == "compute" and e.kind in KINDS]
     if not events:
         raise ValueError("the timeline has no compute events (F, B, I, W, S); record an iteration first")
@@ -267,11 +218,8 @@ class _Gaps:
         return found
 
     def calibrated_message_time(self) -> tuple[float | None, list[float]]:
-        """The median message-time sample (None without one), and the samples.
-
-        Start by calling clean every event whose producer had ended when it began; one
-        whose message was still in flight then hides a little wait, so classify again
-        with the message time found, until it settles (two rounds in practice)."""
+        """The median message-time sample (None without one), and the samples; reclassifies the
+        events with the time found until it settles (an in-flight message hides a little wait)."""
         msg, delay, samples = None, 0.0, []
         for _ in range(4):
             samples = self.message_samples(delay)
@@ -313,8 +261,7 @@ def _producer(e, by_key: dict, last: int):
 
 def _step_times(steps: list, prev_end: dict, times: dict, counts: dict) -> float:
     """Adds the optimizer step's mean time per stage to ``times`` (and ``counts``); returns
-    the synchronisation before it: the smallest gap before a device's first STEP (see the
-    module doc)."""
+    ``step_sync`` (see the module docstring)."""
     if not steps:
         return 0.0
     first_step: dict[int, object] = {}

@@ -1,26 +1,23 @@
-"""The analytic cost's times on a device with a profile: each action's operators
-(:mod:`pipeflow.planning.operators`) priced as measured on that device
-(:mod:`pipeflow.planning.device_profile`), in place of its FLOPs at a fraction of the
-peak. :class:`OperatorTimes` is mixed into :class:`~pipeflow.planning.cost.AnalyticCost`,
-which holds the shape, the stages' layers, the segments and the dtype it reads."""
+"""The analytic cost's times on a device with a profile: each action's operators priced as measured there
+(:mod:`pipeflow.planning.device_profile`) instead of FLOPs at a fraction of the peak."""
 
 from __future__ import annotations
 
-from .device_profile import load_profile
-from .operators import CLASSES, Operator, Shape, StageOperators, block_tensors, step_operators
+from .from_sweep import load_profile
+from .layer_operators import block_tensors
+from .operators import CLASSES, Operator, Shape
+from .stage_operators import StageOperators, step_operators
 from .transformer import TransformerSpec
 
 
 class OperatorTimes:
-    """Operator-priced action times (a mixin: the host sets ``spec``, ``num_stages``,
-    ``layers_per_stage``, ``segment_lengths``, ``prefixes``, ``microbatch_size``,
-    ``dtype_bytes`` and the stages' ``_params``)."""
+    """Operator-priced action times, a mixin of :class:`~pipeflow.planning.cost.AnalyticCost` (reads its
+    shape, stages, segments, dtype and ``_params``)."""
 
     spec: TransformerSpec
 
     def operators(self, kind: str, stage: int, segment: int = 0) -> list[Operator]:
-        """The operators action ``kind`` (F, B, I, W or S) launches on ``stage`` for one
-        microbatch's ``segment``, in order."""
+        """The operators action ``kind`` (F, B, I, W or S) launches on ``stage``, in order."""
         if kind == "S":
             return self._step_operators(stage)
         x = self._seg(segment)
@@ -63,8 +60,7 @@ class OperatorTimes:
 
 
 def device_split(cost, orders, profile: str) -> dict[str, float]:
-    """Seconds a device's compute actions (``orders``: its list of the schedule's actions)
-    spend in each operator class, by the cost's operator times on ``profile``."""
+    """Seconds a device's compute actions (``orders``) spend in each operator class on ``profile``."""
     counts: dict = {}
     for a in orders:
         if a.kind in "FBIWS":

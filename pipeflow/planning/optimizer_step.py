@@ -1,26 +1,12 @@
-"""What a stage's optimizer step holds while it runs, beside the weights, gradients and
-moments (torch's AdamW as :mod:`pipeflow.runtime.optimizer` builds it, in the
-implementation ``optim.impl`` picks: :func:`step_impl`).
-
-Fused (the default where torch has the kernel: CPU and CUDA), one kernel updates each
-tensor in place: nothing beside the state but its step counts (4 bytes a tensor). Foreach
-steps a parameter group a list at a time: the square root of every second moment into
-new fp32 buffers, 4 bytes a parameter of the group (the matrices' group is the
-larger). A tensor at a time (single): each tensor's denominator is the square root of
-its second moment (a new fp32 tensor) divided by the bias correction (another), and the
-previous tensor's denominator is let go only when the next one's replaces it. So stepping tensor k holds
-``2 s_k + s_{k-1}`` elements (measured: GPT-2 small's last stage steps its 50257 x 768
-head beside the MLP down projection's denominator before it, 9 MiB the largest tensor's
-two alone missed). The tensors come in the module's order, the two weight-decay groups
-apart (:func:`pipeflow.runtime.optimizer.make_optimizer`: matrices, then biases and norms,
-each group its own call), so the most is over the matrices in their order.
-"""
+"""What a stage's AdamW step holds while it runs beside the weights, gradients and moments,
+in the implementation ``optim.impl`` picks (:func:`step_impl`; docs/runtime.md, "The
+optimizer step")."""
 
 from __future__ import annotations
 
 from typing import Callable
 
-from .transformer import TransformerSpec
+from .transformer import TransformerSpec, attention_products, mlp_products
 
 IMPLS = ("auto", "fused", "foreach", "single")
 FUSED_DEVICES = ("cpu", "cuda")  # where torch 2.x has the fused AdamW kernel (the ones pipeflow's ranks run on)
@@ -38,11 +24,10 @@ def step_impl(impl: str, device_type: str) -> str:
 
 
 def step_workspace(impl: str, params: float, sizes: Callable[[], list]) -> float:
-    """Bytes an AdamW step in ``impl`` holds beside the state, over ``params`` fp32
-    parameters of which ``sizes()`` gives the weight-decay group's tensors' elements in
-    the order the step takes them: fused, nothing (its step counts' few bytes left out);
-    foreach, a denominator for each parameter of a group, one group at a time (the
-    larger's); single, :func:`one_at_a_time_most`."""
+    """Bytes an AdamW step in ``impl`` holds beside the state, over ``params`` fp32 parameters,
+    ``sizes()`` giving the weight-decay group's tensors' elements in step order: fused,
+    nothing; foreach, a denominator per parameter of the larger group; single,
+    :func:`one_at_a_time_most`."""
     if impl == "fused":
         return 0.0
     if impl == "foreach":
@@ -54,14 +39,11 @@ def step_workspace(impl: str, params: float, sizes: Callable[[], list]) -> float
 
 
 def decay_tensors(spec: TransformerSpec, layers: int, first: bool, last: bool) -> list[int]:
-    """Elements of each matrix a stage's optimizer steps in its weight-decay group, in the
-    module's order: the embeddings (the first stage: tokens, a learned position table,
-    BERT's two token types), each block's attention (a fused Q/K/V projection, or Q, K
-    and V) and output projection, its MLP (gate, up and down, or in and out), then the
-    head (BERT's transform before its decoder; a tied head's copy where the last stage
-    is not the first; one stage of a tied model steps the embedding alone)."""
-    H, I, V = spec.n_embd, spec.ffn_width, spec.vocab_size
-    q, kv = spec.n_head * spec.head_dim, spec.kv_heads * spec.head_dim
+    """Elements of each matrix in a stage's weight-decay group, in the module's order: the
+    embeddings (first stage), each block's attention and MLP matrices, then the head (a tied
+    head's copy where the last stage is not the first; one stage of a tied model steps the
+    embedding alone)."""
+    H, V = spec.n_embd, spec.vocab_size
     out: list[int] = []
     if first:
         out.append(V * H)
@@ -69,8 +51,7 @@ def decay_tensors(spec: TransformerSpec, layers: int, first: bool, last: bool) -
             out.append(spec.positions * H)
         if spec.post_norm:
             out.append(2 * H)
-    attention = [H * (q + 2 * kv)] if spec.qkv_inputs == 1 else [H * q, H * kv, H * kv]
-    block = [*attention, q * H, *[H * I] * spec.mlp_matrices]
+    block = [k * n for _, k, n in (*attention_products(spec), *mlp_products(spec))]
     out.extend(block * layers)
     if last:
         if spec.post_norm:

@@ -1,20 +1,9 @@
-"""Layer partitioners: how many consecutive transformer blocks each pipeline stage holds.
-
-A partition is a list ``layers_per_stage`` of whole numbers >= 1 adding up to
-``n_layer``; stage s holds blocks ``[sum(layers[:s]), sum(layers[:s+1]))``, the first
-stage also the embedding and the last stage the final LayerNorm and the LM head.
-
-- ``uniform``: as even as possible, the remainder to the first stages (the last stage
-  already carries the head). The split :class:`~pipeflow.planning.cost.AnalyticCost`
-  assumes when given none.
-- ``parameters``: the contiguous cut whose largest stage holds the fewest parameters,
-  counting the embedding on the first stage and the head on the last — what bounds a
-  stage's weight, gradient and optimizer memory. GPT-2's vocabulary-sized matrices
-  are several blocks' worth, so the end stages get fewer blocks.
-- ``profiled``: the contiguous cut whose slowest stage (measured forward + backward) is
-  fastest, within ``partition.memory_limit``; from a profile file
-  (:mod:`pipeflow.planning.layer_profile`, measured by :mod:`pipeflow.models.profiler`).
-"""
+"""Layer partitioners: ``layers_per_stage``, whole numbers >= 1 adding up to ``n_layer``
+(stage s holds blocks ``[sum(layers[:s]), sum(layers[:s+1]))``, the first also the
+embedding, the last the final norm and head). ``uniform``: as even as possible;
+``parameters``: the cut whose largest stage holds the fewest parameters, embedding and
+head counted (:func:`by_parameters`); ``profiled``: from a measured profile
+(:func:`pipeflow.planning.layer_profile.partition_profile`)."""
 
 from __future__ import annotations
 
@@ -36,16 +25,10 @@ def uniform(n_layer: int, stages: int) -> list[int]:
 
 
 def by_parameters(layer_params: Sequence[int], first_extra: int, last_extra: int, stages: int) -> list[int]:
-    """The contiguous split of ``layer_params`` into ``stages`` non-empty stages that
-    minimises the largest stage's parameter count, where stage 0 also holds
-    ``first_extra`` (embedding) and the last stage ``last_extra`` (final norm, head).
-
-    Exact, in two dynamic programs over (stage, first layer): the first finds the
-    optimal largest stage B*; the second, among splits with every stage <= B*, picks
-    the one with the smallest sum of squared stage sizes (the most even below the
-    bottleneck), ties going to more layers on earlier stages. So equal layers and no
-    extras give exactly :func:`uniform`'s split. O(stages * n_layer^2).
-    """
+    """The contiguous split of ``layer_params`` into ``stages`` non-empty stages minimising the
+    largest stage's parameters (stage 0 also holds ``first_extra``, the last ``last_extra``);
+    of those, the smallest sum of squared stage sizes, ties to more layers on earlier stages,
+    so equal layers and no extras give :func:`uniform`'s split. Exact, O(stages * n_layer^2)."""
     sizes = list(layer_params)
     n = len(sizes)
     if n == 0:

@@ -1,14 +1,7 @@
-"""A plan of the topology-aware planner and its pricing (the planner's search is
-:mod:`pipeflow.planning.planner`; the baselines it is compared with,
-:mod:`pipeflow.planning.baselines`, build plans with the same pieces).
-
-- :class:`Plan`: layers per stage, the device of each stage, data-parallel replicas,
-  and what the simulator predicts for it; :func:`evaluate` makes one by simulation;
-- :func:`build_plan_schedule`: the plan as a schedule (1F1B per pipeline, replicas reduced);
-- :class:`StageModel` and :func:`estimate`: the closed-form pre-filter of a candidate
-  cut (its 1F1B iteration time and memory overshoot) before any simulation;
-- cuts of L layers into p stages: uniform, greedy and by bisection on a stage bound.
-"""
+"""A placement plan of the topology-aware planner (:class:`Plan`), its schedule
+(:func:`build_plan_schedule`), its pricing by simulation (:func:`evaluate`), the closed-form pre-filter
+(:class:`StageModel`, :func:`estimate`) and the cuts of L layers into p stages. The search is
+:mod:`pipeflow.planning.planner`."""
 
 from __future__ import annotations
 
@@ -30,16 +23,15 @@ from ..topology.topology import Topology
 from .cost import AnalyticCost, layer_cost
 from .tensor_cost import (collectives_time, layer_collectives, sequence_parallel_layer, shard_spec,
                           stage_collectives)
-from .operators import first_stage_saved, last_stage_saved
+from .model_state import STATE_BYTES, cast_bytes, step_time
+from .saved_tensors import first_stage_saved, last_stage_saved
 from .transformer import (
     TransformerSpec,
-    embedding_params,
+    arrived_input_saved,
     head_forward_flops,
-    head_params,
     layer_matrix_params,
-    layer_params,
     recomputed_matrix_params,
-    shared_head_params,
+    stage_params,
     stage_shared_saved,
 )
 
@@ -50,8 +42,7 @@ GB = 1e9  # plan.memory_limit_gb is in GB of 1e9 bytes, as schedule.memory_limit
 
 @dataclass
 class Plan:
-    """A pipeline plan: stage s holds ``layers_per_stage[s]`` consecutive blocks and runs on
-    device ``device_of_stage[s]``; microbatches flow in the 1F1B order."""
+    """A pipeline plan: ``layers_per_stage[s]`` blocks of stage s on device ``device_of_stage[s]``, 1F1B."""
 
     layers_per_stage: list[int]
     device_of_stage: list[int]
@@ -124,11 +115,9 @@ class Plan:
 
 def build_plan_schedule(device_of_stage: Sequence[int], num_devices: int, microbatches: int,
                         replica_devices: Sequence[Sequence[int]] = ()) -> Schedule:
-    """1F1B over ``len(device_of_stage)`` stages placed on arbitrary distinct devices; with
-    ``replica_devices``, that many more pipelines (one per row) share the microbatches
-    round robin, and each stage's gradients are all-reduced across its replicas: the
-    same data parallelism as ``pipeline.data_parallel``
-    (:func:`pipeflow.schedules.data_parallel.replicate_onto`), on the plan's devices."""
+    """1F1B over stages placed on distinct devices; each row of ``replica_devices`` a further pipeline
+    sharing the microbatches round robin, gradients all-reduced across replicas. ValueError on a shared
+    device or more replicas than microbatches."""
     table = [list(device_of_stage)] + [list(r) for r in replica_devices]
     p, d = len(table[0]), len(table)
     flat = [x for row in table for x in row]
@@ -164,11 +153,9 @@ def evaluate(
     tensor_parallel: int | None = None,
     sequence_parallel: bool = False,
 ) -> tuple[Plan, SimResult]:
-    """Simulate one candidate; the Plan carries its iteration time and per-stage memory.
-
-    ``tensor_parallel`` T (None: the topology's own, 1 unless it is a
-    :class:`~pipeflow.topology.tensor.TensorTopology`): each device of ``topology`` is a
-    tensor group of T GPUs, the cost prices one rank and the groups' collectives."""
+    """Simulate one candidate: (its :class:`Plan`, with iteration time and per-stage peak bytes, and the
+    simulation). ``tensor_parallel`` T (None: the topology's own): each device is a tensor group of T
+    GPUs."""
     T = tensor_degree_of(topology, tensor_parallel)
     layers, devs = list(layers_per_stage), list(device_of_stage)
     reps = [list(r) for r in replica_devices]
@@ -217,8 +204,7 @@ def _walks(devs: tuple, num_devices: int, microbatches: int, reps: tuple) -> Pea
 
 
 def tensor_degree_of(topology: Topology, tensor_parallel: int | None) -> int:
-    """The tensor degree a plan on ``topology`` prices: ``tensor_parallel``, which must be
-    the topology's own grouping (None: that grouping; 1 on a plain topology)."""
+    """The tensor degree a plan on ``topology`` prices; ValueError unless the topology's own."""
     own = getattr(topology, "tensor_parallel", 1)
     if tensor_parallel is None:
         return own
@@ -244,15 +230,10 @@ def overshoot(plan: Plan, topology: Topology, memory_limit_bytes: float | None) 
 
 
 class StageModel:
-    """Per-layer constants of the analytic cost (whole sequences, no segments), so the
-    search can price any cut on any device without building a cost model. Mirrors
-    :class:`~pipeflow.planning.cost.AnalyticCost` exactly (a test checks it).
-
-    With ``tensor_parallel`` T > 1 it prices one rank of a tensor group, as AnalyticCost
-    does (:mod:`pipeflow.planning.tensor_cost`): the rank's shard of the model, with
-    ``sequence_parallel`` its norms and dropouts and its messages on S/T tokens, and the
-    group's collectives per layer and per first or last stage, timed on ``topology``
-    (the :class:`~pipeflow.topology.tensor.TensorTopology` of T the plan runs on)."""
+    """Per-layer constants of the analytic cost (whole sequences), read from the formulas
+    :class:`~pipeflow.planning.cost.AnalyticCost` reads, so the search prices any cut on any device in
+    closed form. With ``tensor_parallel`` T > 1: one rank of a tensor group and its collectives on
+    ``topology`` (ValueError unless it is grouped by T)."""
 
     def __init__(self, spec: TransformerSpec, microbatch_size: int = 1, efficiency: float = 0.5,
                  dtype_bytes: int = 2, tensor_parallel: int = 1, sequence_parallel: bool = False,
@@ -280,31 +261,23 @@ class StageModel:
         self.a_first = first_stage_saved(spec, S, b)  # token and position ids, the embedding's dropout mask
         self.a_last = last_stage_saved(spec, S, b, dt)  # the final norm, the head's input, the log-softmax
         self.a_shared = stage_shared_saved(spec, S)  # rotary tables, once per stage
-        self.p_layer = layer_params(spec)
-        self.p_first = embedding_params(spec)
-        self.p_last = head_params(spec)
-        # the runtime's model state (AnalyticCost.state_bytes): fp32 weights, gradients and
-        # AdamW's moments, and at 16 bits one 16-bit cast of each matrix-product weight
-        self.state_per_param = 16
-        # (a recomputed region casts its own weights, held with the rebuilt layer: t_layer)
-        self.cast_layer = 2.0 * (layer_matrix_params(spec) - recomputed_matrix_params(spec)) if dt < 4 else 0.0
-        # a post-norm stage after the first keeps its input restored to fp32 (AnalyticCost)
-        self.a_arrived = float(S * b * H * 4) if spec.post_norm and dt < 4 and spec.recompute == "none" else 0.0
-        self.cast_last = 2.0 * spec.vocab_size * H if dt < 4 else 0.0
-        self.step_per_param = 28 + (dt if dt < 4 else 0)
+        self.a_arrived = arrived_input_saved(spec, S, b, dt)  # a stage after the first
+        # a stage's parameters, n layers and its ends' (the planner asks for many cuts)
+        self.p_layer = stage_params(spec, 1, False, False)
+        self.p_ends = {(f, e): stage_params(spec, 0, f, e) for f in (False, True) for e in (False, True)}
+        # the 16-bit casts beside the model state (a recomputed region casts its own
+        # weights, held with the rebuilt layer: t_layer)
+        self.cast_layer = cast_bytes(layer_matrix_params(spec) - recomputed_matrix_params(spec), dt)
+        self.cast_last = cast_bytes(spec.vocab_size * H, dt)
         # with sequence parallelism each rank sends its S/T tokens to its match (AnalyticCost.message_bytes)
         self.msg_bytes = float(b * (S // T if self.sp else S) * H * dt)
 
     def params(self, n: int, first: bool, last: bool) -> float:
-        x = n * self.p_layer + (self.p_first if first else 0) + (self.p_last if last else 0)
-        if first and last:
-            x -= shared_head_params(self.spec)  # one stage: a tied head is the embedding itself
-        return float(x)
+        """Parameters of a stage of ``n`` layers (:func:`~pipeflow.planning.transformer.stage_params`)."""
+        return float(n * self.p_layer + self.p_ends[first, last])
 
     def fb_time(self, n: int, last: bool, device, first: bool = False) -> float:
-        """Forward + backward (3x forward FLOPs, plus what recomputation reruns) of one
-        microbatch through n layers; at T > 1 plus the tensor group's collectives (``first``:
-        the stage holds the embedding, whose vocabulary-parallel rows the group sums)."""
+        """Seconds of forward + backward of one microbatch through ``n`` layers."""
         flops = 3 * (n * self.f_layer + (self.f_head if last else 0.0)) + n * self.e_layer
         t = flops / (device.peak_flops * self.eff)
         if self.T > 1:
@@ -313,9 +286,8 @@ class StageModel:
         return t
 
     def tensor_waits(self, device, first: bool, last: bool) -> tuple[float, float]:
-        """(seconds per layer, seconds of the stage's embedding or head) a forward plus a
-        backward wait for the tensor group's collectives on ``device``: what
-        AnalyticCost.tensor_time adds to F and B (the same collectives, on the same links)."""
+        """(seconds per layer, seconds of the stage's embedding or head) a forward plus a backward wait for
+        the tensor group's collectives on ``device``."""
         key = (device, first, last)
         got = self._waits.get(key)
         if got is None:
@@ -330,15 +302,14 @@ class StageModel:
         return got
 
     def step_time(self, n: int, first: bool, last: bool, device) -> float:
-        if device.memory_bandwidth <= 0:
-            return 0.0
-        return self.params(n, first, last) * self.step_per_param / device.memory_bandwidth
+        """Seconds of the stage's optimizer step (:func:`~pipeflow.planning.model_state.step_time`)."""
+        return step_time(self.params(n, first, last), self.dt, device.memory_bandwidth)
 
     def memory(self, n: int, first: bool, last: bool, in_flight: int) -> float:
         act = n * self.a_layer + self.a_shared + (self.a_first if first else self.a_arrived) \
             + (self.a_last if last else 0.0)
         casts = n * self.cast_layer + (self.cast_last if last else 0.0)
-        return in_flight * act + self.t_layer + self.params(n, first, last) * self.state_per_param + casts
+        return in_flight * act + self.t_layer + self.params(n, first, last) * STATE_BYTES + casts
 
 
 def _edge_times(topology: Topology, chain: Sequence[int], nbytes: float) -> list[float]:
@@ -351,11 +322,8 @@ def _edge_times(topology: Topology, chain: Sequence[int], nbytes: float) -> list
 def estimate(model: StageModel, topology: Topology, layers: Sequence[int], chain: Sequence[int],
              microbatches: int, limits: Sequence[float],
              replicas: Sequence[Sequence[int]] = ()) -> tuple[float, float]:
-    """(estimated 1F1B iteration time, estimated worst memory overshoot in bytes).
-
-    With ``replicas`` (more pipelines), each runs ceil(m / replicas) microbatches, a
-    stage's time is its slowest replica's, and each stage's gradient all-reduce adds
-    what the backwards of the stages before it cannot hide."""
+    """(estimated 1F1B iteration time in seconds, worst memory overshoot in bytes) of a cut; with
+    ``replicas``, the slowest replica's and the unhidden gradient all-reduce."""
     table = [list(chain)] + [list(r) for r in replicas]
     p, d = len(layers), len(table)
     m = -(-microbatches // d)
@@ -384,9 +352,7 @@ def estimate(model: StageModel, topology: Topology, layers: Sequence[int], chain
 
 
 def _greedy_cut(cap, p: int, L: int, reverse: bool = False) -> list[int] | None:
-    """Pack stages in order (from the back with ``reverse``), each taking as many layers as
-    ``cap(s, n)`` allows while leaving one per remaining stage; None if infeasible.
-    ``cap(s, n)`` is True when stage s may hold n layers."""
+    """Layers per stage, each taking the most ``cap(s, n)`` allows in order; None if infeasible."""
     out = [0] * p
     left = L
     order = range(p - 1, -1, -1) if reverse else range(p)

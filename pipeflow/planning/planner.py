@@ -1,61 +1,7 @@
-"""Topology-aware synchronous pipeline planning (Luo et al., INFOCOM 2022; the design
-notes' ALGORITHMS.md, "Topology-aware synchronous planning").
-
-For a transformer, a topology, ``m`` microbatches and a per-device memory limit,
-:func:`plan` jointly chooses
-
-- the number of stages ``p`` (at most the number of devices and of layers),
-- the contiguous cut of the layer sequence into stages,
-- the mapping of stages onto devices: an ordering of devices along the pipeline that
-  keeps consecutive pipeline edges on fast links (a greedy path over the topology
-  graph from every start device, so a chain stays inside an NVLink island or a PCIe
-  switch as long as it can and crosses a slow link once),
-- the per-stage order of microbatches (1F1B: the order that bounds in-flight
-  activations to ``p - s`` on stage ``s``),
-
-- optionally, data-parallel replicas of the whole pipeline (every stage replicated
-  the same number of times; microbatches shared round robin, each stage's gradients
-  all-reduced across its replicas): blocked tables (each pipeline a run of the greedy
-  ordering) and interleaved ones (a stage's replicas on consecutive devices, so the
-  all-reduce stays inside a fast island),
-
-and scores the best candidates with the real simulator
-(:func:`pipeflow.sim.engine.simulate`). Replicating single stages (PipeDream's uneven
-replication) is not modelled: the schedule IR places whole pipelines.
-
-Search, per stage count ``p`` (every count up to 24, beyond that a spread of them) and
-device chain of length ``p`` (the greedy orderings' first ``p`` devices, both
-directions, deduplicated up to link and device symmetry):
-
-1. cuts: the cut minimising the slowest stage (bisection on the bottleneck time with a
-   greedy feasibility check, which is exact for contiguous cuts since a stage's time
-   and memory grow with its layers; packed from the front and from the back), the cut
-   minimising the largest per-device memory, the uniform cut, and, when there are few,
-   every cut;
-2. each (chain, cut) is ranked by a closed-form 1F1B estimate
-   ``sum_s t_s + 2 sum_e c_e + (m - 1) max(max_s t_s, max_e c_e) + max step``
-   (``t_s`` forward + backward of stage s on its device, ``c_e`` one message over edge
-   e; with r replicas m becomes ceil(m / r) and the all-reduce time the backwards
-   cannot hide is added), with an estimated memory
-   ``min(p - s, m) * activation_s + model_state_s``;
-   the chains of the best few are then refined by hill climbing on that estimate
-   (swap two stages' devices, or move a stage to an unused device; chains whose
-   neighbourhood is small enough, i.e. not the 64-device cases);
-3. the best ``top_k`` that fit, plus the uniform-identity, PipeDream-style and
-   DAPPLE-style baselines' plans (:mod:`pipeflow.planning.baselines`), are simulated;
-   the fastest whose simulated memory fits wins. So a returned plan is never slower
-   than a baseline's plan that fits.
-
-Tensor parallelism: on a topology seen as tensor groups of T
-(:func:`pipeflow.topology.tensor.tensor_topology`, ``tensor_parallel=T``) every stage
-is priced per rank, the groups' collectives included (:class:`StageModel`, as the
-analytic cost); pipeflow-plan runs the search once per degree of plan.tensor_parallel.
-
-Memory limit per device: ``min(memory_limit_bytes, device.memory_bytes)`` (the
-device's own memory when the limit is None). When no candidate fits, :func:`plan`
-raises ValueError naming ``plan.memory_limit_gb``, the smallest per-device requirement
-it found and how far that is over the limit.
-"""
+"""Topology-aware synchronous pipeline planning (Luo et al., INFOCOM 2022): :func:`plan`
+chooses the stage count, the cut, the data-parallel replicas and each stage's device for a
+1F1B run within a per-device memory limit, ranking candidates in closed form and simulating
+the best (docs/planning.md, "How the planner searches")."""
 
 from __future__ import annotations
 
@@ -325,9 +271,8 @@ def _replica_counts(most: int) -> list[int]:
 
 def replica_tables(topology: Topology, p: int, d: int, full: Sequence[Sequence[int]]) -> list[list[list[int]]]:
     """Device tables (``d`` pipelines of ``p`` stages) from the greedy orderings: blocked
-    (pipeline k = the k-th run of p devices: pipeline edges on the fastest links) and
-    interleaved (stage s of every pipeline on d consecutive devices: replicas, and so
-    the gradient all-reduce, inside a fast island)."""
+    (pipeline k on the k-th run of p devices) and interleaved (a stage's replicas on d
+    consecutive devices, its all-reduce inside a fast island)."""
     out, seen = [], set()
     for ch in full:
         ch = list(ch)[: p * d]
@@ -355,13 +300,11 @@ def plan(
     tensor_parallel: int | None = None,
     sequence_parallel: bool = False,
 ) -> Plan:
-    """The fastest 1F1B plan found (see the module docstring); ValueError when nothing fits.
-
-    ``replicas``: None searches data-parallel replicas of the pipeline too (1 up to the
-    devices and microbatches allow), 1 plans one pipeline, k > 1 exactly k replicas.
-    ``tensor_parallel`` T > 1: ``topology`` is the physical one seen as tensor groups of T
-    (:func:`pipeflow.topology.tensor.tensor_topology`; None: its own grouping), each
-    candidate priced and simulated per rank, with ``sequence_parallel`` or without."""
+    """The fastest 1F1B plan found; ValueError naming ``plan.memory_limit_gb`` and how far the
+    leanest candidate is over it when nothing fits. ``replicas``: None searches data-parallel
+    replicas too, k plans exactly k pipelines. ``tensor_parallel`` T > 1: ``topology`` seen as
+    tensor groups of T (:func:`pipeflow.topology.tensor.tensor_topology`; None: its own
+    grouping), every candidate priced per rank, with ``sequence_parallel`` or without."""
     _check_args(spec, topology, microbatches, microbatch_size, memory_limit_bytes, num_stages)
     T = tensor_degree_of(topology, tensor_parallel)
     _check_replicas(replicas, num_stages, topology, microbatches)
@@ -411,10 +354,9 @@ def _check_replicas(replicas: int | None, num_stages: int | None, topology: Topo
 
 def _candidates(model: StageModel, topology: Topology, n_layer: int, microbatches: int, limits: Sequence[float],
                 exhaustive_budget: int, num_stages: int | None, replicas: int | None) -> list[_Candidate]:
-    """Every layout the search ranks by its estimate, each once, in the order found: one
-    pipeline's (each stage count's device chains with their cuts, then the best chains
-    hill-climbed), then those of each count of replicated pipelines (``replicas``; None:
-    every count)."""
+    """Every layout the search ranks by its estimate, once each, in the order found: one
+    pipeline's (chains with their cuts, then the best hill-climbed), then each count of
+    replicated pipelines (``replicas``; None: every count)."""
     D = topology.num_devices
     full = greedy_chains(topology)
     found: dict[tuple, _Candidate] = {}

@@ -27,19 +27,10 @@ def down_weight_scratch(spec: TransformerSpec, tokens: int, scratch) -> float:
 
 
 def mlp_product_scratch(spec: TransformerSpec, tokens: int, dtype_bytes: int, scratch, up: bool = False) -> float:
-    """What the host's math library allocates inside a product that runs while a block's
-    MLP hidden gradient is live (``scratch``: :func:`pipeflow.topology.kernel_scratch.product_scratch`,
-    set from a CPU topology at 16 bits; None elsewhere): the down projection's weight
-    gradient (after its input's, with a bias), a product with its first operand
-    transposed, ``hidden^T @ grad`` where the weight is stored [in, out] (GPT-2's Conv1D),
-    ``grad^T @ hidden`` where [out, in] (nn.Linear). The up projection's runs after the
-    activation's backward, when the hidden gradient and the activation's input have gone
-    (measured, bert GPipe bf16: its larger scratch is not the block's most), ``up``: that
-    product's scratch instead, for a model whose MLP peaks there (the branched model's
-    blocks hold their 16-bit weight gradients to the casts' backward). Without a bias
-    the down projection's input gradient comes last, its product beside its result. A
-    gated MLP holds the most in its product of the gate and the up projection, where no
-    matrix product runs."""
+    """Bytes the host's math library allocates inside a product run while a block's MLP hidden
+    gradient is live: the down projection's weight gradient (:func:`down_weight_scratch`; the
+    larger with its input gradient's without a bias), or with ``up`` the up projection's. 0
+    without ``scratch`` (a CPU topology at 16 bits sets it) and for a gated MLP."""
     if scratch is None or dtype_bytes >= 4 or spec.mlp == "gated":
         return 0.0
     H, I = spec.n_embd, spec.ffn_width
@@ -52,12 +43,10 @@ def mlp_product_scratch(spec: TransformerSpec, tokens: int, dtype_bytes: int, sc
 
 
 def weight_products(spec: TransformerSpec, blocks: int, head: bool, tokens: int) -> list[tuple[int, int, int]]:
-    """(rows, columns, tokens) of each weight a stage's W computes the gradient of by a
-    matrix product, in the order the runtime's W runs them (the order I reached them,
-    walking from the stage's output: the head's first, then each block's from its last
-    product to its first): BERT's decoder and dense transform, or the LM head; a block's
-    MLP down projection, its up (and gate) projection, the attention's output
-    projection, and its fused Q/K/V (GPT-2's c_attn) or V, K and Q apart."""
+    """(rows, columns, tokens) of each weight whose gradient a stage's W computes by a matrix
+    product, in the runtime's order (from the stage's output back): BERT's decoder and dense
+    transform or the LM head; per block the MLP's down, up (and gate), the attention's output
+    and its fused Q/K/V or V, K and Q apart."""
     H, I = spec.n_embd, spec.ffn_width
     q, kv = spec.n_head * spec.head_dim, spec.kv_heads * spec.head_dim
     out = []
@@ -72,15 +61,10 @@ def weight_products(spec: TransformerSpec, blocks: int, head: bool, tokens: int)
 
 
 def weight_phase_bytes(products: list[tuple[int, int, int]], dtype_bytes: int, scratch, fresh: bool) -> float:
-    """What W holds at its most on top of its level (what I kept for it is held until W
-    returns, pipeflow.runtime.backward), over its products (:func:`weight_products`):
-    each product's result (compute dtype) beside the host's scratch for it
-    (:func:`mlp_product_scratch`'s ``scratch``, either orientation) or, at 16 bits, the
-    fp32 copy it is cast to before it is added. ``fresh`` (a W into a stage with no
-    gradients yet, which the simulator has added whole): that copy becomes the gradient,
-    and at each product the gradients of it and the products after it are not yet made,
-    so the most is near the end (measured: cbm ZB-H2's first W on the text stage, at the
-    first block's Q/K/V, every other gradient made)."""
+    """W's most on top of its level, in bytes, over its products (:func:`weight_products`):
+    each product's result (compute dtype) beside the host's scratch or, at 16 bits, its fp32
+    copy. ``fresh`` (a W into a stage with no gradients yet): that copy becomes the gradient,
+    so the most is near the end."""
     c = dtype_bytes
     left = 4.0 * sum(r * k for r, k, _ in products) if fresh else 0.0
     most = 0.0 if fresh else float("-inf")
@@ -93,13 +77,9 @@ def weight_phase_bytes(products: list[tuple[int, int, int]], dtype_bytes: int, s
 
 
 def rerun_rotation_bytes(spec: TransformerSpec, tokens: int, c: int) -> tuple[float, float]:
-    """A recomputed attention's rerun at its rotary rotation, on top of what was live
-    before it: (what it holds, of that what I keeps for W). The Q, K and V projections
-    (compute dtype; at 16 bits from their own casts of the region's input, which W keeps,
-    :func:`matrix_inputs`, and the weights' casts made anew), and the rotation of Q, then
-    of K beside Q's result: x cos (fp32: the tables are), the half-rotated copy (compute
-    dtype), at 16 bits its fp32 promotion, and x sin (fp32); measured, llama ZB-H2 bf16
-    selective (its I peaks there). Nothing without rotary positions."""
+    """(held, of that kept by I for W) bytes of a recomputed attention's rerun at its rotary
+    rotation, on top of what was live: the Q, K and V projections (at 16 bits from their own
+    casts) and the rotation's fp32 temporaries. (0, 0) without rotary positions."""
     if spec.position_embedding != "rotary":
         return 0.0, 0.0
     H = spec.n_embd

@@ -1,21 +1,6 @@
-"""Where Seq1F1B cuts a sequence into segments (ALGORITHMS.md, "Seq1F1B").
-
-- ``uniform``: equal lengths; the remainder goes to the first segments.
-- ``compute``: equal FLOPs. With causal attention a later token attends to more keys,
-  so equal lengths are not equal work. The FLOP model, for the last x tokens of a
-  prefix of P tokens, summed over the model's L layers, plus the embedding and output:
-
-      L * (x*P*h*(4d+3) - x^2*h*(4d+3)/2 + 8*x*H*h*d + 4*x*H*F) + 4*x*H*V
-
-  (H hidden, h heads, d head dim, F FFN width, V vocabulary; the per-layer terms are
-  :func:`pipeflow.planning.transformer.layer_forward_flops`). Split points are chosen
-  from the end of the sequence backward: the last segment is the x that carries
-  1/s of the whole sequence's FLOPs at P = S, a quadratic in x whose smaller root is
-  the one inside the prefix; then P shrinks by x and the next segment is solved the
-  same way. Each x is rounded down and the first segment takes the rest, so the
-  lengths are whole numbers >= 1 that add up to S. Earlier segments come out longer;
-  a 7B-like model at S = 32768, s = 4 gives [11021, 8421, 7087, 6239], the paper's.
-"""
+"""Where Seq1F1B cuts a sequence into segments: ``uniform`` (equal lengths) or ``compute``
+(equal forward FLOPs under causal attention, :func:`compute_split`: earlier segments longer;
+a 7B-like model at S = 32768, s = 4 gives the paper's [11021, 8421, 7087, 6239])."""
 
 from __future__ import annotations
 
@@ -54,8 +39,8 @@ def uniform_split(seq_len: int, segments: int) -> list[int]:
 
 def segment_flop(spec: TransformerSpec, tokens: float, prefix: float) -> float:
     """Forward FLOPs of the whole model for the last ``tokens`` tokens of a ``prefix``-token
-    prefix, one sequence: every layer (attention over the prefix, weight matmuls) plus
-    4*x*H*V for the embedding and the output layer (the FLOP model of the split)."""
+    prefix, one sequence: every layer's (:func:`pipeflow.planning.transformer.layer_forward_flops`)
+    plus 4*x*H*V for the embedding and the output layer."""
     per_layer = attention_score_flops(spec, tokens, prefix) + layer_linear_flops(spec, tokens)
     return spec.n_layer * per_layer + 4.0 * tokens * spec.n_embd * spec.vocab_size
 
@@ -71,7 +56,9 @@ def segment_flops(lengths: Sequence[int], spec: TransformerSpec) -> list[float]:
 
 
 def compute_split(spec: TransformerSpec, seq_len: int, segments: int) -> list[int]:
-    """Equal-FLOP lengths, solved from the end of the sequence backward (module docstring)."""
+    """Equal-FLOP lengths: the last segment is the x carrying 1/s of the sequence's FLOPs at
+    P = S (the smaller root of a quadratic), then P shrinks by x and so on; each x rounded
+    down, the first segment takes the rest."""
     # f(x, P) = A' * (x*P - x^2/2) + c*x, A' = L*h*(4d+3) (causal attention), c linear
     a = spec.n_layer * spec.n_head * (4 * spec.head_dim + 3)
     c = segment_flop(spec, 1, 1) - a * 0.5  # the linear part per token (f(1, 1) = a/2 + c)
@@ -93,12 +80,11 @@ def compute_split(spec: TransformerSpec, seq_len: int, segments: int) -> list[in
 
 def split_sequence(strategy: str, seq_len: int, segments: int, spec: TransformerSpec | None = None,
                    multiple: int = 1) -> list[int]:
-    """Token counts of the ``segments`` sequence segments of a ``seq_len``-token sequence,
-    first to last: whole numbers >= 1 adding up to ``seq_len``. ``strategy`` is
-    ``uniform`` or ``compute`` (which needs the model's ``spec``). ``multiple``: each
-    segment a multiple of this many tokens where ``seq_len`` is one (sequence
-    parallelism cuts every segment into that many slices; :func:`granular`). Raises
-    ValueError naming the key (``schedule.split``, ``pipeline.segments``)."""
+    """Token counts of the ``segments`` sequence segments of a ``seq_len``-token sequence, first
+    to last: whole numbers >= 1 adding up to ``seq_len``. ``strategy``: ``uniform`` or
+    ``compute`` (which needs ``spec``). ``multiple``: each segment a multiple of it where
+    ``seq_len`` is one (:func:`granular`). ValueError naming ``schedule.split`` or
+    ``pipeline.segments``."""
     _check(strategy, seq_len, segments, spec)
     if strategy == "uniform" or segments == 1:
         lengths = uniform_split(seq_len, segments)

@@ -1,39 +1,15 @@
-"""Tensor parallelism in the analytic cost: one rank of a schedule device's tensor group
-of T (``pipeline.tensor_parallel``, ``pipeline.sequence_parallel``), priced the way
-pipeflow.models.tensor_parallel splits a stage (docs/simulation.md, "Tensor parallelism").
-
-- **The rank's shape** (:func:`shard_spec`): h/T query heads, kv/T key/value heads (or
-  one where T is a multiple of kv: each rank the head its queries read), I/T of the
-  MLP's width and, where T divides it, V/T of the vocabulary (vocabulary-parallel
-  embedding and head). The hidden size stays H. Every FLOP, parameter and saved-tensor
-  count of :mod:`pipeflow.planning.transformer` then reads per rank: the matrix
-  products and the attention heads divide by T, the norms, the row-parallel biases and
-  the activations H wide (the inputs of the column-parallel products, the norms' own,
-  the dropout masks) stay whole, which is Korthikanti et al.'s s·b·h·(10 + 24/t)
-  in this codebase's own per-tensor count.
-- **Sequence parallelism** (:func:`sequence_parallel_layer`): the stream, the
-  norms and the dropouts run on the rank's x/T tokens, so what they keep divides by T;
-  the column-parallel products keep the all-gathered input they multiply (the runtime
-  saves it, where Megatron re-gathers it in the backward), which stays whole. The
-  stage's outputs, messages and the stream's gradient divide by T.
-- **Collectives** (:func:`layer_collectives`, :func:`stage_collectives`): per layer the
-  forward sums the attention's output projection and the MLP's last projection across
-  the group (two all-reduces of b·x·H elements in the compute dtype) and the backward
-  sums the gradients at the inputs of the column-parallel products (two more, fp32: the
-  stream's dtype). With sequence parallelism each all-reduce is a
-  reduce-scatter and an all-gather of the same tensor. The topology prices each one on
-  the group's own devices (:class:`pipeflow.topology.tensor.TensorTopology`); the
-  action waits for them (Megatron's collectives sit on the critical path).
-"""
+"""Tensor parallelism in the analytic cost: one rank of a device's tensor group of T, split as
+:mod:`pipeflow.models.tensor_parallel` splits a stage, with sequence parallelism and the
+collectives it waits for (docs/simulation.md, "Tensor parallelism")."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from .layer_cost import LayerCost
-from .operators import last_stage_saved, norm_saved_bytes
+from .saved_tensors import last_stage_saved, norm_saved_bytes
 from .transformer import RESIDUAL_BYTES, TransformerSpec
-from .working_set import loss_forward_bytes
+from .loss_memory import loss_forward_bytes
 
 AR, AG, RS = "all-reduce", "all-gather", "reduce-scatter"
 
@@ -44,7 +20,9 @@ def vocabulary_split(spec: TransformerSpec, tensor: int) -> bool:
 
 
 def shard_spec(spec: TransformerSpec, tensor: int) -> TransformerSpec:
-    """The shape one rank of a tensor group of ``tensor`` holds (see the module's docstring)."""
+    """The shape one rank of a tensor group of ``tensor`` holds: h/T query heads, kv/T key/value
+    heads (one where T is a multiple of kv), I/T of the MLP's width, V/T of the vocabulary
+    where T divides it; the hidden size whole."""
     T = tensor
     if T == 1:
         return spec
@@ -104,12 +82,10 @@ def layer_collectives(kind: str, tokens: int, microbatch_size: int, spec: Transf
 
 def stage_collectives(kind: str, tokens: int, microbatch_size: int, spec: TransformerSpec, dtype_bytes: int,
                       sequence_parallel: bool, tensor: int, first: bool, last: bool) -> list[tuple[str, float]]:
-    """What a first or last stage runs over its group beyond its layers': a
-    vocabulary-parallel embedding sums its rows' lookups (fp32, the weights' dtype), and
-    with sequence parallelism cuts them to the rank's tokens (gathering their gradient
-    back); the head gathers its input's tokens (sequence parallel), and vocabulary-parallel
-    sums its input's gradient and takes the loss with three small all-reduces (maximum,
-    sum of exponentials, target logit: fp32 per token)."""
+    """(collective, bytes) a first or last stage runs over its group beyond its layers': a
+    vocabulary-parallel embedding's sum of its lookups (fp32; sequence parallel: cut to the
+    rank's tokens), the head's gather of its input's tokens, and a vocabulary-parallel head's
+    input-gradient sum and the loss's three small fp32 all-reduces."""
     elems = float(microbatch_size * tokens * spec.n_embd)
     r = elems * RESIDUAL_BYTES
     split = vocabulary_split(spec, tensor)
@@ -132,9 +108,8 @@ def stage_collectives(kind: str, tokens: int, microbatch_size: int, spec: Transf
 
 def collectives_time(links, collectives: list, device) -> float:
     """Seconds ``device``'s tensor group spends in ``collectives`` ((op, bytes) pairs) on
-    ``links`` (a :class:`~pipeflow.topology.tensor.TensorTopology`): alike ones priced once
-    and counted (the closed form's order: tests/test_tensor_parallel_pricing.py checks it
-    exactly); the cost model's and the planner's sum."""
+    ``links`` (a :class:`~pipeflow.topology.tensor.TensorTopology`), alike ones priced once
+    and counted."""
     counts: dict[tuple[str, float], int] = {}
     for one in collectives:
         counts[one] = counts.get(one, 0) + 1
@@ -142,9 +117,9 @@ def collectives_time(links, collectives: list, device) -> float:
 
 
 class TensorShards:
-    """For :class:`~pipeflow.planning.cost.AnalyticCost` (a mixin): with sequence
-    parallelism a stage's output, its 16-bit copy and the stream's gradient are the
-    rank's x/T tokens; and the collectives' time an action waits for."""
+    """:class:`~pipeflow.planning.cost.AnalyticCost`'s tensor-parallel mixin: with sequence
+    parallelism a stage's output, its 16-bit copy and the stream's gradient are on the rank's
+    x/T tokens; and the collectives' time an action waits for."""
 
     tensor_parallel: int = 1
     sequence_parallel: bool = False
@@ -205,10 +180,9 @@ class TensorShards:
         return collectives_time(self.tensor_links, collectives, device)
 
     def forward_workspace_bytes(self, stage: int, segment: int) -> float:
-        """What a forward holds at its most beyond what it keeps: the larger on top of
-        what it keeps then of a tensor group's MLP (:meth:`_tensor_forward_workspace`)
-        and a last stage's loss (its fp32 chunk: :func:`~pipeflow.planning.working_set.loss_forward_bytes`,
-        all kept by then but its targets)."""
+        """A forward's most beyond what it keeps, in bytes: the larger of a tensor group's MLP
+        (:meth:`_tensor_forward_workspace`) and a last stage's loss
+        (:func:`~pipeflow.planning.loss_memory.loss_forward_bytes`)."""
         return self._forward_most(stage, segment)[0]
 
     def forward_late_saved_bytes(self, stage: int, segment: int) -> float:
@@ -230,20 +204,10 @@ class TensorShards:
         return (tensor, late) if tensor - late >= loss - targets else (loss, targets)
 
     def _tensor_forward_workspace(self, stage: int, segment: int) -> float:
-        """What a tensor-parallel forward holds at its most beyond what it keeps: at its
-        last block's MLP output projection, the partial product summed across the group
-        (the product and the all-reduce's copy of it, in the compute dtype; with sequence
-        parallelism the rank's share of the tokens cut from the sum too) beside what the
-        block still holds: the MLP's input norm (fp32; a block with a fused Q/K/V
-        projection, GPT-2's and GPT-NeoX's, its attention's output too, kept across the
-        MLP) and, with sequence parallelism, that input gathered across the group (fp32).
-        Measured: gpt_small's first stage at bf16, 2 tensor ranks with sequence parallelism,
-        2 x 1,024 tokens: 20.45 MiB, where its backward's working set is 16.1: under
-        sequence parallelism a rank keeps 1/T of the tokens' activations but gathers
-        all of them for each projection, so its forwards peak. A last stage's head saves
-        what it keeps after that instant (:meth:`forward_late_saved_bytes`). Without
-        tensor parallelism, after a post-norm block (BERT) or with full recomputation:
-        not priced (0)."""
+        """A tensor-parallel forward's most beyond what it keeps, in bytes: at its last block's MLP
+        output projection, the partial product and the all-reduce's copy beside the MLP's input
+        norm (and, sequence parallel, that input gathered). 0 without tensor parallelism, after a
+        post-norm block (BERT) or with full recomputation."""
         spec = self.spec
         if (self.tensor_parallel == 1 or spec.post_norm or spec.recompute == "full"
                 or not self.layers_per_stage[stage]):

@@ -1,35 +1,7 @@
-"""FLOP, parameter and activation-width counts of a decoder or encoder transformer, for the
-analytic cost model. The shape covers GPT-2/BERT blocks and Hugging Face decoders (Llama,
-Qwen2, Mistral, GPT-NeoX): grouped-query attention, a gated (SwiGLU) MLP, RMSNorm, optional
-biases, rotary positions and an untied head. docs/planning.md ("What a stage costs")
-derives every count.
-
-Notation: H hidden size (n_embd), h query heads, kv key/value heads (n_kv_head, default
-h), d head dim (default H/h), I MLP width (n_inner, default 4H; Fw in older notes), V
-vocabulary, S sequence length, x tokens of a segment, P its prefix length (the segment's
-own tokens included), m MLP matrices (3 gated: gate, up, down; 2 gelu).
-
-FLOP model, one layer, one sequence (a multiply-add is 2 FLOPs), forward of the LAST x
-tokens of a prefix of length P — the per-layer model of the Seq1F1B paper, generalised:
-
-    linear:      2*x*(H*h*d + 2*H*kv*d + h*d*H) + 2*x*m*H*I
-    causal:      x*P*h*(4d+3) - x^2*h*(4d+3)/2 + linear
-    non-causal:  x*P*h*(4d+3)                   + linear
-
-The linear part is the weight matmuls: Q (H -> h*d), K and V (H -> kv*d each), the output
-projection (h*d -> H) and the MLP. The x*P*h*(4d+3) term is attention, per query head:
-Q K^T and A V (2d multiply-adds per query-key pair, 4d FLOPs) plus about 3 FLOPs per pair
-for scale, mask and softmax (with grouped-query attention each query head still visits
-every key, so the count is per query head); causal attention only visits the keys at or
-before each query, which the x^2/2 term removes (the continuous count, so segment FLOPs
-add up exactly to the whole sequence's). For GPT (kv = h, d = H/h, m = 2) the linear part
-is 8*x*H*h*d + 4*x*H*I; with x = P = S, non-causal, I = 4H and the +3 dropped, this is
-Megatron's 24*S*H^2 + 4*S^2*H. Biases, norms and activations are not counted.
-
-LM head forward: 2*x*H*V (its matmul), tied or not. Backward = 2 x forward; its
-weight-gradient part (W, zero-bubble split) equals the forward FLOPs of the weight
-matmuls, and the input-gradient part I = backward - W.
-"""
+"""FLOP, parameter and activation-width counts of a transformer stack (GPT-2/BERT blocks and the Hugging
+Face decoders: grouped-query attention, gated MLP, RMSNorm, rotary positions, untied head), for the
+analytic cost model. docs/planning.md ("What a stage costs") derives every count and names the symbols
+(H, h, kv, d, I, V, x, P)."""
 
 from __future__ import annotations
 
@@ -151,15 +123,9 @@ class TransformerSpec:
 
     @staticmethod
     def from_config(cfg: Mapping) -> "TransformerSpec":
-        """Read the ``model`` config group; unknown keys (init, ...) are ignored.
-
-        ``seq_len`` falls back to ``n_positions`` when absent; the family
-        (:mod:`pipeflow.families`, default gpt) decides causal attention. The shape keys
-        of a Hugging Face decoder (n_kv_head, head_dim, mlp, norm, the biases, tied,
-        positions: :mod:`pipeflow.hf`) are read when set; absent or null they take the
-        GPT/BERT values. Dropout masks are kept when ``model.dropout`` > 0;
-        ``model.attention`` (default sdpa) decides whether the scores are kept.
-        """
+        """The ``model`` config group's shape (unknown keys ignored; ``seq_len`` defaults to
+        ``n_positions``; absent decoder keys take GPT/BERT values). ValueError for a missing or bad key,
+        or a family that is not one transformer stack."""
         get = cfg.get
         fam = family_of(cfg)
         if not fam.transformer:
@@ -208,10 +174,7 @@ class TransformerSpec:
 
 
 def padded_vocab(vocab: int, multiple) -> int:
-    """``vocab`` rounded up to a multiple of ``multiple`` (model.vocab_multiple; None or 1:
-    unpadded): the rows of the embedding and the head, so their products run at a width the
-    kernels tile well (nanoGPT pads GPT-2's 50,257 to 50,304). The padded logits never
-    reach the loss."""
+    """``vocab`` rounded up to a multiple of ``multiple`` (model.vocab_multiple; None: unpadded)."""
     if multiple is None:
         return vocab
     _positive_int("vocab_multiple", multiple)
@@ -225,31 +188,59 @@ def _positive_int(key: str, value) -> None:
 
 # --------------------------------------------------------------------- FLOPs
 
+# The analytic count's scale, mask and softmax of a query-key pair (the operator lists
+# have the softmax as a pointwise operator, no FLOPs)
+SOFTMAX_FLOPS = 3
+
+
+def attention_products(spec: TransformerSpec) -> list[tuple[str, int, int]]:
+    """(name, k, n) of the attention's weight products: input projections, then the output one."""
+    H, q, kv = spec.n_embd, spec.n_head * spec.head_dim, spec.kv_heads * spec.head_dim
+    inputs = [("qkv", H, q + 2 * kv)] if spec.qkv_inputs == 1 else [("q", H, q), ("k", H, kv), ("v", H, kv)]
+    return [*inputs, ("proj", q, H)]
+
+
+def mlp_products(spec: TransformerSpec) -> list[tuple[str, int, int]]:
+    """(name, k, n) of the MLP's products: gate and up (or FC1), then down (FC2)."""
+    H, I = spec.n_embd, spec.ffn_width
+    ups = [("gate", H, I), ("up", H, I)] if spec.mlp == "gated" else [("fc1", H, I)]
+    return [*ups, ("fc2", I, H)]
+
+
+def product_flops(rows: int, k: int, n: int) -> float:
+    """FLOPs of a product of a [rows, k] input with a k x n weight (a multiply-add is 2)."""
+    return 2.0 * rows * k * n
+
+
+def attention_pairs(queries: int, keys: int, causal: bool) -> float:
+    """Query-key pairs a head scores for ``queries`` ending a prefix of ``keys`` (causal: continuous)."""
+    x, P = float(queries), float(keys)
+    return x * P - x * x / 2 if causal else x * P
+
+
+def pair_flops(head_dim: int) -> int:
+    """FLOPs of Q K^T and A V for one query-key pair of a head (2d multiply-adds)."""
+    return 4 * head_dim
+
 
 def attention_score_flops(spec: TransformerSpec, tokens: int, prefix: int) -> float:
     """The part of a layer's forward that has no weights: Q K^T, softmax, A V (per query head)."""
-    x, P = float(tokens), float(prefix)
-    per_pair = spec.n_head * (4 * spec.head_dim + 3)
-    if spec.causal:
-        return x * P * per_pair - x * x * per_pair / 2
-    return x * P * per_pair
+    return attention_pairs(tokens, prefix, spec.causal) * (spec.n_head * (pair_flops(spec.head_dim) + SOFTMAX_FLOPS))
 
 
 def attention_linear_flops(spec: TransformerSpec, tokens: int) -> float:
     """Forward FLOPs of the attention's weight matmuls: Q, K, V and the output projection."""
-    x, H, q, kv = float(tokens), spec.n_embd, spec.n_head * spec.head_dim, spec.kv_heads * spec.head_dim
-    return 2 * x * H * (2 * q + 2 * kv)
+    return sum(product_flops(tokens, k, n) for _, k, n in attention_products(spec))
 
 
 def layer_linear_flops(spec: TransformerSpec, tokens: int) -> float:
     """Forward FLOPs of one layer's weight matmuls (Q, K, V, output projection, MLP) for ``tokens`` tokens."""
-    x = float(tokens)
-    return attention_linear_flops(spec, tokens) + 2 * x * spec.mlp_matrices * spec.n_embd * spec.ffn_width
+    return attention_linear_flops(spec, tokens) + sum(product_flops(tokens, k, n) for _, k, n in mlp_products(spec))
 
 
 def layer_forward_flops(spec: TransformerSpec, tokens: int, prefix: int) -> float:
-    """Forward FLOPs of one layer for the last ``tokens`` tokens of a prefix of ``prefix`` tokens
-    (``prefix == tokens`` for a whole sequence). See the module docstring for the model."""
+    """Forward FLOPs of one layer for the last ``tokens`` of a ``prefix`` (docs/planning.md, "FLOPs");
+    ValueError where they cannot end it."""
     if not 0 < tokens <= prefix:
         raise ValueError(f"a segment of {tokens} tokens cannot end a prefix of {prefix} tokens")
     return attention_score_flops(spec, tokens, prefix) + layer_linear_flops(spec, tokens)
@@ -257,7 +248,7 @@ def layer_forward_flops(spec: TransformerSpec, tokens: int, prefix: int) -> floa
 
 def head_forward_flops(spec: TransformerSpec, tokens: int) -> float:
     """LM head (output projection to the vocabulary) forward FLOPs for ``tokens`` tokens."""
-    return 2.0 * tokens * spec.n_embd * spec.vocab_size
+    return product_flops(tokens, spec.n_embd, spec.vocab_size)
 
 
 # ---------------------------------------------------------------- parameters
@@ -269,39 +260,31 @@ def norm_params(spec: TransformerSpec) -> int:
 
 
 def layer_params(spec: TransformerSpec) -> int:
-    """One block: Q, K, V and output projections, the MLP matrices, their biases where the
-    shape has them, and two norms. GPT-2/BERT (every bias, LayerNorm): 4H^2 + 2H*I + 9H + I."""
+    """One block's parameters: projections, MLP matrices, their biases where present, two norms."""
     H, I = spec.n_embd, spec.ffn_width
     q, kv = spec.n_head * spec.head_dim, spec.kv_heads * spec.head_dim
-    attn = H * q + 2 * H * kv + q * H
+    attn = sum(k * n for _, k, n in attention_products(spec))
     if spec.qkv_bias:
         attn += q + 2 * kv
     if spec.o_bias:
         attn += H
-    mlp = spec.mlp_matrices * H * I
+    mlp = sum(k * n for _, k, n in mlp_products(spec))
     if spec.mlp_bias:
         mlp += (spec.mlp_matrices - 1) * I + H  # gate and up (or FC1) biases of width I, down (FC2) of H
     return attn + mlp + 2 * norm_params(spec)
 
 
 def layer_matrix_params(spec: TransformerSpec) -> int:
-    """One block's weights that matrix products use (what autocast casts): Q, K, V and
-    the output projection, the MLP's matrices; no biases, no norms."""
-    H, I = spec.n_embd, spec.ffn_width
-    q, kv = spec.n_head * spec.head_dim, spec.kv_heads * spec.head_dim
-    return H * q + 2 * H * kv + q * H + spec.mlp_matrices * H * I
+    """One block's matrix-product weights (what autocast casts): no biases, no norms."""
+    return sum(k * n for _, k, n in (*attention_products(spec), *mlp_products(spec)))
 
 
 def recomputed_matrix_params(spec: TransformerSpec) -> int:
-    """Of :func:`layer_matrix_params`, the weights of what model.recompute reruns (full:
-    all; selective: the attention's): a rerun casts them anew (pipeflow.models.recompute
-    runs without autocast's cache), so their 16-bit copies live while the block's
-    backward runs, and their gradients flow through those copies at once."""
+    """Of :func:`layer_matrix_params`, those model.recompute reruns (and casts anew)."""
     if spec.recompute == "full":
         return layer_matrix_params(spec)
     if spec.recompute == "selective":
-        q, kv = spec.n_head * spec.head_dim, spec.kv_heads * spec.head_dim
-        return spec.n_embd * q + 2 * spec.n_embd * kv + q * spec.n_embd
+        return sum(k * n for _, k, n in attention_products(spec))
     return 0
 
 
@@ -316,16 +299,8 @@ def embedding_params(spec: TransformerSpec) -> int:
 
 
 def head_params(spec: TransformerSpec) -> int:
-    """Final norm plus the LM head matrix (V*H, no bias): what the last stage holds
-    beyond its blocks (BERT: its MLM head, a dense transform and its norm before the
-    decoder, whose output has a bias).
-
-    An untied head is its own matrix. A tied head (GPT-2, BERT, Qwen2 small) shares the
-    token embedding, so it adds nothing to the model's unique count; but when the last
-    stage is not the first, the last stage keeps its own copy of the tied matrix (and its
-    gradient, which is reduced with the embedding's), so per stage it is counted where
-    the copy lives (a one-stage pipeline subtracts it again: see :func:`shared_head_params`).
-    """
+    """The last stage's own parameters beyond its blocks: final norm and LM head V*H (BERT: its MLM head). A
+    tied head is counted where its copy lives (see :func:`shared_head_params`)."""
     if spec.post_norm:  # BERT's MLM head: a dense transform, its LayerNorm, the decoder and its bias
         H = spec.n_embd
         return H * H + H + norm_params(spec) + spec.vocab_size * H + spec.vocab_size
@@ -333,14 +308,25 @@ def head_params(spec: TransformerSpec) -> int:
 
 
 def shared_head_params(spec: TransformerSpec) -> int:
-    """What a stage holding both the embedding and the head counts twice: the tied matrix
-    V*H (0 when untied)."""
+    """The tied matrix V*H a stage holding both embedding and head counts twice (0 untied)."""
     return spec.vocab_size * spec.n_embd if spec.tied else 0
+
+
+def stage_params(spec: TransformerSpec, layers: int, first: bool, last: bool) -> int:
+    """Parameters of a stage of ``layers`` blocks (the embedding when ``first``, the head when ``last``)."""
+    n = layers * layer_params(spec)
+    if first:
+        n += embedding_params(spec)
+    if last:
+        n += head_params(spec)
+        if first:
+            n -= shared_head_params(spec)
+    return n
 
 
 def total_params(spec: TransformerSpec) -> int:
     """Unique parameters of the whole model (a tied head counted once)."""
-    return spec.n_layer * layer_params(spec) + embedding_params(spec) + head_params(spec) - shared_head_params(spec)
+    return stage_params(spec, spec.n_layer, True, True)
 
 
 # ------------------------------------------------------- activation widths
@@ -353,16 +339,8 @@ ATTENTION = ("sdpa", "eager")
 
 
 def segment_own_kv(spec: TransformerSpec, tokens: int, prefix: int, microbatch_size: int, dtype_bytes: int) -> float:
-    """Per sequence, what one layer of a segmented run holds of a segment's own keys and
-    values for the later segments, on top of what its attention keeps. A later segment's
-    attention keeps its whole prefix's (a concatenated copy), eager attention copies (K
-    and V repeated to every query head, unless one sequence over as many key/value heads
-    as query heads, or one, lets them take views) and a recomputed one keeps none: then
-    the own keys and values (:func:`own_key_bytes` and c per element) come on top; with
-    a fused Q/K/V projection, recomputed, they are views of its whole output, queries
-    included. Otherwise they are the very tensors the fused kernel keeps, but at 16 bits
-    a rotary model's keys: the kernel keeps their 16-bit cast, the segment the fp32
-    rotation's output."""
+    """Bytes per sequence one layer of a segmented run holds of a segment's own keys and values for later
+    segments, on top of what its attention keeps."""
     x, dt = tokens, dtype_bytes
     kv = spec.kv_heads * spec.head_dim
     eager_copies = spec.attention == "eager" and (microbatch_size > 1 or 1 < spec.kv_heads < spec.n_head)
@@ -377,33 +355,31 @@ def segment_own_kv(spec: TransformerSpec, tokens: int, prefix: int, microbatch_s
 
 
 def matrix_inputs(spec: TransformerSpec, dtype_bytes: int) -> tuple[int, int]:
-    """How many copies of the attention's input and of the MLP's input the matrix
-    products keep: one each at full precision (they read the same tensor); at 16 bits
-    autocast casts the input once per product, so separate Q, K and V projections keep
-    three and a gated MLP's gate and up projections two (GPT's fused c_attn, one)."""
+    """(attention input copies, MLP input copies) the products keep: at 16 bits one per product."""
     if dtype_bytes >= 4:
         return 1, 1
     return spec.qkv_inputs, 2 if spec.mlp == "gated" else 1
 
 
 def stage_shared_saved(spec: TransformerSpec, tokens: int) -> float:
-    """What every stage holding layers keeps once per microbatch, whatever its layers:
-    rotary positions' cos and sin tables (fp32, one row per token), which the rotation
-    of Q and K saves, or, recomputed, each region holds as its forward's arguments (the
-    same two tensors for every layer)."""
+    """Bytes every stage with layers keeps once per microbatch: rotary cos/sin tables (fp32)."""
     if spec.position_embedding != "rotary":
         return 0.0
     return 2.0 * tokens * spec.head_dim * RESIDUAL_BYTES
 
 
+def arrived_input_saved(spec: TransformerSpec, tokens: int, microbatch_size: int, dtype_bytes: int) -> float:
+    """Bytes a later stage keeps of its fp32 input beyond its blocks' (post-norm, 16 bits, no recompute)."""
+    if spec.post_norm and dtype_bytes < 4 and spec.recompute == "none":
+        return float(tokens * microbatch_size * spec.n_embd * RESIDUAL_BYTES)
+    return 0.0
+
+
 def own_key_bytes(spec: TransformerSpec, dtype_bytes: int) -> int:
-    """Bytes per element of the keys a segment hands its later segments: the rotation's output with
-    rotary positions, fp32 under autocast (its tables are the stream's dtype); else the compute dtype."""
+    """Bytes per element of the keys a segment hands later segments."""
     return RESIDUAL_BYTES if spec.position_embedding == "rotary" else dtype_bytes
 
 
 def kv_repeat_on(spec: TransformerSpec, dtype_bytes: int, gpu: bool) -> bool:
-    """Whether the runtime hands the fused attention kernel K and V repeated to every
-    query head (:attr:`TransformerSpec.kv_repeat`): grouped-query attention, fused, at
-    fp32, on a GPU (pipeflow.models.attention: torch's fp32 CUDA kernel takes no groups)."""
+    """Whether the fused kernel gets K and V repeated per query head (:attr:`TransformerSpec.kv_repeat`)."""
     return gpu and dtype_bytes >= 4 and spec.attention == "sdpa" and spec.kv_heads < spec.n_head

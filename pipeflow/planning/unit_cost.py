@@ -9,13 +9,10 @@ from .cost import COARSE_ABSENT, CostModel, _check_int, _check_number
 
 
 class UnitCost(CostModel):
-    """The same fixed cost for every stage, segment and device.
-
-    F -> forward, B -> backward, W -> weight, I -> backward - weight, S -> step;
-    activation_bytes = activation, weight_residual_bytes = residual * activation,
-    message_bytes = message, param_bytes = params. ``comm`` (if not None) is the time
-    of every message; otherwise ``message`` bytes travel over the topology.
-    """
+    """The same fixed cost for every stage, segment and device: F ``forward``, B ``backward``,
+    W ``weight``, I ``backward - weight``, S ``step``; bytes ``activation``, ``message``,
+    ``params``, the I-to-W residual ``residual * activation``. ``comm`` (not None): every
+    message's time; else ``message`` bytes travel over the topology."""
 
     absent_terms = COARSE_ABSENT  # activations, messages and model state alone
 

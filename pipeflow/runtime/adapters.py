@@ -12,6 +12,7 @@ from ..data.mlm import IGNORE_INDEX, build_mlm_data
 from ..data.text import build_text_data
 from ..models import bert
 from ..models.gpt import build_stage, hidden_shape, lm_loss
+from ..planning.transformer import TransformerSpec
 
 
 class Adapter(Protocol):
@@ -36,7 +37,9 @@ class Adapter(Protocol):
 
 
 class GPTAdapter:
-    """A GPT split into a chain of stages; a batch is (input ids, targets), [B, T] each."""
+    """A GPT split into a chain of stages; a batch is (input ids, targets), [B, T] each.
+    ``spec``: the model's shape, which its stages are built to (a run plan carries it;
+    None: read from ``model_cfg`` where a stage is built)."""
 
     def __init__(
         self,
@@ -47,8 +50,10 @@ class GPTAdapter:
         seed: int,
         device: torch.device,
         segment_lengths: Sequence[int] | None = None,
+        spec: TransformerSpec | None = None,
     ):
         self.model_cfg = model_cfg
+        self.spec = spec
         # the words the loss scores (the head's logits may be padded past them: model.vocab_multiple)
         self.vocab = model_cfg.get("vocab_size")
         # Seq1F1B: the sequence is cut into segments of these lengths (None: one segment)
@@ -67,16 +72,16 @@ class GPTAdapter:
         self.tensor = None
 
     def build_stage(self, stage: int) -> torch.nn.Module:
-        return self._split(build_stage(self.model_cfg, self.layers_per_stage, stage, self.seed)).to(self.device)
+        return self._split(build_stage(self.model_cfg, self.layers_per_stage, stage, self.seed,
+                                       self.spec)).to(self.device)
 
     def _split(self, module: torch.nn.Module) -> torch.nn.Module:
         """The stage cut across this rank's tensor group, or whole without one."""
         if self.tensor is None:
             return module
         from ..models.tensor_parallel import shard_stage
-        from ..planning.transformer import TransformerSpec
 
-        spec = TransformerSpec.from_config(self.model_cfg)
+        spec = self.spec or TransformerSpec.from_config(self.model_cfg)
         self._head_rows = spec.vocab_size  # (padded past the words where model.vocab_multiple says)
         return shard_stage(module, self.tensor, spec.n_head, spec.n_kv_head)
 
@@ -136,7 +141,8 @@ class BertAdapter(GPTAdapter):
     decoder (last stage) are tied the same way."""
 
     def build_stage(self, stage: int) -> torch.nn.Module:
-        return self._split(bert.build_stage(self.model_cfg, self.layers_per_stage, stage, self.seed)).to(self.device)
+        return self._split(bert.build_stage(self.model_cfg, self.layers_per_stage, stage, self.seed,
+                                            self.spec)).to(self.device)
 
     def loss(self, logits: torch.Tensor, batch, mb: int, normalizer: float, segment: int = 0) -> torch.Tensor:
         if self._vocabulary_parallel(logits):

@@ -1,40 +1,7 @@
-"""Execute an asynchronous schedule (pipedream, pipedream_2bw, amdp): updates without a flush.
-
-One call runs a chunk: ``windows`` consecutive steps whose microbatches flow through the
-pipeline without a flush; the weights change in the middle of the stream, and every
-replica keeps the weight versions its policy needs.
-
-Weight versions are real tensors. A replica's version is the number of updates applied
-to it. While a forward runs, autograd's saved-tensor hooks replace every saved tensor
-that lives in a parameter's storage by a reference (parameter, version, view); when the
-backward unpacks it the policy decides what it gets:
-
-- ``stash`` / ``double_buffer``: the version the forward used. Before an update
-  overwrites a version that an in-flight microbatch saved (or that 2BW's next window
-  will compute with), the replica copies it aside; those copies are the stash, freed
-  when no microbatch needs them. 2BW's forwards of window u compute with version u-1:
-  the parameters' storage is swapped to the stashed copy for the forward.
-- ``none`` / ``bounded``: the current parameters, whatever update happened since the
-  forward. The optimizer updates in place; because saved parameters are references,
-  autograd's in-place check does not fire and the backward really sees the new weights.
-
-Gradients accumulate in ``.grad`` as usual and are taken from it right after a
-replica's last backward of an update, so a later window's backwards never mix in.
-REDUCE all-reduces the taken gradient across the stage's mirror replicas (asynchronous,
-overlapping later work); with ``zero`` it is reduced to the stage's owner instead, which
-alone holds optimizer state, steps, and broadcasts the new parameters at STEP.
-
-Tied weights (GPT's embedding and LM head): each copy's gradient of an update is summed
-across the copies by an asynchronous all-reduce issued once the copy's rank has taken it
-from all its local copies. A copy applies that update at the first of its own STEPs that
-follows, in the schedule's zero-cost dry run, every copy's last backward of the update
-(or at the end of the chunk): deadlock-free by construction, and no copy waits for a
-gradient that cannot have been computed yet. Both copies apply the same updates in the
-same order, so they agree whenever they have applied the same number.
-
-Clipping is per stage (by the norm of the update the stage applies): a global norm would
-need a world collective at every update, which is a flush.
-"""
+"""Execute an asynchronous schedule (pipedream, pipedream_2bw, amdp): ``windows`` steps per call without a
+flush, each replica keeping the real weight versions its policy needs (saved parameters become
+(parameter, version) references). docs/runtime.md tells how the versions, reductions and tied copies are
+kept."""
 
 from __future__ import annotations
 
@@ -104,9 +71,8 @@ class ReplicaVersions:
 
 @contextmanager
 def weight_version(vers: ReplicaVersions, version: int, meter=None):
-    """Run a forward with weight ``version`` of a replica and make its backward see what
-    the policy says: that version (stash, double_buffer) or the current weights. Other
-    saved tensors go to ``meter`` (a SavedBytes) when given."""
+    """Run a forward with weight ``version`` of a replica; its backward sees that version (stash,
+    double_buffer) or the current weights. Other saved tensors go to ``meter``."""
     tensors = vers.tensors(version)
     swapped = None
     if version != vers.live:  # 2BW: compute with the previous version's copy
@@ -150,7 +116,7 @@ class ChunkStats:
 
     @classmethod
     def of(cls, step) -> "ChunkStats":
-        """A synchronous step's :class:`StepStats` as a chunk of one step."""
+        """A synchronous step's :class:`~.stage.StepStats` as a chunk of one step."""
         return cls([step.loss], [step.grad_norm], step.busy, [], step.events, step.loss_scale, step.skipped)
 
 
@@ -195,8 +161,7 @@ class AsyncExecutor(Executor):
 
     # ---- static plans -----------------------------------------------------------------
     def _check_collective_order(self, order: list[Action]) -> None:
-        """Per replica, collectives on its mirror group alternate REDUCE u, STEP u (zero's
-        broadcast), so every member issues them in the same order."""
+        """ValueError unless (zero) each replica's REDUCE and STEP alternate per update."""
         if not self.zero:
             return
         seen: dict[tuple[int, int], list[str]] = {}
@@ -223,8 +188,8 @@ class AsyncExecutor(Executor):
     # ---- one chunk --------------------------------------------------------------------
     def train_chunk(self, batches: list, normalizers: list, lrs: list[float], base_update: int, base_mb: int,
                     record: bool = False, t0: float | None = None) -> ChunkStats:
-        """Run ``len(batches)`` steps without a flush. ``base_update``: updates applied
-        before the chunk; ``base_mb``: the run's id of the chunk's first microbatch."""
+        """Run ``len(batches)`` steps without a flush (ValueError unless ``windows``). ``base_update``:
+        updates applied before the chunk; ``base_mb``: the run's id of its first microbatch."""
         if len(batches) != self.windows:
             raise ValueError(f"chunk of {len(batches)} steps for a schedule of {self.windows} windows")
         upd = self.schedule.update_of_microbatch
@@ -291,6 +256,11 @@ class AsyncExecutor(Executor):
             if r is not None:
                 r[0].wait()
         self._finish(io, "chunk")
+        return self._chunk_stats(losses, sq_norms, busy, events, records, applied)
+
+    def _chunk_stats(self, losses: torch.Tensor, sq_norms: torch.Tensor, busy: float, events: list,
+                     records: list[dict], applied: dict) -> ChunkStats:
+        """The chunk's stats, ``records`` completed; losses and norms summed over ranks (a collective)."""
         for rec in records:
             rec["applied"] = applied.get((rec["pipe"], rec["stage"], rec["update"]), rec["forward"])
             rec["mismatch"] = rec["backward"] - rec["forward"]

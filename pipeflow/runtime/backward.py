@@ -1,45 +1,8 @@
 """The zero-bubble split of a stage's backward: I (input gradient) then W (weight gradient),
-with nothing of the backward computed twice.
-
-A stage's autograd graph, walked from its output towards its leaves, has two kinds of
-node: those from which the stage's input can be reached (the *input path*: every
-activation gradient, layer by layer) and those that lead only to parameters. The nodes
-where the two meet are the *boundary*: a linear layer's ``AddmmBackward`` (its input
-gradient is on the input path, its weight and bias gradients are not), a LayerNorm's
-backward, an embedding's backward, ...
-
-- ``I`` runs ``autograd.grad`` towards the input leaves alone. Autograd executes only the
-  input path and, at a boundary node, only the outputs that path needs (the engine hands
-  each node the mask of outputs that are wanted, so ``AddmmBackward`` does one of its two
-  matrix products). The same call also returns the gradient arriving at each boundary
-  node (its edges are asked for as inputs): exactly what the weight gradients are
-  computed from.
-- ``W`` computes, at each boundary node, just its weight-side outputs from that
-  gradient. A matrix product (``AddmmBackward0``, ``MmBackward0``: every linear layer)
-  whose weight-side edges lead straight to parameters, possibly through a transpose,
-  autocast's cast or a split of a packed parameter (``nn.MultiheadAttention``'s
-  cross-attention takes its query and key/value projections as pieces of one), is done
-  by hand from the tensors the node saved: one GEMM per weight, added into ``.grad``
-  (into its piece) as autograd adds it, and a sum per bias; so is a bias added apart
-  from its product (``AddBackward0``: ``linear`` on an input it cannot flatten). Starting the autograd engine
-  for each such node cost about 0.13 ms a call here, 15% of a W on a gpt_tiny stage.
-  I plans these products before it runs and takes their operands (each linear layer's
-  input) as it reaches each node, so where every boundary node is one, I frees the
-  graph as it goes, as B does (in a recomputed block, the operands are the rebuilt
-  block's: one rebuild, as in B):
-  kept whole until W, the graph held every saved activation and each later kernel wrote
-  to fresh memory (I + W was 1.23-1.35 x B on gpt_tiny's last stage, now 1.07-1.12).
-  Any other boundary node restarts autograd there (a ``GradientEdge`` root), one node
-  at a time, towards the edges into its parameter-only branches. One root per call
-  matters: with several roots in one call, a root's input-side output would be
-  propagated down the input path to the boundary nodes below it and counted again
-  there.
-
-So I + W runs each matrix product of B exactly once (tests count them). A stage whose
-input needs no gradient (the first stage, fed token ids) has no input path: its I is
-empty and its W is the whole backward. PyTorch's pipelining does the same split in
-``_backward.py``; this is pipeflow's own walk of the graph.
-"""
+each matrix product of B run once. I runs ``autograd.grad`` along the input path alone,
+also returning the gradient arriving at each boundary node; W computes those nodes'
+weight-side outputs, a matrix product by hand from the operands I took, any other node
+by autograd from there (docs/runtime.md, "The zero-bubble split")."""
 
 from __future__ import annotations
 
@@ -52,9 +15,8 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 @dataclass
 class PendingWeight:
-    """What W needs after I: per boundary node, its root, the gradient arriving there,
-    and the edges into its parameter-only branches (or, for a stage without an input
-    path, the whole backward from the output)."""
+    """What W needs after I: per boundary node, its root, the gradient arriving there and the
+    edges into its parameter-only branches (or the whole backward, where no input path)."""
 
     roots: list = field(default_factory=list)  # per boundary node: (its GradientEdge roots, their gradients, branch edges)
     planned: list = field(default_factory=list)  # per matrix-product node: (its plan, the gradient of its output)
@@ -69,14 +31,9 @@ MATMUL_NODES = frozenset({"AddmmBackward0", "MmBackward0", "BmmBackward0", "Badd
 
 
 def _walk(root, inputs: set, params: set) -> tuple[list, list]:
-    """Each boundary node with the edges into its parameter-only branches, and the
-    accumulators of the parameters that I computes itself (see backward_input).
-
-    ``inputs`` and ``params`` are the accumulate-grad nodes of the input leaves and of
-    the parameters. One walk down from the root lists every node's parents; the nodes
-    from which the inputs (the parameters) can be reached are then those reached going
-    up from them. (This runs at every I, so it is kept to plain loops over sets.)
-    """
+    """Each boundary node with the edges into its parameter-only branches, and the accumulators
+    of the parameters that I computes itself. ``inputs``, ``params``: the accumulate-grad
+    nodes of the input leaves and of the parameters. Runs at every I: plain loops over sets."""
     parents: dict = {root: []}
     stack = [root]
     while stack:
@@ -121,26 +78,19 @@ def _above(starts: list, parents: dict) -> set:
 
 
 def accumulators(params: list[torch.Tensor]) -> frozenset:
-    """The gradient-accumulator nodes of ``params``. Whoever holds this set keeps them
-    alive, so autograd reuses the same nodes in every later forward and the set can be
-    computed once per stage and handed to each :func:`backward_input`."""
+    """The gradient-accumulator nodes of ``params``; held, they stay the same in every later
+    forward, so the set is computed once per stage for :func:`backward_input`."""
     return frozenset(get_gradient_edge(p).node for p in params if p.requires_grad)
 
 
 def backward_input(out: torch.Tensor, grad: torch.Tensor | None, leaves: list[torch.Tensor],
                    params: list[torch.Tensor], param_nodes: frozenset | None = None,
                    free_graph: bool = True, keep=None) -> tuple[list, PendingWeight]:
-    """I: the gradients of ``leaves`` (None where unused), and what W needs.
-
-    ``grad`` is the gradient of ``out`` (None when ``out`` is the loss). Where W needs
-    nothing of the graph but the operands its plans hold, I frees the graph as it goes
-    (``free_graph=False`` keeps it until W, as before: ``benchmarks/bench_split.py``
-    compares the two); otherwise W frees it. ``param_nodes``: ``accumulators(params)``,
-    held by the caller across calls (computed here when not given). ``keep(tensor)``: a
-    memory meter's count of a tensor held until W (:meth:`pipeflow.runtime.saved_bytes.SavedBytes.keep`):
-    the planned products' operands, taken before the graph that saved them is freed, and
-    the gradients arriving at the boundary nodes.
-    """
+    """I: the gradients of ``leaves`` (None where unused), and the :class:`PendingWeight` for W.
+    ``grad``: the gradient of ``out`` (None when ``out`` is the loss). ``free_graph=False``
+    keeps the graph until W even where W's plans need none of it. ``param_nodes``:
+    :func:`accumulators` of ``params`` (computed when None). ``keep(tensor)`` counts what is
+    held until W (:meth:`pipeflow.runtime.saved_bytes.SavedBytes.keep`)."""
     pending = PendingWeight()
     if out.grad_fn is None:
         return [None] * len(leaves), pending
@@ -195,9 +145,8 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, leaves: list[to
 
 
 def _own(g: torch.Tensor) -> torch.Tensor:
-    """A gradient W keeps, in a storage of its own where it is a view of a much larger one
-    (the cbm head's matching logit, one column of the head's whole output gradient:
-    held as a view, the whole stayed alive until W)."""
+    """A gradient W keeps, copied into its own storage where it is a view of a much larger one
+    (else the whole, e.g. the cbm head's output gradient, stays alive until W)."""
     if g.layout == torch.strided and g.untyped_storage().nbytes() > 2 * g.numel() * g.element_size():
         return g.clone()
     return g
@@ -237,17 +186,10 @@ _SPLITS = ("SplitWithSizesBackward0", "SplitBackward0")
 
 
 def _param_through(edge: GradientEdge):
-    """(parameter, transposed, part) where ``edge`` leads straight to a parameter's
-    accumulator, or through one transpose, or through autocast's cast of the parameter
-    (``ToCopyBackward0``: the product's gradient is cast back to the parameter's dtype,
-    as autograd casts it), or both, and possibly through a split of the parameter
-    (``part``: (dim, start, length) of the piece; None: the whole parameter); None
-    otherwise. Without the cast, every 16-bit zero-bubble stage fell back to keeping
-    its whole graph from I until W; without the split, so did every stage with a
-    cross-attention (``nn.MultiheadAttention`` splits its packed projection and its
-    bias by query and key/value). Transposes count by their parity: a tensor-parallel
-    piece of GPT-2's Conv1D weight goes through two (``weight.t()``, then ``linear``'s),
-    which without it kept every GPT zero-bubble last stage's graph whole from I to W."""
+    """(parameter, transposed, part) where ``edge`` leads to a parameter's accumulator directly
+    or through transposes (counted by parity), autocast's cast (``ToCopyBackward0``) and a
+    split of a packed parameter (``part``: (dim, start, length); None: all of it); None
+    otherwise, and W falls back to autograd for that node."""
     node, nr, transposed, cast, hops = edge.node, edge.output_nr, False, False, 0
     while node is not None and node.name() in ("TBackward0", "ToCopyBackward0") and hops < 4:
         hops += 1
@@ -292,7 +234,7 @@ def _piece_shape(param: torch.Tensor, part) -> tuple:
 
 def _add_into(param: torch.Tensor, g: torch.Tensor, part) -> None:
     """``param.grad += g`` (on the piece ``part`` of it, where one), summed as autograd's
-    accumulator sums (a split's backward fills the other pieces with zeros)."""
+    accumulator sums."""
     if g.dtype != param.dtype:  # a 16-bit product of autocast's cast: back to the parameter's dtype
         g = g.to(param.dtype)
     if part is None:
@@ -307,16 +249,15 @@ def _add_into(param: torch.Tensor, g: torch.Tensor, part) -> None:
 
 
 def _accumulate(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha, part=None) -> None:
-    """``param.grad += alpha * a @ b``, summed as autograd's accumulator sums: the product
-    first, then added in place, so the gradient is bitwise the one autograd gives (a
-    fused ``addmm_`` rounds differently)."""
+    """``param.grad += alpha * a @ b``: the product, then added in place, bitwise autograd's
+    gradient (a fused ``addmm_`` rounds differently)."""
     prod = torch.mm(a, b) if alpha == 1 else torch.mm(a, b).mul_(alpha)
     _add_into(param, prod, part)
 
 
 def _saved_sizes(node, attr: str) -> tuple | None:
-    """The shape of a tensor ``node`` saved, read without unpacking it (a recomputed
-    region's tensor would be rebuilt to be read), or None where the node did not save one."""
+    """The shape of a tensor ``node`` saved, read without unpacking it (which would rebuild a
+    recomputed region's tensor); None where the node saved none."""
     sizes = getattr(node, attr + "_sym_sizes", None)
     if sizes is None:
         return None
@@ -327,10 +268,9 @@ def _saved_sizes(node, attr: str) -> tuple | None:
 
 
 def _take_operands(plan: tuple, node, keep, holds: list, grad_outputs):
-    """A prehook on a planned node, run by I's engine just before the node itself: take
-    the operands W needs from what the node saved, while the graph still has them (and,
-    in a recomputed region, once the backward has rebuilt it: read here and by the
-    node's own unpack, one rebuild). The meter counts them from here until W."""
+    """Prehook on a planned node, run by I's engine just before it: take the operands W needs
+    from what the node saved (in a recomputed region, after its one rebuild); ``keep``
+    counts them from here until W."""
     for item in plan[2]:
         if isinstance(item[2], str):
             # detached: the saved tensor's own history leads down to the stage's input
@@ -342,13 +282,10 @@ def _take_operands(plan: tuple, node, keep, holds: list, grad_outputs):
 
 
 def _plan_by_hand(node, branch: list) -> tuple | None:
-    """W of one matrix-product node, planned before I runs: (alpha, beta, work), where
-    work lists [parameter, kind, operand, transposed] with kind ``right`` (x^T g),
-    ``left`` (g w^T) or ``bias`` (a sum of g's rows). The operand is first the name of
-    the node's saved tensor, checked by its shape alone; :func:`_take_operands` replaces
-    it with the tensor when I reaches the node (held by the plan, so the graph itself
-    need not outlive I). None where the node or its weight-side edges are not of the
-    forms handled here."""
+    """W of one matrix-product node, planned before I: (alpha, beta, work), ``work`` listing
+    [parameter, kind, operand, transposed] with kind ``right`` (x^T g), ``left`` (g w^T) or
+    ``bias`` (g's rows summed). The operand is a saved tensor's name until
+    :func:`_take_operands` puts the tensor there. None where the node is of another form."""
     name = node.name()
     if name == "AddBackward0":
         return _plan_bias_add(node, branch)
@@ -396,10 +333,9 @@ def _plan_by_hand(node, branch: list) -> tuple | None:
 
 
 def _plan_bias_add(node, branch: list) -> tuple | None:
-    """W of an ``AddBackward0`` that adds a bias (or a piece of one) broadcast over the
-    leading dimensions of the other term, a product's output (``linear`` on an input it
-    cannot flatten: a matrix product, then the bias added): the bias's gradient is the
-    gradient summed over those dimensions, as autograd's ``sum_to`` sums it."""
+    """W of an ``AddBackward0`` adding a bias (or a piece of one) broadcast over a product's
+    output (``linear`` on an input it cannot flatten): the bias's gradient is the gradient
+    summed over the broadcast dimensions, as autograd's ``sum_to`` sums it."""
     if len(node._input_metadata) != 1 or len(branch) != 1:
         return None
     out = tuple(node._input_metadata[0].shape)

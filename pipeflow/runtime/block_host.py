@@ -1,20 +1,8 @@
-"""The host's own time per transformer block: what a device profile's operators leave out.
-
-An operator sweep times each kernel with its call, but a block's forward is more than its
-kernels: the model's Python (transformers' attention interface, the reshapes, views and
-transposes), the dispatcher's calls that launch nothing, and in the backward the autograd
-engine's walk over every node. On one CPU thread that time adds to the kernels' (a GPU
-overlaps it with them). Measured here with the runtime's own code, one block of a family
-as a middle stage at a size where the kernels cost little more than their calls (one
-microbatch of ``TOKENS`` tokens): F, B, and the zero-bubble split's I and W
-(:mod:`pipeflow.runtime.backward`), under the executor's count of saved bytes. gpt_tiny's blocks took 0.33 ms forward and 0.40 ms
-backward a block on a 2-core EPYC host: at gpt_tiny's size (512 tokens a microbatch) a
-fifth of F, which the priced operators alone missed.
-
-The device profile (:mod:`pipeflow.planning.device_profile`) takes from each row the
-kernels' launches that the operators already price (``kernels``: the operator list's
-count for the same block) and adds the rest per block of that family.
-"""
+"""The host's own time per transformer block, what a device profile's operators leave out:
+the model's Python, the dispatcher's calls that launch nothing, autograd's walk. F, B, I
+and W of one block as a middle stage, one microbatch of ``TOKENS`` tokens on the CPU,
+with the runtime's own code; :mod:`pipeflow.planning.device_profile` adds it per block,
+less the kernels' launches it prices (docs/simulation.md, "What a CPU step adds")."""
 
 from __future__ import annotations
 
@@ -44,9 +32,8 @@ def _median(fn: Callable[[], None], repeats: int) -> float:
 
 
 def _phases(first: Callable[[], object], rest: list[Callable[[object], object]], repeats: int) -> list[float]:
-    """Median seconds of each phase of a call made of ``first`` then each of ``rest`` in
-    turn (each fed the previous one's result), every phase timed on its own within the
-    same call: a backward's time is not a difference of two noisy medians."""
+    """Median seconds of each phase of a call made of ``first`` then each of ``rest`` (each fed
+    the previous one's result), each phase timed on its own within the same call."""
     spans: list[list[float]] = [[] for _ in range(1 + len(rest))]
     for r in range(repeats + 3):
         t = time.perf_counter()
@@ -62,9 +49,9 @@ def _phases(first: Callable[[], object], rest: list[Callable[[object], object]],
 
 
 def measure_block(family: str, model_cfg: Mapping, layers: int, seq_len: int = TOKENS, repeats: int = REPEATS) -> dict:
-    """Seconds of F, B, I and W of one block of ``family`` (``model_cfg``: a composed model
-    config of it, of ``layers`` blocks, three or more) as a middle stage of one block, one microbatch of ``seq_len``
-    tokens, on the CPU."""
+    """Seconds of F, B, I and W of one block of ``family`` (``model_cfg``: its composed model
+    config, of ``layers`` >= 3 blocks) as a middle stage, one microbatch of ``seq_len`` tokens,
+    on the CPU."""
     if layers < 3:
         raise ValueError(f"{model_cfg.get('name', family)}: {layers} layers; a middle stage of one block needs 3")
     adapter = FAMILIES[family].load_adapter()(model_cfg, [1, 1, layers - 2], 1, seq_len, 0, torch.device("cpu"))

@@ -29,13 +29,9 @@ def _host_cores() -> int:
 
 
 def _device_times(per_rank: list[dict], tensor: int) -> dict[str, float]:
-    """Each (kind, stage, segment)'s time: the median over a device's T tensor ranks, then
-    over the devices that hold the stage (replicas). A device's ranks run each action in
-    lockstep (its collectives wait for every rank), so they measure nearly the same time;
-    where they differ, the rank that reached the action's first collective early waited
-    there for a partner still finishing the previous action, which that partner's previous
-    action already counts. The median (at T = 2 the mean) keeps a device's action times
-    adding up to its replay; the max would count every such wait twice."""
+    """Each (kind, stage, segment)'s seconds: the median over a device's T tensor ranks, then
+    over the stage's replicas. The median, not the max: a rank early at a collective waits
+    there for a partner whose previous action already counts that time."""
     times: dict[str, list[float]] = {}
     for d in range(0, len(per_rank), tensor):
         group: dict[str, list[float]] = {}
@@ -62,17 +58,10 @@ def _contention(slowdown: float, devices: int, cores: int) -> float:
 
 
 def _tensor_cores(slowdown: float, devices: int, cores: int, tensor: int, used: float) -> int:
-    """How many tensor-parallel devices the host's ``cores`` run at once at full speed:
-    the cores of the simulator's TensorTopology (which divides local_cpu's by T).
-
-    A device's T ranks wait for each other at every collective (gloo's waits sleep), so
-    alone they keep ``used`` (their CPU seconds over the replay's wall seconds, measured)
-    of T cores busy: a device needs ``used`` x T cores, not T, and the host holds
-    ``cores / (used x T)`` of them, more than ``cores // T`` (on 2 cores, two 2-rank
-    devices at 70%: 1.4 cores each, where // would say one device and halve both). Of
-    the whole numbers from ``cores // T`` up to that (rounded up), the smallest whose
-    share of the cores (:meth:`~pipeflow.topology.topology.Topology.compute_rate`) is at
-    least what the measured ``slowdown`` leaves, so that ``contention`` fits the rest."""
+    """The cores of the simulator's TensorTopology: how many tensor-parallel devices the host's
+    ``cores`` run at once at full speed. A device's ranks keep ``used`` x T cores busy, not T;
+    of the whole numbers from ``cores // T`` up to ``cores / (used x T)``, the smallest whose
+    share (:meth:`~pipeflow.topology.topology.Topology.compute_rate`) covers ``slowdown``."""
     low = max(1, cores // tensor)
     high = max(low, min(devices, math.ceil(cores / max(used * tensor, 1e-9))))
     for n in range(low, high + 1):

@@ -1,53 +1,8 @@
-"""Calibrate the simulator to this machine: what a real step of a configuration costs.
-
-``python -m pipeflow.calibrate --out calibration.json <train overrides>`` starts
-the configuration's ranks, as ``pipeflow-train`` would, and measures with the
-runtime's own code (the executor's forward, backward, I/W split, hooks and optimizer):
-
-- **actions alone**: each rank in turn (the others wait) times every (stage, segment)
-  it holds: F (the loss on a last stage), B, I and W (where the backward can split),
-  and S, the stage's optimizer step, each in a tight loop; then it *replays* its own
-  actions of one iteration in the schedule's order, messages from other ranks replaced
-  by local tensors. The replay's mean per (kind, stage, segment) is what the
-  simulator gets (the tight loops only fill in kinds the schedule does not run): in a
-  step an action meets colder caches, more activations in flight and, where a rank
-  holds several stages, their weights too. Measured here, 1F1B's B on gpt_tiny took
-  15.0 ms in the loop and 16.1 in real steps; every schedule over the same stages
-  had been priced alike.
-- **the host**: after each round of solo replays every rank replays at once (rounds
-  of solo and joint replays alternate, so that each slowdown is a ratio of neighbouring
-  times, which a host drifting by tens of percent over seconds leaves intact), posting
-  every message of the plan for real (gloo's calls, and its threads on the same cores) and running the replicated
-  stages' all-reduces. The time spent posting, per message, is ``message_host``,
-  which the simulator charges to the compute of both ends of each message (a gloo
-  call takes ~60 us alone, but milliseconds when it waits on a lock held by a
-  transport thread the other rank's compute keeps off a core); how much slower the
-  rest is than alone gives the host's ``contention`` (memory bandwidth and caches,
-  the transport's threads, the all-reduces, and past one rank per core the cores
-  themselves). The simulator's processor-sharing model
-  (:meth:`pipeflow.topology.topology.Topology.compute_rate`) uses it.
-- **messages**: a ping-pong between ranks 0 and 1 at three sizes, fitted to
-  ``latency + bytes / bandwidth``: what one gloo message costs end to end.
-- **the step's synchronisation**: the tied embedding's all-reduce and the world
-  all-reduce of the gradient norm and the loss that precede the first STEP.
-
-With ``pipeline.tensor_parallel=T`` a device of the schedule is T ranks that run every
-action together (their collectives wait for each other): "rank" above reads "device"
-(its T ranks take their turn at once, the others wait), and the messages' ping-pong
-runs between ranks 0 and T (devices 0 and 1, tensor rank 0), as a step's messages go
-between matching tensor ranks. Each time then holds the tensor groups' collectives as
-measured; a device's time is its ranks' median (:func:`~.calibrate_fit._device_times`
-says why not their max). The host's cores are fitted for the TensorTopology the
-simulator sees (:func:`~.calibrate_fit._tensor_cores`), from the devices' measured
-slowdown and how busy their ranks keep the cores. The file records T and
-``sequence_parallel``; ``cost=calibrated`` refuses another.
-
-The file is read by ``cost=calibrated cost.calibration=<file>``
-(:class:`pipeflow.planning.cost.CalibratedCost`), which also sets the ``local_cpu``
-topology's cores, contention, message_host, latency and bandwidth from it. Since the
-replay is the schedule's own, calibrate each configuration you simulate (a file of
-another schedule over the same stages still prices it, less faithfully).
-"""
+"""Calibrate the simulator to this machine (``python -m pipeflow.calibrate``): each device
+times its actions alone and replays its iteration solo and with every rank at once
+(``contention``, ``message_host``); a ping-pong fits the link; the step's synchronisation
+and the replicas' all-reduce are timed. Read by :class:`pipeflow.planning.machine_cost.CalibratedCost`;
+docs/benchmarks.md, "Simulating this machine", says how and why."""
 
 from __future__ import annotations
 
@@ -143,16 +98,10 @@ class _Bench:
             record.setdefault(("S", st.stage, 0), []).append(t)
 
     def replay(self, record: dict | None, together: bool = False) -> tuple[float, float, int]:
-        """Run this rank's own actions of one iteration, in the schedule's order, with
-        every message from another rank replaced by a local tensor of its shape (and
-        every message to one dropped): each action meets the caches, the activations
-        in flight and the other stages' weights it meets in a real step, without
-        waiting for the network. ``together`` (every rank replays at once): also post
-        every message of the plan for real, as the step does (their receives land in
-        buffers nobody reads; all are waited for at the end), and run the all-reduces
-        of replicated stages, so that gloo's calls and threads compete with the
-        compute as they do in a step. Returns (the replay's time less its wait for
-        those all-reduces, the time spent posting messages, how many were posted)."""
+        """Run this rank's actions of one iteration in order, messages from other ranks replaced by
+        local tensors; ``together``: also post the plan's messages and run the replicas'
+        all-reduces for real. Returns (seconds less the all-reduces' wait, seconds posting,
+        messages posted)."""
         ex = self.ex
         local: dict = {}
         outbox: dict = {}
@@ -291,9 +240,8 @@ def run_rank(rank: int, job) -> dict | None:
 
 
 def _join_and_build(rank: int, job) -> tuple:
-    """Set this rank up as the worker does (allocator, threads, process group), build its
-    stages and an executor for its schedule device. Returns (the rank's setup, the
-    executor, T: the ranks per device)."""
+    """Set this rank up as the worker does (allocator, threads, process group) and build its
+    stages and executor. Returns (setup, executor, T: the ranks per device)."""
     from .device import device_and_backend, join_group, keep_freed_memory
     from .rank import build_rank
 
@@ -319,8 +267,8 @@ def _join_and_build(rank: int, job) -> tuple:
 
 
 def _make_bench(rank: int, plan, setup, ex: Executor) -> _Bench:
-    """Build the data (rank 0 first, then the others: one barrier on each rank) and a
-    bench fed with one batch that holds every microbatch the plan names."""
+    """Build the data (rank 0 first: one barrier per rank) and a bench fed one batch holding
+    every microbatch the plan names."""
     m, mbs = setup.schedule.num_microbatches, setup.adapter.mbs
     if rank != 0:
         dist.barrier()
@@ -356,10 +304,9 @@ def _time_actions_alone(bench: _Bench, stages: list, me: int, devices: int) -> d
 
 
 def _replay_rounds(bench: _Bench, me: int, devices: int) -> tuple[dict, float, float, float]:
-    """Alternate solo replays, device by device, with joint replays of every rank, for
-    ROUNDS rounds. Returns (each solo replay's mean per (kind, stage, segment), the
-    median slowdown of joint over solo, the median share of its core a solo replay
-    keeps busy, the median time spent posting one message)."""
+    """Alternate solo replays, device by device, with joint ones, ROUNDS times. Returns (solo
+    mean per (kind, stage, segment), median joint/solo slowdown, median share of its core a
+    solo replay keeps busy, median seconds posting one message)."""
     # 2. rounds of: the device's own actions in the schedule's order (replay) alone,
     # device by device (a device's T ranks together), which is what a step runs; then
     # every rank's replay at once (with the
@@ -417,11 +364,8 @@ COLLECTIVE_FLOATS = (1 << 18, 1 << 21)  # the all-reduce's two sizes: 1 and 8 Mi
 
 
 def _measure_collective(world: int, T: int, reps: int = 5) -> list:
-    """A gloo all-reduce over every rank at two sizes (the replicas' REDUCE, a tied
-    embedding's synchronisation): [(bytes, seconds)], the median of ``reps`` after a
-    barrier each; [] with tensor parallelism (its groups' collectives are in the times)
-    or one rank. gloo reduces on the host, chunk by chunk through its own threads: on a
-    2-core EPYC 0.7-0.8 GB/s in the ring's terms, where a ping-pong moves 2-3 GB/s."""
+    """A gloo all-reduce over every rank at two sizes: [(bytes, seconds)], each the median of
+    ``reps``; [] with tensor parallelism (the times hold its collectives) or one rank."""
     if world < 2 or T > 1:
         return []
     points = []
@@ -439,8 +383,8 @@ def _measure_collective(world: int, T: int, reps: int = 5) -> list:
 
 
 def _collective_bandwidth(points: list, world: int) -> dict:
-    """``collective_bandwidth`` (the topology's ring all-reduce moves (n - 1) / n of the
-    bytes at it) from the two sizes' difference, the fixed cost aside; {} without points."""
+    """``collective_bandwidth`` (bytes/s of the topology's ring all-reduce) from the two sizes'
+    difference, the fixed cost aside; {} without points."""
     if len(points) < 2 or world < 2:
         return {}
     (b1, t1), (b2, t2) = points[0], points[-1]

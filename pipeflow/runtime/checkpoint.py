@@ -1,41 +1,8 @@
-"""Checkpoints that do not depend on the layout that wrote them: every parameter of the
-model saved once, whole, under its name in the single-device model (a stage's names are
-the model's: ``h.5.attn.c_attn.weight`` on whichever stage holds layer 5), beside its
-AdamW moments and step count, whole too. A run resumes from them under another stage
-count, schedule, data-parallel degree, shard level or tensor degree: each rank takes the
-names its stages hold and cuts them as its layout does.
-
-Writing: each stage's parameters come together on one rank (its replica on the stage's
-owner device, the first of its tensor ranks): a tensor-parallel piece is gathered from
-its group (:func:`~pipeflow.models.tensor_parallel.whole_gradient`, which joins any
-tensor shaped as the piece), a sharded optimizer's moments from the stage's replicas
-(ZeRO-1/2/3 keep one n-th of each flat), fully sharded weights are gathered while they
-are written. Every rank takes part in these collectives, in stage order (Chimera's
-mirror replicas hold their stages in opposite orders), and writes its own file
-(``rank<r>.pt``: the names it owns, and what only its layout can use: an asynchronous
-schedule's weight versions, fp16's loss scale); rank 0 then writes ``meta.json`` (the
-step, ``format: 2``, the layout, every file's size and the names in it) and moves
-``latest`` to it. A tied embedding's later copy (GPT-2's ``lm_head.weight`` on a last
-stage) is the first copy's: saved once, as the first stage names it.
-
-A resumed run recomputes the batch of any step from (seed, step) and the learning rate
-from the step, so it continues where the uninterrupted run would have been; under
-another layout it continues from the same weights and optimizer state.
-
-Asynchronous schedules run in chunks of ``schedule.windows`` steps without a flush, on a
-fixed grid (steps 1..W, W+1..2W, ...), and checkpoint only where a chunk ends, so
-turning checkpoints on does not change the training. A run whose last step falls
-inside a chunk flushes there; its checkpoint records where that chunk began
-(``chunk_start``), and a run resumed from it restarts the chunk from the checkpoint
-written there (or from the initial weights) and replays the steps up to the checkpoint
-unlogged, as the uninterrupted run computed them. Their weight versions (2BW's previous
-version) carry over where the layout is the one that wrote them.
-
-:func:`verify` (:mod:`pipeflow.formats.checkpoint_folder`) reads a checkpoint without torch, so
-the trainer refuses a missing, incomplete, cut-short or mismatched one before any rank
-starts. Checkpoints of the earlier format (one file per rank of its stages' state dicts)
-still resume in the layout that wrote them.
-"""
+"""Checkpoints that do not depend on the layout that wrote them: every parameter saved once,
+whole, under its single-device name, beside its AdamW moments and step; each rank writes
+``rank<r>.pt``, rank 0 ``meta.json`` and ``latest``, and a run resumes under any layout
+(docs/training.md, "Checkpoints and resuming";
+:func:`pipeflow.formats.checkpoint_folder.verify` checks one without torch)."""
 
 from __future__ import annotations
 
@@ -98,9 +65,7 @@ def _aliases(st) -> dict[int, int]:
 
 
 def _writer(schedule, pipe: int, stage: int, device: int) -> bool:
-    """Whether this replica of ``stage`` writes it: the lowest pipe on the stage's owner
-    device (under ``schedule.zero`` the one that keeps its optimizer state, else the
-    device of pipe 0's replica)."""
+    """Whether this replica of ``stage`` writes it: the lowest pipe on the stage's owner device."""
     from ..schedules.zero import zero_owners
 
     placement = schedule.placement
@@ -139,9 +104,8 @@ VOCABULARY_TABLES = ("wte.weight", "lm_head.weight", "embeddings.word_embeddings
 
 
 def _vocabulary_rows(name: str, whole, rows: int | None):
-    """``whole`` as this run's vocabulary table ``name`` holds it: a checkpoint written at
-    another padding (model.vocab_multiple) has more or fewer zero rows past the words (the
-    words are the same: the model's vocab_size is checked before any rank starts)."""
+    """``whole`` as this run's vocabulary table ``name`` holds it: the zero rows past the words
+    trimmed or added for another ``model.vocab_multiple``."""
     if rows is None or name not in VOCABULARY_TABLES or whole.size(0) == rows:
         return whole
     fitted = whole.new_zeros((rows, *whole.shape[1:]))
@@ -152,9 +116,8 @@ def _vocabulary_rows(name: str, whole, rows: int | None):
 # ---------------------------------------------------------------- optimizer state by parameter
 
 def _moments(st) -> dict[int, tuple]:
-    """id(parameter) -> (exp_avg, exp_avg_sq, step) as this rank holds it (a tensor piece
-    under tensor parallelism; a sharded optimizer's gathered from the stage's replicas,
-    a collective every replica takes part in)."""
+    """id(parameter) -> (exp_avg, exp_avg_sq, step) as this rank holds it (a tensor piece under
+    tensor parallelism; a sharded optimizer's gathered: a collective of the replicas)."""
     opt, out = st.optimizer, {}
     if opt is None:
         return out
@@ -229,9 +192,9 @@ def _set_moments(st, state: dict) -> None:
 
 def save(run_dir: str, step: int, rank: int, stages: dict, meta: dict, chunk_start: int | None = None,
          scaler=None, schedule=None, device: int | None = None) -> None:
-    """Write this rank's part of the checkpoint of ``step`` (module docstring): the
-    stages' parameters and optimizer state by name where this rank writes them; every
-    rank joins the gathers. ``device``: this rank's device in ``schedule``."""
+    """Write this rank's part of the checkpoint of ``step``: the stages' parameters and
+    optimizer state by name where this rank writes them; every rank joins the gathers.
+    ``device``: this rank's device in ``schedule``."""
     with whole_weights(stages), watch.paused():  # (a large model's write is one long call)
         _save(run_dir, step, rank, stages, meta, chunk_start, scaler, schedule, rank if device is None else device)
 
@@ -289,10 +252,9 @@ LAYOUT = ("schedule", "stages", "world_size", "layers_per_stage", "placement", "
 
 
 def load(resume: str, rank: int, stages: dict, meta: dict, step: int | None = None, scaler=None) -> int:
-    """Load the checkpoint ``resume`` names (or, given ``step``, the same run's
-    checkpoint at that step) into this rank's ``stages``, cut as this layout cuts them
-    (fully sharded stages: into their gathered weights, whose shares the optimizer then
-    takes); fp16's loss scale into ``scaler``. Returns the checkpoint's step."""
+    """Load the checkpoint ``resume`` names (or that run's at ``step``) into this rank's
+    ``stages``, cut as this layout cuts them; fp16's loss scale into ``scaler``. Returns the
+    checkpoint's step."""
     with whole_weights(stages), watch.paused():
         return _load(resume, rank, stages, meta, step, scaler)
 

@@ -1,10 +1,6 @@
-"""Ranks started by a cluster launcher rather than by pipeflow-train itself.
-
-torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Slurm's ``srun`` (and the
-submitit launcher, which starts one task per rank through it) sets its own variables
-instead; :func:`adopt_launcher_env` translates them, so the runtime's one adopted-rank
-path serves both. Torch-free: the app decides before importing the runtime.
-"""
+"""Ranks started by a cluster launcher (torchrun, Slurm's ``srun``, submitit) rather than
+by pipeflow-train: :func:`adopt_launcher_env` translates Slurm's variables into
+torchrun's. Torch-free: the app decides before importing the runtime."""
 
 from __future__ import annotations
 
@@ -49,8 +45,7 @@ def adopt_launcher_env(env: MutableMapping[str, str] | None = None) -> bool:
 
 
 def alive(pid: int) -> bool:
-    """Whether process ``pid`` runs: a zombie (dead, its parent has not yet reaped it)
-    does not. The launcher's watchdogs and the run-folder claim ask this."""
+    """Whether process ``pid`` runs (a zombie does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -1,6 +1,5 @@
 """A rank's device: which one and which backend, its peak memory, and the allocator
-setting every rank runs with.
-"""
+setting every rank runs with."""
 
 from __future__ import annotations
 
@@ -18,11 +17,9 @@ HOSTED_STORE = "PIPEFLOW_HOSTED_STORE"
 
 def device_and_backend(runtime, rank: int) -> tuple[torch.device, str]:
     """This rank's device and process-group backend (``runtime.device``, ``runtime.backend``).
-
-    NCCL puts each rank on its own GPU. gloo with ``runtime.device=cuda`` computes on the
-    GPUs too, several ranks to a GPU where there are more ranks than GPUs (each process
-    its own CUDA context and caching allocator, so each rank's memory is its own), and
-    moves messages through host memory (:class:`~pipeflow.runtime.messages.MessageIO`)."""
+    NCCL puts each rank on its own GPU; gloo with ``device=cuda`` shares the GPUs among
+    the ranks and passes messages through host memory
+    (:class:`~pipeflow.runtime.messages.MessageIO`)."""
     backend, wanted = runtime.backend, runtime.device
     cuda = torch.cuda.is_available() and wanted in ("auto", "cuda")
     if backend == "auto":
@@ -36,18 +33,10 @@ def device_and_backend(runtime, rank: int) -> tuple[torch.device, str]:
 
 
 def _allocator_settings(expandable: bool) -> None:
-    """The CUDA caching allocator's expandable segments (``runtime.expandable_segments``),
-    before this rank's first allocation, unless ``PYTORCH_CUDA_ALLOC_CONF`` says otherwise.
-
-    Without them a large block (over 1 MiB) is split only where more than 1 MiB would be
-    left over: a tensor served from a cached block up to 1 MiB larger than asked for
-    holds the whole block, and ``max_memory_allocated`` counts it. At 4k tokens, where
-    most of a step's tensors are several MiB of varied sizes, each rank's peak on an
-    H200 stood 37-100 MiB above what its allocations asked for (the allocator's history
-    records the sizes asked for). With expandable segments every block is split to its
-    size rounded to 512 bytes: the peak is what the tensors need, the simulator's
-    count (read from the allocator's source: ``should_split``; a ``cuda`` test checks it
-    where a GPU is lent), and fragmentation across steps falls too."""
+    """Turn on the CUDA caching allocator's expandable segments (``runtime.expandable_segments``)
+    before this rank's first allocation, unless ``PYTORCH_CUDA_ALLOC_CONF`` names them.
+    Without them a cached block up to 1 MiB larger than asked for is held, and counted,
+    whole (docs/runtime.md, "The caching allocator's slack")."""
     if not expandable or "expandable_segments" in os.environ.get(
             "PYTORCH_CUDA_ALLOC_CONF", ""):
         return
@@ -61,17 +50,14 @@ _timeout: list[timedelta] = []  # the job's runtime.timeout_s, which every group
 
 
 def new_group(ranks: list[int]):
-    """``dist.new_group(ranks)`` under the job's timeout. torch gives a group made after
-    the world group a default of its own (30 minutes on gloo, not the world group's
-    ``runtime.timeout_s``): a stage's replicas stuck in an all-gather waited that long."""
+    """``dist.new_group(ranks)`` under the job's ``runtime.timeout_s`` (torch otherwise gives a
+    group made after the world group its own 30 minutes on gloo)."""
     return dist.new_group(ranks, timeout=_timeout[0] if _timeout else None)
 
 
 def join_group(backend: str, rank: int, world_size: int, timeout_s: float) -> None:
     """Join the job's process group: through the launcher's store where it hosts one
-    (local ranks: no port picked free and bound again later, which two jobs starting
-    at once on one host could both pick), else by torch's env:// rendezvous (torchrun,
-    Slurm, runtime.master_port)."""
+    (``HOSTED_STORE``), else by torch's env:// rendezvous. ``timeout_s`` in seconds."""
     timeout = timedelta(seconds=timeout_s)
     _timeout[:] = [timeout]
     if os.environ.get(HOSTED_STORE) == "1":
@@ -90,16 +76,10 @@ def peak_memory(device: torch.device) -> int:
 
 
 def keep_freed_memory() -> bool:
-    """Let glibc keep large freed blocks in the process instead of unmapping them.
-
-    By default glibc serves every block above its mmap threshold with a fresh mmap and
-    unmaps it on free, so each new tensor of a step page-faults its memory in again.
-    A backward that frees as it goes mostly reuses blocks below the threshold, but one
-    that keeps its graph (the zero-bubble I, which retains it for W) holds many large
-    blocks at once and pays the faults on every step: measured here, autograd.grad
-    with retain_graph=True took 14.8 ms where the same pass without it took 11.0, and
-    10.4 with the threshold raised. Raising the thresholds removes that churn for every
-    schedule. A no-op where glibc's mallopt is missing (not Linux)."""
+    """Raise glibc's mmap and trim thresholds so large freed blocks stay in the process;
+    True where both took. A no-op returning False where mallopt is missing (not Linux)."""
+    # glibc unmaps every freed block above its mmap threshold, so a backward that keeps its
+    # graph (the zero-bubble I) page-faults its blocks in again each step
     import ctypes
     import ctypes.util
 

@@ -1,26 +1,9 @@
-"""Execute one rank's share of a Schedule with real tensors.
-
-The rank walks its lowered action list (compute actions with the send/recv that the
-lowering pass derived). Consecutive sends and receives are posted together with
-``batch_isend_irecv`` and matched by the message tags the lowering assigned, so two
-devices may exchange messages in different orders (Chimera) without deadlock; a
-compute action waits only on its own receives. Tensors between stages on the same
-device never touch the network.
-
-Backward flavours:
-- B: one ``autograd.backward`` through the stage: weight gradients accumulate, the
-  input gradient goes to the previous stage.
-- I then W (zero bubble): I computes only the input gradient and keeps the gradients
-  arriving at the weight-bearing operations; W later computes the weight gradients from
-  those alone, so nothing of the backward runs twice (:mod:`pipeflow.runtime.backward`).
-
-The optimizer step is the end of a synchronous iteration: REDUCE all-reduces the
-gradients of replicated stages (asynchronously, overlapping later work); at the first
-STEP the rank waits for them, sums the copies of the tied embedding across the ranks
-that hold one, and takes part in one world all-reduce that yields the global gradient
-norm (each parameter counted once), the iteration's loss and the busy time. Gradients
-are clipped by that norm, then each STEP updates its stage.
-"""
+"""Execute one rank's share of a Schedule with real tensors: walk its lowered action list,
+posting sends and receives with ``batch_isend_irecv`` (matched by the lowering's tags),
+running F, B and the zero-bubble I/W (:mod:`pipeflow.runtime.backward`), and at the
+first STEP the replicas' reductions, the tied embedding's sum, the world all-reduce of
+norm and loss, the clip and the updates (docs/runtime.md, "How the runtime executes a
+schedule")."""
 
 from __future__ import annotations
 
@@ -39,7 +22,7 @@ from ..device_paths import cuda_path
 from ..formats.timeline import Event
 from ..schedules.ir import Action, Kind
 from ..formats.runplan import Lowered
-from ..schedules.lowering import Comm, check_pair_order, order_pairs
+from ..schedules.lowering import Comm
 from .adapters import Adapter
 from .backward import accumulators, backward_input, backward_weight
 from .saved_bytes import SavedBytes
@@ -55,10 +38,9 @@ from .stage import Groups, Messages, StageState, StepStats, sync_tied
 
 
 def clip_gradients(grads: list[torch.Tensor], norm: float | torch.Tensor, clip: float) -> None:
-    """Scale ``grads`` in place by ``clip / (norm + 1e-6)`` where that is under 1. ``norm``
-    a float: the host decides (no product where nothing is clipped); a device tensor: the
-    factor is computed and applied on the device, at most 1 (a factor of 1 changes no
-    gradient), so the host never waits for it. Either way the same gradients, bit for bit."""
+    """Scale ``grads`` in place by ``clip / (norm + 1e-6)`` where that is under 1. ``norm`` a
+    float: the host decides; a device tensor: the factor, at most 1, is applied on the
+    device with no host wait. The same gradients, bit for bit, either way."""
     if isinstance(norm, torch.Tensor):
         coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
         for g in grads:
@@ -131,11 +113,7 @@ class Executor(MessageIO):
         # "ordered": no tags; every pair's receives posted in the order its sender sends,
         # so the messages pair up as NCCL (which ignores tags) pairs them
         self.ordered = p2p == "ordered"
-        per_device = lowered.per_device
-        if self.ordered:
-            per_device = order_pairs(per_device)
-            check_pair_order(per_device)  # every rank checks the whole job's pairs
-        items = per_device[rank]
+        items = (lowered.paired if self.ordered else lowered.per_device)[rank]  # (paired once, for the job)
         self.placement = schedule.placement
         self.graph = schedule.graph
         self.steps, self.tail = _post_ahead(items)
@@ -155,13 +133,10 @@ class Executor(MessageIO):
     # ---- the walk ---------------------------------------------------------------------
     def _walk(self, steps, tail, handlers: dict, record: bool = False, t0: float | None = None,
               before: Callable | None = None, after: Callable | None = None) -> tuple[float, list, "Messages"]:
-        """Walk a lowered action list once: post each step's messages, wait for the
-        action's inputs (idle time, not compute), run its kind's handler ``handler(a, io)``
-        (then ``after(a, pos)``, still timed), and record it. ``before(a)`` runs ahead of the
-        wait, untimed (the synchronous step's world all-reduce). Every executor (a
-        synchronous step, an asynchronous chunk, an evaluation) is this walk with its own
-        handlers. Returns (busy seconds, events, the messages), the tail's messages posted;
-        :meth:`_finish` completes them."""
+        """Walk a lowered action list once: post each step's messages, wait for the action's
+        inputs, run its kind's handler (``before(a)`` untimed ahead of the wait, ``after(a, pos)``
+        timed), record it. Every executor is this walk with its own handlers. Returns (busy
+        seconds, events, the messages), the tail's posted; :meth:`_finish` completes them."""
         io = Messages()
         busy = 0.0
         events: list[Event] = []
@@ -250,10 +225,9 @@ class Executor(MessageIO):
         return StepStats(float(loss), float(grad_norm), busy, events, loss_scale=scale, skipped=self._skip)
 
     def _forward(self, a: Action, io: Messages, batch, normalizer, into: torch.Tensor | None = None) -> torch.Tensor:
-        """Run a stage forward (the walk's handler of F: its loss, on a last stage, added
-        ``into`` the walk's sum). A source stage reads the batch; any other stage gets its
-        predecessors' outputs as leaves that collect the gradient to send back (one
-        tensor for a single predecessor, a dict by predecessor stage for several)."""
+        """Run a stage forward (F's handler; a last stage's loss added ``into`` the walk's sum). A
+        source stage reads the batch; others get their predecessors' outputs as leaves (one
+        tensor, or a dict by predecessor stage)."""
         inbox, local, outbox = io.inbox, io.local, io.outbox
         st = self.stages[(a.pipe, a.stage)]
         key = (a.microbatch, a.segment)
@@ -409,9 +383,8 @@ class Executor(MessageIO):
         return (work, flat, params, grads)
 
     def _tensor_partials(self, st: StageState) -> None:
-        """Tensor parallelism: the gradients this stage's ranks hold in parts (sequence-
-        parallel norms and biases, replicated key/value heads) summed across them, once a
-        step, before any data-parallel reduction."""
+        """Tensor parallelism: sum across the stage's ranks the gradients they hold in parts
+        (sequence-parallel norms and biases, replicated key/value heads), once a step."""
         if self._tensor is not None and not st.tensor_reduced:
             reduce_partial_gradients(st.params)
             st.tensor_reduced = True
@@ -520,13 +493,9 @@ class Executor(MessageIO):
 
 
 def _post_ahead(items: list) -> tuple[list[tuple[list[Comm], Action]], list[Comm]]:
-    """Group a lowered list into (messages to post, action) steps.
-
-    Before action i the rank posts the sends of action i-1 (its outputs) and the
-    receives of actions i and i+1: a receive posted one action early lets the transfer
-    start as soon as the sender is ready (gloo moves data only once the receive is
-    posted) while the rank is still computing. Receives never block, so posting early
-    cannot deadlock; it costs one message's buffer."""
+    """Group a lowered list into (messages to post, action) steps: before action i, the sends
+    of i-1 and the receives of i and i+1 (posted one action early, gloo can move data while
+    the rank computes; receives never block, so this cannot deadlock)."""
     actions: list[Action] = []
     recvs: list[list[Comm]] = []
     sends: list[list[Comm]] = [[]]  # sends[i + 1]: the sends that follow action i

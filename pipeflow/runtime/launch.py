@@ -1,24 +1,7 @@
-"""Start one OS process per device and watch them: a crashed rank ends the whole job.
-
-Locally the trainer spawns ``world_size`` ranks itself. Under ``torchrun`` (RANK,
-WORLD_SIZE, MASTER_ADDR and MASTER_PORT already set) it adopts the environment and runs
-the one rank this process is, so multi-node jobs use the same code path.
-
-How a job ends is the point of this module:
-
-- a rank that raises reports its traceback through a queue and exits non-zero; the
-  launcher notices within a fraction of a second, stops every other rank (which may be
-  blocked in a receive that will never complete) and raises :class:`JobFailed` carrying
-  that rank's error; a rank killed by a signal is reported by its exit status;
-- a rank that stops answering (stopped by SIGSTOP, or stuck without releasing the
-  interpreter) is found by its heartbeat and named, rather than the peer that timed out
-  waiting for it;
-- SIGINT, SIGTERM or SIGHUP to the launcher (Ctrl-C, a scheduler's cancel, a closed
-  terminal) asks every rank to stop: rank 0 writes ``summary.json`` with ``status:
-  interrupted`` and finishes its W&B run, and :class:`JobStopped` is raised;
-- a rank whose launcher is gone (SIGKILL, a lost session) stops by itself within a
-  second, the same way. Nothing is left running.
-"""
+"""Start one OS process per device and watch them: a crashed, silent or stuck rank ends the whole job
+(:class:`JobFailed`), a stop signal stops every rank (:class:`JobStopped`), and a rank whose launcher is
+gone stops by itself. Under ``torchrun`` (RANK, WORLD_SIZE, ... set) this process runs its own rank.
+docs/training.md ("Stopping a run") tells how each ends."""
 
 from __future__ import annotations
 
@@ -68,9 +51,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 @dataclass
 class TrainJob:
-    """Everything a rank needs, picklable: the run plan the up-front check built
-    (:class:`pipeflow.formats.runplan.RunPlan`: what to run, and the typed settings of
-    how) and where to write."""
+    """Everything a rank needs, picklable: the run plan and where to write."""
 
     plan: RunPlan
     run_dir: str
@@ -89,8 +70,7 @@ class TrainJob:
 
 
 class JobStopped(RuntimeError):
-    """The job stopped because the launcher was asked to (``signum``); ``summary`` is
-    what rank 0 wrote (``status: interrupted``, ``last_step``)."""
+    """The job stopped on a stop signal (``signum``); ``summary``: rank 0's (``status: interrupted``)."""
 
     def __init__(self, signum: int, summary: dict):
         self.signum = signum
@@ -101,8 +81,7 @@ class JobStopped(RuntimeError):
 
 
 class Stopped(BaseException):
-    """Raised in a rank by a stop signal, or when its launcher is gone: not an error, so
-    it is a BaseException that ``except Exception`` blocks let through."""
+    """A stop in a rank: a BaseException, so ``except Exception`` lets it through."""
 
 
 def free_port() -> int:
@@ -112,7 +91,7 @@ def free_port() -> int:
 
 
 def _adopted_rank() -> int | None:
-    """This process's rank when a launcher (torchrun, Slurm's srun) already set up the job."""
+    """This process's rank where a launcher (torchrun, srun) set up the job, else None."""
     from .cluster import adopt_launcher_env
 
     return int(os.environ["RANK"]) if adopt_launcher_env() else None
@@ -125,8 +104,7 @@ _pending: list[str] = []  # the watchdog's reason, read by the handler it signal
 
 
 def stop_reason() -> str | None:
-    """In a rank: why it was asked to stop (a signal's name, or that its launcher is
-    gone), or None while it runs on."""
+    """In a rank: why it was asked to stop (a signal's name, or a lost launcher), else None."""
     return _stop_reason[0] if _stop_reason else None
 
 
@@ -152,9 +130,7 @@ def _on_stop_signal(signum, _frame) -> None:
 
 @contextlib.contextmanager
 def deferred_stop():
-    """A block a stop must not cut in two (rank 0 recording a step: metrics.jsonl, W&B
-    and the step count the summary reports): a stop signal that arrives inside it is
-    raised when it ends."""
+    """A block a stop must not cut in two: a stop signal inside it is raised at its end."""
     _deferring.append(True)
     try:
         yield
@@ -165,10 +141,8 @@ def deferred_stop():
 
 
 def _watch(rank: int, launcher: int) -> None:
-    """A rank's watchdog thread: beat every BEAT seconds on the board (a stopped rank
-    falls silent; one whose main thread sits in one call says since when,
-    :mod:`pipeflow.runtime.watch`), and stop this rank when the launcher is gone: its
-    fork server exits with it, and the rank is re-parented."""
+    """A rank's watchdog thread: beat on the board, look at the main thread (:mod:`pipeflow.runtime.watch`),
+    and SIGTERM this rank when the launcher is gone."""
     parent = os.getppid()
     sampler = watch.Sampler()
     every = max(1, round(BEAT / watch.SAMPLE))  # the main thread is looked at more often than beats
@@ -181,10 +155,8 @@ def _watch(rank: int, launcher: int) -> None:
 
 
 def stop_behind(err: BaseException) -> str | None:
-    """Why this rank is stopping, given the error that ended its training: a stop asked
-    for, or an error that says a peer went away (a Ctrl-C reaches every rank, and the
-    first to stop closes its connections before the others' signals land: give this
-    rank's own a second to arrive). None: a real failure."""
+    """Why this rank is stopping given the error that ended it (a stop asked for, or a peer gone: waits a
+    second for this rank's own signal); None for a real failure."""
     if not _stop_reason and _CONSEQUENCE.search((str(err).strip().splitlines() or [""])[-1]):
         deadline = time.monotonic() + 1.0
         while not _stop_reason and time.monotonic() < deadline:
@@ -196,8 +168,7 @@ def stop_behind(err: BaseException) -> str | None:
 
 
 def check_stop() -> None:
-    """Raise Stopped if this rank was asked to stop: for the places a signal's own
-    Stopped cannot come from (it was raised inside a destructor, which swallows it)."""
+    """Raise Stopped if this rank was asked to stop (a signal's Stopped swallowed in a destructor)."""
     if _stop_reason:
         raise Stopped(_stop_reason[0])
 
@@ -208,8 +179,8 @@ def _quiet_stops(unraisable) -> None:
 
 
 def _rank_entry(rank: int, job: TrainJob, port: int, errors, env: dict, launcher: int = 0, board=None) -> None:
-    """A spawned rank: the launcher's environment, signals and watch, then the job's
-    entry; an error reaches the launcher through ``errors``, a stop ends quietly."""
+    """A spawned rank: the launcher's environment, signals and watchdog, then the job's entry; an error
+    reaches the launcher through ``errors``, a stop ends quietly."""
     try:
         watch.install(board, rank)
         for sig in (*STOP_SIGNALS, PEER_FAILED):
@@ -258,10 +229,7 @@ def _report(rank: int, err: BaseException, errors) -> None:
 
 
 def _record_adopted_failure(job: TrainJob, rank: int, err: BaseException) -> None:
-    """Under torchrun there is no launcher of ours to watch the ranks: the rank that
-    fails writes failure.json into the run folder itself (rank 0's, which every rank
-    learnt at start-up). A rank that only lost a peer ("connection closed", a timeout)
-    writes one only where there is none, and the cause's record replaces it."""
+    """Under torchrun, failure.json from the failing rank (a lost peer's only where none is)."""
     text = "".join(traceback.format_exception(type(err), err, err.__traceback__)).strip()
     last = said(err) if isinstance(err, Fault) else (text.splitlines()[-1] if text else type(err).__name__)
     path = Path(job.run_dir) / "failure.json"
@@ -292,8 +260,7 @@ def _last_step(run_dir: str) -> int:
 
 
 def _stopped_summary(job: TrainJob, signum: int) -> dict:
-    """What rank 0 wrote when it stopped; when it could not (it had not started
-    training), the launcher's own account: the last step metrics.jsonl holds."""
+    """Rank 0's interrupted summary, or the launcher's own where it wrote none."""
     path = Path(job.run_dir) / "summary.json"
     try:
         summary = json.loads(path.read_text())
@@ -314,9 +281,7 @@ def _stopped_summary(job: TrainJob, signum: int) -> dict:
 
 
 def _unheard_killed(procs, board, grace: float = 3.0) -> None:
-    """After a stop was passed on: a rank whose handler has not run within ``grace``
-    seconds sits in a blocking call (a collective that will not complete) and cannot run
-    it: it is killed, the others keep W&B's grace."""
+    """SIGKILL the ranks that have not acknowledged a stop within ``grace`` seconds."""
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
         if all(_gone(p) or board.acks[r] for r, p in enumerate(procs)):
@@ -336,8 +301,8 @@ def _stuck(procs, board, after: float | None) -> JobFailed | None:
 
 
 def _watch_ranks(job: TrainJob, procs, errors, board, stop: list, on_stop, hang_after: float | None) -> None:
-    """Until every rank has ended well: a stop asked for (JobStopped), a rank that failed,
-    fell silent or sits with every other in one call (JobFailed, recorded)."""
+    """Return once every rank has ended well; raise JobStopped on a stop, JobFailed (recorded) on a failed,
+    silent or stuck rank."""
     hearing = _Hearing(board.beats, job.world_size)
     while True:
         if stop:
@@ -359,33 +324,40 @@ def _watch_ranks(job: TrainJob, procs, errors, board, stop: list, on_stop, hang_
         time.sleep(0.1)
 
 
+def _run_adopted(job: TrainJob, rank: int) -> dict:
+    """Run rank ``rank`` of torchrun's job here; rank 0's summary (or {}). JobFailed where the world size
+    differs; a failure is recorded, then raised."""
+    world = int(os.environ["WORLD_SIZE"])
+    if world != job.world_size:
+        raise JobFailed(
+            rank,
+            f"the launcher started {world} processes but the schedule needs {job.world_size} "
+            f"(one per device); start torchrun with --nproc-per-node/--nnodes to match",
+        )
+
+    def ended_by_launcher(signum, _frame):
+        # torchrun ends every rank with SIGTERM when one fails or a node leaves
+        raise Stopped(f"ended by {signal.Signals(signum).name} from its launcher (torchrun ends every rank "
+                      f"when one fails or a node leaves)")
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, ended_by_launcher) if main_thread else None
+    try:
+        return job.target()(rank, job) or {}
+    except BaseException as err:  # noqa: BLE001 - recorded, then raised on
+        _record_adopted_failure(job, rank, err)
+        raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
 def launch(job: TrainJob, on_start=None) -> dict:
-    """Run the job on all ranks; return rank 0's summary. Raises JobFailed, or
-    JobStopped after a stop signal. ``on_start(rank, pid)`` hears of each rank started."""
+    """Run the job on all ranks; rank 0's summary. JobFailed, or JobStopped after a stop signal;
+    ``on_start(rank, pid)`` hears of each rank started."""
     rank = _adopted_rank()
     if rank is not None:
-        world = int(os.environ["WORLD_SIZE"])
-        if world != job.world_size:
-            raise JobFailed(
-                rank,
-                f"the launcher started {world} processes but the schedule needs {job.world_size} "
-                f"(one per device); start torchrun with --nproc-per-node/--nnodes to match",
-            )
-        def ended_by_launcher(signum, _frame):
-            # torchrun ends every rank with SIGTERM when one fails or a node leaves
-            raise Stopped(f"ended by {signal.Signals(signum).name} from its launcher (torchrun ends every rank "
-                          f"when one fails or a node leaves)")
-
-        main_thread = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGTERM, ended_by_launcher) if main_thread else None
-        try:
-            return job.target()(rank, job) or {}
-        except BaseException as err:  # noqa: BLE001 - recorded, then raised on
-            _record_adopted_failure(job, rank, err)
-            raise
-        finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+        return _run_adopted(job, rank)
 
     runtime = job.plan.runtime
     port, store = runtime.master_port, None

@@ -1,9 +1,6 @@
-"""Debugging aids of ``runtime.memory=profile``: on CPU (``PIPEFLOW_MEMORY_DUMP=<prefix>``)
-each rank writes what was live at its step's peak, each allocation with the operators
-that made it, and each action's own most (on CUDA, ``PIPEFLOW_CUDA_MEMORY_DUMP``: each
-allocation with the frames that made it); ``PIPEFLOW_MEMORY_DUMP_ACTION=<action>`` (``2B1``)
-dumps what was live at that action's most instead, with that action's allocations and
-frees in order, and ``<action>@<j>`` the split after its j-th (:mod:`pipeflow.runtime.memory_profile`)."""
+"""Debugging aids of ``runtime.memory=profile``: ``PIPEFLOW_MEMORY_DUMP=<prefix>`` (CPU) and
+``PIPEFLOW_CUDA_MEMORY_DUMP`` write what was live at a rank's step peak and what made it;
+``PIPEFLOW_MEMORY_DUMP_ACTION=<action>[@<j>]`` dumps at that action's most instead."""
 
 from __future__ import annotations
 

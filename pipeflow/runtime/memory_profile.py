@@ -1,42 +1,7 @@
-"""Every byte a rank allocates during one step, by what holds it (``runtime.memory=profile``).
-
-The saved-bytes meter (:mod:`pipeflow.runtime.saved_bytes`) is always on and cheap, but it
-sees only what autograd saves and what the schedules hold by hand. This measurement
-sees every tensor allocation and free on the rank's device: the step runs under
-PyTorch's profiler with ``profile_memory=True`` (on CPU it records each allocation of
-the CPU allocator with its size and the storage it makes; on CUDA, the caching
-allocator's), and the runtime names what it holds by passing each such tensor through
-a recorded no-op (:func:`tag`, an ``aten::alias`` inside a ``pipeflow::tag::<category>``
-range; only while profiling) so that the profile links the storage to its role:
-
-- ``parameters`` and ``optimizer_state`` (tagged at each optimizer step; those the step
-  never allocates or frees count from its start), ``gradients`` (each ``.grad``, tagged
-  before it is cleared), ``weight_versions`` (the copies an asynchronous policy stashes);
-- ``casts``: at 16 bits, autocast's cast of a weight, which the step's products share
-  and save (the meter's pack hook tags it, as below);
-- ``activations``: what autograd saves for a backward (the meter's pack hook tags it);
-  ``residuals``: what the zero-bubble split
-  holds from I until W; ``kv``: a Seq1F1B segment's keys and values held for later
-  segments; ``outputs``: a stage's output and the copy it is sent as, from the moment
-  it is sent (a gradient sent back was the backward's until then); ``inputs``: the
-  buffers messages are received into;
-- ``temporaries``: every other allocation (a backward's intermediate gradients, the
-  optimizer's foreach buffers, a recomputed layer, autocast's casts before a save).
-
-On CUDA the caching allocator keeps its own history of every allocation and free
-(``torch.cuda.memory._record_memory_history``), in the order they happened, with the
-block sizes its peak statistic counts; there a tag is not a profiler event but an entry
-in a log that notes how many allocations and frees the allocator had made when the tag
-ran (its counters), which places the tag exactly in that history. What was live when
-the step began and was never tagged (cuBLAS's workspaces, say) counts as temporaries
-from the start, so the step's peak is the allocator's own ``max_memory_allocated``.
-
-The peak is the most bytes live at one instant (the sum over categories at that
-instant, not a sum of each category's own peak). torch's own memory profile classifies
-by data flow instead, and gives up (an assertion) on the graphs the zero-bubble split
-keeps, which is why the runtime names its tensors itself. It costs time (the profiler
-records every operator), so it runs for one step, the run's last.
-"""
+"""Every byte a rank allocates during one step, by what holds it (``runtime.memory=profile``):
+on CPU from PyTorch's profiler (``profile_memory=True``), on CUDA from the caching
+allocator's history. :func:`tag` names what the runtime holds; every other allocation is
+a temporary; the peak is the most bytes live at one instant (docs/runtime.md, "Memory")."""
 
 from __future__ import annotations
 
@@ -74,10 +39,9 @@ _RELEASE = "pipeflow::release"
 
 
 def released(*tensors) -> None:
-    """The caller is done with these storages, which gloo may free on its own thread after
-    a collective (its work holds the last reference), where the profiler records no free:
-    the CPU replay ends each here unless a free of it is recorded later. A no-op unless a
-    step is being profiled on CPU (CUDA's allocator history sees every thread's frees)."""
+    """The caller is done with these storages, which gloo may free on its own thread unseen by
+    the profiler: the CPU replay ends each here unless a later free is recorded. A no-op
+    unless a step is being profiled on CPU."""
     if not _active or _cuda is not None:
         return
     with torch.profiler.record_function(_RELEASE), torch.no_grad():
@@ -147,17 +111,11 @@ def _same(d, device: torch.device) -> bool:
 
 
 def analyse(result, device: torch.device) -> StepMemory:
-    """The live bytes per category over a profile's allocations on ``device``.
-
-    Allocations are paired with their frees by address (an allocator never hands out an
-    address that is still live), and a tag names the allocation live at its address at
-    the tag's time, for the allocation's whole life (a gradient made in a backward and
-    tagged at the optimizer step was a gradient from the start), except what a stage
-    sends and what I hands to W, which are held for that from their tag on. A tag, or a free, at an
-    address with nothing allocated there in the step is a storage the step found live:
-    it counts from the step's start. With CUDA's memory path taken on CPU
-    (``runtime.cuda_paths=[memory]``), the same events replayed as the allocator's
-    history (:func:`as_allocator_history`)."""
+    """The live bytes per category over a profile's allocations on ``device``. Allocations pair
+    with frees by address; a tag names the allocation live at its address for its whole life
+    (but outputs and residuals, from their tag on); a storage found live counts from the
+    step's start. With ``runtime.cuda_paths=[memory]``, replayed as the allocator's history
+    (:func:`as_allocator_history`)."""
     dump = os.environ.get("PIPEFLOW_MEMORY_DUMP")  # a path: what is live at the peak, with its operators
     events, actions, made_by = _events(result, device, dump)
     if cuda_path("memory", device):
@@ -275,9 +233,8 @@ def profile_step(device: torch.device, enabled: bool = True):
 
 @contextlib.contextmanager
 def _profile_cuda(device: torch.device, result: StepMemory):
-    """Profile a step on CUDA from the caching allocator's own history (see the module's
-    text); ``result.allocator_peak_bytes`` is ``max_memory_allocated`` over the step,
-    which the replayed peak equals when every allocation is accounted for."""
+    """Profile a step on CUDA from the caching allocator's own history;
+    ``result.allocator_peak_bytes`` is ``max_memory_allocated`` over the step."""
     global _active, _cuda
     from torch.cuda import memory as cm
 

@@ -1,16 +1,14 @@
-"""A step's live bytes by category, from its allocations, frees and tags in order: the
-replay both of the runtime's memory profiles walk (:mod:`pipeflow.runtime.memory_profile`
-records them: on CPU from torch's profiler, on CUDA from the caching allocator's
-history). Torch-free: events are tuples.
-"""
+"""A step's live bytes by category from its allocations, frees and tags in order: the replay both of
+:mod:`pipeflow.runtime.memory_profile`'s profiles walk (CPU and CUDA). Torch-free: events are tuples."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
 
-CATEGORIES = ("parameters", "weight_versions", "optimizer_state", "gradients", "casts", "activations", "residuals",
-              "kv", "outputs", "inputs", "temporaries")
+# what a step's bytes are counted in: the simulator's categories and the one tag measured
+# apart within them (a Seq1F1B segment's keys and values: memory_categories.APART)
+from ..formats.memory_categories import MEASURED as CATEGORIES
 
 # a storage tagged twice counts where it is held most specifically (a residual W keeps
 # may have been saved by autograd first)
@@ -47,17 +45,10 @@ class StepMemory:
                    else {})}
 
 
-def replay(events: list, actions: list, live_at_start: int | None = None, per_action: bool = False) -> StepMemory:
-    """Walk a step's allocations, frees and tags (``(time, order, kind, ptr, size or
-    category, nbytes)``) in time order: the live bytes per category at each instant. An
-    allocation at an address still live was freed unseen (the profiler records no free
-    made on another thread, as gloo's are when its work outlives the caller's tensor):
-    it ends there at the latest.
-    ``live_at_start``: where the allocator says how much was live when the step began,
-    what of it no event names counts as temporaries from the start. ``per_action``: each
-    action's own most too (``StepMemory.action_peaks``; a debugging aid)."""
-    events.sort(key=lambda e: (e[0], e[1]))
-    # pass 1: the allocations' lives and categories
+def _lives(events: list) -> tuple[list, list]:
+    """Pass 1 of :func:`replay` over time-sorted ``events``: (lives, each [size, category or None, live at
+    the step's start]; order, each life's (time, +1 or -1, index) and each category switch (time, 0,
+    (index, category)))."""
     lives = []  # [size, category, preexisting]
     live_at: dict = {}  # ptr -> index into lives
     order = []  # (time, +1/-1, life index) in time order
@@ -85,6 +76,16 @@ def replay(events: list, actions: list, live_at_start: int | None = None, per_ac
                 i = len(lives)
                 lives.append([-x, None, True])
             order.append((t, -1, i))
+    return lives, order
+
+
+def replay(events: list, actions: list, live_at_start: int | None = None, per_action: bool = False) -> StepMemory:
+    """A :class:`StepMemory` of a step's ``(time, order, kind, ptr, size or category, nbytes)`` events
+    walked in time order (an allocation at a live address ends the earlier one). ``live_at_start``: the
+    allocator's live bytes at the start, the unnamed rest counted as temporaries. ``per_action``: each
+    action's own most too."""
+    events.sort(key=lambda e: (e[0], e[1]))
+    lives, order = _lives(events)
     live = dict.fromkeys(CATEGORIES, 0)
     for size, category, pre in lives:
         if pre:
@@ -137,9 +138,8 @@ def replay(events: list, actions: list, live_at_start: int | None = None, per_ac
 
 
 def frees_of_released(events: list) -> list:
-    """The events with each release (:func:`released`) made a free where the allocation
-    live at its address then has no recorded free (before the address is handed out
-    again), and dropped where it has one."""
+    """``events`` with each release (:func:`~.memory_profile.released`) made a free where its allocation has
+    no recorded free before its address is reused, and dropped otherwise."""
     events.sort(key=lambda e: (e[0], e[1]))
     following: dict = {}  # index of a release -> the next allocation or free at its address
     pending: dict = {}  # ptr -> indices of its releases not yet followed
@@ -165,23 +165,16 @@ def frees_of_released(events: list) -> list:
 
 
 def block_bytes(nbytes: int) -> int:
-    """The block the CUDA caching allocator serves ``nbytes`` from (its sizes are
-    multiples of 512 bytes, at least 512), which its statistics count."""
+    """The block the CUDA caching allocator serves ``nbytes`` from (multiples of 512, at least 512)."""
     return max(512, -(-nbytes // 512) * 512)
 
 
 
 def replay_history(trace: list, tags: list, actions: list, start: tuple[int, int], live_at_start: int | None,
                    block=None) -> StepMemory:
-    """The step from a CUDA allocator's ``trace`` (its entries since the log began): each
-    allocation ("alloc") and free ("free_requested", where the allocator's statistics
-    count it freed) in order, the tags and actions placed among them. The trace gives the
-    size asked for; a block is that rounded up to 512 bytes (``block``, :func:`block_bytes`;
-    without expandable segments a cached block reused without a split can be larger still:
-    the allocator's peak counts that slack, this replay does not). ``tags``: (allocations,
-    frees, ptr, category, nbytes); ``actions``: ((allocations, frees) at its start, at its
-    end, name), each placed just after the last allocation and free the counters had
-    seen; ``start``: the counters when the trace began."""
+    """A :class:`StepMemory` of a CUDA allocator's ``trace``: allocations and requested frees as blocks
+    (``block``: :func:`block_bytes`), ``tags`` (allocations, frees, ptr, category, nbytes) and
+    ``actions`` placed by the counters, ``start`` the counters when it began."""
     block = block or block_bytes
     a0, f0 = start
     events, alloc_at, free_at = [], [], []  # alloc_at[k]: index of the step's k-th allocation
@@ -208,11 +201,7 @@ def replay_history(trace: list, tags: list, actions: list, start: tuple[int, int
 
 
 def as_allocator_history(events: list, actions: list, block=None) -> StepMemory:
-    """A CPU step read as CUDA's is (``runtime.cuda_paths=[memory]``): its allocations and
-    frees as the caching allocator's trace of requested sizes, each a block of
-    ``block(size)`` bytes (:func:`block_bytes`), and each tag and action placed by the
-    counts of allocations and frees made before it, as a CUDA step's log places them
-    (:func:`replay_history`)."""
+    """A CPU step's events replayed as a CUDA allocator's history (:func:`replay_history`)."""
     import bisect
 
     allocs = sorted((e for e in events if e[2] == "alloc"), key=lambda e: e[0])

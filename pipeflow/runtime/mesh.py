@@ -1,18 +1,8 @@
 """Where a rank sits in the job's device mesh (data x pipeline x tensor), and the process
-groups it needs beyond the schedule's own.
-
-The schedule's IR knows devices: ``data_parallel`` replicas of a pipeline of devices.
-With ``pipeline.tensor_parallel=T`` each device is T ranks that split its stages
-(:mod:`pipeflow.models.tensor_parallel`): rank ``device * T + t``, the tensor dimension
-innermost, so that a device's ranks are neighbours (one node's GPUs under torchrun).
-Every rank walks its device's actions; a message between two devices goes between
-their ranks of the same ``t``, and a group of devices (a stage's replicas, the copies
-of a tied embedding) is one group per ``t``. The tensor groups are one per device, the
-tensor rows of a (data, pipeline, tensor) mesh, over gloo on CPU ranks and NCCL on GPUs;
-made with :func:`~pipeflow.runtime.device.new_group` rather than torch's
-:class:`~torch.distributed.device_mesh.DeviceMesh`, whose groups take torch's own default
-timeout (30 minutes on gloo) instead of the job's ``runtime.timeout_s``.
-"""
+groups it needs beyond the schedule's own. With ``pipeline.tensor_parallel=T`` device d
+is ranks d*T .. d*T+T-1 (tensor innermost); messages and device groups go between ranks
+of the same ``t``. Groups come from :func:`~pipeflow.runtime.device.new_group`, under the
+job's ``runtime.timeout_s`` (torch's DeviceMesh would give its own 30 minutes)."""
 
 from __future__ import annotations
 

@@ -1,20 +1,8 @@
 """A run's own operators, timed by torch's profiler over its last steps
 (``runtime.trace_steps=N``): each rank's seconds per step in each operator class of
-:data:`pipeflow.planning.operators.CLASSES`, written to ``op_trace.json`` in the run
-folder. ``python -m pipeflow.fold_trace`` sets them beside what a device profile prices
-for the same schedule, and can fold the ratios into the profile.
-
-An operator's time is its own (the profiler's self time: a wrapper such as
-``aten::linear`` keeps only its dispatch, its ``aten::addmm`` the product), on the
-device where the rank computes on one (a GPU's kernels), else on the CPU. Its class
-comes from its name and from the scopes around it: what runs under the optimizer's step
-or the step's synchronisation (``pipeflow::sync``: the clip norm) is the optimizer's;
-what runs under a cross entropy is the loss's; gloo's calls are messages, not compute
-(their posting, per message, is what a CPU profile calls ``message_host``).
-Views, reshapes and composite wrappers hold only their dispatch: ``host``, with the
-autograd engine's own nodes. The profiler adds a few microseconds to each operator it
-records, so on a CPU the small memory-bound operators read a little slow.
-"""
+:data:`pipeflow.planning.operators.CLASSES` (self time, on the device it ran on),
+written to ``op_trace.json``; ``python -m pipeflow.fold_trace`` compares them with a
+device profile (docs/runtime.md, "Operator trace")."""
 
 from __future__ import annotations
 

@@ -1,17 +1,7 @@
-"""A rank's optimizer and learning-rate policy: AdamW with decoupled weight decay on
-matrices only, linear warm-up then cosine decay to ``lr * min_lr_ratio`` (the ``optim``
-config group).
-
-``optim.impl`` picks torch's implementation of the update: ``fused`` (one kernel over
-every tensor of a group, in place: no temporaries; torch has it for CPU and CUDA
-tensors), ``foreach`` (the group's tensors a list at a time: the square root of every
-second moment in a new buffer), ``single`` (a tensor at a time: each tensor's two
-temporaries), or ``auto``: fused where the device has the kernel, else torch's own
-default for the device. The three give the same update to rounding (fused against
-single: a few 1e-9 after five steps of a unit-scale tensor); the memory model prices each
-one's temporaries (:mod:`pipeflow.planning.optimizer_step`) and the time model each one's
-measured step (a device profile's ``adamw`` rows).
-"""
+"""A rank's optimizer and learning-rate policy (the ``optim`` config group): AdamW with
+decoupled weight decay on matrices only, in the implementation ``optim.impl`` picks
+(``fused``, ``foreach``, ``single``, ``auto``: fused where the device has it), and linear
+warm-up then cosine decay to ``lr * min_lr_ratio``."""
 
 from __future__ import annotations
 
@@ -34,14 +24,9 @@ def lr_at(step: int, optim: AdamWConfig, steps: int) -> float:
 
 
 def square_sum(t: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-    """The sum of ``t``'s squared elements as a float64 scalar, without a float64 copy of
-    ``t``: float32 dot products over rows of ``chunk`` elements (one batched product),
-    summed in float64 (within 1e-6 of the float64 sum; 2e-8 at 40 million random elements).
-
-    The clip norm's sum. ``t.double().pow(2).sum()`` made two float64 copies of every
-    gradient on the way: for GPT-2's 50257 x 768 embedding 617 MB at once, between the
-    last backward and the optimizer step, a first stage's peak at real widths (measured:
-    1310 MiB where the step itself holds 1016)."""
+    """The sum of ``t``'s squared elements as a float64 scalar (the clip norm's), within 1e-6 of
+    the float64 sum: float32 dot products over rows of ``chunk`` elements summed in float64,
+    with no float64 copy of ``t`` (for GPT-2's embedding such copies were 617 MB at once)."""
     flat = t.detach().reshape(-1)
     if not flat.is_floating_point() or flat.element_size() < 4:
         flat = flat.float()

@@ -14,6 +14,7 @@ from ..formats.runplan import RunPlan
 from ..schedules.ir import Schedule, WeightPolicy
 from .async_executor import AsyncExecutor
 from .executor import Executor, Groups, StageState
+from .mesh import RankMesh, build_mesh
 from .optimizer import make_optimizer
 from .mixed_precision import Precision
 from .sharded import ShardedAdamW
@@ -25,7 +26,7 @@ class RankSetup:
 
     schedule: Schedule
     layers_per_stage: list[int]
-    adapter: object  # GPTAdapter, BertAdapter or CBMAdapter: see pipeflow.runtime.adapters
+    adapter: object  # GPTAdapter, BertAdapter, HFCausalAdapter or CBMAdapter: see pipeflow.runtime.adapters
     stages: dict[tuple[int, int], StageState]
     executor: Executor
     # asynchronous schedules: evaluation runs a forward-only 1F1B over pipe 0's replicas,
@@ -129,8 +130,6 @@ def _stage(plan: RunPlan, adapter, groups: Groups, pipe: int, stage: int, rank: 
 
 def _mesh(plan: RunPlan, rank: int, device: torch.device):
     """This rank's place in the device mesh and its tensor group (None without tensor parallelism)."""
-    from .mesh import RankMesh, build_mesh
-
     if plan.tensor_parallel == 1:
         return RankMesh(1, rank, 0), None
     return build_mesh(rank, plan.schedule.num_devices, plan.tensor_parallel, plan.sequence_parallel,

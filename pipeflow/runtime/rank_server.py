@@ -1,11 +1,6 @@
-"""The process the ranks are forked from. Torch-free: the app starts it as soon as a
-config has passed its checks, so the server's imports (torch, transformers, datasets:
-most of a launch's start-up) run while the app itself imports torch and builds the job.
-
-Ranks are forked from a server that has imported the runtime once, so a launch does not
-pay seconds of imports per rank, and a sweep or a test session reuses the server. The
-server never touches CUDA, so forking is safe.
-"""
+"""The fork server the ranks are forked from, started as soon as a config passes its checks
+so its imports overlap the app's. Torch-free; the server never touches CUDA, so forking
+is safe."""
 
 from __future__ import annotations
 

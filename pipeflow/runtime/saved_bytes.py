@@ -1,19 +1,8 @@
-"""How many bytes of activations a rank keeps for backward, measured, on any device.
-
-CUDA has an allocator that reports its peak; a CPU process has only its resident set,
-which says little about activations. So the runtime counts what autograd actually
-saves: every forward runs under saved-tensor hooks, each saved tensor's storage is
-counted once (however many graph nodes save it) from the moment it is saved until the
-last node holding it is freed, which is when its backward ran (or its graph was
-dropped). Parameters and buffers are not activations and are not counted. The keys
-and values a Seq1F1B segment keeps for the later segments of its microbatch, and the
-gradients the later segments' backwards send them, are held through the same count
-(:meth:`SavedBytes.hold`), so a storage both saved and cached counts once; the keys'
-and values' own peak is reported too. So are the operands and gradients the
-zero-bubble split holds by hand from I until W (:meth:`SavedBytes.keep`): I frees the
-graph, and what W needs lives on outside autograd's saved tensors. The loss (its log-softmax) is computed under the
-hooks as well.
-"""
+"""How many bytes of activations a rank keeps for backward, measured on any device: every
+forward runs under saved-tensor hooks that count each saved storage once, from its save
+until its last holder is freed (parameters and buffers excluded). Seq1F1B's keys and
+values (:meth:`SavedBytes.hold`) and the zero-bubble split's operands held from I until W
+(:meth:`SavedBytes.keep`) go through the same count."""
 
 from __future__ import annotations
 

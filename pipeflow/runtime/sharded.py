@@ -1,28 +1,9 @@
-"""ZeRO-1 and ZeRO-2 for a replicated stage. ``pipeline.shard=optimizer``: each of a
-stage's n data-parallel replicas keeps AdamW's moments for one n-th of the stage's
-parameters, updates that slice at the step, and the replicas all-gather the updated
-slices. ``pipeline.shard=gradients`` adds: the stage's REDUCE reduce-scatters its
-gradients, so each replica keeps only its slice of the summed gradient (the whole
-gradients, accumulated over the step's microbatches, go at the REDUCE).
-
-The slice is of the stage's parameters laid end to end (one flat per weight-decay group,
-padded to a multiple of n), not whole tensors: every replica holds the same share, a
-byte count the simulator prices exactly (``pipeflow.sim.device_memory``), and the slice is the
-one a reduce-scatter fills (ZeRO-2's next step). Built by hand rather than with torch's
-``ZeroRedundancyOptimizer``, which assigns whole parameters to replicas (shares as even
-as the tensors' sizes allow, which an embedding can dominate on a small stage) and has
-no such slice.
-
-Under ZeRO-1 the gradients are all-reduced as without sharding (the executor's REDUCE),
-so every replica holds the whole gradient; under ZeRO-2 the executor sums the squared
-norm of the slices across the replicas and clips the slices. The update of
-a slice is torch's fused AdamW kernel over the slice where ``optim.impl`` is fused (the
-default on CPU and CUDA: the unsharded run's update to rounding, the kernel's vector
-lanes falling on other elements), else its single-tensor AdamW written out, op for op,
-so that a sharded run's weights are the unsharded run's bit for bit (``single``). A
-tied embedding's copies (summed across their stages by the executor) keep a plain AdamW
-of their own on every replica, as without sharding.
-"""
+"""ZeRO-1, 2 and 3 for a replicated stage (``pipeline.shard=optimizer``, ``gradients``,
+``full``): each of a stage's n replicas keeps AdamW's moments for one n-th of the stage's
+parameters laid end to end (one flat per weight-decay group, padded to a multiple of n),
+updates that slice and all-gathers the others; ZeRO-2 reduce-scatters the gradients
+into it. Built by hand: torch's ``ZeroRedundancyOptimizer`` shares whole tensors
+(docs/training.md says more)."""
 
 from __future__ import annotations
 
@@ -37,10 +18,9 @@ from .optimizer import make_optimizer, square_sum, step_impl
 
 
 class ShardedAdamW:
-    """AdamW over one replica's slice of a stage's parameters (module docstring). Looks
-    to the executor like a torch optimizer: ``param_groups`` (it sets ``lr``), ``step``,
-    ``zero_grad``, ``state`` (what the memory profile names optimizer state),
-    ``state_dict`` and ``load_state_dict`` (a checkpoint of this replica's slice)."""
+    """AdamW over one replica's slice of a stage's parameters, with a torch optimizer's face:
+    ``param_groups``, ``step``, ``zero_grad``, ``state``, ``state_dict``, ``load_state_dict``
+    (this replica's slice)."""
 
     def __init__(self, module: torch.nn.Module, optim, params: list, tied: list, group,
                  scatter: bool = False, full: bool = False) -> None:
@@ -129,10 +109,9 @@ class ShardedAdamW:
             self.gathering.append(self._all_gather(flat, start, share, async_op=True))
 
     def _all_gather(self, flat: torch.Tensor, start: int, share: int, async_op: bool = False):
-        """Every replica's share of ``flat`` (this one's at ``start``) into all of it, in
-        place. gloo's all-gather stages its output in a copy of its own, which lives until
-        its thread lets go of the work: on gloo the other shares are zeroed and the flat
-        all-reduced in place instead (twice the bytes, no copy, the same values)."""
+        """Every replica's share of ``flat`` (this one's at ``start``) into all of it, in place. On
+        gloo, whose all-gather keeps a copy of its output, the other shares are zeroed and the
+        flat all-reduced in place instead (the same values, no copy)."""
         if self.via_allreduce:
             flat[:start].zero_()
             flat[start + share:].zero_()
@@ -160,10 +139,8 @@ class ShardedAdamW:
     # ---- ZeRO-2: the gradients, reduce-scattered --------------------------------------
     @torch.no_grad()
     def reduce_scatter(self) -> list:
-        """Start the reduce-scatter of the stage's gradients (the tied copies' apart): per
-        group, the gradients laid end to end (zero where a parameter has none, padded to
-        n shares) into this replica's share. The whole gradients go now (the flat holds
-        them until :meth:`finish`). Returns what :meth:`finish` waits on."""
+        """Start the reduce-scatter of the stage's gradients (the tied copies' apart), laid end to
+        end per group, into this replica's share. Returns what :meth:`finish` waits on."""
         pending = []
         for i, group in enumerate(self.param_groups):
             total, share, _ = self.shard(group)
@@ -350,11 +327,9 @@ def whole_weights(stages: dict):
 
 
 def gather_handlers(stages: dict, meter, handlers: dict) -> dict:
-    """A synchronous step's handlers under ``pipeline.shard=full``: GATHER starts the
-    stage's all-gather (and tells the executor's activation ``meter`` that the gathered
-    weights autograd saves are no activations), every compute action first waits for
-    its stage's gather, FREE lets the parameters go (and the meter forgets them: the
-    allocator may hand those addresses to activations now)."""
+    """A synchronous step's handlers under ``pipeline.shard=full``: GATHER starts the stage's
+    all-gather, each compute action waits for it, FREE lets the parameters go; ``meter`` is
+    told which storages are gathered weights, not activations."""
     def gather(a, io=None) -> None:
         opt = stages[(a.pipe, a.stage)].optimizer
         opt.gather()

@@ -1,6 +1,5 @@
 """What an executor works on: one stage's state on this rank, a step's statistics, the
-messages in flight, and the process groups every rank creates in the same order.
-"""
+messages in flight, and the process groups every rank creates in the same order."""
 
 from __future__ import annotations
 
@@ -56,8 +55,7 @@ class Messages:
 
 
 class Groups:
-    """Process groups every rank creates in the same order: one per replicated stage
-    (so their all-reduces never interfere, whatever order ranks issue them in), and one
+    """Process groups every rank creates in the same order: one per replicated stage and one
     for the ranks holding copies of the tied embedding."""
 
     def __init__(self, schedule: Schedule, tied_stages: tuple[int, ...], mesh=None):
@@ -75,13 +73,12 @@ class Groups:
 
 
 def sync_tied(copies: list, group) -> None:
-    """Every copy of the tied embedding this rank holds gets the sum of all copies'
-    gradients, theirs over ``group`` (the ranks holding one) too, summed in place into the
-    first copy's (a sum and a clone per copy held two more copies of a 50k-row
-    embedding's gradient, 294 MiB at GPT-2 small's width, beside the step's own)."""
+    """Give every copy of the tied embedding this rank holds the sum of all copies' gradients,
+    over ``group`` (the ranks holding one) too; summed in place into the first copy's."""
     if not copies or (group is None and len(copies) == 1):
         return
     grads = [p.grad for p in copies if p.grad is not None]
+    # in place: a sum and a clone per copy held two more 50k-row gradients (294 MiB at GPT-2 small)
     total = grads[0] if grads else torch.zeros_like(copies[0])
     for g in grads[1:]:
         total += g

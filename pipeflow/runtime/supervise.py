@@ -1,7 +1,5 @@
-"""The launcher's watch over its rank processes: signalling and waiting for them,
-hearing their heartbeats, and naming the one that failed (its Python error, the signal
-that killed it, or its silence) in failure.json.
-"""
+"""The launcher's watch over its rank processes: signalling and waiting for them, hearing
+their heartbeats, and naming the one that failed in failure.json."""
 
 from __future__ import annotations
 
@@ -119,12 +117,9 @@ def _hung(procs, hearing: _Hearing, after: float | None) -> JobFailed | None:
 
 
 def _failure(procs, errors, hearing: _Hearing | None = None) -> JobFailed:
-    """Blame the right rank. Read the evidence before stopping anyone: once one rank
-    dies its peers fail too (their receives lose the connection) and may report first;
-    ranks are children of the fork server, so a killed rank's exit status can arrive
-    after its peers' reports. Wait (briefly) for a killed rank or a report that is not
-    a lost connection; once we stop the others they all die by signal. A peer that
-    timed out waiting for a rank that fell silent blames the silent one."""
+    """Blame the right rank: read the evidence before stopping anyone (a dead rank's peers
+    fail too and may report first), waiting briefly for a killed rank or a report other than
+    a lost connection. A peer that timed out on a silent rank blames the silent one."""
     reported: list[tuple[int, str]] = []
     deadline = time.monotonic() + 2.0
     while True:
@@ -162,10 +157,8 @@ def _failure(procs, errors, hearing: _Hearing | None = None) -> JobFailed:
 
 
 def _record_failure(run_dir: str, failed: JobFailed) -> JobFailed:
-    """run_dir/failure.json: which rank failed and why, so a report over many runs can
-    show this one as crashed (with its partial metrics) rather than guess. Returns the
-    failure to raise: ``failed``, or where the record could not be written (the disk
-    that failed the rank is full), the same failure saying so in its one line."""
+    """Write run_dir/failure.json (which rank failed and why). Returns the failure to raise:
+    ``failed``, or where the record could not be written, the same failure saying so."""
     message = str(failed)
     record = {"rank": failed.rank, "error": message.splitlines()[0], "detail": message}
     try:

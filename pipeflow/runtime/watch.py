@@ -1,31 +1,9 @@
 """What the launcher and its ranks share to tell a rank that works from one that waits
 forever: a board of small shared arrays, written by each rank's watchdog thread.
-
-- ``beats``: when each rank's watchdog last beat. A rank stopped by a signal, or stuck in
-  a call that keeps the interpreter, falls silent (:func:`pipeflow.runtime.supervise._hung`).
-- ``stuck``: since when the rank's main thread has sat in one call (0: it moves, or the
-  rank has not begun training). The watchdog samples the main thread's innermost frame
-  every ``SAMPLE`` seconds; a collective that no peer completes, or a receive from a rank that waits
-  itself, keeps it on one instruction, while the heartbeat goes on (the wait releases
-  the interpreter). One rank so for a while is no evidence (it waits for a peer that
-  computes); every live rank so at once, for ``runtime.hang_timeout_s``, is a job in
-  which nobody can move: the launcher ends it, naming where each rank sits.
-- ``where``: that place, the call and the pipeflow line it came from.
-- ``acks``: a rank whose signal handler ran (it heard a stop). A rank inside a blocking
-  C call never runs its handler; the launcher kills it rather than wait out W&B's grace.
-
-Sampling takes the main thread's innermost frame (``sys._current_frames()``) and lets go
-of it at once, keeping its position only: a frame object that outlives its call keeps
-the call's locals (a step's tensors) alive until the watchdog lets go of it, which then
-frees them on the watchdog's thread. torch's profiler records only the profiled
-threads' frees, so ``runtime.memory=profile`` counted such tensors live until their
-address was used again (a Llama 1F1B bf16 stage with full recomputation: 262-655 KB
-over its peak, in 2 runs of 30 under load, the watchdog descheduled while it held a
-frame). So a profiled step runs :func:`paused`: the watchdog takes no frame in it.
-(``faulthandler.dump_traceback``, which reads every thread's frames without making
-frame objects, walks other threads' states unlocked: tensor-parallel Seq1F1B ranks
-crashed with SIGSEGV, 4 runs in 4.)
-"""
+``beats`` (when each rank last beat), ``stuck`` (since when its main thread has sat in one
+call, sampled every ``SAMPLE`` seconds), ``where`` (that call and its pipeflow line) and
+``acks`` (the rank heard a stop). Every live rank stuck for ``runtime.hang_timeout_s`` is
+a job nobody can move (docs/training.md on failures)."""
 
 from __future__ import annotations
 
@@ -86,10 +64,9 @@ _sampling = threading.Lock()  # held by the watchdog while it holds a frame of t
 
 @contextlib.contextmanager
 def paused():
-    """A block whose one long call is work, not waiting (torch.save of a large model to
-    a slow disk), or that must not have its frames held (a memory-profiled step): this
-    rank counts as moving, so the job is not ended while it writes, and the watchdog
-    takes no frame of the main thread (a sample under way when it begins is waited for)."""
+    """A block whose one long call is work, not waiting (torch.save to a slow disk), or whose
+    frames must not be held (a memory-profiled step): the rank counts as moving and the
+    watchdog takes no frame of the main thread (a sample under way is waited for)."""
     _paused.append(True)
     with _sampling:
         pass
@@ -117,9 +94,8 @@ def describe(stack: traceback.StackSummary) -> str:
 
 
 class Sampler:
-    """The main thread's position, sample by sample; ``since``: when it last moved. A
-    sample holds the main thread's frame only while it reads its position (see the
-    module's docstring) and returns the calls, never the frame."""
+    """The main thread's position, sample by sample; ``since``: when it last moved. A sample
+    holds the main thread's frame only while it reads the position, and returns the calls."""
 
     def __init__(self) -> None:
         self.main = threading.main_thread().ident
@@ -130,6 +106,9 @@ class Sampler:
         """(the monotonic time since which the main thread has not moved, its calls: a
         ``traceback.StackSummary``, which holds no frame) or (0.0, None) where it moved
         since the last sample."""
+        # a frame kept past its call keeps the call's tensors alive and frees them on this
+        # thread, unseen by the memory profiler; faulthandler.dump_traceback, which makes no
+        # frame, reads other threads' states unlocked (SIGSEGV in tensor-parallel Seq1F1B)
         frame = sys._current_frames().get(self.main)
         if frame is None:
             return 0.0, None

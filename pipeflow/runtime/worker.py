@@ -1,11 +1,6 @@
-"""One rank of a training job: instantiate what the run plan puts on this device
-(:mod:`.rank`), then run the schedule.
-
-Each rank builds only its own stages (the placement says which), loads the data (every
-rank can compute any step's batch from the seed, so nothing is broadcast), and runs
-``trainer.steps`` iterations of the schedule in chunks (resume and replay included).
-Rank 0 records the metrics and the summary.
-"""
+"""One rank of a training job: build this device's share of the run plan (:mod:`.rank`), then run
+``trainer.steps`` iterations of the schedule in chunks (resume and replay included); rank 0 records the
+metrics and the summary."""
 
 from __future__ import annotations
 
@@ -56,8 +51,7 @@ class RunState:
 
 
 def run_worker(rank: int, job: TrainJob) -> dict | None:
-    """One rank: join the job's process group, instantiate the plan's share of this
-    rank, then train chunk by chunk to the last step; rank 0 returns the summary."""
+    """One rank: join the group, build its share of the plan, train to the last step; rank 0's summary."""
     plan = job.plan
     runtime = plan.runtime
     keep_freed_memory()
@@ -99,9 +93,7 @@ def run_worker(rank: int, job: TrainJob) -> dict | None:
 
 
 def _set_up(rank: int, job: TrainJob, device: torch.device) -> tuple:
-    """This rank's stages and executors, the data, the checkpoint's meta and where a
-    resumed run starts: (setup, data, meta (with ``restart``: the step the first chunk
-    starts after), the checkpoint's step or 0)."""
+    """(setup, data, meta with ``restart``, the checkpoint's step or 0) of this rank."""
     plan = job.plan
     dump_dir = Path(job.run_dir) / "grads"
     dumped = []
@@ -156,8 +148,7 @@ def _set_up(rank: int, job: TrainJob, device: torch.device) -> tuple:
 
 
 def _rank0_records(job: TrainJob, start_step: int) -> tuple:
-    """Rank 0's metrics sink and progress line; the resolved config beside the metrics
-    (pipeflow-compare labels runs by it)."""
+    """Rank 0's (metrics sink, progress line); writes config.json beside the metrics."""
     from ..tracking.progress import Progress
     from ..tracking.sink import MetricsSink
 
@@ -170,10 +161,8 @@ def _rank0_records(job: TrainJob, start_step: int) -> tuple:
 
 def _close_unfinished(sink, progress, job: TrainJob, setup: RankSetup, state: RunState, start_step: int,
                       reason: str | None) -> None:
-    """Rank 0, when training ends early. Asked to stop (a signal, or the launcher gone):
-    summary.json says ``status: interrupted`` and the last step, and the W&B run is
-    finished so that it syncs. Failed: the W&B run is closed as failed, with no summary
-    (the launcher writes failure.json)."""
+    """Rank 0, when training ends early: asked to stop, an interrupted summary.json and a finished W&B run;
+    failed, the W&B run closed as failed."""
     from .launch import PEER_FAILED_REASON
 
     progress.close()
@@ -279,9 +268,8 @@ def _finish(rank, job, device, setup: RankSetup, progress, sink, state: RunState
 
 
 def _verdict(history: list[dict], summary: dict) -> dict:
-    """A finished run whose loss went non-finite is ``diverged`` (from which step), one
-    whose every update was skipped (fp16's overflows) ``no_updates``: the status says so,
-    and the launcher's last line."""
+    """The status of a finished run whose loss went non-finite (``diverged``, from which step) or whose
+    every update was skipped (``no_updates``); else {}."""
     finite = [math.isfinite(float(h["loss"])) for h in history]
     if finite and not finite[-1]:  # non-finite to the end (an fp16 step that overflowed and recovered is not)
         bad = len(finite) - next(i for i, ok in enumerate(reversed(finite)) if ok) if any(finite) else 0
@@ -292,8 +280,7 @@ def _verdict(history: list[dict], summary: dict) -> dict:
 
 
 def _busy_and_saved(busy: float, ex, world_size: int) -> tuple[float, dict, float]:
-    """Sum the ranks' compute time and bytes sent to other ranks, and collect each rank's
-    peak of saved bytes this chunk: (busy seconds, saved MiB by rank, bytes sent)."""
+    """(busy seconds summed, saved MiB by rank at this chunk's peak, bytes sent summed): a collective."""
     device = ex.adapter.device  # NCCL gathers CUDA tensors
     mine = torch.tensor([busy, float(ex.meter.step_peak), float(ex.sent_bytes)], dtype=torch.float64, device=device)
     every = [torch.zeros(3, dtype=torch.float64, device=device) for _ in range(world_size)]
@@ -303,9 +290,8 @@ def _busy_and_saved(busy: float, ex, world_size: int) -> tuple[float, dict, floa
 
 
 def _start_clock(shared: bool, device: torch.device) -> float:
-    """Line the ranks up and start the step's clock. ``shared``: ranks on one host read
-    the same monotonic clock, so rank 0's origin is broadcast and recorded events
-    compare across ranks exactly (a barrier alone leaves tens of us of skew)."""
+    """Line the ranks up and start the step's clock; ``shared`` (one host): rank 0's origin is broadcast so
+    recorded events compare exactly."""
     dist.barrier()
     t0 = time.perf_counter()
     if shared:
@@ -316,8 +302,7 @@ def _start_clock(shared: bool, device: torch.device) -> float:
 
 
 def _staleness_summary(run_dir: str, records: list[dict], setup: RankSetup) -> dict:
-    """Write staleness.json (every (pipe, stage, microbatch): the versions its forward and
-    backward used, and the one its update was applied to) and summarise it."""
+    """The run's staleness summary; asynchronous, staleness.json written too."""
     if not setup.is_async:
         # a synchronous iteration runs the same versions every step: the schedule's own
         # accounting of one iteration is the run's (all zero unless the schedule is wrong)
@@ -339,17 +324,14 @@ def _train_time_at(run_dir: str, step: int) -> float:
 
 
 def _chunk_end(first: int, steps: int, cap: int) -> int:
-    """The last step of the chunk holding step ``first``: chunks lie on a fixed grid of
-    ``cap`` steps (1..cap, cap+1..2cap, ...) cut only by the run's last step, so where
-    validation and checkpoints fall never changes where the schedule flushes."""
+    """The last step of the chunk holding step ``first``: a fixed grid of ``cap`` steps cut only by the
+    run's end (validation and checkpoints never move a flush)."""
     return min(steps, ((first - 1) // cap + 1) * cap)
 
 
 def _keep_chunk_start(rank, job, setup: RankSetup, state: RunState, meta: dict) -> None:
-    """A resumed asynchronous run whose end falls inside its first chunk saves the weights
-    it starts that chunk from in its own folder: its last checkpoint records where that
-    chunk began, and a run resumed from it restarts there. (A run from step 0 starts from
-    the seed's weights; a later chunk's start is saved where the chunk before it ends.)"""
+    """A resumed asynchronous run ending inside its first chunk checkpoints the weights it starts that chunk
+    from, so a run resumed from its end can restart there."""
     cap, steps, begin = setup.steps_per_chunk, job.plan.trainer.steps, state.step
     if begin > 0 and cap > 1 and _chunk_end(begin + 1, steps, cap) == steps and steps % cap:
         checkpoint.save(job.run_dir, begin, rank, setup.stages, meta, chunk_start=begin,
@@ -362,14 +344,12 @@ def _falls_in(every: int, first: int, end: int) -> bool:
 
 
 def _checks_syncs(runtime, device, first: int) -> bool:
-    """runtime.sync_check on a CUDA rank, from the second step: the first step's allocations
-    and kernel choices may make the host wait, the later ones may not."""
+    """Whether runtime.sync_check applies: a CUDA rank, from the second step."""
     return bool(getattr(runtime, "sync_check", False)) and device.type == "cuda" and first > 1
 
 
 def _inject_failure(rank: int, runtime, first: int, end: int, hook) -> None:
-    """The test hook runtime.fail_at_step: rank fail_rank fails as fail_mode says where
-    that step falls in [first, end] (hook: the group of fail_mode=collective)."""
+    """The test hook runtime.fail_at_step: rank fail_rank fails where that step falls in [first, end]."""
     fail = runtime.fail_at_step
     if fail is None or not first <= fail <= end or (runtime.fail_rank or 0) != rank:
         return
@@ -396,8 +376,7 @@ def _gathered_timeline(rank: int, job, schedule, events: list, tl: int, first: i
 
 
 def _op_trace(runtime, state: RunState, setup: RankSetup, end: int, steps: int) -> OpTrace | None:
-    """runtime.trace_steps=N: the run's trace where this chunk holds one of the last N
-    steps (they run under torch's profiler), else None."""
+    """runtime.trace_steps=N: the run's trace where this chunk holds one of the last N steps, else None."""
     n = int(getattr(runtime, "trace_steps", 0) or 0)
     if n <= 0 or end <= steps - n:
         return None
@@ -406,16 +385,68 @@ def _op_trace(runtime, state: RunState, setup: RankSetup, end: int, steps: int) 
     return state.trace
 
 
+def _gathered_records(rank, job, setup: RankSetup, ex, stats: ChunkStats, first: int) -> list[dict]:
+    """Asynchronous: every rank's weight-version records of the chunk on rank 0, sorted ([] elsewhere or
+    when synchronous); dumps the first chunk's gradients with runtime.dump_grads."""
+    if not setup.is_async:
+        return []
+    gathered = [None] * job.world_size if rank == 0 else None
+    dist.gather_object(stats.records, gathered, dst=0)
+    if job.plan.runtime.dump_grads and first == 1:
+        dump_dir = Path(job.run_dir) / "grads"
+        dump_dir.mkdir(parents=True, exist_ok=True)
+        torch.save(ex.first_grads, dump_dir / f"rank{rank}.pt")
+    if rank != 0:
+        return []
+    return sorted((r for rs in gathered for r in rs), key=lambda r: (r["microbatch"], r["pipe"], r["stage"]))
+
+
+def _chunk_metrics(rank, job, setup: RankSetup, state: RunState, ex, stats: ChunkStats, span: range, lrs: list,
+                   chunk_time: float, batch_size: int) -> list[dict]:
+    """Rank 0: one metrics dict per step of ``span`` ([] elsewhere; every rank must call it); adds the steps
+    past ``state.replay_to`` to ``state``."""
+    plan, quiet = job.plan, state.replay_to
+    m, tokens = plan.microbatches, batch_size * setup.adapter.seq_len
+    busy, saved, sent = _busy_and_saved(stats.busy, ex, job.world_size)
+    recs = _gathered_records(rank, job, setup, ex, stats, span.start)
+    per_update = setup.executor.updates_per_step if setup.is_async else 1
+    metrics_of = []
+    if rank == 0:
+        state.staleness.extend(r for r in recs if r["microbatch"] >= quiet * m)
+        for w, s in enumerate(span):
+            if s > quiet:
+                state.train_time += chunk_time / len(span)
+            metrics = {
+                "loss": stats.losses[w],
+                "lr": lrs[w],
+                "grad_norm": stats.grad_norms[w],
+                "step_time": chunk_time / len(span),  # steps of a chunk overlap: their mean
+                "train_time": state.train_time,
+                "tokens_per_s": tokens * len(span) / chunk_time,
+                "samples": s * batch_size,
+                "updates": s * per_update,
+                "bubble": max(0.0, 1.0 - busy / (job.world_size * chunk_time)),
+                "p2p_bytes": sent / len(span),  # between ranks, all ranks together: activations and gradients
+                **saved,
+            }
+            if stats.loss_scale is not None:  # fp16
+                metrics.update(loss_scale=stats.loss_scale, skipped=int(stats.skipped))
+            if setup.is_async:
+                st = summarize([r for r in recs if (s - 1) * m <= r["microbatch"] < s * m])
+                metrics.update({k: st[k] for k in ("max_staleness", "mean_staleness", "max_mismatch")})
+            metrics_of.append(metrics)
+    return metrics_of
+
+
 def _train_chunk(rank, job, setup: RankSetup, data, sink, progress, state: RunState, one_host: bool,
                  meta: dict, hook=None) -> None:
-    """One chunk of steps without a flush (a synchronous step is a chunk of one): failure
-    injection, data, the executor, metrics, validation, timeline, checkpoint and logging."""
+    """One chunk of steps without a flush (a synchronous step is a chunk of one): run, validated,
+    checkpointed and logged."""
     plan = job.plan
     trainer, runtime = plan.trainer, plan.runtime
     seed, steps = plan.seed, trainer.steps
-    m, mbs = plan.microbatches, setup.adapter.mbs
-    batch_size = setup.schedule.microbatches_per_step * mbs  # the global batch: every data-parallel replica's
-    tokens = batch_size * setup.adapter.seq_len
+    # the global batch: every data-parallel replica's
+    batch_size = setup.schedule.microbatches_per_step * setup.adapter.mbs
     val_every, save_every = trainer.val_every or 0, trainer.save_every or 0
     check_stop()  # a stop that arrived in a destructor was swallowed there
     first = state.step + 1
@@ -443,42 +474,7 @@ def _train_chunk(rank, job, setup: RankSetup, data, sink, progress, state: RunSt
     if allocated.at_peak:
         state.memory = allocated.as_dict()
     chunk_time = time.perf_counter() - t0
-    busy, saved, sent = _busy_and_saved(stats.busy, ex, job.world_size)
-    gathered = [None] * job.world_size if rank == 0 else None
-    if setup.is_async:
-        dist.gather_object(stats.records, gathered, dst=0)
-        if runtime.dump_grads and first == 1:
-            dump_dir = Path(job.run_dir) / "grads"
-            dump_dir.mkdir(parents=True, exist_ok=True)
-            torch.save(ex.first_grads, dump_dir / f"rank{rank}.pt")
-    per_update = setup.executor.updates_per_step if setup.is_async else 1
-    metrics_of = []
-    if rank == 0:
-        recs = sorted((r for rs in gathered for r in rs), key=lambda r: (r["microbatch"], r["pipe"], r["stage"])) \
-            if setup.is_async else []
-        state.staleness.extend(r for r in recs if r["microbatch"] >= quiet * m)
-        for w, s in enumerate(span):
-            if s > quiet:
-                state.train_time += chunk_time / len(span)
-            metrics = {
-                "loss": stats.losses[w],
-                "lr": lrs[w],
-                "grad_norm": stats.grad_norms[w],
-                "step_time": chunk_time / len(span),  # steps of a chunk overlap: their mean
-                "train_time": state.train_time,
-                "tokens_per_s": tokens * len(span) / chunk_time,
-                "samples": s * batch_size,
-                "updates": s * per_update,
-                "bubble": max(0.0, 1.0 - busy / (job.world_size * chunk_time)),
-                "p2p_bytes": sent / len(span),  # between ranks, all ranks together: activations and gradients
-                **saved,
-            }
-            if stats.loss_scale is not None:  # fp16
-                metrics.update(loss_scale=stats.loss_scale, skipped=int(stats.skipped))
-            if setup.is_async:
-                st = summarize([r for r in recs if (s - 1) * m <= r["microbatch"] < s * m])
-                metrics.update({k: st[k] for k in ("max_staleness", "mean_staleness", "max_mismatch")})
-            metrics_of.append(metrics)
+    metrics_of = _chunk_metrics(rank, job, setup, state, ex, stats, span, lrs, chunk_time, batch_size)
     if _falls_in(val_every, first, end) or end == steps:
         with whole_weights(setup.stages):  # (pipeline.shard=full: the whole weights, for the forwards alone)
             vl = [setup.evaluator.eval_loss(b, setup.adapter.normalizer(b))

@@ -1,28 +1,11 @@
-"""Asynchronous schedules: weight updates without a flush.
+"""Asynchronous schedules (``pipedream``, ``pipedream_2bw``, ``amdp``): weight updates
+without a flush.
 
-A synchronous schedule is one iteration that ends in a flush. These schedules instead
-cover ``windows`` consecutive steps (update windows) of ``microbatches`` microbatches
-each, with no flush between them: microbatch ``w * m + i`` is the i-th of step ``w``,
-and ``update_of_microbatch`` says which weight update each gradient feeds. STEP actions
-sit in the middle of the stream, and the policy of the schedule says which weight
-version a forward and a backward see (:mod:`pipeflow.schedules.versions` computes it).
-
-- ``pipedream``: steady-state 1F1B over all microbatches; every stage updates after
-  every backward (one update per microbatch). ``stash=True``: a backward uses the
-  version its forward used (weight stashing); ``stash=False``: the current weights.
-- ``pipedream_2bw``: 1F1B without a flush; gradients accumulate over each window of
-  m >= p microbatches, one update per window right after the stage's last backward of
-  the window; the microbatches of window u run forward and backward on version u-1
-  (two versions kept), so every gradient is exactly one update stale.
-- ``amdp``: d/2 pipelines over d devices in complementary directions (pipeline j puts
-  stage i on ``(2j + i) mod d``, or ``(2j + 1 - i) mod d`` for odd j); each pipeline's
-  first stage admits at most two minibatches before the first returns; devices serve
-  ready work first-come-first-served; a window of R rounds (R * d minibatches) feeds one
-  update: each replica reduces its gradients across its mirror replicas right after its
-  last backward in the window and steps when the reduction is complete, without a flush.
-  Beyond the first round of a window a forward waits for the previous update, so only
-  the first d minibatches of a window can see two versions (mismatch at most one).
-"""
+They cover ``windows`` consecutive steps of ``microbatches`` each: microbatch ``w * m + i``
+is the i-th of step ``w``, ``update_of_microbatch`` names the update each gradient feeds,
+STEP actions sit in the stream, and the policy says which weight version a forward and a
+backward see (:mod:`pipeflow.schedules.versions`). Each schedule's rules and staleness:
+docs/schedules.md."""
 
 from __future__ import annotations
 
@@ -132,9 +115,9 @@ _RULES = tuple(_TIES)
 
 def _amdp_list_schedule(placement: Placement, pipe_of, update_of, round_in_window, admission: int, ratio: float,
                         rule: str) -> tuple[list[list[Action]], float]:
-    """List scheduling in unit time (forward 1, backward ``ratio``): a free device runs
-    the ready action that became ready first; ``rule`` breaks ties. Returns the
-    per-device orders (with REDUCE and STEP) and the makespan in those units."""
+    """List scheduling in unit time (forward 1, backward ``ratio``): a free device runs the
+    ready action that became ready first, ``rule`` breaking ties. Returns the per-device
+    orders (with REDUCE and STEP) and the makespan in those units."""
     run = _ListSchedule(placement, pipe_of, update_of, round_in_window, admission, ratio, rule)
     for j in range(placement.num_pipes):
         run.admit(j, 0.0)
@@ -154,9 +137,8 @@ def _amdp_list_schedule(placement: Placement, pipe_of, update_of, round_in_windo
 
 
 class _ListSchedule:
-    """The state of :func:`_amdp_list_schedule` as it runs: each device's ready queue and
-    order, the actions running, the admission of microbatches into each pipeline, the
-    backwards each window still has to run and the updates they wait for."""
+    """The state of :func:`_amdp_list_schedule` as it runs: ready queues, orders, running
+    actions, admissions, and each window's backwards and updates still to come."""
 
     def __init__(self, placement: Placement, pipe_of, update_of, round_in_window, admission: int, ratio: float,
                  rule: str) -> None:
@@ -228,9 +210,8 @@ class _ListSchedule:
                     changed = True
 
     def finish(self, a: Action, t: float) -> None:
-        """``a`` done at ``t``: the next action of its microbatch is ready (a first stage's
-        backward admits the next microbatch), and the window's last backward of a
-        replica's stage reduces, the last replica's lets every replica step."""
+        """``a`` done at ``t``: its microbatch's next action becomes ready; a window's last backward
+        of a replica's stage reduces, and the last replica's lets every replica step."""
         j, s, mb = a.pipe, a.stage, a.microbatch
         d, npipes = self.placement.num_devices, self.placement.num_pipes
         if a.kind == Kind.F:
@@ -262,12 +243,9 @@ def amdp(
     backward_ratio: float = 2.0,
 ) -> Schedule:
     """AMDP over d = ``stages`` devices; ``microbatches`` = R * d minibatches per update window.
-
-    The per-device order is built by list scheduling in unit time (forward 1, backward
-    ``backward_ratio``): a free device runs the ready action that became ready first
-    (first come, first served), a backward before a forward on ties, then the lower
-    pipeline. The order is then fixed; other costs only change its timing.
-    """
+    The order is fixed by list scheduling in unit time (forward 1, backward
+    ``backward_ratio``; first come first served, a backward before a forward on ties, then
+    the lower pipeline); other costs change only its timing."""
     name = "amdp"
     check_basic(name, stages, microbatches)
     _check_windows(name, windows)

@@ -1,30 +1,6 @@
-"""BAPP: branch-aware bidirectional pipelines for concurrent-branch models (pipeflow's design).
-
-The model is a stage DAG with two branch chains (labels ``vision`` and ``text`` in
-``graph.branch``), interaction edges between them, and a fused ``head`` that joins
-them. Each branch is cut into p stages; branch A (vision) is placed down, stage i on
-device i, and branch B (text) up, stage j on device p-1-j, so every device holds one
-stage of each branch. The head sits at the end of one of the branches (device p-1 or
-0, a policy choice). Interaction tensors travel between whichever devices hold the
-interacting stages; the lowering pass derives those messages from the graph.
-
-The per-device order comes from list scheduling over the DAG with stage durations
-(unit time by default, or the cost model's times when the coordinator builds it): a
-free device runs one of its ready actions, chosen by the policy:
-
-- ``priority``: ``fcfs`` (the action ready first), ``backward_first`` (a ready backward
-  before any forward: frees memory, shortens the drain) or ``forward_first`` (fill
-  bubbles with the other branch's forwards);
-- ``lead``: which branch wins ties (``vision`` or ``text``);
-- ``warmup``: how many microbatches beyond p each branch's first stage may hold
-  between its forward and its backward (0: the 1F1B bound; more: deeper warm-up that
-  lets one branch's forwards fill the other's bubbles, at a memory cost);
-- ``head``: the device of the fused head, the end of the vision (``vision_end``) or of
-  the text (``text_end``) branch.
-
-The order is then fixed; the simulator times it under any cost and topology, and
-:mod:`pipeflow.planning.coordinator` searches the policies for the fastest one.
-"""
+"""BAPP: branch-aware bidirectional pipelines for concurrent-branch models: the vision branch placed down,
+the text branch up, each device's order list-scheduled over the stage DAG under a :class:`BappPolicy`
+(docs/schedules.md). :mod:`pipeflow.planning.coordinator` searches the policies."""
 
 from __future__ import annotations
 
@@ -114,8 +90,7 @@ def bapp(
 
 def bapp_from_options(stages: int, microbatches: int, graph: StageGraph | None = None, priority: str | None = None,
                       lead: str | None = None, warmup: int | None = None, head: str | None = None) -> Schedule:
-    """BAPP with the policy given option by option (``schedule.coordinate=false``; null:
-    the uncoordinated policy's choice: fcfs, vision, 0, vision_end)."""
+    """BAPP with the policy given option by option (null: the uncoordinated policy's choice)."""
     given = {"priority": priority, "lead": lead, "warmup": warmup, "head": head}
     return bapp(stages, microbatches, graph, UNCOORDINATED._replace(**{k: v for k, v in given.items() if v is not None}))
 
@@ -130,13 +105,31 @@ def _unit_durations(kind: str, stage: int) -> float:
     return 1.0 if kind == Kind.F else 2.0
 
 
+def _priority(policy: BappPolicy, label) -> Callable[[Action, float], tuple]:
+    """The key ordering a device's ready actions under ``policy`` (smallest first): of action ``a`` ready at
+    ``t``, its branch read from ``label``."""
+    lead_rank = {policy.lead: 0, ("text" if policy.lead == "vision" else "vision"): 1, "head": 2}
+
+    def key(a: Action, t: float) -> tuple:
+        backward = a.kind == Kind.B
+        branch = lead_rank[label[a.stage]]
+        if policy.priority == "fcfs":
+            return (t, branch, not backward, a.microbatch)
+        if policy.priority == "backward_first":
+            return (not backward, t, branch, a.microbatch)
+        return (backward, t, branch, a.microbatch)
+
+    return key
+
+
 def _list_schedule(graph: StageGraph, placement: Placement, p: int, m: int, policy: BappPolicy,
                    dur: Callable[[str, int], float]) -> list[list[Action]]:
+    """Each device's order of every F and B: list scheduling over ``graph``, an action taking ``dur(kind,
+    stage)`` and a free device running its ready action first under ``policy``."""
     chains = branch_chains(graph)
     source_of = {chains[b][0]: b for b in BRANCHES}
     cap = p + policy.warmup
-    label = graph.branch
-    lead_rank = {policy.lead: 0, ("text" if policy.lead == "vision" else "vision"): 1, "head": 2}
+    key = _priority(policy, graph.branch)
     npred = {s: len(graph.preds[s]) for s in range(graph.num_stages)}
     nsucc = {s: len(graph.succs[s]) for s in range(graph.num_stages)}
     fwd_waiting: dict[tuple[int, int], int] = {}  # (stage, mb) -> predecessors' forwards still to finish
@@ -149,15 +142,6 @@ def _list_schedule(graph: StageGraph, placement: Placement, p: int, m: int, poli
     events: list = []
     orders: list[list[Action]] = [[] for _ in range(ndev)]
     seq = 0
-
-    def key(a: Action, t: float) -> tuple:
-        backward = a.kind == Kind.B
-        branch = lead_rank[label[a.stage]]
-        if policy.priority == "fcfs":
-            return (t, branch, not backward, a.microbatch)
-        if policy.priority == "backward_first":
-            return (not backward, t, branch, a.microbatch)
-        return (backward, t, branch, a.microbatch)
 
     def ready(a: Action, t: float) -> None:
         nonlocal seq

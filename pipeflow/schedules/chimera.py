@@ -1,19 +1,8 @@
-"""Chimera (Li & Hoefler, SC'21): two pipelines in opposite directions over the same devices.
-
-The "down" pipeline places stage i on device i, the "up" pipeline on device p-1-i, so
-every device holds two stages (twice the weights) and the warm-up of one pipeline
-fills the drain of the other. A basic unit is p microbatches, half on each pipeline;
-more microbatches are handled by concatenating basic units, as the paper does (a
-trailing unit may be smaller). After a stage's last backward its two replicas
-all-reduce their gradients (REDUCE, overlapped with the remaining work), then step.
-
-The order inside a unit is built by list scheduling in unit time (F = B = 1, the
-picture in the paper): whenever a device is free it runs, among its ready actions, a
-backward before a forward, then the deeper stage (closer to its pipeline's loss) before
-a shallower one, then the older microbatch. Run at those costs the unit takes exactly
-2m + p - 2 time units for m = p: bubble ratio (p-2)/(2m+p-2). The order is then fixed;
-other costs only change its timing.
-"""
+"""Chimera (Li & Hoefler, SC'21): two pipelines in opposite directions over the same devices
+(down: stage i on device i; up: on device p-1-i), in basic units of p microbatches, half on
+each, concatenated for more. After a stage's last backward its two replicas all-reduce
+their gradients, then step. A unit's order is list scheduling in unit time (a backward
+before a forward, then the deeper stage, then the older microbatch), then fixed."""
 
 from __future__ import annotations
 
@@ -27,8 +16,7 @@ from .spec import ScheduleSpec
 @lru_cache(maxsize=64)
 def _unit_template(p: int, size: int) -> tuple[tuple[tuple[str, int, int, int], ...], ...]:
     """Each device's order for one basic unit of ``size`` microbatches numbered from 0, as
-    (kind, stage, microbatch, pipe) tuples (the list scheduling of the module docstring;
-    the units of a schedule differ only in their first microbatch)."""
+    (kind, stage, microbatch, pipe) tuples."""
     half = size // 2
     pipe_of = [0] * half + [1] * (size - half)
     device = [list(range(p)), list(reversed(range(p)))]  # pipe -> stage -> device

@@ -30,9 +30,8 @@ def check_basic(name: str, stages: int, microbatches: int) -> None:
 
 def warmup_alternate_drain(total: int, warmup: int, forward, backward) -> list[Action]:
     """The 1F1B shape over ``total`` units: ``warmup`` forwards, then one forward and one
-    backward in turn, then the remaining backwards. ``forward(k)`` / ``backward(k)`` are
-    the actions of the k-th unit in forward / backward order (a list's ``__getitem__``
-    will do)."""
+    backward in turn, then the remaining backwards; ``forward(k)`` / ``backward(k)``: the
+    k-th unit's actions."""
     warmup = min(warmup, total)
     steady = total - warmup  # forward-backward pairs
     forwards, backwards = list(map(forward, range(total))), list(map(backward, range(total)))
@@ -54,11 +53,9 @@ def finish_sync(
     overlapped: tuple = (),
     replicated: bool | None = None,
 ) -> Schedule:
-    """Close a synchronous iteration: after the last weight-gradient action of each
-    replicated stage on a device, issue its REDUCE (so the all-reduce overlaps the
-    remaining work, as Chimera does); then STEP every stage the device holds.
-    ``replicated``: whether stages have replicas (None: whether the placement has more
-    than one pipe; True: as one replica among several, see data_parallel.as_replica)."""
+    """Close a synchronous iteration: each replicated stage's REDUCE right after its last
+    weight-gradient action on a device, then STEP every stage the device holds.
+    ``replicated``: None, whether the placement has several pipes; True, as one replica."""
     replicated = placement.num_pipes > 1 if replicated is None else replicated
     out: list[list[Action]] = []
     for dev, order in enumerate(orders):

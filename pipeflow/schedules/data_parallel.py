@@ -1,19 +1,9 @@
 """Data parallelism around any synchronous schedule: replicas of the whole pipeline on
-disjoint devices, each stage's gradients all-reduced across its replicas.
-
-``pipeline.data_parallel = n`` (:func:`replicate`) runs replica r of a p-device schedule
-on devices ``r*p .. r*p+p-1`` and on microbatches ``r*m .. r*m+m-1`` of the global batch
-(n x m microbatches a step). The topology-aware planner's replicas
-(:func:`pipeflow.planning.placement_plan.build_plan_schedule`) are the same mechanism with
-arbitrary device rows and the microbatches dealt round robin: both go through
-:func:`replicate_onto`. Replica r's pipes are pipes ``r*P .. r*P+P-1`` of the result, so
-every stage has n (for Chimera 2n) replicas, and the synchronous closing that Chimera
-already uses (:func:`pipeflow.schedules.common.finish_sync`) all-reduces each stage's
-gradients across them right after the stage's last weight-gradient action on a device,
-so the reduction overlaps the rest of that device's backward, and then steps. The
-runtime, the validator and the simulator need nothing new: replicas on distinct devices
-are pipes of the IR.
-"""
+disjoint devices, each stage's gradients all-reduced across its replicas right after its
+last weight-gradient action (:func:`pipeflow.schedules.common.finish_sync`).
+``pipeline.data_parallel`` (:func:`replicate`) and the planner's replicas
+(:func:`pipeflow.planning.placement_plan.build_plan_schedule`) both go through
+:func:`replicate_onto`; replicas are pipes of the IR."""
 
 from __future__ import annotations
 
@@ -46,12 +36,9 @@ def round_robin(counts: Sequence[int]) -> list[list[int]]:
 
 def replicate_onto(replicas: Sequence[Schedule], devices: Sequence[Sequence[int]], num_devices: int,
                    microbatch_ids: Sequence[Sequence[int]]) -> Schedule:
-    """One synchronous step of several pipeline replicas side by side.
-
-    ``replicas[r]`` is a schedule over its own devices 0..p-1 and microbatches; its
-    device d runs on global device ``devices[r][d]`` and its microbatch i is global
-    microbatch ``microbatch_ids[r][i]``. The replicas must share one stage graph; their
-    microbatch counts may differ (a plan dealing 7 microbatches to 2 pipelines)."""
+    """One synchronous step of pipeline replicas side by side: ``replicas[r]``'s device d runs on
+    ``devices[r][d]``, its microbatch i is global microbatch ``microbatch_ids[r][i]``. The
+    replicas share one stage graph; their microbatch counts may differ."""
     if not replicas or not (len(replicas) == len(devices) == len(microbatch_ids)):
         raise ValueError("replicate_onto: one device row and one microbatch list per replica")
     first = replicas[0]
@@ -96,10 +83,9 @@ def replicate_onto(replicas: Sequence[Schedule], devices: Sequence[Sequence[int]
 
 
 def as_replica(schedule: Schedule) -> Schedule:
-    """The first replica's lists of ``replicate(schedule, n)``, for any n >= 2, on the
-    schedule's own placement: its orders with each stage's REDUCE where the replicated
-    step issues it. What the search walks for a replica's memory without building the
-    other replicas (pipeflow.planning.search.closed_form)."""
+    """The first replica's lists of ``replicate(schedule, n)`` for any n >= 2, on the schedule's
+    own placement (each stage's REDUCE where the replicated step issues it), without building
+    the other replicas."""
     orders = [[a for a in order if a.kind not in (Kind.REDUCE, Kind.STEP)] for order in schedule.orders]
     one = finish_sync(schedule.name, schedule.graph, schedule.placement, orders, schedule.num_microbatches,
                       pipe_of_microbatch=schedule.pipe_of_microbatch, num_segments=schedule.num_segments,
@@ -108,8 +94,7 @@ def as_replica(schedule: Schedule) -> Schedule:
 
 
 def pipeline_shape(schedule: Schedule, stages: int) -> dict:
-    """What a run's summary says of its shape: ``stages`` (``pipeline.stages``, or a plan's
-    own stage count) and ``data_parallel`` (the replicas of the pipeline, from
-    ``pipeline.data_parallel`` or the plan), so that ``pipeflow-compare`` tells them apart."""
+    """A run summary's ``stages`` (``pipeline.stages`` or a plan's count) and ``data_parallel``
+    (the pipeline's replicas)."""
     planned = bool(schedule.layers_per_stage)
     return {"stages": schedule.num_stages if planned else int(stages), "data_parallel": schedule.data_parallel}

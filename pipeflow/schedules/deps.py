@@ -1,23 +1,15 @@
 """Dependencies between actions, derived from the stage graph and placement, never listed.
 
-F(s, mb, seg)      needs F(p, mb, seg) for every predecessor p of s   (activation)
-                   and F(s, mb, seg-1)                                (earlier segment)
-B|I(s, mb, seg)    needs B|I(t, mb, seg) for every successor t of s   (gradient)
-                   and F(s, mb, seg), and B|I(s, mb, seg+1)           (segments in reverse)
+F(s, mb, seg)      needs F(p, mb, seg) for every predecessor p of s, and F(s, mb, seg-1)
+B|I(s, mb, seg)    needs B|I(t, mb, seg) for every successor t, F(s, mb, seg), B|I(s, mb, seg+1)
 W(s, mb, seg)      needs I(s, mb, seg)
-REDUCE(s, j, k)    needs every weight-gradient action (B or W) of stage s on pipe j
-                   for the microbatches of update k
-STEP(s, j, k)      needs REDUCE(s, j, k) when the stage is replicated, else the same
-                   weight-gradient actions REDUCE would have needed.
-F|B|I|W of a fully sharded stage (pipeline.shard=full) also needs the GATHER of its
-                   stage and pipe that precedes it on its device
-                   (pipeflow.schedules.sharding); GATHER and FREE wait for their
-                   device's previous action only.
+REDUCE(s, j, k)    needs the weight-gradient actions (B or W) of stage s, pipe j, update k
+STEP(s, j, k)      needs REDUCE(s, j, k) when replicated, else those same actions
+A fully sharded stage's compute also needs its preceding GATHER on the device
+(pipeflow.schedules.sharding); GATHER and FREE wait for their device's previous action.
 
-A dependency *carries a tensor* when it is an activation or a gradient between
-stages; on different devices that is a message, which the lowering pass turns into
-send/recv and the simulator into a transfer.
-"""
+A dependency between stages *carries a tensor* (an activation or a gradient): a message
+when on different devices."""
 
 from __future__ import annotations
 
@@ -36,11 +28,8 @@ class Dep(NamedTuple):
 
 
 class DepResolver:
-    """Answers "what does this action wait for" for one schedule.
-
-    Built once per schedule: an index of which actions exist, so a backward can be
-    matched to the B or the I that produced its successor's input gradient.
-    """
+    """Answers "what does this action wait for" for one schedule (built once: an index of the
+    actions, matching a backward to the B or I that made its successor's input gradient)."""
 
     def __init__(self, schedule: Schedule):
         self.schedule = schedule
@@ -126,15 +115,10 @@ class DepResolver:
         return self._wgrad.get((s, pipe, version), [])
 
     def numbered_deps(self, actions: Sequence[Action], index: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """deps() of every action in ``actions`` at once, numbered by ``index`` (action ->
-        number; -1 for a dependency it does not hold): (the position of the action that
-        waits, the dependency's number, whether it carries a tensor), one entry per
-        dependency, in the order of ``actions`` and each action's in the order deps()
-        gives them.
-
-        The rules are deps()'s, applied a kind at a time to all of its actions, with no
-        call per action: the simulator's compile asks for the quarter of a million
-        dependencies of a 64 x 1024 schedule at once."""
+        """deps() of every action in ``actions`` at once, numbered by ``index`` (action -> number;
+        -1 for a dependency it does not hold): (position of the waiting action, the dependency's
+        number, whether it carries a tensor) per dependency, in the order of ``actions`` and of
+        deps(). One pass per action kind, no call per action."""
         kinds = np.array(list(map(itemgetter(0), actions)))
         batches = []  # (positions, dependencies (plain tuples hash and compare as Actions), carries)
         for kind in np.unique(kinds).tolist():

@@ -1,26 +1,9 @@
-"""Export a schedule to PyTorch pipelining's "compute_only" CSV format.
-
-One row per rank, one cell per compute action, written the way
-``torch.distributed.pipelining.schedules._Action`` prints and parses them:
-``<stage><F|B|I|W><microbatch>``, e.g. ``0F3``, ``1B2``, ``2I1``, ``2W1``. torch loads
-such a file with ``_PipelineScheduleRuntime._load_csv``, validates it, and lowers it to
-send/recv actions itself; torchtitan reads the same file through its
-``pipeline_parallel_schedule_csv`` option.
-
-Only what torch's runtime can express is exported: one pipeline (torch maps every stage
-to exactly one rank), no sequence segments, synchronous weights (torch flushes every
-step), and a chain of stages (torch only talks to stage +-1). REDUCE and STEP are
-dropped: torch adds its own gradient reduction and the optimizer step is the caller's.
-
-A data-parallel schedule (``pipeline.data_parallel``, with or without ``pipeline.shard``)
-exports its first replica (the others run the same lists on their own ranks, torch's
-FSDP across them) in torch's "compute_comms" format instead, where the file says
-everything and torch lowers nothing: every action in our order with our sends and
-receives (``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B``), a stage's REDUCE as its
-``REDUCE_GRAD``, and under ``pipeline.shard=full`` each GATHER and FREE as ``UNSHARD`` and
-``RESHARD`` (:mod:`pipeflow.schedules.sharding`). torch loads it with
-``_load_csv(path, format="compute_comms")``.
-"""
+"""Export a schedule to PyTorch pipelining's CSV: "compute_only" (one row per rank, cells
+``<stage><F|B|I|W><microbatch>``, which torch's ``_PipelineScheduleRuntime._load_csv``
+lowers itself) for one synchronous pipeline of a chain of stages without segments;
+"compute_comms" (every action in our order with our sends, receives, REDUCE_GRAD,
+UNSHARD and RESHARD) for a data-parallel schedule's first replica. REDUCE and STEP are
+dropped from compute_only (torch reduces; the step is the caller's)."""
 
 from __future__ import annotations
 
@@ -84,9 +67,8 @@ def torch_csv_rows(schedule: Schedule) -> list[list[str]]:
 
 
 def torch_comms_rows(schedule: Schedule) -> list[list[str]]:
-    """The first replica's ranks in torch's compute_comms cells, in our order: compute
-    (an overlapped pair as one cell), our sends and receives, REDUCE_GRAD, UNSHARD and
-    RESHARD; STEP is the caller's."""
+    """The first replica's ranks in torch's compute_comms cells, in our order (an overlapped pair
+    one cell); STEP is the caller's."""
     check_exportable(schedule)
     partner = schedule.overlap_partner()
     paired = set(partner.values())

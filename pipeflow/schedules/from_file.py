@@ -1,26 +1,11 @@
-"""``schedule=file``: a schedule read from a file, one device per line.
+"""``schedule=file``: a schedule read from a file, one device per line, in torch's
+compute-only CSV (:func:`pipeflow.schedules.export.to_torch_csv`), torch's CSV with
+communication (its communication cells skipped, ``(F;B)OVERLAP_F_B`` an overlapped pair)
+or pipeflow's notation (:meth:`pipeflow.schedules.ir.Schedule.format`; REDUCE and STEP
+dropped and the step closed again).
 
-Three ways of writing one are read:
-
-- torch's compute-only CSV (``_PipelineScheduleRuntime._dump_csv(..., "compute_only")``,
-  torchtitan's ``pipeline_parallel_schedule_csv``, :func:`pipeflow.schedules.export.to_torch_csv`):
-  cells ``<stage><F|I|W|B><microbatch>``, empty cells for idle slots;
-- torch's CSV with communication (``_dump_csv`` of a lowered schedule): the
-  ``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B``, ``UNSHARD``/``RESHARD`` and ``REDUCE_GRAD``
-  cells are skipped (pipeflow derives its own communication and reduction), and an
-  ``(F;B)OVERLAP_F_B`` cell is an overlapped pair (:attr:`Schedule.overlapped`);
-- pipeflow's notation, as :meth:`pipeflow.schedules.ir.Schedule.format` prints it
-  (``d0  | 0F0 0F1 0B0 ...``, whitespace between actions; ``s<k>`` for sequence
-  segments; ``(0F3;3B1)`` for an overlapped pair), so a printed schedule can be edited
-  by hand and run. Its REDUCE and STEP
-  actions are dropped and the step is closed again as every synchronous schedule is.
-
-The stages form a chain ``0 .. S-1``; each must run on exactly one device, and the
-placement is read from where they run, so a V shape (ZB-V, DualPipeV: device d holds
-stages d and 2p-1-d) or any other mapping comes from the file. The result is validated
-like a generated schedule: a file that deadlocks or forgets a backward is refused with
-the validator's sentence.
-"""
+The stages form a chain ``0 .. S-1``, each on exactly one device; the placement is read
+from where they run. The result is validated like a generated schedule."""
 
 from __future__ import annotations
 
@@ -128,11 +113,9 @@ FAR = 4  # a file with this many times the lines or cells a run can need is refu
 
 def check_size(text: str, path: str, stages: int, microbatches: int, virtual_stages: int = 1,
                segments: int = 1) -> None:
-    """Refuse, before any cell is read, a file far larger than the run can need: more
-    than :data:`FAR` times ``stages`` lines (one device a line), or a line of more than
-    :data:`FAR` times the compute actions of the whole schedule (every device's F, I and
-    W of every stage, microbatch and segment; a CSV's communication and idle cells are
-    fewer than twice that). A 200,000-line file took 40 s to read, build and refuse."""
+    """Refuse, before any cell is read, a file far larger than the run can need: more than
+    :data:`FAR` times ``stages`` lines, or a line of more than :data:`FAR` times the whole
+    schedule's compute actions."""
     def whole(n) -> int:  # a size the config's own checks refuse counts as 1 here
         return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
 

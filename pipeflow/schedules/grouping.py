@@ -1,14 +1,7 @@
-"""Run a chain schedule over a stage DAG: the baseline way to pipeline a branched model.
-
-A concurrent-branch model is a DAG of stages, not a chain. The classic baseline (the
-one BAPP is measured against) lays its stages out in one topological order, cuts that
-order into p contiguous groups, and runs an ordinary chain schedule over the groups:
-every action of chain position c becomes the same action for each stage of group c,
-forwards in topological order and backwards in reverse. The result is valid for any
-chain schedule: a stage's predecessors sit in its own group (earlier in the order) or
-in an earlier group, whose forward the chain schedule already waits for; symmetrically
-for successors and backwards.
-"""
+"""Run a chain schedule over a stage DAG (the baseline BAPP is measured against): the stages
+in one topological order cut into p contiguous groups, each action of chain position c
+becoming that action for each stage of group c (forwards in topological order, backwards
+in reverse). Valid for any chain schedule."""
 
 from __future__ import annotations
 
@@ -19,10 +12,8 @@ from .ir import Action, Kind, Placement, Schedule, StageGraph
 
 
 def contiguous_groups(graph: StageGraph, parts: int) -> list[list[int]]:
-    """The graph's topological order cut into ``parts`` contiguous runs, the longer runs first.
-
-    Stage indices need not be a topological order (a two-branch model numbers one branch,
-    then the other, while interaction edges cross between them)."""
+    """The graph's topological order cut into ``parts`` contiguous runs, the longer first (stage
+    indices need not be a topological order)."""
     order = graph.topological_order()
     if not 1 <= parts <= len(order):
         raise ValueError(

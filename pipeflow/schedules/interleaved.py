@@ -1,15 +1,7 @@
-"""Interleaved 1F1B (Narayanan et al., SC'21; Megatron's virtual pipeline).
-
-Each device r holds v model chunks; chunk c of device r is stage c*p + r of a chain of
-p*v stages, so a microbatch passes through every device v times. Microbatches move in
-groups of p: device r's k-th forward is chunk (k // p) % v of microbatch
-(k // (p*v))*p + k % p, and its k-th backward walks the chunks in reverse. Warm-up is
-2*(p-r-1) + (v-1)*p forwards, then one forward / one backward, then the drain.
-Bubble ratio with equal stages: (p-1)/(v*m+p-1), v times smaller than 1F1B's,
-paid for with v times more point-to-point messages. Any m runs: with m not a multiple
-of p the microbatches move in max(1, m // p) groups as even as can be (torch's flexible
-interleaving: 10 on 4 devices as 5 + 5, 3 as one group of 3; and 9 as 5 + 4).
-"""
+"""Interleaved 1F1B (Narayanan et al., SC'21; Megatron's virtual pipeline): device r holds v
+chunks, chunk c being stage c*p + r; microbatches move in groups of p (any m: torch's
+flexible interleaving), warm-up 2*(p-r-1) + (v-1)*p forwards. Bubble with equal stages:
+(p-1)/(v*m+p-1)."""
 
 from __future__ import annotations
 

@@ -1,19 +1,14 @@
-"""The schedule IR: one data structure for every pipeline schedule.
+"""The schedule IR: for each device an ordered list of :class:`Action` (a :class:`Schedule`),
+checked by the validator, timed by the simulator, executed by the runtime. Communication
+is derived (:mod:`pipeflow.schedules.lowering`), never written here.
 
-A :class:`Schedule` is, for each device, an ordered list of :class:`Action`. The same
-object is checked by the validator, timed by the simulator and executed by the runtime.
-Communication is never written here: :mod:`pipeflow.schedules.lowering` derives it from
-the :class:`StageGraph` and the :class:`Placement`.
-
-Notation (compact, printable, parsable; a superset of torch.distributed.pipelining's
-``0F3`` / ``1B2`` / ``2W1``)::
+Notation (a superset of torch.distributed.pipelining's ``0F3``)::
 
     [pipe:]<stage><KIND><microbatch>[s<segment>]     compute: F, B, I, W
     [pipe:]<stage><KIND>@<version>                   REDUCE (R) and STEP (S)
 
-``1:2F3s1`` is the forward of stage 2, microbatch 3, sequence segment 1, on pipeline
-replica 1. ``0:4R@0`` reduces stage 4's gradients for update 0; ``0:4S@0`` applies it.
-"""
+``1:2F3s1``: stage 2's forward of microbatch 3, segment 1, on replica 1; ``0:4R@0``
+reduces stage 4's gradients for update 0."""
 
 from __future__ import annotations
 
@@ -62,14 +57,9 @@ class WeightPolicy(str, Enum):
 
 
 class Action(NamedTuple):
-    """One unit of work on one device.
-
-    For compute actions ``microbatch`` is the global microbatch id (unique across the
-    pipeline replicas) and ``version`` is -1. For REDUCE and STEP ``microbatch`` is -1
-    and ``version`` is the index of the weight update they belong to; for GATHER and FREE
-    it counts the stage's gathers in the step (the k-th GATHER of every replica of a
-    stage is one all-gather, and FREE k lets gather k go).
-    """
+    """One unit of work on one device. Compute: ``microbatch`` is global (unique across
+    replicas), ``version`` -1. REDUCE and STEP: ``microbatch`` -1, ``version`` the weight
+    update. GATHER and FREE: ``version`` counts the stage's gathers in the step."""
 
     kind: str
     stage: int
@@ -147,12 +137,9 @@ def STEP(stage: int, pipe: int = 0, version: int = 0) -> Action:
 
 @dataclass(frozen=True)
 class StageGraph:
-    """The model as a DAG of stages; edges carry activations forward (src -> dst).
-
-    A GPT or BERT is a chain. A concurrent-branch model is two chains with interaction
-    edges between them and a join at the head; ``branch`` labels each stage.
-    Tensor sizes live in the cost model, which knows the model; the graph is structure.
-    """
+    """The model as a DAG of stages; edges carry activations forward (src -> dst). A GPT is a
+    chain; a concurrent-branch model two chains with interaction edges and a joined head
+    (``branch`` labels each stage). Sizes live in the cost model."""
 
     num_stages: int
     edges: tuple[tuple[int, int], ...]
@@ -214,11 +201,7 @@ class StageGraph:
 
 @dataclass(frozen=True)
 class Placement:
-    """Which device holds each stage, per pipeline replica: ``table[pipe][stage]``.
-
-    One replica for GPipe/1F1B (interleaving puts several stages on a device); two in
-    opposite directions for Chimera; d/2 for AMDP.
-    """
+    """Which device holds each stage, per pipeline replica: ``table[pipe][stage]``."""
 
     num_devices: int
     table: tuple[tuple[int, ...], ...]
@@ -267,17 +250,10 @@ class Placement:
 
 @dataclass(frozen=True)
 class Schedule:
-    """Per-device ordered action lists plus everything needed to interpret them.
-
-    ``pipe_of_microbatch[mb]`` says which replica runs microbatch ``mb``;
-    ``update_of_microbatch[mb]`` says which weight update its gradient feeds (all 0
-    for a synchronous iteration).
-
-    Frozen once generated: sharding, data parallelism, a plan's placement and a
-    coordinator's choice each make a new schedule (``dataclasses.replace``). What code
-    reads is a field; ``meta`` only describes (a plan's pricing, groups, the policy a
-    coordinator chose, a file's path) and nothing runs or prices by it.
-    """
+    """Per-device ordered action lists and what interprets them: ``pipe_of_microbatch[mb]``
+    (its replica), ``update_of_microbatch[mb]`` (the weight update its gradient feeds).
+    Frozen once generated (sharding, data parallelism, plans make new ones); code reads
+    fields, ``meta`` only describes."""
 
     name: str
     graph: StageGraph
@@ -336,10 +312,8 @@ class Schedule:
         return self.graph.num_stages
 
     def compile_mode(self, compile: bool) -> str:
-        """What a run of this schedule compiles with ``compile`` (a calibration records it,
-        :mod:`pipeflow.runtime.calibration_run`): ``none``; ``blocks``, each block whole;
-        ``eager_products``, each block but its weight products (the zero-bubble split:
-        :func:`pipeflow.models.regional.compile_blocks`)."""
+        """What a run compiles with ``compile``: ``none``; ``blocks`` (each block whole); or
+        ``eager_products`` (each block but its weight products: the zero-bubble split)."""
         if not compile:
             return "none"
         return "eager_products" if self.uses_split_backward() else "blocks"

@@ -1,15 +1,7 @@
-"""Looped BFS (Lamy-Poirier, "Breadth-First Pipeline Parallelism", MLSys 2023; torch's
-``ScheduleLoopedBFS``).
-
-Each device holds v chunks, chunk c of device r being stage c*p + r (the placement of
-interleaved 1F1B). Where interleaved 1F1B goes depth first, looped BFS goes breadth
-first: a device runs the forward of its chunk 0 for every microbatch, then chunk 1 for
-every microbatch, and so on; then the backwards from its last chunk down, the latest
-microbatch first. Every microbatch's activations stay alive until the backward (GPipe's
-memory, m microbatches per chunk), in exchange for long runs of one chunk, which suit
-sharded data parallelism (one gather of a chunk's weights serves all microbatches).
-Bubble with equal stages: (p-1)/(v*m+p-1) when m >= p.
-"""
+"""Looped BFS (Lamy-Poirier, MLSys 2023; torch's ``ScheduleLoopedBFS``): interleaved 1F1B's
+placement gone breadth first: each chunk's forward for every microbatch in turn, then the
+backwards from the last chunk down, the latest microbatch first (GPipe's memory). Bubble
+with equal stages: (p-1)/(v*m+p-1) when m >= p."""
 
 from __future__ import annotations
 

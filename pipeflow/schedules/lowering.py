@@ -1,12 +1,7 @@
-"""Lowering: derive communication from the stage graph and the placement.
-
-Schedule authors write compute only. For every dependency that carries a tensor
-(activation F -> F, gradient B|I -> B|I) between two devices, this pass inserts a
-SEND right after the producing action on the producer's device and a RECV right
-before the consuming action on the consumer's device. Each message gets a tag that is
-unique within the schedule, so a runtime can match sends and receives by tag even when
-two devices exchange messages in different orders (Chimera's two directions do).
-"""
+"""Lowering: derive communication from the stage graph and the placement. For every
+dependency carrying a tensor between two devices, a SEND right after the producing action
+and a RECV right before the consuming one, each with a tag unique within the schedule (so
+two devices may exchange messages in different orders, as Chimera's directions do)."""
 
 from __future__ import annotations
 
@@ -17,13 +12,8 @@ from .ir import Action, Kind, Schedule
 
 
 class Comm(NamedTuple):
-    """One point-to-point message endpoint.
-
-    ``grad`` is False for an activation (sent by F(src_stage) to F(dst_stage)) and True
-    for the gradient flowing back (sent by the backward of dst_stage to the backward of
-    src_stage): src/dst always name the forward edge, so both directions of one edge
-    share them.
-    """
+    """One point-to-point message endpoint. ``grad`` False: an activation, F(src_stage) to
+    F(dst_stage); True: the gradient flowing back. src/dst always name the forward edge."""
 
     op: str  # "send" | "recv"
     grad: bool
@@ -88,14 +78,9 @@ def message_count(lowered: list[list[Item]]) -> int:
 
 
 def order_pairs(lowered: list[list[Item]]) -> list[list[Item]]:
-    """The same lists with every device's receives reordered so that, from each sender,
-    they come in the order that sender sends: what a transport needs that matches the
-    messages of a pair of ranks in order and ignores tags (NCCL's point-to-point does).
-
-    A receive that the sender's order puts earlier moves up to just before the receive
-    that needed it. A receive is only ever posted earlier, and posting it never blocks,
-    so this adds no wait. The sends keep their order, which defines each pair's sequence.
-    """
+    """The same lists with every device's receives reordered to come, from each sender, in the
+    order it sends (what NCCL, matching a pair's messages in order, needs). A receive only
+    ever moves earlier, which never blocks; the sends keep their order."""
     sequence: dict[tuple[int, int], list[int]] = {}  # (sender, receiver) -> tags in send order
     for dev, items in enumerate(lowered):
         for x in items:
@@ -155,12 +140,9 @@ def action_positions(schedule: Schedule) -> dict[Action, tuple[int, int]]:
 
 
 def message_position(positions: dict, key: tuple, consumer: bool) -> tuple[int, int] | None:
-    """(device, index) of the action that consumes (``consumer``) or makes the message
-    ``key`` = (grad, src, dst, microbatch, pipe, segment): a forward message is made by F
-    of its edge's source and used by F of its destination; a gradient is made by the
-    destination's B or I and used by the source's. A message from a peer made after the
-    action that consumed one of ours proves ours arrived (the runtime lets go of a send
-    then, pipeflow.runtime.messages; the simulator's memory walk holds it until then)."""
+    """(device, index) of the action that consumes (``consumer``) or makes the message ``key`` =
+    (grad, src, dst, microbatch, pipe, segment): a forward message goes from F of its edge's
+    source to F of its destination, a gradient from the destination's B or I to the source's."""
     grad, src, dst, mb, pipe, seg = key
     stage = (src if consumer else dst) if grad else (dst if consumer else src)
     for kind in (Kind.B, Kind.I) if grad else (Kind.F,):

@@ -1,9 +1,6 @@
-"""1F1B (PipeDream-Flush / DAPPLE / Megatron): warm up, alternate, drain.
-
-Stage r runs min(p-r-1, m) warm-up forwards, then alternates one forward with one
-backward, then drains the remaining backwards. At most p microbatches are in flight on
-stage 0, against m for GPipe, at the same bubble ratio (p-1)/(m+p-1).
-"""
+"""1F1B (PipeDream-Flush / DAPPLE / Megatron): stage r runs min(p-r-1, m) warm-up forwards,
+alternates one forward with one backward, then drains. At most p microbatches in flight,
+GPipe's bubble (p-1)/(m+p-1)."""
 
 from __future__ import annotations
 

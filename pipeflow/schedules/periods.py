@@ -1,18 +1,8 @@
 """Each schedule's period: from ``fill`` microbatches on, one more ``period`` of microbatches
-inserts the same blocks of steps into every device's walk, at one place (1F1B's
-steady phase) or at several (GPipe: among its forwards, among the sends its first
-backward proves arrived, among its backwards; looped BFS: in every chunk's)
-(:class:`pipeflow.sim.memory_peaks.Periodic`), so two small walks, two periods apart,
-give the peak at any larger count exactly. (fill, period) per schedule, in p, v, s and
-the candidate's m: the smallest fill a walk-by-walk comparison found, one microbatch
-more (for whole groups, the smallest found) (tests/test_search.py holds each rule; a
-search checks that every block of its larger walk stands twice and, where that
-fails, extrapolates as below). The interleaved schedules move microbatches in groups
-of g = ceil(p/s): with m a multiple of g the groups are equal from the start, and a
-period is one more group; otherwise they settle into equal ones once there are more
-groups than microbatches left over, g(g+1). ZB-H2's warm-up (2p - 1 forwards) must be
-full before its period repeats.
-"""
+inserts the same blocks of steps into every device's walk
+(:class:`pipeflow.sim.memory_peaks.Periodic`), so two small walks two periods apart give
+the peak at any larger count exactly. (fill, period) per schedule in p, v, s and m;
+tests/test_search.py holds each rule."""
 
 from __future__ import annotations
 
@@ -47,10 +37,8 @@ PERIODS: dict[str, PeriodRule] = {
 
 
 def periods_past_fill(name: str, p: int, v: int, s: int, m: int) -> tuple[int, int, int] | None:
-    """(m0, period, k): m is k periods past m0, the smallest size from the schedule's
-    fill on that is a whole number of periods short of m; None where the schedule has no
-    rule or m is below its fill. (Walks at m0 and m0 + 2 periods stand for m: their
-    repeated blocks stand k times.)"""
+    """(m0, period, k): m is k periods past m0, the smallest size from the fill on a whole number
+    of periods short of m; None where the schedule has no rule or m is below its fill."""
     rule = PERIODS.get(name)
     if rule is None:
         return None

@@ -1,11 +1,6 @@
-"""Name -> schedule spec. The one place the config's ``schedule.name`` is resolved.
-
-The built-in schedules' specs (:mod:`pipeflow.schedules.spec`) are registered here; a
-user's own schedule is registered by :func:`load_spec` from the import path in its YAML
-(``schedule.generator``), so no file of pipeflow is edited to add one.
-``build_schedule`` checks sizes (errors name the config key and the allowed values),
-generates, and validates, so nothing downstream ever sees a malformed schedule.
-"""
+"""Name -> schedule spec: the one place the config's ``schedule.name`` is resolved. Built-in
+specs are registered here, a user's by :func:`load_spec` from its import path
+(``schedule.generator``); :func:`build_schedule` checks sizes, generates and validates."""
 
 from __future__ import annotations
 
@@ -131,9 +126,9 @@ def build_schedule(
     data_parallel: int = 1,
     **params,
 ) -> Schedule:
-    """Generate (and by default validate) the named schedule. With ``graph`` (a branched
-    model's stage DAG) the chain schedule runs over contiguous groups of its stages; with
-    ``data_parallel`` n > 1, n replicas of it run side by side (pipeflow.schedules.data_parallel)."""
+    """Generate (and by default validate) the named schedule; with ``graph`` (a branched
+    model's stage DAG) over contiguous groups of its stages; with ``data_parallel`` n > 1, n
+    replicas side by side."""
     spec = get_spec(name)
     if data_parallel != 1 and (spec.asynchronous or spec.branch_aware or graph is not None):
         raise ScheduleConfigError(

@@ -1,30 +1,11 @@
-"""Seq1F1B (Sun et al., NAACL 2025): 1F1B over sequence segments, and its interleaved variant.
+"""Seq1F1B (Sun et al., NAACL 2025): 1F1B over sequence segments (``seq1f1b``), and its
+interleaved variant (``seq1f1b_interleaved``).
 
-Each microbatch is cut into s sequence segments and the segment, not the microbatch,
-is the unit the pipeline schedules. Forwards go microbatch by microbatch, segments
-0 -> s-1; backwards go microbatch by microbatch (oldest first) but segments in
-reverse, s-1 -> 0, because a later segment's attention reads the keys and values of
-every earlier one (:mod:`pipeflow.schedules.deps` enforces both orders).
-
-- ``seq1f1b``: stage r runs (p-r-1) + (s-1) warm-up forwards (at most m*s), then one
-  forward / one backward, then the drain. With s = 1 this is exactly 1F1B.
-- ``seq1f1b_interleaved`` (Seq1F1B-I): v model chunks per device, chunk c of device r
-  is stage c*p + r, as in :mod:`pipeflow.schedules.interleaved`, with the segment as
-  the unit: units move through the chunks in groups of N, and the warm-up is
-  (v-1)*N + 2*(p-r-1) + (s-1). N = p when s divides p (the paper's setting, and
-  s = 1 gives exactly interleaved 1F1B). A group must hold whole microbatches: the
-  backward walks a group's microbatches last segment first, and a microbatch cut by a
-  group boundary would have its last segment's backward wait on a forward of the next
-  group. So in general N is the smallest multiple of s that is >= p, and m*s must be a
-  multiple of N.
-
-``split`` (uniform or compute) is how the sequence is cut into segments; the order
-does not depend on it, so it is only checked here and kept in ``meta["split"]`` for
-the cost model and the runtime (:mod:`pipeflow.planning.seqsplit`).
-
-Bubble ratio with equal segments: (p-1)/(m*s+p-1), and (p-1)/(v*m*s+p-1) for Seq1F1B-I;
-activations in flight on stage r (p-r-1+s)/s microbatches instead of p-r.
-"""
+The segment, not the microbatch, is the unit scheduled: forwards segment 0 -> s-1,
+backwards s-1 -> 0 (a later segment's attention reads every earlier one's keys and values;
+:mod:`pipeflow.schedules.deps`). ``split`` does not change the order: it is checked and
+kept in ``meta["split"]`` (:mod:`pipeflow.planning.seqsplit`). Warm-ups and bubbles:
+docs/schedules.md."""
 
 from __future__ import annotations
 
@@ -85,19 +66,15 @@ def seq1f1b(stages: int, microbatches: int, segments: int, split: str = "uniform
 
 
 def unit_group_size(stages: int, segments: int) -> int:
-    """How many units (microbatch segments) move through the chunks together in
-    Seq1F1B-I: the smallest multiple of s that is at least p (p itself when s divides p),
-    so that a group holds whole microbatches."""
+    """How many units (microbatch segments) move through the chunks together in Seq1F1B-I: the
+    smallest multiple of s that is at least p, so that a group holds whole microbatches."""
     return segments * -(-stages // segments)
 
 
 def interleaved_groups(p: int, m: int, s: int) -> list[int]:
-    """How many microbatches each group holds as the groups move through a device's
-    chunks: ``max(1, m*s // n)`` groups (n = :func:`unit_group_size`) sharing the m
-    microbatches as evenly as possible, larger first. With s = 1 and m a multiple of p
-    these are Megatron's groups of p; otherwise torch's flexible interleaving (m // p
-    rounds; 10 microbatches on 4 devices move as 5 + 5, 3 as one group of 3), extended to
-    any m (9 on 4: 5 + 4)."""
+    """The microbatches each group holds: ``max(1, m*s // n)`` groups (n:
+    :func:`unit_group_size`) sharing the m as evenly as possible, larger first (Megatron's
+    groups of p when s = 1 and p divides m; torch's flexible interleaving otherwise)."""
     rounds = max(1, (m * s) // unit_group_size(p, s))
     rounds = min(rounds, m)
     return [m // rounds + (1 if g < m % rounds else 0) for g in range(rounds)]
@@ -105,9 +82,8 @@ def interleaved_groups(p: int, m: int, s: int) -> list[int]:
 
 def interleaved_units(p: int, m: int, v: int, s: int) -> tuple[list[int], list[tuple[int, int]],
                                                                list[tuple[int, int]]]:
-    """The groups (:func:`interleaved_groups`) and the (chunk, unit) pairs a device runs
-    forward (each group through chunks 0..v-1) and backward (through v-1..0), in order;
-    a unit is a microbatch segment (the microbatch itself with s = 1)."""
+    """The groups and the (chunk, unit) pairs a device runs forward (chunks 0..v-1) and backward
+    (v-1..0), in order."""
     groups = interleaved_groups(p, m, s)
     fwd: list[tuple[int, int]] = []
     start = 0
@@ -118,12 +94,9 @@ def interleaved_units(p: int, m: int, v: int, s: int) -> tuple[list[int], list[t
 
 
 def interleaved_orders(p: int, m: int, v: int, s: int) -> list[list[Action]]:
-    """Per-device orders of the interleaved (virtual-stage) schedule over m microbatches
-    of s segments: the microbatches move through a device's v chunks in the groups of
-    :func:`interleaved_groups` (forward: each group through chunks 0..v-1, backward:
-    through v-1..0); chunk c of device r is stage c*p + r. The first group's units and
-    the hops to the last device set the warm-up. With s = 1 and m a multiple of p this is
-    Megatron's interleaved 1F1B."""
+    """Per-device orders of the interleaved schedule over m microbatches of s segments, moving
+    through a device's v chunks in the groups of :func:`interleaved_groups`; chunk c of device
+    r is stage c*p + r (s = 1, p dividing m: Megatron's interleaved 1F1B)."""
     groups, fwd_units, bwd_units = interleaved_units(p, m, v, s)
     total = len(fwd_units)  # chunk-unit pairs per device
 

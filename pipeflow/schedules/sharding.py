@@ -1,32 +1,10 @@
 """Lowering for fully sharded stages (``pipeline.shard=full``, ZeRO-3 / FSDP): when each
-replica of a stage gathers the stage's parameters and when it lets them go.
-
-Under ``full`` each of a stage's n replicas keeps one n-th of the stage's parameters (and
-of their gradients and optimizer state) between uses. :func:`with_gathers` inserts into
-every device's list a GATHER before a replicated stage's compute needs its whole
-parameters and a FREE after the last compute that needed them, by one of three policies
-(``pipeline.gather``):
-
-- ``step``: gathered before the stage's first forward of the step and freed after its
-  last backward (or W): one all-gather a step, the whole parameters held through it (the
-  saving is between steps and at the optimizer step, which updates the shard alone).
-- ``chunk``: gathered when the device turns to the stage and freed when it turns to
-  another stage (an interleaved or V-shaped device holds one chunk's parameters at a
-  time); on a device with one stage it is ``step``.
-- ``microbatch``: gathered before every forward and every backward and freed after it:
-  the whole parameters only while one runs, at m x 2 (3 with the I/W split) all-gathers
-  a step, which the maintainers of DeepSpeed's pipeline name as the reason they refuse
-  ZeRO-3 with it.
-
-An overlapped F&B pair (DualPipeV) is one unit: both stages gathered before it, freed
-after it. GATHER is a collective (its k-th occurrence on every replica of the stage is one
-all-gather, numbered by ``version``), issued on the compute stream like REDUCE: the
-stage's compute up to the matching FREE waits for it (:class:`~pipeflow.schedules.deps.
-DepResolver`), so a gather issued ahead of other work overlaps it. A W reads no weight,
-but it is gathered for like the others: the runtime's weight backward runs through the
-graph the forward built on the gathered parameters. REDUCE is then a reduce-scatter
-(as under ``gradients``). Stages held by one device are not sharded and get neither.
-"""
+replica of a stage gathers its parameters (GATHER) and lets them go (FREE), by
+``pipeline.gather``: ``step`` (around the step's compute), ``chunk`` (while the device is
+on that stage) or ``microbatch`` (around each compute action; an overlapped F&B pair is
+one). A GATHER is a collective on the compute stream that the stage's compute up to its
+FREE waits for (:class:`~pipeflow.schedules.deps.DepResolver`); REDUCE becomes a
+reduce-scatter. Stages on one device are not sharded. docs/training.md has the table."""
 
 from __future__ import annotations
 
@@ -39,9 +17,8 @@ GATHER_POLICIES = ("step", "chunk", "microbatch")
 
 
 def with_gathers(schedule: Schedule, policy: str, every_stage: bool = False) -> Schedule:
-    """``schedule`` with its GATHER and FREE actions (module docstring); its ``meta``
-    records the policy under ``"gather"``. ``every_stage``: every stage counts as
-    replicated (one replica's lists, data_parallel.as_replica)."""
+    """``schedule`` with its GATHER and FREE actions, its ``meta["gather"]`` the policy.
+    ``every_stage``: every stage counts as replicated (one replica's lists)."""
     if policy not in GATHER_POLICIES:
         raise ValueError(f"pipeline.gather={policy}: allowed values: {', '.join(GATHER_POLICIES)}")
     table = schedule.placement.table

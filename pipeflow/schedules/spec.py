@@ -1,27 +1,11 @@
-"""Schedule specs: what a schedule is, declared once, next to its generator.
+"""Schedule specs: what a schedule is, declared once, next to its generator
+``(stages, microbatches, [virtual_stages], [segments], [graph], **options) -> Schedule``.
 
-A spec names a generator and says what the configuration layer, the runtime, the
-exporter, the docs and the tests need to know about it. Most of it is read from the
-generator's signature, so the two cannot drift apart:
-
-- the *structural* parameters it accepts say what it supports: ``virtual_stages``
-  (model chunks per device), ``segments`` (sequence segments per microbatch) and
-  ``graph`` (it schedules a branched model's stage DAG itself);
-- every other parameter is an *option*, a ``schedule.<name>`` config key, typed and
-  defaulted by its annotation and default (``int``, ``float``, ``bool``, ``str`` or
-  ``None`` unions of them);
-
-and the rest is declared: a one-line summary, whether it updates weights without a
-flush (``asynchronous``), whether a chain schedule may run over a branched model's
-stages grouped onto a chain of devices (``groupable``), whether ``pipeflow-train`` runs
-it, the ``schedule.*`` keys the configuration layer reads itself (``config_keys``), and
-for schedules that need the whole run's configuration (the planner's), ``assemble``.
-
-A generator is any function ``(stages, microbatches, [virtual_stages], [segments],
-[graph], **options) -> Schedule``. The built-in ones declare ``SPEC`` in their module;
-a user's own is named by import path in a YAML (``schedule.generator``), see
-:func:`pipeflow.schedules.registry.load_spec`.
-"""
+Read from the signature: the structural parameters it supports, and every other
+parameter as a typed ``schedule.<name>`` option. Declared: a summary, ``asynchronous``,
+``groupable``, ``runtime``, ``config_keys`` and ``assemble``. Built-in modules declare
+``SPEC``; a user's generator is named by import path
+(:func:`pipeflow.schedules.registry.load_spec`)."""
 
 from __future__ import annotations
 

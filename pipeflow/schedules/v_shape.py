@@ -1,31 +1,10 @@
-"""V-shaped schedules: two chunks per device, placed as a V.
+"""V-shaped schedules, two chunks per device (``zb_v``, ``dualpipe_v``): device d of p holds
+stage d (down) and stage 2p-1-d (up), so the first and last stage share device 0 and the
+turn of the V is on device p-1.
 
-Device d of p holds stage d (on the way down) and stage 2p-1-d (on the way back up), so
-the first and the last stage share device 0 and the turn of the V (stages p-1 and p)
-is on device p-1, with no message between them. Every device then does the same work
-per microbatch, the loss is computed where the input was embedded, and the warm-up can
-be filled from both halves.
-
-ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, section 6) runs the
-backward split into I and W on this placement. Device d, with its down stage ``d`` and
-its up stage ``2p-1-d``:
-
-1. 2(p-d)-1 forwards of the down stage (device 0 runs the most: 2p-1, the V's length);
-2. d times: a forward of the up stage, a forward of the down stage;
-3. p-d times: a forward, I and W of the up stage (the first backwards start here, at
-   the bottom of the V, where the loss is);
-4. steady state, until every forward is done: a forward (while any remain), I and W of
-   the down stage, then a forward, I and W of the up stage;
-5. cool-down: d times an I of each stage, their W held back; then p-d times an I of
-   the down stage and one held-back W of it; then the held-back W of the up stage, then
-   the rest of the down stage's.
-
-With F = I = W the steady state has no bubble, and the activation memory peaks at p
-microbatches' worth of layers per device, 1F1B's (2p-1 down-stage forwards are half a
-device's layers each). The construction fills the V with 2p-1 microbatches; with fewer,
-the missing microbatches' actions are left out (the schedule then idles where they
-were).
-"""
+ZB-V (Qi et al., ICLR 2024, section 6) runs the backward split into I and W on this
+placement; the construction fills the V with 2p-1 microbatches (with fewer, the missing
+ones' actions are left out). The phases of each: docs/schedules.md."""
 
 from __future__ import annotations
 
@@ -181,16 +160,10 @@ def dualpipe_v_order(p: int, m: int, d: int) -> tuple[list[Action], list[tuple[A
 
 
 def dualpipe_v(stages: int, microbatches: int, virtual_stages: int = 2) -> Schedule:
-    """DualPipeV (DeepSeek-V3's DualPipe folded onto a V; torch's ScheduleDualPipeV).
-
-    Two chunks per device on the V placement. Device d fills the V with 2(p-d-1) forwards
-    of its down stage, runs d+1 forwards of both, starts its up stage's backwards (split
-    into I and W, the W filling gaps), and then, in the steady state, runs every forward
-    overlapped with a backward of its other stage: (F down; B up), (F up; B down). The
-    overlapped pairs (:attr:`Schedule.overlapped`) hide one half's time behind the other
-    where two streams run them together (``cost.overlap``; the CPU runtime runs them in
-    turn). The cool-down splits the last backwards into I and W from its middle on, so
-    the W fill the drain. Needs m >= 2p (two microbatches per stage of the V)."""
+    """DualPipeV (DeepSeek-V3's DualPipe folded onto a V; torch's ScheduleDualPipeV): every
+    steady-state forward overlapped with a backward of the device's other stage
+    (:attr:`pipeflow.schedules.ir.Schedule.overlapped`), the last backwards split into I and
+    W. Needs m >= 2p."""
     name = "dualpipe_v"
     check_basic(name, stages, microbatches)
     require(virtual_stages == 2, "pipeline.virtual_stages", virtual_stages, name,

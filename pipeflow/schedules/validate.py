@@ -1,12 +1,5 @@
-"""The validator: complete, placed where the placement says, dependency-respecting,
-deadlock-free. Every error names the actions at fault.
-
-The deadlock check is a zero-cost dry run: every device walks its list and runs its
-head action as soon as what it waits for has run. REDUCE is a collective: a device
-issues it and moves on (the reduction overlaps later work), and it completes once every
-replica has issued it. If the walk stops before every list is empty, the heads that are
-stuck are reported with what each waits for.
-"""
+"""The validator: complete, placed where the placement says, dependency-respecting, deadlock-free (a
+zero-cost dry run). Every ScheduleError names the actions at fault."""
 
 from __future__ import annotations
 
@@ -35,20 +28,15 @@ def _fmt(actions, limit: int = 8) -> str:
 
 
 def check_complete(schedule: Schedule) -> None:
-    """Each (stage, microbatch, segment) has exactly one F and one backward (a B, or an
-    I and a W); each action sits on the device that holds its stage for its pipe.
-
-    A schedule that passes (nearly all) is confirmed by :func:`_complete`, set
-    arithmetic over plain tuples (p = 64, m = 1024: a few hundredths of a second, not a
-    quarter); one that does not is walked action by action to name what is wrong."""
+    """Raise ScheduleError unless each (stage, microbatch, segment) has one F and one backward (a B, or an I
+    and a W), each on the device holding its stage for its pipe."""
     if _complete(schedule):
         return
     _check_complete_by_action(schedule)
 
 
 def _complete(schedule: Schedule) -> bool:
-    """Whether the schedule certainly passes check_complete (False: look closer). Every
-    action's fields are tested as arrays, a column at a time."""
+    """Whether the schedule certainly passes check_complete (False: look closer), as arrays."""
     S, M, G = schedule.num_stages, schedule.num_microbatches, schedule.num_segments
     every = list(chain.from_iterable(schedule.orders))
     try:
@@ -95,6 +83,14 @@ def _steps_complete(schedule: Schedule, seen) -> bool:
 
 
 def _check_complete_by_action(schedule: Schedule) -> None:
+    """check_complete's walk, action by action: raise ScheduleError naming what is wrong."""
+    seen = _placed_once(schedule)
+    _check_backwards(schedule, seen)
+    _check_steps(schedule, seen)
+
+
+def _placed_once(schedule: Schedule) -> Counter:
+    """Every action -> how often it runs; ScheduleError on one out of range, misplaced or run twice."""
     S, M, G = schedule.num_stages, schedule.num_microbatches, schedule.num_segments
     placement = schedule.placement
     pipe_of = schedule.pipe_of_microbatch
@@ -126,7 +122,13 @@ def _check_complete_by_action(schedule: Schedule) -> None:
     dups = [a for a, n in seen.items() if n > 1]
     if dups:
         raise ScheduleError(f"schedule {schedule.name!r}: actions scheduled more than once: {_fmt(dups)}", dups)
+    return seen
 
+
+def _check_backwards(schedule: Schedule, seen: Counter) -> None:
+    """ScheduleError unless each (stage, microbatch, segment) has its F and a B, or an I and its W."""
+    S, M, G = schedule.num_stages, schedule.num_microbatches, schedule.num_segments
+    pipe_of = schedule.pipe_of_microbatch
     missing: list[Action] = []
     conflicting: list[Action] = []
     for mb in range(M):
@@ -155,6 +157,10 @@ def _check_complete_by_action(schedule: Schedule) -> None:
     if missing:
         raise ScheduleError(f"schedule {schedule.name!r}: missing actions: {_fmt(missing)}", missing)
 
+
+def _check_steps(schedule: Schedule, seen: Counter) -> None:
+    """ScheduleError unless every (stage, pipe) steps at every update, a replicated one after its REDUCE."""
+    S, placement = schedule.num_stages, schedule.placement
     steps = {a for a in seen if a.kind == Kind.STEP}
     if steps:
         updates = sorted(set(schedule.update_of_microbatch))
@@ -179,35 +185,12 @@ def _check_complete_by_action(schedule: Schedule) -> None:
 
 
 def dry_run(schedule: Schedule, resolver: DepResolver | None = None) -> list[Action]:
-    """Run the schedule at zero cost; return the global completion order.
-
-    Raises ScheduleError naming the stuck head actions (and what each waits for) when
-    the schedule cannot run to completion.
-    """
+    """The global completion order of a zero-cost run (a REDUCE completes once every replica issued it);
+    ScheduleError naming the stuck heads and what each waits for."""
     res = resolver or DepResolver(schedule)
     orders = schedule.orders
     ndev = len(orders)
-    where: dict[Action, tuple[int, int]] = {}
-    for dev, order in enumerate(orders):
-        for pos, a in enumerate(order):
-            where[a] = (dev, pos)
-    deps_cache: list[list[list[Action]]] = [[[d.action for d in res.deps(a)] for a in order] for order in orders]
-    # an overlapped pair starts when both halves are ready: its forward waits for what its
-    # backward needs too (a backward that needs its own forward's result cannot overlap it)
-    for f, b in schedule.overlapped:
-        if f in where and b in where:
-            fdev, fpos = where[f]
-            bdev, bpos = where[b]
-            deps_cache[fdev][fpos] = deps_cache[fdev][fpos] + [d for d in deps_cache[bdev][bpos] if d != f]
-    for dev, order in enumerate(orders):
-        for pos, a in enumerate(order):
-            for d in deps_cache[dev][pos]:
-                if d not in where:
-                    raise ScheduleError(
-                        f"schedule {schedule.name!r}: {a} on device {dev} depends on {d}, "
-                        f"which is not in the schedule",
-                        [a, d],
-                    )
+    where, deps_cache = _waits(schedule, res)
     done: set[Action] = set()
     issued: Counter = Counter()  # collectives (REDUCE, GATHER): (kind, stage, version) -> replicas issued
     npipes = schedule.placement.num_pipes
@@ -241,7 +224,41 @@ def dry_run(schedule: Schedule, resolver: DepResolver | None = None) -> list[Act
             ptr[dev] = p
     if len(done) == total:
         return completion
+    raise _deadlock(schedule, where, deps_cache, ptr, done)
 
+
+def _waits(schedule: Schedule, res: DepResolver) -> tuple[dict, list]:
+    """(where: action -> (device, position), deps: [device][position] -> what it waits for); ScheduleError
+    on a dependency the schedule does not run."""
+    orders = schedule.orders
+    where: dict[Action, tuple[int, int]] = {}
+    for dev, order in enumerate(orders):
+        for pos, a in enumerate(order):
+            where[a] = (dev, pos)
+    deps_cache: list[list[list[Action]]] = [[[d.action for d in res.deps(a)] for a in order] for order in orders]
+    # an overlapped pair starts when both halves are ready: its forward waits for what its
+    # backward needs too (a backward that needs its own forward's result cannot overlap it)
+    for f, b in schedule.overlapped:
+        if f in where and b in where:
+            fdev, fpos = where[f]
+            bdev, bpos = where[b]
+            deps_cache[fdev][fpos] = deps_cache[fdev][fpos] + [d for d in deps_cache[bdev][bpos] if d != f]
+    for dev, order in enumerate(orders):
+        for pos, a in enumerate(order):
+            for d in deps_cache[dev][pos]:
+                if d not in where:
+                    raise ScheduleError(
+                        f"schedule {schedule.name!r}: {a} on device {dev} depends on {d}, "
+                        f"which is not in the schedule",
+                        [a, d],
+                    )
+    return where, deps_cache
+
+
+def _deadlock(schedule: Schedule, where: dict, deps_cache: list, ptr: list, done: set) -> ScheduleError:
+    """The ScheduleError of a dry run stuck at ``ptr``: each stuck head and what it waits for."""
+    orders = schedule.orders
+    ndev, total = len(orders), sum(len(o) for o in orders)
     stuck: list[Action] = []
     reasons: list[str] = []
     for dev in range(ndev):
@@ -261,15 +278,14 @@ def dry_run(schedule: Schedule, resolver: DepResolver | None = None) -> list[Act
         if not waits and a.kind in Kind.COLLECTIVE:
             waits.append("the other replicas to issue the same " + ("reduction" if a.kind == Kind.REDUCE else "gather"))
         reasons.append(f"device {dev} at {a} (position {ptr[dev]}) waits for " + "; ".join(waits))
-    raise ScheduleError(
+    return ScheduleError(
         f"schedule {schedule.name!r} deadlocks after {len(done)} of {total} actions: " + " | ".join(reasons),
         stuck,
     )
 
 
 def check_overlaps(schedule: Schedule) -> None:
-    """Each overlapped pair is a forward followed at once by a full backward on the same
-    device (the unit the simulator prices and the runtime runs), each action in one pair."""
+    """ScheduleError unless each overlapped pair is an F and right after it a B on one device."""
     if not schedule.overlapped:
         return
     where = {a: (dev, pos) for dev, pos, a in schedule.actions()}
@@ -294,7 +310,12 @@ def check_overlaps(schedule: Schedule) -> None:
 
 def validate(schedule: Schedule) -> Schedule:
     """Raise ScheduleError unless the schedule is complete and runs to completion."""
+    completion_order(schedule)
+    return schedule
+
+
+def completion_order(schedule: Schedule) -> list[Action]:
+    """:func:`validate`'s checks; the dry run's global completion order (:func:`dry_run`)."""
     check_complete(schedule)
     check_overlaps(schedule)
-    dry_run(schedule)
-    return schedule
+    return dry_run(schedule)

@@ -1,27 +1,11 @@
 """Which weight version every forward and backward sees, from the schedule alone.
 
-A replica's version is the number of updates (STEPs) applied to it. The policy of the
-schedule decides what a computation sees:
-
-=============  ==========================================  ========================
-policy         forward                                     backward
-=============  ==========================================  ========================
-sync           current                                     current (= forward)
-stash          current                                     the forward's (stashed)
-none           current                                     current
-bounded        current                                     current
-double_buffer  u - 1 for window u (u = 0: version 0)       the forward's
-=============  ==========================================  ========================
-
-Because a device runs its list in order, "current" is the number of STEPs of that
-replica earlier in the device's list: the versions are a property of the schedule, and
-the simulator reports them from here. The runtime counts its real updates and records
-what it actually used; a test checks that the two agree.
-
-Per record: ``mismatch = backward - forward`` (AMDP's parameter mismatch) and
-``staleness = applied - forward``, where ``applied`` is the version the gradient's
-update is applied to (PipeDream: p - i - 1 on stage i; 2BW: 1; synchronous: 0).
-"""
+A replica's version is the number of STEPs earlier in its device's list. A forward sees
+the current one (``double_buffer``: u - 1 in window u); a backward sees the forward's
+(``sync``, ``stash``, ``double_buffer``) or the current (``none``, ``bounded``). Per
+record: ``mismatch = backward - forward`` and ``staleness = applied - forward``
+(``applied``: the version the gradient's update is applied to). The runtime records what
+it used; a test checks the two agree."""
 
 from __future__ import annotations
 
@@ -63,11 +47,8 @@ def forward_version(policy: WeightPolicy, live: int, update: int) -> int:
 
 
 def weight_versions(schedule: Schedule, base_update: int = 0) -> list[VersionRecord]:
-    """Records for every (pipe, stage, microbatch) in device-list order.
-
-    ``base_update`` is the number of updates applied before this schedule runs (the
-    runtime runs an asynchronous schedule as consecutive chunks).
-    """
+    """Records for every (pipe, stage, microbatch) in device-list order; ``base_update``: the
+    updates applied before this schedule runs (the runtime's consecutive chunks)."""
     policy = schedule.policy
     upd = schedule.update_of_microbatch
     out: list[VersionRecord] = []
@@ -118,21 +99,21 @@ def summarize(records) -> dict:
     }
 
 
-def tied_update_plan(schedule: Schedule, tied_stages) -> dict[int, dict[tuple[int, int, int], list[int]]]:
-    """Where an asynchronous schedule applies each update of a weight that several stages
-    share (a tied embedding and LM head): device -> (pipe, stage, w) -> the updates that
-    replica applies at its STEP w (``w = -1``: after its chunk's last STEP). An update's
-    gradient of the shared weight is whole only after the last backward feeding it on any
-    of those stages, so each copy applies it at its first STEP after that backward, in the
-    schedule's global order (:func:`~pipeflow.schedules.validate.dry_run`); until then the
-    copy holds that gradient. Empty when fewer than two stages share a weight."""
+def tied_update_plan(schedule: Schedule, tied_stages, completion: list | None = None
+                     ) -> dict[int, dict[tuple[int, int, int], list[int]]]:
+    """Where an asynchronous schedule applies each update of a weight several stages share (a
+    tied embedding and head): device -> (pipe, stage, w) -> the updates that replica applies at
+    its STEP w (``w = -1``: after its chunk's last STEP), each at the first STEP after the last
+    backward feeding it on any of those stages (:func:`~pipeflow.schedules.validate.dry_run`
+    order; ``completion``: that order, where the caller ran it). Empty when fewer than two
+    stages share a weight."""
     from .validate import dry_run
 
     tied = set(tied_stages)
     if len(tied) < 2:
         return {}
     upd = schedule.update_of_microbatch
-    done_at = {a: i for i, a in enumerate(dry_run(schedule))}
+    done_at = {a: i for i, a in enumerate(dry_run(schedule) if completion is None else completion)}
     last: dict[int, int] = {}  # update -> when its last backward into a tied stage is done
     for order in schedule.orders:
         for a in order:

@@ -1,13 +1,7 @@
-"""ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024).
-
-The backward is split into I (gradient of the stage input, on the critical path) and
-W (gradient of the weights, which nothing downstream waits for). ZB-H1 keeps 1F1B's
-order and memory (p-r-1 warm-up forwards), runs I where 1F1B runs B, and holds W back:
-stage r skips the W of its first r steady-state steps and runs those W in the drain,
-where 1F1B would leave the device idle waiting for gradients. The last stage, whose
-drain is the longest, defers the most. With m >= p the bubble per device falls from
-(p-1)(F+B) to (p-1)(F+B-2W), B being the full backward I+W.
-"""
+"""ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): 1F1B's order and memory
+with the backward split into I (input gradient, where 1F1B runs B) and W (weight gradient),
+stage r holding back the W of its first r steady-state steps into the drain. With m >= p
+the bubble per device falls from (p-1)(F+B) to (p-1)(F+B-2W)."""
 
 from __future__ import annotations
 
@@ -53,12 +47,10 @@ SPEC = ScheduleSpec("zb_h1", zb_h1, "1F1B with the backward split into I and W, 
 
 
 def interleaved_zb(stages: int, microbatches: int, virtual_stages: int = 2) -> Schedule:
-    """Zero bubble over v chunks per device (the paper's ZB-1P on interleaved 1F1B's
-    placement; torch's ScheduleInterleavedZeroBubble). Interleaved 1F1B's order with the
-    backward split: a warm-up one forward shorter per hop ((v-1)*g + p-r-1, g the first
-    group's microbatches) since an I returns sooner than a B; each I followed by the W of
-    the backward r places earlier, so device r holds r weight gradients back into its
-    drain, as ZB-H1 does."""
+    """Zero bubble over v chunks per device (ZB-1P on interleaved 1F1B's placement; torch's
+    ScheduleInterleavedZeroBubble): interleaved 1F1B's order with the backward split, a
+    warm-up of (v-1)*g + p-r-1 (g: the first group's microbatches), device r holding r weight
+    gradients back into its drain."""
     name = "interleaved_zb"
     check_basic(name, stages, microbatches)
     p, m, v = stages, microbatches, virtual_stages
@@ -96,12 +88,9 @@ INTERLEAVED_ZB = ScheduleSpec("interleaved_zb", interleaved_zb, "zero bubble ove
 
 
 def zb_h2(stages: int, microbatches: int) -> Schedule:
-    """ZB-H2 (Qi et al., ICLR 2024): more warm-up than ZB-H1, so the first backward
-    finds a full pipe. Stage r runs 2(p-r)-1 forwards (stage 0 up to 2p-1 microbatches
-    alive, against 1F1B's p), then each I followed by the next forward while any remain
-    and by the oldest held-back W once they are done; the W still held back close the
-    iteration. Later stages hold more W back: the iteration is a parallelogram whose
-    slanted edges are its only idle time when W fills what F and I leave."""
+    """ZB-H2 (Qi et al., ICLR 2024): stage r warms up with 2(p-r)-1 forwards, then each I is
+    followed by the next forward while any remain and by the oldest held-back W after; the
+    held-back W close the iteration."""
     check_basic("zb_h2", stages, microbatches)
     p, m = stages, microbatches
     orders: list[list[Action]] = []

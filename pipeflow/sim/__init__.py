@@ -1,10 +1,7 @@
-"""Discrete-event simulator, metrics, timeline export and drawing (torch-free).
-
-``simulate(schedule, cost, topology)`` predicts the per-action timing, makespan,
-bubble ratio, peak activation memory and communication volume of any schedule;
-``result.timeline`` exports to Chrome trace JSON and draws as a PNG Gantt chart
-(``draw_timeline``; matplotlib is imported only when drawing).
-"""
+"""Discrete-event simulator, metrics, timeline export and drawing (torch-free):
+``simulate(schedule, cost, topology)`` predicts a schedule's per-action timing, makespan,
+bubble, peak memory and traffic; ``result.timeline`` exports to a Chrome trace and draws
+as a PNG Gantt chart (matplotlib imported only then)."""
 
 from .engine import CompiledSchedule, DeviceStats, SimResult, SimulationError, compile_schedule, simulate
 from .gantt import draw_timeline

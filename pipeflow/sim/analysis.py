@@ -16,9 +16,8 @@ from ..formats.timeline import Event, Timeline
 
 
 def classify_edge(branch: tuple[str, ...] | list[str], src_stage: int, dst_stage: int) -> str:
-    """The wait kind of a message along graph edge ``src_stage -> dst_stage`` (an
-    activation along it or a gradient against it): "head" into the head, "interaction"
-    between two other branches, "chain" within one branch or in an unlabelled graph."""
+    """The wait kind of a message along graph edge ``src_stage -> dst_stage``: "head" into the head,
+    "interaction" between two other branches, "chain" within one (or unlabelled)."""
     if not branch:
         return "chain"
     a, b = branch[src_stage], branch[dst_stage]
@@ -28,16 +27,9 @@ def classify_edge(branch: tuple[str, ...] | list[str], src_stage: int, dst_stage
 
 
 def _waits(cs: CompiledSchedule, start, end, issue_time: dict[int, float], transfers, makespan: float) -> list[Wait]:
-    """Every idle gap of every compute stream (REDUCE is not on it) and its cause.
-
-    The action after a gap started at the latest of its dependencies' resolution times
-    and its device predecessor's release (see the event loop), so one of them equals its
-    start exactly: a message's arrival (``transfers``), a REDUCE's collective end, or the
-    predecessor's release (a REDUCE releases the stream when issued). Candidates are
-    gathered for the gap actions only; a gap that none of them explains (a same-device
-    dependency, which cannot end after the previous action, would be one) falls back to
-    the schedule's full dependency list. Ties go to the first kind of WAIT_KINDS.
-    """
+    """Every idle gap of every compute stream and its cause: the message, collective or stream release that
+    resolved exactly at the next action's start (else any dependency that ended then); ties go to the
+    first kind of WAIT_KINDS."""
     actions, kind, stage, device, offsets = cs.actions, cs.kind, cs.stage, cs.device, cs.offsets
     branch = cs.schedule.graph.branch
     R, F = Kind.COLLECTIVE, Kind.F  # a REDUCE or a GATHER: issued, then run across the replicas
@@ -107,9 +99,7 @@ def _waits(cs: CompiledSchedule, start, end, issue_time: dict[int, float], trans
 
 
 def _versions(cs: CompiledSchedule) -> list[VersionRecord]:
-    """The weight version of every forward and backward, from the device lists (which the
-    simulator follows); computed once per compiled schedule, and only for asynchronous
-    policies (under sync every version is 0)."""
+    """The weight version of every forward and backward ([] under sync); SimulationError if bad."""
     if cs.versions is None:
         sched = cs.schedule
         if sched.policy == WeightPolicy.SYNC:
@@ -123,15 +113,8 @@ def _versions(cs: CompiledSchedule) -> list[VersionRecord]:
 
 
 def _weight_memory(cs: CompiledSchedule, cost) -> list[tuple[int, float, float]]:
-    """Per device: (peak weight versions of one replica, peak weight bytes, optimizer bytes).
-
-    Versions per (pipe, stage) replica, walking the device's list (its compute and STEP
-    actions run in that order): the live version (STEPs so far) is always kept; under
-    stash so is every version that an in-flight microbatch's forward used, until the
-    backward that produces its input gradient (B or I); under double_buffer the
-    previous version is kept once the replica has been updated. Other policies keep
-    one version, so no walk is needed.
-    """
+    """Per device: (peak weight versions of one replica, peak weight bytes, optimizer bytes); stash and
+    double_buffer walk the device list (:func:`_version_peaks`)."""
     sched = cs.schedule
     placement = sched.placement
     policy = sched.policy
@@ -158,66 +141,70 @@ def _weight_memory(cs: CompiledSchedule, cost) -> list[tuple[int, float, float]]
                 if extra > 0:
                     opt += extra
         peak_versions = 1 if reps else 0
-        peak = total = base
+        peak = base
         if policy == WeightPolicy.STASH or policy == WeightPolicy.DOUBLE_BUFFER:
-            stash = policy == WeightPolicy.STASH
-            live: dict[tuple[int, int], int] = {}
-            count: dict[tuple[int, int], int] = {}
-            users: dict[tuple[int, int], dict[int, int]] = {}  # version -> in-flight forwards
-            fwd_version: dict[tuple, int] = {}
-            for a in cs.actions[cs.offsets[d]:cs.offsets[d + 1]]:
-                k = a[0]
-                if k == Kind.STEP:
-                    key = (a[3], a[1])
-                    v = live.get(key, 0)
-                    live[key] = v + 1
-                    n = count.get(key, 1)
-                    if stash:
-                        grow = v in users.get(key, ())  # the old version still has a user
-                    else:
-                        grow = n < 2  # double buffer: the previous version is kept from now on
-                    if grow:
-                        n += 1
-                        count[key] = n
-                        total += pbytes(a[1])
-                        if total > peak:
-                            peak = total
-                        if n > peak_versions:
-                            peak_versions = n
-                elif not stash:
-                    continue
-                elif k == Kind.F:
-                    key = (a[3], a[1])
-                    v = live.get(key, 0)
-                    fwd_version[(key, a[2], a[4])] = v
-                    u = users.setdefault(key, {})
-                    u[v] = u.get(v, 0) + 1
-                elif k in Kind.BACKWARD:
-                    key = (a[3], a[1])
-                    v = fwd_version.pop((key, a[2], a[4]), None)
-                    if v is None:
-                        continue
-                    u = users[key]
-                    left = u[v] - 1
-                    if left:
-                        u[v] = left
-                    else:
-                        del u[v]
-                        if v != live.get(key, 0):  # the last user of an old version: free it
-                            count[key] = count.get(key, 1) - 1
-                            total -= pbytes(a[1])
+            peak_versions, peak = _version_peaks(cs, d, policy == WeightPolicy.STASH, pbytes, base, peak_versions)
         out.append((peak_versions, peak, opt))
     return out
 
 
+def _version_peaks(cs: CompiledSchedule, d: int, stash: bool, pbytes, base: float,
+                   peak_versions: int) -> tuple[int, float]:
+    """Device ``d``'s walk under stash (else double_buffer): (the most versions one replica holds, the most
+    weight bytes from ``base``), a version of a stage ``pbytes(stage)`` bytes."""
+    peak = total = base
+    live: dict[tuple[int, int], int] = {}
+    count: dict[tuple[int, int], int] = {}
+    users: dict[tuple[int, int], dict[int, int]] = {}  # version -> in-flight forwards
+    fwd_version: dict[tuple, int] = {}
+    for a in cs.actions[cs.offsets[d]:cs.offsets[d + 1]]:
+        k = a[0]
+        if k == Kind.STEP:
+            key = (a[3], a[1])
+            v = live.get(key, 0)
+            live[key] = v + 1
+            n = count.get(key, 1)
+            if stash:
+                grow = v in users.get(key, ())  # the old version still has a user
+            else:
+                grow = n < 2  # double buffer: the previous version is kept from now on
+            if grow:
+                n += 1
+                count[key] = n
+                total += pbytes(a[1])
+                if total > peak:
+                    peak = total
+                if n > peak_versions:
+                    peak_versions = n
+        elif not stash:
+            continue
+        elif k == Kind.F:
+            key = (a[3], a[1])
+            v = live.get(key, 0)
+            fwd_version[(key, a[2], a[4])] = v
+            u = users.setdefault(key, {})
+            u[v] = u.get(v, 0) + 1
+        elif k in Kind.BACKWARD:
+            key = (a[3], a[1])
+            v = fwd_version.pop((key, a[2], a[4]), None)
+            if v is None:
+                continue
+            u = users[key]
+            left = u[v] - 1
+            if left:
+                u[v] = left
+            else:
+                del u[v]
+                if v != live.get(key, 0):  # the last user of an old version: free it
+                    count[key] = count.get(key, 1) - 1
+                    total -= pbytes(a[1])
+    return peak_versions, peak
+
+
 def _timeline(cs: CompiledSchedule, start, end, issue_time, gbytes, transfers, result: SimResult,
               time_unit: str) -> Timeline:
-    """Events for every action (compute or collective stream) and every transfer (comm).
-
-    Built as columns (one list per Event field, ``Timeline.from_columns``): the quarter
-    of a million events of a 64 x 1024 run go to a file without an Event object each,
-    and the objects are made only when something reads ``timeline.events``.
-    """
+    """The :class:`Timeline` of every action and transfer, built as columns (``Timeline.from_columns``) so a
+    large run makes no Event object until one is read."""
     actions, kind, stage, segment, device = cs.actions, cs.kind, cs.stage, cs.segment, cs.device
     n = len(actions)
     names = list(map(str, actions))
@@ -271,17 +258,14 @@ def _timeline(cs: CompiledSchedule, start, end, issue_time, gbytes, transfers, r
 
 
 def _picker(positions: tuple[int, ...]):
-    """A function that picks ``values[i]`` for each i of ``positions``, as a tuple (an
-    itemgetter, which indexes in C, where there are several)."""
+    """A function picking ``values[i]`` for each i of ``positions``, as a tuple."""
     if len(positions) > 1:
         return itemgetter(*positions)
     return lambda values: tuple(values[i] for i in positions)
 
 
 def _wait_event(w: Wait) -> Event:
-    """A :class:`Wait` as a timeline event on the device's "wait" stream: named and
-    indexed by the action that waited ("drain" after the last one), ``src`` the cause's
-    device, the cause in ``extra``."""
+    """A :class:`Wait` as a timeline event on the device's "wait" stream, the cause in ``extra``."""
     a = w.action
     extra = {
         "cause_kind": w.kind,

@@ -23,12 +23,9 @@ class SimulationError(RuntimeError):
 
 @contextmanager
 def _gc_paused():
-    """Pause the cyclic garbage collector while we allocate.
-
-    Compiling and simulating create hundreds of thousands of small tuples and lists
-    and no reference cycles; left on, the collector rescans the growing heap again and
-    again and takes about 40% of the time of a 64 x 1024 simulation.
-    """
+    """Pause the cyclic garbage collector while we allocate: compiling and simulating make
+    hundreds of thousands of small acyclic objects, and its rescans took about 40% of a
+    64 x 1024 simulation."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -41,13 +38,9 @@ def _gc_paused():
 # --------------------------------------------------------------------------- compile
 @dataclass(eq=False)
 class CompiledSchedule:
-    """The schedule as integer ids and flat lists; independent of cost and topology.
-
-    Actions are numbered device by device, each device's list in order, so the actions
-    of device ``d`` are ids ``offsets[d]`` to ``offsets[d + 1] - 1``. Messages are
-    grouped into classes (same devices, same stages, same segment, same direction) so
-    that each class is priced once.
-    """
+    """The schedule as integer ids and flat lists; independent of cost and topology. Device
+    ``d``'s actions are ids ``offsets[d]`` to ``offsets[d + 1] - 1``, in list order; messages
+    are grouped into classes, each priced once."""
 
     schedule: Schedule
     actions: list[Action]
@@ -83,11 +76,9 @@ class CompiledSchedule:
 
 
 def compile_schedule(schedule: Schedule) -> CompiledSchedule:
-    """Number the actions and turn DepResolver's dependencies into dependent lists.
-
-    Compile once and pass the result to :func:`simulate` as often as needed: it does
-    not depend on the cost model or the topology.
-    """
+    """Number the actions and turn DepResolver's dependencies into dependent lists; the
+    result, independent of the cost model and topology, goes to
+    :func:`~pipeflow.sim.engine.simulate` as often as needed."""
     with _gc_paused():
         return _compile(schedule)
 
@@ -149,9 +140,8 @@ def _numbered(schedule: Schedule) -> tuple[list, list, list, dict]:
 
 def _dependents(schedule: Schedule, resolver, actions: list, device: list, index: dict) -> tuple:
     """Dependencies -> dependents, as arrays: ((producer, waiter) of each dependency that
-    is no message, (producer, consumer, waiter) of each message, how many things each
-    action waits for). A quarter of a million dependencies for 64 x 1024: numbered and
-    sorted as arrays, with no Python step per dependency."""
+    is no message, (producer, consumer, waiter) of each message, how many things each action
+    waits for); vectorised, with no Python step per dependency."""
     n = len(actions)
     where, producer, carries = resolver.numbered_deps(actions, index)
     if len(producer) and producer.min() < 0:
@@ -178,11 +168,9 @@ def _dependents(schedule: Schedule, resolver, actions: list, device: list, index
 
 def _messages(n: int, kind: np.ndarray, stage: np.ndarray, segment: np.ndarray, device: np.ndarray,
               msg_src: np.ndarray, msg_dst: np.ndarray, msg_to: np.ndarray) -> tuple[list, list, list]:
-    """The messages by class: (the classes, how many of each, each action's messages
-    out as (waiter, class)). A message class is (src device, dst device, src stage, dst
-    stage, segment) of the forward edge: activations flow along graph edges (the
-    producer is an F), gradients against them with the same size. Classes are numbered
-    in the order of their first message."""
+    """The messages by class: (the classes, how many of each, each action's messages out as
+    (waiter, class)). A class is (src device, dst device, src stage, dst stage, segment) of the
+    forward edge (gradients flow against it, the same size), numbered by first message."""
     forward = kind[msg_src] == Kind.F
     keys = np.stack([device[msg_src], device[msg_dst], np.where(forward, stage[msg_src], stage[msg_dst]),
                      np.where(forward, stage[msg_dst], stage[msg_src]), segment[msg_src]], axis=1)
@@ -209,11 +197,9 @@ def _messages(n: int, kind: np.ndarray, stage: np.ndarray, segment: np.ndarray, 
 
 def _device_order(is_collective: np.ndarray, offsets: list, local: tuple, num_waits: np.ndarray
                   ) -> tuple[list, list, list]:
-    """(each action's next on its device (-1: the last), each action's dependents on its
-    own device, how many things each waits for). The device predecessor is one more thing
-    to wait for. A compute action frees the stream when it ends, so its successor is one
-    more of its dependents, after the others; a REDUCE frees it when issued (handled in
-    the event loop)."""
+    """(each action's next on its device (-1: the last), each action's dependents on its own
+    device, how many things each waits for). A compute action's successor waits for its end;
+    a REDUCE frees the stream when issued (the event loop's)."""
     n = len(is_collective)
     next_on_device = np.arange(1, n + 1)
     firsts = [lo for lo, hi in zip(offsets, offsets[1:]) if hi > lo]

@@ -1,71 +1,9 @@
-"""Deterministic discrete-event simulator: schedule + cost model + topology -> timing.
-
-The rules (tests compare them with closed forms, so they are exact, not approximate):
-
-- Each device has one compute stream. Its F, B, I, W and STEP actions run one at a
-  time in list order; an action starts at the latest of "the stream is free" and
-  "every dependency is resolved" (dependencies come from :class:`DepResolver`, the
-  one place they are derived). Durations come from ``cost.compute_time``.
-- A dependency on the same device is resolved when it ends. A cross-device
-  dependency that carries a tensor is a message: it leaves when its producer ends,
-  holds every resource (link, switch, NIC) of ``topology.route(src, dst)`` for
-  ``bytes / bandwidth`` from the moment all of them are free, and arrives ``latency``
-  after that. Resources are granted in the order producers finish (a time-ordered
-  event heap, ties broken by action id), so contention is first-come-first-served.
-- REDUCE does not occupy the compute stream: once the device reaches it and its
-  dependencies are resolved, it is issued and the device moves on (the all-reduce
-  overlaps later work, as Chimera does). When every replica has issued it, the
-  collective runs on the members' collective streams for
-  ``topology.allreduce_time(devices, cost.param_bytes(stage))`` (ZeRO-2, which
-  reduce-scatters, ``topology.reducescatter_time``); all members' REDUCEs end together.
-  With one replica a REDUCE is a zero-time no-op.
-
-Weight versions (asynchronous schedules) change no timing. The simulator follows each
-device's list, so the version every forward and backward sees is the one
-:func:`pipeflow.schedules.versions.weight_versions` derives from the lists; the result
-carries those records (``versions``) and their summary (``summary()["staleness"]``).
-Weight memory follows the policy: every (pipe, stage) replica keeps its live version,
-plus (stash) every older version an in-flight microbatch's forward used until its
-backward, or (double_buffer) the previous version once it has been updated; sync, none
-and bounded keep the live version only. ``optimizer_bytes`` is what model state adds
-to the weights (``cost.model_state_bytes - cost.param_bytes`` per replica), held only
-by the owner device of each stage (:func:`pipeflow.schedules.zero.zero_owners`) when
-the schedule's ``zero`` is set.
-
-Branched models (``graph.branch`` labels, e.g. a concurrent-branch model's "vision",
-"text" and "head" stages) get a multi-branch view: ``DeviceStats.busy_by_branch`` splits
-each device's busy time by the branch of the stage it worked on, and, with
-``record=True``, ``SimResult.waits`` explains every idle gap of every compute stream
-(:class:`Wait`, summed per device into ``DeviceStats.idle_by_cause``). A gap before an
-action is charged to the dependency that resolved last -- by definition the one that set
-the action's start -- classified as:
-
-- ``interaction``: an activation or gradient message from another device along an edge
-  between two different branches, neither of them the head (cross-attention, fusion);
-- ``head``: a message along an edge into the head (the join of the branches);
-- ``chain``: a message along an edge within one branch (every edge of an unlabelled
-  graph is a chain edge);
-- ``reduce``: a gradient all-reduce (a STEP waiting for its REDUCE's collective);
-- ``stream``: anything else on the device itself (its own list order, a dependency that
-  carries no message);
-- ``drain``: the tail after the device's last action, until the iteration ends.
-
-When several dependencies resolve at the same instant the gap goes to the first of
-interaction, head, chain, reduce, stream (each of them alone would have held the action).
-The waits are derived after the event loop from the recorded times and transfers, so the
-``record=False`` fast path does no extra work.
-
-Speed matters because the planner calls this in its inner loop: the schedule is
-compiled once into integer ids and flat lists (:func:`compile_schedule`, reusable
-across cost models and topologies), every duration and message is priced once, and the
-event loop touches only lists of ints and floats.
-
-The module holds the event loop (:func:`_simulate` and its two walks, ``_events`` for
-dedicated resources and ``_events_shared`` for processor-sharing hosts) whole: it is the
-simulator's hot path, and splitting it across calls would cost the planner's inner loop.
-Compiling lives in :mod:`.compiled`, the result types in :mod:`.results`, and everything
-derived after the loop (waits, versions, weight memory, the timeline) in :mod:`.analysis`.
-"""
+"""Deterministic discrete-event simulator: schedule + cost model + topology -> timing
+(:func:`simulate`; the rules: docs/simulation.md, "The simulator's rules"). The schedule is
+compiled once to ints and flat lists (:mod:`.compiled`) and every price computed once; the
+event loop (``_events``, ``_events_shared`` for hosts' shared cores) stays whole, being the
+planner's inner loop. Results: :mod:`.results`; what is derived after the loop (waits,
+weight versions and memory, the timeline): :mod:`.analysis`."""
 
 from __future__ import annotations
 
@@ -98,14 +36,10 @@ __all__ = [
 def simulate(
     schedule: Schedule | CompiledSchedule, cost, topology, record: bool = True, waits: bool = True
 ) -> SimResult:
-    """Run ``schedule`` on ``topology`` with durations and sizes from ``cost``.
-
-    ``schedule`` may be compiled already (:func:`compile_schedule`) to price one
-    schedule under many cost models or topologies. ``record=False`` skips building the
-    timeline and the idle-gap analysis (``waits``, ``DeviceStats.idle_by_cause``); every
-    other metric is still exact. ``waits=False`` skips only the idle-gap analysis where
-    neither the timeline nor the summary shows it (graphs without branch labels).
-    """
+    """Run ``schedule`` (or a :func:`compile_schedule` of it, to price it many times) on ``topology``
+    with durations and sizes from ``cost``; a :class:`SimResult`. ``record=False`` skips the
+    timeline and the idle-gap analysis, every other metric exact; ``waits=False`` skips only
+    the idle-gap analysis where nothing shows it (no branch labels)."""
     with _gc_paused():
         cs = schedule if isinstance(schedule, CompiledSchedule) else _compile(schedule)
         return _simulate(cs, cost, topology, record, waits)
@@ -278,7 +212,7 @@ def _device_stats(cs: CompiledSchedule, cost, dur, start, end, makespan: float, 
     peak as the engine walks them (each device's list in order: its events are
     time-ordered there), its traffic (sent, received, collective bytes) and weights."""
     sched = cs.schedule
-    ndev, kind, stage, segment = cs.num_devices, cs.kind, cs.stage, cs.segment
+    ndev, stage = cs.num_devices, cs.stage
     sent, recv, coll_bytes = traffic
     # ---- weights: versions seen (asynchronous policies), versions kept, optimizer state
     weights = _weight_memory(cs, cost)
@@ -295,46 +229,7 @@ def _device_stats(cs: CompiledSchedule, cost, dur, start, end, makespan: float, 
             by_branch = dict.fromkeys(label_order, 0.0)
             for i in range(lo, hi):
                 by_branch[labels[stage[i]]] += dur[i]
-        cur = peak = 0.0
-        live = peak_live = 0
-        last = -math.inf
-        for i in range(lo, hi):
-            k = kind[i]
-            if k not in Kind.COMPUTE:
-                continue
-            key = (stage[i], segment[i])
-            sizes = act_cache.get(key)
-            if sizes is None:
-                sizes = act_cache[key] = (
-                    float(cost.activation_bytes(*key)),
-                    float(cost.weight_residual_bytes(*key)),
-                    price(cost, "rebuilt_layer_bytes", *key),
-                    _kv_gradient(cost, key, nseg),
-                )
-            if k == Kind.F:
-                t, delta, dlive = start[i], sizes[0], 1
-            elif k == Kind.B:
-                t, delta, dlive = end[i], -sizes[0] + sizes[3], -1
-            elif k == Kind.I:
-                t, delta, dlive = end[i], sizes[1] - sizes[0] + sizes[3], -1
-            else:  # W
-                t, delta, dlive = end[i], -sizes[1], 0
-            # Frees come before allocations at equal times, so the level that counts at
-            # a time stamp is the one after all its events: take the peak when time moves.
-            if t > last:
-                if cur > peak:
-                    peak = cur
-                if live > peak_live:
-                    peak_live = live
-                last = t
-            if sizes[2] and k in (Kind.B, Kind.I):
-                # while it runs, the backward holds the layer it recomputed on top of the
-                # level before its free (nothing else allocates on this device meanwhile)
-                peak = max(peak, cur + sizes[2])
-            cur += delta
-            live += dlive
-        peak = max(peak, cur)
-        peak_live = max(peak_live, live)
+        peak, peak_live = _activation_peak(cs, cost, start, end, lo, hi, act_cache, nseg)
         nver, wbytes, obytes = weights[d]
         per_device.append(
             DeviceStats(
@@ -355,6 +250,55 @@ def _device_stats(cs: CompiledSchedule, cost, dur, start, end, makespan: float, 
             )
         )
     return per_device
+
+
+def _activation_peak(cs: CompiledSchedule, cost, start, end, lo: int, hi: int, act_cache: dict,
+                     nseg: int) -> tuple[float, int]:
+    """One device's activations walked over its actions ``lo:hi`` (time-ordered): (the
+    peak bytes, the peak of microbatch segments held); ``act_cache``: (stage, segment)
+    -> its sizes, filled as met."""
+    kind, stage, segment = cs.kind, cs.stage, cs.segment
+    cur = peak = 0.0
+    live = peak_live = 0
+    last = -math.inf
+    for i in range(lo, hi):
+        k = kind[i]
+        if k not in Kind.COMPUTE:
+            continue
+        key = (stage[i], segment[i])
+        sizes = act_cache.get(key)
+        if sizes is None:
+            sizes = act_cache[key] = (
+                float(cost.activation_bytes(*key)),
+                float(cost.weight_residual_bytes(*key)),
+                price(cost, "rebuilt_layer_bytes", *key),
+                _kv_gradient(cost, key, nseg),
+            )
+        if k == Kind.F:
+            t, delta, dlive = start[i], sizes[0], 1
+        elif k == Kind.B:
+            t, delta, dlive = end[i], -sizes[0] + sizes[3], -1
+        elif k == Kind.I:
+            t, delta, dlive = end[i], sizes[1] - sizes[0] + sizes[3], -1
+        else:  # W
+            t, delta, dlive = end[i], -sizes[1], 0
+        # Frees come before allocations at equal times, so the level that counts at
+        # a time stamp is the one after all its events: take the peak when time moves.
+        if t > last:
+            if cur > peak:
+                peak = cur
+            if live > peak_live:
+                peak_live = live
+            last = t
+        if sizes[2] and k in (Kind.B, Kind.I):
+            # while it runs, the backward holds the layer it recomputed on top of the
+            # level before its free (nothing else allocates on this device meanwhile)
+            peak = max(peak, cur + sizes[2])
+        cur += delta
+        live += dlive
+    peak = max(peak, cur)
+    peak_live = max(peak_live, live)
+    return peak, peak_live
 
 
 def _result(cs: CompiledSchedule, cost, topology, record: bool, want_waits: bool, per_device: list,
@@ -402,10 +346,9 @@ def _result(cs: CompiledSchedule, cost, topology, record: bool, want_waits: bool
 
 
 def _kv_gradient(cost, key: tuple[int, int], nseg: int) -> float:
-    """What a backward of (stage, segment) changes in the Seq1F1B key/value gradients:
-    a microbatch's first backward on a stage (its last segment's; the dependencies
-    order segments' backwards last to first) allocates those of every earlier segment,
-    and each earlier segment's backward frees its own."""
+    """What a backward of (stage, segment) changes in the Seq1F1B key/value gradients: a
+    microbatch's first backward on a stage (its last segment's) allocates those of every
+    earlier segment; each earlier segment's backward frees its own."""
     stage, seg = key
     if nseg <= 1:
         return 0.0
@@ -546,13 +489,10 @@ def _events(cs: CompiledSchedule, dur, specs, num_slots, groups, gdevs, gdur, re
 
 
 def _events_shared(cs: CompiledSchedule, dur, specs, num_slots, groups, gdevs, gdur, record, topology):
-    """The event loop of devices that share a host's cores (:meth:`Topology.compute_rate`):
-    processor sharing. A compute action is work of ``dur`` seconds at full speed; while
-    k devices compute, each progresses at ``compute_rate(k)``, so an action's end is
-    known only when no other starts or ends before it. Messages, REDUCE and the
-    resolution of dependencies follow :func:`_events` exactly. Slower than that loop
-    (it scans the running actions at every event), and used only for shared hosts,
-    which hold a handful of ranks."""
+    """The event loop of devices that share a host's cores, processor sharing: while k devices
+    compute each progresses at :meth:`~pipeflow.topology.topology.Topology.compute_rate` (k),
+    so an action's end is known only when nothing else starts or ends before it. Otherwise
+    as :func:`_events`; slower (it scans the running actions at every event)."""
     n, ndev, kind = len(cs.actions), cs.num_devices, cs.kind
     n2 = 2 * n
     # Heap keys: k < n: compute action k starts; n <= k < 2n: REDUCE k - n issued;

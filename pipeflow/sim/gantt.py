@@ -1,21 +1,7 @@
-"""The per-device Gantt chart researchers put in their papers, as a PNG.
-
-One row per device (device 0 on top), one bar per action, colour per microbatch;
-the kind shows in the shading: F plain, B darker and hatched, I darker and hatched the
-other way, W light and dotted, STEP grey; a REDUCE is a thin black bar along the bottom
-of its row (it runs beside the compute stream, not on it). Transfers are not drawn.
-
-A branched model's timeline (``meta["branch"]``: stage -> branch label, written by the
-simulator for graphs with branch labels) is coloured by branch instead of microbatch:
-vision blue, text orange, head purple (other labels take further colours), with the same
-per-kind shading and hatching. Its idle gaps that waited on an interaction message
-(``wait`` events with ``cause_kind == "interaction"``) are drawn as a thin red-hatched
-band across the gap, "waiting on interaction" in the legend; the other gaps stay blank.
-
-Everything is drawn as one polygon collection per kind, so a 64-device x 1024-microbatch
-timeline (over 100k bars) still renders in seconds; hatching, bar edges and microbatch
-numbers are only added when there are few enough bars to see them.
-"""
+"""The per-device Gantt chart of a timeline, as a PNG (:func:`draw_timeline`): a row per
+device, a bar per action coloured by microbatch (a branched model's by branch) and shaded by
+kind, REDUCEs as thin bars along a row's bottom, waits on an interaction message hatched red;
+one polygon collection per kind, so 100k bars render in seconds."""
 
 from __future__ import annotations
 
@@ -80,10 +66,9 @@ def _height_in(ndev: int) -> float:
 
 
 def unreadable(timeline: Timeline, dpi: int = 110) -> str | None:
-    """Why :func:`draw_timeline`'s picture of ``timeline`` could not be read, or None
-    when it can: the busiest device's row must give each of its compute boxes
-    MIN_BOX_PX pixels of width on average, and every row MIN_ROW_PX pixels of height.
-    Counting is all it does (no matplotlib), so it costs little at any size."""
+    """Why :func:`draw_timeline`'s picture of ``timeline`` could not be read (fewer than
+    MIN_BOX_PX pixels of width per compute box on the busiest row, or MIN_ROW_PX of height per
+    row), or None when it can; counts only, no matplotlib."""
     devices = timeline.column("device")
     ndev = max(timeline.num_devices, max(devices, default=0) + 1)
     boxes = [0] * ndev

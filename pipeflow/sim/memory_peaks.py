@@ -11,9 +11,8 @@ class NotPeriodic(ValueError):
 
 
 def encoded(tape, index: dict) -> np.ndarray:
-    """A tape's steps as an array of rows (category, term, count), its own term indices
-    replaced by each term's number in ``index`` (shared by the walks to compare, which
-    it grows), so that the tapes of one schedule at two sizes compare step by step."""
+    """A tape's steps as an array of rows (category, term, count), its term indices replaced by
+    each term's number in ``index`` (which it grows), so that two walks compare step by step."""
     ids = np.array([index.setdefault(k, len(index)) for k in tape.terms] + [-1], dtype=float)
     steps = tape.rows().copy()
     steps[:, 1] = ids[steps[:, 1].astype(np.int64)]  # (-1, no term, stays -1)
@@ -28,16 +27,9 @@ def _common(a: np.ndarray, b: np.ndarray) -> int:
 
 
 def split_periods(small: np.ndarray, big: np.ndarray) -> list[tuple[np.ndarray, bool]]:
-    """``small`` as blocks (steps, repeated): ``big``, the walk two periods later, is
-    ``small`` with every repeated block inserted twice where it stands, and the walk k
-    periods past ``small`` is ``small`` with each inserted k times. A schedule inserts
-    its period at one place (the steady phase: 1F1B) or at several (GPipe: among its
-    forwards, among the sends its first backward proves arrived, among its backwards).
-    Found by walking both: where they part, a stretch of ``big`` whose halves agree and
-    after which the two agree again is the inserted block, the shortest first, a longer
-    one where the rest then fails (a block whose first steps also follow it is found
-    rotated, which repeats alike). Raises NotPeriodic when ``big`` is not ``small`` with
-    doubled blocks."""
+    """``small`` as blocks (steps, repeated), where ``big``, the walk two periods later, is
+    ``small`` with each repeated block inserted twice where it stands (docs/planning.md,
+    "Periodic walks"); NotPeriodic when it is not."""
     n, extra = len(small), len(big) - len(small)
     if extra <= 0 or extra % 2:
         raise NotPeriodic(f"the larger walk has {len(big)} steps, the smaller {n}")
@@ -79,16 +71,10 @@ def split_periods(small: np.ndarray, big: np.ndarray) -> list[tuple[np.ndarray, 
 
 
 class Periodic:
-    """Every device's peak at k more periods of a schedule than a walked size, without
-    walking them: each device's walk at that size is a list of blocks, some repeated
-    once a period (:func:`split_periods`), and at k periods more each repeated block
-    stands k times. Within the j-th copy of a block the level is the copies' start plus
-    j times the block's net change, so the copies' highest instant is the first's or
-    the last's: the peak is the most over the blocks of their own highest instant,
-    raised by what the blocks before them add (k times for a repeated one) and, within
-    a repeated block, by (k - 1) of its net changes where it grows: exact for any k.
-    ``small`` and ``big`` (two periods later) are each device's steps :func:`encoded`
-    over ``terms`` (the index's keys, in order)."""
+    """Every device's peak at k more periods of a schedule than a walked size, without walking
+    them: each repeated block (:func:`split_periods`) stands k times, and its copies peak at
+    the first or the last, so the peak is exact for any k. ``small`` and ``big`` (two periods
+    later) are each device's steps :func:`encoded` over ``terms``."""
 
     def __init__(self, small: list, big: list, terms: list) -> None:
         self._build([split_periods(a, b) for a, b in zip(small, big)], terms)
@@ -159,10 +145,9 @@ class Periodic:
 
 
 class Peaks(Periodic):
-    """Every device's peak for many cost models at once: the tapes' walks as arrays
-    over one list of terms (``terms``), so that a cost's peaks are a few array
-    operations (:meth:`peaks`, k = 0) rather than a walk: a walk without a period,
-    each device's tape one block."""
+    """Every device's peak for many cost models at once: a walk without a period (each device's
+    tape one block) as arrays over ``terms``, so a cost's peaks are a few array operations
+    (:meth:`peaks`, k = 0)."""
 
     def __init__(self, tapes: list) -> None:  # pipeflow.sim.device_walk.tapes(schedule)
         index: dict = {}

@@ -1,5 +1,5 @@
-"""One device's memory over a simulated step as a tape of terms (:class:`Tape`): what
-:mod:`pipeflow.sim.device_walk` records and :mod:`pipeflow.sim.device_memory` walks, and the categories it holds."""
+"""One device's memory over a simulated step as a tape of terms (:class:`Tape`), recorded by
+:mod:`pipeflow.sim.device_walk` and walked by :mod:`pipeflow.sim.device_memory`."""
 
 from __future__ import annotations
 
@@ -8,23 +8,19 @@ from array import array
 
 import numpy as np
 
+from ..formats.memory_categories import CATEGORIES
 from .memory_terms import term_value
 
-CATEGORIES = ("parameters", "optimizer_state", "weight_versions", "gradients", "casts", "activations", "residuals",
-              "outputs", "inputs", "temporaries")
 _CAT = {c: i for i, c in enumerate(CATEGORIES)}
 _TEMP = _CAT["temporaries"]
 
 
 @dataclass
 class Tape:
-    """One device's memory over a step, without its bytes: the terms it holds (keys such
-    as ``("activation_bytes", stage, segment)``, valued by :func:`term_value`) and the
-    walk as steps, each ``(category, term, count)`` (that many of the term join the
-    category, or leave it when negative) or ``(-1, extra, 0)``, an instant that may be
-    the peak, with ``extra`` a term held on top of the level for that instant only (a
-    backward's workspace, an optimizer step's buffers; -1: none). ``steps`` holds them
-    flat, three numbers a step (:meth:`rows` reads them as rows)."""
+    """One device's memory over a step without its bytes: the ``terms`` it holds (keys valued by
+    :func:`term_value`) and ``steps``, flat triples ``(category, term, count)`` (count of the term joins
+    the category, or leaves it when negative) or ``(-1, extra, 0)``: an instant that may be the peak,
+    ``extra`` held on top for it alone (-1: none)."""
 
     terms: list[tuple]
     steps: array  # of doubles: category, term, count, category, ...
@@ -40,23 +36,14 @@ class Tape:
         return np.frombuffer(self.steps, dtype=float).reshape(-1, 3)
 
     def named(self) -> list[tuple]:
-        """The steps as (category's number, the term's key or None, count): what a test
-        or a reader compares."""
+        """The steps as (category's number, the term's key or None, count)."""
         return [(int(c), self.terms[int(k)] if k >= 0 else None, n) for c, k, n in self.rows().tolist()]
 
     def walk(self, values: np.ndarray, action: str | None = None, every: bool = False) -> dict:
-        """The bytes: ``peak_bytes``, ``at_peak``, ``peak_action`` and ``category_peaks``
-        (see :func:`device_memory`); with ``action`` (a name such as "1I3") also
-        ``at_action``: that action's own most and what holds it then, and ``instants``,
-        each instant of it (bytes, category -> bytes then; a host's kernels can tip a
-        rank's peak between two of them a few hundred bytes apart); with ``every``,
-        ``action_peaks``: each action's own most, name -> (bytes, category -> bytes then).
-
-        As arrays: each category's level is the running sum of its own steps, added in
-        the tape's order (the same sums, to the bit, as adding them one by one), read
-        at the instants; an instant's bytes are the levels summed category by category
-        plus its extra; the peak is the first highest instant, each category's own most
-        the highest of its levels at the instants (temporaries with the extra)."""
+        """The bytes: ``peak_bytes``, ``at_peak``, ``peak_action`` and ``category_peaks`` (see
+        :func:`~.device_memory.device_memory`); with ``action`` (a name such as "1I3") also
+        ``at_action``, its own most and each of its instants; with ``every``, ``action_peaks`` (name ->
+        (bytes, category -> bytes then))."""
         rows = self.rows()
         v = np.append(np.asarray(values, dtype=float), 0.0)  # (term -1: nothing on top)
         cat, term = rows[:, 0].astype(np.int64), rows[:, 1].astype(np.int64)
@@ -106,6 +93,5 @@ class Tape:
         return out
 
     def action_peaks(self, values: np.ndarray) -> dict:
-        """Each action's own most: name -> (bytes, category -> bytes then) (a debugging
-        aid, beside the runtime's ``StepMemory.action_peaks``)."""
+        """Each action's own most: name -> (bytes, category -> bytes then)."""
         return self.walk(values, every=True)["action_peaks"]

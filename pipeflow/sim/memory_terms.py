@@ -1,36 +1,36 @@
-"""The memory contract: every term a device's memory walk (:mod:`pipeflow.sim.device_walk`)
-asks a cost model for, and the walk's own compositions of them.
-
-A term is a cost model's method of that name returning bytes. Each term has one
-category (where the walk counts it, the runtime's ``runtime.memory=profile`` tag it is
-measured under) and one lifetime; ``docs/memory_terms.md`` is the glossary, checked
-against :data:`TERMS` by ``tests/test_memory_terms.py``. A cost model implements every
-required term or names it in ``absent_terms`` (it holds no such bytes, or it does not
-model them): :class:`pipeflow.planning.cost.CostModel` checks that when a cost model is
-defined, and :func:`price` refuses a term a cost model neither prices nor declares, so
-a renamed method fails loudly instead of being priced at zero. A refinement (``fallback``
-set) is a term a cost model may price apart; where it does not, the walk uses the term
-it falls back to.
-"""
+"""The memory contract: every term (a cost model's method returning bytes) a device's memory walk
+(:mod:`pipeflow.sim.device_walk`) asks for, with its category and lifetime (:data:`TERMS`, glossary
+docs/memory_terms.md), and the walk's compositions of them. A cost model prices each required term or
+lists it in ``absent_terms``; :func:`price` refuses any other (:class:`MissingTerm`), never zero by
+default."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..formats.memory_categories import CATEGORIES, MEASURED, STATE
+
 
 @dataclass(frozen=True)
 class Term:
     name: str  # the cost model's method
-    category: str  # where the walk counts it (pipeflow.sim.memory_tape.CATEGORIES; a few span several)
+    category: str  # where the walk counts it (pipeflow.formats.memory_categories.CATEGORIES; a few span several)
     lifetime: str  # from when to when a device holds it
     args: tuple = ("stage", "segment")
     fallback: str | None = None  # a refinement: what the walk takes where a cost model does not price it
-    tag: str | None = None  # the runtime's tag, where it is not the category
+    tag: str | None = None  # the runtime's tag, where it is not the category (memory_categories.APART)
+
+    def __post_init__(self) -> None:
+        tags = (self.tag or self.category).split(", ")
+        unknown = (set(self.category.split(", ")) - set(CATEGORIES)) | (set(tags) - set(MEASURED))
+        if unknown:
+            raise ValueError(f"memory term {self.name!r}: {', '.join(sorted(unknown))} is no memory category "
+                             "(pipeflow.formats.memory_categories)")
 
 
 _S, _SS = ("stage",), ("src_stage", "dst_stage", "segment")
 TERMS: dict[str, Term] = {t.name: t for t in (
-    Term("state_bytes", "parameters, optimizer_state, gradients, casts", "the stage's model state by category (parameters and optimizer state the "
+    Term("state_bytes", ", ".join(STATE), "the stage's model state by category (parameters and optimizer state the "
          "whole run; gradients from the first backward to the step; casts from the first forward to the step)",
          _S),
     Term("param_bytes", "gradients", "what a REDUCE all-reduces (the stage's gradients)", _S),
@@ -105,8 +105,7 @@ class MissingTerm(TypeError):
 
 
 def missing_terms(cls) -> list[str]:
-    """The required terms ``cls`` neither implements nor lists in ``absent_terms``, and
-    those it does both (a contradiction), as sentences."""
+    """Sentences naming the terms ``cls`` neither prices nor declares absent, or does both."""
     absent = set(getattr(cls, "absent_terms", ()))
     out = [f"{n} (neither priced nor in absent_terms)" for n in sorted(REQUIRED - absent) if not hasattr(cls, n)]
     out += [f"{n} (priced and also in absent_terms)" for n in sorted(absent) if hasattr(cls, n)]
@@ -115,8 +114,8 @@ def missing_terms(cls) -> list[str]:
 
 
 def price(cost, name: str, *args) -> float:
-    """The bytes of required term ``name`` from ``cost``: its method, or 0 where it
-    declares the term absent; any other term refused (:class:`MissingTerm`)."""
+    """The bytes of required term ``name`` from ``cost`` (0 where declared absent); :class:`MissingTerm`
+    otherwise."""
     fn = getattr(cost, name, None)
     if fn is not None:
         return float(fn(*args))
@@ -134,6 +133,14 @@ def refinement(cost, name: str):
     if TERMS[name].fallback is None:
         raise MissingTerm(f"{name!r} is a required memory term, not a refinement")
     return getattr(cost, name, None)
+
+
+def _state(key, cost, value) -> float:  # ("state", stage, category)
+    held = cost.state_bytes(key[1])
+    if key[2] not in held:  # (a category added to STATE that this cost model's state_bytes does not price)
+        raise MissingTerm(f"cost model {type(cost).__name__}'s state_bytes prices no {key[2]!r} "
+                          f"(pipeflow.formats.memory_categories.STATE)")
+    return float(held[key[2]])
 
 
 def _during_backward(key, cost, value) -> float:  # ("during_backward", stage, segment, ...)
@@ -222,7 +229,7 @@ def _parameter_shard(key, cost, value) -> float:  # (name, stage, replicas)
 
 # the walk's compositions (COMPOSED), each from the terms it composes: key, cost, value -> bytes
 COMPOSE = {
-    "state": lambda key, cost, value: float(cost.state_bytes(key[1])[key[2]]),  # ("state", stage, category)
+    "state": _state,
     "during_backward": _during_backward,
     "held_cast_gradients": _held_cast_gradients,
     "during_input": _during_input,
@@ -245,8 +252,8 @@ COMPOSE = {
 
 
 def term_value(key: tuple, cost, per_device=None, cache: dict | None = None) -> float:
-    """A term's bytes: the cost model's own (:func:`price`: priced or declared absent),
-    one of the walk's compositions (:data:`COMPOSE`), a refinement or its fallback."""
+    """A term's bytes: the cost model's own (:func:`price`), a composition (:data:`COMPOSE`), a refinement
+    or its fallback."""
     if cache is not None and key in cache:
         return cache[key]
     name = key[0]
@@ -282,21 +289,19 @@ def term_value(key: tuple, cost, per_device=None, cache: dict | None = None) -> 
     return v
 
 
-# the terms of one stage (the stage at key[1]) and of a stage boundary (key[1] and key[2])
-ONE_STAGE = frozenset({
-    "state", "activation_bytes", "during_backward", "backward_freed_bytes", "backward_grads_made_bytes",
-    "during_input", "input_kept_bytes", "input_freed_bytes", "weight_residual_bytes", "weight_workspace_bytes",
-    "forward_late_saved_bytes", "forward_workspace_bytes", "output_bytes", "sent_copy_bytes", "local_output_bytes", "shared_output_bytes",
-    "kv_gradient_bytes", "cast_phase_bytes", "cast_phase_freed_bytes", "held_cast_gradients",
-    "step_workspace_bytes", "tied_gradient_bytes", "sharded_optimizer_state", "flat_gradients",
+# the terms of one stage (the stage at key[1]) and of a stage boundary (key[1] and key[2]):
+# a priced term's by its args, a composition's named
+ONE_STAGE = frozenset({n for n, t in TERMS.items() if t.args[0] == "stage"} | {
+    "state", "during_backward", "during_input", "held_cast_gradients", "sharded_optimizer_state", "flat_gradients",
     "scattered_gradients", "gradient_slice", "flat_parameters", "own_share", "parameter_shard",
-    "sharded_step_workspace", "workspace_bytes", "rebuilt_layer_bytes", "input_gradient_bytes"})
-TWO_STAGES = frozenset({"message_bytes", "waiting_message_bytes", "restored_gradient_bytes"})
+    "sharded_step_workspace"})
+TWO_STAGES = frozenset({n for n, t in TERMS.items() if t.args[:2] == ("src_stage", "dst_stage")} | {
+    "waiting_message_bytes", "restored_gradient_bytes"})
 
 
 def like_stage(key: tuple, kind_of: list[int]) -> tuple:
-    """The term of the first stage of each stage's kind (``kind_of[stage]``, a cost
-    model's :meth:`stage_kinds`): the same bytes, valued once for every stage alike."""
+    """The term of the first stage of each stage's kind (``kind_of[stage]``,
+    :meth:`~pipeflow.planning.cost.AnalyticCost.stage_kinds`): the same bytes, valued once."""
     name = key[0]
     if name in ONE_STAGE:
         return (name, kind_of[key[1]], *key[2:])

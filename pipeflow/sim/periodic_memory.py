@@ -1,29 +1,13 @@
-"""A long schedule's memory from two short walks: past its fill, one more period of
-microbatches inserts the same blocks of steps into every device's walk
-(:mod:`pipeflow.schedules.periods`; ``tests/test_search.py`` holds this step by step),
-so the walk at k periods past a walked size is that walk with each inserted block
-standing k times. What the whole walk says of a device (:meth:`Tape.walk
-<pipeflow.sim.memory_tape.Tape.walk>`: its peak, what holds it, the action running
-then, each category's own most) follows from each block's own walk and its net change,
-without walking the copies:
-
-- within the j-th copy of a block, every category's level is the copies' start plus j
-  times the block's net change in that category, so a block's highest instant over its
-  copies is in its first copy or, where the block grows, in its last;
-- the peak is the first highest instant, as the whole walk takes it (a block that
-  neither grows nor shrinks peaks first in its first copy);
-- the action running at an instant is the whole schedule's: the one as many actions
-  into the device's list as the walk has passed by then.
-
-The bytes are the whole walk's: the levels are sums of the same bytes per term, in
-another order (exact where the terms are whole bytes, as they are).
-"""
+"""A long schedule's memory from two short walks (:mod:`pipeflow.schedules.periods`): what
+:meth:`Tape.walk <pipeflow.sim.memory_tape.Tape.walk>` says of a device k periods on follows
+from each repeated block's own walk and net change, a block's copies peaking in the first
+or, where it grows, the last."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from .device_walk import WALKED
+from .tape_steps import WALKED
 from .memory_peaks import encoded, split_periods
 from .memory_tape import _TEMP, CATEGORIES, Tape
 
@@ -31,10 +15,9 @@ NCAT = len(CATEGORIES)
 
 
 class _Block:
-    """A stretch of a walk: each instant's levels from the stretch's start (category x
-    instant, the extra term counted among the temporaries), the totals, the net change
-    per category, and for each instant how many actions of the walk started before it
-    (``passed``) and the block's own count of action starts (``actions``)."""
+    """A stretch of a walk: each instant's levels from its start (category x instant, the extra
+    term among the temporaries), the totals, the net change per category, how many actions
+    started before each instant (``passed``) and its own action starts (``actions``)."""
 
     def __init__(self, steps: np.ndarray, values: np.ndarray, passed: np.ndarray, repeated: bool) -> None:
         self.repeated = repeated
@@ -89,10 +72,10 @@ class PeriodicTape:
         return self.small_actions + k * sum(self.actions_per_copy)
 
     def walk(self, values: np.ndarray, k: int, actions: list) -> dict:
-        """What :meth:`Tape.walk` says of the walk at k >= 1 periods past the small one:
-        ``peak_bytes``, ``at_peak``, ``peak_action`` and ``category_peaks``. ``values``:
-        the bytes of :attr:`terms`; ``actions``: the device's walked actions at that size,
-        in order (what names the action running at the peak)."""
+        """What :meth:`Tape.walk <pipeflow.sim.memory_tape.Tape.walk>` says of the walk at k >= 1
+        periods past the small one (``peak_bytes``, ``at_peak``, ``peak_action``,
+        ``category_peaks``); ``values``: the bytes of :attr:`terms`; ``actions``: the device's
+        walked actions at that size, in order."""
         v = np.append(np.asarray(values, dtype=float), 0.0)  # (term -1: nothing on top)
         start = np.zeros(NCAT)
         best, best_split, best_action = -1.0, None, None

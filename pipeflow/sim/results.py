@@ -41,14 +41,10 @@ class DeviceStats:
 
 
 class Wait(NamedTuple):
-    """One idle gap of a device's compute stream and what ended it.
-
-    ``action`` waited from ``start`` to ``end`` (it started at ``end``); ``cause`` is the
-    dependency that resolved last, on ``cause_device``, and ``message`` says whether it
-    reached this device as an activation or gradient message. ``kind`` is one of
-    :data:`WAIT_KINDS`. The gap after a device's last action is a ``drain`` wait with no
-    action and no cause.
-    """
+    """One idle gap of a device's compute stream: ``action`` waited from ``start`` to ``end``
+    for ``cause``, the dependency that resolved last (on ``cause_device``; ``message``: whether
+    it arrived as a message); ``kind`` is one of :data:`WAIT_KINDS`. A ``drain`` wait (after
+    the last action) has no action and no cause."""
 
     device: int
     start: float
@@ -128,12 +124,8 @@ class SimResult:
         return self.start[i], self.end[i]
 
     def summary(self) -> dict:
-        """JSON-able metrics (no per-action times).
-
-        For a branched graph every device also carries ``busy_by_branch`` and (with
-        record=True) ``idle_by_cause``, and their sums over devices come at the top
-        level; for an unlabelled graph these are left out, so the summary does not
-        depend on ``record``."""
+        """JSON-able metrics (no per-action times); for a branched graph each device's
+        ``busy_by_branch`` and (with record=True) ``idle_by_cause`` and their sums too."""
         branched = bool(self.branches)
         cost = self.cost
         if not isinstance(cost, (dict, str, int, float, type(None))):

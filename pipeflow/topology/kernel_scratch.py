@@ -1,25 +1,8 @@
-"""What this host's kernels allocate beyond their results on the CPU: the math library
-inside a 16-bit matrix product, and the fused attention's backward.
-
-On a CPU with bf16 instructions (AVX512-BF16, AMX), torch runs a bf16 product through
-oneDNN, which asks torch's CPU allocator for a scratch buffer for the product's
-duration: its blocks of the operands, repacked, one set per thread. Where the peak of a
-rank falls inside such a product (a backward's weight gradient, most often) that
-scratch is part of it: 401 KiB for GPT-tiny's MLP down projection (512 x 512 by
-512 x 128, the first operand transposed) on one thread, twice that on two. On a CPU
-with AVX2 alone the product takes another path and allocates nothing; with AVX-512 but
-no AVX512-BF16 oneDNN emulates bf16 and holds an fp32 image of the product's output
-(4 m n bytes). The size is the library's choice, not one formula of the shapes across
-hosts, so it is measured here, once per shape and process, by running the product under
-torch's profiler (it sees each allocation; the first use costs the profiler's start,
-about two seconds).
-
-The fused attention's backward (:func:`attention_scratch`) holds, beside the gradients of
-Q, K and V it returns, a contiguous copy of the output's gradient, the kernel's blocks
-of scores and their gradients, and, where a call needs a mask (a later Seq1F1B segment),
-the ``T x P`` mask it rebuilds: 149 KiB for Llama-tiny's last segment (4 x 32 queries
-over 128 keys, bf16), a third of what the gradients themselves hold.
-"""
+"""What this host's kernels allocate beyond their results on the CPU (*scratch*,
+docs/memory_terms.md): oneDNN's inside a 16-bit matrix product and the fused attention's
+backward. The size is the library's choice, so it is measured once per shape and process
+under torch's profiler (its first use costs about two seconds); docs/runtime.md has the
+figures."""
 
 from __future__ import annotations
 
@@ -30,9 +13,9 @@ import os
 
 @functools.lru_cache(maxsize=None)
 def product_scratch(m: int, k: int, n: int, transposed: bool, dtype: str = "bfloat16", threads: int = 1) -> int:
-    """The most bytes one ``(m x k) @ (k x n)`` product in ``dtype`` allocates on this host
-    beyond its result (``transposed``: the first operand is a transposed view, as in a
-    weight gradient's ``input.t() @ grad``), on ``threads`` threads; 0 where nothing."""
+    """The most bytes one ``(m x k) @ (k x n)`` product in ``dtype`` allocates on this host beyond
+    its result, on ``threads`` threads (``transposed``: the first operand a transposed view, as
+    in a weight gradient); 0 where nothing."""
     import torch
 
     dt = getattr(torch, dtype)
@@ -56,15 +39,9 @@ def product_scratch(m: int, k: int, n: int, transposed: bool, dtype: str = "bflo
 @functools.lru_cache(maxsize=None)
 def attention_scratch(batch: int, heads: int, kv_heads: int, queries: int, keys: int, head_dim: int,
                       causal: bool = True, dtype: str = "float32", threads: int = 1) -> int:
-    """The most bytes the backward of one fused attention call allocates on this host
-    beyond the gradients of Q, K and V it returns, on ``threads`` threads: ``queries`` over
-    ``keys``, the earlier segments' keys first, as :mod:`pipeflow.models.attention` runs
-    it on CPU (a whole sequence: torch's kernel through autograd; a later Seq1F1B segment:
-    its mask rebuilt, the output's gradient made contiguous, the kernel's backward
-    called; ``tests/test_attention.py`` checks the two agree). Q (and over a whole sequence K
-    and V) are the views the models' projections make (``[b, s, heads, d]`` transposed),
-    as is the output's gradient (the output projection's input gradient); a later
-    segment's K and V are the prefix's concatenation."""
+    """The most bytes the backward of one fused attention call (``queries`` over ``keys``, the
+    earlier segments' keys first) allocates on this host beyond the gradients of Q, K and V, on
+    ``threads`` threads, with the views and calls :mod:`pipeflow.models.attention` makes on CPU."""
     import torch
     import torch.nn.functional as F
 

@@ -1,13 +1,9 @@
-"""The operator sweep: what a device's operators cost, measured on this machine (torch,
-imported lazily, so the topology package stays torch-free).
+"""The operator sweep: what a device's operators cost, measured here (torch imported lazily).
 
-Matrix products over tokens, scaled dot-product attention, norms and elementwise
-bandwidth, cross-entropy, AdamW, and the host's cost per launch, each section under its
-share of one wall-clock budget. The file is written after every section (a crash keeps
-the sections done), in the format of ``benchmarks/measurements/h200-2026-12-04/ops.json``
-plus ``kind``, ``version``, ``host`` and ``cpu_isa``. ``python -m pipeflow.measure_device``
-runs it; ``benchmarks/gpu_session.py`` runs it in a child process on a lent GPU.
-"""
+Products, attention, norms and elementwise ops, cross-entropy, AdamW and the host's cost
+per launch, each section under its share of one wall-clock budget; the file is rewritten
+after each section, in the format of ``benchmarks/measurements/h200-2026-12-04/ops.json``
+(docs/simulation.md, "Measuring a device"). ``python -m pipeflow.measure_device`` runs it."""
 
 from __future__ import annotations
 
@@ -80,8 +76,7 @@ def _cuda_grid() -> Grid:
 
 def _cpu_grid() -> Grid:
     """A grid two CPU cores measure in one to two minutes: products at 128..2048 tokens,
-    attention over 128..1024 tokens (about 2k tokens a call), inputs of 16 KB..64 MB (in the
-    caches to past glibc's 32 MiB of memory mapped fresh per allocation)."""
+    attention over 128..1024 tokens, inputs of 16 KB..64 MB."""
     heads = [(4, 32), (12, 64)]  # gpt_tiny's and gpt_small's heads
     sdpa = [(max(1, 2048 // s), h, s, d, True) for s in (128, 256, 512, 1024) for h, d in heads]
     sdpa += [(2048 // s, 12, s, 64, False) for s in (128, 512)]  # BERT: not causal
@@ -371,17 +366,9 @@ def _rmsnorm(torch, x, w, eps=1e-5):
 
 def ops_elementwise(sw: Sweep, rows: list, deadline: float):
     """Norms and elementwise ops over the grid's input sizes (hidden 1024), bf16 and fp32,
-    forward and forward+backward: time and the fewest bytes each must move (inputs read
-    once, outputs written once).
-
-    Each call reads inputs that no recent call touched: the calls cycle through a pool of
-    inputs of ``cold_bytes`` in all, past the caches, as a model's operators read
-    activations written long before. Over one pair of inputs a 256 KiB fp32 add ran in
-    9.6 us on a 2-core EPYC (its inputs in L2); cycling, 26 us, and inside gpt_tiny's
-    forward torch's profiler counted 25.6 us a call. (Keeping each output a while as
-    well, so that every call wrote fresh memory, made a 1 MiB copy 529 us, page faults
-    mostly; inside the model the same write took 142 us: the allocator there reuses
-    memory the last microbatch freed. The outputs are dropped at once here.)"""
+    forward and forward+backward: time and the fewest bytes each must move. Each call reads
+    cold inputs, cycling through a pool of ``cold_bytes``, as a model's operators read
+    activations written long before (docs/simulation.md)."""
     torch = sw.torch
     import torch.nn.functional as F
 
@@ -435,9 +422,8 @@ def ops_elementwise(sw: Sweep, rows: list, deadline: float):
 
 
 def ops_cross_entropy(sw: Sweep, rows: list, deadline: float):
-    """The runtime's loss (``sw.loss``: measure_device hands it pipeflow.models.loss's
-    chunked cross-entropy, which casts 16-bit logits a chunk at a time) forward and
-    forward+backward over (tokens, vocab) logits in fp32 and bf16."""
+    """The runtime's loss ``sw.loss`` forward and forward+backward over (tokens, vocab) logits,
+    fp32 and bf16."""
     torch = sw.torch
     cross_entropy_sum = sw.loss
 
@@ -485,9 +471,8 @@ def ops_adamw(sw: Sweep, rows: list, deadline: float):
 
 
 def ops_grad_norm(sw: Sweep, rows: list, deadline: float):
-    """A training step's gradient norm as pipeflow's runtime takes it for the clip: each
-    fp32 gradient's squared sum, as a batched product of its rows of 1,024 elements with
-    themselves summed in float64, added up over the tensors; then each gradient scaled."""
+    """The clip's gradient norm as the runtime takes it (each fp32 gradient's squared sum in
+    float64, added up), then each gradient scaled."""
     torch = sw.torch
     for n, count in sw.grid.adamw:
         per = max(1024, n // count // 1024 * 1024)
@@ -542,9 +527,9 @@ def sections_for(device: str) -> list:
 def sweep(path: Path, budget_s: float, device: str, smoke: bool = False, say: Callable[[str], None] = print,
           threads: int | None = None, extra: tuple = (), loss: Callable | None = None) -> dict:
     """Measure ``device``'s operators within ``budget_s`` seconds into ``path`` at ``threads``
-    intra-op threads (None: torch's setting as it stands); the document. ``extra``: more
-    sections, (name, share's end, body(rows, deadline)), run after the device's own.
-    ``loss(logits, targets)``: the summed cross-entropy the runs use (None: torch's)."""
+    intra-op threads (None: torch's setting); return the document. ``extra``: more sections,
+    (name, share's end, body(rows, deadline)); ``loss(logits, targets)``: the summed
+    cross-entropy the runs use (None: torch's)."""
     import torch
 
     before = torch.get_num_threads()

@@ -1,14 +1,9 @@
 """Named hardware presets: ``topology=<name>`` in the configs resolves here.
 
-Figures are public datasheet numbers (dense tensor-core FLOP/s at bf16/fp16, HBM size
-and bandwidth, NVLink / PCIe / InfiniBand / Ethernet line rates per direction);
-latencies are typical NCCL/gloo point-to-point figures, not datasheet values. Every
-preset parameter can be overridden from the config (``topology.nic_bandwidth=12.5e9``).
-
-Latency parameters are end to end for one hop (sender port to receiver port); each of
-the two port resources carries half of it, so a route's latency, the sum over its
-resources, comes out as the parameter.
-"""
+Figures are datasheet numbers (dense 16-bit FLOP/s, HBM size and bandwidth, link rates per
+direction, bytes/s); latencies (s) are typical NCCL/gloo point-to-point figures, end to end
+for one hop (each of a hop's two port resources carries half). Every preset parameter is a
+config key (``topology.nic_bandwidth=12.5e9``)."""
 
 from __future__ import annotations
 
@@ -76,10 +71,9 @@ def _count(key: str, value, minimum: int = 1) -> int:
 
 
 def _device(key: str, name, profile: str | None = None) -> Device:
-    """The preset device ``name``, priced by the operator sweep in ``profile`` where one is
-    given (topology.device_profile: pipeflow.planning.device_profile; made by
-    ``python -m pipeflow.measure_device --out FILE``), refused where the sweep was
-    measured on the other kind of device (a CPU's for a GPU, a GPU's for a CPU)."""
+    """The preset device ``name``, priced by the operator sweep ``profile`` where given
+    (``python -m pipeflow.measure_device --out FILE``); ValueError where the sweep was
+    measured on the other kind of device (a CPU's for a GPU, or the reverse)."""
     if name not in DEVICES:
         raise ValueError(f"topology.{key}={name!r}: unknown device; allowed values: {', '.join(DEVICES)}")
     path = _profile_path(profile)
@@ -102,9 +96,8 @@ _MEASURED: dict[tuple, tuple[str, str] | None] = {}
 
 
 def measured_on(path: str | Path) -> tuple[str, str] | None:
-    """What the sweep in ``path`` was measured on, as its top level records it
-    (pipeflow.topology.op_sweep): ("cpu", the processor) or ("gpu", the GPU's name); None
-    where the file does not say (unreadable: the profile's own reading says why)."""
+    """What the sweep in ``path`` was measured on: ("cpu", the processor) or ("gpu", the GPU's
+    name); None where the file does not say."""
     p = Path(path)
     try:
         stat = p.stat()
@@ -122,9 +115,8 @@ def measured_on(path: str | Path) -> tuple[str, str] | None:
 
 
 def _check_kind(profile: str, path: str, device: str, named: str) -> None:
-    """A profile prices the kind of device it was measured on: one of a CPU on a GPU
-    preset, or of a GPU on a CPU, is refused, naming both (``named``: what the topology
-    says its device is, "topology.device=h200 is a GPU")."""
+    """ValueError, naming both, where a profile measured on a CPU prices a GPU preset or the
+    reverse (``named``: "topology.device=h200 is a GPU")."""
     measured = measured_on(path)
     kind = "cpu" if device == "cpu" else "gpu"
     if measured is None or measured[0] == kind:
@@ -138,9 +130,8 @@ def _check_kind(profile: str, path: str, device: str, named: str) -> None:
 
 
 def profile_note(devices) -> str | None:
-    """The line that says a GPU profile prices another GPU preset (topology.device=a100-80g
-    priced by a sweep of an H100: the H100's times beside the A100's memory and links),
-    naming both; None where each device's profile was measured on its own model."""
+    """The line that says a GPU profile prices another GPU preset (an H100's sweep for an
+    A100), or None where each device's profile is its own."""
     for dev in devices:
         if not dev.profile or dev.name == "cpu":
             continue
@@ -165,15 +156,11 @@ def _switched_nodes(
 ) -> Topology:
     """Nodes of GPUs with a fast fabric inside and NICs between nodes.
 
-    Each entry of ``nodes`` is (device, count, link kind, per-GPU bandwidth per
-    direction, hop latency, mesh). ``mesh=False`` is a switch (NVSwitch): one egress
-    and one ingress port per GPU, so everything a GPU sends shares its egress.
-    ``mesh=True`` is a direct all-to-all NVLink mesh (4-GPU boards without NVSwitch):
-    the GPU's links are split evenly among its peers, one directed link per pair.
-    Between nodes a transfer leaves through the source GPU's NIC egress and enters
-    through the destination GPU's NIC ingress (a non-blocking fabric in between);
-    with fewer NICs than GPUs, the GPUs of a node share them (oversubscribed).
-    """
+    ``nodes``: (device, count, link kind, per-GPU bandwidth per direction, hop latency, mesh)
+    per node. ``mesh=False`` is a switch (one egress and one ingress port per GPU);
+    ``mesh=True`` an all-to-all NVLink mesh (the GPU's links split among its peers). Between
+    nodes a transfer leaves by the source GPU's NIC and enters by the destination's (fewer
+    NICs than GPUs: the GPUs share them)."""
     devices: list[Device] = []
     node_gpus: list[list[int]] = []
     for n, (dev, count, *_rest) in enumerate(nodes):
@@ -239,22 +226,12 @@ def local_cpu(
 ) -> Topology:
     """N CPU ranks on one host, gloo over shared memory / loopback.
 
-    gloo moves a few GB/s per rank over loopback with tens of microseconds per message;
-    each rank gets its own send and receive port (its copy bandwidth), so one rank
-    talking to two others at once shares its port.
-
-    ``cores``: the host's cores, which the ranks share (None: every rank has a core of
-    its own). More ranks computing than cores run at cores/k speed each, and
-    ``contention`` is the speed of each when every core is busy (shared memory bandwidth
-    and cache); ``message_host``: the host time a message costs its sender and its
-    receiver (gloo's calls and threads on the ranks' own cores);
-    ``pipeflow.runtime.calibration_run`` measures all three. ``collective_bandwidth``: the most
-    bytes/s an all-reduce reaches (None: the loopback's; gloo reduces on the ranks' cores,
-    far below its point-to-point rate; the calibration's step synchronisation measures it).
+    ``cores``: the host's cores the ranks share (None: a core each); ``contention``: each
+    rank's speed when every core is busy; ``message_host``: the host seconds a message costs
+    its sender and receiver; ``collective_bandwidth``: the most bytes/s an all-reduce reaches
+    (None: the loopback's). ``pipeflow.runtime.calibration_run`` measures these.
     ``device_profile``: an operator sweep of this CPU (``python -m pipeflow.measure_device
-    --device cpu --threads 1 --out FILE``) that prices a rank's actions operator by
-    operator under ``cost=analytic``.
-    """
+    --device cpu --threads 1 --out FILE``) that prices actions under ``cost=analytic``."""
     n = _count("num_devices", num_devices)
     bw = _number("bandwidth", bandwidth)
     lat = _number("latency", latency, strict=False)
@@ -294,17 +271,11 @@ def cluster(
     nics_per_node: int | None = None,
     device_profile: str | None = None,
 ) -> Topology:
-    """``nodes`` DGX-A100-like nodes: NVSwitch inside, InfiniBand between.
+    """``nodes`` DGX-A100-like nodes: NVSwitch inside (300 GB/s), HDR InfiniBand between (25 GB/s).
 
-    ``device_profile``: an operator sweep measured on the GPU (``python -m
-    pipeflow.measure_device --out FILE``) that prices each operator of a step as
-    measured there, in place of the device's peak FLOP/s at ``cost.efficiency``
-    (``device=h200`` ships one).
-
-    A100 NVLink 3: 12 links x 25 GB/s = 300 GB/s per direction per GPU, all through
-    NVSwitch. HDR InfiniBand: 200 Gb/s = 25 GB/s per direction, one NIC per GPU as in
-    a DGX A100 (``nics_per_node`` < ``gpus_per_node`` makes GPUs share NICs).
-    """
+    ``nics_per_node`` < ``gpus_per_node`` makes GPUs share NICs. ``device_profile``: an
+    operator sweep measured on the GPU (``python -m pipeflow.measure_device --out FILE``)
+    that prices each operator in place of peak FLOP/s at ``cost.efficiency``."""
     return _cluster(
         "cluster",
         nodes,
@@ -378,21 +349,16 @@ def pcie_8(
 ) -> Topology:
     """8 PCIe GPUs behind two PCIe Gen4 switches of 4, no NVLink.
 
-    Gen4 x16 is 32 GB/s per direction on paper, about 25 GB/s in practice, per GPU.
-    GPUs under the same switch talk peer to peer through it; across switches traffic
-    climbs through the host (root complex, possibly the socket interconnect), which
-    gives about half that, and all of a switch's outbound traffic shares one uplink per
-    direction.
-    """
+    Gen4 x16: about 25 GB/s per direction per GPU in practice; across switches traffic climbs
+    through the host at about half that, one shared uplink per switch and direction."""
     return _pcie_box("pcie_8", switches, gpus_per_switch, device, pcie_bandwidth, pcie_latency, uplink_bandwidth,
                      uplink_latency)
 
 
 def _pcie_box(name: str, switches, gpus_per_switch, device, pcie_bandwidth, pcie_latency, uplink_bandwidth,
               uplink_latency, bridge: tuple[float, float] | None = None) -> Topology:
-    """GPUs behind PCIe switches (peer to peer under a switch, through one shared uplink
-    per switch across them); ``bridge`` = (bandwidth, latency) of an NVLink bridge that
-    joins each pair of neighbouring GPUs (0-1, 2-3, ...)."""
+    """GPUs behind PCIe switches, one shared uplink per switch; ``bridge``: (bandwidth,
+    latency) of an NVLink bridge joining each pair of neighbouring GPUs (0-1, 2-3, ...)."""
     sw = _count("switches", switches)
     gps = _count("gpus_per_switch", gpus_per_switch)
     if bridge is not None and gps % 2:
@@ -435,11 +401,7 @@ def pcie_nvlink_pairs(
 ) -> Topology:
     """``pcie_8`` with an NVLink bridge on each pair of neighbouring GPUs (0-1, 2-3, ...).
 
-    An A100 PCIe NVLink bridge carries 3 links, 112.5 GB/s per direction, between the two
-    GPUs it joins and nothing else: pairs talk over the bridge, everything else goes the
-    PCIe way of ``pcie_8``. The layout where a planner should put pipeline neighbours on
-    a bridge and keep replicas of a stage off the uplinks.
-    """
+    An A100 PCIe bridge: 3 links, 112.5 GB/s per direction, between its two GPUs only."""
     bridge = (_number("nvlink_bandwidth", nvlink_bandwidth), _number("nvlink_latency", nvlink_latency, strict=False))
     return _pcie_box("pcie_nvlink_pairs", switches, gpus_per_switch, device, pcie_bandwidth, pcie_latency,
                      uplink_bandwidth, uplink_latency, bridge)
@@ -456,12 +418,8 @@ def heterogeneous(
 ) -> Topology:
     """Two unlike nodes: node 0 = A100-80GB, node 1 = V100-32GB, over 100 Gb/s Ethernet.
 
-    Inside each node the GPUs form a direct NVLink mesh (4-GPU HGX A100 and 4-GPU V100
-    SXM2 boards have no NVSwitch): A100 has 300 GB/s per direction, V100 150 GB/s
-    (6 links x 25 GB/s), split among the peers. Between the nodes each node has ONE
-    100 Gb/s (12.5 GB/s) NIC that all its GPUs share: the oversubscribed uplink a
-    planner should keep pipeline edges off.
-    """
+    Each node is a direct NVLink mesh (A100 300 GB/s, V100 150 GB/s per direction, split among
+    the peers); each node has one 12.5 GB/s NIC all its GPUs share."""
     na = _count("a100s", a100s)
     nv = _count("v100s", v100s)
     lat = _number("nvlink_latency", nvlink_latency, strict=False)
@@ -520,13 +478,9 @@ def _suggest(name: str, needed: int, overrides: Mapping) -> str:
 
 
 def get_topology(name: str, num_devices: int | None = None, needed_for: str = "", **overrides) -> Topology:
-    """The preset ``name`` with ``overrides`` applied, cut to ``num_devices`` devices.
-
-    ``num_devices`` None gives the preset's natural size; fewer gives the first
-    ``num_devices`` devices (local_cpu is simply built with that many ranks); more is
-    an error that suggests a bigger preset. ``needed_for`` (e.g. "pipeline.stages=16")
-    explains in that error why so many devices are needed.
-    """
+    """The preset ``name`` with ``overrides`` applied, cut to ``num_devices`` devices (None:
+    its natural size). ValueError where more are asked than it has, suggesting a bigger preset
+    and saying why (``needed_for``: "pipeline.stages=16")."""
     if name not in PRESETS:
         raise ValueError(f"topology.name={name}: unknown topology; allowed values: {', '.join(PRESETS)}")
     allowed = preset_params(name)
@@ -557,12 +511,8 @@ def get_topology(name: str, num_devices: int | None = None, needed_for: str = ""
 
 
 def build_topology(cfg: Mapping, num_devices: int | None = None, needed_for: str = "") -> Topology:
-    """From the ``topology`` config group: ``name`` plus preset parameters.
-
-    A ``num_devices`` key in the config fixes the size (local_cpu's rank count, or a cut
-    of a bigger preset); the caller's ``num_devices`` (what the schedule needs) must fit
-    in it, and the result is cut to exactly that. Keys set to null keep the preset default.
-    """
+    """The ``topology`` config group (``name`` plus preset parameters; null keeps a default) as a
+    Topology of exactly ``num_devices``; a ``num_devices`` key fixes the size, which must hold them."""
     params = {k: v for k, v in dict(cfg).items() if v is not None}
     if "name" not in params:
         raise ValueError(f"topology.name is missing; allowed values: {', '.join(PRESETS)}")

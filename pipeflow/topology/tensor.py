@@ -1,18 +1,10 @@
 """Tensor-parallel groups on a topology: each schedule device is T consecutive physical
-devices of one node (``pipeline.tensor_parallel=T``; global rank = device x T + tensor
-rank, as the runtime lays out its ranks).
+devices of one node (``pipeline.tensor_parallel=T``; global rank = device x T + tensor rank).
 
-The simulator walks schedule devices, so a run with T > 1 sees a :class:`TensorTopology`:
-one device per group (its first GPU: each rank of the group holds one T-th of the
-stage, and its memory is what the cost model prices), and between two groups the route
-of their tensor rank 0. The T ranks send their messages to the matching ranks of the
-other group at once (physical d·T + t to d'·T + t), each on its own route; a resource
-that k of those T routes cross (a NIC a node's GPUs share, a PCIe uplink) gives each of
-them 1/k of its bandwidth, so a group's resource carries its physical bandwidth divided
-by the most matching routes of one group pair that cross it (1 on NVSwitch ports and a
-NIC per GPU). A group's own collectives (the tensor-parallel all-reduces of its layers)
-run on the physical devices of the group: :meth:`TensorTopology.collective_time`.
-"""
+A :class:`TensorTopology` shows one device per group (its first GPU) and, between two
+groups, the route of their tensor rank 0, each resource's bandwidth divided by the most
+matching routes (d·T + t to d'·T + t) of one group pair that cross it. A group's own
+collectives run on its physical devices (:meth:`TensorTopology.collective_time`)."""
 
 from __future__ import annotations
 
@@ -88,10 +80,9 @@ class TensorTopology(Topology):
         return self.groups[device]
 
     def collective_time(self, op: str, device: Device, nbytes: float) -> float:
-        """One ``op`` (all-reduce, all-gather, reduce-scatter) of ``nbytes`` (the whole
-        tensor, each rank holding it or its T-th) over the tensor group of a schedule
-        device that is ``device``, on the physical topology's ring
-        (:meth:`Topology.allreduce_time` and its halves)."""
+        """Seconds of one ``op`` (all-reduce, all-gather, reduce-scatter) of ``nbytes`` (the whole
+        tensor) over the tensor group of schedule device ``device``, on the physical topology's
+        ring (:meth:`pipeflow.topology.topology.Topology.allreduce_time` and its halves)."""
         key = (op, device, nbytes)
         got = self._collectives.get(key)  # (every cost model on this topology asks the same few)
         if got is not None:

@@ -1,15 +1,10 @@
 """Devices and the links between them, as the simulator and the planner see them.
 
-A :class:`Topology` is a set of devices plus a set of *resources*: directed links or
-ports, each with its own bandwidth and latency. A transfer from ``src`` to ``dst``
-occupies every resource on its :class:`Route` at once, so two transfers that share a
-resource (the same GPU's NVLink egress, the same oversubscribed uplink) serialize in
-the simulator, while transfers on disjoint resources run side by side.
-
-Ports rather than pairs is the point: on an NVSwitch node, GPU 0 sending to GPU 1 and
-GPU 0 sending to GPU 2 at the same time share GPU 0's egress bandwidth, which a
-per-pair link model would miss. Presets live in :mod:`pipeflow.topology.presets`.
-"""
+A :class:`Topology` is devices plus *resources*: directed links or ports, each with its
+bandwidth (bytes/s) and latency (s). A transfer occupies every resource on its
+:class:`Route` at once, so transfers sharing one (a GPU's NVLink egress, an uplink)
+serialize; ports rather than pairs, so one GPU sending to two peers shares its egress.
+Presets: :mod:`pipeflow.topology.presets`."""
 
 from __future__ import annotations
 
@@ -50,12 +45,9 @@ _LOCAL = Route((), math.inf, 0.0)
 
 
 class Topology:
-    """Devices, directed link resources, and the precomputed route of every device pair.
-
-    ``paths[(src, dst)]`` lists the resource ids a transfer crosses, in order; every
-    ordered pair of distinct devices needs one. A route's bandwidth is its slowest
-    resource and its latency the sum of its resources' latencies.
-    """
+    """Devices, directed link resources, and the route of every ordered device pair
+    (``paths[(src, dst)]``: the resource ids crossed, in order). A route's bandwidth is its
+    slowest resource's, its latency the sum of its resources'."""
 
     def __init__(
         self,
@@ -179,35 +171,23 @@ class Topology:
         return r.latency + nbytes / r.bandwidth
 
     def allreduce_time(self, devices: Sequence[int], nbytes: float) -> float:
-        """Ring all-reduce of ``nbytes`` over ``devices`` in the given ring order.
-
-        2(n-1)/n * nbytes / B + 2(n-1) * L, with B the slowest ring-neighbour bandwidth
-        and L the largest ring-neighbour latency (reduce-scatter then all-gather, each
-        n-1 steps of nbytes/n). One refinement: if k hops of the ring cross the same
-        resource (e.g. a badly ordered ring crossing one shared uplink twice), they run
-        at the same time and each gets 1/k of it. With no shared resource this is
-        exactly the textbook formula.
-        """
+        """Seconds of a ring all-reduce of ``nbytes`` over ``devices`` in that ring order:
+        2(n-1)/n * nbytes / B + 2(n-1) * L, B the slowest neighbour bandwidth, L the largest
+        neighbour latency; k ring hops crossing one resource each get 1/k of it."""
         n, bw, lat = self._ring(devices, "all-reduce")
         if n <= 1 or nbytes <= 0 or math.isinf(bw):  # (inf: every ring member is the same device)
             return 0.0
         return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * lat
 
     def allgather_time(self, devices: Sequence[int], nbytes: float) -> float:
-        """Ring all-gather of ``nbytes`` in all (each device contributing ``nbytes / n``)
-        over ``devices``: (n-1)/n * nbytes / B + (n-1) * L, the all-reduce's second half
-        (its ring bandwidth and latency as :meth:`allreduce_time` finds them). ZeRO-1's
-        parameters after a sharded step, ZeRO-3's GATHERs. Without accelerators the
-        all-reduce's time: gloo's all-gather copies its output, so the runtime all-reduces
-        in place there (pipeflow.runtime.sharded)."""
+        """Seconds of a ring all-gather of ``nbytes`` in all (``nbytes / n`` from each device): the
+        all-reduce's second half. Without accelerators the all-reduce's time (gloo's all-gather
+        copies its output, so the runtime all-reduces in place: pipeflow.runtime.sharded)."""
         return self._half_ring(devices, nbytes, "all-gather")
 
     def reducescatter_time(self, devices: Sequence[int], nbytes: float) -> float:
-        """Ring reduce-scatter of ``nbytes`` over ``devices`` (each device left with the sum
-        of its ``nbytes / n``): the all-reduce's first half, as long as :meth:`allgather_time`.
-        ZeRO-2's gradients into the replicas' slices. Without accelerators the all-reduce's
-        time: gloo has no reduce-scatter of its own (it all-reduces a copy and keeps the
-        share), so the runtime all-reduces its flat in place there."""
+        """Seconds of a ring reduce-scatter of ``nbytes`` over ``devices``: the all-reduce's first
+        half. Without accelerators the all-reduce's time (gloo has no reduce-scatter)."""
         return self._half_ring(devices, nbytes, "reduce-scatter")
 
     def _half_ring(self, devices: Sequence[int], nbytes: float, what: str) -> float:

@@ -1,11 +1,6 @@
-"""Tracking of runs: one metrics sink (local JSONL + Weights & Biases, measured
-timelines, the final summary) and the console progress bar of training runs; the W&B
-labels of a Hydra job (:mod:`.labels`) and a simulated run as one W&B run
-(:mod:`.simulated`), imported from their modules since they need Hydra.
-
-Light: torch is never imported here, and wandb and tqdm only when a sink or a visible bar
-needs them.
-"""
+"""Tracking of runs: the metrics sink (JSONL, W&B, measured timelines, the summary) and the
+progress bar; :mod:`.labels` and :mod:`.simulated` need Hydra and are imported from their
+modules. Torch is never imported; wandb and tqdm only when needed."""
 
 from .progress import Progress
 from .sink import MetricsSink, flat_scalars, read_metrics, resolve_wandb_mode, wandb_credentials

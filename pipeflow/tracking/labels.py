@@ -1,8 +1,5 @@
-"""W&B labels of a Hydra job: the group, tags and run name its run is filed under.
-
-Shared by the apps (pipeflow-train, pipeflow-simulate, pipeflow-plan), so that a
-multirun of any of them is one W&B group with one tagged run per job.
-"""
+"""W&B labels of a Hydra job (group, tags, run name), shared by the apps so that a multirun
+is one W&B group with one tagged run per job."""
 
 from __future__ import annotations
 
@@ -16,12 +13,9 @@ _W_AND_B_TAG_LIMIT = 64  # characters; W&B rejects longer tags
 
 
 def logger_labels(logger: DictConfig, hydra_cfg: DictConfig) -> dict:
-    """W&B group, tags and run name for this job: what the config says, else, in a
-    multirun, one group per sweep, the job's overrides as tags and its folder as name.
-
-    The group is named after the sweep: the sweep file when there is one (``--config-name
-    train_schedules`` -> ``train_schedules-<date>_<time>``), else the app (``train-...``),
-    then the sweep folder's date and time."""
+    """W&B group, tags and run name for this job: the config's, else, in a multirun, a group
+    per sweep (``<sweep file or app>-<date>_<time>``), the job's overrides as tags and its
+    folder as name."""
     if logger.name != "wandb":
         return {}
     group, tags, run_name = logger.group, list(logger.tags), logger.run_name

@@ -1,10 +1,6 @@
-"""Rank 0's account of a training run as it goes: step, loss, tokens per second.
-
-On a terminal it is a tqdm bar. Without one (``make run > log``, a batch job, CI) it is
-a plain line at the first step, then at most every ``every`` seconds, and at the last
-step, so a log shows the run is alive without a redrawn bar's noise. The same lines,
-time-stamped, go to the run folder's ``train.log`` either way.
-"""
+"""Rank 0's account of a training run as it goes (step, loss, tokens per second): a tqdm bar
+on a terminal, else a plain line at the first step, at most every ``every`` seconds and at
+the last; the same lines, time-stamped, to the run folder's ``train.log``."""
 
 from __future__ import annotations
 
@@ -20,11 +16,8 @@ def stamp() -> str:
 
 
 class Progress:
-    """Progress over ``total`` steps, starting at ``initial`` (a resumed run's step).
-
-    ``enabled=None`` draws the bar only when stderr is a terminal and prints plain lines
-    otherwise; ``log`` is the file the lines are appended to (None: none).
-    """
+    """Progress over ``total`` steps from ``initial`` (a resumed run's step); ``enabled=None``:
+    the bar only when stderr is a terminal; ``log``: the file the lines go to (None: none)."""
 
     def __init__(self, total: int, initial: int = 0, enabled: bool | None = None, log: str | Path | None = None,
                  every: float = 10.0) -> None:

@@ -1,14 +1,6 @@
-"""One summary record for every app: what summary.json holds in common, and the key that
-says which runs are predictions of which.
-
-Six writers (pipeflow-train's rank 0 when a run ends or stops, its launcher when the
-ranks could not, pipeflow-simulate, pipeflow-plan, pipeflow-search's best run) put the
-same ``run_key`` into their summary.json: the configuration a measured run and its
-simulation must share to be compared at all (:data:`KEY_FIELDS`). pipeflow-compare pairs
-by it and, where a run has no partner, says which field kept the nearest one apart.
-
-Torch-free and Hydra-free: composed configs and plain dicts alike.
-"""
+"""One summary record for every app: what summary.json holds in common, and the ``run_key``
+(:data:`KEY_FIELDS`) that every writer puts in it: the configuration a measured run and its
+simulation must share to be compared. pipeflow-compare pairs by it. Torch- and Hydra-free."""
 
 from __future__ import annotations
 
@@ -48,10 +40,9 @@ def _tensor(pipe) -> str | int:
 
 def run_key(cfg: Mapping, *, schedule: str | None = None, stages: int | None = None,
             data_parallel: int | None = None, partition: str | None = None) -> dict:
-    """The key of the run a composed config describes (any app's: train, simulate, plan,
-    search). Keyword arguments: what the run itself decided beyond its config (a plan's
-    own stages and replicas, its schedule). ``precision`` must be resolved already
-    (``auto`` is no precision: :func:`pipeflow.config.resolve_precision`)."""
+    """The key of the run a composed config (any app's) describes; keyword arguments: what the
+    run decided beyond its config (a plan's stages, replicas, schedule). ``precision`` must be
+    resolved already (:func:`pipeflow.config.resolve_precision`)."""
     pipe, model = _get(cfg, "pipeline", {}), _get(cfg, "model", {})
     cut = partition or _get(_get(cfg, "partition", {}), "name", "uniform")
     return {
@@ -102,9 +93,8 @@ def why_unpaired(key: Mapping, others: list[Mapping]) -> str:
 
 def write_summary(run_dir: str | os.PathLike, summary: Mapping, key: Mapping | None = None,
                   default=str) -> Path:
-    """Write run_dir/summary.json whole or not at all (a full disk leaves no cut-short
-    file), with ``key`` as its ``run_key`` when given: every app's summary goes through
-    here. ``default``: how a value JSON has no type for is written."""
+    """Write run_dir/summary.json whole (every app's summary goes through here), with ``key`` as
+    its ``run_key`` when given; ``default``: how a value JSON has no type for is written."""
     record = dict(summary)
     if key is not None:
         record["run_key"] = dict(key)

@@ -1,10 +1,5 @@
-"""A simulated run (pipeflow-simulate, pipeflow-plan) as one W&B run.
-
-The apps write their files first (summary.json, timeline.json/png, ...); with
-``logger=wandb`` the job then becomes one W&B run through :class:`MetricsSink`: the
-resolved config as the run config, the timeline picture as an image, the summary's
-scalars as the run summary. Simulated runs log no steps, so they have no metrics.jsonl.
-"""
+"""A simulated run (pipeflow-simulate, pipeflow-plan) as one W&B run through
+:class:`pipeflow.tracking.sink.MetricsSink`, once the app has written its files."""
 
 from __future__ import annotations
 
@@ -19,11 +14,9 @@ from .sink import MetricsSink
 
 def log_simulated_run(cfg: DictConfig, hydra_cfg: DictConfig, run_dir: str | os.PathLike, summary: dict,
                       caption: str = "") -> None:
-    """Log the finished job in ``run_dir`` to W&B: ``cfg`` resolved, with the group, tags
-    and run name :func:`logger_labels` gives the job ``hydra_cfg``, as the run config;
-    the job's timeline.png, when its ``summary["files"]`` lists one, under the key
-    ``timeline`` with ``caption``; ``summary`` as the run summary. ``summary`` is the
-    app's summary.json, which the sink writes again as it is."""
+    """Log the finished job in ``run_dir`` to W&B: ``cfg`` (with :func:`logger_labels`' labels of
+    ``hydra_cfg``) as the run config, its timeline.png (when ``summary["files"]`` lists one) as
+    ``timeline`` with ``caption``, ``summary`` (the app's summary.json) as the run summary."""
     plain = OmegaConf.to_container(cfg, resolve=True)
     plain["logger"].update(logger_labels(cfg.logger, hydra_cfg))
     with MetricsSink(str(run_dir), plain, plain["logger"]) as sink:

@@ -1,19 +1,8 @@
-"""The one metrics sink of a training run: local files always, Weights & Biases when asked.
-
-Rank 0 of the runtime owns a :class:`MetricsSink`. Everything it is given lands in the
-run directory first, so a run is complete on disk whether or not W&B is reachable:
-
-- ``metrics.jsonl``: one JSON object per :meth:`MetricsSink.log` call, ``{"step": ..., **metrics}``
-  (created by the first call: a simulated run, which logs no steps, has none);
-- ``timeline.json`` / ``timeline.png``: the measured timeline of one step (same format as
-  the simulator's, so the two compare event by event);
-- ``summary.json``: the final numbers;
-- ``wandb/``: W&B's own run files (``offline-run-*`` when offline, for ``wandb sync``).
-
-W&B never prompts and never needs an account: ``logger.mode=auto`` goes online only
-when credentials are already configured (``wandb login``, ``WANDB_API_KEY``), and an
-explicit ``WANDB_MODE`` decides for ``auto``.
-"""
+"""The one metrics sink of a training run (:class:`MetricsSink`, rank 0's): the run directory
+always (``metrics.jsonl``, one line per :meth:`MetricsSink.log`; ``timeline.json`` /
+``timeline.png``; ``summary.json``), Weights & Biases when asked. W&B never prompts:
+``logger.mode=auto`` goes online only with credentials configured, and an explicit
+``WANDB_MODE`` decides for ``auto``."""
 
 from __future__ import annotations
 
@@ -34,9 +23,8 @@ _WANDB_MODE_ALIASES = {"dryrun": "offline", "run": "online"}
 
 
 def wandb_credentials() -> tuple[bool, str]:
-    """(found, why not): whether W&B credentials are configured here, asking wandb itself
-    (WANDB_API_KEY, an identity token file, ~/.netrc, wandb's settings) without network
-    and without prompting."""
+    """(found, why not): whether W&B credentials are configured here, asking wandb itself,
+    without network or prompting."""
     import wandb
 
     # wandb.setup starts wandb's service and advertises it to child processes through
@@ -100,13 +88,8 @@ def _json_default(value: Any) -> Any:
 
 class MetricsSink:
     """Metrics of one run, to ``run_dir/metrics.jsonl`` and (``logger.name=wandb``) W&B.
-
-    ``config`` is the run's resolved config (a plain dict) and goes to W&B as the run
-    config. ``logger_cfg`` is ``config["logger"]``: ``name`` (wandb | none), ``project``,
-    ``mode`` (auto | offline | online | disabled), ``group``, ``tags``, ``run_name``,
-    ``entity``. ``resume_step`` > 0 continues a run: lines of an existing metrics.jsonl
-    past that step are dropped, since the steps after the checkpoint are run again.
-    """
+    ``config``: the resolved config (W&B's run config); ``logger_cfg``: ``config["logger"]``;
+    ``resume_step`` > 0: the lines of an existing metrics.jsonl past it are dropped."""
 
     def __init__(self, run_dir: str, config: dict, logger_cfg: dict, resume_step: int = 0) -> None:
         self.run_dir = Path(run_dir)
@@ -244,10 +227,8 @@ class MetricsSink:
         self.close(exit_code=exit_code)
 
     def close(self, exit_code: int) -> None:
-        """Close metrics.jsonl and finish the W&B run (its files flushed so that
-        ``wandb sync`` has the whole run); a second call does nothing. Closing a run that
-        failed (``exit_code`` non-zero) raises nothing of its own: the failure that
-        ended the run is what it reports, even where W&B cannot write either."""
+        """Close metrics.jsonl and finish the W&B run (flushed for ``wandb sync``); a second call
+        does nothing. A failed run's close (``exit_code`` non-zero) raises nothing of its own."""
         if self._finished:
             return
         self._finished = True

@@ -1,14 +1,8 @@
-"""The top-level ``compile`` of pipeflow-train and pipeflow-simulate: each transformer
-block compiled on its own (regional compile, :func:`pipeflow.models.regional.compile_blocks`).
-
-It composes with every schedule (the zero-bubble split's I and W through compiled blocks
-whose weight products stay eager, the asynchronous policies' weight versions, Seq1F1B's
-segments over their key/value prefix), recomputation (compiled inside its regions),
-tensor and sequence parallelism, each sharding level, every family, at every precision,
-on CPU and CUDA ranks. What it needs: a C++ compiler where the ranks are CPUs, the one
-inductor would run ($CXX, else g++), which builds a tiny OpenMP function here before any
-rank starts (a compiler that cannot failed in the ranks, the first step into the compile).
-"""
+"""The top-level ``compile`` of pipeflow-train and pipeflow-simulate: each transformer block
+compiled on its own (:func:`pipeflow.models.regional.compile_blocks`), with every schedule,
+recomputation, parallelism, family and precision. On CPU ranks it needs the C++ compiler
+inductor runs ($CXX, else g++), checked here by building a tiny OpenMP function before
+any rank starts."""
 
 from __future__ import annotations
 
@@ -31,8 +25,8 @@ def compiled(cfg: DictConfig) -> bool:
 
 
 def check_compile(cfg: DictConfig, schedule, on_gpus: bool) -> None:
-    """compile=true where inductor can build the ranks' kernels (see the module's docstring):
-    on CPU ranks, its C++ compiler builds a tiny function here first (:func:`compiler_fault`)."""
+    """compile=true where inductor can build the ranks' kernels: on CPU ranks its C++
+    compiler builds a tiny function here first (:func:`compiler_fault`)."""
     if not compiled(cfg) or on_gpus:
         return
     compiler = cpp_compiler()

@@ -1,6 +1,5 @@
-"""The ``data`` group: the family's own data set (data=auto) and a user's files, checked as the ranks
-will read them.
-"""
+"""The ``data`` group: the family's own data set (data=auto) and a user's files, checked as the
+ranks will read them."""
 
 from __future__ import annotations
 
@@ -54,11 +53,9 @@ def check_data_files(data: DictConfig) -> None:
     data_file_list(files)
 
 def check_text_data(data: DictConfig, seq_len: int) -> None:
-    """A byte-level text data set (one with ``max_bytes`` and ``val_fraction``), checked
-    here as the ranks would find it: the held-out share in [0, 1), ``max_bytes`` a whole
-    number, and the user's files non-empty UTF-8 text that (with ``max_bytes``) makes at
-    least one training window of seq_len + 1 bytes and, when a share is held out, one
-    validation window. Reads the leading files up to ``max_bytes``, as the ranks do."""
+    """A byte-level text data set (with ``max_bytes`` and ``val_fraction``), checked as the ranks
+    read it: the held-out share in [0, 1), ``max_bytes`` whole, and the user's files UTF-8 text
+    making at least one training window of seq_len + 1 bytes (and one validation window)."""
     if "val_fraction" not in data or "max_bytes" not in data:
         return
     frac, cap = data.get("val_fraction"), data.get("max_bytes")

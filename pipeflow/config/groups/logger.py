@@ -1,5 +1,4 @@
-"""The ``logger`` group of every app: W&B (offline by default without credentials) or none.
-"""
+"""The ``logger`` group of every app: W&B (offline by default without credentials) or none."""
 
 from __future__ import annotations
 

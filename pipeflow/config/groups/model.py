@@ -1,6 +1,5 @@
-"""The ``model`` group: GPT/BERT shapes, Hugging Face decoders (read from their config before any
-check), recomputation and attention.
-"""
+"""The ``model`` group: GPT/BERT shapes, Hugging Face decoders (read from their config before
+any check), recomputation and attention."""
 
 from __future__ import annotations
 
@@ -98,11 +97,10 @@ TABLE_BYTES = 8  # a vocabulary table's fp32 weights and gradient: whole on its 
 
 
 def check_vocab_memory(cfg: DictConfig, spec: TransformerSpec | None, tensor: int = 1) -> None:
-    """model.vocab_multiple, where its padding is what takes the model past the memory the
-    ranks have (:func:`.runtime.rank_memory`): CPU ranks started here share the host, which
-    must hold the model's whole state at least; elsewhere (GPUs, a cluster launcher's ranks)
-    the rank holding the token table holds its weights and gradient at least (split by
-    ``tensor``). Lower bounds: a value refused here cannot run; one passed may still not fit."""
+    """model.vocab_multiple, where its padding takes the model past the ranks' memory
+    (:func:`.runtime.rank_memory`): CPU ranks sharing the host must hold the whole model state,
+    elsewhere the token table's rank its weights and gradient (split by ``tensor``). A lower
+    bound: a value passed may still not fit."""
     multiple = cfg.model.get("vocab_multiple")
     if spec is None or spec.loss_vocab is None or not multiple:
         return

@@ -1,5 +1,5 @@
-"""The ``optim`` group: AdamW and its learning-rate schedule (the runtime's pipeflow.runtime.optimizer).
-"""
+"""The ``optim`` group: AdamW and its learning-rate schedule (the runtime's
+pipeflow.runtime.optimizer)."""
 
 from __future__ import annotations
 

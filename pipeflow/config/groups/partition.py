@@ -1,5 +1,5 @@
-"""The ``partition`` group's profiled cut: its memory limit and profile, checked before any rank starts.
-"""
+"""The ``partition`` group's profiled cut: its memory limit and profile, checked before any
+rank starts."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The ``pipeline`` group: depth, microbatches, chunks, segments and replicas of every app.
-"""
+"""The ``pipeline`` group: depth, microbatches, chunks, segments and replicas of every app."""
 
 from __future__ import annotations
 
@@ -49,6 +48,6 @@ def check_pipeline(cfg: DictConfig) -> None:
     sp = pipe.get("sequence_parallel", False)
     if not isinstance(sp, bool):
         raise ConfigError(f"pipeline.sequence_parallel={sp}: allowed values: true, false")
-    if sp and pipe.get("tensor_parallel", 1) == 1:
+    if sp and pipe.tensor_parallel == 1:
         raise ConfigError("pipeline.sequence_parallel=true: it splits the sequence across a stage's tensor-parallel "
                           "ranks; use it with pipeline.tensor_parallel > 1 (or sequence_parallel=false)")

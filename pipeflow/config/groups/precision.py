@@ -1,5 +1,4 @@
-"""The top-level ``precision`` of every app (train, simulate, plan, search): one key, one default.
-"""
+"""The top-level ``precision`` of every app (train, simulate, plan, search): one key, one default."""
 
 from __future__ import annotations
 
@@ -14,10 +13,9 @@ PRECISIONS = ("fp32", "bf16", "fp16")  # precision: the compute dtype under auto
 PRECISION_KEY = ("auto", *PRECISIONS)  # auto: fp32 on CPUs, bf16 on GPUs (checks.resolve_precision)
 
 def resolve_precision(cfg: DictConfig, topology) -> str:
-    """The run's precision, one key and one default for every app: ``auto`` becomes the
-    one its topology's devices train in (fp32 on CPUs, as local_cpu's ranks do; bf16 on
-    GPUs), written back into ``cfg`` so that the ranks, config.json and the summary's
-    run key all carry the resolved value. Anything else outside PRECISION_KEY: ConfigError."""
+    """The run's precision: ``auto`` becomes its topology's devices' (fp32 on CPUs, bf16 on GPUs),
+    written back into ``cfg`` so the ranks, config.json and the run key carry it; anything
+    else outside PRECISION_KEY: ConfigError."""
     asked = cfg.get("precision") or "auto"
     if asked not in PRECISION_KEY:
         raise ConfigError(f"precision={asked}: unknown precision; allowed values: {', '.join(PRECISION_KEY)} "

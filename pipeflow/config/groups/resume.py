@@ -1,5 +1,5 @@
-"""The top-level ``resume``: a checkpoint, whole and written for this pipeline, read without torch.
-"""
+"""The top-level ``resume``: a checkpoint, whole and written for this pipeline, read without
+torch."""
 
 from __future__ import annotations
 
@@ -40,10 +40,9 @@ def resume_expect(cfg: DictConfig, schedule) -> dict:
 
 
 def resume_changes(cfg: DictConfig) -> list[str]:
-    """What a resumed run changes of the settings its checkpoint was written with
-    (:data:`~pipeflow.formats.checkpoint_folder.TRAINING` and ``BATCH``: allowed, the same
-    weights train on), one sentence each, with what a changed sequence length or data set
-    changes from there; none for a checkpoint that does not record them."""
+    """What a resumed run changes of its checkpoint's settings
+    (:data:`~pipeflow.formats.checkpoint_folder.TRAINING` and ``BATCH``), one sentence each and
+    what follows from it; none for a checkpoint that does not record them."""
     if cfg.get("resume") is None:
         return []
     from pipeflow.formats.checkpoint_folder import read_meta, resolve, training_record

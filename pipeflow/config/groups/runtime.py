@@ -1,6 +1,5 @@
-"""The ``runtime`` group of pipeflow-train: backend, device, loss scale, message matching, timeouts, threads
-and the failure test hooks.
-"""
+"""The ``runtime`` group of pipeflow-train: backend, device, loss scale, message matching,
+timeouts, threads and the failure test hooks."""
 
 from __future__ import annotations
 
@@ -124,11 +123,9 @@ def check_timeouts(rt: DictConfig) -> None:
 
 
 def rank_memory(rt: DictConfig) -> tuple[int, str, bool] | None:
-    """The memory of the devices the ranks run on: (bytes, its words, whether every rank
-    shares it), or None where it cannot be read. CPU ranks read the host's (a container's
-    limit where lower), shared where this process starts them (not a cluster launcher's);
-    CUDA ranks the smallest visible GPU's, through torch, which a config on a host without
-    a GPU driver never imports (runtime.device=auto is CPU ranks there)."""
+    """The memory of the devices the ranks run on: (bytes, its words, whether every rank shares
+    it), or None where unknown. CPU ranks: the host's (or its container's limit), shared where
+    started here; CUDA ranks: the smallest visible GPU's (torch imported only with a driver)."""
     if rt.device == "cuda" or (rt.device == "auto" and _gpu_driver_here() and _cuda_devices() > 0):
         import torch
 

@@ -1,5 +1,4 @@
-"""The ``trainer`` group of pipeflow-train: steps, logging, validation, checkpoints, the timed step.
-"""
+"""The ``trainer`` group of pipeflow-train: steps, logging, validation, checkpoints, the timed step."""
 
 from __future__ import annotations
 

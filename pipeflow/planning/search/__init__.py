@@ -1,12 +1,6 @@
-"""Which schedule should I use? Every schedule x stages x data parallelism x microbatches x
-chunks x segments x recomputation x partition, for one model on one topology within a
-memory limit per device (``pipeflow-search``; docs/planning.md).
-
-:func:`search` enumerates the candidates (:mod:`.space`), prices every one in closed form
-(:mod:`.closed_form`: the schedule's bubble formula, the memory exactly as simulated), and
-simulates the most promising ones that fit, the best of every schedule among them
-(:mod:`.price`); the simulator's order is the answer.
-"""
+"""Which schedule should I use? ``pipeflow-search`` (docs/planning.md): :func:`search`
+enumerates the candidates (:mod:`.space`), prices each in closed form (:mod:`.closed_form`)
+and simulates the most promising that fit (:mod:`.price`)."""
 
 from __future__ import annotations
 
@@ -76,9 +70,9 @@ _LEFT_OUT_KEYS = {"global batch": ("search.global_batch", "search.microbatch_siz
 
 
 def _none_run(space: SearchSpace, n: int, refused: dict[str, int], said: dict[str, str]) -> str:
-    """The sentence for a search none of whose candidates can run: the search key the
-    commonest rule comes from and its value, up to three rules each in a sentence of its
-    own (its numbers kept) with how many candidates it refused, and the keys to change."""
+    """The sentence for a search none of whose candidates can run: the key the commonest rule
+    comes from, up to three rules with how many candidates each refused, and the keys to
+    change."""
     if refused:
         rules = sorted(refused, key=lambda r: (-refused[r], r))[:3]
         keys = [k for r in rules for k in _SEARCH_KEYS.get(r.split(": ")[1], ())]
@@ -137,9 +131,8 @@ def _simulate(batch: list[Candidate]) -> list[Priced]:
 
 
 def _groups(items: list, key) -> list[list]:
-    """Items in groups of the same ``key``, the largest first: a worker takes the next
-    group when it is done with one (whole groups to one worker, so it builds what they
-    share once; the largest first, so none is left alone with a large one at the end)."""
+    """Items in groups of the same ``key``, the largest first: a worker takes whole groups (it
+    builds what they share once), the largest first so none is left with one at the end."""
     groups: dict = {}
     for it in items:
         groups.setdefault(key(it), []).append(it)
@@ -149,7 +142,7 @@ def _groups(items: list, key) -> list[list]:
 def _map(fn, items: list, workers: int, key, phase: str = "", report: tuple = (None, None)) -> list[tuple]:
     """(item, result) pairs of fn over items, in ``workers`` forked processes when more
     than one (each inherits the pricer and takes whole groups by ``key``). ``report``:
-    (seconds between progress lines, where a line goes) for :class:`.progress.Progress`."""
+    (seconds between progress lines, where a line goes) for :class:`.progress_line.Progress`."""
     global _PROGRESS, _BATCHES
     every, say = report
     if workers <= 1 or len(items) < 2 or "fork" not in multiprocessing.get_all_start_methods():
@@ -218,23 +211,18 @@ def default_workers() -> int:
 
 def search(space: SearchSpace, pricer: Pricer, simulate_top: int = 16, workers: int = 1,
            progress_every: float | None = None, say: Callable[[str], None] | None = None) -> SearchResult:
-    """Search ``space``: price every candidate in closed form, simulate the
-    ``simulate_top`` fastest that fit plus the fastest of each schedule, rank by the
-    simulator; ``workers`` processes price and simulate side by side; ``say`` gets a
-    progress line every ``progress_every`` seconds (0: at every chance; None: none)
-    while a phase lasts (:mod:`.progress`). Raises NothingFits
-    (naming the smallest requirement) when no candidate fits the limit, ValueError when no
-    candidate can be built at all."""
+    """Search ``space``: price every candidate in closed form, simulate the ``simulate_top`` fastest
+    that fit and each schedule's fastest, rank by the simulator, in ``workers`` processes;
+    ``say`` gets a progress line every ``progress_every`` seconds (0: every chance; None: none).
+    NothingFits when no candidate fits, ValueError when none can be built."""
     with collector_off():
         return _search(space, pricer, simulate_top, workers, progress_every, say)
 
 
 @contextmanager
 def collector_off():
-    """Python's cycle collector off inside, as it was after. A search makes millions of
-    small objects, most of them kept (the caches), few in cycles: the collector's passes
-    over them took ~15% of a search (70B on 64 GPUs, docs/planning.md); off while it
-    runs (and in its workers), and while pipeflow-search writes its files."""
+    """Python's cycle collector off inside, as it was after: a search's millions of small, kept,
+    acyclic objects cost ~15% of its time in the collector's passes."""
     collecting = gc.isenabled()
     gc.disable()
     try:

@@ -1,6 +1,5 @@
-"""A search candidate's memory: each device's peak as the simulator's walk counts it, from
-the schedule's walks (:mod:`.closed_form`) and the candidate's own bytes per term (a
-mixin of :class:`~.price.Pricer`: it reads the pricer's structures, costs and caches)."""
+"""A search candidate's memory: each device's peak as the simulator's walk counts it, from the schedule's
+walks and the candidate's bytes per term."""
 
 from __future__ import annotations
 
@@ -16,24 +15,18 @@ from .space import Candidate
 
 
 class MemoryPrices:
-    """Each device's peak bytes for a candidate: its schedule's periodic walks where they
-    serve (:meth:`needs`), else the walk at its own size (:meth:`_needs`); its fullest
+    """Each device's peak bytes for a candidate, a mixin of :class:`~.price.Pricer`: the schedule's periodic
+    walks where they serve (:meth:`needs`), else its walk at its own size (:meth:`_needs`); the fullest
     device against its limit (:meth:`_worst`)."""
 
     def periodic(self, c: Candidate) -> tuple[int, int, int] | None:
-        """(m0, period, k): the candidate's m is k periods past m0, a size from which the
-        schedule's walks repeat one block a period (pipeflow.schedules.periods); None where the
-        schedule has no rule or m is below its fill. (The walks are at m0 and m0 + 2
-        periods; k may be anything from 0: the blocks stand k times.)"""
+        """(m0, period, k): the candidate's m is k periods past m0, from which the walks repeat
+        (:mod:`pipeflow.schedules.periods`); None without a rule or below the fill."""
         return periods_past_fill(c.schedule, c.stages, c.virtual_stages, c.segments, c.microbatches)
 
     def _values(self, cost: AnalyticCost, terms: list, c: Candidate, replicas: bool) -> np.ndarray:
-        """The bytes of a walk's ``terms`` under ``cost``, as ``c``'s level and replicas
-        price them (``replicas``: a replicated walk's terms, :func:`priced_as`); each
-        distinct term valued once per cost, a stage's as the first of its kind's
-        (AnalyticCost.stage_kinds). The walk's terms as they stand are valued once per
-        cost; a level and a number of replicas change a few of them (the shards, the
-        slices), valued on top."""
+        """The bytes of a walk's ``terms`` under ``cost`` at ``c``'s level and replicas (``replicas``:
+        :func:`priced_as`), each distinct term valued once per cost."""
         kinds = self._kinds.get(id(cost))
         if kinds is None:
             kinds = self._kinds[id(cost)] = tuple(cost.stage_kinds())
@@ -76,8 +69,7 @@ class MemoryPrices:
         return np.array(out, dtype=np.int64)
 
     def _valued(self, cost: AnalyticCost, numbers: np.ndarray) -> np.ndarray:
-        """The bytes of the terms ``numbers`` under ``cost`` (a new array): each term valued
-        once per cost, kept in an array by its number."""
+        """The bytes of the terms ``numbers`` under ``cost`` (a new array), each valued once per cost."""
         known = self._term_bytes.get(id(cost))
         size = len(self._term_numbers)
         if known is None or len(known) < size:
@@ -114,9 +106,8 @@ class MemoryPrices:
         return out
 
     def _shape(self, cost: AnalyticCost):
-        """What a cost model's terms depend on besides the kinds of their stages: its
-        tables' shape (AnalyticCost's ``shared``) and the host's kernels and optimizer step
-        set on it after them; a cost model built without ``shared`` shares with none."""
+        """What a cost model's terms depend on besides its stages' kinds (its tables' shape, host kernels,
+        step); a cost model without ``shared`` shares with none."""
         number = getattr(cost, "shape_number", None)
         if number is None:
             return ("own", id(cost))
@@ -129,11 +120,7 @@ class MemoryPrices:
         return [(n, s == 0, s == last) for s, n in enumerate(cost.layers_per_stage)]
 
     def release(self) -> None:
-        """Let go of what one group of candidates built: the search prices a group of the
-        same stages x chunks and segments at a time, and no cost model, structure or walk
-        serves two groups (their keys hold both), so that a group's are garbage after it.
-        Every cost model and structure, and every cache keyed by their ids, of each tensor
-        degree's pricer; the terms' numbering and what shapes share stay."""
+        """Let go of what one group of candidates built (the terms' numbering stays)."""
         for q in self._tensors.values():
             for cache in (q._costs, q._tables, q._terms, q._term_bytes, q._needs_cache, q._work_cache, q._flat,
                           q._kinds, q._term_index, q._compiled, q._memo):
@@ -142,10 +129,8 @@ class MemoryPrices:
         self.structures.clear()
 
     def needs(self, c: Candidate, cost: AnalyticCost) -> np.ndarray | None:
-        """Bytes each device of one replica needs at its peak at the candidate's own m,
-        from the schedule's periodic walks (:meth:`periodic`), or None where they do not
-        serve. With replicas, the walk of one among them (their reductions' buffers and
-        what they shard)."""
+        """Bytes each device of one replica needs at its peak at the candidate's m from the periodic walks,
+        or None where they do not serve."""
         at = self.periodic(c)
         if at is None:
             return None
@@ -160,27 +145,20 @@ class MemoryPrices:
         return self._peaks(mem, cost, c, walk != ("plain",), k)
 
     def _needs(self, st: Structure, cost: AnalyticCost, c: Candidate) -> np.ndarray:
-        """Bytes each device of one replica needs at its peak, as the simulator's memory
-        walk counts them (model state, activations, messages, workspaces; with replicas,
-        their reductions' buffers and what they shard)."""
+        """Bytes each device of one replica needs at its peak, as the simulator's memory walk counts them."""
         replicas = self._replicated(c, st)
         return self._peaks(st.replicated(c.shard, c.gather) if replicas else st.memory, cost, c, replicas)
 
     @staticmethod
     def _replicated(c: Candidate, st: Structure) -> bool:
-        """Whether the candidate's memory is priced on its schedule's replicated walk: with
-        replicas, and without them too where one pipeline holds each stage once (a
-        synchronous chain: the walk without replicas is that walk with nothing at its
-        REDUCEs, :func:`priced_as` with one replica), so that one walk of the schedule
-        serves every number of replicas; else (Chimera's two pipelines reduce each stage
-        within a replica; asynchronous policies) the schedule's own walk."""
+        """Whether the candidate is priced on its schedule's replicated walk (with replicas, or a
+        synchronous chain, whose walk serves every replica count); else its own walk."""
         if st.asynchronous:
             return False
         return c.data_parallel > 1 or st.schedule.placement.num_pipes == 1
 
     def _peaks(self, mem, cost: AnalyticCost, c: Candidate, replicas: bool, k: int = 0) -> np.ndarray:
-        """A walk's (:class:`~pipeflow.sim.memory_peaks.Peaks`, or ``Periodic`` at k
-        periods) peak per device under ``cost``, at ``c``'s level and replicas (once each)."""
+        """A walk's peak per device under ``cost`` at ``c``'s level and replicas."""
         key = (id(cost), id(mem), k, *((c.shard, c.data_parallel) if replicas else ()))
         got = self._needs_cache.get(key)
         if got is None:
@@ -203,11 +181,9 @@ class MemoryPrices:
 
 
 class TermForms:
-    """The search's memory terms as numbers, so that what cost models of one shape share
-    is looked up by one integer: each numbered term's form (its key with its stages left
-    out) and the stages it names (-1: none), and the cost models' shapes and kinds of
-    stage, each numbered once (:meth:`MemoryPrices._valued`: a term under a cost model
-    is form << 40 | first stage's kind << 20 | second stage's kind + 1)."""
+    """The search's memory terms as numbers: each term's form (its key without its stages) and stages, the
+    cost models' shapes and stage kinds, so a term under a cost model is one integer (form << 40 | first
+    kind << 20 | second kind + 1)."""
 
     LIMIT = 1 << 20  # forms, shapes and kinds numbered
 

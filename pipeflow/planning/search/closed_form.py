@@ -1,29 +1,7 @@
-"""The search's pre-filter: a candidate priced in closed form, before any simulation.
-
-Two parts, both cheap enough for tens of thousands of candidates:
-
-- **Idle time** per device from the schedule's published bubble (docs/schedules.md,
-  ALGORITHMS.md), in the times of one unit of work (one chunk, one microbatch, one
-  sequence segment) on the slowest device: F, I and W (B = I + W), plus a message hop
-  ``c`` for each stage boundary the fill and the drain cross. :data:`IDLE` holds one
-  formula per built-in schedule; a schedule without one (a user's) is priced as 1F1B's
-  and its row says so.
-- **Peak memory** exactly as the simulator counts it, from the schedule's own order:
-  :class:`Structure` builds one replica of the schedule once per (schedule, stages,
-  microbatches, chunks, segments) and takes the simulator's own walk of each device's
-  order without its bytes (:func:`pipeflow.sim.device_walk.tapes`): which term (a stage's
-  weights, gradients, optimizer state, a (stage, segment)'s activations, residuals,
-  outputs, messages, a backward's workspace) each step allocates or frees, and which
-  instants can be a peak. A candidate's peak is then a cumulative sum of its own bytes
-  per term along those steps, at most at those instants (:class:`~pipeflow.sim.memory_peaks.Peaks`):
-  the level the simulator's walk reaches, for any cost (an asynchronous policy's extra
-  weight versions excepted: they come from the simulator's timeline). Past a
-  schedule's fill its walk repeats one block per period (:mod:`pipeflow.schedules.periods`): two small
-  walks stand for any larger m (:class:`~pipeflow.sim.memory_peaks.Periodic`).
-
-The structure also says whether the sizes are valid at all: it is built by the
-schedule's own generator, whose refusal names the rule.
-"""
+"""The search's pre-filter: a candidate priced in closed form, before any simulation
+(docs/planning.md, "How a candidate is priced"): idle time from the schedule's bubble
+formula (:data:`IDLE`), peak memory the simulator's, from byte-less walks of the schedule
+per size (:class:`Structure`) summed per candidate (:mod:`pipeflow.sim.memory_peaks`)."""
 
 from __future__ import annotations
 
@@ -115,8 +93,8 @@ def idle_formula(name: str) -> tuple[IdleFormula, bool]:
 
 class Structure:
     """One replica of a schedule at given sizes: its placement, its units of work per
-    device and its devices' memory states (see the module docstring). Raises
-    ScheduleConfigError when the schedule cannot be built at these sizes."""
+    device and its devices' memory walks. ScheduleConfigError when the schedule cannot be
+    built at these sizes."""
 
     def __init__(self, name: str, stages: int, microbatches: int, virtual_stages: int, segments: int,
                  options: dict | None = None) -> None:
@@ -159,8 +137,8 @@ class Structure:
     @staticmethod
     def walk_of(shard: str, gather: str, replicas: bool) -> tuple:
         """Which walk prices a candidate's memory: ("plain",) one replica alone, or a
-        replicated one, ZeRO-2's for none, optimizer and gradients, one per gather policy
-        of full (:meth:`replicated`)."""
+        replicated one (:meth:`replicated`): ZeRO-2's for none, optimizer and gradients, one per
+        gather policy of full."""
         if not replicas:
             return ("plain",)
         return ("full", gather) if shard == "full" else ("gradients", "")
@@ -192,13 +170,9 @@ class Structure:
         return got
 
     def replicated(self, shard: str, gather: str) -> Peaks:
-        """The memory of one replica among data-parallel ones, each stage's replicas
-        sharding ``shard`` (pipeline.shard, gathering by ``gather`` under full): one
-        replica's walks (as_replica: its REDUCE's flats, its shards, its GATHERs and
-        FREEs) as if among 2; :func:`priced_as` says what each term is for a level and a
-        number of replicas, which changes no order. One walk, ZeRO-2's, serves none,
-        ZeRO-1 and ZeRO-2: theirs differ only in what its terms are worth (nothing goes at
-        the REDUCE, the optimizer state or its step whole or sliced)."""
+        """The memory of one replica among data-parallel ones sharding ``shard`` (gathering by
+        ``gather`` under full): one replica's walks as if among 2, each term valued by
+        :func:`priced_as`. One walk, ZeRO-2's, serves none, ZeRO-1 and ZeRO-2."""
         walk = self.walk_of(shard, gather, True)
         got = self._replicated.get(walk)
         if got is None:  # (one replica's lists: the others walk alike)
@@ -224,12 +198,9 @@ _SLICED = frozenset({"sharded_optimizer_state", "gradient_slice", "own_share", "
 
 
 def priced_as(key: tuple, shard: str, replicas: int) -> tuple:
-    """A term of a walk built with 2 replicas (ZeRO-2's, or ZeRO-3's), as ``shard`` with
-    ``replicas`` prices it: a stage's count of copies is its copies in one replica
-    (Chimera's 2) times the replicas; without ZeRO-2's reduce-scatter nothing goes at
-    the REDUCE and no slice arrives; without sharding the state and the step are whole;
-    with one replica (a pipeline whose stages each stand once) there is no reduction at
-    all: the REDUCE lays nothing end to end, and the walk is the schedule's own."""
+    """A term of a walk built with 2 replicas (ZeRO-2's or ZeRO-3's) as ``shard`` with
+    ``replicas`` prices it: its count of copies times the replicas; without sharding the state
+    and step whole; with one replica no reduction at all (the schedule's own walk)."""
     name = key[0]
     if replicas == 1 and name == "flat_gradients":
         return ("nothing",)
@@ -269,10 +240,9 @@ class StructureCache:
         return got
 
     def periodic(self, name: str, p: int, m: int, period: int, v: int, s: int, walk: tuple) -> Periodic | None:
-        """The periodic walk (:class:`Periodic`) of the schedule from m microbatches on,
-        one period being ``period`` more, from the walks at m and two periods on (whose
-        blocks must each stand twice: the check); None when a size is refused or the
-        walks are not periodic there."""
+        """The periodic walk (:class:`~pipeflow.sim.memory_peaks.Periodic`) from m microbatches on,
+        one period being ``period`` more, from the walks at m and two periods on; None when a size
+        is refused or the walks are not periodic there."""
         key = ("periodic", name, p, m, period, v, s, walk)
         got = self._cache.get(key)
         if got is None:

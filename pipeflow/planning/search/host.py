@@ -1,24 +1,6 @@
-"""The analytic cost fitted to this host, for searches over local CPU ranks.
-
-A search prices thousands of configurations, so it cannot calibrate each one (a
-calibration replays one configuration's own actions). What carries over from one
-calibration (``python -m pipeflow.calibrate``, :mod:`pipeflow.runtime.calibration_run`) to every
-configuration of the same model on the same host:
-
-- the host itself: its cores, how much slower ranks run when all compute at once
-  (contention), what a message costs end to end (latency, bandwidth) and what posting
-  one costs each rank's compute (message_host), which ``local_cpu`` takes as they are;
-- the rate at which a rank turns FLOPs into time: one number fitted by least squares to
-  the calibration's measured forward and backward times against the analytic FLOPs of
-  the same stages (t = FLOPs / rate), and the memory bandwidth of the optimizer step
-  fitted to its measured times the same way;
-- the rate an all-reduce reaches (``collective_bandwidth``): the calibrated step
-  synchronisation all-reduces a tied embedding's gradient between two ranks, and gloo
-  on CPU ranks does that far below its point-to-point rate (0.85 s for GPT-2 small's
-  154 MB here, against 0.05 s at the loopback's 3 GB/s).
-
-:func:`fitted_host` returns those as ``local_cpu`` topology keys.
-"""
+"""The analytic cost fitted to this host for searches over local CPU ranks: from calibrations of one model
+(``python -m pipeflow.calibrate``), the host's keys, one FLOP rate, the optimizer step's bandwidth and
+the all-reduce rate, as ``local_cpu`` topology keys (:func:`fitted_host`; docs/planning.md, "CPU ranks")."""
 
 from __future__ import annotations
 
@@ -26,15 +8,14 @@ import statistics
 
 from ..cost import AnalyticCost
 from ..machine_cost import HOST_KEYS, load_calibration
-from ..transformer import TransformerSpec
+from ..model_state import gradient_bytes, step_bytes
+from ..transformer import TransformerSpec, shared_head_params
 
 
 def fitted_host(paths: str | list[str], spec: TransformerSpec, efficiency: float, dtype_bytes: int) -> dict:
-    """``local_cpu`` keys (``cores``, ``contention``, ``latency``, ``bandwidth``,
-    ``message_host``, ``peak_flops``, ``memory_bandwidth``) from the calibrations at
-    ``paths`` (one, or several of different microbatch sizes, fitted together; the host
-    keys are their medians) of configurations of the model ``spec``. Raises ValueError
-    naming ``search.calibration``."""
+    """``local_cpu`` keys (``cores``, ``contention``, ``latency``, ``bandwidth``, ``message_host``,
+    ``peak_flops``, ``memory_bandwidth``, ``collective_bandwidth``) fitted to the calibrations at
+    ``paths`` of model ``spec`` (host keys: their medians). ValueError naming ``search.calibration``."""
     paths = [paths] if isinstance(paths, str) else list(paths)
     if not paths:
         raise ValueError("search.calibration=[]: give a calibration.json, or several")
@@ -60,9 +41,9 @@ def fitted_host(paths: str | list[str], spec: TransformerSpec, efficiency: float
 
 
 def _points(path: str, spec: TransformerSpec, dtype_bytes: int) -> tuple[list, list, dict, float | None]:
-    """(FLOPs, seconds) of each calibrated F, B, I, W; (bytes, seconds) of each optimizer
-    step; the host keys; the all-reduce rate of its step synchronisation (None without a
-    tied embedding to time it by): of one calibration file."""
+    """Of one calibration file: (FLOPs, seconds) of each F, B, I, W; (bytes, seconds) of each step; the host
+    keys; the step synchronisation's all-reduce rate (None without a tied embedding). ValueError for
+    another model or a segmented calibration."""
     key = "search.calibration"
     data = load_calibration(path, key=key)
     conf = data["config"]
@@ -79,8 +60,7 @@ def _points(path: str, spec: TransformerSpec, dtype_bytes: int) -> tuple[list, l
                   for kind, stage, _ in [k.split("|")] if kind in "FBIW" for stage in [int(stage)]]
     if not flops_time:
         raise ValueError(f"{key}={path}: it has no forward or backward times")
-    per_param = 28 + (dtype_bytes if dtype_bytes < 4 else 0)
-    steps = [(cost.stage_params(int(k.split("|")[1])) * per_param, float(t))
+    steps = [(step_bytes(cost.stage_params(int(k.split("|")[1])), dtype_bytes), float(t))
              for k, t in data["times"].items() if k.startswith("S|") and float(t) > 0]
     # the step's synchronisation: a tied embedding's fp32 gradient all-reduced over the
     # first and the last stage's ranks (a ring of 2), at the collective rate this host reaches
@@ -88,5 +68,5 @@ def _points(path: str, spec: TransformerSpec, dtype_bytes: int) -> tuple[list, l
     sync, world = float(data.get("sync_s", 0.0)), int(conf.get("world_size", 1))
     lat = float(data["host"].get("latency", 0.0))
     if spec.tied and len(layers) > 1 and world > 1 and sync > 2 * lat:
-        rate = 4.0 * spec.vocab_size * spec.n_embd / (sync - 2 * lat)
+        rate = gradient_bytes(shared_head_params(spec)) / (sync - 2 * lat)
     return flops_time, steps, {k: float(data["host"][k]) for k in HOST_KEYS if k in data["host"]}, rate

@@ -1,11 +1,6 @@
-"""Pricing a search candidate: in closed form (every candidate) and by the simulator (the
-most promising ones). Both use the analytic cost model of the candidate's own stages
-(its partition over stages x virtual_stages chunks, its microbatch size, its sequence
-segments, its recomputation) on the topology's devices, so they differ only in how the
-schedule's order is turned into time: a formula (:mod:`.closed_form`) or the
-discrete-event simulator, which also runs the data-parallel replicas' all-reduces and
-every message on the topology's links.
-"""
+"""Pricing a search candidate: in closed form (every candidate, :mod:`.closed_form`) and by
+the discrete-event simulator (the most promising ones, replicas' all-reduces and messages
+on the topology's links too), both from the analytic cost of the candidate's own stages."""
 
 from __future__ import annotations
 
@@ -24,9 +19,10 @@ from pipeflow.topology.tensor import tensor_topology
 from pipeflow.topology.topology import Topology
 
 from ..cost import AnalyticCost
+from ..model_state import gradient_bytes
 from ..partitioners import partition_layers
 from ..seqsplit import split_sequence
-from ..transformer import TransformerSpec, kv_repeat_on
+from ..transformer import TransformerSpec, kv_repeat_on, shared_head_params
 from .closed_form import TIMED, Structure, StructureCache, idle_formula
 from .candidate_memory import MemoryPrices, TermForms
 from .space import Candidate
@@ -116,9 +112,8 @@ class Pricer(MemoryPrices):
         self._tensors: dict[int, "Pricer"] = {1: self}
 
     def for_tensor(self, t: int) -> "Pricer":
-        """The pricer of candidates whose devices are tensor groups of ``t`` GPUs: the same
-        model and limit on the topology seen as groups of t (:mod:`pipeflow.topology.tensor`);
-        the schedules' structures (and their walks), which no tensor degree changes, shared."""
+        """The pricer of candidates whose devices are tensor groups of ``t`` GPUs (the topology
+        seen as groups of t, :mod:`pipeflow.topology.tensor`), sharing the schedules' structures."""
         got = self._tensors.get(t)
         if got is None:
             root = self._tensors[1]
@@ -195,20 +190,18 @@ class Pricer(MemoryPrices):
 
     @staticmethod
     def stand_in_sizes(p: int, m: int) -> tuple[int, ...]:
-        """The microbatch counts the closed form builds a schedule at: m itself up to 6p;
-        beyond, two counts in [2p, 6p) with m's residue mod 2p (the same size rules hold:
-        parity, m >= 2p, the interleaved groups' remainder), from which the peak is
-        extrapolated linearly in m and the work scaled."""
+        """The microbatch counts the closed form builds a schedule at: m itself up to 6p; beyond,
+        two counts in [2p, 6p) with m's residue mod 2p, from which the peak is extrapolated
+        linearly in m and the work scaled."""
         if m < 6 * p:
             return (m,)
         m1 = 4 * p + (m - 4 * p) % (2 * p)
         return (m1, m1 - 2 * p)
 
     def _work(self, st: Structure, cost: AnalyticCost) -> tuple[np.ndarray, ...]:
-        """Each device's time over the structure's step (every action it runs): its F, its
-        input-gradient and weight-gradient shares of the backward (a full B split as B - W
-        and W), its optimizer step, and its units of work; and the longest message hop
-        between stages. Built once per structure and cost."""
+        """Each device's seconds over the structure's step (F, the backward's I and W shares, its
+        optimizer step) and its units of work, and the longest message hop; once per structure
+        and cost."""
         key = (id(st), id(cost))
         got = self._work_cache.get(key)
         if got is None:
@@ -329,9 +322,8 @@ class Pricer(MemoryPrices):
                       "" if own else "no bubble formula of its own: 1F1B's stands in", walked)
 
     def tied_sync(self, c: Candidate, st: Structure) -> float:
-        """The step's synchronisation of a tied embedding: before the optimizer step the
-        runtime all-reduces the tied matrix's fp32 gradient over every device holding the
-        first or the last stage (every replica's)."""
+        """Seconds of a tied embedding's all-reduce before the optimizer step: its fp32 gradient
+        over every device holding the first or the last stage (every replica's)."""
         if not self.spec.tied:
             return 0.0
         p, last = st.schedule.num_devices, st.schedule.num_stages - 1
@@ -342,7 +334,7 @@ class Pricer(MemoryPrices):
         got = self._memo.get(key)
         if got is None:
             got = self._memo[key] = self.topology.allreduce_time(sorted(held),
-                                                                  4.0 * self.spec.vocab_size * self.spec.n_embd)
+                                                                  gradient_bytes(shared_head_params(self.spec)))
         return got
 
     def _ring(self, ring: tuple, nbytes: float, what: str) -> float:
@@ -356,10 +348,9 @@ class Pricer(MemoryPrices):
 
     def _sharded_step(self, c: Candidate, built: list[Structure], t: float, cost: AnalyticCost, d: int,
                       step: float) -> tuple[float, float]:
-        """(the busiest device's optimizer step, the all-gathers it waits for) under
-        ``c.shard``: a slice's step (1/data_parallel of it); ZeRO-1/2 then all-gather each
-        stage's weights, ZeRO-3 gathers them where its GATHERs stand, every one counted
-        exposed (the simulator's pass over the fastest candidates sees what overlaps)."""
+        """(the busiest device's optimizer step, the all-gathers it waits for) under ``c.shard``:
+        a slice's step; ZeRO-1/2 all-gather each stage's weights, ZeRO-3 where its GATHERs stand,
+        every one counted exposed."""
         st = built[0]
         if c.shard == "none" or c.data_parallel == 1 or st.asynchronous:
             return step, 0.0
@@ -378,9 +369,8 @@ class Pricer(MemoryPrices):
         return step / c.data_parallel, waited
 
     def _exposed_allreduce(self, c: Candidate, st: Structure, cost: AnalyticCost) -> float:
-        """The reductions the last device to finish its backward waits for: each stage's
-        replicas (data-parallel copies, and Chimera's second pipeline) reduce after its
-        last weight gradient, one stage after another on a device (ZeRO-2/3: a
+        """Seconds of the reductions the last device to finish its backward waits for: each stage's
+        replicas reduce after its last weight gradient, one stage after another (ZeRO-2/3: a
         reduce-scatter)."""
         p = st.schedule.num_devices
         if c.data_parallel == 1 and st.schedule.placement.num_pipes == 1:
@@ -408,14 +398,10 @@ class Pricer(MemoryPrices):
     # ---------------------------------------------------------------- simulated
 
     def simulated(self, c: Candidate, closed: Priced | None = None) -> Priced:
-        """The simulator's price: the candidate's whole schedule (every replica) on the
-        topology, messages and all-reduces included; memory as pipeflow-simulate counts it.
-        A schedule with a period (:meth:`periodic`) is simulated at three sizes a period
-        apart past its fill; where the three step times and busy times move by the same
-        amount from one to the next, the candidate's are that amount more per period (the
-        simulation is deterministic, and one more period repeats the same events),
-        otherwise the candidate's own size is simulated. ``closed``: its closed-form price,
-        whose memory, where walked at its own m, is the simulated phase's too."""
+        """The simulator's price of the candidate's whole schedule (every replica), memory as
+        pipeflow-simulate counts it. A periodic schedule is simulated at three sizes a period apart
+        and, where they move alike, extrapolated per period (:meth:`_simulated_periods`); else at
+        its own size. ``closed``: its closed-form price, whose memory it reuses where walked at m."""
         if c.tensor_parallel != self.tensor:
             return self.for_tensor(c.tensor_parallel).simulated(c, closed)
         cost = self.cost(c)

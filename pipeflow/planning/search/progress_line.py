@@ -1,11 +1,6 @@
-"""How far a long search is: a line every ``search.progress`` seconds while it prices
-(``search: closed form 1,200 of 7,650 candidates (16%), 31 s; fastest that fits so far
-4.12 s a step: 1f1b p=8 ...``), from whichever process priced them.
-
-The search's workers are forked; each candidate they price moves counters in shared
-memory (:class:`Progress` made before the fork), which the search reads while it waits
-for them. In one process the search says the line itself, between candidates.
-"""
+"""How far a long search is: a line every ``search.progress`` seconds while it prices, from
+whichever process priced (forked workers move counters in shared memory, :class:`Progress`
+made before the fork; in one process the search says the line itself)."""
 
 from __future__ import annotations
 
@@ -18,9 +13,8 @@ __all__ = ["Progress", "duration"]
 
 
 def duration(t: float) -> str:
-    """A time in seconds with its unit, the unit its size reads best in: ``41.3 ms``
-    under a second, ``2.35 s`` under a minute, ``231 s`` past it. The search's every
-    step time is said through here, so no column or sentence mixes units."""
+    """A time in seconds with the unit its size reads best in (``41.3 ms``, ``2.35 s``,
+    ``231 s``); every step time the search says goes through here."""
     t = float(t)
     if abs(t) < 1:
         return f"{t * 1e3:.3f} ms" if abs(t) < 1e-3 else f"{t * 1e3:.1f} ms"

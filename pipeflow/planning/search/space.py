@@ -1,14 +1,7 @@
-"""What the schedule search walks: every (schedule, stages, data parallelism, tensor
-parallelism, microbatches, microbatch size, chunks, segments, recomputation, partition,
-sharding of the replicas) that uses the devices and the global batch it is given.
-
-A candidate runs ``data_parallel`` replicas of a ``stages``-device pipeline, each of its
-devices ``tensor_parallel`` GPUs of one node, on ``stages x data_parallel x
-tensor_parallel`` devices (all of them), each replica ``microbatches``
-microbatches of ``microbatch_size`` sequences a step, so every candidate trains on the
-same global batch, ``data_parallel x microbatches x microbatch_size`` sequences per
-update, and differs only in how.
-"""
+"""What the schedule search walks: every (schedule, stages, data and tensor parallelism,
+microbatches, microbatch size, chunks, segments, recomputation, partition, sharding) that
+uses all ``stages x data_parallel x tensor_parallel`` devices and trains the same global
+batch, ``data_parallel x microbatches x microbatch_size`` sequences per update."""
 
 from __future__ import annotations
 
