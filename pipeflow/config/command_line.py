@@ -62,7 +62,7 @@ def schedule_table() -> str:
     def mark(flag: bool) -> str:
         return "yes" if flag else ""
 
-    rows = ["| schedule | what it does | weights | chunks | segments | branched model | train | torch export "
+    rows = ["| schedule | what it does | weights | chunks | segments | concurrent-branch model | train | torch export "
             "| options |", "|---|---|---|---|---|---|---|---|---|"]
     for spec in specs():
         d = spec.describe()

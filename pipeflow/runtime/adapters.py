@@ -36,10 +36,12 @@ class Adapter(Protocol):
     def normalizer(self, batch): ...
 
 
-class GPTAdapter:
-    """A GPT split into a chain of stages; a batch is (input ids, targets), [B, T] each.
-    ``spec``: the model's shape, which its stages are built to (a run plan carries it;
-    None: read from ``model_cfg`` where a stage is built)."""
+class TransformerAdapter:
+    """The base of the chain families' adapters: a transformer split into a chain of
+    stages exchanging hidden states [mbs, T, n_embd]; a batch is (input ids, targets),
+    [B, T] each, scored next-token on the text corpus unless a subclass says otherwise.
+    A subclass supplies ``build_stage``. ``spec``: the model's shape, which its stages are
+    built to (a run plan carries it; None: read from ``model_cfg`` where a stage is built)."""
 
     def __init__(
         self,
@@ -72,8 +74,7 @@ class GPTAdapter:
         self.tensor = None
 
     def build_stage(self, stage: int) -> torch.nn.Module:
-        return self._split(build_stage(self.model_cfg, self.layers_per_stage, stage, self.seed,
-                                       self.spec)).to(self.device)
+        raise NotImplementedError(f"{type(self).__name__} builds no stages: a family's adapter supplies build_stage")
 
     def _split(self, module: torch.nn.Module) -> torch.nn.Module:
         """The stage cut across this rank's tensor group, or whole without one."""
@@ -134,11 +135,18 @@ class GPTAdapter:
         return float(batch[1].numel())
 
 
-class BertAdapter(GPTAdapter):
+class GPTAdapter(TransformerAdapter):
+    """A GPT (model.family=gpt) split into a chain of stages, scored next-token."""
+
+    def build_stage(self, stage: int) -> torch.nn.Module:
+        return self._split(build_stage(self.model_cfg, self.layers_per_stage, stage, self.seed,
+                                       self.spec)).to(self.device)
+
+
+class BertAdapter(TransformerAdapter):
     """A BERT (masked LM) split into a chain of stages; a batch is (input ids, labels), [B, T]
-    each, labels -100 where a position is not scored. Stages exchange hidden states
-    [mbs, T, n_embd] like the GPT's, and the word embedding (first stage) and the MLM
-    decoder (last stage) are tied the same way."""
+    each, labels -100 where a position is not scored. Its word embedding (first stage) and
+    MLM decoder (last stage) are tied as the GPT's embedding and head are."""
 
     def build_stage(self, stage: int) -> torch.nn.Module:
         return self._split(bert.build_stage(self.model_cfg, self.layers_per_stage, stage, self.seed,
@@ -163,9 +171,9 @@ class BertAdapter(GPTAdapter):
         return float((batch[1] != IGNORE_INDEX).sum())
 
 
-class HFCausalAdapter(GPTAdapter):
+class HFCausalAdapter(TransformerAdapter):
     """A Hugging Face decoder (model.family=hf_causal) split into a chain of stages; it
-    feeds and scores like the GPT (next-token loss on the text corpus, bytes or a local
+    feeds and scores as the base does (next-token loss on the text corpus, bytes or a local
     tokenizer's ids). Its head is tied to the embedding only when its config ties them."""
 
     def build_stage(self, stage: int) -> torch.nn.Module:
@@ -176,8 +184,8 @@ class HFCausalAdapter(GPTAdapter):
 
 
 class CBMAdapter:
-    """A concurrent-branch multimodal model: a DAG of stages (vision chain, text chain,
-    interaction edges, fused head). A batch is a dict (image, input_ids, mlm_labels,
+    """The concurrent-branch model (model.family=cbm): a DAG of stages (vision chain, text
+    chain, interaction edges, fused head). A batch is a dict (image, input_ids, mlm_labels,
     itm_label); each source stage reads its branch's input."""
 
     def __init__(self, model_cfg: Mapping, microbatch_size: int, seed: int, device: torch.device, num_devices: int,

@@ -121,7 +121,7 @@ class ChunkStats:
 
 
 class AsyncExecutor(Executor):
-    def __init__(self, lowered: Lowered, rank: int, stages: dict[tuple[int, int], StageState], adapter,
+    def __init__(self, lowered: Lowered, device: int, stages: dict[tuple[int, int], StageState], adapter,
                  groups: Groups, grad_clip: float | None, on_grads=None, precision=None, p2p: str = "tagged",
                  keep_first_grads: bool = False):
         schedule = lowered.schedule
@@ -129,7 +129,7 @@ class AsyncExecutor(Executor):
             raise ValueError(f"schedule {schedule.name!r} is synchronous; use Executor")
         if schedule.uses_split_backward():
             raise NotImplementedError("asynchronous schedules run full backwards (B), not I/W splits")
-        super().__init__(lowered, rank, stages, adapter, groups, grad_clip, on_grads, precision, p2p)
+        super().__init__(lowered, device, stages, adapter, groups, grad_clip, on_grads, precision, p2p)
         self.policy = schedule.policy
         self.m = schedule.microbatches_per_step
         self.windows = schedule.windows
@@ -140,7 +140,7 @@ class AsyncExecutor(Executor):
         self.step_of_update = {u: min(mb for mb in range(len(upd)) if upd[mb] == u) // self.m for u in self.updates}
         self.zero = schedule.zero
         self.owner = lowered.owners
-        order = schedule.orders[rank]
+        order = schedule.orders[device]
         # where each local replica's gradient of an update is complete
         self.take_after: dict[int, list[tuple[int, int, int]]] = {}
         last: dict[tuple[int, int, int], int] = {}
@@ -177,7 +177,7 @@ class AsyncExecutor(Executor):
     def _plan_tied(self, lowered: Lowered) -> dict[tuple[int, int, int], list[int]]:
         """(pipe, stage, update w) -> tied updates this replica applies at its STEP w."""
         tied_stages = {s for (_, s), st in self.stages.items() if st.tied}
-        plan = lowered.tied.get(self.rank, {})
+        plan = lowered.tied.get(self.device, {})
         return {k: us for k, us in plan.items() if k[1] in tied_stages}
 
     # ---- data of a global microbatch --------------------------------------------------
@@ -335,10 +335,10 @@ class AsyncExecutor(Executor):
         u = base_update + a.version
         lr = lrs[self.step_of_update[a.version]]
         group = self.groups.replica_group.get(a.stage)
-        owner = self.owner.get(a.stage, self.rank) if group is not None else self.rank
-        counted = a.pipe == 0 if not self.zero or group is None else owner == self.rank
+        owner = self.owner.get(a.stage, self.device) if group is not None else self.device
+        counted = a.pipe == 0 if not self.zero or group is None else owner == self.device
         st.versions.before_update()
-        if owner == self.rank:
+        if owner == self.device:
             sq = sum((square_sum(g) for g in grads), torch.zeros((), dtype=torch.float64, device=self.adapter.device))
             self._apply(st, plain, grads, lr, sq)
             if counted:
@@ -350,7 +350,7 @@ class AsyncExecutor(Executor):
         if self.zero and group is not None:  # the owner's parameters reach the other replicas
             flat = _flatten_dense_tensors([p.detach() for p in plain])
             dist.broadcast(flat, src=owner, group=group)
-            if owner != self.rank:
+            if owner != self.device:
                 with torch.no_grad():
                     for p, t in zip(plain, _unflatten_dense_tensors(flat, plain)):
                         p.copy_(t)

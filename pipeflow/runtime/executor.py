@@ -71,7 +71,7 @@ class Executor(MessageIO):
     def __init__(
         self,
         lowered: Lowered,
-        rank: int,
+        device: int,
         stages: dict[tuple[int, int], StageState],
         adapter: Adapter,
         groups: Groups,
@@ -81,8 +81,9 @@ class Executor(MessageIO):
         p2p: str = "tagged",
         mesh=None,
     ):
-        # with tensor parallelism this rank is one of its device's ranks: ``rank`` is the
-        # device, messages go to the same tensor rank of another device (runtime.mesh)
+        # ``device``: the index of the device this rank runs (its orders' and events'); with
+        # tensor parallelism this rank is one of the device's ranks, and messages go to the
+        # same tensor rank of another device (runtime.mesh)
         self._rank_of = (lambda d: d) if mesh is None else mesh.rank_of
         self._tensor = getattr(adapter, "tensor", None)
         self._staged_p2p = None  # messages pass through host memory where gloo serves a GPU (MessageIO._staged)
@@ -104,7 +105,7 @@ class Executor(MessageIO):
             raise NotImplementedError("sequence segments run full backwards (B), not I/W splits")
         self.schedule = schedule
         self._positions = None  # action -> (device, index): which sends a message proves arrived
-        self.rank = rank
+        self.device = device
         self.stages = stages
         self.adapter = adapter
         self.groups = groups
@@ -113,7 +114,7 @@ class Executor(MessageIO):
         # "ordered": no tags; every pair's receives posted in the order its sender sends,
         # so the messages pair up as NCCL (which ignores tags) pairs them
         self.ordered = p2p == "ordered"
-        items = (lowered.paired if self.ordered else lowered.per_device)[rank]  # (paired once, for the job)
+        items = (lowered.paired if self.ordered else lowered.per_device)[device]  # (paired once, for the job)
         self.placement = schedule.placement
         self.graph = schedule.graph
         self.steps, self.tail = _post_ahead(items)
@@ -161,7 +162,7 @@ class Executor(MessageIO):
                 busy += end - start
             if record:
                 events.append(
-                    Event(self.rank, str(a), a.kind, a.stage, a.microbatch, a.pipe, a.segment, start - t0, end - t0,
+                    Event(self.device, str(a), a.kind, a.stage, a.microbatch, a.pipe, a.segment, start - t0, end - t0,
                           "collective" if a.kind in Kind.COLLECTIVE else "compute")
                 )
         self._flush(tail, io.outbox, io.inbox, io.sends)
@@ -173,7 +174,7 @@ class Executor(MessageIO):
             work.wait()
         if io.inbox or io.outbox or io.local:
             raise RuntimeError(
-                f"rank {self.rank}: messages left over after the {what}: "
+                f"device {self.device}: messages left over after the {what}: "
                 f"{sorted(list(io.inbox) + list(io.outbox) + list(io.local))[:6]}"
             )
 
@@ -219,7 +220,7 @@ class Executor(MessageIO):
                 busy, events, io = self._walk(self.steps, self.tail, handlers, record, t0, before=before)
                 self._finish(io, "iteration")
         if not synced:
-            raise RuntimeError(f"schedule {self.schedule.name!r} has no STEP on rank {self.rank}; nothing was updated")
+            raise RuntimeError(f"schedule {self.schedule.name!r} has no STEP on device {self.device}; nothing was updated")
         grad_norm, loss, scale = synced[0]
         # (read now, the step's work launched: on an accelerator the step's one wait)
         return StepStats(float(loss), float(grad_norm), busy, events, loss_scale=scale, skipped=self._skip)

@@ -19,7 +19,7 @@ from .memory_profile import tag
 
 class MessageIO:
     """The message half of :class:`~pipeflow.runtime.executor.Executor` (its attributes:
-    ``adapter``, ``precision``, ``graph``, ``schedule``, ``rank``, ``ordered``,
+    ``adapter``, ``precision``, ``graph``, ``schedule``, ``device``, ``ordered``,
     ``sent_bytes``, ``_positions``)."""
 
     # ---- messages ---------------------------------------------------------------------
@@ -121,7 +121,7 @@ class MessageIO:
         tag(tensor, "outputs")
         tensor = self.precision.wire(tensor)
         tag(tensor, "outputs")
-        if dst_device == self.rank:
+        if dst_device == self.device:
             local[key] = tensor
         else:
             outbox[key] = tensor

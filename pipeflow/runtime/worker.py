@@ -335,7 +335,7 @@ def _keep_chunk_start(rank, job, setup: RankSetup, state: RunState, meta: dict) 
     cap, steps, begin = setup.steps_per_chunk, job.plan.trainer.steps, state.step
     if begin > 0 and cap > 1 and _chunk_end(begin + 1, steps, cap) == steps and steps % cap:
         checkpoint.save(job.run_dir, begin, rank, setup.stages, meta, chunk_start=begin,
-                        scaler=setup.executor.scaler, schedule=setup.schedule, device=setup.executor.rank)
+                        scaler=setup.executor.scaler, schedule=setup.schedule, device=setup.executor.device)
 
 
 def _falls_in(every: int, first: int, end: int) -> bool:
@@ -489,7 +489,7 @@ def _train_chunk(rank, job, setup: RankSetup, data, sink, progress, state: RunSt
     cut_next = end < steps < end + cap and cap > 1
     if _falls_in(save_every, first, end) or end == steps or cut_next:
         checkpoint.save(job.run_dir, end, rank, setup.stages, meta, chunk_start=end if end % cap == 0 else first - 1,
-                        scaler=setup.executor.scaler, schedule=setup.schedule, device=setup.executor.rank)
+                        scaler=setup.executor.scaler, schedule=setup.schedule, device=setup.executor.device)
     with deferred_stop():  # the rows, W&B and the summary's last step agree however a stop lands
         if rank == 0:
             for s, metrics in zip(span, metrics_of):

@@ -97,7 +97,7 @@ def bapp_from_options(stages: int, microbatches: int, graph: StageGraph | None =
 
 # coordinate (default true in its YAML): the configuration layer lets
 # pipeflow.planning.coordinator choose the policy by simulation, within memory_limit_gb
-SPEC = ScheduleSpec("bapp", bapp_from_options, "a branched model's branches as pipelines in opposite directions",
+SPEC = ScheduleSpec("bapp", bapp_from_options, "the concurrent-branch model's branches as pipelines in opposite directions",
                     config_keys={"coordinate": bool, "memory_limit_gb": float})
 
 
