@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import code_shape
+
 ROOT = Path(__file__).resolve().parents[1] / "pipeflow"
 
 # lowest first; a module belongs to the longest prefix that names it
@@ -162,53 +164,27 @@ def test_torch_free_layers_import_without_torch(module):
     assert out.stdout.strip() == "[]"
 
 
-# The event loop stays whole: one pass over the ready actions whose branches share its
-# locals. It has two forms, one per compute model (devices of their own: _events; a
-# host's cores shared among devices, processor sharing: _events_shared, which scans the
-# running actions at every event: merged into one, every simulation would pay for that scan).
-# A function is otherwise at most this long
-LONGEST = 80
-EVENT_LOOPS = ("pipeflow.sim.engine._events", "pipeflow.sim.engine._events_shared")
-
-
-def _function_lengths() -> dict[str, int]:
-    """Every function and method of pipeflow (qualified: module.Class.name) -> its lines,
-    from its ``def`` to its last line (a nested function counts in its host)."""
-    out: dict[str, int] = {}
-
-    def visit(node, prefix: str) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                out[prefix + child.name] = child.end_lineno - child.lineno + 1
-            elif isinstance(child, ast.ClassDef):
-                visit(child, prefix + child.name + ".")
-
-    for name, path in _modules().items():
-        visit(ast.parse(path.read_text()), name + ".")
-    return out
+# The limits and the lengths are benchmarks/code_shape.py's, which prints them: the event
+# loop stays whole (one pass over the ready actions whose branches share its locals; two
+# forms, one per compute model: merged, every simulation would pay for the shared host's
+# scan), every other function at most LONGEST_FUNCTION lines, every module at most
+# LONGEST_MODULE (the event loop's, EVENT_LOOP_MODULE).
 
 
 def test_no_function_is_over_80_lines():
-    """Functions split by what they do, each at most LONGEST lines; the event loop stays
-    whole."""
-    lengths = _function_lengths()
-    assert all(name in lengths for name in EVENT_LOOPS)
-    long = {name: n for name, n in lengths.items() if n > LONGEST and name not in EVENT_LOOPS}
-    assert long == {}
-
-
-# A module holds one idea, at most this many lines; the event loop's module, up to 800
-LONGEST_MODULE = 600
-MODULE_LIMITS = {"pipeflow.sim.engine": 800}
+    """Functions split by what they do, each at most 80 lines; the event loop stays whole."""
+    lengths = code_shape.function_lengths()
+    assert code_shape.LONGEST_FUNCTION == 80
+    assert all(name in lengths for name in code_shape.EVENT_LOOPS)
+    assert code_shape.long_functions() == {}
 
 
 def test_no_module_is_over_600_lines():
-    """Modules split along their ideas, each at most LONGEST_MODULE lines (the simulator's
-    event loop's, pipeflow.sim.engine, at most 800)."""
-    modules = _modules()
-    assert set(MODULE_LIMITS) <= set(modules)
-    lines = {name: len(path.read_text().splitlines()) for name, path in modules.items()}
-    assert {name: n for name, n in lines.items() if n > MODULE_LIMITS.get(name, LONGEST_MODULE)} == {}
+    """Modules split along their ideas, each at most 600 lines (the simulator's event
+    loop's, pipeflow.sim.engine, at most 800)."""
+    assert (code_shape.LONGEST_MODULE, code_shape.EVENT_LOOP_MODULE) == (600, 800)
+    assert "pipeflow.sim.engine" in code_shape.modules()
+    assert code_shape.long_modules() == {}
 
 
 def test_no_two_modules_share_a_name():
