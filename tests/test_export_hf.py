@@ -59,6 +59,9 @@ def test_export_refuses_a_model_transformers_has_no_folder_for():
 
     with pytest.raises(ConfigError, match=r"^export=hf: model.family=gpt is no Hugging Face decoder"):
         prepare_training(compose("train", ["model=gpt_tiny", "export=hf"]))
+    # the concurrent-branch model too, before any rank starts (it was refused only after training)
+    with pytest.raises(ConfigError, match=r"^export=hf: model.family=cbm is no Hugging Face decoder"):
+        prepare_training(compose("train", ["model=cbm", "data=image_text", "export=hf"]))
     with pytest.raises(ConfigError, match=r"^export=onnx: allowed values: hf \(or null\)"):
         prepare_training(compose("train", ["model=llama_tiny", "export=onnx"]))
 

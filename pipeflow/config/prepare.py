@@ -218,7 +218,7 @@ def prepare_training(cfg: DictConfig, hydra: DictConfig | None = None, measure: 
         check_vocab_memory(cfg, run.spec, run.tensor)
         check_compile(cfg, run.schedule, run.topology.on_gpus)
         check_text_data(cfg.data, run.spec.seq_len)
-        check_export(cfg.get("export"), family.name)
+    check_export(cfg.get("export"), family.name)
     check_resume(cfg.resume, resume_expect(cfg, run.schedule), cfg.trainer.steps)
     # Generators are tested to be valid, but the runtime would deadlock on a schedule that
     # is not, so one validation here (milliseconds at training sizes) is cheap insurance.
