@@ -14,7 +14,9 @@ import pytest
 from pipeflow.config import ConfigError, compose, prepare_simulation
 from pipeflow.planning.device_profile import ProfileError
 from pipeflow.planning.from_sweep import from_sweep, load_profile
-from pipeflow.planning.operators import Attention, Pointwise, Product, Shape
+from pipeflow.planning.layer_operators import block_forward, block_tensors, has_weight
+from pipeflow.planning.operators import POINTWISE_KINDS, Attention, Pointwise, PointwiseKind, Product, Shape, kernels
+from pipeflow.planning.products import weight_products
 from pipeflow.planning.stage_operators import StageOperators
 from pipeflow.planning.transformer import (TransformerSpec, attention_score_flops, head_forward_flops,
                                            layer_linear_flops)
@@ -213,6 +215,31 @@ def test_an_operator_of_no_known_kind_or_phase_is_refused_where_it_is_made():
         Product("forward", 8, 8, 8, 2)
     with pytest.raises(ValueError, match="pointwise"):
         Pointwise("layer_norm", "fwd", 8, 4)
+
+
+def test_a_pointwise_kind_is_one_record_that_prices_launches_and_classes_it(monkeypatch):
+    """A kind declared in POINTWISE_KINDS alone is priced by its swept kernel, launches its kernels and
+    falls in its class; one naming a class or a kernel there is none of is refused where it is declared."""
+    prof = load_profile(H200)
+    monkeypatch.setitem(POINTWISE_KINDS, "relu2", PointwiseKind("pointwise", "gelu_tanh", passes=2.0, backward=True,
+                                                                kernels=(2, 3)))
+    for phase in ("fwd", "bwd"):
+        op = Pointwise("relu2", phase, 1 << 20, 2)
+        assert prof.time(op) == prof.time(Pointwise("gelu", phase, 1 << 21, 2))
+        assert (kernels(op), op.cls) == ((2, 3)[phase == "bwd"], "pointwise")
+    with pytest.raises(ValueError, match="class"):
+        PointwiseKind("activation", "gelu_tanh")
+    with pytest.raises(ValueError, match="kernel"):
+        PointwiseKind("pointwise", "relu2")
+
+
+@pytest.mark.parametrize("spec", [GPT, BERT, LLAMA], ids=["gpt", "bert", "llama"])
+def test_the_memory_models_weight_products_are_the_blocks_own(spec):
+    sh = Shape(spec, 1, 64, 64, 2)
+    ops = block_forward(sh)
+    assert weight_products(spec, 1, False, 64) == [(o.n, o.k, 64) for o in reversed(ops) if has_weight(o)]
+    assert block_tensors(spec) == len([o for o in ops if has_weight(o)]) + len(
+        [o for o in ops if isinstance(o, Pointwise) and o.kind == "bias"]) + (2 if spec.norm == "rmsnorm" else 4)
 
 
 def test_a_device_profile_under_a_cost_model_that_does_not_read_it_is_refused_naming_both_keys():

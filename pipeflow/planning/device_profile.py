@@ -11,19 +11,11 @@ import numpy as np
 
 from ..faults import Fault
 from .model_state import gradient_bytes
-from .operators import CLASSES, Attention, GradNorm, Loss, Operator, Pointwise, Product, Step, kernels
+from .operators import (CLASSES, POINTWISE_KINDS, Attention, GradNorm, Loss, Operator, Pointwise, Product, Step,
+                        kernels)
 from .profile_fits import StepFit
 from .transformer import shared_head_params
 
-# the sweep's elementwise rows by the operator kind they price
-_SWEPT = {"layernorm": "layernorm", "rmsnorm": "rmsnorm_llama", "gelu": "gelu_tanh", "silu_mul": "silu_mul",
-          "add": "add", "copy": "copy"}
-# kinds the sweep does not time, priced as a swept one over as many passes of their elements:
-# the rotation (two products, a negation, a concatenation, a sum: about five adds' traffic),
-# a bias's or a norm's sum over tokens (one read: half a copy), softmax (a norm's passes), a
-# product's bias written into its output (an add's pass: a strided read and a write, not the
-# swept copy's memcpy; nothing on a GPU, see _pointwise)
-_AS = {"rotary": ("add", 5.0), "reduce": ("copy", 0.5), "softmax": ("layernorm", 1.0), "bias": ("add", 1.0)}
 
 
 class ProfileError(Fault, ValueError):
@@ -109,16 +101,15 @@ class DeviceProfile:
         return self.attention[key]((math.log(op.keys), math.log(op.heads or op.batch_heads)))
 
     def _pointwise(self, op: Pointwise) -> float:
-        if op.kind == "bias" and self.kernel_s is not None:
-            return 0.0  # a GPU's product adds its bias in its epilogue (cuBLASLt)
-        kind, passes = _AS.get(op.kind, (op.kind, 1.0))
-        swept = _SWEPT[kind]
-        # a cast, an add of gradients or a sum is its forward kernel again
-        phase = op.phase if kind in ("layernorm", "rmsnorm", "gelu", "silu_mul") else "fwd"
+        """As its kind declares (:data:`~pipeflow.planning.operators.POINTWISE_KINDS`)."""
+        kind = POINTWISE_KINDS[op.kind]
+        if kind.epilogue and self.kernel_s is not None:
+            return 0.0
+        swept, phase = kind.swept, op.phase if kind.backward else "fwd"
         fit = self._lookup(self.pointwise, (swept, op.dtype_bytes, phase), "pointwise") \
             if (swept, op.dtype_bytes, phase) in self.pointwise else \
             self._lookup(self.pointwise, (swept, 4 if op.dtype_bytes == 2 else 2, phase), "pointwise")
-        return fit(op.elements * passes)
+        return fit(op.elements * kind.passes)
 
     def _grad_norm(self, op: GradNorm) -> float:
         """As measured, or where the sweep lacks it, a read of every gradient and a scale."""

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..topology.elementwise_kernels import ELEMENTWISE
 from .device_profile import DeviceProfile, ProfileError, aligned
 from .operators import CLASSES, Attention
 from .profile_fits import Table, fit_memory_bound, fit_step
@@ -64,12 +65,6 @@ def _attention(sweep: dict, serial_call: float) -> dict:
     return {k: Table(np.array(v)[:, :2], np.array(v)[:, 2]) for k, v in grouped.items()}
 
 
-# kernels each swept operator launches, forward and backward (as torch runs them; Llama's
-# RMSNorm as transformers writes it, its backward one kernel a forward kernel's gradient or two)
-_SWEPT_KERNELS = {"copy": (1, 1), "add": (1, 1), "gelu_tanh": (1, 1), "silu_mul": (2, 4), "layernorm": (1, 2),
-                  "rmsnorm_llama": (7, 12)}
-
-
 def _pointwise(sweep: dict, kernel_s: float | None, serial_call: float) -> dict:
     grouped: dict = {}
     for r in _rows(sweep, "elementwise"):
@@ -81,7 +76,7 @@ def _pointwise(sweep: dict, kernel_s: float | None, serial_call: float) -> dict:
     out = {}
     for (op, dtype, phase), rows in grouped.items():
         if len(rows) >= 2:
-            launches = _SWEPT_KERNELS.get(op, (1, 1))[phase == "bwd"]
+            launches = ELEMENTWISE[op].launches[phase == "bwd"] if op in ELEMENTWISE else 1
             out[(op, dtype, phase)] = fit_memory_bound(rows, None if kernel_s is None else launches * kernel_s)
     return out
 

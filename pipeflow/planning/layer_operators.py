@@ -37,6 +37,15 @@ def norm_saved(norm: str, rows: int, H: int, key: str, region: bool = False,
     return (*kept, Saved(f"{key}.stats", T * 8, region))
 
 
+# eager attention's batched products: no weight (not a W's, no bias, no gradient to accumulate)
+BATCHED = ("scores", "mix")
+
+
+def has_weight(op: Operator) -> bool:
+    """Whether ``op`` is a product with a weight (not eager attention's batched ones)."""
+    return isinstance(op, Product) and op.name not in BATCHED
+
+
 def _projections(sh: Shape) -> list[tuple[str, int, int]]:
     """(name, k, n) of the attention's input products: a fused Q/K/V or three."""
     return attention_products(sh.spec)[:-1]
@@ -136,7 +145,7 @@ def _biased(s: TransformerSpec, ops: list[Operator]) -> list[Operator]:
     """``ops`` with each biased product's bias first written into its output (torch's CPU addmm)."""
     out: list[Operator] = []
     for op in ops:
-        if isinstance(op, Product) and op.name not in ("scores", "mix") and _has_bias(s, op.name):
+        if has_weight(op) and _has_bias(s, op.name):
             out.append(Pointwise("bias", "fwd", op.m * op.n * op.count, op.dtype_bytes, name="bias"))
         out.append(op)
     return out
@@ -147,7 +156,7 @@ def block_input_backward(sh: Shape) -> list[Operator]:
     ops: list[Operator] = []
     for op in reversed(block_forward(sh)):
         if isinstance(op, Product):
-            if op.name in ("scores", "mix"):
+            if not has_weight(op):
                 continue  # eager attention's products: in _eager_scores' backward
             ops.append(replace(op, phase="dgrad"))
         elif isinstance(op, Attention):
@@ -166,11 +175,11 @@ def block_weight_backward(sh: Shape) -> list[Operator]:
     s, c, T = sh.spec, sh.dtype_bytes, sh.rows
     ops: list[Operator] = []
     for op in reversed(block_forward(sh)):
-        if isinstance(op, Product) and op.name not in ("scores", "mix", ""):
+        if has_weight(op):
             ops.append(replace(op, phase="wgrad"))
             if _has_bias(s, op.name):
                 ops.append(Pointwise("reduce", "bwd", T * op.n, c, name="bias"))
-    products = [o for o in block_forward(sh) if isinstance(o, Product) and o.name not in ("scores", "mix")]
+    products = [o for o in block_forward(sh) if has_weight(o)]
     matrices = sum(o.k * o.n for o in products)
     ops += _accumulate(matrices, len(products), layer_params(s) - matrices, block_tensors(s) - len(products), c)
     return ops
@@ -279,7 +288,6 @@ def head_weight_backward(sh: Shape) -> list[Operator]:
 
 def block_tensors(spec: TransformerSpec) -> int:
     """Parameter tensors of one block (the optimizer's per-tensor work)."""
-    projections = 1 if spec.qkv_inputs == 1 else 3
-    biases = (projections if spec.qkv_bias else 0) + int(spec.o_bias) + (spec.mlp_matrices if spec.mlp_bias else 0)
+    products = [name for name, _, _ in (*attention_products(spec), *mlp_products(spec))]
     norms = 2 * (1 if spec.norm == "rmsnorm" else 2)
-    return projections + 1 + spec.mlp_matrices + biases + norms
+    return len(products) + sum(_has_bias(spec, name) for name in products) + norms

@@ -7,12 +7,54 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Iterable
 
+from ..topology.elementwise_kernels import ELEMENTWISE
 from .transformer import TransformerSpec, attention_pairs, pair_flops, product_flops
 
 PHASES = ("fwd", "dgrad", "wgrad")
-POINTWISE = ("layernorm", "rmsnorm", "gelu", "silu_mul", "add", "copy", "rotary", "reduce", "softmax", "bias")
 # the operator classes a breakdown reports (docs/simulation.md, "Operators")
 CLASSES = ("product", "attention", "norm", "pointwise", "loss", "optimizer", "host")
+
+
+@dataclass(frozen=True)
+class PointwiseKind:
+    """How a device profile prices one kind of :class:`Pointwise` operator: by the swept kernel ``swept``
+    (:data:`~pipeflow.topology.elementwise_kernels.ELEMENTWISE`) over ``passes`` of its elements, its
+    backward by that kernel's backward (``backward``) or its forward again; the kernels the host launches
+    for one, forward and backward; its class in a breakdown; ``epilogue``: free on a GPU. ValueError for
+    a class or kernel there is none of."""
+
+    cls: str
+    swept: str
+    passes: float = 1.0
+    backward: bool = False
+    kernels: tuple[int, int] = (1, 1)
+    epilogue: bool = False
+
+    def __post_init__(self) -> None:
+        if self.cls not in CLASSES or self.swept not in ELEMENTWISE:
+            raise ValueError(f"a pointwise kind's class is one of {', '.join(CLASSES)} and its kernel one the "
+                             f"sweep times ({', '.join(ELEMENTWISE)}); not {self.cls!r}, {self.swept!r}")
+
+
+# Every pointwise kind, declared once. Kinds the sweep does not time are priced as a swept
+# one over as many passes: the rotation (two products, a negation, a concatenation, a sum:
+# about five adds' traffic; 10 kernels as pipeflow's models write it), a bias's or a norm's
+# sum over tokens (one read: half a copy), softmax (a norm's passes), a product's bias
+# written into its output (an add's pass: a strided read and a write, not the swept copy's
+# memcpy; a GPU's product adds it in its epilogue, cuBLASLt). A cast, an add of gradients
+# or a sum is its forward kernel again. RMSNorm is the 8 kernels pipeflow's models launch.
+POINTWISE_KINDS = {
+    "layernorm": PointwiseKind("norm", "layernorm", backward=True, kernels=(1, 2)),
+    "rmsnorm": PointwiseKind("norm", "rmsnorm_llama", backward=True, kernels=(8, 16)),
+    "gelu": PointwiseKind("pointwise", "gelu_tanh", backward=True),
+    "silu_mul": PointwiseKind("pointwise", "silu_mul", backward=True),
+    "add": PointwiseKind("pointwise", "add"),
+    "copy": PointwiseKind("pointwise", "copy"),
+    "rotary": PointwiseKind("pointwise", "add", passes=5.0, kernels=(10, 20)),
+    "reduce": PointwiseKind("pointwise", "copy", passes=0.5),
+    "softmax": PointwiseKind("pointwise", "layernorm", backward=True),
+    "bias": PointwiseKind("pointwise", "add", epilogue=True),
+}
 
 
 @dataclass(frozen=True)
@@ -83,7 +125,7 @@ class Attention:
 
 @dataclass(frozen=True)
 class Pointwise:
-    kind: str  # one of POINTWISE
+    kind: str  # one of POINTWISE_KINDS
     phase: str  # fwd | bwd
     elements: int
     dtype_bytes: int
@@ -93,13 +135,13 @@ class Pointwise:
     saves: tuple[Saved, ...] = _saves()
 
     def __post_init__(self) -> None:
-        if self.kind not in POINTWISE or self.phase not in ("fwd", "bwd"):
-            raise ValueError(f"a pointwise operator is one of {', '.join(POINTWISE)}, fwd or bwd; "
+        if self.kind not in POINTWISE_KINDS or self.phase not in ("fwd", "bwd"):
+            raise ValueError(f"a pointwise operator is one of {', '.join(POINTWISE_KINDS)}, fwd or bwd; "
                              f"not {self.kind!r} {self.phase!r}")
 
     @property
     def cls(self) -> str:
-        return "norm" if self.kind in ("layernorm", "rmsnorm") else "pointwise"
+        return POINTWISE_KINDS[self.kind].cls
 
     flops = 0.0
 
@@ -175,14 +217,10 @@ class Shape:
 
 
 def kernels(op: Operator) -> int:
-    """Kernels the host launches for one operator (before ``count``): 1 fused, more for the compositions
-    pipeflow's models write (RMSNorm 8, rotary 10); 0 for the step's."""
+    """Kernels the host launches for one operator (before ``count``): 1 fused, a pointwise kind's as it
+    declares (:data:`POINTWISE_KINDS`); 0 for the step's."""
     if isinstance(op, Pointwise):
-        if op.launches:
-            return op.launches
-        many = {"rmsnorm": 8, "rotary": 10, "softmax": 1}
-        base = many.get(op.kind, 1)
-        return base * 2 if op.phase == "bwd" and op.kind in ("rmsnorm", "rotary", "layernorm") else base
+        return op.launches or POINTWISE_KINDS[op.kind].kernels[op.phase == "bwd"]
     if isinstance(op, Attention):
         return 1 if op.phase == "fwd" else 2
     if isinstance(op, (Step, GradNorm)):

@@ -4,7 +4,7 @@ of :mod:`pipeflow.planning.working_set` and :mod:`pipeflow.planning.branched_mem
 
 from __future__ import annotations
 
-from .transformer import RESIDUAL_BYTES, TransformerSpec, matrix_inputs
+from .transformer import RESIDUAL_BYTES, TransformerSpec, attention_products, matrix_inputs, mlp_products
 
 
 def weight_product_scratch(scratch, rows: int, tokens: int, cols: int) -> float:
@@ -47,15 +47,13 @@ def weight_products(spec: TransformerSpec, blocks: int, head: bool, tokens: int)
     product, in the runtime's order (from the stage's output back): BERT's decoder and dense
     transform or the LM head; per block the MLP's down, up (and gate), the attention's output
     and its fused Q/K/V or V, K and Q apart."""
-    H, I = spec.n_embd, spec.ffn_width
-    q, kv = spec.n_head * spec.head_dim, spec.kv_heads * spec.head_dim
+    H = spec.n_embd
     out = []
     if head:
         out.append((spec.vocab_size, H, tokens))
         if spec.post_norm:
             out.append((H, H, tokens))
-    qkv = [(q + 2 * kv, H)] if spec.qkv_inputs == 1 else [(kv, H), (kv, H), (q, H)]
-    block = [(H, I), *[(I, H)] * (spec.mlp_matrices - 1), (H, q), *qkv]
+    block = [(n, k) for _, k, n in reversed([*attention_products(spec), *mlp_products(spec)])]
     out += [(r, c, tokens) for _ in range(blocks) for r, c in block]
     return out
 

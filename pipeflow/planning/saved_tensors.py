@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 from typing import Iterable
 
-from .layer_operators import block_forward, embedding_forward, head_forward, norm_saved
+from .layer_operators import block_forward, embedding_forward, has_weight, head_forward, norm_saved
 from .operators import Operator, Product, Saved, Shape
 from .transformer import RESIDUAL_BYTES, TransformerSpec
 
@@ -31,7 +31,7 @@ def block_saved(sh: Shape) -> tuple[float, float]:
 
 def _weight_products(ops: Iterable[Operator]) -> list[Product]:
     """The forward products of ``ops`` that have a weight (not eager attention's)."""
-    return [o for o in ops if isinstance(o, Product) and o.phase == "fwd" and o.name not in ("scores", "mix")]
+    return [o for o in ops if has_weight(o) and o.phase == "fwd"]
 
 
 def weight_residual(ops: Iterable[Operator]) -> float:

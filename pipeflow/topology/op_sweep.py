@@ -7,6 +7,7 @@ after each section, in the format of ``benchmarks/measurements/h200-2026-12-04/o
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -16,10 +17,12 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable
 
 from ..faults import WriteFailed
 from ..formats.files import write_aside
+from .elementwise_kernels import ELEMENTWISE
 
 KIND = "pipeflow-op-sweep"
 VERSION = 1
@@ -356,16 +359,9 @@ def ops_sdpa(sw: Sweep, rows: list, deadline: float):
     return True
 
 
-def _rmsnorm(torch, x, w, eps=1e-5):
-    """As transformers' LlamaRMSNorm computes it."""
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return w * h.to(dtype)
-
-
 def ops_elementwise(sw: Sweep, rows: list, deadline: float):
-    """Norms and elementwise ops over the grid's input sizes (hidden 1024), bf16 and fp32,
+    """The elementwise kernels (:data:`~pipeflow.topology.elementwise_kernels.ELEMENTWISE`: norms,
+    activations, adds and copies) over the grid's input sizes (hidden 1024), bf16 and fp32,
     forward and forward+backward: time and the fewest bytes each must move. Each call reads
     cold inputs, cycling through a pool of ``cold_bytes``, as a model's operators read
     activations written long before (docs/simulation.md)."""
@@ -393,17 +389,13 @@ def ops_elementwise(sw: Sweep, rows: list, deadline: float):
             def one(fn):
                 return lambda: fn(*pair())
 
-            ops = {  # name: (fn of two inputs, fewest bytes forward, fewest bytes forward+backward)
-                "copy": (lambda x, y: x.detach().clone(), 2 * nb, None),
-                "add": (lambda x, y: x + y, 3 * nb, 6 * nb),
-                "gelu_tanh": (lambda x, y: F.gelu(x, approximate="tanh"), 2 * nb, 5 * nb),
-                "silu_mul": (lambda x, y: F.silu(x) * y, 3 * nb, 8 * nb),
-                "layernorm": (lambda x, y: ln(x), 2 * nb, 5 * nb),
-                "rmsnorm_llama": (lambda x, y: _rmsnorm(torch, x, wr), 2 * nb, 5 * nb),
-            }
-            for name, (fn, fwd_bytes, fb_bytes) in ops.items():
+            kit = SimpleNamespace(torch=torch, F=F, ln=ln, wr=wr)
+            for name, kernel in ELEMENTWISE.items():
                 if time.monotonic() > deadline:
                     return False
+                fn = functools.partial(kernel.call, kit)
+                fwd_bytes = kernel.fwd_inputs * nb
+                fb_bytes = None if kernel.fwd_bwd_inputs is None else kernel.fwd_bwd_inputs * nb
                 t = sw.time(one(fn), samples=sw.grid.samples)
                 row = {"op": name, "dtype": str(dtype).split(".")[-1], "rows": rows_n, "hidden": H, "input_bytes": nb,
                        "pool": len(pool), "fwd_s": t["s"], "fwd_bytes": fwd_bytes, "fwd_GBps": fwd_bytes / t["s"] / 1e9}
